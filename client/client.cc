@@ -1,0 +1,82 @@
+#include "client/client.h"
+
+#include <chrono>
+
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "grpcpp/support/channel_arguments.h"
+
+namespace attnserve {
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                      status.error_message());
+}
+
+AttnClient::AttnClient(const ClientOptions& options) : options_(options) {
+  grpc::ChannelArguments args;
+  const int max_bytes = options.max_message_mb * 1024 * 1024;
+  args.SetMaxReceiveMessageSize(max_bytes);
+  args.SetMaxSendMessageSize(max_bytes);
+  channel_ = grpc::CreateCustomChannel(
+      options.target, grpc::InsecureChannelCredentials(), args);
+  stub_ = v1::AttentionService::NewStub(channel_);
+  health_stub_ = grpc::health::v1::Health::NewStub(channel_);
+}
+
+template <typename Request, typename Response, typename Method>
+absl::StatusOr<Response> AttnClient::Call(Method method,
+                                          const Request& request) {
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       absl::ToChronoMilliseconds(options_.timeout));
+  Response response;
+  grpc::Status status = method(&context, request, &response);
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::AttendResponse> AttnClient::Attend(
+    const v1::AttendRequest& request) {
+  return Call<v1::AttendRequest, v1::AttendResponse>(
+      [this](auto* c, const auto& req, auto* resp) {
+        return stub_->Attend(c, req, resp);
+      },
+      request);
+}
+
+absl::StatusOr<v1::MultiHeadAttendResponse> AttnClient::MultiHeadAttend(
+    const v1::MultiHeadAttendRequest& request) {
+  return Call<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>(
+      [this](auto* c, const auto& req, auto* resp) {
+        return stub_->MultiHeadAttend(c, req, resp);
+      },
+      request);
+}
+
+absl::StatusOr<v1::LayerNormResponse> AttnClient::LayerNorm(
+    const v1::LayerNormRequest& request) {
+  return Call<v1::LayerNormRequest, v1::LayerNormResponse>(
+      [this](auto* c, const auto& req, auto* resp) {
+        return stub_->LayerNorm(c, req, resp);
+      },
+      request);
+}
+
+absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus>
+AttnClient::Health(const std::string& service) {
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  auto response = Call<grpc::health::v1::HealthCheckRequest,
+                       grpc::health::v1::HealthCheckResponse>(
+      [this](auto* c, const auto& req, auto* resp) {
+        return health_stub_->Check(c, req, resp);
+      },
+      request);
+  if (!response.ok()) return response.status();
+  return response->status();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,59 @@
+// Requests built from named tensors (the names of the golden files and of
+// attnctl's safetensors files: query, key, value, attn_mask,
+// key_padding_mask, q_proj_weight, ..., input, gamma, beta) and results read
+// back as named tensors (output, weights).
+//
+// Thread-safety: free functions without shared state.
+#ifndef ATTNSERVE_CLIENT_REQUESTS_H_
+#define ATTNSERVE_CLIENT_REQUESTS_H_
+
+#include <map>
+#include <optional>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "attnserve/v1/attention.pb.h"
+#include "core/tensor.h"
+
+namespace attnserve {
+
+// Operation parameters, as attnctl's flags and a file's metadata name them.
+struct OpParams {
+  bool causal = false;
+  std::optional<float> scale;
+  std::optional<float> temperature;
+  bool return_weights = false;
+  bool average_weights = false;
+  int num_heads = 0;
+  std::string model;
+  std::optional<float> eps;
+  int normalized_ndim = 0;
+};
+
+using NamedViews = std::map<std::string, TensorView>;
+using NamedTensors = std::map<std::string, Tensor>;
+
+// Views of every tensor in `tensors`.
+NamedViews ViewsOf(const NamedTensors& tensors);
+
+// Applies the safetensors metadata keys causal, scale, temperature,
+// num_heads, eps and normalized_ndim to `params`; INVALID_ARGUMENT naming a
+// key whose value does not parse.
+absl::Status ApplyMetadata(const std::map<std::string, std::string>& metadata,
+                           OpParams* params);
+
+// The requests; tensor names not used by the operation are ignored.
+absl::StatusOr<v1::AttendRequest> BuildAttendRequest(const NamedViews& tensors,
+                                                     const OpParams& params);
+absl::StatusOr<v1::MultiHeadAttendRequest> BuildMultiHeadAttendRequest(
+    const NamedViews& tensors, const OpParams& params);
+absl::StatusOr<v1::LayerNormRequest> BuildLayerNormRequest(
+    const NamedViews& tensors, const OpParams& params);
+
+// "output" and, when present, "weights" of a response.
+absl::StatusOr<NamedTensors> ResultTensors(const v1::Tensor& output,
+                                           const v1::Tensor* weights);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CLIENT_REQUESTS_H_

@@ -1,0 +1,105 @@
+// The core's operations: scaled dot-product attention (`Attend`),
+// multi-head attention with projections (`MultiHeadAttend`) and `LayerNorm`.
+//
+// Semantics (the project README states them in full): logits are
+// (Q*K^T) * scale / temperature; BOOL/UINT8 masks keep positions where they
+// are nonzero, FLOAT32 masks are added to the logits (-inf excludes); causal
+// attention is top-left aligned; a query with no key left gets zeros, never
+// NaN. Inputs may be FLOAT32, BFLOAT16 or FLOAT16; the computation is float32
+// and the output has the query's (input's) dtype.
+//
+// Ownership: inputs are views the caller keeps alive for the call; results
+// own their buffers. Thread-safety: every function may be called
+// concurrently from any number of threads.
+#ifndef ATTNSERVE_CORE_ATTENTION_H_
+#define ATTNSERVE_CORE_ATTENTION_H_
+
+#include <optional>
+
+#include "absl/status/statusor.h"
+#include "core/tensor.h"
+
+namespace attnserve {
+
+struct AttentionOptions {
+  bool causal = false;
+  // Multiplies Q*K^T; default 1/sqrt(dk).
+  std::optional<float> scale;
+  // Divides the scaled logits; default 1, must be > 0.
+  std::optional<float> temperature;
+  // Also return the attention probabilities (FLOAT32).
+  bool return_weights = false;
+};
+
+struct AttentionResult {
+  Tensor output;
+  std::optional<Tensor> weights;
+};
+
+struct AttendInputs {
+  TensorView query;  // [..., Lq, dk]
+  TensorView key;    // [..., Lk, dk]
+  TensorView value;  // [..., Lk, dv]
+  // Broadcastable right-aligned to [..., Lq, Lk].
+  std::optional<TensorView> attn_mask;
+};
+
+// output [..., Lq, dv]; weights [..., Lq, Lk].
+absl::StatusOr<AttentionResult> Attend(const AttendInputs& inputs,
+                                       const AttentionOptions& options);
+
+// Projection weights in nn.Linear's [out_features, in_features] layout.
+// Either q/k/v_proj_weight or in_proj_weight ([3E, E]) is set.
+struct MultiHeadWeights {
+  int num_heads = 0;
+  std::optional<TensorView> q_proj_weight;    // [H*dk, Eq]
+  std::optional<TensorView> k_proj_weight;    // [H*dk, Ek]
+  std::optional<TensorView> v_proj_weight;    // [H*dv, Ev]
+  std::optional<TensorView> in_proj_weight;   // [3E, E]
+  std::optional<TensorView> q_proj_bias;      // [H*dk]
+  std::optional<TensorView> k_proj_bias;      // [H*dk]
+  std::optional<TensorView> v_proj_bias;      // [H*dv]
+  std::optional<TensorView> in_proj_bias;     // [3E]
+  std::optional<TensorView> out_proj_weight;  // [Eo, H*dv]
+  std::optional<TensorView> out_proj_bias;    // [Eo]
+};
+
+struct MultiHeadInputs {
+  TensorView query;                 // [B, Lq, Eq] or [Lq, Eq]
+  std::optional<TensorView> key;    // [B, Lk, Ek]; absent: the query
+  std::optional<TensorView> value;  // [B, Lk, Ev]; absent: the key
+  // [Lq, Lk], [B, Lq, Lk] (all heads) or [B, H, Lq, Lk].
+  std::optional<TensorView> attn_mask;
+  std::optional<TensorView> key_padding_mask;  // [B, Lk]
+};
+
+struct MultiHeadOptions {
+  AttentionOptions attention;
+  // With return_weights: the mean over heads [B, Lq, Lk] instead of the
+  // per-head weights [B, H, Lq, Lk].
+  bool average_weights = false;
+};
+
+// output [B, Lq, Eo] (or [B, Lq, H*dv] without out_proj_weight; no B for
+// an unbatched query).
+absl::StatusOr<AttentionResult> MultiHeadAttend(
+    const MultiHeadWeights& weights, const MultiHeadInputs& inputs,
+    const MultiHeadOptions& options);
+
+struct LayerNormOptions {
+  // Added to the variance; must be > 0.
+  float eps = 1e-5f;
+  // Trailing dims normalized together; at least 1, at most the rank.
+  int normalized_ndim = 1;
+};
+
+// (x - mean) / sqrt(var + eps) * gamma + beta over the trailing dims, with
+// the biased variance. gamma and beta have the shape of those dims.
+absl::StatusOr<Tensor> LayerNorm(const TensorView& input,
+                                 const std::optional<TensorView>& gamma,
+                                 const std::optional<TensorView>& beta,
+                                 const LayerNormOptions& options);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CORE_ATTENTION_H_

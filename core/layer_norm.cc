@@ -1,0 +1,60 @@
+#include <optional>
+
+#include "absl/strings/str_cat.h"
+#include "core/attention.h"
+#include "core/convert.h"
+#include "core/primitives.h"
+#include "core/status_macros.h"
+#include "core/verify.h"
+
+namespace attnserve {
+namespace {
+
+absl::Status VerifyAffine(const std::optional<TensorView>& t,
+                          absl::string_view field,
+                          absl::Span<const int64_t> normalized_shape) {
+  if (!t.has_value()) return absl::OkStatus();
+  ATTN_RETURN_IF_ERROR(VerifyFloating(*t, field));
+  return VerifyShape(*t, field, normalized_shape);
+}
+
+}  // namespace
+
+absl::StatusOr<Tensor> LayerNorm(const TensorView& input,
+                                 const std::optional<TensorView>& gamma,
+                                 const std::optional<TensorView>& beta,
+                                 const LayerNormOptions& options) {
+  ATTN_RETURN_IF_ERROR(VerifyFloating(input, "input"));
+  if (options.normalized_ndim < 1 || options.normalized_ndim > input.rank()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("normalized_ndim: ", options.normalized_ndim,
+                     " is not in [1, rank of input ", input.rank(),
+                     "] (input shape ", ShapeString(input.shape), ")"));
+  }
+  ATTN_RETURN_IF_ERROR(VerifyPositiveFinite(options.eps, "eps"));
+  const absl::Span<const int64_t> normalized_shape =
+      absl::Span<const int64_t>(input.shape)
+          .last(static_cast<size_t>(options.normalized_ndim));
+  ATTN_RETURN_IF_ERROR(VerifyAffine(gamma, "gamma", normalized_shape));
+  ATTN_RETURN_IF_ERROR(VerifyAffine(beta, "beta", normalized_shape));
+
+  const int64_t cols = NumElements(normalized_shape);
+  const int64_t rows = cols == 0 ? 0 : input.num_elements() / cols;
+  ATTN_ASSIGN_OR_RETURN(Float32Data src, Float32Data::From(input, "input"));
+  std::optional<Float32Data> scale, shift;
+  if (gamma.has_value()) {
+    ATTN_ASSIGN_OR_RETURN(scale, Float32Data::From(*gamma, "gamma"));
+  }
+  if (beta.has_value()) {
+    ATTN_ASSIGN_OR_RETURN(shift, Float32Data::From(*beta, "beta"));
+  }
+  ATTN_ASSIGN_OR_RETURN(Tensor output,
+                        Tensor::Allocate(DType::kFloat32, input.shape));
+  ATTN_RETURN_IF_ERROR(LayerNormF32(
+      rows, cols, options.eps, src.data(), scale ? scale->data() : nullptr,
+      shift ? shift->data() : nullptr, output.data_as<float>()));
+  if (input.dtype == DType::kFloat32) return output;
+  return Float32ToTensor(output.data_as<float>(), input.shape, input.dtype);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,208 @@
+#include "core/primitives.h"
+
+#include <omp.h>
+
+#include <cstring>
+#include <new>
+#include <unordered_map>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+namespace {
+
+using dnnl::memory;
+using Dims = memory::dims;
+
+// Converts the exceptions oneDNN and the allocator throw into a status, so
+// that none leaves the core.
+template <typename F>
+absl::Status GuardDnnl(absl::string_view what, F&& f) {
+  try {
+    f();
+    return absl::OkStatus();
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(
+        absl::StrCat(what, ": oneDNN error ", e.status, ": ", e.what()));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory"));
+  }
+}
+
+// Executes a cached primitive on the calling thread's stream, with the
+// calling thread's scratchpad. `args` pairs oneDNN argument ids with
+// pointers to the data they describe.
+void Execute(const CachedPrimitive& cached,
+             std::initializer_list<std::pair<int, const void*>> args) {
+  thread_local dnnl::stream stream(CpuEngine());
+  thread_local std::vector<std::byte> scratchpad;
+  std::unordered_map<int, memory> exec_args;
+  for (const auto& [arg, ptr] : args) {
+    exec_args.emplace(
+        arg, memory(cached.desc.query_md(dnnl::query::exec_arg_md, arg),
+                    CpuEngine(), const_cast<void*>(ptr)));
+  }
+  const memory::desc scratch_md = cached.desc.scratchpad_desc();
+  if (scratch_md.get_size() > 0) {
+    if (scratchpad.size() < scratch_md.get_size()) {
+      scratchpad.resize(scratch_md.get_size());
+    }
+    exec_args.emplace(DNNL_ARG_SCRATCHPAD,
+                      memory(scratch_md, CpuEngine(), scratchpad.data()));
+  }
+  cached.primitive.execute(stream, exec_args);
+  stream.wait();
+}
+
+dnnl::primitive_attr UserScratchpadAttr() {
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return attr;
+}
+
+}  // namespace
+
+const dnnl::engine& CpuEngine() {
+  static const dnnl::engine* engine =
+      new dnnl::engine(dnnl::engine::kind::cpu, 0);
+  return *engine;
+}
+
+PrimitiveCache::PrimitiveCache(size_t capacity) : capacity_(capacity) {}
+
+PrimitiveCache& PrimitiveCache::Global() {
+  static PrimitiveCache* cache = new PrimitiveCache(1024);
+  return *cache;
+}
+
+absl::StatusOr<std::shared_ptr<const CachedPrimitive>>
+PrimitiveCache::GetOrCreate(const std::string& key,
+                            absl::FunctionRef<CachedPrimitive()> create) {
+  const std::string full_key =
+      absl::StrCat(key, "|threads=", omp_get_max_threads());
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = index_.find(full_key);
+    if (it != index_.end()) {
+      lru_.splice(lru_.begin(), lru_, it->second);
+      return it->second->second;
+    }
+  }
+  // Created outside the lock: creation can take milliseconds and must not
+  // hold up requests of other shapes. Two threads may race to create the same
+  // key; the first insert wins.
+  std::shared_ptr<const CachedPrimitive> created;
+  absl::Status status = GuardDnnl(key, [&] {
+    created = std::make_shared<const CachedPrimitive>(create());
+  });
+  if (!status.ok()) return status;
+  absl::MutexLock lock(&mu_);
+  ++creations_;
+  auto it = index_.find(full_key);
+  if (it != index_.end()) return it->second->second;
+  lru_.emplace_front(full_key, created);
+  index_[full_key] = lru_.begin();
+  while (lru_.size() > capacity_) {
+    index_.erase(lru_.back().first);
+    lru_.pop_back();
+  }
+  return created;
+}
+
+int64_t PrimitiveCache::creations() const {
+  absl::MutexLock lock(&mu_);
+  return creations_;
+}
+
+size_t PrimitiveCache::size() const {
+  absl::MutexLock lock(&mu_);
+  return lru_.size();
+}
+
+absl::Status MatmulF32(const MatmulShape& s, const float* a, const float* b,
+                       const float* bias, float* c) {
+  if (s.batch == 0 || s.m == 0 || s.n == 0) return absl::OkStatus();
+  if (s.k == 0) {
+    // An empty reduction: oneDNN does not take zero dims, the answer is bias.
+    for (int64_t row = 0; row < s.batch * s.m; ++row) {
+      for (int64_t col = 0; col < s.n; ++col) {
+        c[row * s.n + col] = s.has_bias ? bias[col] : 0.0f;
+      }
+    }
+    return absl::OkStatus();
+  }
+  const std::string key = absl::StrCat(
+      "matmul_f32|", s.batch, "x", s.m, "x", s.k, "x", s.n,
+      "|bt=", s.b_transposed, "|bs=", s.b_shared, "|bias=", s.has_bias);
+  auto cached = PrimitiveCache::Global().GetOrCreate(key, [&] {
+    const auto f32 = memory::data_type::f32;
+    const int64_t b_batch = s.b_shared ? 1 : s.batch;
+    const memory::desc a_md({s.batch, s.m, s.k}, f32, Dims{s.m * s.k, s.k, 1});
+    const memory::desc b_md(
+        {b_batch, s.k, s.n}, f32,
+        s.b_transposed ? Dims{s.n * s.k, 1, s.k} : Dims{s.k * s.n, s.n, 1});
+    const memory::desc bias_md({1, 1, s.n}, f32, Dims{s.n, s.n, 1});
+    const memory::desc c_md({s.batch, s.m, s.n}, f32, Dims{s.m * s.n, s.n, 1});
+    const auto desc = s.has_bias ? dnnl::matmul::desc(a_md, b_md, bias_md, c_md)
+                                 : dnnl::matmul::desc(a_md, b_md, c_md);
+    dnnl::matmul::primitive_desc pd(desc, UserScratchpadAttr(), CpuEngine());
+    return CachedPrimitive{pd, dnnl::matmul(pd)};
+  });
+  if (!cached.ok()) return cached.status();
+  return GuardDnnl(key, [&] {
+    if (s.has_bias) {
+      Execute(**cached, {{DNNL_ARG_SRC, a},
+                         {DNNL_ARG_WEIGHTS, b},
+                         {DNNL_ARG_BIAS, bias},
+                         {DNNL_ARG_DST, c}});
+    } else {
+      Execute(**cached,
+              {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
+    }
+  });
+}
+
+absl::Status LayerNormF32(int64_t rows, int64_t cols, float eps,
+                          const float* src, const float* gamma,
+                          const float* beta, float* dst) {
+  if (rows == 0 || cols == 0) return absl::OkStatus();
+  uint32_t eps_bits;
+  std::memcpy(&eps_bits, &eps, sizeof(eps_bits));
+  const std::string key =
+      absl::StrCat("layer_norm_f32|", rows, "x", cols, "|eps=", eps_bits,
+                   "|scale=", gamma != nullptr, "|shift=", beta != nullptr);
+  auto cached = PrimitiveCache::Global().GetOrCreate(key, [&] {
+    const memory::desc data_md({rows, cols}, memory::data_type::f32,
+                               memory::format_tag::ab);
+    auto flags = dnnl::normalization_flags::none;
+    if (gamma != nullptr) flags |= dnnl::normalization_flags::use_scale;
+    if (beta != nullptr) flags |= dnnl::normalization_flags::use_shift;
+    dnnl::layer_normalization_forward::desc desc(
+        dnnl::prop_kind::forward_inference, data_md, eps, flags);
+    dnnl::layer_normalization_forward::primitive_desc pd(
+        desc, UserScratchpadAttr(), CpuEngine());
+    return CachedPrimitive{pd, dnnl::layer_normalization_forward(pd)};
+  });
+  if (!cached.ok()) return cached.status();
+  return GuardDnnl(key, [&] {
+    if (gamma != nullptr && beta != nullptr) {
+      Execute(**cached, {{DNNL_ARG_SRC, src},
+                         {DNNL_ARG_SCALE, gamma},
+                         {DNNL_ARG_SHIFT, beta},
+                         {DNNL_ARG_DST, dst}});
+    } else if (gamma != nullptr) {
+      Execute(
+          **cached,
+          {{DNNL_ARG_SRC, src}, {DNNL_ARG_SCALE, gamma}, {DNNL_ARG_DST, dst}});
+    } else if (beta != nullptr) {
+      Execute(
+          **cached,
+          {{DNNL_ARG_SRC, src}, {DNNL_ARG_SHIFT, beta}, {DNNL_ARG_DST, dst}});
+    } else {
+      Execute(**cached, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
+    }
+  });
+}
+
+}  // namespace attnserve

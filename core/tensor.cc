@@ -1,0 +1,116 @@
+#include "core/tensor.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <new>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace attnserve {
+
+size_t DTypeSize(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return 4;
+    case DType::kBFloat16:
+    case DType::kFloat16:
+      return 2;
+    case DType::kBool:
+    case DType::kUInt8:
+      return 1;
+  }
+  return 1;
+}
+
+absl::string_view DTypeName(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return "FLOAT32";
+    case DType::kBFloat16:
+      return "BFLOAT16";
+    case DType::kFloat16:
+      return "FLOAT16";
+    case DType::kBool:
+      return "BOOL";
+    case DType::kUInt8:
+      return "UINT8";
+  }
+  return "UNKNOWN";
+}
+
+bool IsFloating(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kBFloat16 ||
+         dtype == DType::kFloat16;
+}
+
+std::string ShapeString(absl::Span<const int64_t> shape) {
+  return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
+}
+
+absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape,
+                                           DType dtype,
+                                           absl::string_view field) {
+  int64_t count = 1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": dim ", i, " is negative (", shape[i],
+                       ") in shape ", ShapeString(shape)));
+    }
+  }
+  for (int64_t d : shape) {
+    if (d == 0) return 0;
+  }
+  const int64_t limit = std::numeric_limits<int64_t>::max() /
+                        static_cast<int64_t>(DTypeSize(dtype));
+  for (int64_t d : shape) {
+    if (count > limit / d) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": shape ", ShapeString(shape), " overflows 64-bit size"));
+    }
+    count *= d;
+  }
+  return count;
+}
+
+int64_t NumElements(absl::Span<const int64_t> shape) {
+  int64_t count = 1;
+  for (int64_t d : shape) count *= d;
+  return count;
+}
+
+void Tensor::FreeDeleter::operator()(void* p) const { std::free(p); }
+
+absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
+  auto count = CheckedNumElements(shape, dtype, "tensor");
+  if (!count.ok()) return count.status();
+  constexpr size_t kAlignment = 64;
+  const size_t bytes = static_cast<size_t>(*count) * DTypeSize(dtype);
+  // aligned_alloc wants a multiple of the alignment, and at least one byte
+  // so that an empty tensor still has a valid pointer.
+  const size_t rounded = (bytes + kAlignment) / kAlignment * kAlignment;
+  void* p = std::aligned_alloc(kAlignment, rounded);
+  if (p == nullptr) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot allocate ", bytes, " bytes for a ", DTypeName(dtype),
+        " tensor of shape ", ShapeString(shape)));
+  }
+  Tensor t;
+  t.dtype_ = dtype;
+  t.shape_ = std::move(shape);
+  t.data_.reset(p);
+  return t;
+}
+
+absl::StatusOr<Tensor> Tensor::Zeros(DType dtype, Shape shape) {
+  auto t = Allocate(dtype, std::move(shape));
+  if (t.ok()) std::memset(t->data(), 0, t->num_bytes());
+  return t;
+}
+
+void Tensor::Reshape(Shape shape) { shape_ = std::move(shape); }
+
+}  // namespace attnserve

@@ -1,0 +1,102 @@
+// Element types, shapes and the two tensor types of the core: `TensorView`, a
+// read-only view of bytes someone else owns, and `Tensor`, which owns an
+// aligned buffer.
+//
+// Thread-safety: both are plain values. Concurrent reads are safe; writes to
+// one object need external synchronization. A TensorView never outlives the
+// bytes it points to: that is the caller's contract.
+#ifndef ATTNSERVE_CORE_TENSOR_H_
+#define ATTNSERVE_CORE_TENSOR_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/types/span.h"
+
+namespace attnserve {
+
+enum class DType { kFloat32, kBFloat16, kFloat16, kBool, kUInt8 };
+
+// Bytes per element.
+size_t DTypeSize(DType dtype);
+// Upper-case name as on the wire, e.g. "FLOAT32".
+absl::string_view DTypeName(DType dtype);
+// True for the three floating-point types.
+bool IsFloating(DType dtype);
+
+using Shape = std::vector<int64_t>;
+
+// "[2, 3, 4]".
+std::string ShapeString(absl::Span<const int64_t> shape);
+
+// Product of the dims. Fails with INVALID_ARGUMENT naming `field` if a dim is
+// negative or the product (or its size in bytes for `dtype`) overflows.
+absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape,
+                                           DType dtype,
+                                           absl::string_view field);
+
+// Product of the dims, for shapes already checked.
+int64_t NumElements(absl::Span<const int64_t> shape);
+
+// A read-only view: dtype, shape and a pointer to row-major, little-endian
+// elements that the view does not own.
+struct TensorView {
+  DType dtype = DType::kFloat32;
+  Shape shape;
+  const void* data = nullptr;
+
+  int64_t num_elements() const { return NumElements(shape); }
+  int64_t rank() const { return static_cast<int64_t>(shape.size()); }
+  // Dim `i`, counted from the end when negative.
+  int64_t dim(int64_t i) const { return shape[i < 0 ? rank() + i : i]; }
+  template <typename T>
+  const T* data_as() const {
+    return static_cast<const T*>(data);
+  }
+};
+
+// A tensor that owns a 64-byte aligned buffer. Move-only.
+class Tensor {
+ public:
+  Tensor() = default;
+  // Allocates an uninitialized tensor. Fails with INVALID_ARGUMENT on bad
+  // shapes and RESOURCE_EXHAUSTED when memory is not available.
+  static absl::StatusOr<Tensor> Allocate(DType dtype, Shape shape);
+  // As Allocate, with every byte zero.
+  static absl::StatusOr<Tensor> Zeros(DType dtype, Shape shape);
+
+  DType dtype() const { return dtype_; }
+  const Shape& shape() const { return shape_; }
+  int64_t num_elements() const { return NumElements(shape_); }
+  size_t num_bytes() const { return num_elements() * DTypeSize(dtype_); }
+  void* data() { return data_.get(); }
+  const void* data() const { return data_.get(); }
+  template <typename T>
+  T* data_as() {
+    return static_cast<T*>(data());
+  }
+  template <typename T>
+  const T* data_as() const {
+    return static_cast<const T*>(data());
+  }
+  TensorView view() const { return TensorView{dtype_, shape_, data()}; }
+  // Keeps the bytes, changes the dims; the element count must not change.
+  void Reshape(Shape shape);
+
+ private:
+  struct FreeDeleter {
+    void operator()(void* p) const;
+  };
+  DType dtype_ = DType::kFloat32;
+  Shape shape_;
+  std::unique_ptr<void, FreeDeleter> data_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CORE_TENSOR_H_

@@ -1,0 +1,105 @@
+#include "proto/tensor_codec.h"
+
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace attnserve {
+
+absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field) {
+  switch (dtype) {
+    case v1::DATA_TYPE_FLOAT32:
+      return DType::kFloat32;
+    case v1::DATA_TYPE_BFLOAT16:
+      return DType::kBFloat16;
+    case v1::DATA_TYPE_FLOAT16:
+      return DType::kFloat16;
+    case v1::DATA_TYPE_BOOL:
+      return DType::kBool;
+    case v1::DATA_TYPE_UINT8:
+      return DType::kUInt8;
+    case v1::DATA_TYPE_UNSPECIFIED:
+      return absl::InvalidArgumentError(absl::StrCat(
+          field,
+          ": dtype is DATA_TYPE_UNSPECIFIED, expected one of "
+          "DATA_TYPE_FLOAT32, DATA_TYPE_BFLOAT16, DATA_TYPE_FLOAT16, "
+          "DATA_TYPE_BOOL, DATA_TYPE_UINT8"));
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": dtype ", dtype, " is not a known DataType"));
+  }
+}
+
+v1::DataType DTypeToProto(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32:
+      return v1::DATA_TYPE_FLOAT32;
+    case DType::kBFloat16:
+      return v1::DATA_TYPE_BFLOAT16;
+    case DType::kFloat16:
+      return v1::DATA_TYPE_FLOAT16;
+    case DType::kBool:
+      return v1::DATA_TYPE_BOOL;
+    case DType::kUInt8:
+      return v1::DATA_TYPE_UINT8;
+  }
+  return v1::DATA_TYPE_UNSPECIFIED;
+}
+
+absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
+                                        absl::string_view field) {
+  TensorView view;
+  ATTN_ASSIGN_OR_RETURN(view.dtype, DTypeFromProto(tensor.dtype(), field));
+  view.shape.assign(tensor.shape().begin(), tensor.shape().end());
+  ATTN_ASSIGN_OR_RETURN(const int64_t count,
+                        CheckedNumElements(view.shape, view.dtype, field));
+  const uint64_t expected_bytes =
+      static_cast<uint64_t>(count) * DTypeSize(view.dtype);
+  const bool has_raw = !tensor.raw_data().empty();
+  const bool has_floats = tensor.float_data_size() > 0;
+  if (has_raw && has_floats) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": both raw_data and float_data are set, expected exactly one"));
+  }
+  if (has_floats) {
+    if (view.dtype != DType::kFloat32) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": float_data is only for DATA_TYPE_FLOAT32, dtype is ",
+          v1::DataType_Name(DTypeToProto(view.dtype))));
+    }
+    if (tensor.float_data_size() != count) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": float_data has ", tensor.float_data_size(),
+          " values, expected ", count, " for shape ", ShapeString(view.shape)));
+    }
+    view.data = tensor.float_data().data();
+    return view;
+  }
+  if (tensor.raw_data().size() != expected_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": raw_data has ", tensor.raw_data().size(), " bytes, expected ",
+        expected_bytes, " (shape ", ShapeString(view.shape), " x ",
+        DTypeSize(view.dtype), " bytes of ", DTypeName(view.dtype), ")"));
+  }
+  view.data = tensor.raw_data().data();
+  return view;
+}
+
+void EncodeTensor(const TensorView& view, v1::Tensor* out) {
+  out->set_dtype(DTypeToProto(view.dtype));
+  out->mutable_shape()->Assign(view.shape.begin(), view.shape.end());
+  out->set_raw_data(static_cast<const char*>(view.data),
+                    view.num_elements() * DTypeSize(view.dtype));
+}
+
+absl::StatusOr<Tensor> CopyTensor(const v1::Tensor& tensor,
+                                  absl::string_view field) {
+  ATTN_ASSIGN_OR_RETURN(TensorView view, DecodeTensor(tensor, field));
+  ATTN_ASSIGN_OR_RETURN(Tensor copy, Tensor::Allocate(view.dtype, view.shape));
+  if (copy.num_bytes() > 0)
+    std::memcpy(copy.data(), view.data, copy.num_bytes());
+  return copy;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,191 @@
+#include "server/attention_service.h"
+
+#include <optional>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "core/attention.h"
+#include "core/status_macros.h"
+#include "proto/tensor_codec.h"
+#include "server/grpc_status.h"
+
+namespace attnserve {
+namespace {
+
+// A required tensor field.
+absl::StatusOr<TensorView> Required(bool present, const v1::Tensor& tensor,
+                                    absl::string_view field) {
+  if (!present) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": missing"));
+  }
+  return DecodeTensor(tensor, field);
+}
+
+// An optional tensor field: absent stays absent.
+absl::Status Optional(bool present, const v1::Tensor& tensor,
+                      absl::string_view field, std::optional<TensorView>* out) {
+  if (!present) return absl::OkStatus();
+  ATTN_ASSIGN_OR_RETURN(*out, DecodeTensor(tensor, field));
+  return absl::OkStatus();
+}
+
+#define ATTN_OPTIONAL_TENSOR(msg, name, out) \
+  Optional((msg).has_##name(), (msg).name(), #name, (out))
+
+AttentionOptions AttentionOptionsOf(bool causal, bool has_scale, float scale,
+                                    bool has_temperature, float temperature,
+                                    bool return_weights) {
+  AttentionOptions options;
+  options.causal = causal;
+  if (has_scale) options.scale = scale;
+  if (has_temperature) options.temperature = temperature;
+  options.return_weights = return_weights;
+  return options;
+}
+
+absl::StatusOr<MultiHeadWeights> DecodeWeights(const v1::AttentionWeights& w) {
+  MultiHeadWeights weights;
+  weights.num_heads = w.num_heads();
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, q_proj_weight, &weights.q_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, k_proj_weight, &weights.k_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, v_proj_weight, &weights.v_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, in_proj_weight, &weights.in_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, q_proj_bias, &weights.q_proj_bias));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, k_proj_bias, &weights.k_proj_bias));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, v_proj_bias, &weights.v_proj_bias));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, in_proj_bias, &weights.in_proj_bias));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, out_proj_weight, &weights.out_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, out_proj_bias, &weights.out_proj_bias));
+  return weights;
+}
+
+// Runs `handle` and finishes the call with its status.
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
+                                const Request* request, Response* response,
+                                absl::Status (*handle)(const Request&,
+                                                       Response*)) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  absl::Status status = handle(*request, response);
+  if (!status.ok()) response->Clear();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+}  // namespace
+
+absl::Status HandleAttend(const v1::AttendRequest& request,
+                          v1::AttendResponse* response) {
+  AttendInputs inputs;
+  ATTN_ASSIGN_OR_RETURN(
+      inputs.query, Required(request.has_query(), request.query(), "query"));
+  ATTN_ASSIGN_OR_RETURN(inputs.key,
+                        Required(request.has_key(), request.key(), "key"));
+  ATTN_ASSIGN_OR_RETURN(
+      inputs.value, Required(request.has_value(), request.value(), "value"));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, attn_mask, &inputs.attn_mask));
+  const AttentionOptions options =
+      AttentionOptionsOf(request.causal(), request.has_scale(), request.scale(),
+                         request.has_temperature(), request.temperature(),
+                         request.return_weights());
+  ATTN_ASSIGN_OR_RETURN(AttentionResult result, Attend(inputs, options));
+  EncodeTensor(result.output.view(), response->mutable_output());
+  if (result.weights.has_value()) {
+    EncodeTensor(result.weights->view(), response->mutable_weights());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                   v1::MultiHeadAttendResponse* response) {
+  MultiHeadWeights weights;
+  switch (request.weights_source_case()) {
+    case v1::MultiHeadAttendRequest::kModel:
+      return absl::NotFoundError(absl::StrCat(
+          "model: '", request.model(),
+          "' not found: this server has no model repository loaded; send the "
+          "weights inline in `weights`"));
+    case v1::MultiHeadAttendRequest::kWeights: {
+      ATTN_ASSIGN_OR_RETURN(weights, DecodeWeights(request.weights()));
+      break;
+    }
+    default:
+      return absl::InvalidArgumentError(
+          "weights: missing, expected either `model` or `weights`");
+  }
+  MultiHeadInputs inputs;
+  ATTN_ASSIGN_OR_RETURN(
+      inputs.query, Required(request.has_query(), request.query(), "query"));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, key, &inputs.key));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, value, &inputs.value));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, attn_mask, &inputs.attn_mask));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, key_padding_mask,
+                                            &inputs.key_padding_mask));
+  MultiHeadOptions options;
+  options.attention =
+      AttentionOptionsOf(request.causal(), request.has_scale(), request.scale(),
+                         request.has_temperature(), request.temperature(),
+                         request.return_weights());
+  options.average_weights = request.average_weights();
+  ATTN_ASSIGN_OR_RETURN(AttentionResult result,
+                        MultiHeadAttend(weights, inputs, options));
+  EncodeTensor(result.output.view(), response->mutable_output());
+  if (result.weights.has_value()) {
+    EncodeTensor(result.weights->view(), response->mutable_weights());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
+                             v1::LayerNormResponse* response) {
+  ATTN_ASSIGN_OR_RETURN(TensorView input, Required(request.has_input(),
+                                                   request.input(), "input"));
+  std::optional<TensorView> gamma, beta;
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, &gamma));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, &beta));
+  LayerNormOptions options;
+  if (request.has_eps()) options.eps = request.eps();
+  if (request.normalized_ndim() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("normalized_ndim: must be >= 0 (0 means 1), got ",
+                     request.normalized_ndim()));
+  }
+  options.normalized_ndim =
+      request.normalized_ndim() == 0 ? 1 : request.normalized_ndim();
+  ATTN_ASSIGN_OR_RETURN(Tensor output, LayerNorm(input, gamma, beta, options));
+  EncodeTensor(output.view(), response->mutable_output());
+  return absl::OkStatus();
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(
+    grpc::CallbackServerContext* context, const v1::AttendRequest* request,
+    v1::AttendResponse* response) {
+  return Serve(context, request, response, &HandleAttend);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttend(
+    grpc::CallbackServerContext* context,
+    const v1::MultiHeadAttendRequest* request,
+    v1::MultiHeadAttendResponse* response) {
+  return Serve(context, request, response, &HandleMultiHeadAttend);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::LayerNorm(
+    grpc::CallbackServerContext* context, const v1::LayerNormRequest* request,
+    v1::LayerNormResponse* response) {
+  return Serve(context, request, response, &HandleLayerNorm);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,63 @@
+// attnserve: the attention inference server.
+#include <pthread.h>
+#include <signal.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/time/time.h"
+#include "server/options.h"
+#include "server/server.h"
+
+ABSL_FLAG(std::string, host, attnserve::ServerOptions().host,
+          "Address to listen on (0.0.0.0: every interface).");
+ABSL_FLAG(int, port, attnserve::ServerOptions().port,
+          "TCP port; 0 picks a free port.");
+ABSL_FLAG(int, max_message_mb, attnserve::ServerOptions().max_message_mb,
+          "Largest request and response message, in MiB.");
+ABSL_FLAG(int, shutdown_grace_seconds,
+          attnserve::ServerOptions().shutdown_grace_seconds,
+          "Seconds in-flight calls get to finish on SIGINT/SIGTERM.");
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Serves attention, multi-head attention and LayerNorm over gRPC.\n"
+      "Usage: attnserve [--host=0.0.0.0] [--port=50051]");
+  absl::ParseCommandLine(argc, argv);
+  attnserve::ServerOptions options;
+  options.host = absl::GetFlag(FLAGS_host);
+  options.port = absl::GetFlag(FLAGS_port);
+  options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  options.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+
+  // Block the stop signals in every thread (gRPC's threads inherit this
+  // mask), then wait for them synchronously below.
+  sigset_t stop_signals;
+  sigemptyset(&stop_signals);
+  sigaddset(&stop_signals, SIGINT);
+  sigaddset(&stop_signals, SIGTERM);
+  pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
+
+  auto server = attnserve::AttnServer::Start(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "attnserve: %s\n",
+                 std::string(server.status().message()).c_str());
+    return EXIT_FAILURE;
+  }
+  std::printf(
+      "attnserve listening on %s\n",
+      attnserve::ListenAddress(options.host, (*server)->port()).c_str());
+  std::fflush(stdout);
+
+  int signal_number = 0;
+  sigwait(&stop_signals, &signal_number);
+  std::printf("attnserve: signal %d, shutting down\n", signal_number);
+  std::fflush(stdout);
+  (*server)->Shutdown(absl::Seconds(options.shutdown_grace_seconds));
+  (*server)->Wait();
+  std::printf("attnserve: stopped\n");
+  return EXIT_SUCCESS;
+}

@@ -1,0 +1,36 @@
+#include "server/options.h"
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+
+absl::Status ValidateServerOptions(const ServerOptions& options) {
+  if (options.host.empty()) {
+    return absl::InvalidArgumentError("--host: must not be empty");
+  }
+  if (options.port < 0 || options.port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--port: ", options.port, " is not in [0, 65535]"));
+  }
+  if (options.max_message_mb < 1 || options.max_message_mb > 2047) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_message_mb: ", options.max_message_mb,
+        " is not in [1, 2047] (protobuf messages are limited to 2 GiB)"));
+  }
+  if (options.shutdown_grace_seconds < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--shutdown_grace_seconds: ", options.shutdown_grace_seconds,
+        " is negative"));
+  }
+  return absl::OkStatus();
+}
+
+std::string ListenAddress(const std::string& host, int port) {
+  if (absl::StrContains(host, ':') && !absl::StartsWith(host, "[")) {
+    return absl::StrCat("[", host, "]:", port);
+  }
+  return absl::StrCat(host, ":", port);
+}
+
+}  // namespace attnserve

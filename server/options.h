@@ -1,0 +1,32 @@
+// Start-up options of the attnserve binary.
+#ifndef ATTNSERVE_SERVER_OPTIONS_H_
+#define ATTNSERVE_SERVER_OPTIONS_H_
+
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace attnserve {
+
+struct ServerOptions {
+  // Address to listen on: an IPv4/IPv6 literal or a host name. 0.0.0.0
+  // listens on every interface.
+  std::string host = "0.0.0.0";
+  // TCP port; 0 picks a free one (the chosen port is printed at start-up).
+  int port = 50051;
+  // Largest request and response message, in MiB (1 to 2047).
+  int max_message_mb = 256;
+  // Seconds that in-flight calls get to finish on SIGINT/SIGTERM before
+  // they are cancelled.
+  int shutdown_grace_seconds = 5;
+};
+
+// OK, or INVALID_ARGUMENT naming the flag that is out of range.
+absl::Status ValidateServerOptions(const ServerOptions& options);
+
+// "host:port", with IPv6 literals bracketed.
+std::string ListenAddress(const std::string& host, int port);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_OPTIONS_H_

@@ -1,0 +1,57 @@
+#include "server/server.h"
+
+#include <chrono>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+
+namespace attnserve {
+
+absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
+    const ServerOptions& options) {
+  ATTN_RETURN_IF_ERROR(ValidateServerOptions(options));
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+
+  std::unique_ptr<AttnServer> server(new AttnServer());
+  grpc::ServerBuilder builder;
+  const std::string address = ListenAddress(options.host, options.port);
+  builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
+                           &server->port_);
+  const int max_bytes = options.max_message_mb * 1024 * 1024;
+  builder.SetMaxReceiveMessageSize(max_bytes);
+  builder.SetMaxSendMessageSize(max_bytes);
+  builder.RegisterService(&server->service_);
+  server->server_ = builder.BuildAndStart();
+  if (server->server_ == nullptr || server->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", address,
+                     " (address in use, or not an address of this host?)"));
+  }
+  server->server_->GetHealthCheckService()->SetServingStatus(
+      v1::AttentionService::service_full_name(), true);
+  return server;
+}
+
+AttnServer::~AttnServer() {
+  Shutdown(absl::ZeroDuration());
+  Wait();
+}
+
+void AttnServer::Shutdown(absl::Duration grace) {
+  if (server_ == nullptr) return;
+  // Tell load balancers first, then stop accepting calls.
+  server_->GetHealthCheckService()->Shutdown();
+  server_->Shutdown(std::chrono::system_clock::now() +
+                    absl::ToChronoMilliseconds(grace));
+}
+
+void AttnServer::Wait() {
+  if (server_ != nullptr) server_->Wait();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,45 @@
+// A running attnserve gRPC server: AttentionService, the grpc.health.v1
+// health service and server reflection, on one listening port.
+//
+// Ownership: AttnServer owns the gRPC server and the service. Thread-safety:
+// Shutdown() and Wait() may be called from any thread; Shutdown() is
+// idempotent.
+#ifndef ATTNSERVE_SERVER_SERVER_H_
+#define ATTNSERVE_SERVER_SERVER_H_
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "grpcpp/server.h"
+#include "server/attention_service.h"
+#include "server/options.h"
+
+namespace attnserve {
+
+class AttnServer {
+ public:
+  // Validates `options`, binds the port and starts serving.
+  static absl::StatusOr<std::unique_ptr<AttnServer>> Start(
+      const ServerOptions& options);
+  ~AttnServer();
+
+  // The bound port (the chosen one when options.port was 0).
+  int port() const { return port_; }
+
+  // Marks the health service NOT_SERVING, refuses new calls and gives
+  // in-flight calls `grace` to finish before cancelling them.
+  void Shutdown(absl::Duration grace);
+  // Blocks until the server has shut down.
+  void Wait();
+
+ private:
+  AttnServer() = default;
+  AttentionServiceImpl service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_SERVER_H_
