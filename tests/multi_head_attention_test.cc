@@ -1,0 +1,495 @@
+// The core's MultiHeadAttend against a float64 reference built from
+// RefLinear and RefAttend, over a table of layer layouts, masks and options,
+// and its input checks.
+#include <cmath>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/attention.h"
+#include "gtest/gtest.h"
+#include "tests/test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+struct MhaCase {
+  std::string name;
+  int64_t batch = 2;  // 0: unbatched query [Lq, Eq]
+  int64_t lq = 5, lk = 5;
+  int64_t eq = 16, ek = 16, ev = 16;
+  int heads = 4;
+  int64_t head_dk = 4, head_dv = 4;
+  bool fused = false;  // in_proj_weight (requires eq = ek = ev = heads*dk)
+  bool bias = true;
+  int64_t out_dim = 16;  // 0: no output projection
+  bool out_bias = true;
+  bool cross = false;  // separate key/value tensors
+  int mask_rank = 0;   // 0 none, 2 [Lq,Lk], 3 [B,Lq,Lk], 4 [B,H,Lq,Lk]
+  DType mask_dtype = DType::kBool;
+  bool key_padding = false;
+  bool causal = false;
+  std::optional<float> scale = std::nullopt;
+  std::optional<float> temperature = std::nullopt;
+  bool average = false;
+  DType dtype = DType::kFloat32;
+};
+
+RefTensor Reshaped(RefTensor t, Shape shape) {
+  t.shape = std::move(shape);
+  return t;
+}
+
+// [B, L, H*d] -> [B, H, L, d].
+RefTensor RefSplitHeads(const RefTensor& x, int64_t heads) {
+  const int64_t b = x.shape[0], l = x.shape[1], d = x.shape[2] / heads;
+  RefTensor y{{b, heads, l, d}, std::vector<double>(x.values.size())};
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t t = 0; t < l; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < d; ++c)
+          y.values[((i * heads + h) * l + t) * d + c] =
+              x.values[((i * l + t) * heads + h) * d + c];
+  return y;
+}
+
+// [B, H, L, d] -> [B, L, H*d].
+RefTensor RefMergeHeads(const RefTensor& x) {
+  const int64_t b = x.shape[0], heads = x.shape[1], l = x.shape[2],
+                d = x.shape[3];
+  RefTensor y{{b, l, heads * d}, std::vector<double>(x.values.size())};
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t t = 0; t < l; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < d; ++c)
+          y.values[((i * l + t) * heads + h) * d + c] =
+              x.values[((i * heads + h) * l + t) * d + c];
+  return y;
+}
+
+std::optional<RefTensor> OptRef(const std::optional<Tensor>& t) {
+  if (!t) return std::nullopt;
+  return ToRef(t->view());
+}
+
+std::optional<TensorView> OptView(const std::optional<Tensor>& t) {
+  if (!t) return std::nullopt;
+  return t->view();
+}
+
+// Weights scaled like nn.Linear's initialization, so that activations keep
+// unit scale and the absolute tolerance means the same at every width.
+Tensor RandomWeight(Shape shape, std::mt19937& rng) {
+  Tensor w = RandomTensor(DType::kFloat32, shape, rng);
+  const float scale = 1.0f / std::sqrt(static_cast<float>(shape.back()));
+  for (int64_t i = 0; i < w.num_elements(); ++i) w.data_as<float>()[i] *= scale;
+  return w;
+}
+
+class MhaTableTest : public ::testing::TestWithParam<MhaCase> {};
+
+TEST_P(MhaTableTest, MatchesFloat64Reference) {
+  const MhaCase& c = GetParam();
+  std::mt19937 rng(99);
+  const bool batched = c.batch > 0;
+  const int64_t b = batched ? c.batch : 1;
+  const int64_t h = c.heads;
+  auto shaped = [&](int64_t len, int64_t dim) {
+    return batched ? Shape{b, len, dim} : Shape{len, dim};
+  };
+  Tensor query = RandomTensor(c.dtype, shaped(c.lq, c.eq), rng);
+  std::optional<Tensor> key, value;
+  if (c.cross) {
+    key = RandomTensor(c.dtype, shaped(c.lk, c.ek), rng);
+    value = RandomTensor(c.dtype, shaped(c.lk, c.ev), rng);
+  }
+  const int64_t lk = c.cross ? c.lk : c.lq;
+  std::optional<Tensor> wq, wk, wv, win, bq, bk, bv, bin, wo, bo;
+  if (c.fused) {
+    win = RandomWeight({3 * c.eq, c.eq}, rng);
+    if (c.bias) bin = RandomTensor(DType::kFloat32, {3 * c.eq}, rng);
+  } else {
+    wq = RandomWeight({h * c.head_dk, c.eq}, rng);
+    wk = RandomWeight({h * c.head_dk, c.cross ? c.ek : c.eq}, rng);
+    wv = RandomWeight({h * c.head_dv, c.cross ? c.ev : c.eq}, rng);
+    if (c.bias) {
+      bq = RandomTensor(DType::kFloat32, {h * c.head_dk}, rng);
+      bk = RandomTensor(DType::kFloat32, {h * c.head_dk}, rng);
+      bv = RandomTensor(DType::kFloat32, {h * c.head_dv}, rng);
+    }
+  }
+  const int64_t dv_total = c.fused ? c.eq : h * c.head_dv;
+  if (c.out_dim > 0) {
+    wo = RandomWeight({c.out_dim, dv_total}, rng);
+    if (c.out_bias) bo = RandomTensor(DType::kFloat32, {c.out_dim}, rng);
+  }
+  std::optional<Tensor> mask, padding;
+  Shape mask_shape;
+  if (c.mask_rank == 2) mask_shape = {c.lq, lk};
+  if (c.mask_rank == 3) mask_shape = {b, c.lq, lk};
+  if (c.mask_rank == 4) mask_shape = {b, h, c.lq, lk};
+  if (c.mask_rank > 0) mask = RandomTensor(c.mask_dtype, mask_shape, rng, 0.6);
+  if (c.key_padding) {
+    padding = RandomTensor(DType::kUInt8, batched ? Shape{b, lk} : Shape{lk},
+                           rng, 0.7);
+  }
+
+  MultiHeadWeights w;
+  w.num_heads = c.heads;
+  w.q_proj_weight = OptView(wq);
+  w.k_proj_weight = OptView(wk);
+  w.v_proj_weight = OptView(wv);
+  w.in_proj_weight = OptView(win);
+  w.q_proj_bias = OptView(bq);
+  w.k_proj_bias = OptView(bk);
+  w.v_proj_bias = OptView(bv);
+  w.in_proj_bias = OptView(bin);
+  w.out_proj_weight = OptView(wo);
+  w.out_proj_bias = OptView(bo);
+  MultiHeadInputs in{query.view(), OptView(key), OptView(value), OptView(mask),
+                     OptView(padding)};
+  MultiHeadOptions options;
+  options.attention.causal = c.causal;
+  options.attention.scale = c.scale;
+  options.attention.temperature = c.temperature;
+  options.attention.return_weights = true;
+  options.average_weights = c.average;
+  auto result = MultiHeadAttend(w, in, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+
+  // Reference: project, split heads, attend, merge, project.
+  const RefTensor q_ref = Reshaped(ToRef(query.view()), {b, c.lq, c.eq});
+  const RefTensor k_ref =
+      key ? Reshaped(ToRef(key->view()), {b, lk, c.ek}) : q_ref;
+  const RefTensor v_ref =
+      value ? Reshaped(ToRef(value->view()), {b, lk, c.ev}) : k_ref;
+  RefTensor pq, pk, pv;
+  if (c.fused) {
+    const RefTensor all = ToRef(win->view());
+    const int64_t e = c.eq;
+    auto part = [&](int i, const RefTensor& src) {
+      RefTensor wpart{{e, e},
+                      {all.values.begin() + i * e * e,
+                       all.values.begin() + (i + 1) * e * e}};
+      std::optional<RefTensor> bpart;
+      if (bin) {
+        const RefTensor ball = ToRef(bin->view());
+        bpart = RefTensor{
+            {e},
+            {ball.values.begin() + i * e, ball.values.begin() + (i + 1) * e}};
+      }
+      return RefLinear(src, wpart, bpart);
+    };
+    pq = part(0, q_ref);
+    pk = part(1, k_ref);
+    pv = part(2, v_ref);
+  } else {
+    pq = RefLinear(q_ref, ToRef(wq->view()), OptRef(bq));
+    pk = RefLinear(k_ref, ToRef(wk->view()), OptRef(bk));
+    pv = RefLinear(v_ref, ToRef(wv->view()), OptRef(bv));
+  }
+  std::vector<RefTensor> masks;
+  std::vector<bool> keep;
+  if (mask) {
+    RefTensor m = ToRef(mask->view());
+    if (c.mask_rank == 3) m.shape = {b, 1, c.lq, lk};
+    masks.push_back(m);
+    keep.push_back(c.mask_dtype != DType::kFloat32);
+  }
+  if (padding) {
+    masks.push_back(Reshaped(ToRef(padding->view()), {b, 1, 1, lk}));
+    keep.push_back(true);
+  }
+  const RefAttentionResult att = RefAttend(
+      RefSplitHeads(pq, h), RefSplitHeads(pk, h), RefSplitHeads(pv, h), masks,
+      keep, {c.causal, c.scale, c.temperature});
+  RefTensor out = RefMergeHeads(att.output);
+  if (wo) out = RefLinear(out, ToRef(wo->view()), OptRef(bo));
+  if (!batched) out.shape.erase(out.shape.begin());
+  RefTensor weights = att.weights;
+  if (c.average) {
+    RefTensor mean{{b, c.lq, lk}, std::vector<double>(b * c.lq * lk, 0.0)};
+    const int64_t plane = c.lq * lk;
+    for (int64_t i = 0; i < b; ++i)
+      for (int64_t hh = 0; hh < h; ++hh)
+        for (int64_t p = 0; p < plane; ++p)
+          mean.values[i * plane + p] +=
+              weights.values[(i * h + hh) * plane + p] / h;
+    weights = mean;
+  }
+  if (!batched) weights.shape.erase(weights.shape.begin());
+
+  EXPECT_EQ(result->output.dtype(), c.dtype);
+  EXPECT_TRUE(AllClose(result->output.view(), out, ToleranceFor(c.dtype)));
+  ASSERT_TRUE(result->weights.has_value());
+  EXPECT_TRUE(AllClose(
+      result->weights->view(), weights,
+      c.dtype == DType::kFloat32 ? kFloat32Tolerance : ToleranceFor(c.dtype)));
+}
+
+MhaCase Case(std::string name, auto&& edit) {
+  MhaCase c;
+  c.name = std::move(name);
+  edit(c);
+  return c;
+}
+
+const MhaCase kMhaCases[] = {
+    Case("default", [](MhaCase&) {}),
+    Case("fused_in_proj", [](MhaCase& c) { c.fused = true; }),
+    Case("fused_no_bias",
+         [](MhaCase& c) {
+           c.fused = true;
+           c.bias = false;
+         }),
+    Case("no_bias", [](MhaCase& c) { c.bias = false; }),
+    Case("no_out_proj", [](MhaCase& c) { c.out_dim = 0; }),
+    Case("out_proj_no_bias", [](MhaCase& c) { c.out_bias = false; }),
+    Case("out_dim_differs", [](MhaCase& c) { c.out_dim = 7; }),
+    Case("single_head_dk_ne_dv",
+         [](MhaCase& c) {
+           c.heads = 1;
+           c.head_dk = 6;
+           c.head_dv = 10;
+           c.out_dim = 0;
+         }),
+    Case("dk_ne_dv",
+         [](MhaCase& c) {
+           c.head_dk = 3;
+           c.head_dv = 5;
+         }),
+    Case("cross_attention",
+         [](MhaCase& c) {
+           c.cross = true;
+           c.lq = 3;
+           c.lk = 9;
+           c.ek = 12;
+           c.ev = 20;
+         }),
+    Case("odd_sizes",
+         [](MhaCase& c) {
+           c.batch = 3;
+           c.lq = 7;
+           c.eq = 13;
+           c.heads = 3;
+           c.head_dk = 5;
+           c.head_dv = 2;
+           c.out_dim = 11;
+         }),
+    Case("unbatched", [](MhaCase& c) { c.batch = 0; }),
+    Case("unbatched_masks",
+         [](MhaCase& c) {
+           c.batch = 0;
+           c.mask_rank = 2;
+           c.key_padding = true;
+         }),
+    Case("mask_lq_lk", [](MhaCase& c) { c.mask_rank = 2; }),
+    Case("mask_b_lq_lk", [](MhaCase& c) { c.mask_rank = 3; }),
+    Case("mask_b_h_lq_lk", [](MhaCase& c) { c.mask_rank = 4; }),
+    Case("mask_additive",
+         [](MhaCase& c) {
+           c.mask_rank = 3;
+           c.mask_dtype = DType::kFloat32;
+         }),
+    Case("mask_uint8",
+         [](MhaCase& c) {
+           c.mask_rank = 4;
+           c.mask_dtype = DType::kUInt8;
+         }),
+    Case("key_padding", [](MhaCase& c) { c.key_padding = true; }),
+    Case("key_padding_and_mask",
+         [](MhaCase& c) {
+           c.key_padding = true;
+           c.mask_rank = 3;
+         }),
+    Case("causal",
+         [](MhaCase& c) {
+           c.causal = true;
+           c.lq = 8;
+         }),
+    Case("causal_cross",
+         [](MhaCase& c) {
+           c.causal = true;
+           c.cross = true;
+           c.lq = 6;
+           c.lk = 4;
+         }),
+    Case("scale_temperature",
+         [](MhaCase& c) {
+           c.scale = 0.25f;
+           c.temperature = 2.0f;
+         }),
+    Case("average_weights",
+         [](MhaCase& c) {
+           c.average = true;
+           c.mask_rank = 4;
+         }),
+    Case("average_unbatched",
+         [](MhaCase& c) {
+           c.average = true;
+           c.batch = 0;
+         }),
+    Case("vit_block",
+         [](MhaCase& c) {
+           c.batch = 1;
+           c.lq = 17;
+           c.eq = 768;
+           c.heads = 12;
+           c.head_dk = 64;
+           c.head_dv = 64;
+           c.out_dim = 768;
+           c.fused = true;
+         }),
+    Case("bf16",
+         [](MhaCase& c) {
+           c.dtype = DType::kBFloat16;
+           c.mask_rank = 3;
+         }),
+    Case("f16", [](MhaCase& c) { c.dtype = DType::kFloat16; }),
+};
+
+INSTANTIATE_TEST_SUITE_P(Table, MhaTableTest, ::testing::ValuesIn(kMhaCases),
+                         [](const auto& info) { return info.param.name; });
+
+// Input checks, with the exact message users see.
+class MhaErrorTest : public ::testing::Test {
+ protected:
+  MhaErrorTest() {
+    query_ = RandomTensor(DType::kFloat32, {2, 5, 16}, rng_);
+    wq_ = RandomTensor(DType::kFloat32, {16, 16}, rng_);
+    wk_ = RandomTensor(DType::kFloat32, {16, 16}, rng_);
+    wv_ = RandomTensor(DType::kFloat32, {16, 16}, rng_);
+    weights_.num_heads = 4;
+    weights_.q_proj_weight = wq_.view();
+    weights_.k_proj_weight = wk_.view();
+    weights_.v_proj_weight = wv_.view();
+    inputs_.query = query_.view();
+  }
+  void ExpectError(const std::string& message) {
+    auto r = MultiHeadAttend(weights_, inputs_, options_);
+    ASSERT_FALSE(r.ok());
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(), message);
+  }
+  Tensor Random(DType dtype, Shape shape) {
+    return RandomTensor(dtype, shape, rng_);
+  }
+
+  std::mt19937 rng_{11};
+  Tensor query_, wq_, wk_, wv_;
+  MultiHeadWeights weights_;
+  MultiHeadInputs inputs_;
+  MultiHeadOptions options_;
+};
+
+TEST_F(MhaErrorTest, ValidInputsWork) {
+  EXPECT_TRUE(MultiHeadAttend(weights_, inputs_, options_).ok());
+}
+
+TEST_F(MhaErrorTest, HeadsMustDivide) {
+  weights_.num_heads = 3;
+  ExpectError("q_proj_weight: dim 0 (16) is not divisible by num_heads 3");
+}
+
+TEST_F(MhaErrorTest, HeadsMustBePositive) {
+  weights_.num_heads = 0;
+  ExpectError("num_heads: must be > 0, got 0");
+}
+
+TEST_F(MhaErrorTest, MissingProjection) {
+  weights_.v_proj_weight.reset();
+  ExpectError(
+      "v_proj_weight: missing (give q_proj_weight, k_proj_weight and "
+      "v_proj_weight, or in_proj_weight)");
+}
+
+TEST_F(MhaErrorTest, FusedAndSeparateTogether) {
+  Tensor fused = Random(DType::kFloat32, {48, 16});
+  weights_.in_proj_weight = fused.view();
+  ExpectError(
+      "in_proj_weight: give either in_proj_weight or "
+      "q_proj_weight/k_proj_weight/v_proj_weight, not both");
+}
+
+TEST_F(MhaErrorTest, FusedShape) {
+  Tensor fused = Random(DType::kFloat32, {40, 16});
+  weights_ = MultiHeadWeights{};
+  weights_.num_heads = 4;
+  weights_.in_proj_weight = fused.view();
+  ExpectError("in_proj_weight: dim 0 40 != 3 x dim 1 = 48");
+}
+
+TEST_F(MhaErrorTest, BiasLength) {
+  Tensor bias = Random(DType::kFloat32, {15});
+  weights_.k_proj_bias = bias.view();
+  ExpectError("k_proj_bias: shape [15], expected [16]");
+}
+
+TEST_F(MhaErrorTest, QueryDimMismatch) {
+  Tensor query = Random(DType::kFloat32, {2, 5, 12});
+  inputs_.query = query.view();
+  ExpectError("query: last dim 12 != q_proj_weight dim 1 16");
+}
+
+TEST_F(MhaErrorTest, KeyRowsMustMatchQueryRows) {
+  Tensor wk = Random(DType::kFloat32, {8, 16});
+  weights_.k_proj_weight = wk.view();
+  ExpectError("k_proj_weight: dim 0 8 != q_proj_weight dim 0 16");
+}
+
+TEST_F(MhaErrorTest, OutProjInputDim) {
+  Tensor wo = Random(DType::kFloat32, {16, 12});
+  weights_.out_proj_weight = wo.view();
+  ExpectError("out_proj_weight: dim 1 12 != v_proj_weight rows (H*dv) = 16");
+}
+
+TEST_F(MhaErrorTest, OutProjBiasWithoutWeight) {
+  Tensor bo = Random(DType::kFloat32, {16});
+  weights_.out_proj_bias = bo.view();
+  ExpectError("out_proj_bias: given without out_proj_weight");
+}
+
+TEST_F(MhaErrorTest, QueryRank) {
+  Tensor query = Random(DType::kFloat32, {1, 2, 5, 16});
+  inputs_.query = query.view();
+  ExpectError("query: rank 4 (shape [1, 2, 5, 16]), expected rank 2 to 3");
+}
+
+TEST_F(MhaErrorTest, KeyBatch) {
+  Tensor key = Random(DType::kFloat32, {3, 5, 16});
+  inputs_.key = key.view();
+  ExpectError("key: dim 0 3 != query dim 0 2");
+}
+
+TEST_F(MhaErrorTest, ValueLength) {
+  Tensor key = Random(DType::kFloat32, {2, 6, 16});
+  Tensor value = Random(DType::kFloat32, {2, 7, 16});
+  inputs_.key = key.view();
+  inputs_.value = value.view();
+  ExpectError("value: dim 1 7 != key dim 1 6");
+}
+
+TEST_F(MhaErrorTest, MaskShape) {
+  Tensor mask = Random(DType::kBool, {2, 4, 5});
+  inputs_.attn_mask = mask.view();
+  ExpectError(
+      "attn_mask: shape [2, 4, 5], expected [5, 5], [2, 5, 5] or [2, 4, 5, 5]");
+}
+
+TEST_F(MhaErrorTest, KeyPaddingShape) {
+  Tensor mask = Random(DType::kBool, {2, 4});
+  inputs_.key_padding_mask = mask.view();
+  ExpectError("key_padding_mask: shape [2, 4], expected [2, 5]");
+}
+
+TEST_F(MhaErrorTest, WeightDType) {
+  Tensor wq = Random(DType::kUInt8, {16, 16});
+  weights_.q_proj_weight = wq.view();
+  ExpectError(
+      "q_proj_weight: dtype UINT8 not supported, expected FLOAT32 or BFLOAT16 "
+      "or FLOAT16");
+}
+
+}  // namespace
+}  // namespace attnserve::testing
