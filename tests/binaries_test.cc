@@ -1,0 +1,213 @@
+// The attnserve and attnctl binaries as users run them: the server started
+// on a free loopback port, attnctl round trips through safetensors files,
+// and a clean stop on SIGTERM.
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <string>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+#include "gtest/gtest.h"
+#include "tests/test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+std::string BinDir() {
+  const char* dir = std::getenv("ATTNSERVE_BIN_DIR");
+  return dir != nullptr ? dir : ".";
+}
+
+// The attnserve binary, started with --port=0 on 127.0.0.1; the chosen port
+// is read from its first line of output.
+class ServerProcess {
+ public:
+  ServerProcess() {
+    int fds[2];
+    if (pipe(fds) != 0) return;
+    pid_ = fork();
+    if (pid_ == 0) {
+      dup2(fds[1], STDOUT_FILENO);
+      close(fds[0]);
+      close(fds[1]);
+      const std::string bin = BinDir() + "/attnserve";
+      execl(bin.c_str(), bin.c_str(), "--host=127.0.0.1", "--port=0",
+            static_cast<char*>(nullptr));
+      _exit(127);
+    }
+    close(fds[1]);
+    out_ = fdopen(fds[0], "r");
+    std::array<char, 256> line{};
+    if (out_ != nullptr &&
+        std::fgets(line.data(), line.size(), out_) != nullptr) {
+      const std::string text = line.data();
+      const size_t colon = text.rfind(':');
+      if (text.find("listening on") != std::string::npos &&
+          colon != std::string::npos) {
+        port_ = std::atoi(text.c_str() + colon + 1);
+      }
+    }
+  }
+  ~ServerProcess() {
+    if (pid_ > 0 && !exited_) {
+      kill(pid_, SIGKILL);
+      waitpid(pid_, nullptr, 0);
+    }
+    if (out_ != nullptr) std::fclose(out_);
+  }
+  int port() const { return port_; }
+  std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
+
+  // Sends `signal` and waits up to `timeout` for the exit; returns the exit
+  // status, or -1 if it did not exit in time.
+  int StopWith(int signal, std::chrono::seconds timeout) {
+    kill(pid_, signal);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      int status = 0;
+      if (waitpid(pid_, &status, WNOHANG) == pid_) {
+        exited_ = true;
+        return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return -1;
+  }
+
+ private:
+  pid_t pid_ = -1;
+  FILE* out_ = nullptr;
+  int port_ = 0;
+  bool exited_ = false;
+};
+
+struct CommandResult {
+  int exit_code;
+  std::string output;
+};
+
+CommandResult RunCommand(const std::string& command) {
+  CommandResult result{-1, ""};
+  FILE* pipe = popen((command + " 2>&1").c_str(), "r");
+  if (pipe == nullptr) return result;
+  std::array<char, 4096> buffer{};
+  size_t n;
+  while ((n = std::fread(buffer.data(), 1, buffer.size(), pipe)) > 0) {
+    result.output.append(buffer.data(), n);
+  }
+  const int status = pclose(pipe);
+  result.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return result;
+}
+
+std::string Attnctl() { return BinDir() + "/attnctl"; }
+
+std::string TempPath(const std::string& name) {
+  return (std::filesystem::temp_directory_path() /
+          absl::StrCat("attnserve_", getpid(), "_", name))
+      .string();
+}
+
+TEST(BinariesTest, AttnctlRoundTripsGoldensThroughTheServer) {
+  ServerProcess server;
+  ASSERT_GT(server.port(), 0) << "attnserve did not report its port";
+  const std::pair<const char*, const char*> cases[] = {
+      {"mha", "mha_8_heads_random_mask_fully_masked_row.safetensors"},
+      {"attend", "attend_cross_causal_scale.safetensors"},
+      {"layernorm", "layer_norm_two_trailing_dims_no_affine.safetensors"},
+  };
+  for (const auto& [command, golden] : cases) {
+    SCOPED_TRACE(golden);
+    const std::string in = GoldensDir() + "/" + golden;
+    const std::string out = TempPath("out.safetensors");
+    const CommandResult run = RunCommand(
+        absl::StrCat(Attnctl(), " ", command, " --target=", server.target(),
+                     " --in=", in, " --out=", out, " --return_weights"));
+    ASSERT_EQ(run.exit_code, 0) << run.output;
+    EXPECT_NE(run.output.find("wrote " + out), std::string::npos) << run.output;
+    auto expected = ReadSafetensors(in);
+    auto got = ReadSafetensors(out);
+    std::filesystem::remove(out);
+    ASSERT_TRUE(expected.ok()) << expected.status();
+    ASSERT_TRUE(got.ok()) << got.status();
+    const Tensor* output = got->Find("output");
+    ASSERT_NE(output, nullptr);
+    EXPECT_TRUE(AllClose(output->view(),
+                         ToRef(expected->Find("expected_output")->view()),
+                         kFloat32Tolerance));
+    if (const Tensor* want = expected->Find("expected_weights")) {
+      const Tensor* weights = got->Find("weights");
+      ASSERT_NE(weights, nullptr);
+      EXPECT_TRUE(
+          AllClose(weights->view(), ToRef(want->view()), kFloat32Tolerance));
+    }
+  }
+}
+
+TEST(BinariesTest, AttnctlReportsServerErrors) {
+  ServerProcess server;
+  ASSERT_GT(server.port(), 0);
+  const std::string in =
+      GoldensDir() + "/mha_single_head_tiny_no_bias.safetensors";
+  const CommandResult run =
+      RunCommand(absl::StrCat(Attnctl(), " mha --target=", server.target(),
+                              " --in=", in, " --num_heads=3"));
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_NE(run.output.find("INVALID_ARGUMENT: q_proj_weight: dim 0 (4) is not "
+                            "divisible by num_heads 3"),
+            std::string::npos)
+      << run.output;
+}
+
+TEST(BinariesTest, AttnctlHealth) {
+  ServerProcess server;
+  ASSERT_GT(server.port(), 0);
+  const CommandResult run =
+      RunCommand(absl::StrCat(Attnctl(), " health --target=", server.target()));
+  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(run.output, "SERVING\n");
+}
+
+TEST(BinariesTest, AttnctlWithoutServerFailsFast) {
+  const CommandResult run = RunCommand(
+      absl::StrCat(Attnctl(), " health --target=127.0.0.1:1 --timeout_s=5"));
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_NE(run.output.find("UNAVAILABLE"), std::string::npos) << run.output;
+}
+
+TEST(BinariesTest, AttnctlRejectsUnknownCommand) {
+  const CommandResult run = RunCommand(Attnctl() + " frobnicate");
+  EXPECT_EQ(run.exit_code, 2);
+  EXPECT_NE(run.output.find("unknown command 'frobnicate'"), std::string::npos);
+}
+
+TEST(BinariesTest, ServerStopsCleanlyOnSigterm) {
+  ServerProcess server;
+  ASSERT_GT(server.port(), 0);
+  EXPECT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(10)), 0);
+}
+
+TEST(BinariesTest, ServerStopsCleanlyOnSigint) {
+  ServerProcess server;
+  ASSERT_GT(server.port(), 0);
+  EXPECT_EQ(server.StopWith(SIGINT, std::chrono::seconds(10)), 0);
+}
+
+TEST(BinariesTest, ServerRejectsBadFlags) {
+  const CommandResult run = RunCommand(BinDir() + "/attnserve --port=70000");
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_NE(run.output.find("--port: 70000 is not in [0, 65535]"),
+            std::string::npos)
+      << run.output;
+}
+
+}  // namespace
+}  // namespace attnserve::testing

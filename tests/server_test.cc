@@ -1,0 +1,299 @@
+// The server's answers to bad requests (code and message), and that it keeps
+// serving after each of them.
+#include <string>
+
+#include "client/client.h"
+#include "core/convert.h"
+#include "gtest/gtest.h"
+#include "proto/tensor_codec.h"
+#include "tests/test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+v1::Tensor FloatTensor(Shape shape) {
+  std::mt19937 rng(17);
+  Tensor t = RandomTensor(DType::kFloat32, shape, rng);
+  v1::Tensor out;
+  EncodeTensor(t.view(), &out);
+  return out;
+}
+
+v1::AttendRequest ValidAttend() {
+  v1::AttendRequest r;
+  *r.mutable_query() = FloatTensor({2, 3, 8});
+  *r.mutable_key() = FloatTensor({2, 5, 8});
+  *r.mutable_value() = FloatTensor({2, 5, 4});
+  return r;
+}
+
+v1::MultiHeadAttendRequest ValidMha() {
+  v1::MultiHeadAttendRequest r;
+  *r.mutable_query() = FloatTensor({2, 3, 8});
+  v1::AttentionWeights* w = r.mutable_weights();
+  w->set_num_heads(2);
+  *w->mutable_q_proj_weight() = FloatTensor({8, 8});
+  *w->mutable_k_proj_weight() = FloatTensor({8, 8});
+  *w->mutable_v_proj_weight() = FloatTensor({8, 8});
+  return r;
+}
+
+v1::LayerNormRequest ValidLayerNorm() {
+  v1::LayerNormRequest r;
+  *r.mutable_input() = FloatTensor({2, 6});
+  return r;
+}
+
+class ServerTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() { server_ = new TestServer(); }
+  static void TearDownTestSuite() {
+    delete server_;
+    server_ = nullptr;
+  }
+  ServerTest() : client_(server_->MakeClient()) {}
+
+  // The call fails with `code` and exactly `message`, and a valid call right
+  // after it still succeeds.
+  template <typename Response>
+  void ExpectError(const absl::StatusOr<Response>& response,
+                   absl::StatusCode code, const std::string& message) {
+    ASSERT_FALSE(response.ok());
+    EXPECT_EQ(response.status().code(), code) << response.status();
+    EXPECT_EQ(response.status().message(), message);
+    auto ok = client_.Attend(ValidAttend());
+    EXPECT_TRUE(ok.ok()) << "server stopped serving: " << ok.status();
+  }
+
+  static TestServer* server_;
+  AttnClient client_;
+};
+TestServer* ServerTest::server_ = nullptr;
+
+constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
+
+TEST_F(ServerTest, ValidRequestsSucceed) {
+  auto attend = client_.Attend(ValidAttend());
+  ASSERT_TRUE(attend.ok()) << attend.status();
+  EXPECT_EQ(attend->output().dtype(), v1::DATA_TYPE_FLOAT32);
+  EXPECT_EQ(std::vector<int64_t>(attend->output().shape().begin(),
+                                 attend->output().shape().end()),
+            (std::vector<int64_t>{2, 3, 4}));
+  EXPECT_EQ(attend->output().raw_data().size(), 2u * 3 * 4 * 4);
+  EXPECT_FALSE(attend->has_weights());
+  auto mha = client_.MultiHeadAttend(ValidMha());
+  ASSERT_TRUE(mha.ok()) << mha.status();
+  auto ln = client_.LayerNorm(ValidLayerNorm());
+  ASSERT_TRUE(ln.ok()) << ln.status();
+}
+
+TEST_F(ServerTest, FloatDataIsAccepted) {
+  v1::LayerNormRequest r;
+  r.mutable_input()->set_dtype(v1::DATA_TYPE_FLOAT32);
+  r.mutable_input()->add_shape(1);
+  r.mutable_input()->add_shape(4);
+  for (float v : {1.0f, 2.0f, 3.0f, 4.0f}) r.mutable_input()->add_float_data(v);
+  auto response = client_.LayerNorm(r);
+  ASSERT_TRUE(response.ok()) << response.status();
+  auto out = CopyTensor(response->output(), "output");
+  ASSERT_TRUE(out.ok());
+  // mean 2.5, variance 1.25
+  const float inv = 1.0f / std::sqrt(1.25f + 1e-5f);
+  EXPECT_NEAR(out->data_as<float>()[0], -1.5f * inv, 1e-6);
+  EXPECT_NEAR(out->data_as<float>()[3], 1.5f * inv, 1e-6);
+}
+
+TEST_F(ServerTest, MissingTensor) {
+  v1::AttendRequest r = ValidAttend();
+  r.clear_key();
+  ExpectError(client_.Attend(r), kInvalid, "key: missing");
+}
+
+TEST_F(ServerTest, UnspecifiedDType) {
+  v1::AttendRequest r = ValidAttend();
+  r.mutable_query()->set_dtype(v1::DATA_TYPE_UNSPECIFIED);
+  ExpectError(client_.Attend(r), kInvalid,
+              "query: dtype is DATA_TYPE_UNSPECIFIED, expected one of "
+              "DATA_TYPE_FLOAT32, DATA_TYPE_BFLOAT16, DATA_TYPE_FLOAT16, "
+              "DATA_TYPE_BOOL, DATA_TYPE_UINT8");
+}
+
+TEST_F(ServerTest, UnknownDType) {
+  v1::AttendRequest r = ValidAttend();
+  r.mutable_query()->set_dtype(static_cast<v1::DataType>(42));
+  ExpectError(client_.Attend(r), kInvalid,
+              "query: dtype 42 is not a known DataType");
+}
+
+TEST_F(ServerTest, RawDataLength) {
+  v1::AttendRequest r = ValidAttend();
+  r.mutable_value()->mutable_raw_data()->resize(12);
+  ExpectError(client_.Attend(r), kInvalid,
+              "value: raw_data has 12 bytes, expected 160 (shape [2, 5, 4] x 4 "
+              "bytes of FLOAT32)");
+}
+
+TEST_F(ServerTest, BothRawAndFloatData) {
+  v1::AttendRequest r = ValidAttend();
+  r.mutable_query()->add_float_data(1.0f);
+  ExpectError(
+      client_.Attend(r), kInvalid,
+      "query: both raw_data and float_data are set, expected exactly one");
+}
+
+TEST_F(ServerTest, FloatDataCount) {
+  v1::LayerNormRequest r;
+  r.mutable_input()->set_dtype(v1::DATA_TYPE_FLOAT32);
+  r.mutable_input()->add_shape(2);
+  r.mutable_input()->add_shape(2);
+  r.mutable_input()->add_float_data(1.0f);
+  ExpectError(client_.LayerNorm(r), kInvalid,
+              "input: float_data has 1 values, expected 4 for shape [2, 2]");
+}
+
+TEST_F(ServerTest, FloatDataWithOtherDType) {
+  v1::LayerNormRequest r;
+  r.mutable_input()->set_dtype(v1::DATA_TYPE_BFLOAT16);
+  r.mutable_input()->add_shape(1);
+  r.mutable_input()->add_float_data(1.0f);
+  ExpectError(client_.LayerNorm(r), kInvalid,
+              "input: float_data is only for DATA_TYPE_FLOAT32, dtype is "
+              "DATA_TYPE_BFLOAT16");
+}
+
+TEST_F(ServerTest, NegativeDim) {
+  v1::AttendRequest r = ValidAttend();
+  r.mutable_query()->set_shape(1, -3);
+  ExpectError(client_.Attend(r), kInvalid,
+              "query: dim 1 is negative (-3) in shape [2, -3, 8]");
+}
+
+TEST_F(ServerTest, OverflowingDims) {
+  v1::AttendRequest r = ValidAttend();
+  r.mutable_query()->clear_shape();
+  for (int64_t d : {int64_t{1} << 40, int64_t{1} << 40, int64_t{8}}) {
+    r.mutable_query()->add_shape(d);
+  }
+  ExpectError(client_.Attend(r), kInvalid,
+              "query: shape [1099511627776, 1099511627776, 8] overflows 64-bit "
+              "size");
+}
+
+TEST_F(ServerTest, WrongRank) {
+  v1::AttendRequest r = ValidAttend();
+  *r.mutable_query() = FloatTensor({8});
+  ExpectError(client_.Attend(r), kInvalid,
+              "query: rank 1 (shape [8]), expected rank >= 2");
+}
+
+TEST_F(ServerTest, MismatchedDims) {
+  v1::AttendRequest r = ValidAttend();
+  *r.mutable_key() = FloatTensor({2, 5, 6});
+  ExpectError(client_.Attend(r), kInvalid,
+              "key: last dim 6 != query last dim 8");
+}
+
+TEST_F(ServerTest, MaskDoesNotBroadcast) {
+  v1::AttendRequest r = ValidAttend();
+  r.mutable_attn_mask()->set_dtype(v1::DATA_TYPE_BOOL);
+  r.mutable_attn_mask()->add_shape(3);
+  r.mutable_attn_mask()->add_shape(4);
+  r.mutable_attn_mask()->set_raw_data(std::string(12, '\1'));
+  ExpectError(client_.Attend(r), kInvalid,
+              "attn_mask: shape [3, 4] does not broadcast to [2, 3, 5] (dim 1 "
+              "is 4, expected 1 or 5)");
+}
+
+TEST_F(ServerTest, NonPositiveTemperature) {
+  v1::AttendRequest r = ValidAttend();
+  r.set_temperature(0.0f);
+  ExpectError(client_.Attend(r), kInvalid,
+              "temperature: must be finite and > 0, got 0");
+}
+
+TEST_F(ServerTest, HeadsDoNotDivide) {
+  v1::MultiHeadAttendRequest r = ValidMha();
+  r.mutable_weights()->set_num_heads(3);
+  ExpectError(client_.MultiHeadAttend(r), kInvalid,
+              "q_proj_weight: dim 0 (8) is not divisible by num_heads 3");
+}
+
+TEST_F(ServerTest, BiasLength) {
+  v1::MultiHeadAttendRequest r = ValidMha();
+  *r.mutable_weights()->mutable_v_proj_bias() = FloatTensor({7});
+  ExpectError(client_.MultiHeadAttend(r), kInvalid,
+              "v_proj_bias: shape [7], expected [8]");
+}
+
+TEST_F(ServerTest, NoWeightsSource) {
+  v1::MultiHeadAttendRequest r = ValidMha();
+  r.clear_weights();
+  ExpectError(client_.MultiHeadAttend(r), kInvalid,
+              "weights: missing, expected either `model` or `weights`");
+}
+
+TEST_F(ServerTest, UnknownModelIsNotFound) {
+  v1::MultiHeadAttendRequest r = ValidMha();
+  r.set_model("bert");
+  ExpectError(client_.MultiHeadAttend(r), absl::StatusCode::kNotFound,
+              "model: 'bert' not found: this server has no model repository "
+              "loaded; send the weights inline in `weights`");
+}
+
+TEST_F(ServerTest, NegativeEps) {
+  v1::LayerNormRequest r = ValidLayerNorm();
+  r.set_eps(-1.0f);
+  ExpectError(client_.LayerNorm(r), kInvalid,
+              "eps: must be finite and > 0, got -1");
+}
+
+TEST_F(ServerTest, NegativeNormalizedNdim) {
+  v1::LayerNormRequest r = ValidLayerNorm();
+  r.set_normalized_ndim(-1);
+  ExpectError(client_.LayerNorm(r), kInvalid,
+              "normalized_ndim: must be >= 0 (0 means 1), got -1");
+}
+
+TEST_F(ServerTest, OversizedMessageIsResourceExhausted) {
+  ClientOptions options;
+  options.target = server_->target();
+  options.max_message_mb = 512;
+  AttnClient big_client(options);
+  v1::LayerNormRequest r;
+  r.mutable_input()->set_dtype(v1::DATA_TYPE_UINT8);
+  r.mutable_input()->add_shape(int64_t{257} << 20);
+  r.mutable_input()->mutable_raw_data()->resize(size_t{257} << 20);
+  auto response = big_client.LayerNorm(r);
+  ASSERT_FALSE(response.ok());
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kResourceExhausted)
+      << response.status();
+  auto ok = client_.Attend(ValidAttend());
+  EXPECT_TRUE(ok.ok()) << ok.status();
+}
+
+TEST_F(ServerTest, HealthIsServing) {
+  auto overall = client_.Health("");
+  ASSERT_TRUE(overall.ok()) << overall.status();
+  EXPECT_EQ(*overall, grpc::health::v1::HealthCheckResponse::SERVING);
+  auto service = client_.Health("attnserve.v1.AttentionService");
+  ASSERT_TRUE(service.ok()) << service.status();
+  EXPECT_EQ(*service, grpc::health::v1::HealthCheckResponse::SERVING);
+  auto unknown = client_.Health("no.such.Service");
+  EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
+  ServerOptions options;
+  options.port = 70000;
+  EXPECT_EQ(ValidateServerOptions(options).message(),
+            "--port: 70000 is not in [0, 65535]");
+  options = ServerOptions();
+  options.max_message_mb = 0;
+  EXPECT_EQ(ValidateServerOptions(options).message(),
+            "--max_message_mb: 0 is not in [1, 2047] (protobuf messages are "
+            "limited to 2 GiB)");
+  EXPECT_TRUE(ValidateServerOptions(ServerOptions()).ok());
+}
+
+}  // namespace
+}  // namespace attnserve::testing
