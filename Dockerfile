@@ -1,0 +1,33 @@
+# attnserve container image.
+#   docker build -t attnserve .
+#   docker run --rm -p 50051:50051 attnserve
+# Build stage: the -dev packages and the compiler.
+FROM debian:bookworm-slim AS build
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      build-essential cmake pkg-config \
+      libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
+      libabsl-dev libdnnl-dev nlohmann-json3-dev \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY CMakeLists.txt ./
+COPY proto proto
+COPY core core
+COPY server server
+COPY client client
+RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_BUILD_TESTS=OFF \
+ && cmake --build build -j"$(nproc)" \
+ && strip build/bin/attnserve build/bin/attnctl
+
+# Runtime stage: shared libraries only, no compiler, no headers.
+FROM debian:bookworm-slim
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+      libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libdnnl2 libgomp1 \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin attnserve
+COPY --from=build /src/build/bin/attnserve /src/build/bin/attnctl /usr/local/bin/
+USER attnserve
+EXPOSE 50051
+ENTRYPOINT ["/usr/local/bin/attnserve"]
+CMD ["--host=0.0.0.0", "--port=50051"]

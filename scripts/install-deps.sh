@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Installs the Debian bookworm packages that attnserve builds and tests with.
+# Safe to run again: apt-get skips what is already installed.
+set -euo pipefail
+
+packages=(
+  build-essential cmake pkg-config
+  libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
+  libabsl-dev libdnnl-dev nlohmann-json3-dev
+  libgtest-dev libgmock-dev googletest
+)
+
+sudo=""
+if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
+export DEBIAN_FRONTEND=noninteractive
+$sudo apt-get update -qq
+$sudo apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
+echo "install-deps: ${#packages[@]} packages present"
