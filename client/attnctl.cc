@@ -115,27 +115,8 @@ absl::Status RunOperation(const std::string& command) {
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   AttnClient client(options);
 
-  NamedTensors results;
-  if (command == "attend") {
-    ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(views, params));
-    ATTN_ASSIGN_OR_RETURN(auto response, client.Attend(request));
-    ATTN_ASSIGN_OR_RETURN(
-        results,
-        ResultTensors(response.output(),
-                      response.has_weights() ? &response.weights() : nullptr));
-  } else if (command == "mha") {
-    ATTN_ASSIGN_OR_RETURN(auto request,
-                          BuildMultiHeadAttendRequest(views, params));
-    ATTN_ASSIGN_OR_RETURN(auto response, client.MultiHeadAttend(request));
-    ATTN_ASSIGN_OR_RETURN(
-        results,
-        ResultTensors(response.output(),
-                      response.has_weights() ? &response.weights() : nullptr));
-  } else {
-    ATTN_ASSIGN_OR_RETURN(auto request, BuildLayerNormRequest(views, params));
-    ATTN_ASSIGN_OR_RETURN(auto response, client.LayerNorm(request));
-    ATTN_ASSIGN_OR_RETURN(results, ResultTensors(response.output(), nullptr));
-  }
+  ATTN_ASSIGN_OR_RETURN(Operation op, ParseOperation(command));
+  ATTN_ASSIGN_OR_RETURN(NamedTensors results, client.Run(op, views, params));
   PrintResults(results, file);
   const std::string out_path = absl::GetFlag(FLAGS_out);
   if (!out_path.empty()) {

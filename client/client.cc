@@ -2,6 +2,7 @@
 
 #include <chrono>
 
+#include "core/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/security/credentials.h"
@@ -63,6 +64,35 @@ absl::StatusOr<v1::LayerNormResponse> AttnClient::LayerNorm(
         return stub_->LayerNorm(c, req, resp);
       },
       request);
+}
+
+absl::StatusOr<NamedTensors> AttnClient::Run(Operation op,
+                                             const NamedViews& tensors,
+                                             const OpParams& params) {
+  switch (op) {
+    case Operation::kAttend: {
+      ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(tensors, params));
+      ATTN_ASSIGN_OR_RETURN(auto response, Attend(request));
+      return ResultTensors(response.output(), response.has_weights()
+                                                  ? &response.weights()
+                                                  : nullptr);
+    }
+    case Operation::kMultiHeadAttend: {
+      ATTN_ASSIGN_OR_RETURN(auto request,
+                            BuildMultiHeadAttendRequest(tensors, params));
+      ATTN_ASSIGN_OR_RETURN(auto response, MultiHeadAttend(request));
+      return ResultTensors(response.output(), response.has_weights()
+                                                  ? &response.weights()
+                                                  : nullptr);
+    }
+    case Operation::kLayerNorm: {
+      ATTN_ASSIGN_OR_RETURN(auto request,
+                            BuildLayerNormRequest(tensors, params));
+      ATTN_ASSIGN_OR_RETURN(auto response, LayerNorm(request));
+      return ResultTensors(response.output(), nullptr);
+    }
+  }
+  return absl::InvalidArgumentError("unknown operation");
 }
 
 absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus>

@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "client/requests.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 
@@ -39,6 +40,11 @@ class AttnClient {
       const v1::MultiHeadAttendRequest& request);
   absl::StatusOr<v1::LayerNormResponse> LayerNorm(
       const v1::LayerNormRequest& request);
+  // Runs `op` on named tensors (see requests.h): request built from
+  // `tensors` and `params`, result as "output" and "weights".
+  absl::StatusOr<NamedTensors> Run(Operation op, const NamedViews& tensors,
+                                   const OpParams& params);
+
   // The server's health for `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
       const std::string& service);

@@ -154,4 +154,14 @@ absl::StatusOr<NamedTensors> ResultTensors(const v1::Tensor& output,
   return result;
 }
 
+absl::StatusOr<Operation> ParseOperation(absl::string_view name) {
+  if (name == "attend") return Operation::kAttend;
+  if (name == "mha" || name == "multi_head_attend") {
+    return Operation::kMultiHeadAttend;
+  }
+  if (name == "layernorm" || name == "layer_norm") return Operation::kLayerNorm;
+  return absl::InvalidArgumentError(
+      absl::StrCat("operation '", name, "' is not attend, mha or layernorm"));
+}
+
 }  // namespace attnserve

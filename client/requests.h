@@ -12,6 +12,7 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/tensor.h"
 
@@ -53,6 +54,13 @@ absl::StatusOr<v1::LayerNormRequest> BuildLayerNormRequest(
 // "output" and, when present, "weights" of a response.
 absl::StatusOr<NamedTensors> ResultTensors(const v1::Tensor& output,
                                            const v1::Tensor* weights);
+
+enum class Operation { kAttend, kMultiHeadAttend, kLayerNorm };
+
+// The operation called `name`: attnctl's command names (attend, mha,
+// layernorm) or the golden files' "op" values (multi_head_attend,
+// layer_norm); INVALID_ARGUMENT otherwise.
+absl::StatusOr<Operation> ParseOperation(absl::string_view name);
 
 }  // namespace attnserve
 

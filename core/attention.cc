@@ -204,29 +204,16 @@ absl::Status Project(const Projection& proj, int64_t rows, const float* x,
   return MatmulF32(s, x, proj.weight, proj.bias, y);
 }
 
-// [B, L, H, d] -> [B, H, L, d].
-void SplitHeads(const float* src, int64_t batch, int64_t len, int64_t heads,
-                int64_t dim, float* dst) {
+// [B, X, Y, d] -> [B, Y, X, d]: splits heads ([B, L, H, d] -> [B, H, L, d])
+// and merges them back.
+void SwapMiddleAxes(const float* src, int64_t batch, int64_t x, int64_t y,
+                    int64_t dim, float* dst) {
 #pragma omp parallel for collapse(2) schedule(static)
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < heads; ++h) {
-      for (int64_t l = 0; l < len; ++l) {
-        const float* from = src + ((b * len + l) * heads + h) * dim;
-        std::copy(from, from + dim, dst + ((b * heads + h) * len + l) * dim);
-      }
-    }
-  }
-}
-
-// [B, H, L, d] -> [B, L, H, d].
-void MergeHeads(const float* src, int64_t batch, int64_t len, int64_t heads,
-                int64_t dim, float* dst) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t l = 0; l < len; ++l) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* from = src + ((b * heads + h) * len + l) * dim;
-        std::copy(from, from + dim, dst + ((b * len + l) * heads + h) * dim);
+    for (int64_t j = 0; j < y; ++j) {
+      for (int64_t i = 0; i < x; ++i) {
+        const float* from = src + ((b * x + i) * y + j) * dim;
+        std::copy(from, from + dim, dst + ((b * y + j) * x + i) * dim);
       }
     }
   }
@@ -521,15 +508,15 @@ absl::StatusOr<AttentionResult> MultiHeadAttend(
       Tensor::Allocate(DType::kFloat32, {p.batch * key_len * p.value_dim}));
   float* scratch = projected.data_as<float>();
   ATTN_RETURN_IF_ERROR(Project(w.q, batch * query_len, query.data(), scratch));
-  SplitHeads(scratch, batch, query_len, heads, p.key_dim,
-             q_heads.data_as<float>());
+  SwapMiddleAxes(scratch, batch, query_len, heads, p.key_dim,
+                 q_heads.data_as<float>());
   ATTN_RETURN_IF_ERROR(Project(w.k, batch * key_len, key_data.data(), scratch));
-  SplitHeads(scratch, batch, key_len, heads, p.key_dim,
-             k_heads.data_as<float>());
+  SwapMiddleAxes(scratch, batch, key_len, heads, p.key_dim,
+                 k_heads.data_as<float>());
   ATTN_RETURN_IF_ERROR(
       Project(w.v, batch * key_len, value_data.data(), scratch));
-  SplitHeads(scratch, batch, key_len, heads, p.value_dim,
-             v_heads.data_as<float>());
+  SwapMiddleAxes(scratch, batch, key_len, heads, p.value_dim,
+                 v_heads.data_as<float>());
   p.query = q_heads.data_as<float>();
   p.key = k_heads.data_as<float>();
   p.value = v_heads.data_as<float>();
@@ -551,8 +538,8 @@ absl::StatusOr<AttentionResult> MultiHeadAttend(
   ATTN_ASSIGN_OR_RETURN(
       Tensor concat,
       Tensor::Allocate(DType::kFloat32, {batch, query_len, concat_dim}));
-  MergeHeads(heads_out.data_as<float>(), batch, query_len, heads, p.value_dim,
-             concat.data_as<float>());
+  SwapMiddleAxes(heads_out.data_as<float>(), batch, heads, query_len,
+                 p.value_dim, concat.data_as<float>());
   Tensor output;
   if (w.out.has_value()) {
     ATTN_ASSIGN_OR_RETURN(

@@ -89,6 +89,12 @@ absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
   if (!count.ok()) return count.status();
   constexpr size_t kAlignment = 64;
   const size_t bytes = static_cast<size_t>(*count) * DTypeSize(dtype);
+  if (bytes > kMaxTensorBytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "a ", DTypeName(dtype), " tensor of shape ", ShapeString(shape),
+        " needs ", bytes, " bytes, above the limit of ", kMaxTensorBytes,
+        " bytes per tensor"));
+  }
   // aligned_alloc wants a multiple of the alignment, and at least one byte
   // so that an empty tensor still has a valid pointer.
   const size_t rounded = (bytes + kAlignment) / kAlignment * kAlignment;

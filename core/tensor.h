@@ -60,12 +60,17 @@ struct TensorView {
   }
 };
 
+// The largest tensor the core allocates: a protobuf message cannot carry
+// more, and refusing up front beats running the machine out of memory.
+inline constexpr size_t kMaxTensorBytes = size_t{2} << 30;
+
 // A tensor that owns a 64-byte aligned buffer. Move-only.
 class Tensor {
  public:
   Tensor() = default;
   // Allocates an uninitialized tensor. Fails with INVALID_ARGUMENT on bad
-  // shapes and RESOURCE_EXHAUSTED when memory is not available.
+  // shapes and RESOURCE_EXHAUSTED above kMaxTensorBytes or when memory is
+  // not available.
   static absl::StatusOr<Tensor> Allocate(DType dtype, Shape shape);
   // As Allocate, with every byte zero.
   static absl::StatusOr<Tensor> Zeros(DType dtype, Shape shape);

@@ -2,6 +2,7 @@
 // serving after each of them.
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "core/convert.h"
 #include "gtest/gtest.h"
@@ -280,6 +281,31 @@ TEST_F(ServerTest, HealthIsServing) {
   EXPECT_EQ(*service, grpc::health::v1::HealthCheckResponse::SERVING);
   auto unknown = client_.Health("no.such.Service");
   EXPECT_EQ(unknown.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(ServerTest, ResultsTooLargeAreResourceExhausted) {
+  // 32768 x 32768 FLOAT32 weights are 4 GiB from 256 KiB of input.
+  v1::AttendRequest r;
+  *r.mutable_query() = FloatTensor({32768, 2});
+  *r.mutable_key() = FloatTensor({32768, 2});
+  *r.mutable_value() = FloatTensor({32768, 2});
+  r.set_return_weights(true);
+  ExpectError(
+      client_.Attend(r), absl::StatusCode::kResourceExhausted,
+      "a FLOAT32 tensor of shape [32768, 32768] needs 4294967296 bytes, "
+      "above the limit of 2147483648 bytes per tensor");
+}
+
+TEST_F(ServerTest, SecondServerOnTheSamePortFails) {
+  ServerOptions options;
+  options.host = "127.0.0.1";
+  options.port = server_->port();
+  auto second = AttnServer::Start(options);
+  ASSERT_FALSE(second.ok());
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(second.status().message(),
+            absl::StrCat("cannot listen on 127.0.0.1:", server_->port(),
+                         " (address in use, or not an address of this host?)"));
 }
 
 TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {

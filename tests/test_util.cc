@@ -99,6 +99,11 @@ absl::StatusOr<OpParams> GoldenParams(const SafetensorsFile& file) {
   return params;
 }
 
+absl::StatusOr<Operation> GoldenOperation(const SafetensorsFile& file) {
+  const auto op = file.metadata.find("op");
+  return ParseOperation(op == file.metadata.end() ? "" : op->second);
+}
+
 void AddResult(AttentionResult result, NamedTensors* out) {
   out->emplace("output", std::move(result.output));
   if (result.weights) out->emplace("weights", std::move(*result.weights));
@@ -109,20 +114,19 @@ void AddResult(AttentionResult result, NamedTensors* out) {
 absl::StatusOr<NamedTensors> RunGoldenThroughCore(const SafetensorsFile& file) {
   ATTN_ASSIGN_OR_RETURN(OpParams params, GoldenParams(file));
   const NamedViews v = ViewsOf(file.tensors);
-  const std::string op =
-      file.metadata.count("op") ? file.metadata.at("op") : "";
+  ATTN_ASSIGN_OR_RETURN(Operation op, GoldenOperation(file));
   AttentionOptions attention;
   attention.causal = params.causal;
   attention.scale = params.scale;
   attention.temperature = params.temperature;
   attention.return_weights = params.return_weights;
   NamedTensors out;
-  if (op == "attend") {
+  if (op == Operation::kAttend) {
     AttendInputs in{v.at("query"), v.at("key"), v.at("value"),
                     Find(v, "attn_mask")};
     ATTN_ASSIGN_OR_RETURN(AttentionResult r, Attend(in, attention));
     AddResult(std::move(r), &out);
-  } else if (op == "multi_head_attend") {
+  } else if (op == Operation::kMultiHeadAttend) {
     MultiHeadWeights w;
     w.num_heads = params.num_heads;
     w.q_proj_weight = Find(v, "q_proj_weight");
@@ -141,7 +145,7 @@ absl::StatusOr<NamedTensors> RunGoldenThroughCore(const SafetensorsFile& file) {
     options.attention = attention;
     ATTN_ASSIGN_OR_RETURN(AttentionResult r, MultiHeadAttend(w, in, options));
     AddResult(std::move(r), &out);
-  } else if (op == "layer_norm") {
+  } else {
     LayerNormOptions options;
     if (params.eps) options.eps = *params.eps;
     if (params.normalized_ndim > 0)
@@ -149,8 +153,6 @@ absl::StatusOr<NamedTensors> RunGoldenThroughCore(const SafetensorsFile& file) {
     ATTN_ASSIGN_OR_RETURN(Tensor r, LayerNorm(v.at("input"), Find(v, "gamma"),
                                               Find(v, "beta"), options));
     out.emplace("output", std::move(r));
-  } else {
-    return absl::InvalidArgumentError(absl::StrCat("unknown op '", op, "'"));
   }
   return out;
 }
@@ -158,29 +160,8 @@ absl::StatusOr<NamedTensors> RunGoldenThroughCore(const SafetensorsFile& file) {
 absl::StatusOr<NamedTensors> RunGoldenThroughClient(
     AttnClient& client, const SafetensorsFile& file) {
   ATTN_ASSIGN_OR_RETURN(OpParams params, GoldenParams(file));
-  const NamedViews v = ViewsOf(file.tensors);
-  const std::string op =
-      file.metadata.count("op") ? file.metadata.at("op") : "";
-  if (op == "attend") {
-    ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(v, params));
-    ATTN_ASSIGN_OR_RETURN(auto response, client.Attend(request));
-    return ResultTensors(response.output(), response.has_weights()
-                                                ? &response.weights()
-                                                : nullptr);
-  }
-  if (op == "multi_head_attend") {
-    ATTN_ASSIGN_OR_RETURN(auto request, BuildMultiHeadAttendRequest(v, params));
-    ATTN_ASSIGN_OR_RETURN(auto response, client.MultiHeadAttend(request));
-    return ResultTensors(response.output(), response.has_weights()
-                                                ? &response.weights()
-                                                : nullptr);
-  }
-  if (op == "layer_norm") {
-    ATTN_ASSIGN_OR_RETURN(auto request, BuildLayerNormRequest(v, params));
-    ATTN_ASSIGN_OR_RETURN(auto response, client.LayerNorm(request));
-    return ResultTensors(response.output(), nullptr);
-  }
-  return absl::InvalidArgumentError(absl::StrCat("unknown op '", op, "'"));
+  ATTN_ASSIGN_OR_RETURN(Operation op, GoldenOperation(file));
+  return client.Run(op, ViewsOf(file.tensors), params);
 }
 
 TestServer::TestServer() {
