@@ -1,12 +1,19 @@
 // The server's answers to bad requests (code and message), and that it keeps
 // serving after each of them.
+#include <chrono>
+#include <set>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "core/convert.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/impl/codegen/client_context.h"
+#include "grpcpp/impl/codegen/rpc_method.h"
+#include "grpcpp/impl/codegen/sync_stream.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
+#include "reflection_test/reflection.pb.h"
 #include "tests/test_util.h"
 
 namespace attnserve::testing {
@@ -306,6 +313,38 @@ TEST_F(ServerTest, SecondServerOnTheSamePortFails) {
   EXPECT_EQ(second.status().message(),
             absl::StrCat("cannot listen on 127.0.0.1:", server_->port(),
                          " (address in use, or not an address of this host?)"));
+}
+
+TEST_F(ServerTest, ReflectionListsTheServices) {
+  auto channel = grpc::CreateChannel(server_->target(),
+                                     grpc::InsecureChannelCredentials());
+  namespace reflection = attnserve::testing::reflection;
+  using Request = reflection::ServerReflectionRequest;
+  using Response = reflection::ServerReflectionResponse;
+  const grpc::internal::RpcMethod method(
+      "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+      grpc::internal::RpcMethod::BIDI_STREAMING, channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(30));
+  std::unique_ptr<grpc::ClientReaderWriter<Request, Response>> stream(
+      grpc::internal::ClientReaderWriterFactory<Request, Response>::Create(
+          channel.get(), method, &context));
+  Request request;
+  request.set_list_services("");
+  ASSERT_TRUE(stream->Write(request));
+  stream->WritesDone();
+  Response response;
+  ASSERT_TRUE(stream->Read(&response));
+  std::set<std::string> names;
+  for (const auto& service : response.list_services_response().service()) {
+    names.insert(service.name());
+  }
+  EXPECT_TRUE(names.count("attnserve.v1.AttentionService")) << names.size();
+  EXPECT_TRUE(names.count("grpc.health.v1.Health"));
+  while (stream->Read(&response)) {
+  }
+  EXPECT_TRUE(stream->Finish().ok());
 }
 
 TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
