@@ -52,21 +52,85 @@ ABSL_FLAG(std::string, service, "",
 namespace attnserve {
 namespace {
 
+// Everything attnctl takes from its command line.
+struct AttnctlOptions {
+  // attend, mha, layernorm or health.
+  std::string command;
+  // --target, --timeout_s, --max_message_mb.
+  ClientOptions client;
+  // --in: the request's tensors (required but for health).
+  std::string in_path;
+  // --out: where to write the results; empty: only print a summary.
+  std::string out_path;
+  // Operation flags; unset ones fall back to the input file's metadata.
+  bool causal = false;
+  std::optional<float> scale;
+  std::optional<float> temperature;
+  std::optional<int> num_heads;
+  std::optional<float> eps;
+  std::optional<int> normalized_ndim;
+  bool return_weights = false;
+  bool average_weights = false;
+  std::string model;
+  // health: the service to check; empty: the whole server.
+  std::string service;
+};
+
+AttnctlOptions OptionsFromFlags(const std::string& command) {
+  AttnctlOptions options;
+  options.command = command;
+  options.client.target = absl::GetFlag(FLAGS_target);
+  options.client.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  options.client.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
+  options.in_path = absl::GetFlag(FLAGS_in);
+  options.out_path = absl::GetFlag(FLAGS_out);
+  options.causal = absl::GetFlag(FLAGS_causal);
+  options.scale = absl::GetFlag(FLAGS_scale);
+  options.temperature = absl::GetFlag(FLAGS_temperature);
+  options.num_heads = absl::GetFlag(FLAGS_num_heads);
+  options.eps = absl::GetFlag(FLAGS_eps);
+  options.normalized_ndim = absl::GetFlag(FLAGS_normalized_ndim);
+  options.return_weights = absl::GetFlag(FLAGS_return_weights);
+  options.average_weights = absl::GetFlag(FLAGS_average_weights);
+  options.model = absl::GetFlag(FLAGS_model);
+  options.service = absl::GetFlag(FLAGS_service);
+  return options;
+}
+
+absl::Status ValidateOptions(const AttnctlOptions& options) {
+  if (options.client.target.empty()) {
+    return absl::InvalidArgumentError("--target: must not be empty");
+  }
+  if (options.client.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--timeout_s: must be > 0");
+  }
+  if (options.client.max_message_mb < 1 ||
+      options.client.max_message_mb > 2047) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_message_mb: ", options.client.max_message_mb,
+                     " is not in [1, 2047]"));
+  }
+  if (options.command != "health" && options.in_path.empty()) {
+    return absl::InvalidArgumentError("--in: missing (a .safetensors file)");
+  }
+  return absl::OkStatus();
+}
+
 // Flags override the file's metadata (--causal can only turn causal on).
-absl::StatusOr<OpParams> Params(const SafetensorsFile& file) {
+absl::StatusOr<OpParams> Params(const AttnctlOptions& options,
+                                const SafetensorsFile& file) {
   OpParams params;
   ATTN_RETURN_IF_ERROR(ApplyMetadata(file.metadata, &params));
-  if (absl::GetFlag(FLAGS_causal)) params.causal = true;
-  if (auto v = absl::GetFlag(FLAGS_scale)) params.scale = v;
-  if (auto v = absl::GetFlag(FLAGS_temperature)) params.temperature = v;
-  if (auto v = absl::GetFlag(FLAGS_num_heads)) params.num_heads = *v;
-  if (auto v = absl::GetFlag(FLAGS_eps)) params.eps = v;
-  if (auto v = absl::GetFlag(FLAGS_normalized_ndim)) {
-    params.normalized_ndim = *v;
-  }
-  params.return_weights = absl::GetFlag(FLAGS_return_weights);
-  params.average_weights = absl::GetFlag(FLAGS_average_weights);
-  params.model = absl::GetFlag(FLAGS_model);
+  if (options.causal) params.causal = true;
+  if (options.scale) params.scale = options.scale;
+  if (options.temperature) params.temperature = options.temperature;
+  if (options.num_heads) params.num_heads = *options.num_heads;
+  if (options.eps) params.eps = options.eps;
+  if (options.normalized_ndim)
+    params.normalized_ndim = *options.normalized_ndim;
+  params.return_weights = options.return_weights;
+  params.average_weights = options.average_weights;
+  params.model = options.model;
   return params;
 }
 
@@ -101,38 +165,25 @@ void PrintResults(const NamedTensors& results, const SafetensorsFile& input) {
   }
 }
 
-absl::Status RunOperation(const std::string& command) {
-  const std::string in_path = absl::GetFlag(FLAGS_in);
-  if (in_path.empty()) {
-    return absl::InvalidArgumentError("--in: missing (a .safetensors file)");
-  }
-  ATTN_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(in_path));
-  ATTN_ASSIGN_OR_RETURN(OpParams params, Params(file));
-  const NamedViews views = ViewsOf(file.tensors);
-  ClientOptions options;
-  options.target = absl::GetFlag(FLAGS_target);
-  options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
-  options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
-  AttnClient client(options);
-
-  ATTN_ASSIGN_OR_RETURN(Operation op, ParseOperation(command));
-  ATTN_ASSIGN_OR_RETURN(NamedTensors results, client.Run(op, views, params));
+absl::Status RunOperation(const AttnctlOptions& options) {
+  ATTN_ASSIGN_OR_RETURN(Operation op, ParseOperation(options.command));
+  ATTN_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(options.in_path));
+  ATTN_ASSIGN_OR_RETURN(OpParams params, Params(options, file));
+  AttnClient client(options.client);
+  ATTN_ASSIGN_OR_RETURN(NamedTensors results,
+                        client.Run(op, ViewsOf(file.tensors), params));
   PrintResults(results, file);
-  const std::string out_path = absl::GetFlag(FLAGS_out);
-  if (!out_path.empty()) {
-    ATTN_RETURN_IF_ERROR(WriteSafetensors(out_path, ViewsOf(results), {}));
-    std::printf("wrote %s\n", out_path.c_str());
+  if (!options.out_path.empty()) {
+    ATTN_RETURN_IF_ERROR(
+        WriteSafetensors(options.out_path, ViewsOf(results), {}));
+    std::printf("wrote %s\n", options.out_path.c_str());
   }
   return absl::OkStatus();
 }
 
-absl::Status RunHealth() {
-  ClientOptions options;
-  options.target = absl::GetFlag(FLAGS_target);
-  options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
-  AttnClient client(options);
-  ATTN_ASSIGN_OR_RETURN(auto status,
-                        client.Health(absl::GetFlag(FLAGS_service)));
+absl::Status RunHealth(const AttnctlOptions& options) {
+  AttnClient client(options.client);
+  ATTN_ASSIGN_OR_RETURN(auto status, client.Health(options.service));
   std::printf("%s\n",
               grpc::health::v1::HealthCheckResponse::ServingStatus_Name(status)
                   .c_str());
@@ -140,6 +191,12 @@ absl::Status RunHealth() {
     return absl::UnavailableError("not serving");
   }
   return absl::OkStatus();
+}
+
+absl::Status Run(const AttnctlOptions& options) {
+  ATTN_RETURN_IF_ERROR(ValidateOptions(options));
+  if (options.command == "health") return RunHealth(options);
+  return RunOperation(options);
 }
 
 }  // namespace
@@ -156,17 +213,14 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string command = args[1];
-  absl::Status status;
-  if (command == "health") {
-    status = attnserve::RunHealth();
-  } else if (command == "attend" || command == "mha" ||
-             command == "layernorm") {
-    status = attnserve::RunOperation(command);
-  } else {
+  if (command != "health" && command != "attend" && command != "mha" &&
+      command != "layernorm") {
     std::fprintf(stderr, "attnctl: unknown command '%s'\n%s\n", command.c_str(),
                  absl::ProgramUsageMessage().data());
     return 2;
   }
+  const absl::Status status =
+      attnserve::Run(attnserve::OptionsFromFlags(command));
   if (!status.ok()) {
     std::fprintf(stderr, "attnctl: %s: %s\n",
                  absl::StatusCodeToString(status.code()).c_str(),

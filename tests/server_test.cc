@@ -1,8 +1,11 @@
 // The server's answers to bad requests (code and message), and that it keeps
 // serving after each of them.
+#include <atomic>
 #include <chrono>
 #include <set>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
@@ -345,6 +348,49 @@ TEST_F(ServerTest, ReflectionListsTheServices) {
   while (stream->Read(&response)) {
   }
   EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(ServerTest, ConcurrentCallsOfMixedShapesAreAllCorrect) {
+  // Calls of three shapes from eight threads at once share the primitive
+  // cache and the per-thread scratchpads.
+  constexpr int kThreads = 8;
+  constexpr int kCallsPerThread = 6;
+  const Shape shapes[][3] = {{{2, 4, 9, 16}, {2, 4, 11, 16}, {2, 4, 11, 8}},
+                             {{3, 17, 32}, {3, 5, 32}, {3, 5, 32}},
+                             {{1, 2, 64, 64}, {1, 2, 64, 64}, {1, 2, 64, 64}}};
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      std::mt19937 rng(100 + t);
+      for (int call = 0; call < kCallsPerThread; ++call) {
+        const auto& shape = shapes[(t + call) % 3];
+        Tensor q = RandomTensor(DType::kFloat32, shape[0], rng);
+        Tensor k = RandomTensor(DType::kFloat32, shape[1], rng);
+        Tensor v = RandomTensor(DType::kFloat32, shape[2], rng);
+        v1::AttendRequest request;
+        EncodeTensor(q.view(), request.mutable_query());
+        EncodeTensor(k.view(), request.mutable_key());
+        EncodeTensor(v.view(), request.mutable_value());
+        request.set_causal(call % 2 == 1);
+        auto response = client_.Attend(request);
+        if (!response.ok()) {
+          ++failures;
+          continue;
+        }
+        auto output = CopyTensor(response->output(), "output");
+        const RefAttentionResult ref =
+            RefAttend(ToRef(q.view()), ToRef(k.view()), ToRef(v.view()), {}, {},
+                      {call % 2 == 1, std::nullopt, std::nullopt});
+        if (!output.ok() ||
+            !AllClose(output->view(), ref.output, kFloat32Tolerance)) {
+          ++failures;
+        }
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(failures.load(), 0);
 }
 
 TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
