@@ -1,13 +1,14 @@
 # attnserve container image.
 #   docker build -t attnserve .
 #   docker run --rm -p 50051:50051 attnserve
-# Build stage: the -dev packages and the compiler.
+# Build stage: the -dev packages and the compiler (ocl-icd-opencl-dev because
+# Debian's oneDNN CMake package requires OpenCL).
 FROM debian:bookworm-slim AS build
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake pkg-config \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
-      libabsl-dev libdnnl-dev nlohmann-json3-dev \
+      libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY CMakeLists.txt ./
@@ -25,7 +26,7 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libdnnl2 libgomp1 \
  && rm -rf /var/lib/apt/lists/* \
- && useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin attnserve
+ && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnserve
 COPY --from=build /src/build/bin/attnserve /src/build/bin/attnctl /usr/local/bin/
 USER attnserve
 EXPOSE 50051

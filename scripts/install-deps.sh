@@ -3,10 +3,12 @@
 # Safe to run again: apt-get skips what is already installed.
 set -euo pipefail
 
+# libdnnl-dev's CMake package looks for OpenCL (Debian builds oneDNN with its
+# OpenCL GPU runtime), so the OpenCL loader's dev files are needed too.
 packages=(
   build-essential cmake pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libdnnl-dev nlohmann-json3-dev
+  libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
   libgtest-dev libgmock-dev googletest
 )
 
