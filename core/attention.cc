@@ -161,6 +161,10 @@ absl::StatusOr<AttentionResult> Attend(const AttendInputs& in,
   p.query = query.data();
   p.key = key.data();
   p.value = value.data();
+  p.query_layout = DenseLayout(1, p.query_len, p.key_dim);
+  p.key_layout = DenseLayout(1, p.key_len, p.key_dim);
+  p.value_layout = DenseLayout(1, p.key_len, p.value_dim);
+  p.output_layout = DenseLayout(1, p.query_len, p.value_dim);
 
   Shape output_shape = batch_dims;
   output_shape.push_back(p.query_len);
@@ -204,21 +208,6 @@ absl::Status Project(const Projection& proj, int64_t rows, const float* x,
   return MatmulF32(s, x, proj.weight, proj.bias, y);
 }
 
-// [B, X, Y, d] -> [B, Y, X, d]: splits heads ([B, L, H, d] -> [B, H, L, d])
-// and merges them back.
-void SwapMiddleAxes(const float* src, int64_t batch, int64_t x, int64_t y,
-                    int64_t dim, float* dst) {
-#pragma omp parallel for collapse(2) schedule(static)
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t j = 0; j < y; ++j) {
-      for (int64_t i = 0; i < x; ++i) {
-        const float* from = src + ((b * x + i) * y + j) * dim;
-        std::copy(from, from + dim, dst + ((b * y + j) * x + i) * dim);
-      }
-    }
-  }
-}
-
 absl::Status VerifyBias(const std::optional<TensorView>& bias,
                         absl::string_view field, int64_t expected_len) {
   if (!bias.has_value()) return absl::OkStatus();
@@ -239,6 +228,8 @@ absl::Status VerifyHeadsDivide(const TensorView& weight,
 struct ResolvedWeights {
   std::vector<Float32Data> owned;  // keeps converted copies alive
   Projection q, k, v;
+  // PyTorch's fused in_proj_weight as one [3E, E] projection.
+  std::optional<Projection> fused_qkv;
   std::optional<Projection> out;
   int64_t key_dim = 0;    // per head
   int64_t value_dim = 0;  // per head
@@ -293,6 +284,7 @@ absl::StatusOr<ResolvedWeights> ResolveWeights(const MultiHeadWeights& w,
                           AsFloat32(r, w.in_proj_weight, "in_proj_weight"));
     ATTN_ASSIGN_OR_RETURN(const float* bias,
                           AsFloat32(r, w.in_proj_bias, "in_proj_bias"));
+    r.fused_qkv = Projection{weight, bias, 3 * embed, embed};
     Projection* parts[] = {&r.q, &r.k, &r.v};
     for (int i = 0; i < 3; ++i) {
       parts[i]->weight = weight + i * embed * embed;
@@ -462,7 +454,8 @@ absl::StatusOr<AttentionResult> MultiHeadAttend(
   const int64_t heads = weights.num_heads;
 
   AttentionProblem p;
-  p.batch = batch * heads;
+  p.batch = batch;
+  p.heads = heads;
   p.query_len = query_len;
   p.key_len = key_len;
   p.key_dim = w.key_dim;
@@ -487,44 +480,55 @@ absl::StatusOr<AttentionResult> MultiHeadAttend(
     p.masks.push_back(std::move(mask));
   }
 
-  // Projections, then the per-head layout the kernel reads.
+  // Projections write [B, L, H * d]; the kernel reads each head's columns in
+  // place, so heads are never copied apart or back together.
   ATTN_ASSIGN_OR_RETURN(Float32Data query,
                         Float32Data::From(in.query, "query"));
-  ATTN_ASSIGN_OR_RETURN(Float32Data key_data, Float32Data::From(key, "key"));
-  ATTN_ASSIGN_OR_RETURN(Float32Data value_data,
-                        Float32Data::From(value, "value"));
-  ATTN_ASSIGN_OR_RETURN(
-      Tensor projected,
-      Tensor::Allocate(DType::kFloat32, {batch * std::max(query_len, key_len) *
-                                         std::max(w.q.out, w.v.out)}));
-  ATTN_ASSIGN_OR_RETURN(
-      Tensor q_heads,
-      Tensor::Allocate(DType::kFloat32, {p.batch * query_len * p.key_dim}));
-  ATTN_ASSIGN_OR_RETURN(
-      Tensor k_heads,
-      Tensor::Allocate(DType::kFloat32, {p.batch * key_len * p.key_dim}));
-  ATTN_ASSIGN_OR_RETURN(
-      Tensor v_heads,
-      Tensor::Allocate(DType::kFloat32, {p.batch * key_len * p.value_dim}));
-  float* scratch = projected.data_as<float>();
-  ATTN_RETURN_IF_ERROR(Project(w.q, batch * query_len, query.data(), scratch));
-  SwapMiddleAxes(scratch, batch, query_len, heads, p.key_dim,
-                 q_heads.data_as<float>());
-  ATTN_RETURN_IF_ERROR(Project(w.k, batch * key_len, key_data.data(), scratch));
-  SwapMiddleAxes(scratch, batch, key_len, heads, p.key_dim,
-                 k_heads.data_as<float>());
-  ATTN_RETURN_IF_ERROR(
-      Project(w.v, batch * key_len, value_data.data(), scratch));
-  SwapMiddleAxes(scratch, batch, key_len, heads, p.value_dim,
-                 v_heads.data_as<float>());
-  p.query = q_heads.data_as<float>();
-  p.key = k_heads.data_as<float>();
-  p.value = v_heads.data_as<float>();
+  Tensor q_proj, k_proj, v_proj, qkv_proj;
+  if (w.fused_qkv.has_value() && !in.key.has_value() && !in.value.has_value()) {
+    // Self-attention with the fused weight: one [B*L, E] x [E, 3E] matmul.
+    const int64_t e = w.q.out;
+    ATTN_ASSIGN_OR_RETURN(
+        qkv_proj, Tensor::Allocate(DType::kFloat32, {batch, query_len, 3 * e}));
+    float* qkv = qkv_proj.data_as<float>();
+    ATTN_RETURN_IF_ERROR(
+        Project(*w.fused_qkv, batch * query_len, query.data(), qkv));
+    const OperandLayout layout{query_len * 3 * e, w.key_dim, 3 * e};
+    p.query = qkv;
+    p.key = qkv + e;
+    p.value = qkv + 2 * e;
+    p.query_layout = p.key_layout = p.value_layout = layout;
+  } else {
+    ATTN_ASSIGN_OR_RETURN(Float32Data key_data, Float32Data::From(key, "key"));
+    ATTN_ASSIGN_OR_RETURN(Float32Data value_data,
+                          Float32Data::From(value, "value"));
+    ATTN_ASSIGN_OR_RETURN(
+        q_proj, Tensor::Allocate(DType::kFloat32, {batch, query_len, w.q.out}));
+    ATTN_ASSIGN_OR_RETURN(
+        k_proj, Tensor::Allocate(DType::kFloat32, {batch, key_len, w.k.out}));
+    ATTN_ASSIGN_OR_RETURN(
+        v_proj, Tensor::Allocate(DType::kFloat32, {batch, key_len, w.v.out}));
+    ATTN_RETURN_IF_ERROR(
+        Project(w.q, batch * query_len, query.data(), q_proj.data_as<float>()));
+    ATTN_RETURN_IF_ERROR(Project(w.k, batch * key_len, key_data.data(),
+                                 k_proj.data_as<float>()));
+    ATTN_RETURN_IF_ERROR(Project(w.v, batch * key_len, value_data.data(),
+                                 v_proj.data_as<float>()));
+    p.query = q_proj.data_as<float>();
+    p.key = k_proj.data_as<float>();
+    p.value = v_proj.data_as<float>();
+    p.query_layout = InterleavedHeadsLayout(heads, query_len, w.key_dim);
+    p.key_layout = InterleavedHeadsLayout(heads, key_len, w.key_dim);
+    p.value_layout = InterleavedHeadsLayout(heads, key_len, w.value_dim);
+  }
 
+  // The heads' outputs land side by side: the concatenation the output
+  // projection reads.
   ATTN_ASSIGN_OR_RETURN(
-      Tensor heads_out,
-      Tensor::Allocate(DType::kFloat32, {p.batch * query_len * p.value_dim}));
-  p.output = heads_out.data_as<float>();
+      Tensor concat, Tensor::Allocate(DType::kFloat32,
+                                      {batch, query_len, heads * w.value_dim}));
+  p.output = concat.data_as<float>();
+  p.output_layout = InterleavedHeadsLayout(heads, query_len, w.value_dim);
   AttentionResult result;
   if (options.attention.return_weights) {
     ATTN_ASSIGN_OR_RETURN(Tensor per_head,
@@ -534,12 +538,6 @@ absl::StatusOr<AttentionResult> MultiHeadAttend(
   }
   ATTN_RETURN_IF_ERROR(RunAttention(p));
 
-  const int64_t concat_dim = heads * p.value_dim;
-  ATTN_ASSIGN_OR_RETURN(
-      Tensor concat,
-      Tensor::Allocate(DType::kFloat32, {batch, query_len, concat_dim}));
-  SwapMiddleAxes(heads_out.data_as<float>(), batch, heads, query_len,
-                 p.value_dim, concat.data_as<float>());
   Tensor output;
   if (w.out.has_value()) {
     ATTN_ASSIGN_OR_RETURN(

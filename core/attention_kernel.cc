@@ -1,122 +1,305 @@
 #include "core/attention_kernel.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <deque>
 #include <limits>
+#include <memory>
+#include <vector>
 
+#include "absl/synchronization/mutex.h"
 #include "core/primitives.h"
-#include "core/status_macros.h"
+#include "core/row_ops.h"
 
 namespace attnserve {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// Logits held at once when the caller does not want the weights back:
-// bounds the extra memory of a request to 64 MiB however long it is.
-constexpr int64_t kMaxScratchLogits = int64_t{16} << 20;
+// Tile sizes: a 64 x 256 logits tile is 64 KiB, which stays in L2 with the
+// key and value blocks it is made from.
+constexpr int64_t kQueryBlock = 64;
+constexpr int64_t kKeyBlock = 256;
 
 template <typename T>
-void ApplyKeepMask(const T* mask, int64_t key_stride, int64_t key_len,
+void ApplyKeepMask(const T* mask, int64_t key_stride, int64_t count,
                    float* row) {
-  for (int64_t j = 0; j < key_len; ++j) {
+  for (int64_t j = 0; j < count; ++j) {
     if (mask[j * key_stride] == 0) row[j] = kNegInf;
   }
 }
 
-void ApplyMask(const MaskLayout& mask, int64_t n, int64_t i, int64_t key_len,
-               float* row) {
-  const int64_t offset = mask.batch_offset[n] + i * mask.query_stride;
-  switch (mask.dtype) {
-    case DType::kFloat32: {
-      const float* values = static_cast<const float*>(mask.data) + offset;
-      for (int64_t j = 0; j < key_len; ++j)
-        row[j] += values[j * mask.key_stride];
-      return;
-    }
-    default:
-      ApplyKeepMask(static_cast<const uint8_t*>(mask.data) + offset,
-                    mask.key_stride, key_len, row);
-      return;
+// Applies `mask` to logits (n, i, j0 .. j0 + count) held in `row`.
+void ApplyMask(const MaskLayout& mask, int64_t n, int64_t i, int64_t j0,
+               int64_t count, float* row) {
+  const int64_t offset =
+      mask.batch_offset[n] + i * mask.query_stride + j0 * mask.key_stride;
+  if (mask.dtype == DType::kFloat32) {
+    const float* values = static_cast<const float*>(mask.data) + offset;
+    for (int64_t j = 0; j < count; ++j) row[j] += values[j * mask.key_stride];
+  } else {
+    ApplyKeepMask(static_cast<const uint8_t*>(mask.data) + offset,
+                  mask.key_stride, count, row);
   }
 }
 
-// Turns one row of raw Q*K^T products into probabilities, in place.
-void SoftmaxRow(const AttentionProblem& p, int64_t n, int64_t i, float* row) {
-  const int64_t key_len = p.key_len;
-  for (int64_t j = 0; j < key_len; ++j) row[j] *= p.logit_multiplier;
-  for (const MaskLayout& mask : p.masks) ApplyMask(mask, n, i, key_len, row);
-  if (p.causal) {
-    for (int64_t j = std::max<int64_t>(i + 1, 0); j < key_len; ++j) {
+// Scales logits (n, i, j0 .. j0 + count) in `row`, applies the masks and
+// causality, and returns the row maximum (-inf if nothing is left).
+float PrepareLogits(const AttentionProblem& p, const RowOps& ops, int64_t n,
+                    int64_t i, int64_t j0, int64_t count, float* row) {
+  float max_logit = ops.scale_max(row, count, p.logit_multiplier);
+  const bool causal_cut = p.causal && j0 + count - 1 > i;
+  if (p.masks.empty() && !causal_cut) return max_logit;
+  for (const MaskLayout& mask : p.masks) ApplyMask(mask, n, i, j0, count, row);
+  if (causal_cut) {
+    for (int64_t j = std::max<int64_t>(i + 1 - j0, 0); j < count; ++j) {
       row[j] = kNegInf;
     }
   }
-  float max_logit = kNegInf;
-  for (int64_t j = 0; j < key_len; ++j) max_logit = std::max(max_logit, row[j]);
-  if (max_logit == kNegInf) {
-    // No key left for this query: zeros, not NaN.
-    std::fill(row, row + key_len, 0.0f);
-    return;
+  return ops.max(row, count);
+}
+
+// The tile GEMMs one thread runs, created on first use of each shape.
+class TileGemms {
+ public:
+  absl::StatusOr<TileGemm*> Get(const TileGemmShape& shape) {
+    for (TileGemm& gemm : gemms_) {
+      if (gemm.shape() == shape) return &gemm;
+    }
+    auto gemm = TileGemm::Create(shape);
+    if (!gemm.ok()) return gemm.status();
+    gemms_.push_back(*std::move(gemm));
+    return &gemms_.back();
   }
-  double sum = 0.0;
-  for (int64_t j = 0; j < key_len; ++j) {
-    const float e = std::exp(row[j] - max_logit);
-    row[j] = e;
-    sum += e;
+
+  // c = a * b (+ c): handles the empty reduction oneDNN does not take.
+  absl::Status Run(const TileGemmShape& shape, const float* a, const float* b,
+                   float* c) {
+    if (shape.m == 0 || shape.n == 0) return absl::OkStatus();
+    if (shape.k == 0) {
+      if (!shape.accumulate) {
+        for (int64_t r = 0; r < shape.m; ++r) {
+          std::fill(c + r * shape.ldc, c + r * shape.ldc + shape.n, 0.0f);
+        }
+      }
+      return absl::OkStatus();
+    }
+    auto gemm = Get(shape);
+    if (!gemm.ok()) return gemm.status();
+    return GuardDnnl("tile matmul", [&] { (*gemm)->Run(a, b, c); });
   }
-  const float inv_sum = static_cast<float>(1.0 / sum);
-  for (int64_t j = 0; j < key_len; ++j) row[j] *= inv_sum;
+
+ private:
+  std::deque<TileGemm> gemms_;  // stable addresses
+};
+
+// The first error any thread hit; the others stop at their next block.
+class SharedStatus {
+ public:
+  void Update(absl::Status status) {
+    if (status.ok()) return;
+    absl::MutexLock lock(&mu_);
+    if (status_.ok()) status_ = std::move(status);
+    failed_.store(true, std::memory_order_relaxed);
+  }
+  bool failed() const { return failed_.load(std::memory_order_relaxed); }
+  absl::Status status() {
+    absl::MutexLock lock(&mu_);
+    return status_;
+  }
+
+ private:
+  absl::Mutex mu_;
+  absl::Status status_ ABSL_GUARDED_BY(mu_);
+  std::atomic<bool> failed_{false};
+};
+
+struct Block {
+  int64_t b, h, n, i0, rows;
+};
+
+// Keys a query block can see: all of them, or up to its last query when
+// causal.
+int64_t VisibleKeys(const AttentionProblem& p, const Block& blk) {
+  return p.causal ? std::min(p.key_len, blk.i0 + blk.rows) : p.key_len;
+}
+
+// One query block without weights: online softmax over key blocks.
+absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
+                        const Block& blk, TileGemms& gemms, float* logits,
+                        float* acc, float* row_max, float* row_sum) {
+  const float* q = p.query + blk.b * p.query_layout.batch_stride +
+                   blk.h * p.query_layout.head_stride +
+                   blk.i0 * p.query_layout.row_stride;
+  const float* k = p.key + blk.b * p.key_layout.batch_stride +
+                   blk.h * p.key_layout.head_stride;
+  const float* v = p.value + blk.b * p.value_layout.batch_stride +
+                   blk.h * p.value_layout.head_stride;
+  const int64_t dv = p.value_dim;
+  std::fill(acc, acc + blk.rows * dv, 0.0f);
+  std::fill(row_max, row_max + blk.rows, kNegInf);
+  std::fill(row_sum, row_sum + blk.rows, 0.0f);
+  const int64_t visible = VisibleKeys(p, blk);
+  for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
+    const int64_t cols = std::min(kKeyBlock, visible - j0);
+    TileGemmShape qk{blk.rows,
+                     cols,
+                     p.key_dim,
+                     p.query_layout.row_stride,
+                     p.key_layout.row_stride,
+                     kKeyBlock,
+                     true,
+                     false};
+    absl::Status s = gemms.Run(qk, q, k + j0 * p.key_layout.row_stride, logits);
+    if (!s.ok()) return s;
+    for (int64_t r = 0; r < blk.rows; ++r) {
+      float* row = logits + r * kKeyBlock;
+      const float block_max =
+          PrepareLogits(p, ops, blk.n, blk.i0 + r, j0, cols, row);
+      const float new_max = std::max(row_max[r], block_max);
+      if (new_max == kNegInf) {
+        // Nothing visible yet in this row: it adds zeros.
+        std::fill(row, row + cols, 0.0f);
+        continue;
+      }
+      const float correction =
+          row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
+      const float block_sum = ops.exp_sum(row, cols, new_max);
+      if (correction != 1.0f) ops.scale(acc + r * dv, dv, correction);
+      row_sum[r] = row_sum[r] * correction + block_sum;
+      row_max[r] = new_max;
+    }
+    TileGemmShape pv{
+        blk.rows, dv,    cols, kKeyBlock, p.value_layout.row_stride,
+        dv,       false, true};
+    s = gemms.Run(pv, logits, v + j0 * p.value_layout.row_stride, acc);
+    if (!s.ok()) return s;
+  }
+  float* out = p.output + blk.b * p.output_layout.batch_stride +
+               blk.h * p.output_layout.head_stride +
+               blk.i0 * p.output_layout.row_stride;
+  for (int64_t r = 0; r < blk.rows; ++r) {
+    // A row with no key left keeps its zeros.
+    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    float* dst = out + r * p.output_layout.row_stride;
+    const float* src = acc + r * dv;
+    for (int64_t c = 0; c < dv; ++c) dst[c] = src[c] * inv;
+  }
+  return absl::OkStatus();
+}
+
+// One query block with weights: the logits go straight into the caller's
+// weights rows, are normalized there, and multiply V.
+absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
+                          const Block& blk, TileGemms& gemms) {
+  const int64_t lk = p.key_len;
+  const float* q = p.query + blk.b * p.query_layout.batch_stride +
+                   blk.h * p.query_layout.head_stride +
+                   blk.i0 * p.query_layout.row_stride;
+  const float* k = p.key + blk.b * p.key_layout.batch_stride +
+                   blk.h * p.key_layout.head_stride;
+  const float* v = p.value + blk.b * p.value_layout.batch_stride +
+                   blk.h * p.value_layout.head_stride;
+  float* weights = p.weights + (blk.n * p.query_len + blk.i0) * lk;
+  float* out = p.output + blk.b * p.output_layout.batch_stride +
+               blk.h * p.output_layout.head_stride +
+               blk.i0 * p.output_layout.row_stride;
+  const int64_t visible = VisibleKeys(p, blk);
+  for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
+    const int64_t cols = std::min(kKeyBlock, visible - j0);
+    TileGemmShape qk{blk.rows,
+                     cols,
+                     p.key_dim,
+                     p.query_layout.row_stride,
+                     p.key_layout.row_stride,
+                     lk,
+                     true,
+                     false};
+    absl::Status s =
+        gemms.Run(qk, q, k + j0 * p.key_layout.row_stride, weights + j0);
+    if (!s.ok()) return s;
+  }
+  for (int64_t r = 0; r < blk.rows; ++r) {
+    float* row = weights + r * lk;
+    // Keys past `visible` are causally hidden from every row of the block.
+    std::fill(row + visible, row + lk, 0.0f);
+    const float max_logit =
+        PrepareLogits(p, ops, blk.n, blk.i0 + r, 0, visible, row);
+    if (max_logit == kNegInf) {
+      std::fill(row, row + visible, 0.0f);
+      continue;
+    }
+    const float sum = ops.exp_sum(row, visible, max_logit);
+    ops.scale(row, visible, 1.0f / sum);
+  }
+  for (int64_t j0 = 0; j0 < std::max<int64_t>(visible, 1); j0 += kKeyBlock) {
+    const int64_t cols = std::min(kKeyBlock, visible - j0);
+    TileGemmShape pv{blk.rows,
+                     p.value_dim,
+                     cols,
+                     lk,
+                     p.value_layout.row_stride,
+                     p.output_layout.row_stride,
+                     false,
+                     j0 > 0};
+    absl::Status s =
+        gemms.Run(pv, weights + j0, v + j0 * p.value_layout.row_stride, out);
+    if (!s.ok()) return s;
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
 
+OperandLayout DenseLayout(int64_t heads, int64_t rows, int64_t cols) {
+  return {heads * rows * cols, rows * cols, cols};
+}
+
+OperandLayout InterleavedHeadsLayout(int64_t heads, int64_t rows,
+                                     int64_t cols) {
+  return {rows * heads * cols, cols, heads * cols};
+}
+
 absl::Status RunAttention(const AttentionProblem& p) {
-  const int64_t rows_per_item = p.query_len;
-  const int64_t logits_per_item = p.query_len * p.key_len;
-  if (p.batch == 0 || p.query_len == 0) return absl::OkStatus();
+  const int64_t pairs = p.batch * p.heads;
+  if (pairs == 0 || p.query_len == 0) return absl::OkStatus();
+  const int64_t query_blocks = (p.query_len + kQueryBlock - 1) / kQueryBlock;
+  const int64_t items = pairs * query_blocks;
+  const RowOps& ops = GetRowOps();
+  SharedStatus shared;
 
-  // Without requested weights, the logits live in a scratch buffer sized for
-  // a chunk of the batch; with them, straight in the caller's buffer.
-  int64_t chunk = p.batch;
-  Tensor scratch;
-  if (p.weights == nullptr) {
-    chunk = std::clamp<int64_t>(
-        kMaxScratchLogits / std::max<int64_t>(logits_per_item, 1), 1, p.batch);
-    ATTN_ASSIGN_OR_RETURN(
-        scratch, Tensor::Allocate(DType::kFloat32, {chunk * logits_per_item}));
-  }
-
-  for (int64_t start = 0; start < p.batch; start += chunk) {
-    const int64_t count = std::min(chunk, p.batch - start);
-    float* logits = p.weights != nullptr ? p.weights + start * logits_per_item
-                                         : scratch.data_as<float>();
-    MatmulShape qk;
-    qk.batch = count;
-    qk.m = p.query_len;
-    qk.k = p.key_dim;
-    qk.n = p.key_len;
-    qk.b_transposed = true;
-    ATTN_RETURN_IF_ERROR(
-        MatmulF32(qk, p.query + start * p.query_len * p.key_dim,
-                  p.key + start * p.key_len * p.key_dim, nullptr, logits));
-
-    const int64_t rows = count * rows_per_item;
-#pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-      SoftmaxRow(p, start + r / rows_per_item, r % rows_per_item,
-                 logits + r * p.key_len);
+#pragma omp parallel
+  {
+    TileGemms gemms;
+    std::unique_ptr<float[]> logits, acc, row_max, row_sum;
+    if (p.weights == nullptr) {
+      logits.reset(new (std::nothrow) float[kQueryBlock * kKeyBlock]);
+      acc.reset(new (
+          std::nothrow) float[kQueryBlock * std::max<int64_t>(p.value_dim, 1)]);
+      row_max.reset(new (std::nothrow) float[kQueryBlock]);
+      row_sum.reset(new (std::nothrow) float[kQueryBlock]);
+      if (!logits || !acc || !row_max || !row_sum) {
+        shared.Update(absl::ResourceExhaustedError(
+            "attention: out of memory for per-thread buffers"));
+      }
     }
-
-    MatmulShape pv;
-    pv.batch = count;
-    pv.m = p.query_len;
-    pv.k = p.key_len;
-    pv.n = p.value_dim;
-    ATTN_RETURN_IF_ERROR(
-        MatmulF32(pv, logits, p.value + start * p.key_len * p.value_dim,
-                  nullptr, p.output + start * p.query_len * p.value_dim));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      if (shared.failed()) continue;
+      Block blk;
+      blk.n = item / query_blocks;
+      blk.b = blk.n / p.heads;
+      blk.h = blk.n % p.heads;
+      blk.i0 = (item % query_blocks) * kQueryBlock;
+      blk.rows = std::min(kQueryBlock, p.query_len - blk.i0);
+      shared.Update(p.weights != nullptr
+                        ? WeightsBlock(p, ops, blk, gemms)
+                        : FlashBlock(p, ops, blk, gemms, logits.get(),
+                                     acc.get(), row_max.get(), row_sum.get()));
+    }
   }
-  return absl::OkStatus();
+  return shared.status();
 }
 
 }  // namespace attnserve

@@ -1,6 +1,14 @@
-// The attention computation shared by Attend and MultiHeadAttend, on dense
-// float32 buffers: out = softmax(mask(Q*K^T * scale / temperature)) * V for a
-// batch of independent (query, key, value) triples.
+// The attention computation shared by Attend and MultiHeadAttend on float32
+// operands: out = softmax(mask(Q*K^T * scale / temperature)) * V for every
+// (batch, head) pair.
+//
+// The kernel is tiled flash-attention style: each thread takes a block of
+// queries of one (batch, head), walks the key/value blocks with an online
+// softmax (running max and sum in float32, accumulator rescaled as the max
+// grows) and never holds more than a query block x key block of logits.
+// Causal attention skips key blocks above the diagonal. When the caller
+// wants the weights, the logits are written straight into its weights buffer
+// and normalized there.
 //
 // Thread-safety: RunAttention may be called concurrently; it only reads its
 // inputs and writes the caller's output buffers.
@@ -15,32 +23,52 @@
 
 namespace attnserve {
 
-// How a mask is read for logit (n, i, j) of a problem: element
-// data[batch_offset[n] + i * query_stride + j * key_stride], where `n` is the
-// flat batch index. Broadcast dims have stride 0. BOOL/UINT8 masks keep
-// nonzero positions; FLOAT32 masks add to the logits.
+// Where element (b, h, row, col) of a [batch, heads, rows, cols] operand is:
+// data + b * batch_stride + h * head_stride + row * row_stride + col.
+struct OperandLayout {
+  int64_t batch_stride = 0;
+  int64_t head_stride = 0;
+  int64_t row_stride = 0;
+};
+
+// The layout of a dense [batch, heads, rows, cols] operand.
+OperandLayout DenseLayout(int64_t heads, int64_t rows, int64_t cols);
+// The layout of head h's columns in a [batch, rows, heads * cols] operand,
+// as projections write them.
+OperandLayout InterleavedHeadsLayout(int64_t heads, int64_t rows, int64_t cols);
+
+// How a mask is read for logit (n, i, j), n = b * heads + h: element
+// data[batch_offset[n] + i * query_stride + j * key_stride]. Broadcast dims
+// have stride 0. BOOL/UINT8 masks keep nonzero positions; FLOAT32 masks add
+// to the logits.
 struct MaskLayout {
   const void* data = nullptr;
   DType dtype = DType::kBool;
-  std::vector<int64_t> batch_offset;  // one per batch entry
+  std::vector<int64_t> batch_offset;  // one per (batch, head)
   int64_t query_stride = 0;
   int64_t key_stride = 0;
 };
 
 struct AttentionProblem {
-  int64_t batch = 0;  // independent attention problems
+  int64_t batch = 0;
+  int64_t heads = 1;
   int64_t query_len = 0;
   int64_t key_len = 0;
   int64_t key_dim = 0;
   int64_t value_dim = 0;
-  const float* query = nullptr;   // [batch, query_len, key_dim]
-  const float* key = nullptr;     // [batch, key_len, key_dim]
-  const float* value = nullptr;   // [batch, key_len, value_dim]
+  const float* query = nullptr;  // [batch, heads, query_len, key_dim]
+  OperandLayout query_layout;
+  const float* key = nullptr;  // [batch, heads, key_len, key_dim]
+  OperandLayout key_layout;
+  const float* value = nullptr;  // [batch, heads, key_len, value_dim]
+  OperandLayout value_layout;
+  float* output = nullptr;  // [batch, heads, query_len, value_dim]
+  OperandLayout output_layout;
+  // Dense [batch, heads, query_len, key_len], or null.
+  float* weights = nullptr;
   float logit_multiplier = 1.0f;  // scale / temperature
   bool causal = false;            // query i sees keys j <= i
   std::vector<MaskLayout> masks;
-  float* output = nullptr;   // [batch, query_len, value_dim]
-  float* weights = nullptr;  // [batch, query_len, key_len], or null
 };
 
 absl::Status RunAttention(const AttentionProblem& problem);

@@ -15,19 +15,10 @@ namespace {
 using dnnl::memory;
 using Dims = memory::dims;
 
-// Converts the exceptions oneDNN and the allocator throw into a status, so
-// that none leaves the core.
-template <typename F>
-absl::Status GuardDnnl(absl::string_view what, F&& f) {
-  try {
-    f();
-    return absl::OkStatus();
-  } catch (const dnnl::error& e) {
-    return absl::InternalError(
-        absl::StrCat(what, ": oneDNN error ", e.status, ": ", e.what()));
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory"));
-  }
+// The calling thread's stream.
+dnnl::stream& ThreadStream() {
+  thread_local dnnl::stream stream(CpuEngine());
+  return stream;
 }
 
 // Executes a cached primitive on the calling thread's stream, with the
@@ -35,7 +26,7 @@ absl::Status GuardDnnl(absl::string_view what, F&& f) {
 // pointers to the data they describe.
 void Execute(const CachedPrimitive& cached,
              std::initializer_list<std::pair<int, const void*>> args) {
-  thread_local dnnl::stream stream(CpuEngine());
+  dnnl::stream& stream = ThreadStream();
   thread_local std::vector<std::byte> scratchpad;
   std::unordered_map<int, memory> exec_args;
   for (const auto& [arg, ptr] : args) {
@@ -78,9 +69,11 @@ PrimitiveCache& PrimitiveCache::Global() {
 
 absl::StatusOr<std::shared_ptr<const CachedPrimitive>>
 PrimitiveCache::GetOrCreate(const std::string& key,
-                            absl::FunctionRef<CachedPrimitive()> create) {
-  const std::string full_key =
-      absl::StrCat(key, "|threads=", omp_get_max_threads());
+                            absl::FunctionRef<CachedPrimitive()> create,
+                            int threads) {
+  const int default_threads = omp_get_max_threads();
+  if (threads <= 0) threads = default_threads;
+  const std::string full_key = absl::StrCat(key, "|threads=", threads);
   {
     absl::MutexLock lock(&mu_);
     auto it = index_.find(full_key);
@@ -93,9 +86,13 @@ PrimitiveCache::GetOrCreate(const std::string& key,
   // hold up requests of other shapes. Two threads may race to create the same
   // key; the first insert wins.
   std::shared_ptr<const CachedPrimitive> created;
+  // oneDNN sizes a primitive's work split by the OpenMP thread count at
+  // creation; the setting is per thread, so this affects no other request.
+  if (threads != default_threads) omp_set_num_threads(threads);
   absl::Status status = GuardDnnl(key, [&] {
     created = std::make_shared<const CachedPrimitive>(create());
   });
+  if (threads != default_threads) omp_set_num_threads(default_threads);
   if (!status.ok()) return status;
   absl::MutexLock lock(&mu_);
   ++creations_;
@@ -161,6 +158,59 @@ absl::Status MatmulF32(const MatmulShape& s, const float* a, const float* b,
               {{DNNL_ARG_SRC, a}, {DNNL_ARG_WEIGHTS, b}, {DNNL_ARG_DST, c}});
     }
   });
+}
+
+absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& s) {
+  const std::string key = absl::StrCat(
+      "tile_gemm_f32|", s.m, "x", s.n, "x", s.k, "|ld=", s.lda, ",", s.ldb, ",",
+      s.ldc, "|bt=", s.b_transposed, "|acc=", s.accumulate);
+  const auto f32 = memory::data_type::f32;
+  const memory::desc a_md({s.m, s.k}, f32, Dims{s.lda, 1});
+  const memory::desc b_md({s.k, s.n}, f32,
+                          s.b_transposed ? Dims{1, s.ldb} : Dims{s.ldb, 1});
+  const memory::desc c_md({s.m, s.n}, f32, Dims{s.ldc, 1});
+  auto cached = PrimitiveCache::Global().GetOrCreate(
+      key,
+      [&] {
+        dnnl::primitive_attr attr = UserScratchpadAttr();
+        if (s.accumulate) {
+          dnnl::post_ops ops;
+          ops.append_sum(1.0f);
+          attr.set_post_ops(ops);
+        }
+        dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(a_md, b_md, c_md),
+                                        attr, CpuEngine());
+        return CachedPrimitive{pd, dnnl::matmul(pd)};
+      },
+      /*threads=*/1);
+  if (!cached.ok()) return cached.status();
+  TileGemm gemm;
+  gemm.shape_ = s;
+  gemm.cached_ = *std::move(cached);
+  absl::Status status = GuardDnnl(key, [&] {
+    gemm.a_ = memory(a_md, CpuEngine(), DNNL_MEMORY_NONE);
+    gemm.b_ = memory(b_md, CpuEngine(), DNNL_MEMORY_NONE);
+    gemm.c_ = memory(c_md, CpuEngine(), DNNL_MEMORY_NONE);
+    gemm.args_ = {{DNNL_ARG_SRC, gemm.a_},
+                  {DNNL_ARG_WEIGHTS, gemm.b_},
+                  {DNNL_ARG_DST, gemm.c_}};
+    const memory::desc scratch_md = gemm.cached_->desc.scratchpad_desc();
+    if (scratch_md.get_size() > 0) {
+      gemm.scratchpad_.resize(scratch_md.get_size());
+      gemm.args_.emplace(DNNL_ARG_SCRATCHPAD, memory(scratch_md, CpuEngine(),
+                                                     gemm.scratchpad_.data()));
+    }
+  });
+  if (!status.ok()) return status;
+  return gemm;
+}
+
+void TileGemm::Run(const float* a, const float* b, float* c) {
+  a_.set_data_handle(const_cast<float*>(a));
+  b_.set_data_handle(const_cast<float*>(b));
+  c_.set_data_handle(c);
+  // CPU streams run in order and return when the work is done.
+  cached_->primitive.execute(ThreadStream(), args_);
 }
 
 absl::Status LayerNormF32(int64_t rows, int64_t cols, float eps,

@@ -16,12 +16,16 @@
 #include <list>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <utility>
+#include <vector>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -45,9 +49,12 @@ class PrimitiveCache {
   static PrimitiveCache& Global();
 
   // The primitive for `key`, created by `create` on a miss. The key is
-  // extended with the calling thread's OpenMP thread count.
+  // extended with `threads`, the thread count the primitive is created for
+  // (0: the calling thread's OpenMP thread count), and `create` runs with
+  // that OpenMP thread count.
   absl::StatusOr<std::shared_ptr<const CachedPrimitive>> GetOrCreate(
-      const std::string& key, absl::FunctionRef<CachedPrimitive()> create);
+      const std::string& key, absl::FunctionRef<CachedPrimitive()> create,
+      int threads = 0);
 
   // How many primitives this cache has created since start-up.
   int64_t creations() const;
@@ -81,6 +88,61 @@ struct MatmulShape {
 // Runs the matmul described by `shape`. `bias` is read only if has_bias.
 absl::Status MatmulF32(const MatmulShape& shape, const float* a, const float* b,
                        const float* bias, float* c);
+
+// One thread's share of a tiled computation: C[m, n] = A[m, k] * B[k, n]
+// (+ C when `accumulate`), float32, with leading dimensions, where B is read
+// from [n, k] rows when `b_transposed`. The primitives are created for one
+// thread and meant to run inside the caller's own OpenMP parallel region.
+struct TileGemmShape {
+  int64_t m = 0;
+  int64_t n = 0;
+  int64_t k = 0;
+  int64_t lda = 0;
+  int64_t ldb = 0;
+  int64_t ldc = 0;
+  bool b_transposed = false;
+  bool accumulate = false;
+
+  friend bool operator==(const TileGemmShape&, const TileGemmShape&) = default;
+};
+
+// Runs tile GEMMs of one shape on the calling thread, with memory objects
+// and a scratchpad made once and reused for every tile. Not thread-safe:
+// one per thread.
+class TileGemm {
+ public:
+  static absl::StatusOr<TileGemm> Create(const TileGemmShape& shape);
+  TileGemm(TileGemm&&) = default;
+  TileGemm& operator=(TileGemm&&) = default;
+
+  const TileGemmShape& shape() const { return shape_; }
+  // Throws dnnl::error on failure: call inside a GuardDnnl.
+  void Run(const float* a, const float* b, float* c);
+
+ private:
+  TileGemm() = default;
+
+  TileGemmShape shape_;
+  std::shared_ptr<const CachedPrimitive> cached_;
+  dnnl::memory a_, b_, c_;
+  std::vector<std::byte> scratchpad_;
+  std::unordered_map<int, dnnl::memory> args_;
+};
+
+// Converts the exceptions oneDNN and the allocator throw into a status, so
+// that none leaves the core.
+template <typename F>
+absl::Status GuardDnnl(absl::string_view what, F&& f) {
+  try {
+    f();
+    return absl::OkStatus();
+  } catch (const dnnl::error& e) {
+    return absl::InternalError(
+        absl::StrCat(what, ": oneDNN error ", e.status, ": ", e.what()));
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": out of memory"));
+  }
+}
 
 // LayerNorm over the last dim of [rows, cols], float32. gamma and beta may
 // be null (no scale, no shift).

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/primitives.h"
+#include "core/row_ops.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
 
@@ -31,6 +32,8 @@ Shape With(Shape lead, std::initializer_list<int64_t> tail) {
   lead.insert(lead.end(), tail);
   return lead;
 }
+
+void PrintTo(const AttendCase& c, std::ostream* os) { *os << c.name; }
 
 class AttendTableTest : public ::testing::TestWithParam<AttendCase> {};
 
@@ -254,6 +257,19 @@ const AttendCase kAttendCases[] = {
      std::nullopt,
      0.7,
      DType::kFloat16},
+    // clang-format off
+    // Several query and key tiles, with partial tiles at the ends.
+    {"tiles", {2}, 150, 600, 32, 24},
+    {"tiles_causal", {1, 2}, 300, 300, 16, 16, std::nullopt, DType::kBool, true},
+    {"tiles_causal_lq_gt_lk", {2}, 200, 70, 16, 8, std::nullopt, DType::kBool, true},
+    {"tiles_causal_lq_lt_lk", {2}, 70, 600, 16, 8, std::nullopt, DType::kBool, true},
+    {"tiles_sparse_mask", {2}, 130, 530, 8, 8, Shape{2, 130, 530}, DType::kBool,
+     false, std::nullopt, std::nullopt, 0.05},
+    {"tiles_additive_mask", {2}, 130, 530, 8, 8, Shape{130, 530}, DType::kFloat32,
+     true, std::nullopt, std::nullopt, 0.5},
+    {"tiles_key_mask", {3}, 65, 257, 8, 8, Shape{3, 1, 257}, DType::kUInt8, false,
+     std::nullopt, std::nullopt, 0.01},
+    // clang-format on
 };
 
 INSTANTIATE_TEST_SUITE_P(Table, AttendTableTest,
@@ -319,6 +335,36 @@ TEST(AttendTest, PrimitivesAreCreatedOncePerShape) {
   EXPECT_EQ(PrimitiveCache::Global().creations(), after_first);
 }
 
+TEST(RowOpsTest, VectorizedMatchesScalar) {
+  const RowOps& fast = GetRowOps();
+  const RowOps& scalar = ScalarRowOps();
+  std::mt19937 rng(8);
+  std::uniform_real_distribution<float> uniform(-30.0f, 5.0f);
+  for (int64_t n : {1, 7, 16, 17, 100, 1000}) {
+    std::vector<float> a(n), b(n);
+    for (int64_t i = 0; i < n; ++i)
+      a[i] = i % 5 == 3 ? -INFINITY : uniform(rng);
+    b = a;
+    EXPECT_EQ(fast.scale_max(a.data(), n, 0.5f),
+              scalar.scale_max(b.data(), n, 0.5f));
+    EXPECT_EQ(fast.max(a.data(), n), scalar.max(b.data(), n));
+    const float shift = scalar.max(b.data(), n);
+    const float fast_sum = fast.exp_sum(a.data(), n, shift);
+    const float scalar_sum = scalar.exp_sum(b.data(), n, shift);
+    EXPECT_NEAR(fast_sum, scalar_sum, 1e-6f * scalar_sum) << n;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i % 5 == 3) {
+        EXPECT_EQ(a[i], 0.0f) << "exp(-inf) must be exactly 0";
+      } else {
+        EXPECT_NEAR(a[i], b[i], 2e-7f * b[i] + 1e-30f) << n << " " << i;
+      }
+    }
+    fast.scale(a.data(), n, 3.0f);
+    scalar.scale(b.data(), n, 3.0f);
+    EXPECT_NEAR(a[0], b[0], 1e-6f * std::abs(b[0]) + 1e-30f);
+  }
+}
+
 struct BadAttend {
   std::string name;
   Shape q = {}, k = {}, v = {};
@@ -328,6 +374,8 @@ struct BadAttend {
   DType key_dtype = DType::kFloat32;
   std::string message = "";
 };
+
+void PrintTo(const BadAttend& c, std::ostream* os) { *os << c.name; }
 
 class AttendErrorTest : public ::testing::TestWithParam<BadAttend> {};
 

@@ -22,6 +22,8 @@ struct LayerNormCase {
   float offset = 0.0f;  // added to every input value
 };
 
+void PrintTo(const LayerNormCase& c, std::ostream* os) { *os << c.name; }
+
 class LayerNormTableTest : public ::testing::TestWithParam<LayerNormCase> {};
 
 TEST_P(LayerNormTableTest, MatchesFloat64Reference) {

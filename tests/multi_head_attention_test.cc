@@ -87,6 +87,8 @@ Tensor RandomWeight(Shape shape, std::mt19937& rng) {
   return w;
 }
 
+void PrintTo(const MhaCase& c, std::ostream* os) { *os << c.name; }
+
 class MhaTableTest : public ::testing::TestWithParam<MhaCase> {};
 
 TEST_P(MhaTableTest, MatchesFloat64Reference) {
@@ -347,6 +349,28 @@ const MhaCase kMhaCases[] = {
            c.mask_rank = 3;
          }),
     Case("f16", [](MhaCase& c) { c.dtype = DType::kFloat16; }),
+    Case("tiles_fused_causal",
+         [](MhaCase& c) {
+           c.batch = 1;
+           c.lq = 300;
+           c.eq = 64;
+           c.heads = 4;
+           c.head_dk = 16;
+           c.head_dv = 16;
+           c.out_dim = 64;
+           c.fused = true;
+           c.causal = true;
+         }),
+    Case("tiles_cross_masks",
+         [](MhaCase& c) {
+           c.cross = true;
+           c.lq = 70;
+           c.lk = 300;
+           c.ek = 12;
+           c.ev = 20;
+           c.mask_rank = 4;
+           c.key_padding = true;
+         }),
 };
 
 INSTANTIATE_TEST_SUITE_P(Table, MhaTableTest, ::testing::ValuesIn(kMhaCases),

@@ -1,0 +1,34 @@
+// Vectorized row operations of the softmax: AVX-512 where the CPU has it
+// (chosen once, at first use), portable scalar code elsewhere.
+//
+// Thread-safety: the table is built once (thread-safe static) and is
+// read-only afterwards.
+#ifndef ATTNSERVE_CORE_ROW_OPS_H_
+#define ATTNSERVE_CORE_ROW_OPS_H_
+
+#include <cstdint>
+
+namespace attnserve {
+
+struct RowOps {
+  // Multiplies x[0..n) by `multiplier` in place and returns the maximum.
+  float (*scale_max)(float* x, int64_t n, float multiplier);
+  // Returns the maximum of x[0..n) (-inf for n == 0).
+  float (*max)(const float* x, int64_t n);
+  // x[i] = exp(x[i] - shift) in place, with exp(-inf) exactly 0; returns the
+  // sum of the new values.
+  float (*exp_sum)(float* x, int64_t n, float shift);
+  // x[i] *= a.
+  void (*scale)(float* x, int64_t n, float a);
+  // Name of the implementation, e.g. "avx512".
+  const char* name;
+};
+
+// The fastest implementation this CPU runs.
+const RowOps& GetRowOps();
+// The portable implementation (for tests that compare the two).
+const RowOps& ScalarRowOps();
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CORE_ROW_OPS_H_
