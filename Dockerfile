@@ -16,7 +16,7 @@ COPY proto proto
 COPY core core
 COPY server server
 COPY client client
-RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_BUILD_TESTS=OFF \
+RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_BUILD_TESTS=OFF -DATTNSERVE_BUILD_BENCHMARKS=OFF \
  && cmake --build build -j"$(nproc)" \
  && strip build/bin/attnserve build/bin/attnctl
 

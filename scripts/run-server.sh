@@ -4,5 +4,5 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install-deps.sh"
-"$root/scripts/build.sh" Release -DATTNSERVE_BUILD_TESTS=OFF
+"$root/scripts/build.sh" Release -DATTNSERVE_BUILD_TESTS=OFF -DATTNSERVE_BUILD_BENCHMARKS=OFF
 exec "$root/build/bin/attnserve" "$@"

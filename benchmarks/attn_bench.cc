@@ -1,0 +1,198 @@
+// Google Benchmark suite for the core's operations, with the baselines each
+// is held against measured in the same run:
+//   - SDPA against the two raw batched GEMMs of attention (Q*K^T and P*V as
+//     plain oneDNN matmuls),
+//   - multi-head attention against a 2048^3 float32 GEMM,
+//   - decode-shaped SDPA and LayerNorm against a memory copy of their bytes.
+// Counters: GFLOP/s (FLOPs of the non-causal computation, so that causal and
+// non-causal rates compare as speedups) and GB/s (bytes that must move).
+#include <sys/resource.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "benchmark/benchmark.h"
+#include "core/attention.h"
+#include "core/convert.h"
+#include "core/primitives.h"
+
+namespace attnserve {
+namespace {
+
+Tensor Random(DType dtype, Shape shape, uint32_t seed = 1) {
+  Tensor t = *Tensor::Allocate(DType::kFloat32, shape);
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  float* v = t.data_as<float>();
+  for (int64_t i = 0; i < t.num_elements(); ++i) v[i] = uniform(rng);
+  if (dtype == DType::kFloat32) return t;
+  return *Float32ToTensor(t.data_as<float>(), shape, dtype);
+}
+
+void SetRate(benchmark::State& state, double flops, double bytes) {
+  if (flops > 0) {
+    state.counters["GFLOP/s"] = benchmark::Counter(
+        flops * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  }
+  if (bytes > 0) {
+    state.counters["GB/s"] = benchmark::Counter(
+        bytes * 1e-9, benchmark::Counter::kIsIterationInvariantRate);
+  }
+}
+
+int64_t MaxRssKiB() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return usage.ru_maxrss;
+}
+
+// Args: batch, heads, query_len, key_len, head_dim, causal, bf16.
+void BM_Sdpa(benchmark::State& state) {
+  const int64_t b = state.range(0), h = state.range(1), lq = state.range(2),
+                lk = state.range(3), d = state.range(4);
+  const DType dtype = state.range(6) ? DType::kBFloat16 : DType::kFloat32;
+  Tensor q = Random(dtype, {b, h, lq, d}, 1);
+  Tensor k = Random(dtype, {b, h, lk, d}, 2);
+  Tensor v = Random(dtype, {b, h, lk, d}, 3);
+  AttentionOptions options;
+  options.causal = state.range(5) != 0;
+  AttendInputs in{q.view(), k.view(), v.view(), std::nullopt};
+  const int64_t rss_before = MaxRssKiB();
+  for (auto _ : state) {
+    auto r = Attend(in, options);
+    if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+    benchmark::DoNotOptimize(r);
+  }
+  const double output_mib = double(b * h * lq * d * 4) / (1 << 20);
+  state.counters["extra_MiB"] =
+      std::max(0.0, double(MaxRssKiB() - rss_before) / 1024 - output_mib);
+  SetRate(state, 4.0 * b * h * lq * lk * d,
+          double(q.num_bytes() + k.num_bytes() + v.num_bytes()));
+}
+
+// The two raw GEMMs of the same attention: [b*h] x (Lq x d x Lk) and
+// (Lq x Lk x d), on buffers that need no conversion.
+void BM_RawAttentionGemms(benchmark::State& state) {
+  const int64_t b = state.range(0), h = state.range(1), lq = state.range(2),
+                lk = state.range(3), d = state.range(4);
+  Tensor q = Random(DType::kFloat32, {b * h, lq, d}, 1);
+  Tensor k = Random(DType::kFloat32, {b * h, lk, d}, 2);
+  Tensor v = Random(DType::kFloat32, {b * h, lk, d}, 3);
+  // One head at a time keeps the logits in cache as a fused kernel does.
+  Tensor logits = *Tensor::Allocate(DType::kFloat32, {lq, lk});
+  Tensor out = *Tensor::Allocate(DType::kFloat32, {b * h, lq, d});
+  MatmulShape qk{1, lq, d, lk, /*b_transposed=*/true};
+  MatmulShape pv{1, lq, lk, d};
+  for (auto _ : state) {
+    for (int64_t n = 0; n < b * h; ++n) {
+      (void)MatmulF32(qk, q.data_as<float>() + n * lq * d,
+                      k.data_as<float>() + n * lk * d, nullptr,
+                      logits.data_as<float>());
+      (void)MatmulF32(pv, logits.data_as<float>(),
+                      v.data_as<float>() + n * lk * d, nullptr,
+                      out.data_as<float>() + n * lq * d);
+    }
+    benchmark::ClobberMemory();
+  }
+  SetRate(state, 4.0 * b * h * lq * lk * d, 0);
+}
+
+void BM_Gemm2048(benchmark::State& state) {
+  const int64_t n = 2048;
+  Tensor a = Random(DType::kFloat32, {n, n}, 1);
+  Tensor b = Random(DType::kFloat32, {n, n}, 2);
+  Tensor c = *Tensor::Allocate(DType::kFloat32, {n, n});
+  MatmulShape shape{1, n, n, n};
+  for (auto _ : state) {
+    (void)MatmulF32(shape, a.data_as<float>(), b.data_as<float>(), nullptr,
+                    c.data_as<float>());
+    benchmark::ClobberMemory();
+  }
+  SetRate(state, 2.0 * n * n * n, 0);
+}
+
+// Args: bytes.
+void BM_MemoryCopy(benchmark::State& state) {
+  const int64_t bytes = state.range(0);
+  std::vector<char> src(bytes, 1), dst(bytes);
+  for (auto _ : state) {
+    std::memcpy(dst.data(), src.data(), bytes);
+    benchmark::ClobberMemory();
+  }
+  // A copy reads and writes every byte.
+  SetRate(state, 0, 2.0 * bytes);
+}
+
+// Args: batch, seq, embed, heads, bf16.
+void BM_MultiHeadAttention(benchmark::State& state) {
+  const int64_t b = state.range(0), l = state.range(1), e = state.range(2);
+  const int heads = static_cast<int>(state.range(3));
+  const DType dtype = state.range(4) ? DType::kBFloat16 : DType::kFloat32;
+  Tensor x = Random(dtype, {b, l, e}, 1);
+  Tensor in_proj = Random(DType::kFloat32, {3 * e, e}, 2);
+  Tensor in_bias = Random(DType::kFloat32, {3 * e}, 3);
+  Tensor out_proj = Random(DType::kFloat32, {e, e}, 4);
+  Tensor out_bias = Random(DType::kFloat32, {e}, 5);
+  MultiHeadWeights w;
+  w.num_heads = heads;
+  w.in_proj_weight = in_proj.view();
+  w.in_proj_bias = in_bias.view();
+  w.out_proj_weight = out_proj.view();
+  w.out_proj_bias = out_bias.view();
+  MultiHeadInputs in{x.view(), std::nullopt, std::nullopt, std::nullopt,
+                     std::nullopt};
+  for (auto _ : state) {
+    auto r = MultiHeadAttend(w, in, {});
+    if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+    benchmark::DoNotOptimize(r);
+  }
+  SetRate(state, 2.0 * b * l * e * e * 4 + 4.0 * b * l * l * e, 0);
+}
+
+// Args: rows, cols.
+void BM_LayerNorm(benchmark::State& state) {
+  const int64_t rows = state.range(0), cols = state.range(1);
+  Tensor x = Random(DType::kFloat32, {rows, cols}, 1);
+  Tensor gamma = Random(DType::kFloat32, {cols}, 2);
+  Tensor beta = Random(DType::kFloat32, {cols}, 3);
+  for (auto _ : state) {
+    auto r = LayerNorm(x.view(), gamma.view(), beta.view(), {});
+    benchmark::DoNotOptimize(r);
+  }
+  SetRate(state, 0, 2.0 * rows * cols * 4);
+}
+
+// clang-format off
+BENCHMARK(BM_Sdpa)->ArgNames({"B", "H", "Lq", "Lk", "d", "causal", "bf16"})
+    ->Args({8, 8, 512, 512, 64, 0, 0})
+    ->Args({1, 8, 4096, 4096, 64, 0, 0})
+    ->Args({1, 8, 2048, 2048, 64, 0, 0})
+    ->Args({1, 8, 2048, 2048, 64, 1, 0})
+    ->Args({1, 8, 1, 4096, 64, 0, 0})
+    ->Args({8, 8, 512, 512, 64, 0, 1})
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_RawAttentionGemms)->ArgNames({"B", "H", "Lq", "Lk", "d"})
+    ->Args({8, 8, 512, 512, 64})
+    ->Args({1, 8, 4096, 4096, 64})
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Gemm2048)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MemoryCopy)->ArgNames({"bytes"})
+    ->Arg(2 * 8 * 4096 * 64 * 4)      // K and V of the decode case
+    ->Arg(2 * 32 * 128 * 768 * 4)     // LayerNorm [4096, 768] in and out
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_MultiHeadAttention)->ArgNames({"B", "L", "E", "H", "bf16"})
+    ->Args({8, 512, 512, 8, 0})
+    ->Args({32, 128, 768, 12, 0})
+    ->Args({1, 16, 512, 8, 0})
+    ->Args({8, 512, 512, 8, 1})
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_LayerNorm)->ArgNames({"rows", "cols"})
+    ->Args({32 * 128, 768})
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+// clang-format on
+
+}  // namespace
+}  // namespace attnserve
+
+BENCHMARK_MAIN();

@@ -1,0 +1,91 @@
+// A C entry point to the core for benchmarks/vs_pytorch.py, which loads it
+// with ctypes so that attnserve and PyTorch are timed in one process, on the
+// same buffers and the same OpenMP runtime. Each function returns 0, or -1
+// after printing the error.
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "core/attention.h"
+#include "core/primitives.h"
+
+namespace {
+
+int Fail(const absl::Status& status) {
+  std::fprintf(stderr, "attnserve: %s\n", std::string(status.message()).c_str());
+  return -1;
+}
+
+int CopyOut(const absl::StatusOr<attnserve::AttentionResult>& r, void* out) {
+  if (!r.ok()) return Fail(r.status());
+  std::memcpy(out, r->output.data(), r->output.num_bytes());
+  return 0;
+}
+
+attnserve::DType DTypeOf(int bf16) {
+  return bf16 ? attnserve::DType::kBFloat16 : attnserve::DType::kFloat32;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Scaled dot-product attention on [b, h, l, d] tensors (bf16: uint16 data).
+int attnserve_sdpa(const void* q, const void* k, const void* v, void* out,
+                   int64_t b, int64_t h, int64_t lq, int64_t lk, int64_t d,
+                   int causal, int bf16) {
+  using attnserve::TensorView;
+  const attnserve::DType dtype = DTypeOf(bf16);
+  attnserve::AttendInputs in{TensorView{dtype, {b, h, lq, d}, q},
+                             TensorView{dtype, {b, h, lk, d}, k},
+                             TensorView{dtype, {b, h, lk, d}, v},
+                             std::nullopt};
+  attnserve::AttentionOptions options;
+  options.causal = causal != 0;
+  return CopyOut(attnserve::Attend(in, options), out);
+}
+
+// nn.MultiheadAttention self-attention (fused in_proj, biases, out_proj).
+int attnserve_mha(const void* x, const float* in_proj, const float* in_bias,
+                  const float* out_proj, const float* out_bias, void* out,
+                  int64_t b, int64_t l, int64_t e, int heads, int bf16) {
+  using attnserve::DType;
+  using attnserve::TensorView;
+  attnserve::MultiHeadWeights w;
+  w.num_heads = heads;
+  w.in_proj_weight = TensorView{DType::kFloat32, {3 * e, e}, in_proj};
+  w.in_proj_bias = TensorView{DType::kFloat32, {3 * e}, in_bias};
+  w.out_proj_weight = TensorView{DType::kFloat32, {e, e}, out_proj};
+  w.out_proj_bias = TensorView{DType::kFloat32, {e}, out_bias};
+  attnserve::MultiHeadInputs in{TensorView{DTypeOf(bf16), {b, l, e}, x},
+                                std::nullopt, std::nullopt, std::nullopt,
+                                std::nullopt};
+  return CopyOut(attnserve::MultiHeadAttend(w, in, {}), out);
+}
+
+// LayerNorm over the last dim of [rows, cols].
+int attnserve_layer_norm(const float* x, const float* gamma, const float* beta,
+                         float* out, int64_t rows, int64_t cols, float eps) {
+  using attnserve::DType;
+  using attnserve::TensorView;
+  attnserve::LayerNormOptions options;
+  options.eps = eps;
+  auto r = attnserve::LayerNorm(TensorView{DType::kFloat32, {rows, cols}, x},
+                                TensorView{DType::kFloat32, {cols}, gamma},
+                                TensorView{DType::kFloat32, {cols}, beta},
+                                options);
+  if (!r.ok()) return Fail(r.status());
+  std::memcpy(out, r->data(), r->num_bytes());
+  return 0;
+}
+
+// C[m, n] = A[m, k] * B[k, n], float32: the GEMM peak the others are held to.
+int attnserve_matmul(const float* a, const float* b, float* c, int64_t m,
+                     int64_t k, int64_t n) {
+  attnserve::MatmulShape shape{1, m, k, n};
+  const absl::Status status = attnserve::MatmulF32(shape, a, b, nullptr, c);
+  return status.ok() ? 0 : Fail(status);
+}
+
+}  // extern "C"
