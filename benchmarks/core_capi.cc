@@ -13,15 +13,29 @@
 namespace {
 
 int Fail(const absl::Status& status) {
-  std::fprintf(stderr, "attnserve: %s\n", std::string(status.message()).c_str());
+  std::fprintf(stderr, "attnserve: %s\n",
+               std::string(status.message()).c_str());
   return -1;
 }
 
-int CopyOut(const absl::StatusOr<attnserve::AttentionResult>& r, void* out) {
-  if (!r.ok()) return Fail(r.status());
-  std::memcpy(out, r->output.data(), r->output.num_bytes());
-  return 0;
-}
+// Results go straight into the caller's buffer, as a server's would go into
+// its response.
+class CallerOutput : public attnserve::ResultAllocator {
+ public:
+  explicit CallerOutput(void* out) : out_(out) {}
+
+ protected:
+  absl::StatusOr<void*> DoAllocate(absl::string_view name, attnserve::DType,
+                                   const attnserve::Shape&) override {
+    if (name != "output") return absl::InternalError("unexpected result");
+    return out_;
+  }
+
+ private:
+  void* out_;
+};
+
+int Check(const absl::Status& status) { return status.ok() ? 0 : Fail(status); }
 
 attnserve::DType DTypeOf(int bf16) {
   return bf16 ? attnserve::DType::kBFloat16 : attnserve::DType::kFloat32;
@@ -39,11 +53,11 @@ int attnserve_sdpa(const void* q, const void* k, const void* v, void* out,
   const attnserve::DType dtype = DTypeOf(bf16);
   attnserve::AttendInputs in{TensorView{dtype, {b, h, lq, d}, q},
                              TensorView{dtype, {b, h, lk, d}, k},
-                             TensorView{dtype, {b, h, lk, d}, v},
-                             std::nullopt};
+                             TensorView{dtype, {b, h, lk, d}, v}, std::nullopt};
   attnserve::AttentionOptions options;
   options.causal = causal != 0;
-  return CopyOut(attnserve::Attend(in, options), out);
+  CallerOutput results(out);
+  return Check(attnserve::Attend(in, options, results));
 }
 
 // nn.MultiheadAttention self-attention (fused in_proj, biases, out_proj).
@@ -61,7 +75,8 @@ int attnserve_mha(const void* x, const float* in_proj, const float* in_bias,
   attnserve::MultiHeadInputs in{TensorView{DTypeOf(bf16), {b, l, e}, x},
                                 std::nullopt, std::nullopt, std::nullopt,
                                 std::nullopt};
-  return CopyOut(attnserve::MultiHeadAttend(w, in, {}), out);
+  CallerOutput results(out);
+  return Check(attnserve::MultiHeadAttend(w, in, {}, results));
 }
 
 // LayerNorm over the last dim of [rows, cols].
@@ -71,21 +86,18 @@ int attnserve_layer_norm(const float* x, const float* gamma, const float* beta,
   using attnserve::TensorView;
   attnserve::LayerNormOptions options;
   options.eps = eps;
-  auto r = attnserve::LayerNorm(TensorView{DType::kFloat32, {rows, cols}, x},
-                                TensorView{DType::kFloat32, {cols}, gamma},
-                                TensorView{DType::kFloat32, {cols}, beta},
-                                options);
-  if (!r.ok()) return Fail(r.status());
-  std::memcpy(out, r->data(), r->num_bytes());
-  return 0;
+  CallerOutput results(out);
+  return Check(attnserve::LayerNorm(
+      TensorView{DType::kFloat32, {rows, cols}, x},
+      TensorView{DType::kFloat32, {cols}, gamma},
+      TensorView{DType::kFloat32, {cols}, beta}, options, results));
 }
 
 // C[m, n] = A[m, k] * B[k, n], float32: the GEMM peak the others are held to.
 int attnserve_matmul(const float* a, const float* b, float* c, int64_t m,
                      int64_t k, int64_t n) {
   attnserve::MatmulShape shape{1, m, k, n};
-  const absl::Status status = attnserve::MatmulF32(shape, a, b, nullptr, c);
-  return status.ok() ? 0 : Fail(status);
+  return Check(attnserve::MatmulF32(shape, a, b, nullptr, c));
 }
 
 }  // extern "C"

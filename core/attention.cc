@@ -102,16 +102,25 @@ absl::Status VerifySameRank(const TensorView& t, absl::string_view field,
       " (shapes ", ShapeString(t.shape), " and ", ShapeString(ref.shape), ")"));
 }
 
-// The float32 result converted to the requested dtype (no copy for FLOAT32).
-absl::StatusOr<Tensor> ToDType(Tensor values, DType dtype) {
-  if (dtype == DType::kFloat32) return values;
-  return Float32ToTensor(values.data_as<float>(), values.shape(), dtype);
+// The tensors an allocator-based operation produced.
+AttentionResult TakeResult(TensorResults& results) {
+  AttentionResult result;
+  result.output = *results.Take("output");
+  result.weights = results.Take("weights");
+  return result;
 }
 
 }  // namespace
 
-absl::StatusOr<AttentionResult> Attend(const AttendInputs& in,
+absl::StatusOr<AttentionResult> Attend(const AttendInputs& inputs,
                                        const AttentionOptions& options) {
+  TensorResults results;
+  ATTN_RETURN_IF_ERROR(Attend(inputs, options, results));
+  return TakeResult(results);
+}
+
+absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
+                    ResultAllocator& results) {
   ATTN_RETURN_IF_ERROR(VerifyFloating(in.query, "query"));
   ATTN_RETURN_IF_ERROR(VerifySameDType(in.key, "key", in.query, "query"));
   ATTN_RETURN_IF_ERROR(VerifySameDType(in.value, "value", in.query, "query"));
@@ -169,19 +178,19 @@ absl::StatusOr<AttentionResult> Attend(const AttendInputs& in,
   Shape output_shape = batch_dims;
   output_shape.push_back(p.query_len);
   output_shape.push_back(p.value_dim);
-  AttentionResult result;
-  ATTN_ASSIGN_OR_RETURN(Tensor output,
-                        Tensor::Allocate(DType::kFloat32, output_shape));
-  p.output = output.data_as<float>();
+  ATTN_ASSIGN_OR_RETURN(
+      Float32Result output,
+      Float32Result::Allocate(results, "output", in.query.dtype, output_shape));
+  p.output = output.data();
   if (options.return_weights) {
-    ATTN_ASSIGN_OR_RETURN(result.weights,
-                          Tensor::Allocate(DType::kFloat32, logits_shape));
-    p.weights = result.weights->data_as<float>();
+    ATTN_ASSIGN_OR_RETURN(
+        void* weights,
+        results.Allocate("weights", DType::kFloat32, logits_shape));
+    p.weights = static_cast<float*>(weights);
   }
   ATTN_RETURN_IF_ERROR(RunAttention(p));
-  ATTN_ASSIGN_OR_RETURN(result.output,
-                        ToDType(std::move(output), in.query.dtype));
-  return result;
+  output.Finish();
+  return absl::OkStatus();
 }
 
 namespace {
@@ -426,8 +435,17 @@ absl::StatusOr<MaskLayout> KeyPaddingMask(const TensorView& mask, bool batched,
 }  // namespace
 
 absl::StatusOr<AttentionResult> MultiHeadAttend(
-    const MultiHeadWeights& weights, const MultiHeadInputs& in,
+    const MultiHeadWeights& weights, const MultiHeadInputs& inputs,
     const MultiHeadOptions& options) {
+  TensorResults results;
+  ATTN_RETURN_IF_ERROR(MultiHeadAttend(weights, inputs, options, results));
+  return TakeResult(results);
+}
+
+absl::Status MultiHeadAttend(const MultiHeadWeights& weights,
+                             const MultiHeadInputs& in,
+                             const MultiHeadOptions& options,
+                             ResultAllocator& results) {
   ATTN_RETURN_IF_ERROR(VerifyFloating(in.query, "query"));
   ATTN_RETURN_IF_ERROR(VerifyRank(in.query, "query", 2, 3));
   const TensorView& key = in.key.has_value() ? *in.key : in.query;
@@ -523,59 +541,68 @@ absl::StatusOr<AttentionResult> MultiHeadAttend(
   }
 
   // The heads' outputs land side by side: the concatenation the output
-  // projection reads.
+  // projection reads, or the result itself without one.
+  const int64_t concat_dim = heads * w.value_dim;
+  const int64_t out_dim = w.out.has_value() ? w.out->out : concat_dim;
+  const Shape output_shape =
+      batched ? Shape{batch, query_len, out_dim} : Shape{query_len, out_dim};
   ATTN_ASSIGN_OR_RETURN(
-      Tensor concat, Tensor::Allocate(DType::kFloat32,
-                                      {batch, query_len, heads * w.value_dim}));
-  p.output = concat.data_as<float>();
-  p.output_layout = InterleavedHeadsLayout(heads, query_len, w.value_dim);
-  AttentionResult result;
-  if (options.attention.return_weights) {
-    ATTN_ASSIGN_OR_RETURN(Tensor per_head,
-                          Tensor::Allocate(DType::kFloat32, per_head_weights));
-    p.weights = per_head.data_as<float>();
-    result.weights = std::move(per_head);
-  }
-  ATTN_RETURN_IF_ERROR(RunAttention(p));
-
-  Tensor output;
+      Float32Result output,
+      Float32Result::Allocate(results, "output", in.query.dtype, output_shape));
+  Tensor concat;
   if (w.out.has_value()) {
     ATTN_ASSIGN_OR_RETURN(
-        output,
-        Tensor::Allocate(DType::kFloat32, {batch, query_len, w.out->out}));
-    ATTN_RETURN_IF_ERROR(Project(*w.out, batch * query_len,
-                                 concat.data_as<float>(),
-                                 output.data_as<float>()));
+        concat,
+        Tensor::Allocate(DType::kFloat32, {batch, query_len, concat_dim}));
+    p.output = concat.data_as<float>();
   } else {
-    output = std::move(concat);
+    p.output = output.data();
   }
-  if (!batched) output.Reshape({query_len, output.shape().back()});
-  ATTN_ASSIGN_OR_RETURN(result.output,
-                        ToDType(std::move(output), in.query.dtype));
+  p.output_layout = InterleavedHeadsLayout(heads, query_len, w.value_dim);
 
-  if (result.weights.has_value()) {
-    if (options.average_weights) {
+  // Per-head weights go straight to the result unless they are averaged.
+  Tensor per_head;
+  float* mean_weights = nullptr;
+  if (options.attention.return_weights) {
+    const bool average = options.average_weights;
+    const Shape weights_shape =
+        average
+            ? (batched ? Shape{batch, query_len, key_len}
+                       : Shape{query_len, key_len})
+            : (batched ? per_head_weights : Shape{heads, query_len, key_len});
+    ATTN_ASSIGN_OR_RETURN(
+        void* weights_data,
+        results.Allocate("weights", DType::kFloat32, weights_shape));
+    if (average) {
       ATTN_ASSIGN_OR_RETURN(
-          Tensor mean,
-          Tensor::Zeros(DType::kFloat32, {batch, query_len, key_len}));
-      const int64_t plane = query_len * key_len;
-      const float* per_head = result.weights->data_as<float>();
-      float* out = mean.data_as<float>();
-      const float inv_heads = 1.0f / static_cast<float>(heads);
-      for (int64_t b = 0; b < batch; ++b) {
-        for (int64_t h = 0; h < heads; ++h) {
-          const float* src = per_head + (b * heads + h) * plane;
-          for (int64_t i = 0; i < plane; ++i) out[b * plane + i] += src[i];
-        }
-        for (int64_t i = 0; i < plane; ++i) out[b * plane + i] *= inv_heads;
-      }
-      if (!batched) mean.Reshape({query_len, key_len});
-      result.weights = std::move(mean);
-    } else if (!batched) {
-      result.weights->Reshape({heads, query_len, key_len});
+          per_head, Tensor::Allocate(DType::kFloat32, per_head_weights));
+      p.weights = per_head.data_as<float>();
+      mean_weights = static_cast<float*>(weights_data);
+    } else {
+      p.weights = static_cast<float*>(weights_data);
     }
   }
-  return result;
+  ATTN_RETURN_IF_ERROR(RunAttention(p));
+  if (w.out.has_value()) {
+    ATTN_RETURN_IF_ERROR(Project(*w.out, batch * query_len,
+                                 concat.data_as<float>(), output.data()));
+  }
+  output.Finish();
+
+  if (mean_weights != nullptr) {
+    const int64_t plane = query_len * key_len;
+    const float inv_heads = 1.0f / static_cast<float>(heads);
+    for (int64_t b = 0; b < batch; ++b) {
+      float* out = mean_weights + b * plane;
+      std::fill(out, out + plane, 0.0f);
+      for (int64_t h = 0; h < heads; ++h) {
+        const float* src = per_head.data_as<float>() + (b * heads + h) * plane;
+        for (int64_t i = 0; i < plane; ++i) out[i] += src[i];
+      }
+      for (int64_t i = 0; i < plane; ++i) out[i] *= inv_heads;
+    }
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace attnserve

@@ -17,6 +17,7 @@
 #include <optional>
 
 #include "absl/status/statusor.h"
+#include "core/results.h"
 #include "core/tensor.h"
 
 namespace attnserve {
@@ -44,7 +45,9 @@ struct AttendInputs {
   std::optional<TensorView> attn_mask;
 };
 
-// output [..., Lq, dv]; weights [..., Lq, Lk].
+// Results "output" [..., Lq, dv] and, when asked, "weights" [..., Lq, Lk].
+absl::Status Attend(const AttendInputs& inputs, const AttentionOptions& options,
+                    ResultAllocator& results);
 absl::StatusOr<AttentionResult> Attend(const AttendInputs& inputs,
                                        const AttentionOptions& options);
 
@@ -80,8 +83,13 @@ struct MultiHeadOptions {
   bool average_weights = false;
 };
 
-// output [B, Lq, Eo] (or [B, Lq, H*dv] without out_proj_weight; no B for
-// an unbatched query).
+// Results "output" [B, Lq, Eo] (or [B, Lq, H*dv] without out_proj_weight;
+// no B for an unbatched query) and, when asked, "weights" [B, H, Lq, Lk]
+// ([B, Lq, Lk] averaged).
+absl::Status MultiHeadAttend(const MultiHeadWeights& weights,
+                             const MultiHeadInputs& inputs,
+                             const MultiHeadOptions& options,
+                             ResultAllocator& results);
 absl::StatusOr<AttentionResult> MultiHeadAttend(
     const MultiHeadWeights& weights, const MultiHeadInputs& inputs,
     const MultiHeadOptions& options);
@@ -94,7 +102,13 @@ struct LayerNormOptions {
 };
 
 // (x - mean) / sqrt(var + eps) * gamma + beta over the trailing dims, with
-// the biased variance. gamma and beta have the shape of those dims.
+// the biased variance. gamma and beta have the shape of those dims. Result
+// "output" has the input's shape and dtype.
+absl::Status LayerNorm(const TensorView& input,
+                       const std::optional<TensorView>& gamma,
+                       const std::optional<TensorView>& beta,
+                       const LayerNormOptions& options,
+                       ResultAllocator& results);
 absl::StatusOr<Tensor> LayerNorm(const TensorView& input,
                                  const std::optional<TensorView>& gamma,
                                  const std::optional<TensorView>& beta,

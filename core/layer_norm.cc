@@ -24,6 +24,16 @@ absl::StatusOr<Tensor> LayerNorm(const TensorView& input,
                                  const std::optional<TensorView>& gamma,
                                  const std::optional<TensorView>& beta,
                                  const LayerNormOptions& options) {
+  TensorResults results;
+  ATTN_RETURN_IF_ERROR(LayerNorm(input, gamma, beta, options, results));
+  return *results.Take("output");
+}
+
+absl::Status LayerNorm(const TensorView& input,
+                       const std::optional<TensorView>& gamma,
+                       const std::optional<TensorView>& beta,
+                       const LayerNormOptions& options,
+                       ResultAllocator& results) {
   ATTN_RETURN_IF_ERROR(VerifyFloating(input, "input"));
   if (options.normalized_ndim < 1 || options.normalized_ndim > input.rank()) {
     return absl::InvalidArgumentError(
@@ -48,13 +58,14 @@ absl::StatusOr<Tensor> LayerNorm(const TensorView& input,
   if (beta.has_value()) {
     ATTN_ASSIGN_OR_RETURN(shift, Float32Data::From(*beta, "beta"));
   }
-  ATTN_ASSIGN_OR_RETURN(Tensor output,
-                        Tensor::Allocate(DType::kFloat32, input.shape));
+  ATTN_ASSIGN_OR_RETURN(
+      Float32Result output,
+      Float32Result::Allocate(results, "output", input.dtype, input.shape));
   ATTN_RETURN_IF_ERROR(LayerNormF32(
       rows, cols, options.eps, src.data(), scale ? scale->data() : nullptr,
-      shift ? shift->data() : nullptr, output.data_as<float>()));
-  if (input.dtype == DType::kFloat32) return output;
-  return Float32ToTensor(output.data_as<float>(), input.shape, input.dtype);
+      shift ? shift->data() : nullptr, output.data()));
+  output.Finish();
+  return absl::OkStatus();
 }
 
 }  // namespace attnserve

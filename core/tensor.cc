@@ -8,6 +8,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/buffer_pool.h"
 
 namespace attnserve {
 
@@ -82,12 +83,15 @@ int64_t NumElements(absl::Span<const int64_t> shape) {
   return count;
 }
 
-void Tensor::FreeDeleter::operator()(void* p) const { std::free(p); }
+void Tensor::PoolDeleter::operator()(void* p) const {
+  BufferPool::Global().Release(p, capacity);
+}
 
-absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
-  auto count = CheckedNumElements(shape, dtype, "tensor");
+absl::StatusOr<size_t> CheckTensorBytes(DType dtype,
+                                        absl::Span<const int64_t> shape,
+                                        absl::string_view field) {
+  auto count = CheckedNumElements(shape, dtype, field);
   if (!count.ok()) return count.status();
-  constexpr size_t kAlignment = 64;
   const size_t bytes = static_cast<size_t>(*count) * DTypeSize(dtype);
   if (bytes > kMaxTensorBytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -95,10 +99,15 @@ absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
         " needs ", bytes, " bytes, above the limit of ", kMaxTensorBytes,
         " bytes per tensor"));
   }
-  // aligned_alloc wants a multiple of the alignment, and at least one byte
-  // so that an empty tensor still has a valid pointer.
-  const size_t rounded = (bytes + kAlignment) / kAlignment * kAlignment;
-  void* p = std::aligned_alloc(kAlignment, rounded);
+  return bytes;
+}
+
+absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
+  auto checked = CheckTensorBytes(dtype, shape, "tensor");
+  if (!checked.ok()) return checked.status();
+  const size_t bytes = *checked;
+  size_t capacity = 0;
+  void* p = BufferPool::Global().Acquire(bytes, &capacity);
   if (p == nullptr) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "cannot allocate ", bytes, " bytes for a ", DTypeName(dtype),
@@ -107,7 +116,7 @@ absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
   Tensor t;
   t.dtype_ = dtype;
   t.shape_ = std::move(shape);
-  t.data_.reset(p);
+  t.data_ = std::unique_ptr<void, PoolDeleter>(p, PoolDeleter{capacity});
   return t;
 }
 

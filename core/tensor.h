@@ -64,7 +64,15 @@ struct TensorView {
 // more, and refusing up front beats running the machine out of memory.
 inline constexpr size_t kMaxTensorBytes = size_t{2} << 30;
 
-// A tensor that owns a 64-byte aligned buffer. Move-only.
+// The bytes of a tensor of `dtype` and `shape`: INVALID_ARGUMENT naming
+// `field` for negative or overflowing dims, RESOURCE_EXHAUSTED above
+// kMaxTensorBytes.
+absl::StatusOr<size_t> CheckTensorBytes(DType dtype,
+                                        absl::Span<const int64_t> shape,
+                                        absl::string_view field);
+
+// A tensor that owns a 64-byte aligned buffer from BufferPool::Global().
+// Move-only.
 class Tensor {
  public:
   Tensor() = default;
@@ -94,12 +102,14 @@ class Tensor {
   void Reshape(Shape shape);
 
  private:
-  struct FreeDeleter {
+  // Returns the buffer to the BufferPool it came from.
+  struct PoolDeleter {
+    size_t capacity;
     void operator()(void* p) const;
   };
   DType dtype_ = DType::kFloat32;
   Shape shape_;
-  std::unique_ptr<void, FreeDeleter> data_;
+  std::unique_ptr<void, PoolDeleter> data_;
 };
 
 }  // namespace attnserve

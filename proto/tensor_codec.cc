@@ -93,6 +93,22 @@ void EncodeTensor(const TensorView& view, v1::Tensor* out) {
                     view.num_elements() * DTypeSize(view.dtype));
 }
 
+absl::StatusOr<void*> WireResults::DoAllocate(absl::string_view name,
+                                              DType dtype, const Shape& shape) {
+  v1::Tensor* tensor = name == "output"    ? output_
+                       : name == "weights" ? weights_
+                                           : nullptr;
+  if (tensor == nullptr) {
+    return absl::InternalError(
+        absl::StrCat("no wire tensor for result ", name));
+  }
+  tensor->set_dtype(DTypeToProto(dtype));
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  std::string* bytes = tensor->mutable_raw_data();
+  bytes->resize(NumElements(shape) * DTypeSize(dtype));
+  return bytes->data();
+}
+
 absl::StatusOr<Tensor> CopyTensor(const v1::Tensor& tensor,
                                   absl::string_view field) {
   ATTN_ASSIGN_OR_RETURN(TensorView view, DecodeTensor(tensor, field));

@@ -9,6 +9,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
+#include "core/results.h"
 #include "core/tensor.h"
 
 namespace attnserve {
@@ -26,6 +27,23 @@ absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
 
 // Writes `view` into `out` as raw_data.
 void EncodeTensor(const TensorView& view, v1::Tensor* out);
+
+// Hands out wire tensors' raw_data as result memory, so that operations
+// compute straight into a response. `output` receives result "output";
+// `weights` (may be null) result "weights". Thread-compatible.
+class WireResults : public ResultAllocator {
+ public:
+  WireResults(v1::Tensor* output, v1::Tensor* weights)
+      : output_(output), weights_(weights) {}
+
+ protected:
+  absl::StatusOr<void*> DoAllocate(absl::string_view name, DType dtype,
+                                   const Shape& shape) override;
+
+ private:
+  v1::Tensor* output_;
+  v1::Tensor* weights_;
+};
 
 // A copy of a wire tensor as a core tensor (for clients, which keep results
 // beyond the response's life).

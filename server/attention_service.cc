@@ -99,11 +99,9 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
       AttentionOptionsOf(request.causal(), request.has_scale(), request.scale(),
                          request.has_temperature(), request.temperature(),
                          request.return_weights());
-  ATTN_ASSIGN_OR_RETURN(AttentionResult result, Attend(inputs, options));
-  EncodeTensor(result.output.view(), response->mutable_output());
-  if (result.weights.has_value()) {
-    EncodeTensor(result.weights->view(), response->mutable_weights());
-  }
+  WireResults results(response->mutable_output(), response->mutable_weights());
+  ATTN_RETURN_IF_ERROR(Attend(inputs, options, results));
+  if (!request.return_weights()) response->clear_weights();
   return absl::OkStatus();
 }
 
@@ -139,12 +137,9 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                          request.has_temperature(), request.temperature(),
                          request.return_weights());
   options.average_weights = request.average_weights();
-  ATTN_ASSIGN_OR_RETURN(AttentionResult result,
-                        MultiHeadAttend(weights, inputs, options));
-  EncodeTensor(result.output.view(), response->mutable_output());
-  if (result.weights.has_value()) {
-    EncodeTensor(result.weights->view(), response->mutable_weights());
-  }
+  WireResults results(response->mutable_output(), response->mutable_weights());
+  ATTN_RETURN_IF_ERROR(MultiHeadAttend(weights, inputs, options, results));
+  if (!request.return_weights()) response->clear_weights();
   return absl::OkStatus();
 }
 
@@ -164,9 +159,8 @@ absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
   }
   options.normalized_ndim =
       request.normalized_ndim() == 0 ? 1 : request.normalized_ndim();
-  ATTN_ASSIGN_OR_RETURN(Tensor output, LayerNorm(input, gamma, beta, options));
-  EncodeTensor(output.view(), response->mutable_output());
-  return absl::OkStatus();
+  WireResults results(response->mutable_output(), nullptr);
+  return LayerNorm(input, gamma, beta, options, results);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(
