@@ -86,10 +86,10 @@ void BM_RawAttentionGemms(benchmark::State& state) {
   MatmulShape pv{1, lq, lk, d};
   for (auto _ : state) {
     for (int64_t n = 0; n < b * h; ++n) {
-      (void)MatmulF32(qk, q.data_as<float>() + n * lq * d,
+      (void)Matmul(qk, q.data_as<float>() + n * lq * d,
                       k.data_as<float>() + n * lk * d, nullptr,
                       logits.data_as<float>());
-      (void)MatmulF32(pv, logits.data_as<float>(),
+      (void)Matmul(pv, logits.data_as<float>(),
                       v.data_as<float>() + n * lk * d, nullptr,
                       out.data_as<float>() + n * lq * d);
     }
@@ -105,7 +105,7 @@ void BM_Gemm2048(benchmark::State& state) {
   Tensor c = *Tensor::Allocate(DType::kFloat32, {n, n});
   MatmulShape shape{1, n, n, n};
   for (auto _ : state) {
-    (void)MatmulF32(shape, a.data_as<float>(), b.data_as<float>(), nullptr,
+    (void)Matmul(shape, a.data_as<float>(), b.data_as<float>(), nullptr,
                     c.data_as<float>());
     benchmark::ClobberMemory();
   }

@@ -97,7 +97,7 @@ int attnserve_layer_norm(const float* x, const float* gamma, const float* beta,
 int attnserve_matmul(const float* a, const float* b, float* c, int64_t m,
                      int64_t k, int64_t n) {
   attnserve::MatmulShape shape{1, m, k, n};
-  return Check(attnserve::MatmulF32(shape, a, b, nullptr, c));
+  return Check(attnserve::Matmul(shape, a, b, nullptr, c));
 }
 
 }  // extern "C"

@@ -102,6 +102,14 @@ absl::Status VerifySameRank(const TensorView& t, absl::string_view field,
       " (shapes ", ShapeString(t.shape), " and ", ShapeString(ref.shape), ")"));
 }
 
+// BFLOAT16 inputs run on the bfloat16 kernels (float32 accumulation), and
+// so do the others when the caller asks; FLOAT32 and FLOAT16 inputs run in
+// float32 otherwise.
+DType ComputeDType(DType input, const AttentionOptions& options) {
+  return input == DType::kBFloat16 || options.compute_bf16 ? DType::kBFloat16
+                                                           : DType::kFloat32;
+}
+
 // The tensors an allocator-based operation produced.
 AttentionResult TakeResult(TensorResults& results) {
   AttentionResult result;
@@ -162,11 +170,14 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
     p.masks.push_back(std::move(mask));
   }
 
-  ATTN_ASSIGN_OR_RETURN(Float32Data query,
-                        Float32Data::From(in.query, "query"));
-  ATTN_ASSIGN_OR_RETURN(Float32Data key, Float32Data::From(in.key, "key"));
-  ATTN_ASSIGN_OR_RETURN(Float32Data value,
-                        Float32Data::From(in.value, "value"));
+  const DType compute = ComputeDType(in.query.dtype, options);
+  ATTN_ASSIGN_OR_RETURN(OperandData query,
+                        OperandData::From(in.query, compute, "query"));
+  ATTN_ASSIGN_OR_RETURN(OperandData key,
+                        OperandData::From(in.key, compute, "key"));
+  ATTN_ASSIGN_OR_RETURN(OperandData value,
+                        OperandData::From(in.value, compute, "value"));
+  p.operand_dtype = compute;
   p.query = query.data();
   p.key = key.data();
   p.value = value.data();
@@ -179,9 +190,11 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
   output_shape.push_back(p.query_len);
   output_shape.push_back(p.value_dim);
   ATTN_ASSIGN_OR_RETURN(
-      Float32Result output,
-      Float32Result::Allocate(results, "output", in.query.dtype, output_shape));
+      ResultBuffer output,
+      ResultBuffer::Allocate(results, "output", in.query.dtype, output_shape,
+                             /*bf16_ok=*/true));
   p.output = output.data();
+  p.output_dtype = output.dtype();
   if (options.return_weights) {
     ATTN_ASSIGN_OR_RETURN(
         void* weights,
@@ -198,15 +211,16 @@ namespace {
 // One projection y = x * W^T + b after validation: where its weight and bias
 // start (the fused in_proj_weight is read in place, a third at a time).
 struct Projection {
-  const float* weight = nullptr;  // [out, in]
-  const float* bias = nullptr;    // [out] or null
+  const void* weight = nullptr;  // [out, in], in the compute dtype
+  const float* bias = nullptr;   // [out] or null
   int64_t out = 0;
   int64_t in = 0;
+  DType dtype = DType::kFloat32;  // of weight, and of x
 };
 
-// x [rows, p.in] -> y [rows, p.out].
-absl::Status Project(const Projection& proj, int64_t rows, const float* x,
-                     float* y) {
+// x [rows, p.in] -> y [rows, p.out], y in `y_dtype`.
+absl::Status Project(const Projection& proj, int64_t rows, const void* x,
+                     void* y, DType y_dtype) {
   MatmulShape s;
   s.m = rows;
   s.k = proj.in;
@@ -214,7 +228,9 @@ absl::Status Project(const Projection& proj, int64_t rows, const float* x,
   s.b_transposed = true;
   s.b_shared = true;
   s.has_bias = proj.bias != nullptr;
-  return MatmulF32(s, x, proj.weight, proj.bias, y);
+  s.a_dtype = s.b_dtype = proj.dtype;
+  s.c_dtype = y_dtype;
+  return Matmul(s, x, proj.weight, proj.bias, y);
 }
 
 absl::Status VerifyBias(const std::optional<TensorView>& bias,
@@ -233,9 +249,10 @@ absl::Status VerifyHeadsDivide(const TensorView& weight,
                    ") is not divisible by num_heads ", num_heads));
 }
 
-// Float32 weights of a multi-head layer, validated against the inputs.
+// Weights of a multi-head layer in the compute dtype (biases in float32),
+// validated against the inputs.
 struct ResolvedWeights {
-  std::vector<Float32Data> owned;  // keeps converted copies alive
+  std::vector<OperandData> owned;  // keeps converted copies alive
   Projection q, k, v;
   // PyTorch's fused in_proj_weight as one [3E, E] projection.
   std::optional<Projection> fused_qkv;
@@ -244,19 +261,27 @@ struct ResolvedWeights {
   int64_t value_dim = 0;  // per head
 };
 
+absl::StatusOr<const void*> Converted(ResolvedWeights& r,
+                                      const std::optional<TensorView>& t,
+                                      DType dtype, absl::string_view field) {
+  if (!t.has_value()) return nullptr;
+  ATTN_ASSIGN_OR_RETURN(OperandData data, OperandData::From(*t, dtype, field));
+  r.owned.push_back(std::move(data));
+  return r.owned.back().data();
+}
+
 absl::StatusOr<const float*> AsFloat32(ResolvedWeights& r,
                                        const std::optional<TensorView>& t,
                                        absl::string_view field) {
-  if (!t.has_value()) return nullptr;
-  ATTN_ASSIGN_OR_RETURN(Float32Data data, Float32Data::From(*t, field));
-  r.owned.push_back(std::move(data));
-  return r.owned.back().data();
+  ATTN_ASSIGN_OR_RETURN(const void* data,
+                        Converted(r, t, DType::kFloat32, field));
+  return static_cast<const float*>(data);
 }
 
 absl::StatusOr<ResolvedWeights> ResolveWeights(const MultiHeadWeights& w,
                                                int64_t query_dim,
                                                int64_t key_dim,
-                                               int64_t value_dim) {
+                                               int64_t value_dim, DType dtype) {
   if (w.num_heads <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_heads: must be > 0, got ", w.num_heads));
@@ -272,6 +297,10 @@ absl::StatusOr<ResolvedWeights> ResolveWeights(const MultiHeadWeights& w,
   }
   ResolvedWeights r;
   r.owned.reserve(10);
+  const auto weight_data = [&](const std::optional<TensorView>& t,
+                               absl::string_view field) {
+    return Converted(r, t, dtype, field);
+  };
   if (w.in_proj_weight.has_value()) {
     const TensorView& in_proj = *w.in_proj_weight;
     ATTN_RETURN_IF_ERROR(VerifyFloating(in_proj, "in_proj_weight"));
@@ -289,14 +318,16 @@ absl::StatusOr<ResolvedWeights> ResolveWeights(const MultiHeadWeights& w,
           absl::StrCat("in_proj_weight: embed dim (dim 1) ", embed,
                        " is not divisible by num_heads ", heads));
     }
-    ATTN_ASSIGN_OR_RETURN(const float* weight,
-                          AsFloat32(r, w.in_proj_weight, "in_proj_weight"));
+    ATTN_ASSIGN_OR_RETURN(const void* weight,
+                          weight_data(w.in_proj_weight, "in_proj_weight"));
     ATTN_ASSIGN_OR_RETURN(const float* bias,
                           AsFloat32(r, w.in_proj_bias, "in_proj_bias"));
-    r.fused_qkv = Projection{weight, bias, 3 * embed, embed};
+    r.fused_qkv = Projection{weight, bias, 3 * embed, embed, dtype};
     Projection* parts[] = {&r.q, &r.k, &r.v};
     for (int i = 0; i < 3; ++i) {
-      parts[i]->weight = weight + i * embed * embed;
+      parts[i]->weight = static_cast<const char*>(weight) +
+                         i * embed * embed * DTypeSize(dtype);
+      parts[i]->dtype = dtype;
       parts[i]->bias = bias != nullptr ? bias + i * embed : nullptr;
       parts[i]->out = embed;
       parts[i]->in = embed;
@@ -332,10 +363,11 @@ absl::StatusOr<ResolvedWeights> ResolveWeights(const MultiHeadWeights& w,
       ATTN_RETURN_IF_ERROR(
           VerifyBias(part.bias, part.bias_field, part.weight->dim(0)));
       ATTN_ASSIGN_OR_RETURN(part.proj->weight,
-                            AsFloat32(r, part.weight, part.weight_field));
+                            weight_data(part.weight, part.weight_field));
       ATTN_ASSIGN_OR_RETURN(part.proj->bias,
                             AsFloat32(r, part.bias, part.bias_field));
       part.proj->out = part.weight->dim(0);
+      part.proj->dtype = dtype;
       part.proj->in = part.weight->dim(1);
     }
     ATTN_RETURN_IF_ERROR(VerifyDim(*w.k_proj_weight, "k_proj_weight", 0,
@@ -368,11 +400,12 @@ absl::StatusOr<ResolvedWeights> ResolveWeights(const MultiHeadWeights& w,
         VerifyBias(w.out_proj_bias, "out_proj_bias", out.dim(0)));
     Projection proj;
     ATTN_ASSIGN_OR_RETURN(proj.weight,
-                          AsFloat32(r, w.out_proj_weight, "out_proj_weight"));
+                          weight_data(w.out_proj_weight, "out_proj_weight"));
     ATTN_ASSIGN_OR_RETURN(proj.bias,
                           AsFloat32(r, w.out_proj_bias, "out_proj_bias"));
     proj.out = out.dim(0);
     proj.in = out.dim(1);
+    proj.dtype = dtype;
     r.out = proj;
   } else if (w.out_proj_bias.has_value()) {
     return absl::InvalidArgumentError(
@@ -466,9 +499,10 @@ absl::Status MultiHeadAttend(const MultiHeadWeights& weights,
   const int64_t batch = batched ? in.query.dim(0) : 1;
   const int64_t query_len = in.query.dim(-2);
   const int64_t key_len = key.dim(-2);
-  ATTN_ASSIGN_OR_RETURN(
-      ResolvedWeights w,
-      ResolveWeights(weights, in.query.dim(-1), key.dim(-1), value.dim(-1)));
+  const DType compute = ComputeDType(in.query.dtype, options.attention);
+  ATTN_ASSIGN_OR_RETURN(ResolvedWeights w,
+                        ResolveWeights(weights, in.query.dim(-1), key.dim(-1),
+                                       value.dim(-1), compute));
   const int64_t heads = weights.num_heads;
 
   AttentionProblem p;
@@ -498,65 +532,72 @@ absl::Status MultiHeadAttend(const MultiHeadWeights& weights,
     p.masks.push_back(std::move(mask));
   }
 
-  // Projections write [B, L, H * d]; the kernel reads each head's columns in
-  // place, so heads are never copied apart or back together.
-  ATTN_ASSIGN_OR_RETURN(Float32Data query,
-                        Float32Data::From(in.query, "query"));
+  // Projections write [B, L, H * d] in the compute dtype; the kernel reads
+  // each head's columns in place, so heads are never copied apart or back
+  // together.
+  const size_t elem = DTypeSize(compute);
+  p.operand_dtype = compute;
+  ATTN_ASSIGN_OR_RETURN(OperandData query,
+                        OperandData::From(in.query, compute, "query"));
   Tensor q_proj, k_proj, v_proj, qkv_proj;
   if (w.fused_qkv.has_value() && !in.key.has_value() && !in.value.has_value()) {
     // Self-attention with the fused weight: one [B*L, E] x [E, 3E] matmul.
     const int64_t e = w.q.out;
-    ATTN_ASSIGN_OR_RETURN(
-        qkv_proj, Tensor::Allocate(DType::kFloat32, {batch, query_len, 3 * e}));
-    float* qkv = qkv_proj.data_as<float>();
+    ATTN_ASSIGN_OR_RETURN(qkv_proj,
+                          Tensor::Allocate(compute, {batch, query_len, 3 * e}));
+    char* qkv = static_cast<char*>(qkv_proj.data());
     ATTN_RETURN_IF_ERROR(
-        Project(*w.fused_qkv, batch * query_len, query.data(), qkv));
+        Project(*w.fused_qkv, batch * query_len, query.data(), qkv, compute));
     const OperandLayout layout{query_len * 3 * e, w.key_dim, 3 * e};
     p.query = qkv;
-    p.key = qkv + e;
-    p.value = qkv + 2 * e;
+    p.key = qkv + e * elem;
+    p.value = qkv + 2 * e * elem;
     p.query_layout = p.key_layout = p.value_layout = layout;
   } else {
-    ATTN_ASSIGN_OR_RETURN(Float32Data key_data, Float32Data::From(key, "key"));
-    ATTN_ASSIGN_OR_RETURN(Float32Data value_data,
-                          Float32Data::From(value, "value"));
+    ATTN_ASSIGN_OR_RETURN(OperandData key_data,
+                          OperandData::From(key, compute, "key"));
+    ATTN_ASSIGN_OR_RETURN(OperandData value_data,
+                          OperandData::From(value, compute, "value"));
     ATTN_ASSIGN_OR_RETURN(
-        q_proj, Tensor::Allocate(DType::kFloat32, {batch, query_len, w.q.out}));
-    ATTN_ASSIGN_OR_RETURN(
-        k_proj, Tensor::Allocate(DType::kFloat32, {batch, key_len, w.k.out}));
-    ATTN_ASSIGN_OR_RETURN(
-        v_proj, Tensor::Allocate(DType::kFloat32, {batch, key_len, w.v.out}));
+        q_proj, Tensor::Allocate(compute, {batch, query_len, w.q.out}));
+    ATTN_ASSIGN_OR_RETURN(k_proj,
+                          Tensor::Allocate(compute, {batch, key_len, w.k.out}));
+    ATTN_ASSIGN_OR_RETURN(v_proj,
+                          Tensor::Allocate(compute, {batch, key_len, w.v.out}));
     ATTN_RETURN_IF_ERROR(
-        Project(w.q, batch * query_len, query.data(), q_proj.data_as<float>()));
-    ATTN_RETURN_IF_ERROR(Project(w.k, batch * key_len, key_data.data(),
-                                 k_proj.data_as<float>()));
+        Project(w.q, batch * query_len, query.data(), q_proj.data(), compute));
+    ATTN_RETURN_IF_ERROR(
+        Project(w.k, batch * key_len, key_data.data(), k_proj.data(), compute));
     ATTN_RETURN_IF_ERROR(Project(w.v, batch * key_len, value_data.data(),
-                                 v_proj.data_as<float>()));
-    p.query = q_proj.data_as<float>();
-    p.key = k_proj.data_as<float>();
-    p.value = v_proj.data_as<float>();
+                                 v_proj.data(), compute));
+    p.query = q_proj.data();
+    p.key = k_proj.data();
+    p.value = v_proj.data();
     p.query_layout = InterleavedHeadsLayout(heads, query_len, w.key_dim);
     p.key_layout = InterleavedHeadsLayout(heads, key_len, w.key_dim);
     p.value_layout = InterleavedHeadsLayout(heads, key_len, w.value_dim);
   }
 
   // The heads' outputs land side by side: the concatenation the output
-  // projection reads, or the result itself without one.
+  // projection reads (in the compute dtype), or the result itself without
+  // one.
   const int64_t concat_dim = heads * w.value_dim;
   const int64_t out_dim = w.out.has_value() ? w.out->out : concat_dim;
   const Shape output_shape =
       batched ? Shape{batch, query_len, out_dim} : Shape{query_len, out_dim};
   ATTN_ASSIGN_OR_RETURN(
-      Float32Result output,
-      Float32Result::Allocate(results, "output", in.query.dtype, output_shape));
+      ResultBuffer output,
+      ResultBuffer::Allocate(results, "output", in.query.dtype, output_shape,
+                             /*bf16_ok=*/true));
   Tensor concat;
   if (w.out.has_value()) {
     ATTN_ASSIGN_OR_RETURN(
-        concat,
-        Tensor::Allocate(DType::kFloat32, {batch, query_len, concat_dim}));
-    p.output = concat.data_as<float>();
+        concat, Tensor::Allocate(compute, {batch, query_len, concat_dim}));
+    p.output = concat.data();
+    p.output_dtype = compute;
   } else {
     p.output = output.data();
+    p.output_dtype = output.dtype();
   }
   p.output_layout = InterleavedHeadsLayout(heads, query_len, w.value_dim);
 
@@ -584,8 +625,8 @@ absl::Status MultiHeadAttend(const MultiHeadWeights& weights,
   }
   ATTN_RETURN_IF_ERROR(RunAttention(p));
   if (w.out.has_value()) {
-    ATTN_RETURN_IF_ERROR(Project(*w.out, batch * query_len,
-                                 concat.data_as<float>(), output.data()));
+    ATTN_RETURN_IF_ERROR(Project(*w.out, batch * query_len, concat.data(),
+                                 output.data(), output.dtype()));
   }
   output.Finish();
 

@@ -5,8 +5,10 @@
 // (Q*K^T) * scale / temperature; BOOL/UINT8 masks keep positions where they
 // are nonzero, FLOAT32 masks are added to the logits (-inf excludes); causal
 // attention is top-left aligned; a query with no key left gets zeros, never
-// NaN. Inputs may be FLOAT32, BFLOAT16 or FLOAT16; the computation is float32
-// and the output has the query's (input's) dtype.
+// NaN. Inputs may be FLOAT32, BFLOAT16 or FLOAT16; outputs have the query's
+// (input's) dtype. BFLOAT16 inputs are multiplied in bfloat16 with float32
+// accumulation, softmax and normalization; the others are computed in float32
+// (or like BFLOAT16 on request, AttentionOptions::compute_bf16).
 //
 // Ownership: inputs are views the caller keeps alive for the call; results
 // own their buffers. Thread-safety: every function may be called
@@ -30,6 +32,10 @@ struct AttentionOptions {
   std::optional<float> temperature;
   // Also return the attention probabilities (FLOAT32).
   bool return_weights = false;
+  // Compute FLOAT32 and FLOAT16 inputs on the bfloat16 kernels too (inputs
+  // rounded to bfloat16, float32 accumulation): faster, less exact.
+  // BFLOAT16 inputs always run there.
+  bool compute_bf16 = false;
 };
 
 struct AttentionResult {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "absl/synchronization/mutex.h"
+#include "core/convert.h"
 #include "core/primitives.h"
 #include "core/row_ops.h"
 
@@ -74,7 +75,7 @@ class TileGemms {
   }
 
   // c = a * b (+ c): handles the empty reduction oneDNN does not take.
-  absl::Status Run(const TileGemmShape& shape, const float* a, const float* b,
+  absl::Status Run(const TileGemmShape& shape, const void* a, const void* b,
                    float* c) {
     if (shape.m == 0 || shape.n == 0) return absl::OkStatus();
     if (shape.k == 0) {
@@ -119,24 +120,81 @@ struct Block {
   int64_t b, h, n, i0, rows;
 };
 
+// Per-thread buffers, sized once per call.
+struct ThreadBuffers {
+  std::unique_ptr<float[]> logits;         // kQueryBlock x kKeyBlock
+  std::unique_ptr<uint16_t[]> probs_bf16;  // bf16 P: logits' size, or a
+                                           // kQueryBlock x key_len slab
+  std::unique_ptr<float[]> acc;            // kQueryBlock x value_dim
+  std::unique_ptr<float[]> row_max;
+  std::unique_ptr<float[]> row_sum;
+};
+
 // Keys a query block can see: all of them, or up to its last query when
 // causal.
 int64_t VisibleKeys(const AttentionProblem& p, const Block& blk) {
   return p.causal ? std::min(p.key_len, blk.i0 + blk.rows) : p.key_len;
 }
 
+// Pointers into operands of either dtype.
+const void* At(const void* base, DType dtype, int64_t offset) {
+  return static_cast<const char*>(base) + offset * DTypeSize(dtype);
+}
+
+struct BlockOperands {
+  const void* q;  // first query row of the block
+  const void* k;  // first key of the (batch, head)
+  const void* v;
+};
+
+BlockOperands OperandsOf(const AttentionProblem& p, const Block& blk) {
+  const DType t = p.operand_dtype;
+  return {
+      At(p.query, t,
+         blk.b * p.query_layout.batch_stride +
+             blk.h * p.query_layout.head_stride +
+             blk.i0 * p.query_layout.row_stride),
+      At(p.key, t,
+         blk.b * p.key_layout.batch_stride + blk.h * p.key_layout.head_stride),
+      At(p.value, t,
+         blk.b * p.value_layout.batch_stride +
+             blk.h * p.value_layout.head_stride)};
+}
+
+// out rows = acc rows * scale[r] (zero where scale is 0), in the output's
+// dtype.
+void WriteOutput(const AttentionProblem& p, const Block& blk, const float* acc,
+                 const float* row_scale) {
+  const int64_t dv = p.value_dim;
+  const int64_t first = blk.b * p.output_layout.batch_stride +
+                        blk.h * p.output_layout.head_stride +
+                        blk.i0 * p.output_layout.row_stride;
+  for (int64_t r = 0; r < blk.rows; ++r) {
+    const int64_t offset = first + r * p.output_layout.row_stride;
+    const float* src = acc + r * dv;
+    const float scale = row_scale[r];
+    if (p.output_dtype == DType::kBFloat16) {
+      uint16_t* dst = static_cast<uint16_t*>(p.output) + offset;
+      for (int64_t c = 0; c < dv; ++c) dst[c] = FloatToBFloat16(src[c] * scale);
+    } else {
+      float* dst = static_cast<float*>(p.output) + offset;
+      for (int64_t c = 0; c < dv; ++c) dst[c] = src[c] * scale;
+    }
+  }
+}
+
 // One query block without weights: online softmax over key blocks.
 absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
-                        const Block& blk, TileGemms& gemms, float* logits,
-                        float* acc, float* row_max, float* row_sum) {
-  const float* q = p.query + blk.b * p.query_layout.batch_stride +
-                   blk.h * p.query_layout.head_stride +
-                   blk.i0 * p.query_layout.row_stride;
-  const float* k = p.key + blk.b * p.key_layout.batch_stride +
-                   blk.h * p.key_layout.head_stride;
-  const float* v = p.value + blk.b * p.value_layout.batch_stride +
-                   blk.h * p.value_layout.head_stride;
+                        const Block& blk, TileGemms& gemms,
+                        ThreadBuffers& buf) {
+  const BlockOperands in = OperandsOf(p, blk);
+  const DType t = p.operand_dtype;
+  const bool bf16 = t == DType::kBFloat16;
   const int64_t dv = p.value_dim;
+  float* logits = buf.logits.get();
+  float* acc = buf.acc.get();
+  float* row_max = buf.row_max.get();
+  float* row_sum = buf.row_sum.get();
   std::fill(acc, acc + blk.rows * dv, 0.0f);
   std::fill(row_max, row_max + blk.rows, kNegInf);
   std::fill(row_sum, row_sum + blk.rows, 0.0f);
@@ -150,8 +208,10 @@ absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
                      p.key_layout.row_stride,
                      kKeyBlock,
                      true,
-                     false};
-    absl::Status s = gemms.Run(qk, q, k + j0 * p.key_layout.row_stride, logits);
+                     false,
+                     t};
+    absl::Status s =
+        gemms.Run(qk, in.q, At(in.k, t, j0 * p.key_layout.row_stride), logits);
     if (!s.ok()) return s;
     for (int64_t r = 0; r < blk.rows; ++r) {
       float* row = logits + r * kKeyBlock;
@@ -161,50 +221,46 @@ absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
       if (new_max == kNegInf) {
         // Nothing visible yet in this row: it adds zeros.
         std::fill(row, row + cols, 0.0f);
-        continue;
+      } else {
+        const float correction =
+            row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
+        const float block_sum = ops.exp_sum(row, cols, new_max);
+        if (correction != 1.0f) ops.scale(acc + r * dv, dv, correction);
+        row_sum[r] = row_sum[r] * correction + block_sum;
+        row_max[r] = new_max;
       }
-      const float correction =
-          row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
-      const float block_sum = ops.exp_sum(row, cols, new_max);
-      if (correction != 1.0f) ops.scale(acc + r * dv, dv, correction);
-      row_sum[r] = row_sum[r] * correction + block_sum;
-      row_max[r] = new_max;
+      if (bf16) {
+        ops.scale_to_bf16(row, cols, 1.0f,
+                          buf.probs_bf16.get() + r * kKeyBlock);
+      }
     }
+    const void* probs = bf16 ? static_cast<const void*>(buf.probs_bf16.get())
+                             : static_cast<const void*>(logits);
     TileGemmShape pv{
         blk.rows, dv,    cols, kKeyBlock, p.value_layout.row_stride,
-        dv,       false, true};
-    s = gemms.Run(pv, logits, v + j0 * p.value_layout.row_stride, acc);
+        dv,       false, true, t};
+    s = gemms.Run(pv, probs, At(in.v, t, j0 * p.value_layout.row_stride), acc);
     if (!s.ok()) return s;
   }
-  float* out = p.output + blk.b * p.output_layout.batch_stride +
-               blk.h * p.output_layout.head_stride +
-               blk.i0 * p.output_layout.row_stride;
+  // A row with no key left keeps its zeros.
   for (int64_t r = 0; r < blk.rows; ++r) {
-    // A row with no key left keeps its zeros.
-    const float inv = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
-    float* dst = out + r * p.output_layout.row_stride;
-    const float* src = acc + r * dv;
-    for (int64_t c = 0; c < dv; ++c) dst[c] = src[c] * inv;
+    row_sum[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
   }
+  WriteOutput(p, blk, acc, row_sum);
   return absl::OkStatus();
 }
 
 // One query block with weights: the logits go straight into the caller's
 // weights rows, are normalized there, and multiply V.
 absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
-                          const Block& blk, TileGemms& gemms) {
+                          const Block& blk, TileGemms& gemms,
+                          ThreadBuffers& buf) {
+  const BlockOperands in = OperandsOf(p, blk);
+  const DType t = p.operand_dtype;
+  const bool bf16 = t == DType::kBFloat16;
   const int64_t lk = p.key_len;
-  const float* q = p.query + blk.b * p.query_layout.batch_stride +
-                   blk.h * p.query_layout.head_stride +
-                   blk.i0 * p.query_layout.row_stride;
-  const float* k = p.key + blk.b * p.key_layout.batch_stride +
-                   blk.h * p.key_layout.head_stride;
-  const float* v = p.value + blk.b * p.value_layout.batch_stride +
-                   blk.h * p.value_layout.head_stride;
+  const int64_t dv = p.value_dim;
   float* weights = p.weights + (blk.n * p.query_len + blk.i0) * lk;
-  float* out = p.output + blk.b * p.output_layout.batch_stride +
-               blk.h * p.output_layout.head_stride +
-               blk.i0 * p.output_layout.row_stride;
   const int64_t visible = VisibleKeys(p, blk);
   for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, visible - j0);
@@ -215,9 +271,10 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
                      p.key_layout.row_stride,
                      lk,
                      true,
-                     false};
-    absl::Status s =
-        gemms.Run(qk, q, k + j0 * p.key_layout.row_stride, weights + j0);
+                     false,
+                     t};
+    absl::Status s = gemms.Run(
+        qk, in.q, At(in.k, t, j0 * p.key_layout.row_stride), weights + j0);
     if (!s.ok()) return s;
   }
   for (int64_t r = 0; r < blk.rows; ++r) {
@@ -228,25 +285,28 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
         PrepareLogits(p, ops, blk.n, blk.i0 + r, 0, visible, row);
     if (max_logit == kNegInf) {
       std::fill(row, row + visible, 0.0f);
-      continue;
+    } else {
+      const float sum = ops.exp_sum(row, visible, max_logit);
+      ops.scale(row, visible, 1.0f / sum);
     }
-    const float sum = ops.exp_sum(row, visible, max_logit);
-    ops.scale(row, visible, 1.0f / sum);
+    if (bf16) {
+      ops.scale_to_bf16(row, visible, 1.0f, buf.probs_bf16.get() + r * lk);
+    }
   }
-  for (int64_t j0 = 0; j0 < std::max<int64_t>(visible, 1); j0 += kKeyBlock) {
+  const void* probs = bf16 ? static_cast<const void*>(buf.probs_bf16.get())
+                           : static_cast<const void*>(weights);
+  float* acc = buf.acc.get();
+  std::fill(acc, acc + blk.rows * dv, 0.0f);
+  for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, visible - j0);
-    TileGemmShape pv{blk.rows,
-                     p.value_dim,
-                     cols,
-                     lk,
-                     p.value_layout.row_stride,
-                     p.output_layout.row_stride,
-                     false,
-                     j0 > 0};
-    absl::Status s =
-        gemms.Run(pv, weights + j0, v + j0 * p.value_layout.row_stride, out);
+    TileGemmShape pv{blk.rows, dv,    cols, lk, p.value_layout.row_stride,
+                     dv,       false, true, t};
+    absl::Status s = gemms.Run(
+        pv, At(probs, t, j0), At(in.v, t, j0 * p.value_layout.row_stride), acc);
     if (!s.ok()) return s;
   }
+  std::fill(buf.row_sum.get(), buf.row_sum.get() + blk.rows, 1.0f);
+  WriteOutput(p, blk, acc, buf.row_sum.get());
   return absl::OkStatus();
 }
 
@@ -272,17 +332,25 @@ absl::Status RunAttention(const AttentionProblem& p) {
 #pragma omp parallel
   {
     TileGemms gemms;
-    std::unique_ptr<float[]> logits, acc, row_max, row_sum;
+    ThreadBuffers buf;
+    const int64_t dv = std::max<int64_t>(p.value_dim, 1);
+    const bool bf16 = p.operand_dtype == DType::kBFloat16;
+    const int64_t probs_cols =
+        p.weights != nullptr ? std::max<int64_t>(p.key_len, 1) : kKeyBlock;
+    buf.acc.reset(new (std::nothrow) float[kQueryBlock * dv]);
+    buf.row_max.reset(new (std::nothrow) float[kQueryBlock]);
+    buf.row_sum.reset(new (std::nothrow) float[kQueryBlock]);
     if (p.weights == nullptr) {
-      logits.reset(new (std::nothrow) float[kQueryBlock * kKeyBlock]);
-      acc.reset(new (
-          std::nothrow) float[kQueryBlock * std::max<int64_t>(p.value_dim, 1)]);
-      row_max.reset(new (std::nothrow) float[kQueryBlock]);
-      row_sum.reset(new (std::nothrow) float[kQueryBlock]);
-      if (!logits || !acc || !row_max || !row_sum) {
-        shared.Update(absl::ResourceExhaustedError(
-            "attention: out of memory for per-thread buffers"));
-      }
+      buf.logits.reset(new (std::nothrow) float[kQueryBlock * kKeyBlock]);
+    }
+    if (bf16) {
+      buf.probs_bf16.reset(new (std::nothrow)
+                               uint16_t[kQueryBlock * probs_cols]);
+    }
+    if (!buf.acc || !buf.row_max || !buf.row_sum ||
+        (p.weights == nullptr && !buf.logits) || (bf16 && !buf.probs_bf16)) {
+      shared.Update(absl::ResourceExhaustedError(
+          "attention: out of memory for per-thread buffers"));
     }
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
@@ -293,10 +361,8 @@ absl::Status RunAttention(const AttentionProblem& p) {
       blk.h = blk.n % p.heads;
       blk.i0 = (item % query_blocks) * kQueryBlock;
       blk.rows = std::min(kQueryBlock, p.query_len - blk.i0);
-      shared.Update(p.weights != nullptr
-                        ? WeightsBlock(p, ops, blk, gemms)
-                        : FlashBlock(p, ops, blk, gemms, logits.get(),
-                                     acc.get(), row_max.get(), row_sum.get()));
+      shared.Update(p.weights != nullptr ? WeightsBlock(p, ops, blk, gemms, buf)
+                                         : FlashBlock(p, ops, blk, gemms, buf));
     }
   }
   return shared.status();

@@ -1,6 +1,8 @@
-// The attention computation shared by Attend and MultiHeadAttend on float32
-// operands: out = softmax(mask(Q*K^T * scale / temperature)) * V for every
-// (batch, head) pair.
+// The attention computation shared by Attend and MultiHeadAttend:
+// out = softmax(mask(Q*K^T * scale / temperature)) * V for every
+// (batch, head) pair, on FLOAT32 or BFLOAT16 operands. Logits, softmax and
+// accumulation are float32; with BFLOAT16 operands the probabilities are
+// rounded to bfloat16 for the P*V product.
 //
 // The kernel is tiled flash-attention style: each thread takes a block of
 // queries of one (batch, head), walks the key/value blocks with an online
@@ -49,6 +51,7 @@ struct MaskLayout {
   int64_t key_stride = 0;
 };
 
+// Offsets in the layouts count elements of the operand's dtype.
 struct AttentionProblem {
   int64_t batch = 0;
   int64_t heads = 1;
@@ -56,13 +59,17 @@ struct AttentionProblem {
   int64_t key_len = 0;
   int64_t key_dim = 0;
   int64_t value_dim = 0;
-  const float* query = nullptr;  // [batch, heads, query_len, key_dim]
+  // FLOAT32 or BFLOAT16, for query, key and value alike.
+  DType operand_dtype = DType::kFloat32;
+  const void* query = nullptr;  // [batch, heads, query_len, key_dim]
   OperandLayout query_layout;
-  const float* key = nullptr;  // [batch, heads, key_len, key_dim]
+  const void* key = nullptr;  // [batch, heads, key_len, key_dim]
   OperandLayout key_layout;
-  const float* value = nullptr;  // [batch, heads, key_len, value_dim]
+  const void* value = nullptr;  // [batch, heads, key_len, value_dim]
   OperandLayout value_layout;
-  float* output = nullptr;  // [batch, heads, query_len, value_dim]
+  // FLOAT32 or BFLOAT16.
+  DType output_dtype = DType::kFloat32;
+  void* output = nullptr;  // [batch, heads, query_len, value_dim]
   OperandLayout output_layout;
   // Dense [batch, heads, query_len, key_len], or null.
   float* weights = nullptr;

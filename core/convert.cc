@@ -77,6 +77,23 @@ absl::StatusOr<Float32Data> Float32Data::From(const TensorView& view,
   }
 }
 
+absl::StatusOr<OperandData> OperandData::From(const TensorView& view,
+                                              DType target,
+                                              absl::string_view field) {
+  OperandData result;
+  if (view.dtype == target) {
+    result.data_ = view.data;
+    return result;
+  }
+  auto widened = Float32Data::From(view, field);
+  if (!widened.ok()) return widened.status();
+  auto owned = Float32ToTensor(widened->data(), view.shape, target);
+  if (!owned.ok()) return owned.status();
+  result.owned_ = *std::move(owned);
+  result.data_ = result.owned_.data();
+  return result;
+}
+
 void StoreFloat32(const float* values, int64_t count, DType dtype, void* out) {
   switch (dtype) {
     case DType::kBFloat16: {

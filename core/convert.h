@@ -48,6 +48,21 @@ class Float32Data {
   Tensor owned_;
 };
 
+// Elements of a floating-point view in FLOAT32 or BFLOAT16: the view's own
+// bytes when it already has that dtype, otherwise a converted copy that this
+// object owns. Move-only.
+class OperandData {
+ public:
+  // Fails with INVALID_ARGUMENT naming `field` if the view is not floating.
+  static absl::StatusOr<OperandData> From(const TensorView& view, DType target,
+                                          absl::string_view field);
+  const void* data() const { return data_; }
+
+ private:
+  const void* data_ = nullptr;
+  Tensor owned_;
+};
+
 // Copies `count` float32 values into `out`, converting to `out`'s dtype
 // (FLOAT32, BFLOAT16 or FLOAT16).
 void StoreFloat32(const float* values, int64_t count, DType dtype, void* out);

@@ -59,11 +59,12 @@ absl::Status LayerNorm(const TensorView& input,
     ATTN_ASSIGN_OR_RETURN(shift, Float32Data::From(*beta, "beta"));
   }
   ATTN_ASSIGN_OR_RETURN(
-      Float32Result output,
-      Float32Result::Allocate(results, "output", input.dtype, input.shape));
+      ResultBuffer output,
+      ResultBuffer::Allocate(results, "output", input.dtype, input.shape,
+                             /*bf16_ok=*/false));
   ATTN_RETURN_IF_ERROR(LayerNormF32(
       rows, cols, options.eps, src.data(), scale ? scale->data() : nullptr,
-      shift ? shift->data() : nullptr, output.data()));
+      shift ? shift->data() : nullptr, output.f32()));
   output.Finish();
   return absl::OkStatus();
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/convert.h"
 
 namespace attnserve {
 namespace {
@@ -44,6 +45,11 @@ void Execute(const CachedPrimitive& cached,
   }
   cached.primitive.execute(stream, exec_args);
   stream.wait();
+}
+
+memory::data_type ToDnnl(DType dtype) {
+  return dtype == DType::kBFloat16 ? memory::data_type::bf16
+                                   : memory::data_type::f32;
 }
 
 dnnl::primitive_attr UserScratchpadAttr() {
@@ -117,30 +123,35 @@ size_t PrimitiveCache::size() const {
   return lru_.size();
 }
 
-absl::Status MatmulF32(const MatmulShape& s, const float* a, const float* b,
-                       const float* bias, float* c) {
+absl::Status Matmul(const MatmulShape& s, const void* a, const void* b,
+                    const float* bias, void* c) {
   if (s.batch == 0 || s.m == 0 || s.n == 0) return absl::OkStatus();
   if (s.k == 0) {
     // An empty reduction: oneDNN does not take zero dims, the answer is bias.
-    for (int64_t row = 0; row < s.batch * s.m; ++row) {
-      for (int64_t col = 0; col < s.n; ++col) {
-        c[row * s.n + col] = s.has_bias ? bias[col] : 0.0f;
-      }
+    std::vector<float> row(s.n, 0.0f);
+    if (s.has_bias) row.assign(bias, bias + s.n);
+    const size_t row_bytes = s.n * DTypeSize(s.c_dtype);
+    for (int64_t r = 0; r < s.batch * s.m; ++r) {
+      StoreFloat32(row.data(), s.n, s.c_dtype,
+                   static_cast<char*>(c) + r * row_bytes);
     }
     return absl::OkStatus();
   }
   const std::string key = absl::StrCat(
-      "matmul_f32|", s.batch, "x", s.m, "x", s.k, "x", s.n,
-      "|bt=", s.b_transposed, "|bs=", s.b_shared, "|bias=", s.has_bias);
+      "matmul|", s.batch, "x", s.m, "x", s.k, "x", s.n, "|bt=", s.b_transposed,
+      "|bs=", s.b_shared, "|bias=", s.has_bias, "|dt=", DTypeName(s.a_dtype),
+      ",", DTypeName(s.b_dtype), ",", DTypeName(s.c_dtype));
   auto cached = PrimitiveCache::Global().GetOrCreate(key, [&] {
-    const auto f32 = memory::data_type::f32;
     const int64_t b_batch = s.b_shared ? 1 : s.batch;
-    const memory::desc a_md({s.batch, s.m, s.k}, f32, Dims{s.m * s.k, s.k, 1});
+    const memory::desc a_md({s.batch, s.m, s.k}, ToDnnl(s.a_dtype),
+                            Dims{s.m * s.k, s.k, 1});
     const memory::desc b_md(
-        {b_batch, s.k, s.n}, f32,
+        {b_batch, s.k, s.n}, ToDnnl(s.b_dtype),
         s.b_transposed ? Dims{s.n * s.k, 1, s.k} : Dims{s.k * s.n, s.n, 1});
-    const memory::desc bias_md({1, 1, s.n}, f32, Dims{s.n, s.n, 1});
-    const memory::desc c_md({s.batch, s.m, s.n}, f32, Dims{s.m * s.n, s.n, 1});
+    const memory::desc bias_md({1, 1, s.n}, memory::data_type::f32,
+                               Dims{s.n, s.n, 1});
+    const memory::desc c_md({s.batch, s.m, s.n}, ToDnnl(s.c_dtype),
+                            Dims{s.m * s.n, s.n, 1});
     const auto desc = s.has_bias ? dnnl::matmul::desc(a_md, b_md, bias_md, c_md)
                                  : dnnl::matmul::desc(a_md, b_md, c_md);
     dnnl::matmul::primitive_desc pd(desc, UserScratchpadAttr(), CpuEngine());
@@ -161,14 +172,14 @@ absl::Status MatmulF32(const MatmulShape& s, const float* a, const float* b,
 }
 
 absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& s) {
-  const std::string key = absl::StrCat(
-      "tile_gemm_f32|", s.m, "x", s.n, "x", s.k, "|ld=", s.lda, ",", s.ldb, ",",
-      s.ldc, "|bt=", s.b_transposed, "|acc=", s.accumulate);
-  const auto f32 = memory::data_type::f32;
-  const memory::desc a_md({s.m, s.k}, f32, Dims{s.lda, 1});
-  const memory::desc b_md({s.k, s.n}, f32,
+  const std::string key =
+      absl::StrCat("tile_gemm|", s.m, "x", s.n, "x", s.k, "|ld=", s.lda, ",",
+                   s.ldb, ",", s.ldc, "|bt=", s.b_transposed,
+                   "|acc=", s.accumulate, "|dt=", DTypeName(s.ab_dtype));
+  const memory::desc a_md({s.m, s.k}, ToDnnl(s.ab_dtype), Dims{s.lda, 1});
+  const memory::desc b_md({s.k, s.n}, ToDnnl(s.ab_dtype),
                           s.b_transposed ? Dims{1, s.ldb} : Dims{s.ldb, 1});
-  const memory::desc c_md({s.m, s.n}, f32, Dims{s.ldc, 1});
+  const memory::desc c_md({s.m, s.n}, memory::data_type::f32, Dims{s.ldc, 1});
   auto cached = PrimitiveCache::Global().GetOrCreate(
       key,
       [&] {
@@ -205,9 +216,9 @@ absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& s) {
   return gemm;
 }
 
-void TileGemm::Run(const float* a, const float* b, float* c) {
-  a_.set_data_handle(const_cast<float*>(a));
-  b_.set_data_handle(const_cast<float*>(b));
+void TileGemm::Run(const void* a, const void* b, float* c) {
+  a_.set_data_handle(const_cast<void*>(a));
+  b_.set_data_handle(const_cast<void*>(b));
   c_.set_data_handle(c);
   // CPU streams run in order and return when the work is done.
   cached_->primitive.execute(ThreadStream(), args_);

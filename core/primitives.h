@@ -27,6 +27,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
+#include "core/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
 namespace attnserve {
@@ -71,7 +72,8 @@ class PrimitiveCache {
   int64_t creations_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Shape of C[b] = A[b] * op(B[b]) + bias, float32, row-major.
+// Shape of C[b] = A[b] * op(B[b]) + bias, row-major; A, B and C are FLOAT32
+// or BFLOAT16 (products accumulate in float32), bias is FLOAT32.
 // A is [batch, m, k]; B is [batch, k, n], or [batch, n, k] when
 // `b_transposed` (the nn.Linear weight layout, or keys for Q*K^T); a
 // `b_batch` of 1 shares B across the batch; bias is [n]; C is [batch, m, n].
@@ -83,15 +85,19 @@ struct MatmulShape {
   bool b_transposed = false;
   bool b_shared = false;
   bool has_bias = false;
+  DType a_dtype = DType::kFloat32;
+  DType b_dtype = DType::kFloat32;
+  DType c_dtype = DType::kFloat32;
 };
 
 // Runs the matmul described by `shape`. `bias` is read only if has_bias.
-absl::Status MatmulF32(const MatmulShape& shape, const float* a, const float* b,
-                       const float* bias, float* c);
+absl::Status Matmul(const MatmulShape& shape, const void* a, const void* b,
+                    const float* bias, void* c);
 
 // One thread's share of a tiled computation: C[m, n] = A[m, k] * B[k, n]
-// (+ C when `accumulate`), float32, with leading dimensions, where B is read
-// from [n, k] rows when `b_transposed`. The primitives are created for one
+// (+ C when `accumulate`) with leading dimensions, where B is read from
+// [n, k] rows when `b_transposed`; A and B are `ab_dtype` (FLOAT32 or
+// BFLOAT16), C is FLOAT32. The primitives are created for one
 // thread and meant to run inside the caller's own OpenMP parallel region.
 struct TileGemmShape {
   int64_t m = 0;
@@ -102,6 +108,7 @@ struct TileGemmShape {
   int64_t ldc = 0;
   bool b_transposed = false;
   bool accumulate = false;
+  DType ab_dtype = DType::kFloat32;
 
   friend bool operator==(const TileGemmShape&, const TileGemmShape&) = default;
 };
@@ -117,7 +124,7 @@ class TileGemm {
 
   const TileGemmShape& shape() const { return shape_; }
   // Throws dnnl::error on failure: call inside a GuardDnnl.
-  void Run(const float* a, const float* b, float* c);
+  void Run(const void* a, const void* b, float* c);
 
  private:
   TileGemm() = default;

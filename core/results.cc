@@ -29,26 +29,32 @@ std::optional<Tensor> TensorResults::Take(absl::string_view name) {
   return tensor;
 }
 
-absl::StatusOr<Float32Result> Float32Result::Allocate(ResultAllocator& results,
-                                                      absl::string_view name,
-                                                      DType dtype,
-                                                      const Shape& shape) {
-  Float32Result result;
-  ATTN_ASSIGN_OR_RETURN(result.result_, results.Allocate(name, dtype, shape));
-  result.dtype_ = dtype;
-  result.count_ = NumElements(shape);
-  if (dtype == DType::kFloat32) {
-    result.data_ = static_cast<float*>(result.result_);
+absl::StatusOr<ResultBuffer> ResultBuffer::Allocate(ResultAllocator& results,
+                                                    absl::string_view name,
+                                                    DType dtype,
+                                                    const Shape& shape,
+                                                    bool bf16_ok) {
+  ResultBuffer buffer;
+  ATTN_ASSIGN_OR_RETURN(buffer.result_, results.Allocate(name, dtype, shape));
+  buffer.result_dtype_ = dtype;
+  buffer.count_ = NumElements(shape);
+  if (dtype == DType::kFloat32 || (bf16_ok && dtype == DType::kBFloat16)) {
+    buffer.kernel_dtype_ = dtype;
+    buffer.data_ = buffer.result_;
   } else {
-    ATTN_ASSIGN_OR_RETURN(result.scratch_,
+    buffer.kernel_dtype_ = DType::kFloat32;
+    ATTN_ASSIGN_OR_RETURN(buffer.scratch_,
                           Tensor::Allocate(DType::kFloat32, shape));
-    result.data_ = result.scratch_.data_as<float>();
+    buffer.data_ = buffer.scratch_.data();
   }
-  return result;
+  return buffer;
 }
 
-void Float32Result::Finish() {
-  if (dtype_ != DType::kFloat32) StoreFloat32(data_, count_, dtype_, result_);
+void ResultBuffer::Finish() {
+  if (data_ != result_) {
+    StoreFloat32(static_cast<const float*>(data_), count_, result_dtype_,
+                 result_);
+  }
 }
 
 }  // namespace attnserve

@@ -51,24 +51,29 @@ class TensorResults : public ResultAllocator {
   std::map<std::string, Tensor, std::less<>> tensors_;
 };
 
-// A float32 view of a result of any floating dtype: the result's own memory
-// when it is FLOAT32, otherwise a float32 scratch tensor that Finish()
-// rounds into it.
-class Float32Result {
+// Memory a kernel writes a result of any floating dtype into: the result's
+// own memory when the kernel can write that dtype (FLOAT32, and BFLOAT16
+// when `bf16_ok`), otherwise a FLOAT32 scratch tensor that Finish() rounds
+// into the result.
+class ResultBuffer {
  public:
-  static absl::StatusOr<Float32Result> Allocate(ResultAllocator& results,
-                                                absl::string_view name,
-                                                DType dtype,
-                                                const Shape& shape);
-  float* data() { return data_; }
-  // Writes the float32 values into the result (no-op for FLOAT32).
+  static absl::StatusOr<ResultBuffer> Allocate(ResultAllocator& results,
+                                               absl::string_view name,
+                                               DType dtype, const Shape& shape,
+                                               bool bf16_ok);
+  void* data() { return data_; }
+  float* f32() { return static_cast<float*>(data_); }
+  // The dtype to write into data(): FLOAT32 or BFLOAT16.
+  DType dtype() const { return kernel_dtype_; }
+  // Writes scratch values into the result (no-op when written directly).
   void Finish();
 
  private:
   void* result_ = nullptr;
-  DType dtype_ = DType::kFloat32;
+  DType result_dtype_ = DType::kFloat32;
+  DType kernel_dtype_ = DType::kFloat32;
   int64_t count_ = 0;
-  float* data_ = nullptr;
+  void* data_ = nullptr;
   Tensor scratch_;
 };
 

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <limits>
 
+#include "core/convert.h"
+
 namespace attnserve {
 namespace {
 
@@ -43,7 +45,11 @@ void ScalarScale(float* x, int64_t n, float a) {
   for (int64_t i = 0; i < n; ++i) x[i] *= a;
 }
 
-#define ATTN_AVX512 __attribute__((target("avx512f")))
+void ScalarScaleToBFloat16(const float* x, int64_t n, float a, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = FloatToBFloat16(x[i] * a);
+}
+
+#define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 // exp(x) for x <= 0 (the softmax only needs that range): 2^k * p(r) with
 // x = k*ln2 + r, |r| <= ln2/2, p Cephes' degree-7 polynomial (about 1 ulp);
@@ -119,20 +125,41 @@ ATTN_AVX512 void Avx512Scale(float* x, int64_t n, float a) {
   }
 }
 
+ATTN_AVX512 void Avx512ScaleToBFloat16(const float* x, int64_t n, float a,
+                                       uint16_t* out) {
+  const __m512 va = _mm512_set1_ps(a);
+  const __m512i lsb = _mm512_set1_epi32(1);
+  const __m512i bias = _mm512_set1_epi32(0x7fff);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = TailMask(n - i);
+    const __m512i bits = _mm512_castps_si512(
+        _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), va));
+    // Round to nearest even: add 0x7fff plus the lowest kept bit.
+    const __m512i rounding = _mm512_add_epi32(
+        bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), lsb));
+    const __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16);
+    _mm256_mask_storeu_epi16(out + i, mask, _mm512_cvtepi32_epi16(rounded));
+  }
+}
+
 }  // namespace
 
 const RowOps& ScalarRowOps() {
-  static const RowOps ops{ScalarScaleMax, ScalarMax, ScalarExpSum, ScalarScale,
-                          "scalar"};
+  static const RowOps ops{ScalarScaleMax,        ScalarMax,
+                          ScalarExpSum,          ScalarScale,
+                          ScalarScaleToBFloat16, "scalar"};
   return ops;
 }
 
 const RowOps& GetRowOps() {
   static const RowOps ops = [] {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f")) {
-      return RowOps{Avx512ScaleMax, Avx512Max, Avx512ExpSum, Avx512Scale,
-                    "avx512"};
+    if (__builtin_cpu_supports("avx512f") &&
+        __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl")) {
+      return RowOps{Avx512ScaleMax,        Avx512Max, Avx512ExpSum, Avx512Scale,
+                    Avx512ScaleToBFloat16, "avx512"};
     }
     return ScalarRowOps();
   }();

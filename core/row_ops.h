@@ -20,6 +20,8 @@ struct RowOps {
   float (*exp_sum)(float* x, int64_t n, float shift);
   // x[i] *= a.
   void (*scale)(float* x, int64_t n, float a);
+  // out[i] = bfloat16(x[i] * a), rounded to nearest even (finite x).
+  void (*scale_to_bf16)(const float* x, int64_t n, float a, uint16_t* out);
   // Name of the implementation, e.g. "avx512".
   const char* name;
 };
