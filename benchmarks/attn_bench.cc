@@ -71,42 +71,37 @@ void BM_Sdpa(benchmark::State& state) {
           double(q.num_bytes() + k.num_bytes() + v.num_bytes()));
 }
 
-// The two raw GEMMs of the same attention: [b*h] x (Lq x d x Lk) and
-// (Lq x Lk x d), on buffers that need no conversion.
+// The two raw GEMMs of the same attention as plain batched oneDNN matmuls:
+// [b*h] x (Lq x d) * (d x Lk), then [b*h] x (Lq x Lk) * (Lk x d).
 void BM_RawAttentionGemms(benchmark::State& state) {
   const int64_t b = state.range(0), h = state.range(1), lq = state.range(2),
                 lk = state.range(3), d = state.range(4);
   Tensor q = Random(DType::kFloat32, {b * h, lq, d}, 1);
   Tensor k = Random(DType::kFloat32, {b * h, lk, d}, 2);
   Tensor v = Random(DType::kFloat32, {b * h, lk, d}, 3);
-  // One head at a time keeps the logits in cache as a fused kernel does.
-  Tensor logits = *Tensor::Allocate(DType::kFloat32, {lq, lk});
+  Tensor logits = Random(DType::kFloat32, {b * h, lq, lk}, 4);
   Tensor out = *Tensor::Allocate(DType::kFloat32, {b * h, lq, d});
-  MatmulShape qk{1, lq, d, lk, /*b_transposed=*/true};
-  MatmulShape pv{1, lq, lk, d};
+  MatmulShape qk{b * h, lq, d, lk, /*b_transposed=*/true};
+  MatmulShape pv{b * h, lq, lk, d};
   for (auto _ : state) {
-    for (int64_t n = 0; n < b * h; ++n) {
-      (void)Matmul(qk, q.data_as<float>() + n * lq * d,
-                      k.data_as<float>() + n * lk * d, nullptr,
-                      logits.data_as<float>());
-      (void)Matmul(pv, logits.data_as<float>(),
-                      v.data_as<float>() + n * lk * d, nullptr,
-                      out.data_as<float>() + n * lq * d);
-    }
+    (void)Matmul(qk, q.data(), k.data(), nullptr, logits.data());
+    (void)Matmul(pv, logits.data(), v.data(), nullptr, out.data());
     benchmark::ClobberMemory();
   }
   SetRate(state, 4.0 * b * h * lq * lk * d, 0);
 }
 
+// Args: bf16 (inputs; the output is float32).
 void BM_Gemm2048(benchmark::State& state) {
   const int64_t n = 2048;
-  Tensor a = Random(DType::kFloat32, {n, n}, 1);
-  Tensor b = Random(DType::kFloat32, {n, n}, 2);
+  const DType dtype = state.range(0) ? DType::kBFloat16 : DType::kFloat32;
+  Tensor a = Random(dtype, {n, n}, 1);
+  Tensor b = Random(dtype, {n, n}, 2);
   Tensor c = *Tensor::Allocate(DType::kFloat32, {n, n});
   MatmulShape shape{1, n, n, n};
+  shape.a_dtype = shape.b_dtype = dtype;
   for (auto _ : state) {
-    (void)Matmul(shape, a.data_as<float>(), b.data_as<float>(), nullptr,
-                    c.data_as<float>());
+    (void)Matmul(shape, a.data(), b.data(), nullptr, c.data());
     benchmark::ClobberMemory();
   }
   SetRate(state, 2.0 * n * n * n, 0);
@@ -176,7 +171,8 @@ BENCHMARK(BM_RawAttentionGemms)->ArgNames({"B", "H", "Lq", "Lk", "d"})
     ->Args({8, 8, 512, 512, 64})
     ->Args({1, 8, 4096, 4096, 64})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_Gemm2048)->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Gemm2048)->ArgNames({"bf16"})->Arg(0)->Arg(1)
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_MemoryCopy)->ArgNames({"bytes"})
     ->Arg(2 * 8 * 4096 * 64 * 4)      // K and V of the decode case
     ->Arg(2 * 32 * 128 * 768 * 4)     // LayerNorm [4096, 768] in and out

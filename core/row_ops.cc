@@ -32,11 +32,28 @@ float ScalarMax(const float* x, int64_t n) {
   return m;
 }
 
-float ScalarExpSum(float* x, int64_t n, float shift) {
+float ScalarMaxScaled(const float* x, int64_t n, float multiplier) {
+  float m = kNegInf;
+  for (int64_t i = 0; i < n; ++i) m = std::max(m, x[i] * multiplier);
+  return m;
+}
+
+float ScalarExpSum(float* x, int64_t n, float multiplier, float shift) {
   float sum = 0.0f;
   for (int64_t i = 0; i < n; ++i) {
-    x[i] = std::exp(x[i] - shift);
+    x[i] = std::exp(x[i] * multiplier - shift);
     sum += x[i];
+  }
+  return sum;
+}
+
+float ScalarExpSumBFloat16(const float* x, int64_t n, float multiplier,
+                           float shift, uint16_t* out) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = std::exp(x[i] * multiplier - shift);
+    out[i] = FloatToBFloat16(e);
+    sum += e;
   }
   return sum;
 }
@@ -52,15 +69,15 @@ void ScalarScaleToBFloat16(const float* x, int64_t n, float a, uint16_t* out) {
 #define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 // exp(x) for x <= 0 (the softmax only needs that range): 2^k * p(r) with
-// x = k*ln2 + r, |r| <= ln2/2, p Cephes' degree-7 polynomial (about 1 ulp);
-// below -87.3, where float underflows, and for -inf the result is 0.
+// x = k*ln2 + r, |r| <= ln2/2, p Cephes' degree-7 polynomial (about 1 ulp).
+// exp(-inf) is exactly 0.
 ATTN_AVX512 inline __m512 Exp512(__m512 x) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   const __m512 ln2_hi = _mm512_set1_ps(0.693359375f);
   const __m512 ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
-  const __mmask16 underflow =
-      _mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.3f), _CMP_LT_OQ);
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  // Below -110 the scaled result rounds to exactly 0, which is what -inf
+  // (a masked logit) must give; between -87.3 and -110 it is a denormal.
+  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
   const __m512 k =
       _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
   __m512 r = _mm512_fnmadd_ps(k, ln2_hi, x);
@@ -73,8 +90,7 @@ ATTN_AVX512 inline __m512 Exp512(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r),
                       _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  const __m512 result = _mm512_scalef_ps(p, k);
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~underflow), result);
+  return _mm512_scalef_ps(p, k);
 }
 
 ATTN_AVX512 inline __mmask16 TailMask(int64_t remaining) {
@@ -103,14 +119,58 @@ ATTN_AVX512 float Avx512Max(const float* x, int64_t n) {
   return _mm512_reduce_max_ps(m);
 }
 
-ATTN_AVX512 float Avx512ExpSum(float* x, int64_t n, float shift) {
-  const __m512 s = _mm512_set1_ps(shift);
+ATTN_AVX512 float Avx512MaxScaled(const float* x, int64_t n, float multiplier) {
+  const __m512 mul = _mm512_set1_ps(multiplier);
+  __m512 m = _mm512_set1_ps(kNegInf);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = TailMask(n - i);
+    m = _mm512_mask_max_ps(
+        m, mask, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), mul));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// exp(x * multiplier - shift) for 16 lanes.
+ATTN_AVX512 inline __m512 ShiftedExp512(const float* x, __mmask16 mask,
+                                        __m512 mul, __m512 neg_shift) {
+  return Exp512(
+      _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x), mul, neg_shift));
+}
+
+// Float32 lanes rounded to bfloat16, nearest even (finite values).
+ATTN_AVX512 inline __m256i ToBFloat16x16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i rounding = _mm512_add_epi32(
+      _mm512_set1_epi32(0x7fff),
+      _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+  return _mm512_cvtepi32_epi16(
+      _mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16));
+}
+
+ATTN_AVX512 float Avx512ExpSum(float* x, int64_t n, float multiplier,
+                               float shift) {
+  const __m512 mul = _mm512_set1_ps(multiplier);
+  const __m512 neg_shift = _mm512_set1_ps(-shift);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = TailMask(n - i);
-    const __m512 v =
-        Exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), s));
+    const __m512 v = ShiftedExp512(x + i, mask, mul, neg_shift);
     _mm512_mask_storeu_ps(x + i, mask, v);
+    sum = _mm512_mask_add_ps(sum, mask, sum, v);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+ATTN_AVX512 float Avx512ExpSumBFloat16(const float* x, int64_t n,
+                                       float multiplier, float shift,
+                                       uint16_t* out) {
+  const __m512 mul = _mm512_set1_ps(multiplier);
+  const __m512 neg_shift = _mm512_set1_ps(-shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = TailMask(n - i);
+    const __m512 v = ShiftedExp512(x + i, mask, mul, neg_shift);
+    _mm256_mask_storeu_epi16(out + i, mask, ToBFloat16x16(v));
     sum = _mm512_mask_add_ps(sum, mask, sum, v);
   }
   return _mm512_reduce_add_ps(sum);
@@ -128,27 +188,56 @@ ATTN_AVX512 void Avx512Scale(float* x, int64_t n, float a) {
 ATTN_AVX512 void Avx512ScaleToBFloat16(const float* x, int64_t n, float a,
                                        uint16_t* out) {
   const __m512 va = _mm512_set1_ps(a);
-  const __m512i lsb = _mm512_set1_epi32(1);
-  const __m512i bias = _mm512_set1_epi32(0x7fff);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = TailMask(n - i);
-    const __m512i bits = _mm512_castps_si512(
-        _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), va));
-    // Round to nearest even: add 0x7fff plus the lowest kept bit.
-    const __m512i rounding = _mm512_add_epi32(
-        bias, _mm512_and_si512(_mm512_srli_epi32(bits, 16), lsb));
-    const __m512i rounded =
-        _mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16);
-    _mm256_mask_storeu_epi16(out + i, mask, _mm512_cvtepi32_epi16(rounded));
+    _mm256_mask_storeu_epi16(
+        out + i, mask,
+        ToBFloat16x16(_mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), va)));
+  }
+}
+
+// With AVX512_BF16 the rounding to bfloat16 is one instruction.
+#define ATTN_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+
+ATTN_AVX512_BF16 float Avx512Bf16ExpSumBFloat16(const float* x, int64_t n,
+                                                float multiplier, float shift,
+                                                uint16_t* out) {
+  const __m512 mul = _mm512_set1_ps(multiplier);
+  const __m512 neg_shift = _mm512_set1_ps(-shift);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = TailMask(n - i);
+    const __m512 v = ShiftedExp512(x + i, mask, mul, neg_shift);
+    _mm256_mask_storeu_epi16(out + i, mask,
+                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+    sum = _mm512_mask_add_ps(sum, mask, sum, v);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+ATTN_AVX512_BF16 void Avx512Bf16ScaleToBFloat16(const float* x, int64_t n,
+                                                float a, uint16_t* out) {
+  const __m512 va = _mm512_set1_ps(a);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = TailMask(n - i);
+    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), va);
+    _mm256_mask_storeu_epi16(out + i, mask,
+                             reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
   }
 }
 
 }  // namespace
 
 const RowOps& ScalarRowOps() {
-  static const RowOps ops{ScalarScaleMax,        ScalarMax,
-                          ScalarExpSum,          ScalarScale,
-                          ScalarScaleToBFloat16, "scalar"};
+  static const RowOps ops{ScalarScaleMax,
+                          ScalarMaxScaled,
+                          ScalarMax,
+                          ScalarExpSum,
+                          ScalarExpSumBFloat16,
+                          ScalarScale,
+                          ScalarScaleToBFloat16,
+                          "scalar"};
   return ops;
 }
 
@@ -158,8 +247,24 @@ const RowOps& GetRowOps() {
     if (__builtin_cpu_supports("avx512f") &&
         __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl")) {
-      return RowOps{Avx512ScaleMax,        Avx512Max, Avx512ExpSum, Avx512Scale,
-                    Avx512ScaleToBFloat16, "avx512"};
+      if (__builtin_cpu_supports("avx512bf16")) {
+        return RowOps{Avx512ScaleMax,
+                      Avx512MaxScaled,
+                      Avx512Max,
+                      Avx512ExpSum,
+                      Avx512Bf16ExpSumBFloat16,
+                      Avx512Scale,
+                      Avx512Bf16ScaleToBFloat16,
+                      "avx512_bf16"};
+      }
+      return RowOps{Avx512ScaleMax,
+                    Avx512MaxScaled,
+                    Avx512Max,
+                    Avx512ExpSum,
+                    Avx512ExpSumBFloat16,
+                    Avx512Scale,
+                    Avx512ScaleToBFloat16,
+                    "avx512"};
     }
     return ScalarRowOps();
   }();

@@ -13,11 +13,17 @@ namespace attnserve {
 struct RowOps {
   // Multiplies x[0..n) by `multiplier` in place and returns the maximum.
   float (*scale_max)(float* x, int64_t n, float multiplier);
+  // Returns the maximum of x[i] * multiplier (-inf for n == 0), reading only.
+  float (*max_scaled)(const float* x, int64_t n, float multiplier);
   // Returns the maximum of x[0..n) (-inf for n == 0).
   float (*max)(const float* x, int64_t n);
-  // x[i] = exp(x[i] - shift) in place, with exp(-inf) exactly 0; returns the
-  // sum of the new values.
-  float (*exp_sum)(float* x, int64_t n, float shift);
+  // x[i] = exp(x[i] * multiplier - shift) in place, with exp(-inf) exactly 0;
+  // returns the sum of the new values.
+  float (*exp_sum)(float* x, int64_t n, float multiplier, float shift);
+  // As exp_sum, but writes the values rounded to bfloat16 into `out` and
+  // leaves x alone.
+  float (*exp_sum_bf16)(const float* x, int64_t n, float multiplier,
+                        float shift, uint16_t* out);
   // x[i] *= a.
   void (*scale)(float* x, int64_t n, float a);
   // out[i] = bfloat16(x[i] * a), rounded to nearest even (finite x).

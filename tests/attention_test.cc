@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/convert.h"
 #include "core/primitives.h"
 #include "core/row_ops.h"
 #include "gtest/gtest.h"
@@ -349,8 +350,20 @@ TEST(RowOpsTest, VectorizedMatchesScalar) {
               scalar.scale_max(b.data(), n, 0.5f));
     EXPECT_EQ(fast.max(a.data(), n), scalar.max(b.data(), n));
     const float shift = scalar.max(b.data(), n);
-    const float fast_sum = fast.exp_sum(a.data(), n, shift);
-    const float scalar_sum = scalar.exp_sum(b.data(), n, shift);
+    std::vector<uint16_t> fast_bf16(n), scalar_bf16(n);
+    EXPECT_NEAR(
+        fast.exp_sum_bf16(a.data(), n, 0.5f, shift, fast_bf16.data()),
+        scalar.exp_sum_bf16(b.data(), n, 0.5f, shift, scalar_bf16.data()),
+        1e-5f * n);
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_NEAR(BFloat16ToFloat(fast_bf16[i]),
+                  BFloat16ToFloat(scalar_bf16[i]),
+                  1e-2f * BFloat16ToFloat(scalar_bf16[i]) + 1e-30f);
+    }
+    EXPECT_EQ(fast.max_scaled(a.data(), n, -2.0f),
+              scalar.max_scaled(b.data(), n, -2.0f));
+    const float fast_sum = fast.exp_sum(a.data(), n, 1.0f, shift);
+    const float scalar_sum = scalar.exp_sum(b.data(), n, 1.0f, shift);
     EXPECT_NEAR(fast_sum, scalar_sum, 1e-6f * scalar_sum) << n;
     for (int64_t i = 0; i < n; ++i) {
       if (i % 5 == 3) {
