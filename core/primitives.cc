@@ -171,6 +171,93 @@ absl::Status Matmul(const MatmulShape& s, const void* a, const void* b,
   });
 }
 
+namespace {
+
+// The matmul y[rows, out] = x * W^T (+ b) with W in `weight_md`.
+dnnl::matmul::primitive_desc LinearDesc(int64_t rows, int64_t in, int64_t out,
+                                        DType x_dtype,
+                                        const memory::desc& weight_md,
+                                        bool has_bias, DType y_dtype) {
+  const memory::desc x_md({rows, in}, ToDnnl(x_dtype), memory::format_tag::ab);
+  const memory::desc y_md({rows, out}, ToDnnl(y_dtype), memory::format_tag::ab);
+  const memory::desc bias_md({1, out}, memory::data_type::f32,
+                             memory::format_tag::ab);
+  const auto desc = has_bias
+                        ? dnnl::matmul::desc(x_md, weight_md, bias_md, y_md)
+                        : dnnl::matmul::desc(x_md, weight_md, y_md);
+  return dnnl::matmul::primitive_desc(desc, UserScratchpadAttr(), CpuEngine());
+}
+
+// The row count the packed layout is chosen for: oneDNN picks the weight
+// layout by its K x N blocking, so one packing serves every row count.
+constexpr int64_t kPackingRows = 256;
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const PackedLinear>> PackedLinear::Create(
+    const void* weight, const float* bias, int64_t out, int64_t in,
+    DType dtype) {
+  std::shared_ptr<PackedLinear> packed(new PackedLinear());
+  packed->out_ = out;
+  packed->in_ = in;
+  packed->dtype_ = dtype;
+  if (bias != nullptr) packed->bias_.assign(bias, bias + out);
+  if (out == 0 || in == 0) return packed;
+  absl::Status status = GuardDnnl("pack linear weight", [&] {
+    // W^T as the matmul's [in, out] weights: W's rows are its columns.
+    const memory::desc plain_md({in, out}, ToDnnl(dtype), Dims{1, in});
+    const memory::desc any_md({in, out}, ToDnnl(dtype),
+                              memory::format_tag::any);
+    const auto pd = LinearDesc(kPackingRows, in, out, dtype, any_md,
+                               bias != nullptr, dtype);
+    packed->packed_md_ = pd.weights_desc();
+    packed->packed_.resize(packed->packed_md_.get_size());
+    memory src(plain_md, CpuEngine(), const_cast<void*>(weight));
+    memory dst(packed->packed_md_, CpuEngine(), packed->packed_.data());
+    dnnl::reorder(src, dst).execute(ThreadStream(), src, dst);
+    ThreadStream().wait();
+  });
+  if (!status.ok()) return status;
+  return packed;
+}
+
+absl::Status PackedLinear::Run(int64_t rows, const void* x, void* y,
+                               DType y_dtype) const {
+  const bool has_bias = !bias_.empty();
+  if (rows == 0 || out_ == 0) return absl::OkStatus();
+  if (in_ == 0) {
+    std::vector<float> row(out_, 0.0f);
+    if (has_bias) row = bias_;
+    const size_t row_bytes = out_ * DTypeSize(y_dtype);
+    for (int64_t r = 0; r < rows; ++r) {
+      StoreFloat32(row.data(), out_, y_dtype,
+                   static_cast<char*>(y) + r * row_bytes);
+    }
+    return absl::OkStatus();
+  }
+  const std::string key = absl::StrCat(
+      "packed_linear|", rows, "x", in_, "x", out_, "|bias=", has_bias,
+      "|dt=", DTypeName(dtype_), ",", DTypeName(y_dtype));
+  auto cached = PrimitiveCache::Global().GetOrCreate(key, [&] {
+    const auto pd =
+        LinearDesc(rows, in_, out_, dtype_, packed_md_, has_bias, y_dtype);
+    return CachedPrimitive{pd, dnnl::matmul(pd)};
+  });
+  if (!cached.ok()) return cached.status();
+  return GuardDnnl(key, [&] {
+    if (has_bias) {
+      Execute(**cached, {{DNNL_ARG_SRC, x},
+                         {DNNL_ARG_WEIGHTS, packed_.data()},
+                         {DNNL_ARG_BIAS, bias_.data()},
+                         {DNNL_ARG_DST, y}});
+    } else {
+      Execute(**cached, {{DNNL_ARG_SRC, x},
+                         {DNNL_ARG_WEIGHTS, packed_.data()},
+                         {DNNL_ARG_DST, y}});
+    }
+  });
+}
+
 absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& s) {
   const std::string key =
       absl::StrCat("tile_gemm|", s.m, "x", s.n, "x", s.k, "|ld=", s.lda, ",",

@@ -94,6 +94,35 @@ struct MatmulShape {
 absl::Status Matmul(const MatmulShape& shape, const void* a, const void* b,
                     const float* bias, void* c);
 
+// The weight of y = x * W^T + b (W as [out, in], nn.Linear's layout),
+// reordered once into the blocked layout oneDNN's matmul prefers, so that
+// runs skip packing it; the bias is kept in float32. Immutable after
+// Create; Run may be called from any number of threads at once.
+class PackedLinear {
+ public:
+  // `weight` and `bias` (null: none) are copied; `dtype` (FLOAT32 or
+  // BFLOAT16) is the dtype of the weight and of every x.
+  static absl::StatusOr<std::shared_ptr<const PackedLinear>> Create(
+      const void* weight, const float* bias, int64_t out, int64_t in,
+      DType dtype);
+
+  // y[rows, out] = x[rows, in] * W^T + b, y in `y_dtype`.
+  absl::Status Run(int64_t rows, const void* x, void* y, DType y_dtype) const;
+
+  int64_t out() const { return out_; }
+  int64_t in() const { return in_; }
+  DType dtype() const { return dtype_; }
+
+ private:
+  PackedLinear() = default;
+  int64_t out_ = 0;
+  int64_t in_ = 0;
+  DType dtype_ = DType::kFloat32;
+  dnnl::memory::desc packed_md_;
+  std::vector<std::byte> packed_;
+  std::vector<float> bias_;
+};
+
 // One thread's share of a tiled computation: C[m, n] = A[m, k] * B[k, n]
 // (+ C when `accumulate`) with leading dimensions, where B is read from
 // [n, k] rows when `b_transposed`; A and B are `ab_dtype` (FLOAT32 or

@@ -94,3 +94,47 @@ TEST(MatmulTest, BFloat16WithBiasAndBFloat16Output) {
 
 }  // namespace
 }  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+class PackedLinearTest
+    : public ::testing::TestWithParam<std::tuple<DType, int64_t>> {};
+
+TEST_P(PackedLinearTest, MatchesLoopsForAnyRowCount) {
+  const auto [dtype, rows] = GetParam();
+  const int64_t in = 40, out = 24;
+  std::mt19937 rng(6);
+  Operand w = RandomOperand(out * in, rng);
+  Operand x = RandomOperand(rows * in, rng);
+  std::vector<float> bias(out);
+  for (int64_t j = 0; j < out; ++j) bias[j] = 0.1f * j;
+  const bool bf16 = dtype == DType::kBFloat16;
+  auto packed = PackedLinear::Create(
+      bf16 ? static_cast<const void*>(w.bf16.data()) : w.values.data(),
+      bias.data(), out, in, dtype);
+  ASSERT_TRUE(packed.ok()) << packed.status();
+  std::vector<float> y(rows * out);
+  ASSERT_TRUE((*packed)
+                  ->Run(rows,
+                        bf16 ? static_cast<const void*>(x.bf16.data())
+                             : x.values.data(),
+                        y.data(), DType::kFloat32)
+                  .ok());
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int64_t j = 0; j < out; ++j) {
+      double want = bias[j];
+      for (int64_t c = 0; c < in; ++c)
+        want += double(x.values[i * in + c]) * w.values[j * in + c];
+      ASSERT_NEAR(y[i * out + j], want, 1e-4) << i << "," << j;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(All, PackedLinearTest,
+                         ::testing::Combine(::testing::Values(DType::kFloat32,
+                                                              DType::kBFloat16),
+                                            ::testing::Values(1, 16, 300)));
+
+}  // namespace
+}  // namespace attnserve
