@@ -8,6 +8,7 @@
 #include <string>
 
 #include "core/attention.h"
+#include "core/multi_head_attention.h"
 #include "core/primitives.h"
 
 namespace {
@@ -60,10 +61,12 @@ int attnserve_sdpa(const void* q, const void* k, const void* v, void* out,
   return Check(attnserve::Attend(in, options, results));
 }
 
-// nn.MultiheadAttention self-attention (fused in_proj, biases, out_proj).
-int attnserve_mha(const void* x, const float* in_proj, const float* in_bias,
-                  const float* out_proj, const float* out_bias, void* out,
-                  int64_t b, int64_t l, int64_t e, int heads, int bf16) {
+// An nn.MultiheadAttention layer (fused in_proj, biases, out_proj) prepared
+// once, as a served model is: returns a handle for attnserve_mha_run, or
+// null. Free it with attnserve_mha_free.
+void* attnserve_mha_create(const float* in_proj, const float* in_bias,
+                           const float* out_proj, const float* out_bias,
+                           int64_t e, int heads, int bf16) {
   using attnserve::DType;
   using attnserve::TensorView;
   attnserve::MultiHeadWeights w;
@@ -72,11 +75,31 @@ int attnserve_mha(const void* x, const float* in_proj, const float* in_bias,
   w.in_proj_bias = TensorView{DType::kFloat32, {3 * e}, in_bias};
   w.out_proj_weight = TensorView{DType::kFloat32, {e, e}, out_proj};
   w.out_proj_bias = TensorView{DType::kFloat32, {e}, out_bias};
+  attnserve::MultiHeadLayer::Options options;
+  options.compute_dtype = DTypeOf(bf16);
+  auto layer = attnserve::MultiHeadLayer::Create(w, options);
+  if (!layer.ok()) {
+    Fail(layer.status());
+    return nullptr;
+  }
+  return new std::shared_ptr<const attnserve::MultiHeadLayer>(*layer);
+}
+
+// Self-attention of x [b, l, e] through a layer from attnserve_mha_create.
+int attnserve_mha_run(void* layer, const void* x, void* out, int64_t b,
+                      int64_t l, int64_t e, int bf16) {
+  using attnserve::TensorView;
+  auto& mha =
+      *static_cast<std::shared_ptr<const attnserve::MultiHeadLayer>*>(layer);
   attnserve::MultiHeadInputs in{TensorView{DTypeOf(bf16), {b, l, e}, x},
                                 std::nullopt, std::nullopt, std::nullopt,
                                 std::nullopt};
   CallerOutput results(out);
-  return Check(attnserve::MultiHeadAttend(w, in, {}, results));
+  return Check(mha->Run(in, {}, results));
+}
+
+void attnserve_mha_free(void* layer) {
+  delete static_cast<std::shared_ptr<const attnserve::MultiHeadLayer>*>(layer);
 }
 
 // LayerNorm over the last dim of [rows, cols].

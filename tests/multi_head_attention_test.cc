@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/attention.h"
+#include "core/multi_head_attention.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
 
@@ -228,6 +229,18 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
   EXPECT_TRUE(AllClose(
       result->weights->view(), weights,
       c.dtype == DType::kFloat32 ? kFloat32Tolerance : ToleranceFor(c.dtype)));
+
+  // The same layer prepared once with packed weights, as a served model is.
+  MultiHeadLayer::Options layer_options;
+  layer_options.compute_dtype =
+      c.dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  auto layer = MultiHeadLayer::Create(w, layer_options);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  TensorResults packed_results;
+  ASSERT_TRUE((*layer)->Run(in, options, packed_results).ok());
+  std::optional<Tensor> packed_output = packed_results.Take("output");
+  ASSERT_TRUE(packed_output.has_value());
+  EXPECT_TRUE(AllClose(packed_output->view(), out, ToleranceFor(c.dtype)));
 }
 
 MhaCase Case(std::string name, auto&& edit) {

@@ -1,0 +1,93 @@
+// A multi-head attention layer prepared once and run many times.
+//
+// MultiHeadLayer::Create validates the projection weights (nn.Linear's
+// [out_features, in_features] layout; see MultiHeadWeights), converts them
+// to the layer's compute dtype and, when asked, packs them into oneDNN's
+// preferred blocked layout so that no run repacks them. The free function
+// MultiHeadAttend (attention.h) builds an unpacked layer for one call.
+//
+// Ownership: a packed layer owns copies of everything it needs; an unpacked
+// one reads FLOAT32 weights of a FLOAT32 layer in place, so they must outlive
+// it. Thread-safety: immutable after Create; Run may be called from any
+// number of threads at once.
+#ifndef ATTNSERVE_CORE_MULTI_HEAD_ATTENTION_H_
+#define ATTNSERVE_CORE_MULTI_HEAD_ATTENTION_H_
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/attention.h"
+#include "core/convert.h"
+#include "core/primitives.h"
+#include "core/results.h"
+#include "core/tensor.h"
+
+namespace attnserve {
+
+class MultiHeadLayer {
+ public:
+  struct Options {
+    // FLOAT32 or BFLOAT16: the dtype projections and attention run in.
+    DType compute_dtype = DType::kFloat32;
+    // Reorder (and copy) the weights for oneDNN once.
+    bool pack = true;
+  };
+
+  static absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> Create(
+      const MultiHeadWeights& weights, const Options& options);
+
+  // Results "output" and, when asked, "weights", as MultiHeadAttend.
+  // `options.attention.compute_bf16` is ignored: the layer's compute dtype
+  // decides.
+  absl::Status Run(const MultiHeadInputs& inputs,
+                   const MultiHeadOptions& options,
+                   ResultAllocator& results) const;
+
+  int num_heads() const { return heads_; }
+  DType compute_dtype() const { return compute_; }
+  int64_t query_dim() const { return q_.in; }
+  int64_t key_input_dim() const { return k_.in; }
+  int64_t value_input_dim() const { return v_.in; }
+  int64_t head_key_dim() const { return key_dim_; }
+  int64_t head_value_dim() const { return value_dim_; }
+  // The output's last dim: out_proj_weight's rows, or H * dv without it.
+  int64_t output_dim() const;
+
+ private:
+  // One projection y = x * W^T + b: packed, or read in place (the fused
+  // in_proj_weight a third at a time).
+  struct Projection {
+    const void* weight = nullptr;  // [out, in] in the compute dtype
+    const float* bias = nullptr;   // [out] or null
+    int64_t out = 0;
+    int64_t in = 0;
+    std::shared_ptr<const PackedLinear> packed;
+  };
+
+  MultiHeadLayer() = default;
+  absl::Status Resolve(const MultiHeadWeights& w);
+  absl::Status Pack();
+  absl::StatusOr<const void*> Converted(const std::optional<TensorView>& t,
+                                        DType dtype, absl::string_view field);
+  absl::Status Project(const Projection& proj, int64_t rows, const void* x,
+                       void* y, DType y_dtype) const;
+
+  int heads_ = 0;
+  DType compute_ = DType::kFloat32;
+  std::vector<OperandData> owned_;  // converted copies
+  Projection q_, k_, v_;
+  std::optional<Projection> fused_qkv_;  // PyTorch's [3E, E] in_proj_weight
+  std::optional<Projection> out_;
+  int64_t key_dim_ = 0;    // per head
+  int64_t value_dim_ = 0;  // per head
+  // Field names for messages: "in_proj_weight" or "q/k/v_proj_weight".
+  std::string q_name_, k_name_, v_name_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CORE_MULTI_HEAD_ATTENTION_H_
