@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/status_macros.h"
+#include "core/thread_budget.h"
 #include "proto/tensor_codec.h"
 #include "server/grpc_status.h"
 
@@ -76,7 +77,12 @@ grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
                                 absl::Status (*handle)(const Request&,
                                                        Response*)) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status = handle(*request, response);
+  absl::Status status;
+  {
+    // This call's share of the cores while it computes.
+    ThreadBudget::Lease lease = ThreadBudget::Global().Acquire();
+    status = handle(*request, response);
+  }
   if (!status.ok()) response->Clear();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;

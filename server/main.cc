@@ -9,6 +9,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/time/time.h"
+#include "core/thread_budget.h"
 #include "server/options.h"
 #include "server/server.h"
 
@@ -18,6 +19,8 @@ ABSL_FLAG(int, port, attnserve::ServerOptions().port,
           "TCP port; 0 picks a free port.");
 ABSL_FLAG(int, max_message_mb, attnserve::ServerOptions().max_message_mb,
           "Largest request and response message, in MiB.");
+ABSL_FLAG(int, threads, attnserve::ServerOptions().threads,
+          "Compute threads shared by concurrent calls (0: all cores).");
 ABSL_FLAG(int, shutdown_grace_seconds,
           attnserve::ServerOptions().shutdown_grace_seconds,
           "Seconds in-flight calls get to finish on SIGINT/SIGTERM.");
@@ -32,6 +35,7 @@ int main(int argc, char** argv) {
   options.port = absl::GetFlag(FLAGS_port);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  options.threads = absl::GetFlag(FLAGS_threads);
 
   // Block the stop signals in every thread (gRPC's threads inherit this
   // mask), then wait for them synchronously below.
@@ -47,9 +51,9 @@ int main(int argc, char** argv) {
                  std::string(server.status().message()).c_str());
     return EXIT_FAILURE;
   }
-  std::printf(
-      "attnserve listening on %s\n",
-      attnserve::ListenAddress(options.host, (*server)->port()).c_str());
+  std::printf("attnserve listening on %s (%d compute threads)\n",
+              attnserve::ListenAddress(options.host, (*server)->port()).c_str(),
+              attnserve::ThreadBudget::Global().total());
   std::fflush(stdout);
 
   int signal_number = 0;

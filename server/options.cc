@@ -18,6 +18,10 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
         "--max_message_mb: ", options.max_message_mb,
         " is not in [1, 2047] (protobuf messages are limited to 2 GiB)"));
   }
+  if (options.threads < 0 || options.threads > 4096) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--threads: ", options.threads, " is not in [0, 4096] (0: all cores)"));
+  }
   if (options.shutdown_grace_seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--shutdown_grace_seconds: ", options.shutdown_grace_seconds,

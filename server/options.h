@@ -19,6 +19,10 @@ struct ServerOptions {
   // Seconds that in-flight calls get to finish on SIGINT/SIGTERM before
   // they are cancelled.
   int shutdown_grace_seconds = 5;
+  // Compute threads shared by all calls (0: the cores this process may
+  // use). A call alone uses all of them; n concurrent calls get about
+  // threads / n each (see core/thread_budget.h).
+  int threads = 0;
 };
 
 // OK, or INVALID_ARGUMENT naming the flag that is out of range.

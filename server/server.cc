@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "core/thread_budget.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -15,6 +16,7 @@ namespace attnserve {
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     const ServerOptions& options) {
   ATTN_RETURN_IF_ERROR(ValidateServerOptions(options));
+  ThreadBudget::Global().SetTotal(options.threads);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 

@@ -1,0 +1,63 @@
+// Shares the machine's cores among the requests that compute at once, so
+// that concurrent requests do not oversubscribe them.
+//
+// Policy: a request that starts while n - 1 others are computing gets
+// max(1, total / n) OpenMP threads for its whole computation, set on its
+// handling thread (OpenMP's thread count is a per-thread setting, and the
+// core's primitives are cached per thread count). Alone, a request uses
+// every core; under load each gets an equal share, and the sum stays near
+// the total: requests that started under lighter load keep their larger
+// share until they finish, which is brief because they started earlier.
+//
+// Thread-safety: all methods may be called concurrently.
+#ifndef ATTNSERVE_CORE_THREAD_BUDGET_H_
+#define ATTNSERVE_CORE_THREAD_BUDGET_H_
+
+#include <atomic>
+
+namespace attnserve {
+
+// The cores this process may use: its CPU affinity, capped by a cgroup CPU
+// quota when one is set.
+int AvailableCores();
+
+class ThreadBudget {
+ public:
+  // `total_threads` <= 0 means AvailableCores().
+  explicit ThreadBudget(int total_threads);
+
+  // The budget the server uses; SetTotal changes its size (at start-up).
+  static ThreadBudget& Global();
+  void SetTotal(int total_threads);
+
+  // A computing request's share: sets the calling thread's OpenMP thread
+  // count while it lives. Move-only.
+  class Lease {
+   public:
+    Lease(Lease&& other) noexcept;
+    Lease& operator=(Lease&&) = delete;
+    ~Lease();
+    int threads() const { return threads_; }
+
+   private:
+    friend class ThreadBudget;
+    Lease(ThreadBudget* budget, int threads, int previous);
+    ThreadBudget* budget_;
+    int threads_;
+    int previous_;  // the thread's OpenMP setting before, restored after
+  };
+
+  Lease Acquire();
+
+  int total() const { return total_.load(); }
+  // Requests computing now.
+  int active() const { return active_.load(); }
+
+ private:
+  std::atomic<int> total_;
+  std::atomic<int> active_{0};
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CORE_THREAD_BUDGET_H_
