@@ -38,6 +38,8 @@ ABSL_FLAG(std::optional<float>, scale, std::nullopt,
 ABSL_FLAG(std::optional<float>, temperature, std::nullopt,
           "Divides the scaled logits (default 1).");
 ABSL_FLAG(bool, return_weights, false, "Also return attention weights.");
+ABSL_FLAG(bool, compute_bf16, false,
+          "attend/mha: compute float32 inputs on the bfloat16 kernels.");
 ABSL_FLAG(bool, average_weights, false,
           "mha: return weights averaged over heads.");
 ABSL_FLAG(std::optional<int>, num_heads, std::nullopt, "mha: number of heads.");
@@ -71,6 +73,7 @@ struct AttnctlOptions {
   std::optional<int> normalized_ndim;
   bool return_weights = false;
   bool average_weights = false;
+  bool compute_bf16 = false;
   std::string model;
   // health: the service to check; empty: the whole server.
   std::string service;
@@ -92,6 +95,7 @@ AttnctlOptions OptionsFromFlags(const std::string& command) {
   options.normalized_ndim = absl::GetFlag(FLAGS_normalized_ndim);
   options.return_weights = absl::GetFlag(FLAGS_return_weights);
   options.average_weights = absl::GetFlag(FLAGS_average_weights);
+  options.compute_bf16 = absl::GetFlag(FLAGS_compute_bf16);
   options.model = absl::GetFlag(FLAGS_model);
   options.service = absl::GetFlag(FLAGS_service);
   return options;
@@ -130,6 +134,7 @@ absl::StatusOr<OpParams> Params(const AttnctlOptions& options,
     params.normalized_ndim = *options.normalized_ndim;
   params.return_weights = options.return_weights;
   params.average_weights = options.average_weights;
+  params.compute_bf16 = options.compute_bf16;
   params.model = options.model;
   return params;
 }

@@ -30,6 +30,7 @@ void SetAttentionOptions(const OpParams& params, Request* request) {
     request->set_temperature(*params.temperature);
   }
   request->set_return_weights(params.return_weights);
+  request->set_compute_bf16(params.compute_bf16);
 }
 
 absl::Status ParseFloat(const std::string& key, const std::string& text,

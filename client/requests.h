@@ -25,6 +25,7 @@ struct OpParams {
   std::optional<float> temperature;
   bool return_weights = false;
   bool average_weights = false;
+  bool compute_bf16 = false;
   int num_heads = 0;
   std::string model;
   std::optional<float> eps;

@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 
@@ -254,7 +255,14 @@ const RowOps& ScalarRowOps() {
   return ops;
 }
 
+namespace {
+std::atomic<const RowOps*> row_ops_for_testing{nullptr};
+}  // namespace
+
+void SetRowOpsForTesting(const RowOps* ops) { row_ops_for_testing = ops; }
+
 const RowOps& GetRowOps() {
+  if (const RowOps* forced = row_ops_for_testing.load()) return *forced;
   static const RowOps ops = [] {
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx512f") &&

@@ -32,8 +32,11 @@ struct RowOps {
   const char* name;
 };
 
-// The fastest implementation this CPU runs.
+// The fastest implementation this CPU runs (or the one set for testing).
 const RowOps& GetRowOps();
+// Makes GetRowOps return `ops` (null: the CPU's choice again), so that tests
+// can run the kernels on the fallback path. Not for use while computing.
+void SetRowOpsForTesting(const RowOps* ops);
 // The portable implementation (for tests that compare the two).
 const RowOps& ScalarRowOps();
 

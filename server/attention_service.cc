@@ -33,14 +33,15 @@ absl::Status Optional(bool present, const v1::Tensor& tensor,
 #define ATTN_OPTIONAL_TENSOR(msg, name, out) \
   Optional((msg).has_##name(), (msg).name(), #name, (out))
 
-AttentionOptions AttentionOptionsOf(bool causal, bool has_scale, float scale,
-                                    bool has_temperature, float temperature,
-                                    bool return_weights) {
+// The attention options both request messages carry, under the same names.
+template <typename Request>
+AttentionOptions AttentionOptionsOf(const Request& request) {
   AttentionOptions options;
-  options.causal = causal;
-  if (has_scale) options.scale = scale;
-  if (has_temperature) options.temperature = temperature;
-  options.return_weights = return_weights;
+  options.causal = request.causal();
+  if (request.has_scale()) options.scale = request.scale();
+  if (request.has_temperature()) options.temperature = request.temperature();
+  options.return_weights = request.return_weights();
+  options.compute_bf16 = request.compute_bf16();
   return options;
 }
 
@@ -101,10 +102,7 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
       inputs.value, Required(request.has_value(), request.value(), "value"));
   ATTN_RETURN_IF_ERROR(
       ATTN_OPTIONAL_TENSOR(request, attn_mask, &inputs.attn_mask));
-  const AttentionOptions options =
-      AttentionOptionsOf(request.causal(), request.has_scale(), request.scale(),
-                         request.has_temperature(), request.temperature(),
-                         request.return_weights());
+  const AttentionOptions options = AttentionOptionsOf(request);
   WireResults results(response->mutable_output(), response->mutable_weights());
   ATTN_RETURN_IF_ERROR(Attend(inputs, options, results));
   if (!request.return_weights()) response->clear_weights();
@@ -138,10 +136,7 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
   ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, key_padding_mask,
                                             &inputs.key_padding_mask));
   MultiHeadOptions options;
-  options.attention =
-      AttentionOptionsOf(request.causal(), request.has_scale(), request.scale(),
-                         request.has_temperature(), request.temperature(),
-                         request.return_weights());
+  options.attention = AttentionOptionsOf(request);
   options.average_weights = request.average_weights();
   WireResults results(response->mutable_output(), response->mutable_weights());
   ATTN_RETURN_IF_ERROR(MultiHeadAttend(weights, inputs, options, results));

@@ -38,8 +38,7 @@ void PrintTo(const AttendCase& c, std::ostream* os) { *os << c.name; }
 
 class AttendTableTest : public ::testing::TestWithParam<AttendCase> {};
 
-TEST_P(AttendTableTest, MatchesFloat64Reference) {
-  const AttendCase& c = GetParam();
+void ExpectMatchesReference(const AttendCase& c) {
   std::mt19937 rng(1234);
   Tensor q = RandomTensor(c.dtype, With(c.batch, {c.lq, c.dk}), rng);
   Tensor k = RandomTensor(c.dtype, With(c.batch, {c.lk, c.dk}), rng);
@@ -272,6 +271,26 @@ const AttendCase kAttendCases[] = {
      std::nullopt, std::nullopt, 0.01},
     // clang-format on
 };
+
+TEST_P(AttendTableTest, MatchesFloat64Reference) {
+  ExpectMatchesReference(GetParam());
+}
+
+// The same table on the portable row operations, as on a CPU without
+// AVX-512.
+class AttendScalarTest : public AttendTableTest {
+ protected:
+  void SetUp() override { SetRowOpsForTesting(&ScalarRowOps()); }
+  void TearDown() override { SetRowOpsForTesting(nullptr); }
+};
+
+TEST_P(AttendScalarTest, MatchesFloat64Reference) {
+  ExpectMatchesReference(GetParam());
+}
+
+INSTANTIATE_TEST_SUITE_P(Scalar, AttendScalarTest,
+                         ::testing::ValuesIn(kAttendCases),
+                         [](const auto& info) { return info.param.name; });
 
 INSTANTIATE_TEST_SUITE_P(Table, AttendTableTest,
                          ::testing::ValuesIn(kAttendCases),

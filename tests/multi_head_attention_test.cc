@@ -1,6 +1,8 @@
 // The core's MultiHeadAttend against a float64 reference built from
 // RefLinear and RefAttend, over a table of layer layouts, masks and options,
 // and its input checks.
+#include "core/multi_head_attention.h"
+
 #include <cmath>
 #include <optional>
 #include <random>
@@ -8,7 +10,6 @@
 #include <vector>
 
 #include "core/attention.h"
-#include "core/multi_head_attention.h"
 #include "gtest/gtest.h"
 #include "tests/test_util.h"
 

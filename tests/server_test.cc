@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
 #include "core/convert.h"
+#include "core/primitives.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/impl/codegen/client_context.h"
 #include "grpcpp/impl/codegen/rpc_method.h"
@@ -391,6 +392,48 @@ TEST_F(ServerTest, ConcurrentCallsOfMixedShapesAreAllCorrect) {
   }
   for (std::thread& thread : threads) thread.join();
   EXPECT_EQ(failures.load(), 0);
+}
+
+TEST_F(ServerTest, RepeatedShapesCreateNoPrimitives) {
+  v1::MultiHeadAttendRequest mha = ValidMha();
+  mha.set_causal(true);
+  v1::AttendRequest attend = ValidAttend();
+  attend.set_return_weights(true);
+  v1::LayerNormRequest layer_norm = ValidLayerNorm();
+  ASSERT_TRUE(client_.MultiHeadAttend(mha).ok());
+  ASSERT_TRUE(client_.Attend(attend).ok());
+  ASSERT_TRUE(client_.LayerNorm(layer_norm).ok());
+  const int64_t created = PrimitiveCache::Global().creations();
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(client_.MultiHeadAttend(mha).ok());
+    ASSERT_TRUE(client_.Attend(attend).ok());
+    ASSERT_TRUE(client_.LayerNorm(layer_norm).ok());
+  }
+  EXPECT_EQ(PrimitiveCache::Global().creations(), created);
+}
+
+TEST_F(ServerTest, ComputeBf16IsHonored) {
+  std::mt19937 rng(23);
+  Tensor q = RandomTensor(DType::kFloat32, {2, 40, 64}, rng);
+  Tensor k = RandomTensor(DType::kFloat32, {2, 50, 64}, rng);
+  Tensor v = RandomTensor(DType::kFloat32, {2, 50, 32}, rng);
+  v1::AttendRequest request;
+  EncodeTensor(q.view(), request.mutable_query());
+  EncodeTensor(k.view(), request.mutable_key());
+  EncodeTensor(v.view(), request.mutable_value());
+  auto exact = client_.Attend(request);
+  request.set_compute_bf16(true);
+  auto fast = client_.Attend(request);
+  ASSERT_TRUE(exact.ok() && fast.ok());
+  EXPECT_EQ(fast->output().dtype(), v1::DATA_TYPE_FLOAT32);
+  const RefAttentionResult ref =
+      RefAttend(ToRef(q.view()), ToRef(k.view()), ToRef(v.view()), {}, {}, {});
+  auto exact_out = CopyTensor(exact->output(), "output");
+  auto fast_out = CopyTensor(fast->output(), "output");
+  EXPECT_TRUE(AllClose(exact_out->view(), ref.output, kFloat32Tolerance));
+  EXPECT_TRUE(AllClose(fast_out->view(), ref.output, kBFloat16Tolerance));
+  // bfloat16 inputs cannot reproduce the float32 result to the last bit.
+  EXPECT_NE(exact->output().raw_data(), fast->output().raw_data());
 }
 
 TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
