@@ -28,7 +28,8 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnserve
 COPY --from=build /src/build/bin/attnserve /src/build/bin/attnctl /usr/local/bin/
+COPY --from=build /src/build/models /models
 USER attnserve
 EXPOSE 50051
 ENTRYPOINT ["/usr/local/bin/attnserve"]
-CMD ["--host=0.0.0.0", "--port=50051"]
+CMD ["--host=0.0.0.0", "--port=50051", "--model_repository=/models"]

@@ -4,6 +4,7 @@
 //   attnctl attend|mha|layernorm --target=HOST:PORT --in=FILE.safetensors
 //           [--out=RESULT.safetensors] [operation flags]
 //   attnctl health --target=HOST:PORT [--service=NAME]
+//   attnctl models --target=HOST:PORT [--model=NAME]
 //
 // Operation parameters come from the flags, else from the input file's
 // __metadata__ (causal, scale, temperature, num_heads, eps,
@@ -43,7 +44,8 @@ ABSL_FLAG(bool, compute_bf16, false,
 ABSL_FLAG(bool, average_weights, false,
           "mha: return weights averaged over heads.");
 ABSL_FLAG(std::optional<int>, num_heads, std::nullopt, "mha: number of heads.");
-ABSL_FLAG(std::string, model, "", "mha: name of a model loaded on the server.");
+ABSL_FLAG(std::string, model, "",
+          "mha: the server-side model to use; models: the model to describe.");
 ABSL_FLAG(std::optional<float>, eps, std::nullopt,
           "layernorm: epsilon (default 1e-5).");
 ABSL_FLAG(std::optional<int>, normalized_ndim, std::nullopt,
@@ -114,7 +116,8 @@ absl::Status ValidateOptions(const AttnctlOptions& options) {
         absl::StrCat("--max_message_mb: ", options.client.max_message_mb,
                      " is not in [1, 2047]"));
   }
-  if (options.command != "health" && options.in_path.empty()) {
+  if (options.command != "health" && options.command != "models" &&
+      options.in_path.empty()) {
     return absl::InvalidArgumentError("--in: missing (a .safetensors file)");
   }
   return absl::OkStatus();
@@ -198,9 +201,27 @@ absl::Status RunHealth(const AttnctlOptions& options) {
   return absl::OkStatus();
 }
 
+// One line per model; with --model, that model's metadata.
+absl::Status RunModels(const AttnctlOptions& options) {
+  AttnClient client(options.client);
+  if (!options.model.empty()) {
+    ATTN_ASSIGN_OR_RETURN(auto metadata,
+                          client.GetModelMetadata(options.model));
+    std::printf("%s", metadata.DebugString().c_str());
+    return absl::OkStatus();
+  }
+  ATTN_ASSIGN_OR_RETURN(auto list, client.ListModels());
+  for (const auto& model : list.models()) {
+    std::printf("%s heads=%d embed_dim=%lld\n", model.name().c_str(),
+                model.num_heads(), static_cast<long long>(model.embed_dim()));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Run(const AttnctlOptions& options) {
   ATTN_RETURN_IF_ERROR(ValidateOptions(options));
   if (options.command == "health") return RunHealth(options);
+  if (options.command == "models") return RunModels(options);
   return RunOperation(options);
 }
 
@@ -211,15 +232,16 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attnctl attend|mha|layernorm --target=HOST:PORT --in=FILE.safetensors "
       "[--out=FILE.safetensors] [flags]\n"
-      "attnctl health --target=HOST:PORT [--service=NAME]");
+      "attnctl health --target=HOST:PORT [--service=NAME]\n"
+      "attnctl models --target=HOST:PORT [--model=NAME]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
     return 2;
   }
   const std::string command = args[1];
-  if (command != "health" && command != "attend" && command != "mha" &&
-      command != "layernorm") {
+  if (command != "health" && command != "models" && command != "attend" &&
+      command != "mha" && command != "layernorm") {
     std::fprintf(stderr, "attnctl: unknown command '%s'\n%s\n", command.c_str(),
                  absl::ProgramUsageMessage().data());
     return 2;

@@ -66,6 +66,25 @@ absl::StatusOr<v1::LayerNormResponse> AttnClient::LayerNorm(
       request);
 }
 
+absl::StatusOr<v1::ListModelsResponse> AttnClient::ListModels() {
+  return Call<v1::ListModelsRequest, v1::ListModelsResponse>(
+      [this](auto* c, const auto& req, auto* resp) {
+        return stub_->ListModels(c, req, resp);
+      },
+      v1::ListModelsRequest());
+}
+
+absl::StatusOr<v1::GetModelMetadataResponse> AttnClient::GetModelMetadata(
+    const std::string& name) {
+  v1::GetModelMetadataRequest request;
+  request.set_name(name);
+  return Call<v1::GetModelMetadataRequest, v1::GetModelMetadataResponse>(
+      [this](auto* c, const auto& req, auto* resp) {
+        return stub_->GetModelMetadata(c, req, resp);
+      },
+      request);
+}
+
 absl::StatusOr<NamedTensors> AttnClient::Run(Operation op,
                                              const NamedViews& tensors,
                                              const OpParams& params) {

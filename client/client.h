@@ -40,6 +40,10 @@ class AttnClient {
       const v1::MultiHeadAttendRequest& request);
   absl::StatusOr<v1::LayerNormResponse> LayerNorm(
       const v1::LayerNormRequest& request);
+  absl::StatusOr<v1::ListModelsResponse> ListModels();
+  absl::StatusOr<v1::GetModelMetadataResponse> GetModelMetadata(
+      const std::string& name);
+
   // Runs `op` on named tensors (see requests.h): request built from
   // `tensors` and `params`, result as "output" and "weights".
   absl::StatusOr<NamedTensors> Run(Operation op, const NamedViews& tensors,

@@ -72,11 +72,10 @@ absl::StatusOr<MultiHeadWeights> DecodeWeights(const v1::AttentionWeights& w) {
 }
 
 // Runs `handle` and finishes the call with its status.
-template <typename Request, typename Response>
+template <typename Request, typename Response, typename Handler>
 grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
                                 const Request* request, Response* response,
-                                absl::Status (*handle)(const Request&,
-                                                       Response*)) {
+                                Handler handle) {
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   absl::Status status;
   {
@@ -110,14 +109,21 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
 }
 
 absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                   const ModelRepository* models,
                                    v1::MultiHeadAttendResponse* response) {
   MultiHeadWeights weights;
+  std::shared_ptr<const Model> model;
   switch (request.weights_source_case()) {
-    case v1::MultiHeadAttendRequest::kModel:
-      return absl::NotFoundError(absl::StrCat(
-          "model: '", request.model(),
-          "' not found: this server has no model repository loaded; send the "
-          "weights inline in `weights`"));
+    case v1::MultiHeadAttendRequest::kModel: {
+      if (models == nullptr) {
+        return absl::NotFoundError(absl::StrCat(
+            "model: '", request.model(),
+            "' not found: this server has no model repository; send the "
+            "weights inline in `weights`"));
+      }
+      ATTN_ASSIGN_OR_RETURN(model, models->Find(request.model()));
+      break;
+    }
     case v1::MultiHeadAttendRequest::kWeights: {
       ATTN_ASSIGN_OR_RETURN(weights, DecodeWeights(request.weights()));
       break;
@@ -139,7 +145,17 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
   options.attention = AttentionOptionsOf(request);
   options.average_weights = request.average_weights();
   WireResults results(response->mutable_output(), response->mutable_weights());
-  ATTN_RETURN_IF_ERROR(MultiHeadAttend(weights, inputs, options, results));
+  if (model != nullptr) {
+    // The model's defaults fill what the request leaves unset.
+    if (!options.attention.scale.has_value() &&
+        model->config.has_default_scale()) {
+      options.attention.scale = model->config.default_scale();
+    }
+    options.attention.causal |= model->config.default_causal();
+    ATTN_RETURN_IF_ERROR(model->layer->Run(inputs, options, results));
+  } else {
+    ATTN_RETURN_IF_ERROR(MultiHeadAttend(weights, inputs, options, results));
+  }
   if (!request.return_weights()) response->clear_weights();
   return absl::OkStatus();
 }
@@ -164,6 +180,62 @@ absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
   return LayerNorm(input, gamma, beta, options, results);
 }
 
+absl::Status HandleListModels(const ModelRepository* models,
+                              v1::ListModelsResponse* response) {
+  if (models == nullptr) return absl::OkStatus();
+  for (const auto& model : models->List()) {
+    v1::ListModelsResponse::Model* entry = response->add_models();
+    entry->set_name(model->name);
+    entry->set_num_heads(model->layer->num_heads());
+    entry->set_embed_dim(model->layer->query_dim());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
+                                    const ModelRepository* models,
+                                    v1::GetModelMetadataResponse* response) {
+  if (models == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("name: model '", request.name(),
+                     "' not found: this server has no model repository"));
+  }
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                        models->Find(request.name()));
+  const MultiHeadLayer& layer = *model->layer;
+  response->set_name(model->name);
+  response->set_platform("attnserve_multi_head_attention");
+  response->set_num_heads(layer.num_heads());
+  response->set_query_dim(layer.query_dim());
+  response->set_key_dim(layer.key_input_dim());
+  response->set_value_dim(layer.value_input_dim());
+  response->set_head_key_dim(layer.head_key_dim());
+  response->set_head_value_dim(layer.head_value_dim());
+  response->set_output_dim(layer.output_dim());
+  response->set_compute_dtype(DTypeToProto(layer.compute_dtype()));
+  response->set_description(model->config.description());
+  const auto add = [](auto* list, const char* name, v1::DataType dtype,
+                      std::initializer_list<int64_t> shape) {
+    v1::TensorMetadata* t = list->Add();
+    t->set_name(name);
+    t->set_datatype(dtype);
+    t->mutable_shape()->Assign(shape.begin(), shape.end());
+  };
+  const auto f32 = v1::DATA_TYPE_FLOAT32;
+  add(response->mutable_inputs(), "query", f32, {-1, -1, layer.query_dim()});
+  add(response->mutable_inputs(), "key", f32, {-1, -1, layer.key_input_dim()});
+  add(response->mutable_inputs(), "value", f32,
+      {-1, -1, layer.value_input_dim()});
+  add(response->mutable_inputs(), "attn_mask", v1::DATA_TYPE_BOOL,
+      {-1, layer.num_heads(), -1, -1});
+  add(response->mutable_inputs(), "key_padding_mask", v1::DATA_TYPE_BOOL,
+      {-1, -1});
+  add(response->mutable_outputs(), "output", f32, {-1, -1, layer.output_dim()});
+  add(response->mutable_outputs(), "weights", f32,
+      {-1, layer.num_heads(), -1, -1});
+  return absl::OkStatus();
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(
     grpc::CallbackServerContext* context, const v1::AttendRequest* request,
     v1::AttendResponse* response) {
@@ -174,13 +246,38 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttend(
     grpc::CallbackServerContext* context,
     const v1::MultiHeadAttendRequest* request,
     v1::MultiHeadAttendResponse* response) {
-  return Serve(context, request, response, &HandleMultiHeadAttend);
+  return Serve(context, request, response,
+               [this](const v1::MultiHeadAttendRequest& r,
+                      v1::MultiHeadAttendResponse* out) {
+                 return HandleMultiHeadAttend(r, models_, out);
+               });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::LayerNorm(
     grpc::CallbackServerContext* context, const v1::LayerNormRequest* request,
     v1::LayerNormResponse* response) {
   return Serve(context, request, response, &HandleLayerNorm);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(
+    grpc::CallbackServerContext* context, const v1::ListModelsRequest* request,
+    v1::ListModelsResponse* response) {
+  return Serve(
+      context, request, response,
+      [this](const v1::ListModelsRequest&, v1::ListModelsResponse* out) {
+        return HandleListModels(models_, out);
+      });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetModelMetadata(
+    grpc::CallbackServerContext* context,
+    const v1::GetModelMetadataRequest* request,
+    v1::GetModelMetadataResponse* response) {
+  return Serve(context, request, response,
+               [this](const v1::GetModelMetadataRequest& r,
+                      v1::GetModelMetadataResponse* out) {
+                 return HandleGetModelMetadata(r, models_, out);
+               });
 }
 
 }  // namespace attnserve

@@ -3,13 +3,14 @@
 // result into the response.
 //
 // Thread-safety: gRPC calls the handlers concurrently; the service holds no
-// mutable state. Ownership: the server owns the service; it must outlive the
-// server.
+// mutable state of its own (the model repository is thread-safe). Ownership:
+// the server owns the service; it must outlive the server.
 #ifndef ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 
 #include "absl/status/status.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/model_repository.h"
 
 namespace attnserve {
 
@@ -17,14 +18,25 @@ namespace attnserve {
 // reused directly.
 absl::Status HandleAttend(const v1::AttendRequest& request,
                           v1::AttendResponse* response);
+// `models` may be null (no repository).
 absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                   const ModelRepository* models,
                                    v1::MultiHeadAttendResponse* response);
+absl::Status HandleListModels(const ModelRepository* models,
+                              v1::ListModelsResponse* response);
+absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
+                                    const ModelRepository* models,
+                                    v1::GetModelMetadataResponse* response);
 absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
                              v1::LayerNormResponse* response);
 
 class AttentionServiceImpl final
     : public v1::AttentionService::CallbackService {
  public:
+  // `models` (may be null) must outlive the service.
+  explicit AttentionServiceImpl(const ModelRepository* models)
+      : models_(models) {}
+
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
                                    v1::AttendResponse* response) override;
@@ -35,6 +47,17 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* LayerNorm(grpc::CallbackServerContext* context,
                                       const v1::LayerNormRequest* request,
                                       v1::LayerNormResponse* response) override;
+  grpc::ServerUnaryReactor* ListModels(
+      grpc::CallbackServerContext* context,
+      const v1::ListModelsRequest* request,
+      v1::ListModelsResponse* response) override;
+  grpc::ServerUnaryReactor* GetModelMetadata(
+      grpc::CallbackServerContext* context,
+      const v1::GetModelMetadataRequest* request,
+      v1::GetModelMetadataResponse* response) override;
+
+ private:
+  const ModelRepository* models_;
 };
 
 }  // namespace attnserve

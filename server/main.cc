@@ -19,6 +19,9 @@ ABSL_FLAG(int, port, attnserve::ServerOptions().port,
           "TCP port; 0 picks a free port.");
 ABSL_FLAG(int, max_message_mb, attnserve::ServerOptions().max_message_mb,
           "Largest request and response message, in MiB.");
+ABSL_FLAG(std::string, model_repository, "",
+          "Folder of models: NAME/config.pbtxt and NAME/weights.safetensors. "
+          "SIGHUP reloads it.");
 ABSL_FLAG(int, threads, attnserve::ServerOptions().threads,
           "Compute threads shared by concurrent calls (0: all cores).");
 ABSL_FLAG(int, shutdown_grace_seconds,
@@ -36,6 +39,7 @@ int main(int argc, char** argv) {
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
   options.threads = absl::GetFlag(FLAGS_threads);
+  options.model_repository = absl::GetFlag(FLAGS_model_repository);
 
   // Block the stop signals in every thread (gRPC's threads inherit this
   // mask), then wait for them synchronously below.
@@ -43,6 +47,7 @@ int main(int argc, char** argv) {
   sigemptyset(&stop_signals);
   sigaddset(&stop_signals, SIGINT);
   sigaddset(&stop_signals, SIGTERM);
+  sigaddset(&stop_signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &stop_signals, nullptr);
 
   auto server = attnserve::AttnServer::Start(options);
@@ -57,7 +62,19 @@ int main(int argc, char** argv) {
   std::fflush(stdout);
 
   int signal_number = 0;
-  sigwait(&stop_signals, &signal_number);
+  // SIGHUP reloads the models; SIGINT and SIGTERM stop the server.
+  while (sigwait(&stop_signals, &signal_number) == 0 &&
+         signal_number == SIGHUP) {
+    const absl::Status reloaded = (*server)->ReloadModels();
+    if (reloaded.ok()) {
+      std::printf("attnserve: models reloaded from %s\n",
+                  options.model_repository.c_str());
+    } else {
+      std::printf("attnserve: reload failed, keeping the loaded models: %s\n",
+                  std::string(reloaded.message()).c_str());
+    }
+    std::fflush(stdout);
+  }
   std::printf("attnserve: signal %d, shutting down\n", signal_number);
   std::fflush(stdout);
   (*server)->Shutdown(absl::Seconds(options.shutdown_grace_seconds));

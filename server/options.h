@@ -19,6 +19,9 @@ struct ServerOptions {
   // Seconds that in-flight calls get to finish on SIGINT/SIGTERM before
   // they are cancelled.
   int shutdown_grace_seconds = 5;
+  // Model repository folder: NAME/config.pbtxt and NAME/weights.safetensors
+  // per model. Empty: no models (weights come with each request).
+  std::string model_repository;
   // Compute threads shared by all calls (0: the cores this process may
   // use). A call alone uses all of them; n concurrent calls get about
   // threads / n each (see core/thread_budget.h).

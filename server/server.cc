@@ -21,6 +21,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
   std::unique_ptr<AttnServer> server(new AttnServer());
+  if (!options.model_repository.empty()) {
+    // A broken model stops start-up: better no server than a wrong one.
+    server->models_ =
+        std::make_unique<ModelRepository>(options.model_repository);
+    ATTN_RETURN_IF_ERROR(server->models_->Reload());
+  }
+  server->service_ =
+      std::make_unique<AttentionServiceImpl>(server->models_.get());
   grpc::ServerBuilder builder;
   const std::string address = ListenAddress(options.host, options.port);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
@@ -31,7 +39,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would
   // silently share it instead of failing.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  builder.RegisterService(&server->service_);
+  builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(
@@ -41,6 +49,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   server->server_->GetHealthCheckService()->SetServingStatus(
       v1::AttentionService::service_full_name(), true);
   return server;
+}
+
+absl::Status AttnServer::ReloadModels() {
+  if (models_ == nullptr) {
+    return absl::FailedPreconditionError(
+        "no --model_repository: nothing to reload");
+  }
+  return models_->Reload();
 }
 
 AttnServer::~AttnServer() {

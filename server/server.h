@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/attention_service.h"
+#include "server/model_repository.h"
 #include "server/options.h"
 
 namespace attnserve {
@@ -27,6 +28,12 @@ class AttnServer {
   // The bound port (the chosen one when options.port was 0).
   int port() const { return port_; }
 
+  // Reloads the model repository atomically: on success calls started
+  // afterwards see the new models (calls in flight finish on the ones they
+  // started with); on failure the current models stay and the error is
+  // returned.
+  absl::Status ReloadModels();
+
   // Marks the health service NOT_SERVING, refuses new calls and gives
   // in-flight calls `grace` to finish before cancelling them.
   void Shutdown(absl::Duration grace);
@@ -35,7 +42,8 @@ class AttnServer {
 
  private:
   AttnServer() = default;
-  AttentionServiceImpl service_;
+  std::unique_ptr<ModelRepository> models_;  // null: no repository
+  std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;
 };

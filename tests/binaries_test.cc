@@ -10,8 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
@@ -30,7 +32,7 @@ std::string BinDir() {
 // is read from its first line of output.
 class ServerProcess {
  public:
-  ServerProcess() {
+  explicit ServerProcess(std::vector<std::string> extra_args = {}) {
     int fds[2];
     if (pipe(fds) != 0) return;
     pid_ = fork();
@@ -39,8 +41,12 @@ class ServerProcess {
       close(fds[0]);
       close(fds[1]);
       const std::string bin = BinDir() + "/attnserve";
-      execl(bin.c_str(), bin.c_str(), "--host=127.0.0.1", "--port=0",
-            static_cast<char*>(nullptr));
+      std::vector<std::string> args = {bin, "--host=127.0.0.1", "--port=0"};
+      args.insert(args.end(), extra_args.begin(), extra_args.end());
+      std::vector<char*> argv;
+      for (std::string& arg : args) argv.push_back(arg.data());
+      argv.push_back(nullptr);
+      execv(bin.c_str(), argv.data());
       _exit(127);
     }
     close(fds[1]);
@@ -64,6 +70,7 @@ class ServerProcess {
     if (out_ != nullptr) std::fclose(out_);
   }
   int port() const { return port_; }
+  pid_t pid() const { return pid_; }
   std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
 
   // Sends `signal` and waits up to `timeout` for the exit; returns the exit
@@ -199,6 +206,50 @@ TEST(BinariesTest, ServerStopsCleanlyOnSigint) {
   ServerProcess server;
   ASSERT_GT(server.port(), 0);
   EXPECT_EQ(server.StopWith(SIGINT, std::chrono::seconds(10)), 0);
+}
+
+TEST(BinariesTest, ServerServesTheDemoModelAndReloadsOnSighup) {
+  const std::string repo = TempPath("repo");
+  std::filesystem::remove_all(repo);
+  ASSERT_EQ(RunCommand(absl::StrCat(BinDir(), "/attnserve_demo_model --out=",
+                                    repo, "/demo --embed_dim=64 --num_heads=4"))
+                .exit_code,
+            0);
+  ServerProcess server({"--model_repository=" + repo});
+  ASSERT_GT(server.port(), 0);
+  const std::string models =
+      absl::StrCat(Attnctl(), " models --target=", server.target());
+  EXPECT_EQ(RunCommand(models).output, "demo heads=4 embed_dim=64\n");
+
+  // A second model appears after SIGHUP.
+  ASSERT_EQ(
+      RunCommand(absl::StrCat(BinDir(), "/attnserve_demo_model --out=", repo,
+                              "/wide --embed_dim=128 --num_heads=8"))
+          .exit_code,
+      0);
+  kill(server.pid(), SIGHUP);
+  std::string listed;
+  for (int attempt = 0; attempt < 100; ++attempt) {
+    listed = RunCommand(models).output;
+    if (listed.find("wide") != std::string::npos) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(listed, "demo heads=4 embed_dim=64\nwide heads=8 embed_dim=128\n");
+  EXPECT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(10)), 0);
+  std::filesystem::remove_all(repo);
+}
+
+TEST(BinariesTest, BrokenModelStopsStartUp) {
+  const std::string repo = TempPath("broken_repo");
+  std::filesystem::create_directories(repo + "/bad");
+  { std::ofstream(repo + "/bad/config.pbtxt") << "num_heads: 2\n"; }
+  const CommandResult run = RunCommand(
+      absl::StrCat(BinDir(), "/attnserve --port=0 --model_repository=", repo));
+  EXPECT_EQ(run.exit_code, 1);
+  EXPECT_NE(run.output.find(repo + "/bad/weights.safetensors: cannot open"),
+            std::string::npos)
+      << run.output;
+  std::filesystem::remove_all(repo);
 }
 
 TEST(BinariesTest, ServerRejectsBadFlags) {

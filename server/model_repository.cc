@@ -1,0 +1,214 @@
+#include "server/model_repository.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/safetensors.h"
+#include "core/status_macros.h"
+#include "google/protobuf/io/tokenizer.h"
+#include "google/protobuf/text_format.h"
+
+namespace attnserve {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Collects the first text-format parse error with its position.
+class FirstError : public google::protobuf::io::ErrorCollector {
+ public:
+  void AddError(int line, int column, const std::string& message) override {
+    if (error_.empty()) {
+      error_ = absl::StrCat("line ", line + 1, " column ", column + 1, ": ",
+                            message);
+    }
+  }
+  const std::string& error() const { return error_; }
+
+ private:
+  std::string error_;
+};
+
+absl::StatusOr<v1::ModelConfig> ReadConfig(const std::string& path) {
+  std::ifstream stream(path);
+  if (!stream) {
+    return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
+  }
+  const std::string text((std::istreambuf_iterator<char>(stream)),
+                         std::istreambuf_iterator<char>());
+  v1::ModelConfig config;
+  google::protobuf::TextFormat::Parser parser;
+  FirstError errors;
+  parser.RecordErrorsTo(&errors);
+  if (!parser.ParseFromString(text, &config)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", errors.error()));
+  }
+  if (config.num_heads() <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": num_heads must be > 0, got ", config.num_heads()));
+  }
+  if (config.compute_dtype() != v1::DATA_TYPE_UNSPECIFIED &&
+      config.compute_dtype() != v1::DATA_TYPE_FLOAT32 &&
+      config.compute_dtype() != v1::DATA_TYPE_BFLOAT16) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path,
+        ": compute_dtype must be DATA_TYPE_FLOAT32 or DATA_TYPE_BFLOAT16"));
+  }
+  if (config.has_default_scale() && !std::isfinite(config.default_scale())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": default_scale must be finite"));
+  }
+  return config;
+}
+
+// The MultiHeadWeights field a stored tensor name fills.
+std::optional<TensorView>* FieldFor(const std::string& name,
+                                    MultiHeadWeights& w) {
+  if (name == "q_proj_weight") return &w.q_proj_weight;
+  if (name == "k_proj_weight") return &w.k_proj_weight;
+  if (name == "v_proj_weight") return &w.v_proj_weight;
+  if (name == "in_proj_weight") return &w.in_proj_weight;
+  if (name == "q_proj_bias") return &w.q_proj_bias;
+  if (name == "k_proj_bias") return &w.k_proj_bias;
+  if (name == "v_proj_bias") return &w.v_proj_bias;
+  if (name == "in_proj_bias") return &w.in_proj_bias;
+  if (name == "out_proj_weight" || name == "out_proj.weight") {
+    return &w.out_proj_weight;
+  }
+  if (name == "out_proj_bias" || name == "out_proj.bias") {
+    return &w.out_proj_bias;
+  }
+  return nullptr;
+}
+
+constexpr const char* kAcceptedNames =
+    "q_proj_weight, k_proj_weight, v_proj_weight, in_proj_weight, "
+    "q_proj_bias, k_proj_bias, v_proj_bias, in_proj_bias, out_proj_weight "
+    "(out_proj.weight), out_proj_bias (out_proj.bias)";
+
+absl::StatusOr<MultiHeadWeights> WeightsFrom(const SafetensorsFile& file,
+                                             int num_heads,
+                                             const std::string& path) {
+  MultiHeadWeights w;
+  w.num_heads = num_heads;
+  for (const auto& [name, tensor] : file.tensors) {
+    if (name == "bias_k" || name == "bias_v") {
+      return absl::InvalidArgumentError(absl::StrCat(
+          path, ": ", name,
+          ": add_bias_kv (learned key/value bias rows) is not supported"));
+    }
+    std::optional<TensorView>* field = FieldFor(name, w);
+    if (field == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": unknown tensor '",
+                                                     name, "' (expected ",
+                                                     kAcceptedNames, ")"));
+    }
+    *field = tensor.view();
+  }
+  // PyTorch keeps one [3E] in_proj_bias also when q/k/v weights are separate
+  // (kdim/vdim != embed_dim): split it.
+  if (w.in_proj_bias.has_value() && !w.in_proj_weight.has_value()) {
+    const TensorView& bias = *w.in_proj_bias;
+    if (bias.rank() != 1 || bias.dim(0) % 3 != 0 ||
+        bias.dtype != DType::kFloat32) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path,
+                       ": in_proj_bias: with separate q/k/v weights expected a "
+                       "FLOAT32 [3E] vector, got ",
+                       DTypeName(bias.dtype), " ", ShapeString(bias.shape)));
+    }
+    const int64_t e = bias.dim(0) / 3;
+    const float* data = bias.data_as<float>();
+    w.q_proj_bias = TensorView{DType::kFloat32, {e}, data};
+    w.k_proj_bias = TensorView{DType::kFloat32, {e}, data + e};
+    w.v_proj_bias = TensorView{DType::kFloat32, {e}, data + 2 * e};
+    w.in_proj_bias.reset();
+  }
+  return w;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir) {
+  auto model = std::make_shared<Model>();
+  model->name = fs::path(dir).filename().string();
+  const std::string config_path = (fs::path(dir) / "config.pbtxt").string();
+  const std::string weights_path =
+      (fs::path(dir) / "weights.safetensors").string();
+  ATTN_ASSIGN_OR_RETURN(model->config, ReadConfig(config_path));
+  ATTN_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(weights_path));
+  ATTN_ASSIGN_OR_RETURN(
+      MultiHeadWeights weights,
+      WeightsFrom(file, model->config.num_heads(), weights_path));
+  MultiHeadLayer::Options options;
+  options.compute_dtype =
+      model->config.compute_dtype() == v1::DATA_TYPE_BFLOAT16 ? DType::kBFloat16
+                                                              : DType::kFloat32;
+  options.pack = true;  // copies and packs: `file` may go
+  auto layer = MultiHeadLayer::Create(weights, options);
+  if (!layer.ok()) {
+    return absl::Status(
+        layer.status().code(),
+        absl::StrCat(weights_path, ": ", layer.status().message()));
+  }
+  model->layer = *std::move(layer);
+  return model;
+}
+
+ModelRepository::ModelRepository(std::string root)
+    : root_(std::move(root)), models_(std::make_shared<const ModelMap>()) {}
+
+absl::Status ModelRepository::Reload() {
+  absl::MutexLock reload_lock(&reload_mu_);
+  auto loaded = std::make_shared<ModelMap>();
+  if (!root_.empty()) {
+    std::error_code error;
+    if (!fs::is_directory(root_, error)) {
+      return absl::NotFoundError(
+          absl::StrCat(root_, ": model repository is not a directory"));
+    }
+    std::vector<std::string> dirs;
+    for (const auto& entry : fs::directory_iterator(root_, error)) {
+      if (entry.is_directory()) dirs.push_back(entry.path().string());
+    }
+    std::sort(dirs.begin(), dirs.end());
+    for (const std::string& dir : dirs) {
+      ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, LoadModel(dir));
+      (*loaded)[model->name] = std::move(model);
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  models_ = std::move(loaded);
+  return absl::OkStatus();
+}
+
+std::shared_ptr<const ModelRepository::ModelMap> ModelRepository::Snapshot()
+    const {
+  absl::MutexLock lock(&mu_);
+  return models_;
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Find(
+    absl::string_view name) const {
+  const std::shared_ptr<const ModelMap> models = Snapshot();
+  auto it = models->find(std::string(name));
+  if (it != models->end()) return it->second;
+  std::vector<std::string> names;
+  for (const auto& [model_name, model] : *models) names.push_back(model_name);
+  return absl::NotFoundError(
+      absl::StrCat("model: '", name, "' not found; loaded models: ",
+                   names.empty() ? "none" : absl::StrJoin(names, ", ")));
+}
+
+std::vector<std::shared_ptr<const Model>> ModelRepository::List() const {
+  const std::shared_ptr<const ModelMap> models = Snapshot();
+  std::vector<std::shared_ptr<const Model>> list;
+  for (const auto& [name, model] : *models) list.push_back(model);
+  return list;
+}
+
+}  // namespace attnserve

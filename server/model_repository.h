@@ -1,0 +1,67 @@
+// Models served from a model repository: DIR/NAME/config.pbtxt (a text-format
+// attnserve.v1.ModelConfig) and DIR/NAME/weights.safetensors, whose tensors
+// are named as AttentionWeights' fields or as a PyTorch
+// nn.MultiheadAttention state_dict (in_proj_weight, in_proj_bias,
+// out_proj.weight, out_proj.bias, q_proj_weight, k_proj_weight,
+// v_proj_weight). Weights are validated and packed once, at load.
+//
+// Ownership: the repository owns the current set of models; callers hold a
+// model through a shared_ptr, so a reload never pulls weights from under a
+// request that started on them. Thread-safety: all methods may be called
+// concurrently; Reload calls are serialized.
+#ifndef ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
+#define ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
+
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "attnserve/v1/attention.pb.h"
+#include "core/multi_head_attention.h"
+
+namespace attnserve {
+
+struct Model {
+  std::string name;
+  v1::ModelConfig config;
+  std::shared_ptr<const MultiHeadLayer> layer;
+};
+
+// Loads the model in `dir` (named after the folder). Errors name the file
+// and the problem.
+absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir);
+
+class ModelRepository {
+ public:
+  // `root` empty: no repository, no models.
+  explicit ModelRepository(std::string root);
+
+  // Loads every model under the root and, only if all load, replaces the
+  // served set with them; otherwise keeps the current set and returns the
+  // first error.
+  absl::Status Reload();
+
+  // The model called `name`, or NOT_FOUND naming the models there are.
+  absl::StatusOr<std::shared_ptr<const Model>> Find(
+      absl::string_view name) const;
+  // Every model, sorted by name.
+  std::vector<std::shared_ptr<const Model>> List() const;
+  const std::string& root() const { return root_; }
+
+ private:
+  using ModelMap = std::map<std::string, std::shared_ptr<const Model>>;
+  std::shared_ptr<const ModelMap> Snapshot() const;
+
+  const std::string root_;
+  absl::Mutex reload_mu_;  // one reload at a time
+  mutable absl::Mutex mu_;
+  std::shared_ptr<const ModelMap> models_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_MODEL_REPOSITORY_H_

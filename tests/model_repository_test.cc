@@ -1,0 +1,253 @@
+// The model repository: loading (both weight namings), refusing broken
+// models with the file and the problem, atomic reloads, and the model RPCs.
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+#include "gtest/gtest.h"
+#include "proto/tensor_codec.h"
+#include "server/model_repository.h"
+#include "tests/test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A temporary model repository, removed with the object.
+class TempRepository {
+ public:
+  TempRepository() {
+    root_ = (fs::temp_directory_path() /
+             absl::StrCat("attnserve_models_", ::getpid(), "_", counter_++))
+                .string();
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+  }
+  ~TempRepository() { fs::remove_all(root_); }
+  const std::string& root() const { return root_; }
+
+  // Writes NAME/config.pbtxt and NAME/weights.safetensors.
+  void Write(const std::string& name, const std::string& config,
+             const NamedTensors& weights) const {
+    const fs::path dir = fs::path(root_) / name;
+    fs::create_directories(dir);
+    std::ofstream(dir / "config.pbtxt") << config;
+    ASSERT_TRUE(
+        WriteSafetensors((dir / "weights.safetensors").string(), ViewsOf(weights), {})
+            .ok());
+  }
+
+ private:
+  static inline int counter_ = 0;
+  std::string root_;
+};
+
+// nn.MultiheadAttention's state_dict for E=16, H=4, seeded.
+NamedTensors StateDict(uint32_t seed, int64_t e = 16) {
+  std::mt19937 rng(seed);
+  NamedTensors t;
+  t.emplace("in_proj_weight", RandomTensor(DType::kFloat32, {3 * e, e}, rng));
+  t.emplace("in_proj_bias", RandomTensor(DType::kFloat32, {3 * e}, rng));
+  t.emplace("out_proj.weight", RandomTensor(DType::kFloat32, {e, e}, rng));
+  t.emplace("out_proj.bias", RandomTensor(DType::kFloat32, {e}, rng));
+  return t;
+}
+
+// The same layer as inline request weights.
+v1::AttentionWeights InlineWeights(const NamedTensors& state, int heads) {
+  v1::AttentionWeights w;
+  w.set_num_heads(heads);
+  EncodeTensor(state.at("in_proj_weight").view(), w.mutable_in_proj_weight());
+  EncodeTensor(state.at("in_proj_bias").view(), w.mutable_in_proj_bias());
+  EncodeTensor(state.at("out_proj.weight").view(), w.mutable_out_proj_weight());
+  EncodeTensor(state.at("out_proj.bias").view(), w.mutable_out_proj_bias());
+  return w;
+}
+
+v1::MultiHeadAttendRequest QueryRequest(uint32_t seed) {
+  std::mt19937 rng(seed);
+  v1::MultiHeadAttendRequest r;
+  EncodeTensor(RandomTensor(DType::kFloat32, {2, 5, 16}, rng).view(),
+               r.mutable_query());
+  return r;
+}
+
+constexpr char kConfig[] = "num_heads: 4\n";
+
+TEST(ModelRepositoryTest, ServesPyTorchStateDictLikeInlineWeights) {
+  TempRepository repo;
+  const NamedTensors state = StateDict(1);
+  repo.Write("mha", kConfig, state);
+  ModelRepository models(repo.root());
+  ASSERT_TRUE(models.Reload().ok());
+
+  v1::MultiHeadAttendRequest by_model = QueryRequest(2);
+  by_model.set_model("mha");
+  v1::MultiHeadAttendRequest inline_request = QueryRequest(2);
+  *inline_request.mutable_weights() = InlineWeights(state, 4);
+  v1::MultiHeadAttendResponse a, b;
+  ASSERT_TRUE(HandleMultiHeadAttend(by_model, &models, &a).ok());
+  ASSERT_TRUE(HandleMultiHeadAttend(inline_request, nullptr, &b).ok());
+  auto out_a = CopyTensor(a.output(), "output");
+  auto out_b = CopyTensor(b.output(), "output");
+  ASSERT_TRUE(out_a.ok() && out_b.ok());
+  EXPECT_TRUE(AllClose(out_a->view(), ToRef(out_b->view()), kFloat32Tolerance));
+}
+
+TEST(ModelRepositoryTest, AcceptsAttentionWeightsNamesAndSplitsSharedBias) {
+  TempRepository repo;
+  std::mt19937 rng(3);
+  NamedTensors t;
+  // PyTorch's kdim/vdim layout: separate weights, one [3E] in_proj_bias.
+  t.emplace("q_proj_weight", RandomTensor(DType::kFloat32, {16, 16}, rng));
+  t.emplace("k_proj_weight", RandomTensor(DType::kFloat32, {16, 8}, rng));
+  t.emplace("v_proj_weight", RandomTensor(DType::kFloat32, {16, 12}, rng));
+  t.emplace("in_proj_bias", RandomTensor(DType::kFloat32, {48}, rng));
+  t.emplace("out_proj_weight", RandomTensor(DType::kFloat32, {16, 16}, rng));
+  repo.Write("cross", kConfig, t);
+  ModelRepository models(repo.root());
+  ASSERT_TRUE(models.Reload().ok()) << models.Reload();
+  auto model = models.Find("cross");
+  ASSERT_TRUE(model.ok());
+  EXPECT_EQ((*model)->layer->key_input_dim(), 8);
+  EXPECT_EQ((*model)->layer->value_input_dim(), 12);
+}
+
+void ExpectLoadError(const std::string& config, const NamedTensors& weights,
+                     const std::string& message_part) {
+  TempRepository repo;
+  repo.Write("bad", config, weights);
+  ModelRepository models(repo.root());
+  const absl::Status status = models.Reload();
+  ASSERT_FALSE(status.ok());
+  EXPECT_NE(status.message().find(message_part), std::string::npos)
+      << status.message();
+  EXPECT_NE(status.message().find(repo.root() + "/bad/"), std::string::npos)
+      << "the message names the file: " << status.message();
+}
+
+TEST(ModelRepositoryTest, BrokenModelsNameTheFileAndTheProblem) {
+  ExpectLoadError("num_heads: four\n", StateDict(1),
+                  "config.pbtxt: line 1 column 12: Expected integer");
+  ExpectLoadError("num_heads: 0\n", StateDict(1),
+                  "config.pbtxt: num_heads must be > 0, got 0");
+  ExpectLoadError("num_heads: 5\n", StateDict(1),
+                  "weights.safetensors: in_proj_weight: embed dim (dim 1) 16 "
+                  "is not divisible by num_heads 5");
+  NamedTensors with_bias_k = StateDict(1);
+  std::mt19937 rng(4);
+  with_bias_k.emplace("bias_k", RandomTensor(DType::kFloat32, {1, 1, 16}, rng));
+  ExpectLoadError(kConfig, with_bias_k,
+                  "weights.safetensors: bias_k: add_bias_kv (learned key/value "
+                  "bias rows) is not supported");
+  NamedTensors unknown = StateDict(1);
+  unknown.emplace("w_q", RandomTensor(DType::kFloat32, {16, 16}, rng));
+  ExpectLoadError(kConfig, unknown, "weights.safetensors: unknown tensor 'w_q'");
+}
+
+TEST(ModelRepositoryTest, FailedReloadKeepsTheLoadedModels) {
+  TempRepository repo;
+  repo.Write("a", kConfig, StateDict(1));
+  ModelRepository models(repo.root());
+  ASSERT_TRUE(models.Reload().ok());
+  repo.Write("b", "num_heads: -1\n", StateDict(2));
+  EXPECT_FALSE(models.Reload().ok());
+  EXPECT_TRUE(models.Find("a").ok());
+  EXPECT_EQ(models.Find("b").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(ModelRepositoryTest, ReloadSwapsAtomicallyAndInFlightCallsKeepTheirWeights) {
+  TempRepository repo;
+  repo.Write("m", kConfig, StateDict(1));
+  ModelRepository models(repo.root());
+  ASSERT_TRUE(models.Reload().ok());
+  auto before = models.Find("m");
+  ASSERT_TRUE(before.ok());
+  repo.Write("m", kConfig, StateDict(9));  // new weights, same name
+  repo.Write("n", kConfig, StateDict(3));
+  ASSERT_TRUE(models.Reload().ok());
+  auto after = models.Find("m");
+  ASSERT_TRUE(after.ok());
+  EXPECT_NE(before->get(), after->get());
+  EXPECT_EQ(models.List().size(), 2u);
+
+  // A call holding the old model still computes with the old weights.
+  std::mt19937 rng(5);
+  Tensor x = RandomTensor(DType::kFloat32, {1, 3, 16}, rng);
+  MultiHeadInputs in{x.view(), std::nullopt, std::nullopt, std::nullopt,
+                     std::nullopt};
+  TensorResults old_results, new_results;
+  ASSERT_TRUE((*before)->layer->Run(in, {}, old_results).ok());
+  ASSERT_TRUE((*after)->layer->Run(in, {}, new_results).ok());
+  const NamedTensors old_state = StateDict(1);
+  MultiHeadWeights w;
+  w.num_heads = 4;
+  w.in_proj_weight = old_state.at("in_proj_weight").view();
+  w.in_proj_bias = old_state.at("in_proj_bias").view();
+  w.out_proj_weight = old_state.at("out_proj.weight").view();
+  w.out_proj_bias = old_state.at("out_proj.bias").view();
+  auto expected = MultiHeadAttend(w, in, {});
+  ASSERT_TRUE(expected.ok());
+  EXPECT_TRUE(AllClose(old_results.Take("output")->view(),
+                       ToRef(expected->output.view()), kFloat32Tolerance));
+  EXPECT_FALSE(AllClose(new_results.Take("output")->view(),
+                        ToRef(expected->output.view()), kFloat32Tolerance));
+}
+
+TEST(ModelRepositoryTest, ModelDefaultsApplyWhenTheRequestIsSilent) {
+  TempRepository repo;
+  const NamedTensors state = StateDict(1);
+  repo.Write("plain", kConfig, state);
+  repo.Write("causal", "num_heads: 4\ndefault_causal: true\ndefault_scale: 0.1\n",
+             state);
+  ModelRepository models(repo.root());
+  ASSERT_TRUE(models.Reload().ok());
+  v1::MultiHeadAttendRequest by_default = QueryRequest(6);
+  by_default.set_model("causal");
+  v1::MultiHeadAttendRequest explicit_request = QueryRequest(6);
+  explicit_request.set_model("plain");
+  explicit_request.set_causal(true);
+  explicit_request.set_scale(0.1f);
+  v1::MultiHeadAttendResponse a, b;
+  ASSERT_TRUE(HandleMultiHeadAttend(by_default, &models, &a).ok());
+  ASSERT_TRUE(HandleMultiHeadAttend(explicit_request, &models, &b).ok());
+  EXPECT_EQ(a.output().raw_data(), b.output().raw_data());
+}
+
+TEST(ModelRepositoryTest, ListAndMetadataRpcs) {
+  TempRepository repo;
+  repo.Write("zeta", kConfig, StateDict(1));
+  repo.Write("alpha", "num_heads: 2\ndescription: \"first\"\n", StateDict(2));
+  ModelRepository models(repo.root());
+  ASSERT_TRUE(models.Reload().ok());
+  v1::ListModelsResponse list;
+  ASSERT_TRUE(HandleListModels(&models, &list).ok());
+  ASSERT_EQ(list.models_size(), 2);
+  EXPECT_EQ(list.models(0).name(), "alpha");
+  EXPECT_EQ(list.models(0).num_heads(), 2);
+  EXPECT_EQ(list.models(0).embed_dim(), 16);
+  v1::GetModelMetadataRequest request;
+  request.set_name("alpha");
+  v1::GetModelMetadataResponse metadata;
+  ASSERT_TRUE(HandleGetModelMetadata(request, &models, &metadata).ok());
+  EXPECT_EQ(metadata.description(), "first");
+  EXPECT_EQ(metadata.head_key_dim(), 8);
+  EXPECT_EQ(metadata.output_dim(), 16);
+  ASSERT_EQ(metadata.inputs_size(), 5);
+  EXPECT_EQ(metadata.inputs(0).name(), "query");
+  EXPECT_EQ(std::vector<int64_t>(metadata.inputs(0).shape().begin(),
+                                 metadata.inputs(0).shape().end()),
+            (std::vector<int64_t>{-1, -1, 16}));
+  request.set_name("beta");
+  const absl::Status missing = HandleGetModelMetadata(request, &models, &metadata);
+  EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(missing.message(),
+            "model: 'beta' not found; loaded models: alpha, zeta");
+}
+
+}  // namespace
+}  // namespace attnserve::testing
