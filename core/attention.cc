@@ -105,6 +105,7 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
   p.key_dim = in.query.dim(-1);
   p.value_dim = in.value.dim(-1);
   p.causal = options.causal;
+  p.cancelled = options.cancelled;
   ATTN_ASSIGN_OR_RETURN(p.logit_multiplier,
                         LogitMultiplier(options, p.key_dim));
 

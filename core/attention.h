@@ -16,6 +16,7 @@
 #ifndef ATTNSERVE_CORE_ATTENTION_H_
 #define ATTNSERVE_CORE_ATTENTION_H_
 
+#include <atomic>
 #include <optional>
 
 #include "absl/status/statusor.h"
@@ -36,6 +37,10 @@ struct AttentionOptions {
   // rounded to bfloat16, float32 accumulation): faster, less exact.
   // BFLOAT16 inputs always run there.
   bool compute_bf16 = false;
+  // Not owned; when set and it turns true (the caller gave up), the
+  // operation stops at its next block boundary with CANCELLED and frees
+  // what it allocated.
+  const std::atomic<bool>* cancelled = nullptr;
 };
 
 struct AttentionResult {

@@ -365,6 +365,12 @@ absl::Status RunAttention(const AttentionProblem& p) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       if (shared.failed()) continue;
+      if (p.cancelled != nullptr &&
+          p.cancelled->load(std::memory_order_relaxed)) {
+        // Stop at this block boundary; every buffer is freed on return.
+        shared.Update(absl::CancelledError("call cancelled"));
+        continue;
+      }
       Block blk;
       blk.n = item / query_blocks;
       blk.b = blk.n / p.heads;

@@ -17,6 +17,7 @@
 #ifndef ATTNSERVE_CORE_ATTENTION_KERNEL_H_
 #define ATTNSERVE_CORE_ATTENTION_KERNEL_H_
 
+#include <atomic>
 #include <cstdint>
 #include <vector>
 
@@ -76,6 +77,9 @@ struct AttentionProblem {
   float logit_multiplier = 1.0f;  // scale / temperature
   bool causal = false;            // query i sees keys j <= i
   std::vector<MaskLayout> masks;
+  // When set and true, the computation stops at the next block boundary
+  // with CANCELLED.
+  const std::atomic<bool>* cancelled = nullptr;
 };
 
 absl::Status RunAttention(const AttentionProblem& problem);

@@ -340,6 +340,7 @@ absl::Status MultiHeadLayer::Run(const MultiHeadInputs& in,
   p.key_dim = key_dim_;
   p.value_dim = value_dim_;
   p.causal = options.attention.causal;
+  p.cancelled = options.attention.cancelled;
   ATTN_ASSIGN_OR_RETURN(p.logit_multiplier,
                         LogitMultiplier(options.attention, key_dim_));
   const Shape per_head_weights = {batch, heads, query_len, key_len};

@@ -1,5 +1,6 @@
 #include "server/attention_service.h"
 
+#include <chrono>
 #include <optional>
 #include <string>
 
@@ -71,27 +72,32 @@ absl::StatusOr<MultiHeadWeights> DecodeWeights(const v1::AttentionWeights& w) {
   return weights;
 }
 
-// Runs `handle` and finishes the call with its status.
-template <typename Request, typename Response, typename Handler>
-grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
-                                const Request* request, Response* response,
-                                Handler handle) {
-  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  absl::Status status;
-  {
-    // This call's share of the cores while it computes.
-    ThreadBudget::Lease lease = ThreadBudget::Global().Acquire();
-    status = handle(*request, response);
+// A call's reactor: records cancellation (client gone, deadline passed) for
+// the computation to see, and deletes itself when gRPC is done with it.
+class CallReactor : public grpc::ServerUnaryReactor {
+ public:
+  void OnCancel() override { cancelled_.store(true); }
+  void OnDone() override { delete this; }
+  const std::atomic<bool>* cancelled() const { return &cancelled_; }
+  bool is_cancelled() const { return cancelled_.load(); }
+
+ private:
+  std::atomic<bool> cancelled_{false};
+};
+
+absl::Duration UntilDeadline(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) {
+    return absl::InfiniteDuration();
   }
-  if (!status.ok()) response->Clear();
-  reactor->Finish(ToGrpcStatus(status));
-  return reactor;
+  return absl::FromChrono(deadline - std::chrono::system_clock::now());
 }
 
 }  // namespace
 
 absl::Status HandleAttend(const v1::AttendRequest& request,
-                          v1::AttendResponse* response) {
+                          v1::AttendResponse* response,
+                          const CallControl& control) {
   AttendInputs inputs;
   ATTN_ASSIGN_OR_RETURN(
       inputs.query, Required(request.has_query(), request.query(), "query"));
@@ -101,7 +107,8 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
       inputs.value, Required(request.has_value(), request.value(), "value"));
   ATTN_RETURN_IF_ERROR(
       ATTN_OPTIONAL_TENSOR(request, attn_mask, &inputs.attn_mask));
-  const AttentionOptions options = AttentionOptionsOf(request);
+  AttentionOptions options = AttentionOptionsOf(request);
+  options.cancelled = control.cancelled;
   WireResults results(response->mutable_output(), response->mutable_weights());
   ATTN_RETURN_IF_ERROR(Attend(inputs, options, results));
   if (!request.return_weights()) response->clear_weights();
@@ -110,7 +117,8 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
 
 absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                                    const ModelRepository* models,
-                                   v1::MultiHeadAttendResponse* response) {
+                                   v1::MultiHeadAttendResponse* response,
+                                   const CallControl& control) {
   MultiHeadWeights weights;
   std::shared_ptr<const Model> model;
   switch (request.weights_source_case()) {
@@ -143,6 +151,7 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                                             &inputs.key_padding_mask));
   MultiHeadOptions options;
   options.attention = AttentionOptionsOf(request);
+  options.attention.cancelled = control.cancelled;
   options.average_weights = request.average_weights();
   WireResults results(response->mutable_output(), response->mutable_weights());
   if (model != nullptr) {
@@ -161,7 +170,8 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
 }
 
 absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
-                             v1::LayerNormResponse* response) {
+                             v1::LayerNormResponse* response,
+                             const CallControl&) {
   ATTN_ASSIGN_OR_RETURN(TensorView input, Required(request.has_input(),
                                                    request.input(), "input"));
   std::optional<TensorView> gamma, beta;
@@ -236,48 +246,133 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   return absl::OkStatus();
 }
 
+absl::Status AttentionServiceImpl::Admit(
+    const grpc::CallbackServerContext& context, const RequestCost& cost) const {
+  if (cost.largest_tensor > config_.max_tensor_elements) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request: a tensor of ", cost.largest_tensor,
+                     " elements exceeds --max_tensor_elements ",
+                     config_.max_tensor_elements));
+  }
+  if (cost.bytes > config_.max_request_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: needs about ", cost.bytes >> 20,
+        " MiB for results and intermediates, above --max_request_memory_mb ",
+        config_.max_request_bytes >> 20));
+  }
+  const absl::Duration remaining = UntilDeadline(context);
+  if (remaining <= absl::ZeroDuration()) {
+    return absl::DeadlineExceededError(
+        "deadline passed before the call started");
+  }
+  const absl::Duration estimate = config_.cost_model->Estimate(cost.flops);
+  if (estimate > remaining) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("call needs about ", absl::ToInt64Milliseconds(estimate),
+                     " ms at this server's measured rate; the deadline is in ",
+                     absl::ToInt64Milliseconds(remaining), " ms"));
+  }
+  return absl::OkStatus();
+}
+
+template <typename Request, typename Response, typename Handler>
+grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
+    grpc::CallbackServerContext* context, const Request* request,
+    Response* response, const RequestCost& cost, Handler handle) {
+  auto* reactor = new CallReactor();
+  const absl::Status admitted = Admit(*context, cost);
+  if (!admitted.ok()) {
+    reactor->Finish(ToGrpcStatus(admitted));
+    return reactor;
+  }
+  const bool queued = config_.scheduler->Submit(
+      [this, reactor, context, request, response, cost, handle] {
+        absl::Status status;
+        if (reactor->is_cancelled()) {
+          status = absl::CancelledError("call cancelled while queued");
+        } else if (UntilDeadline(*context) <= absl::ZeroDuration()) {
+          status = absl::DeadlineExceededError(
+              "deadline passed while the call waited for a worker");
+        } else {
+          const absl::Time start = absl::Now();
+          {
+            // This call's share of the cores while it computes.
+            ThreadBudget::Lease lease = ThreadBudget::Global().Acquire();
+            status =
+                handle(*request, response, CallControl{reactor->cancelled()});
+          }
+          const absl::Duration took = absl::Now() - start;
+          if (status.ok()) config_.cost_model->Observe(cost.flops, took);
+          context->AddTrailingMetadata(
+              "attnserve-compute-us",
+              std::to_string(absl::ToInt64Microseconds(took)));
+        }
+        if (!status.ok()) response->Clear();
+        reactor->Finish(ToGrpcStatus(status));
+      });
+  if (!queued) {
+    reactor->Finish(ToGrpcStatus(absl::ResourceExhaustedError(
+        absl::StrCat("server busy: ", config_.scheduler->max_inflight(),
+                     " calls computing and ", config_.scheduler->max_queue(),
+                     " waiting (--max_inflight, --max_queue); retry later"))));
+  }
+  return reactor;
+}
+
+// Calls that only read server state run on gRPC's thread.
+template <typename Response>
+grpc::ServerUnaryReactor* ServeInline(grpc::CallbackServerContext* context,
+                                      Response* response, absl::Status status) {
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  if (!status.ok()) response->Clear();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(
     grpc::CallbackServerContext* context, const v1::AttendRequest* request,
     v1::AttendResponse* response) {
-  return Serve(context, request, response, &HandleAttend);
+  return Serve(context, request, response, CostOf(*request), &HandleAttend);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttend(
     grpc::CallbackServerContext* context,
     const v1::MultiHeadAttendRequest* request,
     v1::MultiHeadAttendResponse* response) {
-  return Serve(context, request, response,
-               [this](const v1::MultiHeadAttendRequest& r,
-                      v1::MultiHeadAttendResponse* out) {
-                 return HandleMultiHeadAttend(r, models_, out);
-               });
+  std::shared_ptr<const Model> model;
+  if (request->has_model() && config_.models != nullptr) {
+    auto found = config_.models->Find(request->model());
+    if (found.ok()) model = *found;
+  }
+  return Serve(
+      context, request, response,
+      CostOf(*request, model != nullptr ? model->layer.get() : nullptr),
+      [this](const v1::MultiHeadAttendRequest& r,
+             v1::MultiHeadAttendResponse* out, const CallControl& control) {
+        return HandleMultiHeadAttend(r, config_.models, out, control);
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::LayerNorm(
     grpc::CallbackServerContext* context, const v1::LayerNormRequest* request,
     v1::LayerNormResponse* response) {
-  return Serve(context, request, response, &HandleLayerNorm);
+  return Serve(context, request, response, CostOf(*request), &HandleLayerNorm);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(
-    grpc::CallbackServerContext* context, const v1::ListModelsRequest* request,
+    grpc::CallbackServerContext* context, const v1::ListModelsRequest*,
     v1::ListModelsResponse* response) {
-  return Serve(
-      context, request, response,
-      [this](const v1::ListModelsRequest&, v1::ListModelsResponse* out) {
-        return HandleListModels(models_, out);
-      });
+  return ServeInline(context, response,
+                     HandleListModels(config_.models, response));
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModelMetadata(
     grpc::CallbackServerContext* context,
     const v1::GetModelMetadataRequest* request,
     v1::GetModelMetadataResponse* response) {
-  return Serve(context, request, response,
-               [this](const v1::GetModelMetadataRequest& r,
-                      v1::GetModelMetadataResponse* out) {
-                 return HandleGetModelMetadata(r, models_, out);
-               });
+  return ServeInline(
+      context, response,
+      HandleGetModelMetadata(*request, config_.models, response));
 }
 
 }  // namespace attnserve

@@ -8,34 +8,62 @@
 #ifndef ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 
+#include <atomic>
+
 #include "absl/status/status.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/model_repository.h"
+#include "server/request_cost.h"
+#include "server/scheduler.h"
 
 namespace attnserve {
+
+// What a running call lets its handler see of the call.
+struct CallControl {
+  // Turns true when the client cancels or the deadline passes.
+  const std::atomic<bool>* cancelled = nullptr;
+};
 
 // Request handling without gRPC's machinery, so that it can be tested and
 // reused directly.
 absl::Status HandleAttend(const v1::AttendRequest& request,
-                          v1::AttendResponse* response);
+                          v1::AttendResponse* response,
+                          const CallControl& control = {});
 // `models` may be null (no repository).
 absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                                    const ModelRepository* models,
-                                   v1::MultiHeadAttendResponse* response);
+                                   v1::MultiHeadAttendResponse* response,
+                                   const CallControl& control = {});
 absl::Status HandleListModels(const ModelRepository* models,
                               v1::ListModelsResponse* response);
 absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
                                     const ModelRepository* models,
                                     v1::GetModelMetadataResponse* response);
 absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
-                             v1::LayerNormResponse* response);
+                             v1::LayerNormResponse* response,
+                             const CallControl& control = {});
 
+// What the service needs from the server around it; every pointer must
+// outlive the service.
+struct ServiceConfig {
+  const ModelRepository* models = nullptr;  // null: no repository
+  Scheduler* scheduler = nullptr;           // required
+  CostModel* cost_model = nullptr;          // required
+  // Refused with RESOURCE_EXHAUSTED before any allocation.
+  int64_t max_tensor_elements = 0;
+  int64_t max_request_bytes = 0;
+};
+
+// Each compute call: limits checked from the request's shapes, deadline
+// checked against the estimated compute time, then queued on the scheduler
+// (RESOURCE_EXHAUSTED when full); on a worker it computes with its share of
+// the cores, stops at the next block boundary if cancelled, and reports its
+// compute time in the trailer `attnserve-compute-us`.
 class AttentionServiceImpl final
     : public v1::AttentionService::CallbackService {
  public:
-  // `models` (may be null) must outlive the service.
-  explicit AttentionServiceImpl(const ModelRepository* models)
-      : models_(models) {}
+  explicit AttentionServiceImpl(const ServiceConfig& config)
+      : config_(config) {}
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
@@ -57,7 +85,14 @@ class AttentionServiceImpl final
       v1::GetModelMetadataResponse* response) override;
 
  private:
-  const ModelRepository* models_;
+  template <typename Request, typename Response, typename Handler>
+  grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
+                                  const Request* request, Response* response,
+                                  const RequestCost& cost, Handler handle);
+  absl::Status Admit(const grpc::CallbackServerContext& context,
+                     const RequestCost& cost) const;
+
+  ServiceConfig config_;
 };
 
 }  // namespace attnserve

@@ -24,9 +24,18 @@ ABSL_FLAG(std::string, model_repository, "",
           "SIGHUP reloads it.");
 ABSL_FLAG(int, threads, attnserve::ServerOptions().threads,
           "Compute threads shared by concurrent calls (0: all cores).");
-ABSL_FLAG(int, shutdown_grace_seconds,
-          attnserve::ServerOptions().shutdown_grace_seconds,
-          "Seconds in-flight calls get to finish on SIGINT/SIGTERM.");
+ABSL_FLAG(int, drain_seconds, attnserve::ServerOptions().drain_seconds,
+          "On SIGINT/SIGTERM, seconds accepted calls get to finish.");
+ABSL_FLAG(int, max_inflight, attnserve::ServerOptions().max_inflight,
+          "Calls computing at once (0: one per compute thread).");
+ABSL_FLAG(int, max_queue, attnserve::ServerOptions().max_queue,
+          "Calls waiting beyond --max_inflight; more are refused at once.");
+ABSL_FLAG(int64_t, max_tensor_elements,
+          attnserve::ServerOptions().max_tensor_elements,
+          "Largest tensor a request may carry, in elements.");
+ABSL_FLAG(int64_t, max_request_memory_mb,
+          attnserve::ServerOptions().max_request_memory_mb,
+          "Largest memory a call may need for results and intermediates, MiB.");
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
@@ -37,7 +46,11 @@ int main(int argc, char** argv) {
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
-  options.shutdown_grace_seconds = absl::GetFlag(FLAGS_shutdown_grace_seconds);
+  options.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
+  options.max_queue = absl::GetFlag(FLAGS_max_queue);
+  options.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
+  options.max_request_memory_mb = absl::GetFlag(FLAGS_max_request_memory_mb);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
 
@@ -77,7 +90,7 @@ int main(int argc, char** argv) {
   }
   std::printf("attnserve: signal %d, shutting down\n", signal_number);
   std::fflush(stdout);
-  (*server)->Shutdown(absl::Seconds(options.shutdown_grace_seconds));
+  (*server)->Shutdown(absl::Seconds(options.drain_seconds));
   (*server)->Wait();
   std::printf("attnserve: stopped\n");
   return EXIT_SUCCESS;

@@ -22,10 +22,28 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--threads: ", options.threads, " is not in [0, 4096] (0: all cores)"));
   }
-  if (options.shutdown_grace_seconds < 0) {
+  if (options.drain_seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "--shutdown_grace_seconds: ", options.shutdown_grace_seconds,
-        " is negative"));
+        "--drain_seconds: ", options.drain_seconds, " is negative"));
+  }
+  if (options.max_inflight < 0 || options.max_inflight > 4096) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_inflight: ", options.max_inflight,
+                     " is not in [0, 4096] (0: one per compute thread)"));
+  }
+  if (options.max_queue < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_queue: ", options.max_queue, " is negative"));
+  }
+  if (options.max_tensor_elements <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_tensor_elements: ", options.max_tensor_elements,
+                     " must be > 0"));
+  }
+  if (options.max_request_memory_mb <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_request_memory_mb: ", options.max_request_memory_mb,
+                     " must be > 0"));
   }
   return absl::OkStatus();
 }

@@ -2,6 +2,7 @@
 #ifndef ATTNSERVE_SERVER_OPTIONS_H_
 #define ATTNSERVE_SERVER_OPTIONS_H_
 
+#include <cstdint>
 #include <string>
 
 #include "absl/status/status.h"
@@ -16,9 +17,18 @@ struct ServerOptions {
   int port = 50051;
   // Largest request and response message, in MiB (1 to 2047).
   int max_message_mb = 256;
-  // Seconds that in-flight calls get to finish on SIGINT/SIGTERM before
-  // they are cancelled.
-  int shutdown_grace_seconds = 5;
+  // On SIGINT/SIGTERM: seconds that accepted calls get to finish before
+  // they are cancelled (health turns NOT_SERVING and new calls are refused
+  // at once).
+  int drain_seconds = 25;
+  // Calls computing at once (0: one per compute thread).
+  int max_inflight = 0;
+  // Calls waiting for a worker beyond those; more get RESOURCE_EXHAUSTED.
+  int max_queue = 64;
+  // Largest tensor a request may carry, in elements.
+  int64_t max_tensor_elements = int64_t{1} << 28;
+  // Largest estimate of what a call allocates (results, intermediates), MiB.
+  int64_t max_request_memory_mb = 4096;
   // Model repository folder: NAME/config.pbtxt and NAME/weights.safetensors
   // per model. Empty: no models (weights come with each request).
   std::string model_repository;

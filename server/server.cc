@@ -27,8 +27,20 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
         std::make_unique<ModelRepository>(options.model_repository);
     ATTN_RETURN_IF_ERROR(server->models_->Reload());
   }
-  server->service_ =
-      std::make_unique<AttentionServiceImpl>(server->models_.get());
+  const int threads = ThreadBudget::Global().total();
+  server->scheduler_ = std::make_unique<Scheduler>(
+      options.max_inflight > 0 ? options.max_inflight : threads,
+      options.max_queue);
+  // A conservative first guess of the compute rate (20 GFLOP/s per thread),
+  // replaced by measurements as calls complete.
+  server->cost_model_ = std::make_unique<CostModel>(20e9 * threads);
+  ServiceConfig config;
+  config.models = server->models_.get();
+  config.scheduler = server->scheduler_.get();
+  config.cost_model = server->cost_model_.get();
+  config.max_tensor_elements = options.max_tensor_elements;
+  config.max_request_bytes = options.max_request_memory_mb << 20;
+  server->service_ = std::make_unique<AttentionServiceImpl>(config);
   grpc::ServerBuilder builder;
   const std::string address = ListenAddress(options.host, options.port);
   builder.AddListeningPort(address, grpc::InsecureServerCredentials(),

@@ -34,15 +34,19 @@ class AttnServer {
   // returned.
   absl::Status ReloadModels();
 
-  // Marks the health service NOT_SERVING, refuses new calls and gives
-  // in-flight calls `grace` to finish before cancelling them.
+  // Drains: marks the health service NOT_SERVING, refuses new calls, gives
+  // accepted calls (computing or queued) `grace` to finish, then cancels
+  // what is left, which stops at its next block boundary.
   void Shutdown(absl::Duration grace);
   // Blocks until the server has shut down.
   void Wait();
 
  private:
   AttnServer() = default;
+  // Declared before server_: destroyed after it, once every call is done.
   std::unique_ptr<ModelRepository> models_;  // null: no repository
+  std::unique_ptr<Scheduler> scheduler_;
+  std::unique_ptr<CostModel> cost_model_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

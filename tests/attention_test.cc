@@ -397,6 +397,20 @@ TEST(RowOpsTest, VectorizedMatchesScalar) {
   }
 }
 
+TEST(AttendTest, CancelledCallStopsWithCancelled) {
+  std::mt19937 rng(12);
+  Tensor q = RandomTensor(DType::kFloat32, {2, 300, 16}, rng);
+  Tensor k = RandomTensor(DType::kFloat32, {2, 300, 16}, rng);
+  Tensor v = RandomTensor(DType::kFloat32, {2, 300, 16}, rng);
+  std::atomic<bool> cancelled{true};
+  AttentionOptions options;
+  options.cancelled = &cancelled;
+  auto r = Attend({q.view(), k.view(), v.view(), std::nullopt}, options);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled);
+  cancelled = false;
+  EXPECT_TRUE(Attend({q.view(), k.view(), v.view(), std::nullopt}, options).ok());
+}
+
 struct BadAttend {
   std::string name;
   Shape q = {}, k = {}, v = {};

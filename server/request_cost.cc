@@ -1,0 +1,128 @@
+#include "server/request_cost.h"
+
+#include <algorithm>
+
+namespace attnserve {
+namespace {
+
+// Elements of a wire tensor's shape, or -1 if a dim is negative or the
+// product overflows.
+int64_t Elements(const v1::Tensor& t) {
+  int64_t n = 1;
+  for (int64_t d : t.shape()) {
+    if (d < 0 || (d > 0 && n > (int64_t{1} << 62) / d)) return -1;
+    n *= d;
+  }
+  return n;
+}
+
+// Costs are only estimated for shapes that validate: the operation reports
+// the others with INVALID_ARGUMENT.
+bool AllValid(std::initializer_list<const v1::Tensor*> tensors) {
+  for (const v1::Tensor* t : tensors) {
+    if (Elements(*t) < 0) return false;
+  }
+  return true;
+}
+
+int64_t Dim(const v1::Tensor& t, int i) {
+  const int rank = t.shape_size();
+  const int index = i < 0 ? rank + i : i;
+  return index >= 0 && index < rank ? std::max<int64_t>(t.shape(index), 0) : 0;
+}
+
+// Product of all dims but the last two.
+int64_t Batch(const v1::Tensor& t) {
+  int64_t n = 1;
+  for (int i = 0; i + 2 < t.shape_size(); ++i)
+    n *= std::max<int64_t>(t.shape(i), 0);
+  return n;
+}
+
+}  // namespace
+
+RequestCost CostOf(const v1::AttendRequest& r) {
+  RequestCost cost;
+  if (!AllValid({&r.query(), &r.key(), &r.value(), &r.attn_mask()}))
+    return cost;
+  const double batch = static_cast<double>(Batch(r.query()));
+  const double lq = Dim(r.query(), -2), dk = Dim(r.query(), -1);
+  const double lk = Dim(r.key(), -2), dv = Dim(r.value(), -1);
+  cost.flops = 2.0 * batch * lq * lk * (dk + dv);
+  const double output = batch * lq * dv * 4;
+  const double weights = r.return_weights() ? batch * lq * lk * 4 : 0;
+  cost.bytes = static_cast<int64_t>(std::min(output + weights, 9e18));
+  cost.largest_tensor =
+      std::max({Elements(r.query()), Elements(r.key()), Elements(r.value()),
+                Elements(r.attn_mask())});
+  return cost;
+}
+
+RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
+                   const MultiHeadLayer* layer) {
+  RequestCost cost;
+  if (!AllValid({&r.query(), &r.key(), &r.value(), &r.attn_mask(),
+                 &r.key_padding_mask()})) {
+    return cost;
+  }
+  const v1::Tensor& key = r.has_key() ? r.key() : r.query();
+  const double batch = r.query().shape_size() == 3 ? Dim(r.query(), 0) : 1;
+  const double lq = Dim(r.query(), -2), lk = Dim(key, -2);
+  double e_in = Dim(r.query(), -1), heads = 1, hdk = 0, hdv = 0, e_out = 0;
+  if (layer != nullptr) {
+    heads = layer->num_heads();
+    hdk = heads * layer->head_key_dim();
+    hdv = heads * layer->head_value_dim();
+    e_out = layer->output_dim();
+  } else if (r.has_weights()) {
+    const v1::AttentionWeights& w = r.weights();
+    heads = std::max(1, w.num_heads());
+    hdk = w.has_in_proj_weight() ? Dim(w.in_proj_weight(), 1)
+                                 : Dim(w.q_proj_weight(), 0);
+    hdv = w.has_in_proj_weight() ? hdk : Dim(w.v_proj_weight(), 0);
+    e_out = w.has_out_proj_weight() ? Dim(w.out_proj_weight(), 0) : hdv;
+  }
+  const double projections =
+      2.0 * batch *
+      (lq * e_in * hdk + lk * e_in * (hdk + hdv) + lq * hdv * e_out);
+  cost.flops = projections + 2.0 * batch * lq * lk * (hdk + hdv);
+  const double work = batch * (lq * hdk + lk * (hdk + hdv) + 2 * lq * hdv) * 4;
+  const double weights = r.return_weights() ? batch * heads * lq * lk * 4 *
+                                                  (r.average_weights() ? 2 : 1)
+                                            : 0;
+  cost.bytes = static_cast<int64_t>(
+      std::min(work + batch * lq * e_out * 4 + weights, 9e18));
+  cost.largest_tensor =
+      std::max({Elements(r.query()), Elements(r.key()), Elements(r.value()),
+                Elements(r.attn_mask()), Elements(r.key_padding_mask())});
+  return cost;
+}
+
+RequestCost CostOf(const v1::LayerNormRequest& r) {
+  RequestCost cost;
+  const int64_t n = std::max<int64_t>(Elements(r.input()), 0);
+  cost.flops = 8.0 * n;
+  cost.bytes = n * 4;
+  cost.largest_tensor = n;
+  return cost;
+}
+
+CostModel::CostModel(double initial_flops_per_second)
+    : flops_per_second_(initial_flops_per_second) {}
+
+absl::Duration CostModel::Estimate(double flops) const {
+  return absl::Seconds(flops / flops_per_second_.load());
+}
+
+void CostModel::Observe(double flops, absl::Duration took) {
+  const double seconds = absl::ToDoubleSeconds(took);
+  if (flops < 1e7 || seconds <= 0) return;
+  const double rate = flops / seconds;
+  double current = flops_per_second_.load();
+  // An exponential moving average, updated without a lock.
+  while (!flops_per_second_.compare_exchange_weak(current,
+                                                  0.8 * current + 0.2 * rate)) {
+  }
+}
+
+}  // namespace attnserve

@@ -1,0 +1,49 @@
+// Admission control: at most `max_inflight` calls compute at once, on that
+// many worker threads; at most `max_queue` more wait for a worker; beyond
+// that Submit refuses at once, so the server never builds an unbounded
+// queue or stalls.
+//
+// Thread-safety: Submit and the counters may be called from any thread.
+// Ownership: the scheduler owns its workers; destruction runs what is queued,
+// then joins them.
+#ifndef ATTNSERVE_SERVER_SCHEDULER_H_
+#define ATTNSERVE_SERVER_SCHEDULER_H_
+
+#include <deque>
+#include <functional>
+#include <thread>
+#include <vector>
+
+#include "absl/synchronization/mutex.h"
+
+namespace attnserve {
+
+class Scheduler {
+ public:
+  Scheduler(int max_inflight, int max_queue);
+  ~Scheduler();
+
+  // Runs `work` on a worker as soon as one is free; false, without running
+  // it, when `max_queue` calls already wait.
+  bool Submit(std::function<void()> work);
+
+  int inflight() const;
+  int queued() const;
+  int max_inflight() const { return max_inflight_; }
+  int max_queue() const { return max_queue_; }
+
+ private:
+  void WorkerLoop();
+
+  const int max_inflight_;
+  const int max_queue_;
+  mutable absl::Mutex mu_;
+  std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
+  int inflight_ ABSL_GUARDED_BY(mu_) = 0;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_SCHEDULER_H_
