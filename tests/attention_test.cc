@@ -408,7 +408,8 @@ TEST(AttendTest, CancelledCallStopsWithCancelled) {
   auto r = Attend({q.view(), k.view(), v.view(), std::nullopt}, options);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kCancelled);
   cancelled = false;
-  EXPECT_TRUE(Attend({q.view(), k.view(), v.view(), std::nullopt}, options).ok());
+  EXPECT_TRUE(
+      Attend({q.view(), k.view(), v.view(), std::nullopt}, options).ok());
 }
 
 struct BadAttend {

@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
@@ -18,6 +19,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
+#include "proto/tensor_codec.h"
 #include "tests/test_util.h"
 
 namespace attnserve::testing {
@@ -237,6 +239,41 @@ TEST(BinariesTest, ServerServesTheDemoModelAndReloadsOnSighup) {
   EXPECT_EQ(listed, "demo heads=4 embed_dim=64\nwide heads=8 embed_dim=128\n");
   EXPECT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(10)), 0);
   std::filesystem::remove_all(repo);
+}
+
+TEST(BinariesTest, SigtermDrainsEveryAcceptedCall) {
+  ServerProcess server(
+      {"--max_inflight=1", "--max_queue=16", "--drain_seconds=30"});
+  ASSERT_GT(server.port(), 0);
+  ClientOptions options;
+  options.target = server.target();
+  AttnClient client(options);
+  std::mt19937 rng(41);
+  v1::AttendRequest request;
+  for (v1::Tensor* t : {request.mutable_query(), request.mutable_key(),
+                        request.mutable_value()}) {
+    // Long to compute (~0.5 s), small to send.
+    EncodeTensor(RandomTensor(DType::kFloat32, {8, 16384, 1}, rng).view(), t);
+  }
+  constexpr int kCalls = 4;
+  std::vector<absl::Status> results(kCalls);
+  std::vector<std::thread> calls;
+  for (int i = 0; i < kCalls; ++i) {
+    calls.emplace_back(
+        [&, i] { results[i] = client.Attend(request).status(); });
+  }
+  // All four are accepted (one computing, three queued) before the signal,
+  // and most of the work is still ahead.
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const auto signalled = std::chrono::steady_clock::now();
+  kill(server.pid(), SIGTERM);
+  for (std::thread& call : calls) call.join();
+  EXPECT_GT(std::chrono::steady_clock::now() - signalled,
+            std::chrono::milliseconds(500))
+      << "the calls were meant to be running when the signal came";
+  for (int i = 0; i < kCalls; ++i)
+    EXPECT_TRUE(results[i].ok()) << i << ": " << results[i];
+  EXPECT_EQ(server.StopWith(0, std::chrono::seconds(30)), 0);
 }
 
 TEST(BinariesTest, BrokenModelStopsStartUp) {

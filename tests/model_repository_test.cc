@@ -1,5 +1,7 @@
 // The model repository: loading (both weight namings), refusing broken
 // models with the file and the problem, atomic reloads, and the model RPCs.
+#include "server/model_repository.h"
+
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -9,7 +11,6 @@
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
-#include "server/model_repository.h"
 #include "tests/test_util.h"
 
 namespace attnserve::testing {
@@ -36,9 +37,9 @@ class TempRepository {
     const fs::path dir = fs::path(root_) / name;
     fs::create_directories(dir);
     std::ofstream(dir / "config.pbtxt") << config;
-    ASSERT_TRUE(
-        WriteSafetensors((dir / "weights.safetensors").string(), ViewsOf(weights), {})
-            .ok());
+    ASSERT_TRUE(WriteSafetensors((dir / "weights.safetensors").string(),
+                                 ViewsOf(weights), {})
+                    .ok());
   }
 
  private:
@@ -146,7 +147,8 @@ TEST(ModelRepositoryTest, BrokenModelsNameTheFileAndTheProblem) {
                   "bias rows) is not supported");
   NamedTensors unknown = StateDict(1);
   unknown.emplace("w_q", RandomTensor(DType::kFloat32, {16, 16}, rng));
-  ExpectLoadError(kConfig, unknown, "weights.safetensors: unknown tensor 'w_q'");
+  ExpectLoadError(kConfig, unknown,
+                  "weights.safetensors: unknown tensor 'w_q'");
 }
 
 TEST(ModelRepositoryTest, FailedReloadKeepsTheLoadedModels) {
@@ -160,7 +162,8 @@ TEST(ModelRepositoryTest, FailedReloadKeepsTheLoadedModels) {
   EXPECT_EQ(models.Find("b").status().code(), absl::StatusCode::kNotFound);
 }
 
-TEST(ModelRepositoryTest, ReloadSwapsAtomicallyAndInFlightCallsKeepTheirWeights) {
+TEST(ModelRepositoryTest,
+     ReloadSwapsAtomicallyAndInFlightCallsKeepTheirWeights) {
   TempRepository repo;
   repo.Write("m", kConfig, StateDict(1));
   ModelRepository models(repo.root());
@@ -202,8 +205,8 @@ TEST(ModelRepositoryTest, ModelDefaultsApplyWhenTheRequestIsSilent) {
   TempRepository repo;
   const NamedTensors state = StateDict(1);
   repo.Write("plain", kConfig, state);
-  repo.Write("causal", "num_heads: 4\ndefault_causal: true\ndefault_scale: 0.1\n",
-             state);
+  repo.Write("causal",
+             "num_heads: 4\ndefault_causal: true\ndefault_scale: 0.1\n", state);
   ModelRepository models(repo.root());
   ASSERT_TRUE(models.Reload().ok());
   v1::MultiHeadAttendRequest by_default = QueryRequest(6);
@@ -243,7 +246,8 @@ TEST(ModelRepositoryTest, ListAndMetadataRpcs) {
                                  metadata.inputs(0).shape().end()),
             (std::vector<int64_t>{-1, -1, 16}));
   request.set_name("beta");
-  const absl::Status missing = HandleGetModelMetadata(request, &models, &metadata);
+  const absl::Status missing =
+      HandleGetModelMetadata(request, &models, &metadata);
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(missing.message(),
             "model: 'beta' not found; loaded models: alpha, zeta");

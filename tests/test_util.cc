@@ -164,8 +164,7 @@ absl::StatusOr<NamedTensors> RunGoldenThroughClient(
   return client.Run(op, ViewsOf(file.tensors), params);
 }
 
-TestServer::TestServer() {
-  ServerOptions options;
+TestServer::TestServer(ServerOptions options) {
   options.host = "127.0.0.1";
   options.port = 0;
   auto server = AttnServer::Start(options);

@@ -54,7 +54,8 @@ absl::StatusOr<NamedTensors> RunGoldenThroughClient(
 // An attnserve server on a free loopback port for the test's lifetime.
 class TestServer {
  public:
-  TestServer();
+  // On 127.0.0.1 and a free port, whatever `options` say of those.
+  explicit TestServer(ServerOptions options = {});
   int port() const { return server_->port(); }
   std::string target() const;
   AttnClient MakeClient() const;

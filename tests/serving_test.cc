@@ -1,0 +1,183 @@
+// The server under load: bounded admission, deadlines, cancellation and
+// the compute-time trailer.
+#include <atomic>
+#include <chrono>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+#include "client/client.h"
+#include "grpc/grpc.h"
+#include "grpcpp/client_context.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/support/channel_arguments.h"
+#include "gtest/gtest.h"
+#include "proto/tensor_codec.h"
+#include "tests/test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+// Attention over L queries and keys, d=64, 8 heads: about 2 * 8 * L^2 * 128
+// FLOPs, some hundreds of milliseconds for L in the thousands.
+v1::AttendRequest LongRequest(int64_t len) {
+  std::mt19937 rng(31);
+  v1::AttendRequest r;
+  for (v1::Tensor* t :
+       {r.mutable_query(), r.mutable_key(), r.mutable_value()}) {
+    EncodeTensor(RandomTensor(DType::kFloat32, {8, len, 64}, rng).view(), t);
+  }
+  return r;
+}
+
+// Long to compute, small to send: 8 x 16384 queries and keys of width 1
+// (2 billion exponentials, 1.5 MB of request).
+v1::AttendRequest LongCheapRequest() {
+  std::mt19937 rng(33);
+  v1::AttendRequest r;
+  for (v1::Tensor* t :
+       {r.mutable_query(), r.mutable_key(), r.mutable_value()}) {
+    EncodeTensor(RandomTensor(DType::kFloat32, {8, 16384, 1}, rng).view(), t);
+  }
+  return r;
+}
+
+v1::LayerNormRequest ShortRequest() {
+  std::mt19937 rng(32);
+  v1::LayerNormRequest r;
+  EncodeTensor(RandomTensor(DType::kFloat32, {4, 8}, rng).view(),
+               r.mutable_input());
+  return r;
+}
+
+ServerOptions OneWorker(int max_queue) {
+  ServerOptions options;
+  options.max_inflight = 1;
+  options.max_queue = max_queue;
+  return options;
+}
+
+AttnClient ClientWithTimeout(const TestServer& server, absl::Duration timeout) {
+  ClientOptions options;
+  options.target = server.target();
+  options.timeout = timeout;
+  return AttnClient(options);
+}
+
+TEST(ServingTest, FullQueueIsRefusedAtOnce) {
+  TestServer server(OneWorker(/*max_queue=*/1));
+  AttnClient client = server.MakeClient();
+  const v1::AttendRequest slow = LongCheapRequest();
+  std::vector<absl::Status> results(2);
+  std::vector<std::thread> calls;
+  for (int i = 0; i < 2; ++i) {
+    calls.emplace_back([&, i] { results[i] = client.Attend(slow).status(); });
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  // One computing, one queued: a third call, even a tiny one, is refused
+  // without waiting.
+  // (Its own connection: on the first one it would wait behind the large
+  // requests' bytes.)
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  auto own_channel = grpc::CreateCustomChannel(
+      server.target(), grpc::InsecureChannelCredentials(), args);
+  auto other = v1::AttentionService::NewStub(own_channel);
+  {
+    grpc::ClientContext warmup;
+    v1::ListModelsResponse models;
+    ASSERT_TRUE(other->ListModels(&warmup, {}, &models).ok());
+  }
+  const absl::Time start = absl::Now();
+  grpc::ClientContext third_context;
+  v1::LayerNormResponse third_response;
+  const absl::Status third = FromGrpcStatus(
+      other->LayerNorm(&third_context, ShortRequest(), &third_response));
+  const absl::Duration waited = absl::Now() - start;
+  for (std::thread& call : calls) call.join();
+  EXPECT_EQ(third.code(), absl::StatusCode::kResourceExhausted) << third;
+  EXPECT_EQ(third.message(),
+            "server busy: 1 calls computing and 1 waiting (--max_inflight, "
+            "--max_queue); retry later");
+  EXPECT_LT(waited, absl::Milliseconds(50));
+  EXPECT_TRUE(results[0].ok()) << results[0];
+  EXPECT_TRUE(results[1].ok()) << results[1];
+}
+
+TEST(ServingTest, CallThatCannotMeetItsDeadlineIsRefusedUpFront) {
+  TestServer server;
+  AttnClient client = ClientWithTimeout(server, absl::Milliseconds(300));
+  // About 1.5 TFLOP: no 2-core machine finishes that in 300 ms.
+  const absl::Status status = client.Attend(LongRequest(8192)).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_NE(status.message().find("call needs about"), std::string::npos)
+      << "refused by the server's estimate, not by the client's timer: "
+      << status;
+}
+
+TEST(ServingTest, CancelledCallStopsComputingAndFreesTheWorker) {
+  TestServer server(OneWorker(/*max_queue=*/0));
+  const v1::AttendRequest slow = LongRequest(4096);
+  // How long the call takes when left alone.
+  AttnClient client = server.MakeClient();
+  const absl::Time start = absl::Now();
+  ASSERT_TRUE(client.Attend(slow).ok());
+  const absl::Duration full = absl::Now() - start;
+
+  auto channel =
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::AttentionService::NewStub(channel);
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  std::thread call([&] { (void)stub->Attend(&context, slow, &response); });
+  std::this_thread::sleep_for(absl::ToChronoMilliseconds(full / 5));
+  context.TryCancel();
+  const absl::Time cancelled_at = absl::Now();
+  // With one worker and no queue, a new call gets in only once the
+  // cancelled one has stopped.
+  absl::Status short_call;
+  do {
+    short_call = client.LayerNorm(ShortRequest()).status();
+  } while (short_call.code() == absl::StatusCode::kResourceExhausted &&
+           absl::Now() - cancelled_at < full);
+  const absl::Duration freed_after = absl::Now() - cancelled_at;
+  call.join();
+  EXPECT_TRUE(short_call.ok()) << short_call;
+  EXPECT_LT(freed_after, full / 2) << "full call " << full << ", worker freed "
+                                   << freed_after << " after the cancel";
+}
+
+TEST(ServingTest, ComputeTimeComesBackInTheTrailer) {
+  TestServer server;
+  auto channel =
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::AttentionService::NewStub(channel);
+  grpc::ClientContext context;
+  v1::LayerNormResponse response;
+  ASSERT_TRUE(stub->LayerNorm(&context, ShortRequest(), &response).ok());
+  const auto& trailers = context.GetServerTrailingMetadata();
+  auto it = trailers.find("attnserve-compute-us");
+  ASSERT_NE(it, trailers.end());
+  EXPECT_GE(std::stol(std::string(it->second.data(), it->second.size())), 0);
+}
+
+TEST(ServingTest, OversizedTensorIsRefusedBeforeAllocation) {
+  ServerOptions options;
+  options.max_tensor_elements = 1000;
+  TestServer server(options);
+  AttnClient client = server.MakeClient();
+  v1::LayerNormRequest r;
+  std::mt19937 rng(1);
+  EncodeTensor(RandomTensor(DType::kFloat32, {10, 101}, rng).view(),
+               r.mutable_input());
+  const absl::Status status = client.LayerNorm(r).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(status.message(),
+            "request: a tensor of 1010 elements exceeds --max_tensor_elements "
+            "1000");
+}
+
+}  // namespace
+}  // namespace attnserve::testing
