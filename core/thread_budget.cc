@@ -4,6 +4,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <fstream>
 #include <string>
 
@@ -15,6 +16,11 @@ int AvailableCores() {
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof(set), &set) == 0) {
     cores = std::max(1, CPU_COUNT(&set));
+  }
+  // An explicit OMP_NUM_THREADS caps the budget too.
+  if (const char* env = std::getenv("OMP_NUM_THREADS")) {
+    const int requested = std::atoi(env);
+    if (requested > 0) cores = std::min(cores, requested);
   }
   // cgroup v2: "max 100000" or "<quota> <period>".
   std::ifstream cpu_max("/sys/fs/cgroup/cpu.max");

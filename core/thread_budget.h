@@ -18,7 +18,7 @@
 namespace attnserve {
 
 // The cores this process may use: its CPU affinity, capped by a cgroup CPU
-// quota when one is set.
+// quota and by OMP_NUM_THREADS when either is set.
 int AvailableCores();
 
 class ThreadBudget {

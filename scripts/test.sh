@@ -1,14 +1,31 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds attnserve with its tests and runs them all.
+# Installs what is missing, builds attnserve with its tests and runs them all:
+# a Release build, then the same suite built with AddressSanitizer and
+# UndefinedBehaviorSanitizer (skip that with --quick).
 # The golden vectors are read from ../shared/goldens (override with
 # ATTNSERVE_GOLDENS_DIR=/path/to/goldens).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+quick=0
+if [[ "${1:-}" == "--quick" ]]; then quick=1; fi
 "$root/scripts/install-deps.sh"
 extra=()
 if [[ -n "${ATTNSERVE_GOLDENS_DIR:-}" ]]; then
   extra+=("-DATTNSERVE_GOLDENS_DIR=$ATTNSERVE_GOLDENS_DIR")
 fi
+jobs=$(nproc)
+
+echo "== Release build and tests"
 "$root/scripts/build.sh" Release -DATTNSERVE_BUILD_TESTS=ON "${extra[@]}"
-cd "$root/build"
-ctest --output-on-failure -j"$(nproc)" --timeout 300
+(cd "$root/build" && ctest --output-on-failure -j"$jobs" --timeout 300)
+
+if [[ $quick -eq 0 ]]; then
+  echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
+  cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DATTNSERVE_ASAN=ON -DATTNSERVE_BUILD_TESTS=ON "${extra[@]}" >/dev/null
+  cmake --build "$root/build-asan" -j"$jobs"
+  (cd "$root/build-asan" &&
+    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+    ctest --output-on-failure -j"$jobs" --timeout 600)
+fi
