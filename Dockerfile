@@ -9,6 +9,7 @@ RUN apt-get update \
       build-essential cmake pkg-config \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
       libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev \
+      libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY CMakeLists.txt ./
@@ -25,11 +26,12 @@ FROM debian:bookworm-slim
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libdnnl2 libgomp1 \
+      libcpp-httplib0.11 \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnserve
 COPY --from=build /src/build/bin/attnserve /src/build/bin/attnctl /usr/local/bin/
 COPY --from=build /src/build/models /models
 USER attnserve
-EXPOSE 50051
+EXPOSE 50051 9090
 ENTRYPOINT ["/usr/local/bin/attnserve"]
 CMD ["--host=0.0.0.0", "--port=50051", "--model_repository=/models"]

@@ -1,8 +1,10 @@
 #include "server/attention_service.h"
 
 #include <chrono>
+#include <cstdio>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
@@ -275,18 +277,70 @@ absl::Status AttentionServiceImpl::Admit(
   return absl::OkStatus();
 }
 
+// "query=[2, 3, 8] key=[2, 5, 8]": the shapes of a request's tensors, and
+// the model it names, for the access log.
+std::string Describe(const google::protobuf::Message& request) {
+  std::string out;
+  const google::protobuf::Reflection* reflection = request.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(request, &fields);
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    if (field->name() == "model") {
+      absl::StrAppend(&out, out.empty() ? "" : " ",
+                      "model=", reflection->GetString(request, field));
+    } else if (field->message_type() == v1::Tensor::descriptor() &&
+               !field->is_repeated()) {
+      const auto& tensor = static_cast<const v1::Tensor&>(
+          reflection->GetMessage(request, field));
+      absl::StrAppend(
+          &out, out.empty() ? "" : " ", field->name(), "=",
+          ShapeString(Shape(tensor.shape().begin(), tensor.shape().end())));
+    }
+  }
+  return out;
+}
+
+void AttentionServiceImpl::Record(const std::string& rpc,
+                                  const google::protobuf::Message& request,
+                                  const google::protobuf::Message* response,
+                                  const absl::Status& status,
+                                  absl::Time arrived, absl::Duration queue_wait,
+                                  absl::Duration compute, double flops) const {
+  const absl::Duration total = absl::Now() - arrived;
+  const std::string code = absl::StatusCodeToString(status.code());
+  const int64_t bytes = status.ok() && response != nullptr
+                            ? static_cast<int64_t>(request.ByteSizeLong() +
+                                                   response->ByteSizeLong())
+                            : 0;
+  config_.metrics->RecordCall(rpc, code, total, queue_wait, compute, flops,
+                              bytes);
+  if (config_.access_log) {
+    std::fprintf(stderr, "access rpc=%s %s status=%s us=%lld\n", rpc.c_str(),
+                 Describe(request).c_str(), code.c_str(),
+                 static_cast<long long>(absl::ToInt64Microseconds(total)));
+  }
+}
+
 template <typename Request, typename Response, typename Handler>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
     grpc::CallbackServerContext* context, const Request* request,
     Response* response, const RequestCost& cost, Handler handle) {
+  const absl::Time arrived = absl::Now();
+  // "AttendRequest" -> "Attend".
+  std::string rpc = Request::descriptor()->name();
+  rpc.resize(rpc.size() - std::string_view("Request").size());
   auto* reactor = new CallReactor();
   const absl::Status admitted = Admit(*context, cost);
   if (!admitted.ok()) {
+    Record(rpc, *request, nullptr, admitted, arrived, absl::ZeroDuration(),
+           absl::ZeroDuration(), 0);
     reactor->Finish(ToGrpcStatus(admitted));
     return reactor;
   }
   const bool queued = config_.scheduler->Submit(
-      [this, reactor, context, request, response, cost, handle] {
+      [this, reactor, context, request, response, cost, handle, arrived, rpc] {
+        const absl::Time started = absl::Now();
+        absl::Duration compute;
         absl::Status status;
         if (reactor->is_cancelled()) {
           status = absl::CancelledError("call cancelled while queued");
@@ -294,27 +348,31 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
           status = absl::DeadlineExceededError(
               "deadline passed while the call waited for a worker");
         } else {
-          const absl::Time start = absl::Now();
           {
             // This call's share of the cores while it computes.
             ThreadBudget::Lease lease = ThreadBudget::Global().Acquire();
             status =
                 handle(*request, response, CallControl{reactor->cancelled()});
           }
-          const absl::Duration took = absl::Now() - start;
-          if (status.ok()) config_.cost_model->Observe(cost.flops, took);
+          compute = absl::Now() - started;
+          if (status.ok()) config_.cost_model->Observe(cost.flops, compute);
           context->AddTrailingMetadata(
               "attnserve-compute-us",
-              std::to_string(absl::ToInt64Microseconds(took)));
+              std::to_string(absl::ToInt64Microseconds(compute)));
         }
         if (!status.ok()) response->Clear();
+        Record(rpc, *request, response, status, arrived, started - arrived,
+               compute, cost.flops);
         reactor->Finish(ToGrpcStatus(status));
       });
   if (!queued) {
-    reactor->Finish(ToGrpcStatus(absl::ResourceExhaustedError(
+    const absl::Status busy = absl::ResourceExhaustedError(
         absl::StrCat("server busy: ", config_.scheduler->max_inflight(),
                      " calls computing and ", config_.scheduler->max_queue(),
-                     " waiting (--max_inflight, --max_queue); retry later"))));
+                     " waiting (--max_inflight, --max_queue); retry later"));
+    Record(rpc, *request, nullptr, busy, arrived, absl::ZeroDuration(),
+           absl::ZeroDuration(), 0);
+    reactor->Finish(ToGrpcStatus(busy));
   }
   return reactor;
 }

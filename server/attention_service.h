@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/request_cost.h"
 #include "server/scheduler.h"
@@ -49,6 +50,9 @@ struct ServiceConfig {
   const ModelRepository* models = nullptr;  // null: no repository
   Scheduler* scheduler = nullptr;           // required
   CostModel* cost_model = nullptr;          // required
+  Metrics* metrics = nullptr;               // required
+  // Write one access-log line per call to stderr.
+  bool access_log = false;
   // Refused with RESOURCE_EXHAUSTED before any allocation.
   int64_t max_tensor_elements = 0;
   int64_t max_request_bytes = 0;
@@ -91,6 +95,12 @@ class AttentionServiceImpl final
                                   const RequestCost& cost, Handler handle);
   absl::Status Admit(const grpc::CallbackServerContext& context,
                      const RequestCost& cost) const;
+  // Metrics and the access log for one finished call.
+  void Record(const std::string& rpc, const google::protobuf::Message& request,
+              const google::protobuf::Message* response,
+              const absl::Status& status, absl::Time arrived,
+              absl::Duration queue_wait, absl::Duration compute,
+              double flops) const;
 
   ServiceConfig config_;
 };

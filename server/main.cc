@@ -19,6 +19,10 @@ ABSL_FLAG(int, port, attnserve::ServerOptions().port,
           "TCP port; 0 picks a free port.");
 ABSL_FLAG(int, max_message_mb, attnserve::ServerOptions().max_message_mb,
           "Largest request and response message, in MiB.");
+ABSL_FLAG(int, metrics_port, attnserve::ServerOptions().metrics_port,
+          "Port of the Prometheus page GET /metrics (0: any free, -1: off).");
+ABSL_FLAG(std::string, log_level, attnserve::ServerOptions().log_level,
+          "info (one access-log line per call), warning or error.");
 ABSL_FLAG(std::string, model_repository, "",
           "Folder of models: NAME/config.pbtxt and NAME/weights.safetensors. "
           "SIGHUP reloads it.");
@@ -53,6 +57,8 @@ int main(int argc, char** argv) {
   options.max_request_memory_mb = absl::GetFlag(FLAGS_max_request_memory_mb);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
+  options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.log_level = absl::GetFlag(FLAGS_log_level);
 
   // Block the stop signals in every thread (gRPC's threads inherit this
   // mask), then wait for them synchronously below.
@@ -69,9 +75,10 @@ int main(int argc, char** argv) {
                  std::string(server.status().message()).c_str());
     return EXIT_FAILURE;
   }
-  std::printf("attnserve listening on %s (%d compute threads)\n",
-              attnserve::ListenAddress(options.host, (*server)->port()).c_str(),
-              attnserve::ThreadBudget::Global().total());
+  std::printf(
+      "attnserve listening on %s (%d compute threads, metrics port %d)\n",
+      attnserve::ListenAddress(options.host, (*server)->port()).c_str(),
+      attnserve::ThreadBudget::Global().total(), (*server)->metrics_port());
   std::fflush(stdout);
 
   int signal_number = 0;

@@ -22,6 +22,17 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--threads: ", options.threads, " is not in [0, 4096] (0: all cores)"));
   }
+  if (options.metrics_port < -1 || options.metrics_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--metrics_port: ", options.metrics_port,
+                     " is not in [-1, 65535] (-1: off, 0: any free port)"));
+  }
+  if (options.log_level != "info" && options.log_level != "warning" &&
+      options.log_level != "error") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--log_level: '", options.log_level,
+                     "', expected info, warning or error"));
+  }
   if (options.drain_seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--drain_seconds: ", options.drain_seconds, " is negative"));

@@ -29,6 +29,12 @@ struct ServerOptions {
   int64_t max_tensor_elements = int64_t{1} << 28;
   // Largest estimate of what a call allocates (results, intermediates), MiB.
   int64_t max_request_memory_mb = 4096;
+  // Port of the Prometheus metrics page (GET /metrics) on `host`; 0 picks a
+  // free port, -1 turns it off.
+  int metrics_port = 9090;
+  // "info": one access-log line per call on stderr; "warning": only
+  // problems (reload failures); "error".
+  std::string log_level = "info";
   // Model repository folder: NAME/config.pbtxt and NAME/weights.safetensors
   // per model. Empty: no models (weights come with each request).
   std::string model_repository;

@@ -34,7 +34,10 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   // A conservative first guess of the compute rate (20 GFLOP/s per thread),
   // replaced by measurements as calls complete.
   server->cost_model_ = std::make_unique<CostModel>(20e9 * threads);
+  server->metrics_ = std::make_unique<Metrics>();
   ServiceConfig config;
+  config.metrics = server->metrics_.get();
+  config.access_log = options.log_level == "info";
   config.models = server->models_.get();
   config.scheduler = server->scheduler_.get();
   config.cost_model = server->cost_model_.get();
@@ -58,9 +61,25 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
         absl::StrCat("cannot listen on ", address,
                      " (address in use, or not an address of this host?)"));
   }
+  if (options.metrics_port >= 0) {
+    AttnServer* self = server.get();
+    ATTN_ASSIGN_OR_RETURN(
+        server->metrics_server_,
+        MetricsServer::Start(options.host, options.metrics_port,
+                             [self] { return self->RenderMetrics(); }));
+  }
   server->server_->GetHealthCheckService()->SetServingStatus(
       v1::AttentionService::service_full_name(), true);
   return server;
+}
+
+std::string AttnServer::RenderMetrics() const {
+  ServingGauges gauges;
+  gauges.inflight = scheduler_->inflight();
+  gauges.queued = scheduler_->queued();
+  gauges.models_loaded =
+      models_ != nullptr ? static_cast<int>(models_->List().size()) : 0;
+  return metrics_->Render(gauges);
 }
 
 absl::Status AttnServer::ReloadModels() {

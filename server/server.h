@@ -13,6 +13,7 @@
 #include "absl/time/time.h"
 #include "grpcpp/server.h"
 #include "server/attention_service.h"
+#include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/options.h"
 
@@ -27,6 +28,12 @@ class AttnServer {
 
   // The bound port (the chosen one when options.port was 0).
   int port() const { return port_; }
+  // The metrics page's port, or -1 when it is off.
+  int metrics_port() const {
+    return metrics_server_ != nullptr ? metrics_server_->port() : -1;
+  }
+  // The metrics page's text.
+  std::string RenderMetrics() const;
 
   // Reloads the model repository atomically: on success calls started
   // afterwards see the new models (calls in flight finish on the ones they
@@ -47,8 +54,10 @@ class AttnServer {
   std::unique_ptr<ModelRepository> models_;  // null: no repository
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<CostModel> cost_model_;
+  std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<MetricsServer> metrics_server_;
   int port_ = 0;
 };
 

@@ -43,7 +43,8 @@ class ServerProcess {
       close(fds[0]);
       close(fds[1]);
       const std::string bin = BinDir() + "/attnserve";
-      std::vector<std::string> args = {bin, "--host=127.0.0.1", "--port=0"};
+      std::vector<std::string> args = {bin, "--host=127.0.0.1", "--port=0",
+                                       "--metrics_port=0"};
       args.insert(args.end(), extra_args.begin(), extra_args.end());
       std::vector<char*> argv;
       for (std::string& arg : args) argv.push_back(arg.data());
@@ -280,8 +281,9 @@ TEST(BinariesTest, BrokenModelStopsStartUp) {
   const std::string repo = TempPath("broken_repo");
   std::filesystem::create_directories(repo + "/bad");
   { std::ofstream(repo + "/bad/config.pbtxt") << "num_heads: 2\n"; }
-  const CommandResult run = RunCommand(
-      absl::StrCat(BinDir(), "/attnserve --port=0 --model_repository=", repo));
+  const CommandResult run = RunCommand(absl::StrCat(
+      BinDir(),
+      "/attnserve --port=0 --metrics_port=-1 --model_repository=", repo));
   EXPECT_EQ(run.exit_code, 1);
   EXPECT_NE(run.output.find(repo + "/bad/weights.safetensors: cannot open"),
             std::string::npos)

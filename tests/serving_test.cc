@@ -14,6 +14,7 @@
 #include "grpcpp/create_channel.h"
 #include "grpcpp/support/channel_arguments.h"
 #include "gtest/gtest.h"
+#include "httplib.h"
 #include "proto/tensor_codec.h"
 #include "tests/test_util.h"
 
@@ -161,6 +162,41 @@ TEST(ServingTest, ComputeTimeComesBackInTheTrailer) {
   auto it = trailers.find("attnserve-compute-us");
   ASSERT_NE(it, trailers.end());
   EXPECT_GE(std::stol(std::string(it->second.data(), it->second.size())), 0);
+}
+
+TEST(ServingTest, MetricsPageCountsCallsByRpcAndCode) {
+  TestServer server;
+  ASSERT_GT(server.metrics_port(), 0);
+  AttnClient client = server.MakeClient();
+  ASSERT_TRUE(client.LayerNorm(ShortRequest()).ok());
+  ASSERT_TRUE(client.LayerNorm(ShortRequest()).ok());
+  v1::LayerNormRequest bad = ShortRequest();
+  bad.set_eps(-1);
+  EXPECT_FALSE(client.LayerNorm(bad).ok());
+
+  httplib::Client http("127.0.0.1", server.metrics_port());
+  auto page = http.Get("/metrics");
+  ASSERT_TRUE(page) << "GET /metrics failed";
+  EXPECT_EQ(page->status, 200);
+  const std::string& text = page->body;
+  for (const char* line : {
+           "attnserve_requests_total{rpc=\"LayerNorm\",code=\"OK\"} 2\n",
+           "attnserve_requests_total{rpc=\"LayerNorm\",code=\"INVALID_"
+           "ARGUMENT\"} 1\n",
+           "attnserve_compute_seconds_count{rpc=\"LayerNorm\"} 2\n",
+           "attnserve_request_duration_seconds_count{rpc=\"LayerNorm\"} 3\n",
+           "attnserve_request_duration_seconds_bucket{rpc=\"LayerNorm\",le=\"+"
+           "Inf\"} 3\n",
+           "attnserve_inflight_requests 0\n",
+           "attnserve_queued_requests 0\n",
+           "attnserve_models_loaded 0\n",
+           "attnserve_build_info{version=\"",
+           "# TYPE attnserve_queue_wait_seconds histogram\n",
+           "process_resident_memory_bytes ",
+       }) {
+    EXPECT_NE(text.find(line), std::string::npos) << "missing: " << line << "\n"
+                                                  << text;
+  }
 }
 
 TEST(ServingTest, OversizedTensorIsRefusedBeforeAllocation) {

@@ -166,6 +166,8 @@ absl::StatusOr<NamedTensors> RunGoldenThroughClient(
 
 TestServer::TestServer(ServerOptions options) {
   options.host = "127.0.0.1";
+  // A free metrics port (tests run side by side), or off.
+  if (options.metrics_port > 0) options.metrics_port = 0;
   options.port = 0;
   auto server = AttnServer::Start(options);
   EXPECT_TRUE(server.ok()) << server.status();

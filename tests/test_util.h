@@ -57,6 +57,7 @@ class TestServer {
   // On 127.0.0.1 and a free port, whatever `options` say of those.
   explicit TestServer(ServerOptions options = {});
   int port() const { return server_->port(); }
+  int metrics_port() const { return server_->metrics_port(); }
   std::string target() const;
   AttnClient MakeClient() const;
 

@@ -1,0 +1,145 @@
+#include "server/metrics.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <fstream>
+
+#include "absl/strings/str_cat.h"
+#include "httplib.h"
+
+namespace attnserve {
+namespace {
+
+int64_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  if (!(statm >> size >> resident)) return 0;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+std::string Number(double v) {
+  char buffer[64];
+  std::snprintf(buffer, sizeof(buffer), "%.17g", v);
+  return buffer;
+}
+
+}  // namespace
+
+void Metrics::Histogram::Observe(double seconds) {
+  for (size_t i = 0; i < kBuckets.size(); ++i) {
+    if (seconds <= kBuckets[i]) {
+      ++counts[i];
+      break;
+    }
+  }
+  ++count;
+  sum += seconds;
+}
+
+void Metrics::RecordCall(const std::string& rpc, const std::string& code,
+                         absl::Duration total, absl::Duration queue_wait,
+                         absl::Duration compute, double flops, int64_t bytes) {
+  absl::MutexLock lock(&mu_);
+  ++calls_[{rpc, code}];
+  total_[rpc].Observe(absl::ToDoubleSeconds(total));
+  if (code == "OK") {
+    queue_[rpc].Observe(absl::ToDoubleSeconds(queue_wait));
+    compute_[rpc].Observe(absl::ToDoubleSeconds(compute));
+    flops_ += flops;
+    bytes_ += bytes;
+  }
+}
+
+void Metrics::RenderHistogram(const std::string& name, const std::string& help,
+                              const std::map<std::string, Histogram>& by_rpc,
+                              std::string* out) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name,
+                  " histogram\n");
+  for (const auto& [rpc, h] : by_rpc) {
+    int64_t cumulative = 0;
+    for (size_t i = 0; i < kBuckets.size(); ++i) {
+      cumulative += h.counts[i];
+      absl::StrAppend(out, name, "_bucket{rpc=\"", rpc, "\",le=\"",
+                      Number(kBuckets[i]), "\"} ", cumulative, "\n");
+    }
+    absl::StrAppend(out, name, "_bucket{rpc=\"", rpc, "\",le=\"+Inf\"} ",
+                    h.count, "\n", name, "_sum{rpc=\"", rpc, "\"} ",
+                    Number(h.sum), "\n", name, "_count{rpc=\"", rpc, "\"} ",
+                    h.count, "\n");
+  }
+}
+
+std::string Metrics::Render(const ServingGauges& gauges) const {
+  std::string out;
+  absl::MutexLock lock(&mu_);
+  absl::StrAppend(
+      &out,
+      "# HELP attnserve_requests_total Calls finished, by RPC and "
+      "gRPC status code.\n# TYPE attnserve_requests_total counter\n");
+  for (const auto& [key, count] : calls_) {
+    absl::StrAppend(&out, "attnserve_requests_total{rpc=\"", key.first,
+                    "\",code=\"", key.second, "\"} ", count, "\n");
+  }
+  RenderHistogram("attnserve_request_duration_seconds",
+                  "Time from arrival to answer.", total_, &out);
+  RenderHistogram("attnserve_queue_wait_seconds",
+                  "Time calls waited for a worker.", queue_, &out);
+  RenderHistogram("attnserve_compute_seconds", "Time calls computed.", compute_,
+                  &out);
+  absl::StrAppend(
+      &out,
+      "# HELP attnserve_flops_total Floating-point operations of successful "
+      "calls.\n# TYPE attnserve_flops_total counter\nattnserve_flops_total ",
+      Number(flops_),
+      "\n# HELP attnserve_bytes_total Tensor bytes of successful calls' "
+      "requests and results.\n# TYPE attnserve_bytes_total counter\n"
+      "attnserve_bytes_total ",
+      bytes_,
+      "\n# HELP attnserve_inflight_requests Calls computing now.\n"
+      "# TYPE attnserve_inflight_requests gauge\nattnserve_inflight_requests ",
+      gauges.inflight,
+      "\n# HELP attnserve_queued_requests Calls waiting for a worker.\n"
+      "# TYPE attnserve_queued_requests gauge\nattnserve_queued_requests ",
+      gauges.queued,
+      "\n# HELP attnserve_models_loaded Models in the repository.\n"
+      "# TYPE attnserve_models_loaded gauge\nattnserve_models_loaded ",
+      gauges.models_loaded,
+      "\n# HELP attnserve_build_info Build information.\n"
+      "# TYPE attnserve_build_info gauge\n"
+      "attnserve_build_info{version=\"" ATTNSERVE_VERSION
+      "\"} 1\n"
+      "# HELP process_resident_memory_bytes Resident memory size.\n"
+      "# TYPE process_resident_memory_bytes gauge\n"
+      "process_resident_memory_bytes ",
+      ResidentBytes(), "\n");
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::string& host, int port, std::function<std::string()> render) {
+  std::unique_ptr<MetricsServer> server(new MetricsServer());
+  server->http_ = std::make_unique<httplib::Server>();
+  server->http_->Get("/metrics", [render](const httplib::Request&,
+                                          httplib::Response& response) {
+    response.set_content(render(), "text/plain; version=0.0.4");
+  });
+  const int bound = port == 0
+                        ? server->http_->bind_to_any_port(host)
+                        : (server->http_->bind_to_port(host, port) ? port : -1);
+  if (bound <= 0) {
+    return absl::UnavailableError(
+        absl::StrCat("--metrics_port: cannot listen on ", host, ":", port));
+  }
+  server->port_ = bound;
+  httplib::Server* http = server->http_.get();
+  server->thread_ = std::thread([http] { http->listen_after_bind(); });
+  return server;
+}
+
+MetricsServer::~MetricsServer() {
+  if (http_ != nullptr) http_->stop();
+  if (thread_.joinable()) thread_.join();
+}
+
+}  // namespace attnserve
