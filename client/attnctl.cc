@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -32,6 +34,13 @@ ABSL_FLAG(std::string, in, "", "Input safetensors file.");
 ABSL_FLAG(std::string, out, "",
           "Output safetensors file (tensors `output` and `weights`).");
 ABSL_FLAG(double, timeout_s, 60, "Deadline of the call, in seconds.");
+ABSL_FLAG(std::string, tls_ca, "",
+          "PEM CA certificates: connect over TLS and verify the server.");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM client certificate chain, for servers that require one.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, token, "",
+          "Bearer token sent as 'authorization: Bearer <token>'.");
 ABSL_FLAG(int, max_message_mb, 256, "Largest message, in MiB.");
 ABSL_FLAG(bool, causal, false, "Query i attends to keys j <= i.");
 ABSL_FLAG(std::optional<float>, scale, std::nullopt,
@@ -81,8 +90,28 @@ struct AttnctlOptions {
   std::string service;
 };
 
-AttnctlOptions OptionsFromFlags(const std::string& command) {
+// The contents of the file a flag names ("" for an empty flag).
+absl::StatusOr<std::string> FlagFile(const std::string& path,
+                                     absl::string_view flag) {
+  if (path.empty()) return std::string();
+  std::ifstream stream(path, std::ios::binary);
+  if (!stream) {
+    return absl::NotFoundError(
+        absl::StrCat(flag, ": cannot read '", path, "'"));
+  }
+  return std::string((std::istreambuf_iterator<char>(stream)),
+                     std::istreambuf_iterator<char>());
+}
+
+absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   AttnctlOptions options;
+  ATTN_ASSIGN_OR_RETURN(options.client.tls_ca_pem,
+                        FlagFile(absl::GetFlag(FLAGS_tls_ca), "--tls_ca"));
+  ATTN_ASSIGN_OR_RETURN(options.client.tls_cert_pem,
+                        FlagFile(absl::GetFlag(FLAGS_tls_cert), "--tls_cert"));
+  ATTN_ASSIGN_OR_RETURN(options.client.tls_key_pem,
+                        FlagFile(absl::GetFlag(FLAGS_tls_key), "--tls_key"));
+  options.client.token = absl::GetFlag(FLAGS_token);
   options.command = command;
   options.client.target = absl::GetFlag(FLAGS_target);
   options.client.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
@@ -104,6 +133,11 @@ AttnctlOptions OptionsFromFlags(const std::string& command) {
 }
 
 absl::Status ValidateOptions(const AttnctlOptions& options) {
+  if (options.client.tls_cert_pem.empty() !=
+      options.client.tls_key_pem.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_cert and --tls_key: give both or neither");
+  }
   if (options.client.target.empty()) {
     return absl::InvalidArgumentError("--target: must not be empty");
   }
@@ -218,7 +252,9 @@ absl::Status RunModels(const AttnctlOptions& options) {
   return absl::OkStatus();
 }
 
-absl::Status Run(const AttnctlOptions& options) {
+absl::Status Run(const std::string& command) {
+  ATTN_ASSIGN_OR_RETURN(const AttnctlOptions options,
+                        OptionsFromFlags(command));
   ATTN_RETURN_IF_ERROR(ValidateOptions(options));
   if (options.command == "health") return RunHealth(options);
   if (options.command == "models") return RunModels(options);
@@ -246,8 +282,7 @@ int main(int argc, char** argv) {
                  absl::ProgramUsageMessage().data());
     return 2;
   }
-  const absl::Status status =
-      attnserve::Run(attnserve::OptionsFromFlags(command));
+  const absl::Status status = attnserve::Run(command);
   if (!status.ok()) {
     std::fprintf(stderr, "attnctl: %s: %s\n",
                  absl::StatusCodeToString(status.code()).c_str(),

@@ -21,8 +21,16 @@ AttnClient::AttnClient(const ClientOptions& options) : options_(options) {
   const int max_bytes = options.max_message_mb * 1024 * 1024;
   args.SetMaxReceiveMessageSize(max_bytes);
   args.SetMaxSendMessageSize(max_bytes);
-  channel_ = grpc::CreateCustomChannel(
-      options.target, grpc::InsecureChannelCredentials(), args);
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      grpc::InsecureChannelCredentials();
+  if (!options.tls_ca_pem.empty() || !options.tls_cert_pem.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = options.tls_ca_pem;
+    ssl.pem_cert_chain = options.tls_cert_pem;
+    ssl.pem_private_key = options.tls_key_pem;
+    credentials = grpc::SslCredentials(ssl);
+  }
+  channel_ = grpc::CreateCustomChannel(options.target, credentials, args);
   stub_ = v1::AttentionService::NewStub(channel_);
   health_stub_ = grpc::health::v1::Health::NewStub(channel_);
 }
@@ -33,6 +41,9 @@ absl::StatusOr<Response> AttnClient::Call(Method method,
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        absl::ToChronoMilliseconds(options_.timeout));
+  if (!options_.token.empty()) {
+    context.AddMetadata("authorization", "Bearer " + options_.token);
+  }
   Response response;
   grpc::Status status = method(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);

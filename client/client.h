@@ -26,6 +26,13 @@ struct ClientOptions {
   absl::Duration timeout = absl::Seconds(60);
   // Largest request and response message, in MiB.
   int max_message_mb = 256;
+  // TLS: PEM CA certificates to verify the server with (empty: plaintext).
+  std::string tls_ca_pem;
+  // Mutual TLS: this client's PEM certificate chain and private key.
+  std::string tls_cert_pem;
+  std::string tls_key_pem;
+  // Sent as `authorization: Bearer <token>` when not empty.
+  std::string token;
 };
 
 // The gRPC status as an absl::Status with the same code and message.

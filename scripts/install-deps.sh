@@ -9,7 +9,7 @@ packages=(
   build-essential cmake pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
-  libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev
+  libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev openssl
   libgtest-dev libgmock-dev googletest libbenchmark-dev
 )
 

@@ -330,7 +330,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
   std::string rpc = Request::descriptor()->name();
   rpc.resize(rpc.size() - std::string_view("Request").size());
   auto* reactor = new CallReactor();
-  const absl::Status admitted = Admit(*context, cost);
+  absl::Status admitted = Authenticate(*context);
+  if (admitted.ok()) admitted = Admit(*context, cost);
   if (!admitted.ok()) {
     Record(rpc, *request, nullptr, admitted, arrived, absl::ZeroDuration(),
            absl::ZeroDuration(), 0);
@@ -420,17 +421,26 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LayerNorm(
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(
     grpc::CallbackServerContext* context, const v1::ListModelsRequest*,
     v1::ListModelsResponse* response) {
-  return ServeInline(context, response,
-                     HandleListModels(config_.models, response));
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) status = HandleListModels(config_.models, response);
+  return ServeInline(context, response, status);
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModelMetadata(
     grpc::CallbackServerContext* context,
     const v1::GetModelMetadataRequest* request,
     v1::GetModelMetadataResponse* response) {
-  return ServeInline(
-      context, response,
-      HandleGetModelMetadata(*request, config_.models, response));
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) {
+    status = HandleGetModelMetadata(*request, config_.models, response);
+  }
+  return ServeInline(context, response, status);
+}
+
+absl::Status AttentionServiceImpl::Authenticate(
+    const grpc::CallbackServerContext& context) const {
+  return config_.auth != nullptr ? config_.auth->Check(context)
+                                 : absl::OkStatus();
 }
 
 }  // namespace attnserve

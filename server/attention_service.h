@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "server/auth.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/request_cost.h"
@@ -51,6 +52,8 @@ struct ServiceConfig {
   Scheduler* scheduler = nullptr;           // required
   CostModel* cost_model = nullptr;          // required
   Metrics* metrics = nullptr;               // required
+  // Null: no authentication.
+  const TokenAuthenticator* auth = nullptr;
   // Write one access-log line per call to stderr.
   bool access_log = false;
   // Refused with RESOURCE_EXHAUSTED before any allocation.
@@ -93,6 +96,7 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
                                   const Request* request, Response* response,
                                   const RequestCost& cost, Handler handle);
+  absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
   absl::Status Admit(const grpc::CallbackServerContext& context,
                      const RequestCost& cost) const;
   // Metrics and the access log for one finished call.

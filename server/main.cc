@@ -23,6 +23,12 @@ ABSL_FLAG(int, metrics_port, attnserve::ServerOptions().metrics_port,
           "Port of the Prometheus page GET /metrics (0: any free, -1: off).");
 ABSL_FLAG(std::string, log_level, attnserve::ServerOptions().log_level,
           "info (one access-log line per call), warning or error.");
+ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve over TLS.");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA certificates: require client certificates they signed.");
+ABSL_FLAG(std::string, auth_token_file, "",
+          "File of accepted bearer tokens, one per line.");
 ABSL_FLAG(std::string, model_repository, "",
           "Folder of models: NAME/config.pbtxt and NAME/weights.safetensors. "
           "SIGHUP reloads it.");
@@ -59,6 +65,10 @@ int main(int argc, char** argv) {
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.log_level = absl::GetFlag(FLAGS_log_level);
+  options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
+  options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
 
   // Block the stop signals in every thread (gRPC's threads inherit this
   // mask), then wait for them synchronously below.

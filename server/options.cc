@@ -22,6 +22,14 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--threads: ", options.threads, " is not in [0, 4096] (0: all cores)"));
   }
+  if (options.tls_cert.empty() != options.tls_key.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_cert and --tls_key: give both or neither");
+  }
+  if (!options.tls_client_ca.empty() && options.tls_cert.empty()) {
+    return absl::InvalidArgumentError(
+        "--tls_client_ca: needs --tls_cert and --tls_key");
+  }
   if (options.metrics_port < -1 || options.metrics_port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--metrics_port: ", options.metrics_port,

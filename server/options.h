@@ -35,6 +35,17 @@ struct ServerOptions {
   // "info": one access-log line per call on stderr; "warning": only
   // problems (reload failures); "error".
   std::string log_level = "info";
+  // TLS: PEM certificate chain and private key of the server. Both or
+  // neither.
+  std::string tls_cert;
+  std::string tls_key;
+  // Mutual TLS: PEM CA certificates; clients must present a certificate
+  // signed by one of them. Needs tls_cert.
+  std::string tls_client_ca;
+  // File of accepted bearer tokens, one per line ('#' starts a comment).
+  // When set, every call but health checks needs the metadata
+  // `authorization: Bearer <token>`.
+  std::string auth_token_file;
   // Model repository folder: NAME/config.pbtxt and NAME/weights.safetensors
   // per model. Empty: no models (weights come with each request).
   std::string model_repository;

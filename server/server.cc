@@ -35,7 +35,14 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   // replaced by measurements as calls complete.
   server->cost_model_ = std::make_unique<CostModel>(20e9 * threads);
   server->metrics_ = std::make_unique<Metrics>();
+  if (!options.auth_token_file.empty()) {
+    ATTN_ASSIGN_OR_RETURN(
+        server->auth_, TokenAuthenticator::FromFile(options.auth_token_file));
+  }
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                        ServerCredentialsFor(options));
   ServiceConfig config;
+  config.auth = server->auth_.get();
   config.metrics = server->metrics_.get();
   config.access_log = options.log_level == "info";
   config.models = server->models_.get();
@@ -46,8 +53,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   server->service_ = std::make_unique<AttentionServiceImpl>(config);
   grpc::ServerBuilder builder;
   const std::string address = ListenAddress(options.host, options.port);
-  builder.AddListeningPort(address, grpc::InsecureServerCredentials(),
-                           &server->port_);
+  builder.AddListeningPort(address, credentials, &server->port_);
   const int max_bytes = options.max_message_mb * 1024 * 1024;
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);

@@ -55,6 +55,7 @@ class AttnServer {
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<CostModel> cost_model_;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<TokenAuthenticator> auth_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsServer> metrics_server_;

@@ -1,0 +1,103 @@
+#include "server/auth.h"
+
+#include <fstream>
+#include <iterator>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "grpcpp/security/server_credentials.h"
+
+namespace attnserve {
+namespace {
+
+// Equal in time that depends only on the lengths, not on where they differ.
+bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  }
+  return diff == 0;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> ReadFileForFlag(const std::string& path,
+                                            absl::string_view flag) {
+  std::ifstream stream(path, std::ios::binary);
+  if (!stream) {
+    return absl::NotFoundError(
+        absl::StrCat(flag, ": cannot read '", path, "'"));
+  }
+  return std::string((std::istreambuf_iterator<char>(stream)),
+                     std::istreambuf_iterator<char>());
+}
+
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
+    const ServerOptions& options) {
+  if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();
+  auto cert = ReadFileForFlag(options.tls_cert, "--tls_cert");
+  if (!cert.ok()) return cert.status();
+  auto key = ReadFileForFlag(options.tls_key, "--tls_key");
+  if (!key.ok()) return key.status();
+  grpc::SslServerCredentialsOptions ssl(
+      options.tls_client_ca.empty()
+          ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+          : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  if (!options.tls_client_ca.empty()) {
+    auto ca = ReadFileForFlag(options.tls_client_ca, "--tls_client_ca");
+    if (!ca.ok()) return ca.status();
+    ssl.pem_root_certs = *ca;
+  }
+  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  return grpc::SslServerCredentials(ssl);
+}
+
+absl::StatusOr<std::unique_ptr<TokenAuthenticator>>
+TokenAuthenticator::FromFile(const std::string& path) {
+  auto text = ReadFileForFlag(path, "--auth_token_file");
+  if (!text.ok()) return text.status();
+  std::vector<std::string> tokens;
+  std::istringstream lines(*text);
+  std::string line;
+  while (std::getline(lines, line)) {
+    absl::string_view token = absl::StripAsciiWhitespace(line);
+    if (token.empty() || token[0] == '#') continue;
+    tokens.emplace_back(token);
+  }
+  if (tokens.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth_token_file: '", path, "' holds no token"));
+  }
+  return std::make_unique<TokenAuthenticator>(std::move(tokens));
+}
+
+TokenAuthenticator::TokenAuthenticator(std::vector<std::string> tokens)
+    : tokens_(std::move(tokens)) {}
+
+absl::Status TokenAuthenticator::Check(
+    const grpc::ServerContextBase& context) const {
+  const auto& metadata = context.client_metadata();
+  auto it = metadata.find("authorization");
+  if (it == metadata.end()) {
+    return absl::UnauthenticatedError(
+        "authorization: missing, expected 'Bearer <token>'");
+  }
+  absl::string_view value(it->second.data(), it->second.size());
+  if (!absl::ConsumePrefix(&value, "Bearer ")) {
+    return absl::UnauthenticatedError(
+        "authorization: expected 'Bearer <token>'");
+  }
+  // Every token is compared, so the time does not tell which one matched.
+  bool accepted = false;
+  for (const std::string& token : tokens_) {
+    accepted |= ConstantTimeEquals(value, token);
+  }
+  if (!accepted) {
+    return absl::UnauthenticatedError("authorization: token not accepted");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,45 @@
+// Bearer-token authentication and TLS server credentials.
+//
+// Thread-safety: TokenAuthenticator is immutable after construction and may
+// be used from any thread.
+#ifndef ATTNSERVE_SERVER_AUTH_H_
+#define ATTNSERVE_SERVER_AUTH_H_
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_context.h"
+#include "server/options.h"
+
+namespace attnserve {
+
+// The contents of `path`, or NOT_FOUND naming the flag and the file.
+absl::StatusOr<std::string> ReadFileForFlag(const std::string& path,
+                                            absl::string_view flag);
+
+// Insecure credentials, or TLS (and mutual TLS) from the options' files.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
+    const ServerOptions& options);
+
+class TokenAuthenticator {
+ public:
+  // Reads one token per line; blank lines and '#' comments are skipped.
+  static absl::StatusOr<std::unique_ptr<TokenAuthenticator>> FromFile(
+      const std::string& path);
+  explicit TokenAuthenticator(std::vector<std::string> tokens);
+
+  // OK if the call carries `authorization: Bearer <token>` with an accepted
+  // token, else UNAUTHENTICATED. Tokens are compared in constant time.
+  absl::Status Check(const grpc::ServerContextBase& context) const;
+
+ private:
+  std::vector<std::string> tokens_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_AUTH_H_
