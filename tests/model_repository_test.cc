@@ -2,10 +2,14 @@
 // models with the file and the problem, atomic reloads, and the model RPCs.
 #include "server/model_repository.h"
 
+#include <atomic>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
@@ -219,6 +223,41 @@ TEST(ModelRepositoryTest, ModelDefaultsApplyWhenTheRequestIsSilent) {
   ASSERT_TRUE(HandleMultiHeadAttend(by_default, &models, &a).ok());
   ASSERT_TRUE(HandleMultiHeadAttend(explicit_request, &models, &b).ok());
   EXPECT_EQ(a.output().raw_data(), b.output().raw_data());
+}
+
+TEST(ModelRepositoryTest, ReloadUnderLoadLosesNoCall) {
+  TempRepository repo;
+  repo.Write("m", kConfig, StateDict(1));
+  ServerOptions options;
+  options.model_repository = repo.root();
+  TestServer server(options);
+  std::atomic<bool> stop{false};
+  std::atomic<int> ok{0}, failed{0};
+  std::vector<std::thread> callers;
+  for (int t = 0; t < 4; ++t) {
+    callers.emplace_back([&, t] {
+      AttnClient client = server.MakeClient();
+      v1::MultiHeadAttendRequest request = QueryRequest(10 + t);
+      request.set_model("m");
+      while (!stop.load()) {
+        if (client.MultiHeadAttend(request).ok()) {
+          ++ok;
+        } else {
+          ++failed;
+        }
+      }
+    });
+  }
+  // Five reloads with other weights while the callers run.
+  for (int i = 0; i < 5; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));
+    repo.Write("m", kConfig, StateDict(20 + i));
+    ASSERT_TRUE(server.ReloadModels().ok());
+  }
+  stop = true;
+  for (std::thread& caller : callers) caller.join();
+  EXPECT_EQ(failed.load(), 0);
+  EXPECT_GT(ok.load(), 20);
 }
 
 TEST(ModelRepositoryTest, ListAndMetadataRpcs) {

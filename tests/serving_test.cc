@@ -199,6 +199,33 @@ TEST(ServingTest, MetricsPageCountsCallsByRpcAndCode) {
   }
 }
 
+TEST(ServingTest, HealthWatchersSeeNotServingWhenTheServerDrains) {
+  TestServer server;
+  auto channel =
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(20));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service("attnserve.v1.AttentionService");
+  auto watch = health->Watch(&context, request);
+  grpc::health::v1::HealthCheckResponse status;
+  ASSERT_TRUE(watch->Read(&status));
+  EXPECT_EQ(status.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  std::thread drain([&] { server.server().Shutdown(absl::Seconds(5)); });
+  bool saw_not_serving = false;
+  while (watch->Read(&status)) {
+    if (status.status() == grpc::health::v1::HealthCheckResponse::NOT_SERVING) {
+      saw_not_serving = true;
+      break;
+    }
+  }
+  context.TryCancel();
+  drain.join();
+  EXPECT_TRUE(saw_not_serving);
+}
+
 TEST(ServingTest, OversizedTensorIsRefusedBeforeAllocation) {
   ServerOptions options;
   options.max_tensor_elements = 1000;

@@ -58,6 +58,8 @@ class TestServer {
   explicit TestServer(ServerOptions options = {});
   int port() const { return server_->port(); }
   int metrics_port() const { return server_->metrics_port(); }
+  absl::Status ReloadModels() { return server_->ReloadModels(); }
+  AttnServer& server() { return *server_; }
   std::string target() const;
   AttnClient MakeClient() const;
 
