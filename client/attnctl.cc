@@ -12,8 +12,6 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <fstream>
-#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -26,6 +24,7 @@
 #include "client/client.h"
 #include "client/requests.h"
 #include "core/convert.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 
@@ -94,13 +93,7 @@ struct AttnctlOptions {
 absl::StatusOr<std::string> FlagFile(const std::string& path,
                                      absl::string_view flag) {
   if (path.empty()) return std::string();
-  std::ifstream stream(path, std::ios::binary);
-  if (!stream) {
-    return absl::NotFoundError(
-        absl::StrCat(flag, ": cannot read '", path, "'"));
-  }
-  return std::string((std::istreambuf_iterator<char>(stream)),
-                     std::istreambuf_iterator<char>());
+  return ReadFileToString(path, flag);
 }
 
 absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {

@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "absl/strings/str_cat.h"
+#include "core/files.h"
 #include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -146,15 +147,7 @@ absl::StatusOr<SafetensorsFile> ParseSafetensors(absl::string_view bytes,
 }
 
 absl::StatusOr<SafetensorsFile> ReadSafetensors(const std::string& path) {
-  std::ifstream stream(path, std::ios::binary);
-  if (!stream) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open for reading"));
-  }
-  const std::string bytes((std::istreambuf_iterator<char>(stream)),
-                          std::istreambuf_iterator<char>());
-  if (stream.bad()) {
-    return absl::DataLossError(absl::StrCat(path, ": read failed"));
-  }
+  ATTN_ASSIGN_OR_RETURN(std::string bytes, ReadFileToString(path, path));
   return ParseSafetensors(bytes, path);
 }
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
+#include "core/files.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace attnserve {
@@ -23,30 +24,19 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 
 }  // namespace
 
-absl::StatusOr<std::string> ReadFileForFlag(const std::string& path,
-                                            absl::string_view flag) {
-  std::ifstream stream(path, std::ios::binary);
-  if (!stream) {
-    return absl::NotFoundError(
-        absl::StrCat(flag, ": cannot read '", path, "'"));
-  }
-  return std::string((std::istreambuf_iterator<char>(stream)),
-                     std::istreambuf_iterator<char>());
-}
-
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
     const ServerOptions& options) {
   if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();
-  auto cert = ReadFileForFlag(options.tls_cert, "--tls_cert");
+  auto cert = ReadFileToString(options.tls_cert, "--tls_cert");
   if (!cert.ok()) return cert.status();
-  auto key = ReadFileForFlag(options.tls_key, "--tls_key");
+  auto key = ReadFileToString(options.tls_key, "--tls_key");
   if (!key.ok()) return key.status();
   grpc::SslServerCredentialsOptions ssl(
       options.tls_client_ca.empty()
           ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
           : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   if (!options.tls_client_ca.empty()) {
-    auto ca = ReadFileForFlag(options.tls_client_ca, "--tls_client_ca");
+    auto ca = ReadFileToString(options.tls_client_ca, "--tls_client_ca");
     if (!ca.ok()) return ca.status();
     ssl.pem_root_certs = *ca;
   }
@@ -56,7 +46,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
 
 absl::StatusOr<std::unique_ptr<TokenAuthenticator>>
 TokenAuthenticator::FromFile(const std::string& path) {
-  auto text = ReadFileForFlag(path, "--auth_token_file");
+  auto text = ReadFileToString(path, "--auth_token_file");
   if (!text.ok()) return text.status();
   std::vector<std::string> tokens;
   std::istringstream lines(*text);

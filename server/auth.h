@@ -17,10 +17,6 @@
 
 namespace attnserve {
 
-// The contents of `path`, or NOT_FOUND naming the flag and the file.
-absl::StatusOr<std::string> ReadFileForFlag(const std::string& path,
-                                            absl::string_view flag);
-
 // Insecure credentials, or TLS (and mutual TLS) from the options' files.
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
     const ServerOptions& options);

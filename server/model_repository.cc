@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "google/protobuf/io/tokenizer.h"
@@ -34,12 +35,7 @@ class FirstError : public google::protobuf::io::ErrorCollector {
 };
 
 absl::StatusOr<v1::ModelConfig> ReadConfig(const std::string& path) {
-  std::ifstream stream(path);
-  if (!stream) {
-    return absl::NotFoundError(absl::StrCat(path, ": cannot open"));
-  }
-  const std::string text((std::istreambuf_iterator<char>(stream)),
-                         std::istreambuf_iterator<char>());
+  ATTN_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path, path));
   v1::ModelConfig config;
   google::protobuf::TextFormat::Parser parser;
   FirstError errors;
