@@ -26,6 +26,7 @@ if [[ $quick -eq 0 ]]; then
   cmake --build "$root/build-asan" -j"$jobs"
   (cd "$root/build-asan" &&
     ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+    LSAN_OPTIONS=suppressions="$root/tests/lsan.supp" \
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     ctest --output-on-failure -j"$jobs" --timeout 600)
 fi
