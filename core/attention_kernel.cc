@@ -162,6 +162,37 @@ BlockOperands OperandsOf(const AttentionProblem& p, const Block& blk) {
              blk.h * p.value_layout.head_stride)};
 }
 
+// The block's raw Q*K^T for keys j0 .. j0 + cols, into `logits` (rows
+// `ldc` apart).
+absl::Status BlockLogits(const AttentionProblem& p, const Block& blk,
+                         const BlockOperands& in, int64_t j0, int64_t cols,
+                         int64_t ldc, float* logits, TileGemms& gemms) {
+  const DType t = p.operand_dtype;
+  const TileGemmShape qk{blk.rows,
+                         cols,
+                         p.key_dim,
+                         p.query_layout.row_stride,
+                         p.key_layout.row_stride,
+                         ldc,
+                         true,
+                         false,
+                         t};
+  return gemms.Run(qk, in.q, At(in.k, t, j0 * p.key_layout.row_stride), logits);
+}
+
+// acc += probabilities (rows `ld` apart, operand dtype) * V for keys
+// j0 .. j0 + cols.
+absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
+                              const BlockOperands& in, int64_t j0, int64_t cols,
+                              const void* probs, int64_t ld, float* acc,
+                              TileGemms& gemms) {
+  const DType t = p.operand_dtype;
+  const TileGemmShape pv{
+      blk.rows,    p.value_dim, cols, ld, p.value_layout.row_stride,
+      p.value_dim, false,       true, t};
+  return gemms.Run(pv, probs, At(in.v, t, j0 * p.value_layout.row_stride), acc);
+}
+
 // out rows = acc rows * scale[r] (zero where scale is 0), in the output's
 // dtype.
 void WriteOutput(const AttentionProblem& p, const RowOps& ops, const Block& blk,
@@ -202,17 +233,8 @@ absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
   const int64_t visible = VisibleKeys(p, blk);
   for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, visible - j0);
-    TileGemmShape qk{blk.rows,
-                     cols,
-                     p.key_dim,
-                     p.query_layout.row_stride,
-                     p.key_layout.row_stride,
-                     kKeyBlock,
-                     true,
-                     false,
-                     t};
     absl::Status s =
-        gemms.Run(qk, in.q, At(in.k, t, j0 * p.key_layout.row_stride), logits);
+        BlockLogits(p, blk, in, j0, cols, kKeyBlock, logits, gemms);
     if (!s.ok()) return s;
     // Without masks or a causal cut in this block, the multiplier is folded
     // into the exponent: the row is read once for its max and once for exp.
@@ -246,10 +268,7 @@ absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
     }
     const void* probs = bf16 ? static_cast<const void*>(buf.probs_bf16.get())
                              : static_cast<const void*>(logits);
-    TileGemmShape pv{
-        blk.rows, dv,    cols, kKeyBlock, p.value_layout.row_stride,
-        dv,       false, true, t};
-    s = gemms.Run(pv, probs, At(in.v, t, j0 * p.value_layout.row_stride), acc);
+    s = AccumulateValues(p, blk, in, j0, cols, probs, kKeyBlock, acc, gemms);
     if (!s.ok()) return s;
   }
   // A row with no key left keeps its zeros.
@@ -274,17 +293,7 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
   const int64_t visible = VisibleKeys(p, blk);
   for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, visible - j0);
-    TileGemmShape qk{blk.rows,
-                     cols,
-                     p.key_dim,
-                     p.query_layout.row_stride,
-                     p.key_layout.row_stride,
-                     lk,
-                     true,
-                     false,
-                     t};
-    absl::Status s = gemms.Run(
-        qk, in.q, At(in.k, t, j0 * p.key_layout.row_stride), weights + j0);
+    absl::Status s = BlockLogits(p, blk, in, j0, cols, lk, weights + j0, gemms);
     if (!s.ok()) return s;
   }
   for (int64_t r = 0; r < blk.rows; ++r) {
@@ -309,10 +318,8 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
   std::fill(acc, acc + blk.rows * dv, 0.0f);
   for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, visible - j0);
-    TileGemmShape pv{blk.rows, dv,    cols, lk, p.value_layout.row_stride,
-                     dv,       false, true, t};
-    absl::Status s = gemms.Run(
-        pv, At(probs, t, j0), At(in.v, t, j0 * p.value_layout.row_stride), acc);
+    absl::Status s = AccumulateValues(p, blk, in, j0, cols, At(probs, t, j0),
+                                      lk, acc, gemms);
     if (!s.ok()) return s;
   }
   std::fill(buf.row_sum.get(), buf.row_sum.get() + blk.rows, 1.0f);
