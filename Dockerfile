@@ -33,5 +33,7 @@ COPY --from=build /src/build/bin/attnserve /src/build/bin/attnctl /usr/local/bin
 COPY --from=build /src/build/models /models
 USER attnserve
 EXPOSE 50051 9090
-ENTRYPOINT ["/usr/local/bin/attnserve"]
-CMD ["--host=0.0.0.0", "--port=50051", "--model_repository=/models"]
+# The demo model stays loaded when `docker run IMAGE --flags` replaces CMD;
+# a later --model_repository overrides this one.
+ENTRYPOINT ["/usr/local/bin/attnserve", "--model_repository=/models"]
+CMD ["--host=0.0.0.0", "--port=50051"]
