@@ -31,7 +31,9 @@ std::string BinDir() {
 }
 
 // The attnserve binary, started with --port=0 on 127.0.0.1; the chosen port
-// is read from its first line of output.
+// is read from its first line of output. The rest of its output (access log
+// included) waits in a pipe until RemainingOutput(): a test makes at most a
+// few hundred calls per server so that the pipe never fills.
 class ServerProcess {
  public:
   explicit ServerProcess(std::vector<std::string> extra_args = {}) {
@@ -40,6 +42,7 @@ class ServerProcess {
     pid_ = fork();
     if (pid_ == 0) {
       dup2(fds[1], STDOUT_FILENO);
+      dup2(fds[1], STDERR_FILENO);
       close(fds[0]);
       close(fds[1]);
       const std::string bin = BinDir() + "/attnserve";
@@ -78,6 +81,19 @@ class ServerProcess {
 
   // Sends `signal` and waits up to `timeout` for the exit; returns the exit
   // status, or -1 if it did not exit in time.
+  // Everything the server wrote after its first line (stdout and stderr),
+  // once it has exited.
+  std::string RemainingOutput() {
+    std::string text;
+    std::array<char, 4096> buffer{};
+    size_t n;
+    while (out_ != nullptr &&
+           (n = std::fread(buffer.data(), 1, buffer.size(), out_)) > 0) {
+      text.append(buffer.data(), n);
+    }
+    return text;
+  }
+
   int StopWith(int signal, std::chrono::seconds timeout) {
     kill(pid_, signal);
     const auto deadline = std::chrono::steady_clock::now() + timeout;
@@ -175,6 +191,30 @@ TEST(BinariesTest, AttnctlReportsServerErrors) {
                             "divisible by num_heads 3"),
             std::string::npos)
       << run.output;
+}
+
+TEST(BinariesTest, AccessLogHasOneLinePerCall) {
+  ServerProcess server;
+  ASSERT_GT(server.port(), 0);
+  const std::string in =
+      GoldensDir() + "/layer_norm_two_trailing_dims_no_affine.safetensors";
+  ASSERT_EQ(RunCommand(absl::StrCat(Attnctl(), " layernorm --target=",
+                                    server.target(), " --in=", in))
+                .exit_code,
+            0);
+  EXPECT_EQ(RunCommand(absl::StrCat(Attnctl(), " layernorm --target=",
+                                    server.target(), " --in=", in, " --eps=-1"))
+                .exit_code,
+            1);
+  ASSERT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(10)), 0);
+  const std::string log = server.RemainingOutput();
+  EXPECT_NE(log.find("access rpc=LayerNorm input=[4, 3, 5, 6] status=OK us="),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("access rpc=LayerNorm input=[4, 3, 5, 6] "
+                     "status=INVALID_ARGUMENT us="),
+            std::string::npos)
+      << log;
 }
 
 TEST(BinariesTest, AttnctlHealth) {
