@@ -6,9 +6,10 @@
 #include <deque>
 #include <limits>
 #include <memory>
+#include <mutex>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include "absl/base/thread_annotations.h"
 #include "core/convert.h"
 #include "core/primitives.h"
 #include "core/row_ops.h"
@@ -101,18 +102,18 @@ class SharedStatus {
  public:
   void Update(absl::Status status) {
     if (status.ok()) return;
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     if (status_.ok()) status_ = std::move(status);
     failed_.store(true, std::memory_order_relaxed);
   }
   bool failed() const { return failed_.load(std::memory_order_relaxed); }
   absl::Status status() {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     return status_;
   }
 
  private:
-  absl::Mutex mu_;
+  std::mutex mu_;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> failed_{false};
 };

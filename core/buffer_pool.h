@@ -11,10 +11,11 @@
 #define ATTNSERVE_CORE_BUFFER_POOL_H_
 
 #include <cstddef>
+#include <mutex>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
-#include "absl/synchronization/mutex.h"
 
 namespace attnserve {
 
@@ -40,7 +41,7 @@ class BufferPool {
 
  private:
   const size_t max_cached_bytes_;
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   absl::flat_hash_map<size_t, std::vector<void*>> free_ ABSL_GUARDED_BY(mu_);
   size_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };

@@ -15,18 +15,19 @@
 #include <cstdint>
 #include <list>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
 #include "core/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -65,7 +66,7 @@ class PrimitiveCache {
  private:
   using Entry = std::pair<std::string, std::shared_ptr<const CachedPrimitive>>;
   const size_t capacity_;
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   std::list<Entry> lru_ ABSL_GUARDED_BY(mu_);  // most recent first
   absl::flat_hash_map<std::string, std::list<Entry>::iterator> index_
       ABSL_GUARDED_BY(mu_);

@@ -11,11 +11,12 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 
 namespace httplib {
@@ -57,7 +58,7 @@ class Metrics {
                               const std::map<std::string, Histogram>& by_rpc,
                               std::string* out);
 
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
   std::map<std::pair<std::string, std::string>, int64_t> calls_
       ABSL_GUARDED_BY(mu_);
   std::map<std::string, Histogram> total_ ABSL_GUARDED_BY(mu_);

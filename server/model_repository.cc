@@ -159,7 +159,7 @@ ModelRepository::ModelRepository(std::string root)
     : root_(std::move(root)), models_(std::make_shared<const ModelMap>()) {}
 
 absl::Status ModelRepository::Reload() {
-  absl::MutexLock reload_lock(&reload_mu_);
+  std::lock_guard<std::mutex> reload_lock(reload_mu_);
   auto loaded = std::make_shared<ModelMap>();
   if (!root_.empty()) {
     std::error_code error;
@@ -177,14 +177,14 @@ absl::Status ModelRepository::Reload() {
       (*loaded)[model->name] = std::move(model);
     }
   }
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   models_ = std::move(loaded);
   return absl::OkStatus();
 }
 
 std::shared_ptr<const ModelRepository::ModelMap> ModelRepository::Snapshot()
     const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return models_;
 }
 

@@ -14,12 +14,13 @@
 
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "absl/synchronization/mutex.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/multi_head_attention.h"
 
@@ -57,8 +58,8 @@ class ModelRepository {
   std::shared_ptr<const ModelMap> Snapshot() const;
 
   const std::string root_;
-  absl::Mutex reload_mu_;  // one reload at a time
-  mutable absl::Mutex mu_;
+  std::mutex reload_mu_;  // one reload at a time
+  mutable std::mutex mu_;
   std::shared_ptr<const ModelMap> models_ ABSL_GUARDED_BY(mu_);
 };
 

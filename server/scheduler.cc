@@ -14,30 +14,34 @@ Scheduler::Scheduler(int max_inflight, int max_queue)
 
 Scheduler::~Scheduler() {
   {
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
+  work_ready_.notify_all();
   for (std::thread& worker : workers_) worker.join();
 }
 
 bool Scheduler::Submit(std::function<void()> work) {
-  absl::MutexLock lock(&mu_);
-  // Room for max_inflight computing and max_queue waiting, no more.
-  if (inflight_ + static_cast<int>(queue_.size()) >=
-      max_inflight_ + max_queue_) {
-    return false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    // Room for max_inflight computing and max_queue waiting, no more.
+    if (inflight_ + static_cast<int>(queue_.size()) >=
+        max_inflight_ + max_queue_) {
+      return false;
+    }
+    queue_.push_back(std::move(work));
   }
-  queue_.push_back(std::move(work));
+  work_ready_.notify_one();
   return true;
 }
 
 int Scheduler::inflight() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return inflight_;
 }
 
 int Scheduler::queued() const {
-  absl::MutexLock lock(&mu_);
+  std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int>(queue_.size());
 }
 
@@ -45,19 +49,15 @@ void Scheduler::WorkerLoop() {
   while (true) {
     std::function<void()> work;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.Await(absl::Condition(
-          +[](Scheduler* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu_) {
-            return s->stopping_ || !s->queue_.empty();
-          },
-          this));
+      std::unique_lock<std::mutex> lock(mu_);
+      work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
       if (queue_.empty()) return;  // stopping, nothing left to run
       work = std::move(queue_.front());
       queue_.pop_front();
       ++inflight_;
     }
     work();
-    absl::MutexLock lock(&mu_);
+    std::lock_guard<std::mutex> lock(mu_);
     --inflight_;
   }
 }

@@ -9,12 +9,14 @@
 #ifndef ATTNSERVE_SERVER_SCHEDULER_H_
 #define ATTNSERVE_SERVER_SCHEDULER_H_
 
+#include <condition_variable>
 #include <deque>
 #include <functional>
+#include <mutex>
 #include <thread>
 #include <vector>
 
-#include "absl/synchronization/mutex.h"
+#include "absl/base/thread_annotations.h"
 
 namespace attnserve {
 
@@ -37,7 +39,8 @@ class Scheduler {
 
   const int max_inflight_;
   const int max_queue_;
-  mutable absl::Mutex mu_;
+  mutable std::mutex mu_;
+  std::condition_variable work_ready_;  // queue_ gained work, or stopping_
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
