@@ -118,11 +118,6 @@ int64_t PrimitiveCache::creations() const {
   return creations_;
 }
 
-size_t PrimitiveCache::size() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return lru_.size();
-}
-
 absl::Status Matmul(const MatmulShape& s, const void* a, const void* b,
                     const float* bias, void* c) {
   if (s.batch == 0 || s.m == 0 || s.n == 0) return absl::OkStatus();

@@ -60,8 +60,6 @@ class PrimitiveCache {
 
   // How many primitives this cache has created since start-up.
   int64_t creations() const;
-  // How many primitives it holds now.
-  size_t size() const;
 
  private:
   using Entry = std::pair<std::string, std::shared_ptr<const CachedPrimitive>>;

@@ -126,6 +126,4 @@ absl::StatusOr<Tensor> Tensor::Zeros(DType dtype, Shape shape) {
   return t;
 }
 
-void Tensor::Reshape(Shape shape) { shape_ = std::move(shape); }
-
 }  // namespace attnserve

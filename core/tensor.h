@@ -98,8 +98,6 @@ class Tensor {
     return static_cast<const T*>(data());
   }
   TensorView view() const { return TensorView{dtype_, shape_, data()}; }
-  // Keeps the bytes, changes the dims; the element count must not change.
-  void Reshape(Shape shape);
 
  private:
   // Returns the buffer to the BufferPool it came from.

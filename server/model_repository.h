@@ -51,7 +51,6 @@ class ModelRepository {
       absl::string_view name) const;
   // Every model, sorted by name.
   std::vector<std::shared_ptr<const Model>> List() const;
-  const std::string& root() const { return root_; }
 
  private:
   using ModelMap = std::map<std::string, std::shared_ptr<const Model>>;
