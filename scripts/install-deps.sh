@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the Debian bookworm packages that attnserve builds and tests with.
-# Safe to run again: apt-get skips what is already installed.
+# Safe to run again: apt-get skips what is already installed. The Python
+# packages serve the Python client's tests (PyTorch is their reference) and
+# the manifest checks of deploy/.
 set -euo pipefail
 
 # libdnnl-dev's CMake package looks for OpenCL (Debian builds oneDNN with its
@@ -11,6 +13,7 @@ packages=(
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev openssl
   libgtest-dev libgmock-dev googletest libbenchmark-dev
+  python3-grpcio python3-protobuf python3-yaml python3-torch python3-numpy
 )
 
 sudo=""
