@@ -1,0 +1,351 @@
+#!/usr/bin/python3
+"""Tests of the Python client against a live attnserve, PyTorch as reference.
+
+Usage: test_client.py [ATTNSERVE_BINARY] [unittest args], or the binary in
+the environment variable ATTNSERVE_BIN. The attnserve.v1 stubs must be on
+PYTHONPATH.
+"""
+import atexit
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import grpc
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from attnserve_client import (attention_weights, connect,  # noqa: E402
+                              load_safetensors, pb, save_model,
+                              save_safetensors, to_numpy, to_tensor, to_torch)
+
+SERVER_BIN = os.environ.get("ATTNSERVE_BIN", "")
+TOL = dict(rtol=1e-4, atol=1e-4)  # the README's float32 contract
+
+
+class Server:
+    """An attnserve process on a free port of 127.0.0.1."""
+
+    def __init__(self, binary, workdir, *flags):
+        self.stdout = os.path.join(workdir, "server.stdout")
+        self.stderr = os.path.join(workdir, "server.stderr")
+        # Files, not pipes: the access log must never block the server.
+        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
+            self.process = subprocess.Popen(
+                [binary, "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+                 *flags], stdout=out, stderr=err)
+        atexit.register(self.stop)
+        self.target = self._wait_for_address(timeout_s=30)
+
+    def _wait_for_address(self, timeout_s):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with open(self.stdout) as f:
+                for line in f:
+                    if line.startswith("attnserve listening on "):
+                        return line.split()[3]
+            if self.process.poll() is not None:
+                break
+            time.sleep(0.05)
+        self.stop()
+        with open(self.stderr) as f:
+            raise RuntimeError(f"attnserve did not start: {f.read()}")
+
+    def stop(self):
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+
+def sdpa_reference(q, k, v, mask=None, causal=False, scale=None,
+                   temperature=1.0):
+    """Float64 attention with the server's semantics; (output, weights)."""
+    q, k, v = (torch.as_tensor(t, dtype=torch.float64) for t in (q, k, v))
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    logits = q @ k.transpose(-1, -2) * scale / temperature
+    lq, lk = logits.shape[-2:]
+    keep = torch.ones(lq, lk, dtype=torch.bool)
+    if causal:
+        keep = torch.ones(lq, lk).tril().bool()  # top-left aligned
+    if mask is not None:
+        mask = torch.as_tensor(mask)
+        if mask.dtype == torch.bool:
+            keep = keep & mask
+        else:
+            logits = logits + mask.double()
+    logits = logits.masked_fill(~keep, float("-inf"))
+    weights = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # empty rows
+    return (weights @ v).numpy(), weights.numpy()
+
+
+def torch_state(module):
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+class ClientTest(unittest.TestCase):
+
+    @classmethod
+    def setUpClass(cls):
+        torch.manual_seed(0)
+        cls.rng = np.random.default_rng(0)
+        cls.workdir = tempfile.TemporaryDirectory()
+        repository = os.path.join(cls.workdir.name, "models")
+        # batch_first: the server's layout is [B, L, E].
+        cls.mha = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
+        save_model(repository, "mha64", torch_state(cls.mha), num_heads=4,
+                   description="test model, E=64, H=4")
+        cls.server = Server(SERVER_BIN, cls.workdir.name,
+                            f"--model_repository={repository}",
+                            "--threads=2")
+        cls.stub = connect(cls.server.target)
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.stub.channel.close()
+        cls.server.stop()
+        cls.workdir.cleanup()
+
+    def randn(self, *shape):
+        return self.rng.standard_normal(shape, dtype=np.float32)
+
+    def torch_mha(self, module, q, k, v, **kwargs):
+        """The module in float64 on float32 inputs."""
+        double = type(module)(module.embed_dim, module.num_heads,
+                              kdim=module.kdim, vdim=module.vdim,
+                              batch_first=True).double().eval()
+        double.load_state_dict(module.state_dict())
+        with torch.no_grad():
+            out, weights = double(*(torch.from_numpy(t).double()
+                                    for t in (q, k, v)), **kwargs)
+        return out.numpy(), weights.numpy()
+
+    def test_model_self_attention_with_padding(self):
+        x = self.randn(2, 6, 64)
+        padding = np.zeros((2, 6), dtype=bool)
+        padding[1, 4:] = True
+        # The server keeps nonzero positions; PyTorch masks True ones.
+        reply = self.stub.MultiHeadAttend(pb.MultiHeadAttendRequest(
+            model="mha64", query=to_tensor(x),
+            key_padding_mask=to_tensor(~padding), return_weights=True))
+        out, weights = self.torch_mha(
+            self.mha, x, x, x, key_padding_mask=torch.from_numpy(padding),
+            need_weights=True, average_attn_weights=False)
+        self.assertEqual(reply.output.dtype, pb.DATA_TYPE_FLOAT32)
+        np.testing.assert_allclose(to_numpy(reply.output), out, **TOL)
+        self.assertEqual(list(reply.weights.shape), [2, 4, 6, 6])
+        np.testing.assert_allclose(to_numpy(reply.weights), weights, **TOL)
+
+    def test_model_cross_attention_with_mask_and_average(self):
+        q, kv = self.randn(3, 5, 64), self.randn(3, 9, 64)
+        keep = self.rng.random((5, 9)) > 0.3
+        keep[:, 0] = True  # no query without keys: PyTorch would give NaN
+        reply = self.stub.MultiHeadAttend(pb.MultiHeadAttendRequest(
+            model="mha64", query=to_tensor(q), key=to_tensor(kv),
+            attn_mask=to_tensor(keep), return_weights=True,
+            average_weights=True))
+        out, weights = self.torch_mha(
+            self.mha, q, kv, kv, attn_mask=torch.from_numpy(~keep),
+            need_weights=True, average_attn_weights=True)
+        np.testing.assert_allclose(to_numpy(reply.output), out, **TOL)
+        self.assertEqual(list(reply.weights.shape), [3, 5, 9])
+        np.testing.assert_allclose(to_numpy(reply.weights), weights, **TOL)
+
+    def test_model_causal_without_weights(self):
+        x = self.randn(2, 7, 64)
+        reply = self.stub.MultiHeadAttend(pb.MultiHeadAttendRequest(
+            model="mha64", query=to_tensor(x), causal=True))
+        causal = torch.ones(7, 7, dtype=torch.bool).triu(1)
+        out, _ = self.torch_mha(self.mha, x, x, x, attn_mask=causal)
+        np.testing.assert_allclose(to_numpy(reply.output), out, **TOL)
+        self.assertFalse(reply.HasField("weights"))
+
+    def test_inline_fused_weights(self):
+        x = self.randn(2, 6, 64)
+        weights = attention_weights(torch_state(self.mha), num_heads=4)
+        reply = self.stub.MultiHeadAttend(pb.MultiHeadAttendRequest(
+            weights=weights, query=to_tensor(x), return_weights=True))
+        out, probs = self.torch_mha(self.mha, x, x, x, need_weights=True,
+                                    average_attn_weights=False)
+        np.testing.assert_allclose(to_numpy(reply.output), out, **TOL)
+        np.testing.assert_allclose(to_numpy(reply.weights), probs, **TOL)
+
+    def test_inline_separate_projections(self):
+        # kdim != vdim != E: the state_dict has q/k/v_proj_weight and a
+        # fused in_proj_bias, which attention_weights() splits.
+        module = torch.nn.MultiheadAttention(64, 4, kdim=32, vdim=48,
+                                             batch_first=True).eval()
+        with torch.no_grad():
+            module.in_proj_bias.normal_()  # PyTorch initializes it to 0
+        q, k, v = self.randn(2, 5, 64), self.randn(2, 8, 32), \
+            self.randn(2, 8, 48)
+        reply = self.stub.MultiHeadAttend(pb.MultiHeadAttendRequest(
+            weights=attention_weights(torch_state(module), num_heads=4),
+            query=to_tensor(q), key=to_tensor(k), value=to_tensor(v),
+            return_weights=True))
+        out, probs = self.torch_mha(module, q, k, v, need_weights=True,
+                                    average_attn_weights=False)
+        np.testing.assert_allclose(to_numpy(reply.output), out, **TOL)
+        np.testing.assert_allclose(to_numpy(reply.weights), probs, **TOL)
+
+    def attend(self, q, k, v, mask=None, **options):
+        request = pb.AttendRequest(query=to_tensor(q), key=to_tensor(k),
+                                   value=to_tensor(v), return_weights=True,
+                                   **options)
+        if mask is not None:
+            request.attn_mask.CopyFrom(to_tensor(mask))
+        reply = self.stub.Attend(request)
+        return to_numpy(reply.output), to_numpy(reply.weights)
+
+    def test_attend(self):
+        q, k, v = self.randn(2, 3, 5, 16), self.randn(2, 3, 7, 16), \
+            self.randn(2, 3, 7, 24)
+        out, weights = self.attend(q, k, v)
+        ref_out, ref_weights = sdpa_reference(q, k, v)
+        self.assertEqual(out.shape, (2, 3, 5, 24))
+        np.testing.assert_allclose(out, ref_out, **TOL)
+        np.testing.assert_allclose(weights, ref_weights, **TOL)
+
+    def test_attend_causal_scale_temperature(self):
+        q, k, v = self.randn(1, 2, 6, 8), self.randn(1, 2, 4, 8), \
+            self.randn(1, 2, 4, 8)
+        out, weights = self.attend(q, k, v, causal=True, scale=0.5,
+                                   temperature=2.0)
+        ref_out, ref_weights = sdpa_reference(q, k, v, causal=True,
+                                              scale=0.5, temperature=2.0)
+        np.testing.assert_allclose(out, ref_out, **TOL)
+        np.testing.assert_allclose(weights, ref_weights, **TOL)
+        self.assertTrue((weights[..., 0, 1:] == 0).all())
+
+    def test_attend_bool_mask_with_an_empty_row(self):
+        q, k, v = self.randn(2, 4, 8), self.randn(2, 5, 8), \
+            self.randn(2, 5, 8)
+        keep = self.rng.random((4, 5)) > 0.4  # broadcast over the batch
+        keep[2] = False  # a query with no key: zeros, not NaN
+        out, weights = self.attend(q, k, v, keep)
+        ref_out, ref_weights = sdpa_reference(q, k, v, mask=keep)
+        np.testing.assert_allclose(out, ref_out, **TOL)
+        np.testing.assert_allclose(weights, ref_weights, **TOL)
+        self.assertTrue((out[:, 2] == 0).all())
+
+    def test_attend_float_mask(self):
+        q, k, v = self.randn(3, 4, 8), self.randn(3, 6, 8), \
+            self.randn(3, 6, 8)
+        mask = self.randn(3, 4, 6)
+        mask[:, :, 1] = -np.inf
+        out, weights = self.attend(q, k, v, mask)
+        ref_out, ref_weights = sdpa_reference(q, k, v, mask=mask)
+        np.testing.assert_allclose(out, ref_out, **TOL)
+        np.testing.assert_allclose(weights, ref_weights, **TOL)
+
+    def test_attend_bfloat16(self):
+        q, k, v = (torch.randn(2, 5, 16).bfloat16() for _ in range(3))
+        reply = self.stub.Attend(pb.AttendRequest(
+            query=to_tensor(q), key=to_tensor(k), value=to_tensor(v)))
+        self.assertEqual(reply.output.dtype, pb.DATA_TYPE_BFLOAT16)
+        out = to_torch(reply.output)
+        self.assertEqual(out.dtype, torch.bfloat16)
+        ref_out, _ = sdpa_reference(q.float(), k.float(), v.float())
+        np.testing.assert_allclose(out.float().numpy(), ref_out,
+                                   rtol=2e-2, atol=2e-2)
+
+    def test_layer_norm(self):
+        x, gamma, beta = self.randn(3, 4, 10), self.randn(4, 10), \
+            self.randn(4, 10)
+        reply = self.stub.LayerNorm(pb.LayerNormRequest(
+            input=to_tensor(x), gamma=to_tensor(gamma), beta=to_tensor(beta),
+            eps=1e-6, normalized_ndim=2))
+        expected = F.layer_norm(torch.from_numpy(x).double(), (4, 10),
+                                torch.from_numpy(gamma).double(),
+                                torch.from_numpy(beta).double(), eps=1e-6)
+        np.testing.assert_allclose(to_numpy(reply.output), expected, **TOL)
+
+        reply = self.stub.LayerNorm(pb.LayerNormRequest(input=to_tensor(x)))
+        expected = F.layer_norm(torch.from_numpy(x).double(), (10,))
+        np.testing.assert_allclose(to_numpy(reply.output), expected, **TOL)
+
+    def test_bad_shape_is_invalid_argument(self):
+        q, k = self.randn(2, 5, 16), self.randn(2, 5, 8)
+        with self.assertRaises(grpc.RpcError) as caught:
+            self.stub.Attend(pb.AttendRequest(
+                query=to_tensor(q), key=to_tensor(k), value=to_tensor(k)))
+        self.assertEqual(caught.exception.code(),
+                         grpc.StatusCode.INVALID_ARGUMENT)
+        self.assertTrue(caught.exception.details().startswith("key:"),
+                        caught.exception.details())
+        # The server keeps serving.
+        self.stub.LayerNorm(pb.LayerNormRequest(input=to_tensor(q)))
+
+    def test_example_runs(self):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [HERE, os.environ.get("PYTHONPATH", "")]))
+        result = subprocess.run(
+            [sys.executable, os.path.join(HERE, "example.py"),
+             f"--target={self.server.target}", "--model=mha64"],
+            env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("MultiHeadAttend (mha64, 4 heads): output (2, 10, 64)",
+                      result.stdout)
+        self.assertIn("weight on padding 0.0", result.stdout)
+
+
+class HelpersTest(unittest.TestCase):
+    """The conversions and the safetensors writer, without a server."""
+
+    def test_dtypes_round_trip(self):
+        for array in (np.arange(6, dtype=np.float32).reshape(2, 3),
+                      np.array([1.5, -2], dtype=np.float16),
+                      np.array([[True, False]]),
+                      np.arange(4, dtype=np.uint8)):
+            tensor = to_tensor(array)
+            back = to_numpy(tensor)
+            self.assertEqual(back.dtype, array.dtype)
+            np.testing.assert_array_equal(back, array)
+        # float64 travels as FLOAT32; big-endian data is swapped.
+        self.assertEqual(to_tensor(np.zeros(2)).dtype, pb.DATA_TYPE_FLOAT32)
+        big = np.array([1.0, 2.0], dtype=">f4")
+        np.testing.assert_array_equal(to_numpy(to_tensor(big)), [1.0, 2.0])
+        self.assertEqual(to_tensor(big).raw_data,
+                         np.array([1, 2], "<f4").tobytes())
+
+    def test_bfloat16_and_float_data(self):
+        x = torch.tensor([1.0, -0.5, 3.0]).bfloat16()
+        tensor = to_tensor(x)
+        self.assertEqual(tensor.dtype, pb.DATA_TYPE_BFLOAT16)
+        self.assertEqual(len(tensor.raw_data), 6)
+        self.assertTrue(torch.equal(to_torch(tensor), x))
+        np.testing.assert_array_equal(to_numpy(tensor), [1.0, -0.5, 3.0])
+        hand = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=[2],
+                         float_data=[1, 2])
+        np.testing.assert_array_equal(to_numpy(hand), [1, 2])
+
+    def test_safetensors_round_trip(self):
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "t.safetensors")
+            save_safetensors(path, {"a": np.ones((2, 3), np.float32),
+                                    "m": np.array([True, False])},
+                             metadata={"op": "attend"})
+            with open(path, "rb") as f:
+                header_len = int.from_bytes(f.read(8), "little")
+            self.assertEqual(header_len % 8, 0)
+            tensors, metadata = load_safetensors(path)
+        self.assertEqual(metadata, {"op": "attend"})
+        np.testing.assert_array_equal(tensors["a"], np.ones((2, 3)))
+        np.testing.assert_array_equal(tensors["m"], [True, False])
+
+    def test_attention_weights_refuses_unknown_names(self):
+        with self.assertRaisesRegex(ValueError, "bias_k"):
+            attention_weights({"bias_k": torch.zeros(1, 1, 4)}, num_heads=1)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and os.path.isfile(sys.argv[1]):
+        SERVER_BIN = sys.argv.pop(1)
+    if not SERVER_BIN:
+        sys.exit("usage: test_client.py ATTNSERVE_BINARY (or ATTNSERVE_BIN)")
+    unittest.main()
