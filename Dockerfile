@@ -1,6 +1,9 @@
 # attnserve container image.
 #   docker build -t attnserve .
-#   docker run --rm -p 50051:50051 attnserve
+#   docker run --rm --cpus=2 -p 50051:50051 -p 9090:9090 attnserve
+# (podman: `podman build --format docker` keeps the HEALTHCHECK; see
+# deploy/README.md and deploy/container-test.sh.)
+#
 # Build stage: the -dev packages and the compiler (ocl-icd-opencl-dev because
 # Debian's oneDNN CMake package requires OpenCL).
 FROM debian:bookworm-slim AS build
@@ -27,13 +30,23 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libdnnl2 libgomp1 \
       libcpp-httplib0.11 \
- && rm -rf /var/lib/apt/lists/* \
+ && rm -rf /var/lib/apt/lists/* /var/cache/debconf/*-old /var/log/* \
  && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnserve
 COPY --from=build /src/build/bin/attnserve /src/build/bin/attnctl /usr/local/bin/
 COPY --from=build /src/build/models /models
-USER attnserve
+COPY deploy/entrypoint.sh /usr/local/bin/attnserve-entrypoint
+USER 10001:10001
 EXPOSE 50051 9090
+# Compute threads: with the default --threads=0 the server counts the cores
+# it may use (CPU affinity, a cgroup v2 cpu.max quota, OMP_NUM_THREADS); the
+# entry point also turns a cgroup v1 CPU quota (cpu.cfs_quota_us) into
+# OMP_NUM_THREADS, so `--cpus=N` sizes the server on either cgroup version.
+# The health check asks the standard gRPC health service on the default
+# port; a container started with another --port needs its own
+# --health-cmd.
+HEALTHCHECK --interval=10s --timeout=5s --start-period=20s --retries=3 \
+  CMD ["/usr/local/bin/attnctl", "health", "--target=127.0.0.1:50051", "--timeout_s=3"]
 # The demo model stays loaded when `docker run IMAGE --flags` replaces CMD;
 # a later --model_repository overrides this one.
-ENTRYPOINT ["/usr/local/bin/attnserve", "--model_repository=/models"]
+ENTRYPOINT ["/usr/local/bin/attnserve-entrypoint", "--model_repository=/models"]
 CMD ["--host=0.0.0.0", "--port=50051"]
