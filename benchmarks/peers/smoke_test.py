@@ -65,6 +65,8 @@ class PeerSmokeTest(unittest.TestCase):
         repository = os.path.join(cls.workdir.name, "models")
         cls.mha = torch.nn.MultiheadAttention(64, 4, batch_first=True)
         save_model(repository, "mha64", cls.mha.state_dict(), num_heads=4)
+        save_model(repository, "mha64_bf16", cls.mha.state_dict(),
+                   num_heads=4, compute_dtype=pb.DATA_TYPE_BFLOAT16)
         cls.servers = [
             Process([SERVER_BIN, "--host=127.0.0.1", "--port=0",
                      "--metrics_port=-1", f"--model_repository={repository}"],
@@ -120,6 +122,20 @@ class PeerSmokeTest(unittest.TestCase):
         self.both("MultiHeadAttend", pb.MultiHeadAttendRequest(
             model="mha64", query=to_tensor(self.randn(4, 64)),
             return_weights=True))
+
+    def test_bfloat16(self):
+        bf16 = dict(rtol=2e-2, atol=2e-2)
+        x = self.randn(2, 6, 64)
+        self.both("MultiHeadAttend", pb.MultiHeadAttendRequest(
+            model="mha64_bf16", query=to_tensor(x), return_weights=True),
+            tol=bf16)
+        self.both("MultiHeadAttend", pb.MultiHeadAttendRequest(
+            model="mha64_bf16",
+            query=to_tensor(torch.from_numpy(x).bfloat16())), tol=bf16)
+        weights = attention_weights(self.mha.state_dict(), num_heads=4)
+        self.both("MultiHeadAttend", pb.MultiHeadAttendRequest(
+            weights=weights, query=to_tensor(x), compute_bf16=True),
+            tol=bf16)
 
     def test_inline_weights(self):
         module = torch.nn.MultiheadAttention(32, 2, kdim=16, vdim=24)

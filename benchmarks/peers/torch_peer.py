@@ -333,6 +333,12 @@ class Layer:
             if t.shape[-1] != width:
                 raise invalid(f"{field}: last dim {t.shape[-1]} != "
                               f"projection input dim {width}")
+        if padding is not None:
+            expected = tuple(key.shape[:-1])  # [B, Lk], or [Lk] unbatched
+            if tuple(padding.shape) != expected:
+                raise invalid(f"key_padding_mask: shape "
+                              f"{shape_str(padding.shape)}, expected "
+                              f"{shape_str(expected)}")
         if unbatched:
             query, key, value = (t.unsqueeze(0) for t in (query, key, value))
             if padding is not None:
@@ -370,10 +376,6 @@ class Layer:
                 attn_mask = attn_mask.unsqueeze(1)  # shared by the heads
             masks.append((attn_mask, "attn_mask"))
         if padding is not None:
-            if tuple(padding.shape) != (b, lk):
-                raise invalid(f"key_padding_mask: shape "
-                              f"{shape_str(padding.shape)}, expected "
-                              f"{shape_str((b, lk))}")
             masks.append((padding.view(b, 1, 1, lk), "key_padding_mask"))
         causal = request.causal or default_causal
         heads, probs = attention(q, k, v, c, scale, temperature, masks,
