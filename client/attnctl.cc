@@ -5,6 +5,9 @@
 //           [--out=RESULT.safetensors] [operation flags]
 //   attnctl health --target=HOST:PORT [--service=NAME]
 //   attnctl models --target=HOST:PORT [--model=NAME]
+//   attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm [shape flags
+//           or --in=FILE] [--concurrency=N --connections=M | --rate=R]
+//           [--duration_s=S | --requests=N] [--sweep=concurrency=1,2,4]
 //
 // Operation parameters come from the flags, else from the input file's
 // __metadata__ (causal, scale, temperature, num_heads, eps,
@@ -21,6 +24,9 @@
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "client/bench/command.h"
+#include "client/bench/load.h"
+#include "client/bench/workload.h"
 #include "client/client.h"
 #include "client/requests.h"
 #include "core/convert.h"
@@ -60,6 +66,48 @@ ABSL_FLAG(std::optional<int>, normalized_ndim, std::nullopt,
           "layernorm: trailing dims normalized (default 1).");
 ABSL_FLAG(std::string, service, "",
           "health: service to check (empty: the whole server).");
+ABSL_FLAG(std::string, service_config, "",
+          "JSON file with a gRPC service config (load balancing policy, "
+          "retry policy), e.g. round_robin over an ipv4:A,B,C target.");
+ABSL_FLAG(std::string, rpc, "",
+          "bench: attend, mha, layernorm, or health (an empty gRPC health "
+          "Check, the baseline of a call that computes nothing).");
+ABSL_FLAG(int64_t, batch, 1, "bench: batch size of synthetic requests.");
+ABSL_FLAG(int64_t, seq, 128,
+          "bench: query length (layernorm: rows per batch entry; 0 sends "
+          "[batch, dim]).");
+ABSL_FLAG(int64_t, kv_seq, 0, "bench: key/value length (0: --seq).");
+ABSL_FLAG(int64_t, dim, 0,
+          "bench: attend head dim (default 64), mha embedding dim (default "
+          "512), layernorm normalized dim (default 512).");
+ABSL_FLAG(int64_t, heads, 8, "bench: attend and mha heads.");
+ABSL_FLAG(std::string, dtype, "f32",
+          "bench: element type of synthetic inputs: f32, bf16 or f16.");
+ABSL_FLAG(int, concurrency, 1,
+          "bench: calls in flight (closed loop), or the cap on outstanding "
+          "calls (open loop).");
+ABSL_FLAG(int, connections, 1,
+          "bench: channels, each with its own connection.");
+ABSL_FLAG(double, rate, 0,
+          "bench: > 0 runs open loop at this many requests per second.");
+ABSL_FLAG(std::string, arrival, "constant",
+          "bench: open-loop spacing of sends: constant or poisson.");
+ABSL_FLAG(double, duration_s, 10, "bench: measured seconds.");
+ABSL_FLAG(int64_t, requests, 0,
+          "bench: > 0 measures exactly this many calls instead.");
+ABSL_FLAG(double, warmup_s, 1, "bench: seconds sent first and not counted.");
+ABSL_FLAG(double, late_ms, 1,
+          "bench: an open-loop send this late counts as late.");
+ABSL_FLAG(std::string, format, "text", "bench: report as text, json or csv.");
+ABSL_FLAG(std::string, sweep, "",
+          "bench: concurrency=1,2,4,... or rate=R1,R2,...: one run per value "
+          "and a throughput-versus-latency table.");
+ABSL_FLAG(std::string, plot, "",
+          "bench: with --sweep, write latency percentiles against "
+          "throughput to this SVG file.");
+ABSL_FLAG(std::string, save_request, "",
+          "bench: write the request as a gRPC-framed HTTP/2 body (for h2load "
+          "-d).");
 
 namespace attnserve {
 namespace {
@@ -87,7 +135,19 @@ struct AttnctlOptions {
   std::string model;
   // health: the service to check; empty: the whole server.
   std::string service;
+  // bench: the operation (--rpc), synthetic shapes and the load test.
+  std::string rpc;
+  SyntheticShape shape;
+  BenchCommandOptions bench;
 };
+
+absl::StatusOr<DType> ParseDtypeFlag(absl::string_view name) {
+  if (name == "f32") return DType::kFloat32;
+  if (name == "bf16") return DType::kBFloat16;
+  if (name == "f16") return DType::kFloat16;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--dtype: '", name, "' is not one of f32, bf16, f16"));
+}
 
 // The contents of the file a flag names ("" for an empty flag).
 absl::StatusOr<std::string> FlagFile(const std::string& path,
@@ -122,6 +182,32 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.compute_bf16 = absl::GetFlag(FLAGS_compute_bf16);
   options.model = absl::GetFlag(FLAGS_model);
   options.service = absl::GetFlag(FLAGS_service);
+  ATTN_ASSIGN_OR_RETURN(
+      options.client.service_config_json,
+      FlagFile(absl::GetFlag(FLAGS_service_config), "--service_config"));
+  options.rpc = absl::GetFlag(FLAGS_rpc);
+  options.shape.batch = absl::GetFlag(FLAGS_batch);
+  options.shape.seq = absl::GetFlag(FLAGS_seq);
+  options.shape.kv_seq = absl::GetFlag(FLAGS_kv_seq);
+  options.shape.dim = absl::GetFlag(FLAGS_dim);
+  options.shape.heads = absl::GetFlag(FLAGS_heads);
+  ATTN_ASSIGN_OR_RETURN(options.shape.dtype,
+                        ParseDtypeFlag(absl::GetFlag(FLAGS_dtype)));
+  LoadOptions& load = options.bench.load;
+  load.concurrency = absl::GetFlag(FLAGS_concurrency);
+  load.connections = absl::GetFlag(FLAGS_connections);
+  load.rate = absl::GetFlag(FLAGS_rate);
+  ATTN_ASSIGN_OR_RETURN(load.arrival,
+                        ParseArrival(absl::GetFlag(FLAGS_arrival)));
+  load.duration = absl::Seconds(absl::GetFlag(FLAGS_duration_s));
+  load.requests = absl::GetFlag(FLAGS_requests);
+  load.warmup = absl::Seconds(absl::GetFlag(FLAGS_warmup_s));
+  load.late_threshold = absl::Milliseconds(absl::GetFlag(FLAGS_late_ms));
+  ATTN_ASSIGN_OR_RETURN(options.bench.format,
+                        ParseReportFormat(absl::GetFlag(FLAGS_format)));
+  options.bench.sweep = absl::GetFlag(FLAGS_sweep);
+  options.bench.plot_path = absl::GetFlag(FLAGS_plot);
+  options.bench.save_request_path = absl::GetFlag(FLAGS_save_request);
   return options;
 }
 
@@ -143,8 +229,12 @@ absl::Status ValidateOptions(const AttnctlOptions& options) {
         absl::StrCat("--max_message_mb: ", options.client.max_message_mb,
                      " is not in [1, 2047]"));
   }
+  if (options.command == "bench" && options.rpc.empty()) {
+    return absl::InvalidArgumentError(
+        "--rpc: missing (attend, mha or layernorm)");
+  }
   if (options.command != "health" && options.command != "models" &&
-      options.in_path.empty()) {
+      options.command != "bench" && options.in_path.empty()) {
     return absl::InvalidArgumentError("--in: missing (a .safetensors file)");
   }
   return absl::OkStatus();
@@ -245,12 +335,42 @@ absl::Status RunModels(const AttnctlOptions& options) {
   return absl::OkStatus();
 }
 
+// The bench request: from --in (with its metadata) or synthetic shapes.
+absl::StatusOr<Workload> BenchWorkload(const AttnctlOptions& options) {
+  // The cheapest call the server answers: a baseline for the others.
+  if (options.rpc == "health") return HealthCheckWorkload();
+  ATTN_ASSIGN_OR_RETURN(Operation op, ParseOperation(options.rpc));
+  if (!options.in_path.empty()) {
+    ATTN_ASSIGN_OR_RETURN(SafetensorsFile file,
+                          ReadSafetensors(options.in_path));
+    ATTN_ASSIGN_OR_RETURN(OpParams params, Params(options, file));
+    return MakeWorkload(op, ViewsOf(file.tensors), params);
+  }
+  ATTN_ASSIGN_OR_RETURN(
+      NamedTensors tensors,
+      SyntheticTensors(op, options.shape, !options.model.empty()));
+  SafetensorsFile no_file;
+  ATTN_ASSIGN_OR_RETURN(OpParams params, Params(options, no_file));
+  if (op == Operation::kMultiHeadAttend && options.model.empty()) {
+    params.num_heads = static_cast<int>(options.shape.heads);
+  }
+  return MakeWorkload(op, ViewsOf(tensors), params);
+}
+
+absl::Status RunBench(const AttnctlOptions& options) {
+  ATTN_ASSIGN_OR_RETURN(const Workload workload, BenchWorkload(options));
+  BenchCommandOptions bench = options.bench;
+  bench.load.client = options.client;
+  return RunBenchCommand(workload, bench, stdout, stderr);
+}
+
 absl::Status Run(const std::string& command) {
   ATTN_ASSIGN_OR_RETURN(const AttnctlOptions options,
                         OptionsFromFlags(command));
   ATTN_RETURN_IF_ERROR(ValidateOptions(options));
   if (options.command == "health") return RunHealth(options);
   if (options.command == "models") return RunModels(options);
+  if (options.command == "bench") return RunBench(options);
   return RunOperation(options);
 }
 
@@ -262,7 +382,13 @@ int main(int argc, char** argv) {
       "attnctl attend|mha|layernorm --target=HOST:PORT --in=FILE.safetensors "
       "[--out=FILE.safetensors] [flags]\n"
       "attnctl health --target=HOST:PORT [--service=NAME]\n"
-      "attnctl models --target=HOST:PORT [--model=NAME]");
+      "attnctl models --target=HOST:PORT [--model=NAME]\n"
+      "attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm "
+      "[--batch --seq --kv_seq --dim --heads --dtype | --in=FILE] "
+      "[--model=NAME] [--concurrency=N --connections=M | --rate=R "
+      "--arrival=constant|poisson] [--duration_s=S | --requests=N] "
+      "[--warmup_s=S] [--format=text|json|csv] [--sweep=concurrency=1,2,4 "
+      "--plot=FILE.svg]");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (args.size() != 2) {
     std::fprintf(stderr, "%s\n", absl::ProgramUsageMessage().data());
@@ -270,7 +396,7 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   if (command != "health" && command != "models" && command != "attend" &&
-      command != "mha" && command != "layernorm") {
+      command != "mha" && command != "layernorm" && command != "bench") {
     std::fprintf(stderr, "attnctl: unknown command '%s'\n%s\n", command.c_str(),
                  absl::ProgramUsageMessage().data());
     return 2;

@@ -16,11 +16,16 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
                       status.error_message());
 }
 
-AttnClient::AttnClient(const ClientOptions& options) : options_(options) {
+std::shared_ptr<grpc::Channel> CreateChannel(const ClientOptions& options,
+                                             bool own_connection) {
   grpc::ChannelArguments args;
   const int max_bytes = options.max_message_mb * 1024 * 1024;
   args.SetMaxReceiveMessageSize(max_bytes);
   args.SetMaxSendMessageSize(max_bytes);
+  if (!options.service_config_json.empty()) {
+    args.SetServiceConfigJSON(options.service_config_json);
+  }
+  if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       grpc::InsecureChannelCredentials();
   if (!options.tls_ca_pem.empty() || !options.tls_cert_pem.empty()) {
@@ -30,7 +35,20 @@ AttnClient::AttnClient(const ClientOptions& options) : options_(options) {
     ssl.pem_private_key = options.tls_key_pem;
     credentials = grpc::SslCredentials(ssl);
   }
-  channel_ = grpc::CreateCustomChannel(options.target, credentials, args);
+  return grpc::CreateCustomChannel(options.target, credentials, args);
+}
+
+void PrepareContext(const ClientOptions& options,
+                    grpc::ClientContext* context) {
+  context->set_deadline(std::chrono::system_clock::now() +
+                        absl::ToChronoMicroseconds(options.timeout));
+  if (!options.token.empty()) {
+    context->AddMetadata("authorization", "Bearer " + options.token);
+  }
+}
+
+AttnClient::AttnClient(const ClientOptions& options)
+    : options_(options), channel_(CreateChannel(options)) {
   stub_ = v1::AttentionService::NewStub(channel_);
   health_stub_ = grpc::health::v1::Health::NewStub(channel_);
 }
@@ -39,11 +57,7 @@ template <typename Request, typename Response, typename Method>
 absl::StatusOr<Response> AttnClient::Call(Method method,
                                           const Request& request) {
   grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       absl::ToChronoMilliseconds(options_.timeout));
-  if (!options_.token.empty()) {
-    context.AddMetadata("authorization", "Bearer " + options_.token);
-  }
+  PrepareContext(options_, &context);
   Response response;
   grpc::Status status = method(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);

@@ -16,6 +16,7 @@
 #include "client/requests.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
 
 namespace attnserve {
 
@@ -33,7 +34,19 @@ struct ClientOptions {
   std::string tls_key_pem;
   // Sent as `authorization: Bearer <token>` when not empty.
   std::string token;
+  // A gRPC service config in JSON, e.g. round_robin load balancing over the
+  // addresses of an `ipv4:` target, and a retry policy (empty: none).
+  std::string service_config_json;
 };
+
+// A channel to `options.target` with its credentials, message limits and
+// service config. `own_connection`: never share the connection with other
+// channels of this process (load tests open several on purpose).
+std::shared_ptr<grpc::Channel> CreateChannel(const ClientOptions& options,
+                                             bool own_connection = false);
+
+// Adds the deadline and the bearer token of `options` to a call.
+void PrepareContext(const ClientOptions& options, grpc::ClientContext* context);
 
 // The gRPC status as an absl::Status with the same code and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);

@@ -1,0 +1,377 @@
+#include "client/bench/load.h"
+
+#include <sched.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/support/byte_buffer.h"
+
+namespace attnserve {
+namespace {
+
+constexpr int kNumCodes = 17;  // grpc::StatusCode values 0..16
+constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+int64_t NowNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void SleepUntilNanos(int64_t nanos) {
+  std::this_thread::sleep_until(
+      std::chrono::steady_clock::time_point(std::chrono::nanoseconds(nanos)));
+}
+
+// User plus system CPU time of the whole process (all threads).
+double ProcessCpuSeconds() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  const auto seconds = [](const timeval& t) {
+    return t.tv_sec + t.tv_usec / 1e6;
+  };
+  return seconds(usage.ru_utime) + seconds(usage.ru_stime);
+}
+
+// The cores this process may run on (taskset narrows them).
+int CoresAvailable() {
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    return std::max(1, CPU_COUNT(&set));
+  }
+  return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// One load test from start to report. Calls complete on gRPC's threads;
+// the object outlives every call it starts (Run waits for them all).
+class LoadRun {
+ public:
+  LoadRun(const Workload& workload, const LoadOptions& options)
+      : workload_(workload), options_(options) {
+    grpc::Slice slice(workload.request);
+    request_ = grpc::ByteBuffer(&slice, 1);
+    for (int i = 0; i < options.connections; ++i) {
+      channels_.push_back(CreateChannel(options.client, true));
+      stubs_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
+    }
+    for (auto& count : errors_) count.store(0);
+  }
+
+  BenchReport Run(const std::function<void(const LoadProgress&)>& progress);
+
+ private:
+  // A closed-loop caller: one call in flight at a time, on one channel.
+  struct Slot {
+    int channel = 0;
+    std::unique_ptr<grpc::ClientContext> context;
+    grpc::ByteBuffer response;
+  };
+  // An open-loop call.
+  struct OpenCall {
+    grpc::ClientContext context;
+    grpc::ByteBuffer response;
+  };
+
+  // Whether a call meant to start at `intended` may start. Counted calls
+  // (intended after the warm-up) take one of `requests` tickets, or must
+  // fall inside the measured period.
+  bool MayStart(int64_t intended);
+  bool Counted(int64_t intended) const { return intended >= measure_start_; }
+  void StartClosed(Slot* slot);
+  void SendOpenLoop();
+  void Finish(const grpc::ClientContext& context, const grpc::Status& status,
+              int64_t intended);
+  // One caller (slot, sender or open-loop call) is done.
+  void Leave();
+  int64_t Completed() const { return ok_.load() + failed_.load(); }
+  LoadProgress Snapshot(int64_t now, int64_t* last_completed,
+                        int64_t* last_time) const;
+
+  const Workload& workload_;
+  const LoadOptions& options_;
+  grpc::ByteBuffer request_;
+  std::vector<std::shared_ptr<grpc::Channel>> channels_;
+  std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
+
+  int64_t start_ = 0;
+  int64_t measure_start_ = 0;
+  int64_t measure_end_ = kNever;
+  std::atomic<bool> stopping_{false};
+  std::atomic<int64_t> tickets_{0};
+
+  std::mutex mu_;
+  std::condition_variable done_;
+  int active_ = 0;                             // guarded by mu_
+  std::map<int, std::string> first_messages_;  // guarded by mu_
+
+  LatencyHistogram latency_;
+  LatencyHistogram compute_;
+  std::atomic<int64_t> ok_{0};
+  std::atomic<int64_t> failed_{0};
+  std::atomic<int64_t> late_{0};
+  std::atomic<int64_t> last_completion_{0};
+  std::array<std::atomic<int64_t>, kNumCodes> errors_;
+};
+
+bool LoadRun::MayStart(int64_t intended) {
+  if (stopping_.load(std::memory_order_relaxed)) return false;
+  if (!Counted(intended)) return true;
+  if (options_.requests > 0) {
+    if (tickets_.fetch_add(1) < options_.requests) return true;
+  } else if (intended < measure_end_) {
+    return true;
+  }
+  stopping_.store(true);
+  return false;
+}
+
+void LoadRun::Leave() {
+  std::lock_guard<std::mutex> lock(mu_);
+  --active_;
+  // Wakes the sender waiting for a free slot, and Run when all are done.
+  done_.notify_all();
+}
+
+void LoadRun::Finish(const grpc::ClientContext& context,
+                     const grpc::Status& status, int64_t intended) {
+  if (!Counted(intended)) return;
+  const int64_t now = NowNanos();
+  latency_.Record(now - intended);
+  if (status.ok()) {
+    ok_.fetch_add(1, std::memory_order_relaxed);
+  } else {
+    const int code = std::clamp<int>(status.error_code(), 0, kNumCodes - 1);
+    if (errors_[code].fetch_add(1) == 0) {
+      std::lock_guard<std::mutex> lock(mu_);
+      first_messages_[code] = status.error_message();
+    }
+    failed_.fetch_add(1, std::memory_order_relaxed);
+  }
+  const auto& trailers = context.GetServerTrailingMetadata();
+  const auto compute = trailers.find("attnserve-compute-us");
+  int64_t micros = 0;
+  if (compute != trailers.end() &&
+      absl::SimpleAtoi(
+          absl::string_view(compute->second.data(), compute->second.size()),
+          &micros)) {
+    compute_.Record(micros * 1000);
+  }
+  int64_t last = last_completion_.load(std::memory_order_relaxed);
+  while (now > last && !last_completion_.compare_exchange_weak(last, now)) {
+  }
+}
+
+void LoadRun::StartClosed(Slot* slot) {
+  const int64_t now = NowNanos();
+  if (!MayStart(now)) {
+    Leave();
+    return;
+  }
+  slot->context = std::make_unique<grpc::ClientContext>();
+  PrepareContext(options_.client, slot->context.get());
+  slot->response.Clear();
+  stubs_[slot->channel]->UnaryCall(
+      slot->context.get(), workload_.method, grpc::StubOptions(), &request_,
+      &slot->response, [this, slot, now](grpc::Status status) {
+        Finish(*slot->context, status, now);
+        StartClosed(slot);
+      });
+}
+
+void LoadRun::SendOpenLoop() {
+  ArrivalSchedule schedule(options_.arrival, options_.rate);
+  const int64_t late_after = absl::ToInt64Nanoseconds(options_.late_threshold);
+  for (int64_t sent = 0;; ++sent) {
+    const int64_t intended = start_ + absl::ToInt64Nanoseconds(schedule.Next());
+    SleepUntilNanos(intended);
+    if (!MayStart(intended)) break;
+    {
+      // Outstanding calls are capped: a full client waits, and its waiting
+      // shows up as late sends and as latency (measured from `intended`).
+      std::unique_lock<std::mutex> lock(mu_);
+      done_.wait(lock, [&] { return active_ <= options_.concurrency; });
+      ++active_;
+    }
+    if (Counted(intended) && NowNanos() - intended > late_after) {
+      late_.fetch_add(1, std::memory_order_relaxed);
+    }
+    auto* call = new OpenCall();
+    PrepareContext(options_.client, &call->context);
+    stubs_[sent % stubs_.size()]->UnaryCall(
+        &call->context, workload_.method, grpc::StubOptions(), &request_,
+        &call->response, [this, call, intended](grpc::Status status) {
+          Finish(call->context, status, intended);
+          delete call;
+          Leave();
+        });
+  }
+  Leave();
+}
+
+LoadProgress LoadRun::Snapshot(int64_t now, int64_t* last_completed,
+                               int64_t* last_time) const {
+  LoadProgress p;
+  p.elapsed = absl::Nanoseconds(now - start_);
+  p.warming_up = now < measure_start_;
+  p.completed = Completed();
+  p.errors = failed_.load();
+  if (now > *last_time) {
+    p.qps = (p.completed - *last_completed) * 1e9 / (now - *last_time);
+  }
+  p.p50_ns = latency_.Percentile(50);
+  p.p99_ns = latency_.Percentile(99);
+  *last_completed = p.completed;
+  *last_time = std::max(now, measure_start_);
+  return p;
+}
+
+BenchReport LoadRun::Run(
+    const std::function<void(const LoadProgress&)>& progress) {
+  start_ = NowNanos();
+  measure_start_ = start_ + absl::ToInt64Nanoseconds(options_.warmup);
+  if (options_.requests == 0) {
+    measure_end_ = measure_start_ + absl::ToInt64Nanoseconds(options_.duration);
+  }
+  std::vector<Slot> slots;
+  std::thread sender;
+  if (options_.rate > 0) {
+    active_ = 1;
+    sender = std::thread([this] { SendOpenLoop(); });
+  } else {
+    slots.resize(options_.concurrency);
+    active_ = options_.concurrency;
+    for (int i = 0; i < options_.concurrency; ++i) {
+      slots[i].channel = i % options_.connections;
+    }
+    for (Slot& slot : slots) StartClosed(&slot);
+  }
+
+  const int64_t interval = absl::ToInt64Nanoseconds(options_.progress_interval);
+  double cpu_at_start = ProcessCpuSeconds();
+  bool measuring = options_.warmup <= absl::ZeroDuration();
+  int64_t last_completed = 0, last_time = measure_start_;
+  std::unique_lock<std::mutex> lock(mu_);
+  while (active_ > 0) {
+    int64_t wake = NowNanos() + interval;
+    if (!measuring) wake = std::min(wake, measure_start_);
+    done_.wait_until(
+        lock,
+        std::chrono::steady_clock::time_point(std::chrono::nanoseconds(wake)),
+        [&] { return active_ == 0; });
+    if (active_ == 0) break;
+    const int64_t now = NowNanos();
+    if (!measuring && now >= measure_start_) {
+      // Woken only to read the CPU clock: the next line is an interval on.
+      measuring = true;
+      cpu_at_start = ProcessCpuSeconds();
+      continue;
+    }
+    if (progress) {
+      lock.unlock();
+      progress(Snapshot(now, &last_completed, &last_time));
+      lock.lock();
+    }
+  }
+  lock.unlock();
+  if (sender.joinable()) sender.join();
+  const double cpu_seconds = ProcessCpuSeconds() - cpu_at_start;
+
+  BenchReport report;
+  report.rpc = workload_.rpc;
+  report.workload = workload_.description;
+  report.request_bytes = static_cast<int64_t>(workload_.request.size());
+  report.concurrency = options_.concurrency;
+  report.connections = options_.connections;
+  report.target_rate = options_.rate;
+  if (options_.rate > 0)
+    report.arrival = std::string(ArrivalName(options_.arrival));
+  report.warmup_s = absl::ToDoubleSeconds(options_.warmup);
+  report.ok = ok_.load();
+  report.requests = Completed();
+  for (int code = 0; code < kNumCodes; ++code) {
+    if (errors_[code].load() == 0) continue;
+    const std::string name =
+        absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
+    report.errors[name] = errors_[code].load();
+    report.error_messages[name] = first_messages_[code];
+  }
+  const int64_t end = std::max(last_completion_.load(), measure_start_);
+  report.duration_s = (end - measure_start_) / 1e9;
+  report.qps = report.duration_s > 0 ? report.requests / report.duration_s : 0;
+  report.latency = Summarize(latency_);
+  if (compute_.count() > 0) report.server_compute = Summarize(compute_);
+  report.late = late_.load();
+  report.late_threshold_ms =
+      absl::ToDoubleMilliseconds(options_.late_threshold);
+  const double wall = std::max(report.duration_s, 1e-9);
+  report.client_cores_available = CoresAvailable();
+  report.client_cpu_cores = cpu_seconds / wall;
+  report.client_cpu_us_per_request =
+      report.requests > 0 ? cpu_seconds * 1e6 / report.requests : 0;
+  report.client_saturated =
+      report.client_cpu_cores >= 0.8 * report.client_cores_available;
+  return report;
+}
+
+}  // namespace
+
+absl::Status VerifyLoadOptions(const LoadOptions& options) {
+  if (options.concurrency < 1 || options.concurrency > 100000) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--concurrency: ", options.concurrency, " is not in [1, 100000]"));
+  }
+  if (options.connections < 1 || options.connections > 1024) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--connections: ", options.connections, " is not in [1, 1024]"));
+  }
+  if (options.rate < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--rate: must be >= 0, got ", options.rate));
+  }
+  if (options.requests < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--requests: must be >= 0, got ", options.requests));
+  }
+  if (options.requests == 0 && options.duration <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError(
+        "--duration_s: must be > 0 (or give --requests)");
+  }
+  if (options.warmup < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--warmup_s: must be >= 0");
+  }
+  if (options.client.timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--timeout_s: must be > 0");
+  }
+  if (options.progress_interval <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("progress interval: must be > 0");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<BenchReport> RunLoad(
+    const Workload& workload, const LoadOptions& options,
+    const std::function<void(const LoadProgress&)>& progress) {
+  if (absl::Status status = VerifyLoadOptions(options); !status.ok()) {
+    return status;
+  }
+  LoadRun run(workload, options);
+  return run.Run(progress);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,331 @@
+#include "client/bench/report.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "nlohmann/json.hpp"
+
+namespace attnserve {
+namespace {
+
+double Micros(int64_t nanos) { return nanos / 1000.0; }
+
+// "1.234 ms" below a second, "1.23 s" above.
+std::string Millis(double micros) {
+  if (micros >= 1e6) return absl::StrFormat("%.2f s", micros / 1e6);
+  return absl::StrFormat("%.3f ms", micros / 1e3);
+}
+
+int64_t TotalErrors(const BenchReport& report) {
+  int64_t total = 0;
+  for (const auto& [code, count] : report.errors) total += count;
+  return total;
+}
+
+nlohmann::json LatencyJson(const LatencySummary& s) {
+  return {{"count", s.count},      {"min", s.min_us}, {"mean", s.mean_us},
+          {"stddev", s.stddev_us}, {"p50", s.p50_us}, {"p90", s.p90_us},
+          {"p95", s.p95_us},       {"p99", s.p99_us}, {"p999", s.p999_us},
+          {"max", s.max_us}};
+}
+
+nlohmann::json ReportJson(const BenchReport& r) {
+  nlohmann::json j = {
+      {"rpc", r.rpc},
+      {"workload", r.workload},
+      {"request_bytes", r.request_bytes},
+      {"mode", r.target_rate > 0 ? "open" : "closed"},
+      {"concurrency", r.concurrency},
+      {"connections", r.connections},
+      {"warmup_s", r.warmup_s},
+      {"requests", r.requests},
+      {"ok", r.ok},
+      {"errors", r.errors},
+      {"error_messages", r.error_messages},
+      {"duration_s", r.duration_s},
+      {"qps", r.qps},
+      {"latency_us", LatencyJson(r.latency)},
+      {"client_cpu_cores", r.client_cpu_cores},
+      {"client_cores_available", r.client_cores_available},
+      {"client_cpu_us_per_request", r.client_cpu_us_per_request},
+      {"client_saturated", r.client_saturated},
+  };
+  if (!r.step.empty()) j["step"] = r.step;
+  if (r.target_rate > 0) {
+    j["target_rate"] = r.target_rate;
+    j["arrival"] = r.arrival;
+    j["late"] = r.late;
+    j["late_share"] = r.requests > 0 ? double(r.late) / r.requests : 0.0;
+    j["late_threshold_ms"] = r.late_threshold_ms;
+  }
+  if (r.server_compute) {
+    j["server_compute_us"] = LatencyJson(*r.server_compute);
+  }
+  return j;
+}
+
+// 1, 2 or 5 times a power of ten, about range / 5.
+double TickStep(double range) {
+  const double rough = range / 5;
+  const double power = std::pow(10.0, std::floor(std::log10(rough)));
+  for (double m : {1.0, 2.0, 5.0}) {
+    if (m * power >= rough) return m * power;
+  }
+  return 10 * power;
+}
+
+std::string Escape(absl::string_view text) {
+  std::string out;
+  for (char c : text) {
+    switch (c) {
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '&':
+        out += "&amp;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+LatencySummary Summarize(const LatencyHistogram& h) {
+  LatencySummary s;
+  s.count = h.count();
+  s.min_us = Micros(h.min());
+  s.mean_us = h.mean() / 1000.0;
+  s.stddev_us = h.stddev() / 1000.0;
+  s.p50_us = Micros(h.Percentile(50));
+  s.p90_us = Micros(h.Percentile(90));
+  s.p95_us = Micros(h.Percentile(95));
+  s.p99_us = Micros(h.Percentile(99));
+  s.p999_us = Micros(h.Percentile(99.9));
+  s.max_us = Micros(h.max());
+  return s;
+}
+
+absl::StatusOr<ReportFormat> ParseReportFormat(absl::string_view name) {
+  if (name == "text") return ReportFormat::kText;
+  if (name == "json") return ReportFormat::kJson;
+  if (name == "csv") return ReportFormat::kCsv;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--format: '", name, "' is not one of text, json, csv"));
+}
+
+std::string FormatText(const BenchReport& r) {
+  std::string out;
+  absl::StrAppend(&out, r.rpc, " ", r.workload, " (", r.request_bytes,
+                  " request bytes)\n");
+  if (r.target_rate > 0) {
+    absl::StrAppendFormat(&out,
+                          "open loop: %.1f req/s %s arrivals, at most %d "
+                          "outstanding over %d connections",
+                          r.target_rate, r.arrival, r.concurrency,
+                          r.connections);
+  } else {
+    absl::StrAppendFormat(&out,
+                          "closed loop: %d calls in flight over %d "
+                          "connections",
+                          r.concurrency, r.connections);
+  }
+  absl::StrAppendFormat(&out, ", %.2f s measured after %.2f s warm-up\n",
+                        r.duration_s, r.warmup_s);
+  absl::StrAppendFormat(&out, "requests    %d (ok %d, errors %d)\n", r.requests,
+                        r.ok, TotalErrors(r));
+  for (const auto& [code, count] : r.errors) {
+    const auto message = r.error_messages.find(code);
+    absl::StrAppendFormat(
+        &out, "  %-22s %d  %s\n", code, count,
+        message != r.error_messages.end() ? message->second : "");
+  }
+  absl::StrAppendFormat(&out, "throughput  %.1f req/s\n", r.qps);
+  const LatencySummary& l = r.latency;
+  absl::StrAppend(&out, "latency     min ", Millis(l.min_us), "  mean ",
+                  Millis(l.mean_us), "  stddev ", Millis(l.stddev_us), "\n");
+  absl::StrAppend(&out, "            p50 ", Millis(l.p50_us), "  p90 ",
+                  Millis(l.p90_us), "  p95 ", Millis(l.p95_us), "\n");
+  absl::StrAppend(&out, "            p99 ", Millis(l.p99_us), "  p99.9 ",
+                  Millis(l.p999_us), "  max ", Millis(l.max_us), "\n");
+  if (r.server_compute) {
+    const LatencySummary& c = *r.server_compute;
+    absl::StrAppend(&out, "server compute (attnserve-compute-us): mean ",
+                    Millis(c.mean_us), "  p50 ", Millis(c.p50_us), "  p99 ",
+                    Millis(c.p99_us), "\n");
+  }
+  if (r.target_rate > 0) {
+    absl::StrAppendFormat(
+        &out, "late sends  %d (%.2f%% sent more than %.1f ms after schedule)\n",
+        r.late, r.requests > 0 ? 100.0 * r.late / r.requests : 0.0,
+        r.late_threshold_ms);
+  }
+  absl::StrAppendFormat(&out,
+                        "client CPU  %.2f of %d cores, %.1f us per request\n",
+                        r.client_cpu_cores, r.client_cores_available,
+                        r.client_cpu_us_per_request);
+  if (r.client_saturated) {
+    absl::StrAppend(&out,
+                    "WARNING: the client used nearly all the cores it may run "
+                    "on: these figures measure the client, not the server. "
+                    "Run it on other cores (taskset) or another machine.\n");
+  }
+  return out;
+}
+
+std::string FormatJson(const std::vector<BenchReport>& reports) {
+  if (reports.size() == 1) return ReportJson(reports[0]).dump(2) + "\n";
+  nlohmann::json array = nlohmann::json::array();
+  for (const BenchReport& r : reports) array.push_back(ReportJson(r));
+  return array.dump(2) + "\n";
+}
+
+std::string FormatCsv(const std::vector<BenchReport>& reports) {
+  std::string out =
+      "step,rpc,concurrency,connections,target_rate,requests,ok,errors,"
+      "duration_s,qps,min_us,mean_us,stddev_us,p50_us,p90_us,p95_us,p99_us,"
+      "p999_us,max_us,compute_p50_us,compute_p99_us,late,client_cpu_cores,"
+      "client_saturated\n";
+  for (const BenchReport& r : reports) {
+    const LatencySummary& l = r.latency;
+    const double compute_p50 = r.server_compute ? r.server_compute->p50_us : 0;
+    const double compute_p99 = r.server_compute ? r.server_compute->p99_us : 0;
+    absl::StrAppendFormat(
+        &out,
+        "%s,%s,%d,%d,%g,%d,%d,%d,%.3f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,"
+        "%.1f,%.1f,%.1f,%.1f,%.1f,%d,%.2f,%d\n",
+        r.step, r.rpc, r.concurrency, r.connections, r.target_rate, r.requests,
+        r.ok, TotalErrors(r), r.duration_s, r.qps, l.min_us, l.mean_us,
+        l.stddev_us, l.p50_us, l.p90_us, l.p95_us, l.p99_us, l.p999_us,
+        l.max_us, compute_p50, compute_p99, r.late, r.client_cpu_cores,
+        r.client_saturated ? 1 : 0);
+  }
+  return out;
+}
+
+std::string FormatSweepTable(const std::vector<BenchReport>& reports) {
+  std::string out = absl::StrFormat(
+      "%-18s %10s %10s %10s %10s %10s %8s %7s %s\n", "step", "req/s", "p50 ms",
+      "p90 ms", "p99 ms", "p99.9 ms", "errors", "late%", "client");
+  for (const BenchReport& r : reports) {
+    const LatencySummary& l = r.latency;
+    absl::StrAppendFormat(
+        &out, "%-18s %10.1f %10.3f %10.3f %10.3f %10.3f %8d %7.2f %s\n", r.step,
+        r.qps, l.p50_us / 1e3, l.p90_us / 1e3, l.p99_us / 1e3, l.p999_us / 1e3,
+        TotalErrors(r), r.requests > 0 ? 100.0 * r.late / r.requests : 0.0,
+        r.client_saturated ? "SATURATED" : "ok");
+  }
+  return out;
+}
+
+std::string RenderSweepSvg(const std::vector<BenchReport>& reports,
+                           absl::string_view title) {
+  constexpr double kWidth = 800, kHeight = 500;
+  constexpr double kLeft = 70, kRight = 130, kTop = 40, kBottom = 60;
+  const double plot_w = kWidth - kLeft - kRight;
+  const double plot_h = kHeight - kTop - kBottom;
+  struct Series {
+    const char* name;
+    const char* color;
+    double LatencySummary::*field;
+  };
+  const Series series[] = {{"p50", "#1f77b4", &LatencySummary::p50_us},
+                           {"p90", "#2ca02c", &LatencySummary::p90_us},
+                           {"p99", "#ff7f0e", &LatencySummary::p99_us},
+                           {"p99.9", "#d62728", &LatencySummary::p999_us}};
+  double max_qps = 0, max_ms = 0;
+  for (const BenchReport& r : reports) {
+    max_qps = std::max(max_qps, r.qps);
+    max_ms = std::max(max_ms, r.latency.p999_us / 1e3);
+  }
+  const double x_step = TickStep(max_qps > 0 ? max_qps * 1.05 : 1);
+  const double y_step = TickStep(max_ms > 0 ? max_ms * 1.05 : 1);
+  const double x_max =
+      std::ceil(std::max(max_qps, 1e-9) * 1.05 / x_step) * x_step;
+  const double y_max =
+      std::ceil(std::max(max_ms, 1e-9) * 1.05 / y_step) * y_step;
+  const auto x_of = [&](double qps) { return kLeft + qps / x_max * plot_w; };
+  const auto y_of = [&](double ms) {
+    return kTop + plot_h - ms / y_max * plot_h;
+  };
+
+  std::string svg = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
+      "viewBox=\"0 0 %g %g\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
+      "<text x=\"%g\" y=\"22\" font-size=\"15\">%s</text>\n",
+      kWidth, kHeight, kWidth, kHeight, kLeft, Escape(title));
+  // Grid and ticks.
+  for (double x = 0; x <= x_max + x_step / 2; x += x_step) {
+    absl::StrAppendFormat(
+        &svg,
+        "<line x1=\"%.1f\" y1=\"%g\" x2=\"%.1f\" y2=\"%g\" stroke=\"#ddd\"/>"
+        "<text x=\"%.1f\" y=\"%g\" text-anchor=\"middle\">%g</text>\n",
+        x_of(x), kTop, x_of(x), kTop + plot_h, x_of(x), kTop + plot_h + 18, x);
+  }
+  for (double y = 0; y <= y_max + y_step / 2; y += y_step) {
+    absl::StrAppendFormat(
+        &svg,
+        "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+        "<text x=\"%g\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n",
+        kLeft, y_of(y), kLeft + plot_w, y_of(y), kLeft - 6, y_of(y) + 4, y);
+  }
+  absl::StrAppendFormat(
+      &svg,
+      "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" "
+      "stroke=\"black\"/>\n"
+      "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">throughput "
+      "(requests/s)</text>\n"
+      "<text transform=\"translate(18 %g) rotate(-90)\" "
+      "text-anchor=\"middle\">latency (ms)</text>\n",
+      kLeft, kTop, plot_w, plot_h, kLeft + plot_w / 2, kHeight - 15,
+      kTop + plot_h / 2);
+  for (size_t s = 0; s < std::size(series); ++s) {
+    const Series& line = series[s];
+    std::vector<std::string> points;
+    for (const BenchReport& r : reports) {
+      points.push_back(absl::StrFormat("%.1f,%.1f", x_of(r.qps),
+                                       y_of(r.latency.*line.field / 1e3)));
+    }
+    absl::StrAppendFormat(&svg,
+                          "<polyline class=\"%s\" fill=\"none\" stroke=\"%s\" "
+                          "stroke-width=\"2\" points=\"%s\"/>\n",
+                          line.name, line.color, absl::StrJoin(points, " "));
+    for (const std::string& point : points) {
+      const size_t comma = point.find(',');
+      absl::StrAppendFormat(
+          &svg, "<circle cx=\"%s\" cy=\"%s\" r=\"3\" fill=\"%s\"/>\n",
+          point.substr(0, comma), point.substr(comma + 1), line.color);
+    }
+    const double legend_y = kTop + 10 + 20 * s;
+    absl::StrAppendFormat(
+        &svg,
+        "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"%s\" "
+        "stroke-width=\"2\"/><text x=\"%g\" y=\"%g\">%s</text>\n",
+        kLeft + plot_w + 12, legend_y, kLeft + plot_w + 36, legend_y,
+        line.color, kLeft + plot_w + 42, legend_y + 4, line.name);
+  }
+  // Each step's name beside its p99 point.
+  for (const BenchReport& r : reports) {
+    absl::StrAppendFormat(&svg,
+                          "<text class=\"step\" x=\"%.1f\" y=\"%.1f\" "
+                          "font-size=\"10\">%s</text>\n",
+                          x_of(r.qps) + 5, y_of(r.latency.p99_us / 1e3) - 5,
+                          Escape(r.step));
+  }
+  svg += "</svg>\n";
+  return svg;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,178 @@
+#include "client/bench/workload.h"
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attnserve/v1/attention.grpc.pb.h"
+#include "core/convert.h"
+#include "core/status_macros.h"
+
+namespace attnserve {
+namespace {
+
+absl::Status RequirePositive(int64_t value, absl::string_view flag) {
+  if (value <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": must be > 0, got ", value));
+  }
+  return absl::OkStatus();
+}
+
+// Seeded uniform values in [-scale, scale).
+absl::StatusOr<Tensor> Random(Shape shape, DType dtype, std::mt19937* random,
+                              float scale = 1) {
+  std::uniform_real_distribution<float> uniform(-scale, scale);
+  std::vector<float> values(NumElements(shape));
+  for (float& v : values) v = uniform(*random);
+  return Float32ToTensor(values.data(), std::move(shape), dtype);
+}
+
+std::string Describe(const NamedViews& tensors) {
+  std::string out;
+  for (const auto& [name, view] : tensors) {
+    if (name.find("_proj_") != std::string::npos) continue;
+    absl::StrAppend(&out, out.empty() ? "" : " ", name, "=",
+                    ShapeString(view.shape));
+  }
+  if (!tensors.empty()) {
+    absl::StrAppend(&out, " ", DTypeName(tensors.begin()->second.dtype));
+  }
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
+                                              const SyntheticShape& shape,
+                                              bool with_model) {
+  ATTN_RETURN_IF_ERROR(RequirePositive(shape.batch, "--batch"));
+  if (op != Operation::kLayerNorm || shape.seq != 0) {
+    ATTN_RETURN_IF_ERROR(RequirePositive(shape.seq, "--seq"));
+  }
+  if (shape.kv_seq < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_seq: must be >= 0, got ", shape.kv_seq));
+  }
+  const int64_t b = shape.batch, l = shape.seq;
+  const int64_t lk = shape.kv_seq > 0 ? shape.kv_seq : shape.seq;
+  std::mt19937 random(1);
+  NamedTensors tensors;
+  switch (op) {
+    case Operation::kAttend: {
+      ATTN_RETURN_IF_ERROR(RequirePositive(shape.heads, "--heads"));
+      const int64_t d = shape.dim > 0 ? shape.dim : 64;
+      const int64_t h = shape.heads;
+      ATTN_ASSIGN_OR_RETURN(tensors["query"],
+                            Random({b, h, l, d}, shape.dtype, &random));
+      ATTN_ASSIGN_OR_RETURN(tensors["key"],
+                            Random({b, h, lk, d}, shape.dtype, &random));
+      ATTN_ASSIGN_OR_RETURN(tensors["value"],
+                            Random({b, h, lk, d}, shape.dtype, &random));
+      break;
+    }
+    case Operation::kMultiHeadAttend: {
+      ATTN_RETURN_IF_ERROR(RequirePositive(shape.heads, "--heads"));
+      const int64_t e = shape.dim > 0 ? shape.dim : 512;
+      if (e % shape.heads != 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "--dim: ", e, " is not a multiple of --heads ", shape.heads));
+      }
+      ATTN_ASSIGN_OR_RETURN(tensors["query"],
+                            Random({b, l, e}, shape.dtype, &random));
+      if (lk != l) {
+        ATTN_ASSIGN_OR_RETURN(tensors["key"],
+                              Random({b, lk, e}, shape.dtype, &random));
+        ATTN_ASSIGN_OR_RETURN(tensors["value"],
+                              Random({b, lk, e}, shape.dtype, &random));
+      }
+      if (!with_model) {
+        // Scaled like PyTorch's default init, so outputs stay O(1).
+        const float bound = 1.0f / std::sqrt(static_cast<float>(e));
+        for (const char* name : {"q_proj_weight", "k_proj_weight",
+                                 "v_proj_weight", "out_proj_weight"}) {
+          ATTN_ASSIGN_OR_RETURN(
+              tensors[name], Random({e, e}, DType::kFloat32, &random, bound));
+        }
+        for (const char* name :
+             {"q_proj_bias", "k_proj_bias", "v_proj_bias", "out_proj_bias"}) {
+          ATTN_ASSIGN_OR_RETURN(tensors[name],
+                                Random({e}, DType::kFloat32, &random, bound));
+        }
+      }
+      break;
+    }
+    case Operation::kLayerNorm: {
+      const int64_t e = shape.dim > 0 ? shape.dim : 512;
+      Shape input_shape = l > 0 ? Shape{b, l, e} : Shape{b, e};
+      ATTN_ASSIGN_OR_RETURN(tensors["input"], Random(std::move(input_shape),
+                                                     shape.dtype, &random));
+      ATTN_ASSIGN_OR_RETURN(tensors["gamma"],
+                            Random({e}, DType::kFloat32, &random));
+      ATTN_ASSIGN_OR_RETURN(tensors["beta"],
+                            Random({e}, DType::kFloat32, &random));
+      break;
+    }
+  }
+  return tensors;
+}
+
+absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
+                                      const OpParams& params) {
+  Workload workload;
+  bool serialized = false;
+  switch (op) {
+    case Operation::kAttend: {
+      ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(tensors, params));
+      workload.rpc = "Attend";
+      serialized = request.SerializeToString(&workload.request);
+      break;
+    }
+    case Operation::kMultiHeadAttend: {
+      ATTN_ASSIGN_OR_RETURN(auto request,
+                            BuildMultiHeadAttendRequest(tensors, params));
+      workload.rpc = "MultiHeadAttend";
+      serialized = request.SerializeToString(&workload.request);
+      break;
+    }
+    case Operation::kLayerNorm: {
+      ATTN_ASSIGN_OR_RETURN(auto request,
+                            BuildLayerNormRequest(tensors, params));
+      workload.rpc = "LayerNorm";
+      serialized = request.SerializeToString(&workload.request);
+      break;
+    }
+  }
+  if (!serialized) {
+    return absl::InvalidArgumentError(
+        "request: too large to serialize (protobuf messages end at 2 GiB)");
+  }
+  workload.method = absl::StrCat("/", v1::AttentionService::service_full_name(),
+                                 "/", workload.rpc);
+  workload.description = Describe(tensors);
+  if (!params.model.empty()) {
+    absl::StrAppend(&workload.description, " model=", params.model);
+  }
+  return workload;
+}
+
+Workload HealthCheckWorkload() {
+  Workload workload;
+  workload.method = "/grpc.health.v1.Health/Check";
+  workload.rpc = "Health.Check";
+  workload.description = "(empty request)";
+  // An empty HealthCheckRequest serializes to no bytes.
+  return workload;
+}
+
+std::string GrpcFrame(const std::string& message) {
+  std::string frame(5, '\0');
+  const uint32_t size = static_cast<uint32_t>(message.size());
+  for (int i = 0; i < 4; ++i) {
+    frame[1 + i] = static_cast<char>((size >> (8 * (3 - i))) & 0xff);
+  }
+  return frame + message;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,68 @@
+// The request a load test sends: one serialized message, built from shapes
+// (synthetic tensors) or from named tensors read from a file, sent as is on
+// every call.
+//
+// Thread-safety: plain values and free functions.
+#ifndef ATTNSERVE_CLIENT_BENCH_WORKLOAD_H_
+#define ATTNSERVE_CLIENT_BENCH_WORKLOAD_H_
+
+#include <cstdint>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "client/requests.h"
+#include "core/tensor.h"
+
+namespace attnserve {
+
+struct Workload {
+  // Full gRPC method name, "/attnserve.v1.AttentionService/LayerNorm".
+  std::string method;
+  // "LayerNorm".
+  std::string rpc;
+  // The request message, serialized.
+  std::string request;
+  // "input=[1, 64] FLOAT32".
+  std::string description;
+};
+
+// Shapes of synthetic requests.
+struct SyntheticShape {
+  int64_t batch = 1;
+  // attend: query length; mha: query length; layernorm: rows per batch
+  // entry (0: the input is [batch, dim]).
+  int64_t seq = 128;
+  // attend and mha: key/value length (0: same as seq).
+  int64_t kv_seq = 0;
+  // attend: head dim (default 64); mha: embedding dim (default 512);
+  // layernorm: normalized dim (default 512). 0 picks the default.
+  int64_t dim = 0;
+  // attend and mha: number of heads.
+  int64_t heads = 8;
+  DType dtype = DType::kFloat32;
+};
+
+// Tensors of the shapes `shape` describes for `op`, filled with seeded
+// uniform values in [-1, 1): query/key/value for attend; query (key/value
+// when kv_seq differs) and, without a model, projection weights for mha;
+// input, gamma and beta for layernorm. INVALID_ARGUMENT naming the flag for
+// non-positive sizes or an embedding dim the heads do not divide.
+absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
+                                              const SyntheticShape& shape,
+                                              bool with_model);
+
+// The serialized request for `op` on `tensors` with `params`.
+absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
+                                      const OpParams& params);
+
+// grpc.health.v1.Health/Check for the whole server: the cheapest unary call
+// the server answers, to compare the others with.
+Workload HealthCheckWorkload();
+
+// `message` framed as one gRPC message (no compression flag, big-endian
+// length), the body an HTTP/2 load tool sends.
+std::string GrpcFrame(const std::string& message);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CLIENT_BENCH_WORKLOAD_H_
