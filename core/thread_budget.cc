@@ -46,9 +46,10 @@ void ThreadBudget::SetTotal(int total_threads) {
   total_.store(total_threads > 0 ? total_threads : AvailableCores());
 }
 
-ThreadBudget::Lease ThreadBudget::Acquire() {
+ThreadBudget::Lease ThreadBudget::Acquire(int max_threads) {
   const int active = active_.fetch_add(1) + 1;
-  const int threads = std::max(1, total_.load() / active);
+  int threads = std::max(1, total_.load() / active);
+  if (max_threads > 0) threads = std::min(threads, max_threads);
   const int previous = omp_get_max_threads();
   omp_set_num_threads(threads);
   return Lease(this, threads, previous);

@@ -47,7 +47,9 @@ class ThreadBudget {
     int previous_;  // the thread's OpenMP setting before, restored after
   };
 
-  Lease Acquire();
+  // `max_threads` > 0 caps the share: small computations run faster on
+  // fewer threads than they lose to starting and joining more.
+  Lease Acquire(int max_threads = 0);
 
   int total() const { return total_.load(); }
   // Requests computing now.

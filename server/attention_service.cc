@@ -1,5 +1,6 @@
 #include "server/attention_service.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <optional>
@@ -86,6 +87,18 @@ class CallReactor : public grpc::ServerUnaryReactor {
  private:
   std::atomic<bool> cancelled_{false};
 };
+
+// Calls below this many FLOPs (LayerNorm of a few thousand elements, a
+// few-token attention) run on gRPC's thread when a worker slot is free:
+// they finish in a few microseconds, less than waking a worker costs.
+constexpr double kRunInlineFlops = 1e6;
+
+// Threads a call of `flops` keeps busy: each should get at least ~2 MFLOP
+// (tens of microseconds), or starting and joining it costs more than it
+// computes.
+int UsefulThreads(double flops) {
+  return static_cast<int>(std::clamp(flops / 2e6, 1.0, 1024.0));
+}
 
 absl::Duration UntilDeadline(const grpc::CallbackServerContext& context) {
   const auto deadline = context.deadline();
@@ -248,6 +261,21 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   return absl::OkStatus();
 }
 
+// Idle message pairs kept per RPC, and their capacity: enough for the calls
+// a busy server has in flight, small next to what those calls compute with.
+constexpr size_t kPooledMessages = 64;
+constexpr size_t kPooledBytes = size_t{64} << 20;
+
+AttentionServiceImpl::AttentionServiceImpl(const ServiceConfig& config)
+    : config_(config),
+      attend_messages_(kPooledMessages, kPooledBytes),
+      multi_head_messages_(kPooledMessages, kPooledBytes),
+      layer_norm_messages_(kPooledMessages, kPooledBytes) {
+  SetMessageAllocatorFor_Attend(&attend_messages_);
+  SetMessageAllocatorFor_MultiHeadAttend(&multi_head_messages_);
+  SetMessageAllocatorFor_LayerNorm(&layer_norm_messages_);
+}
+
 absl::Status AttentionServiceImpl::Admit(
     const grpc::CallbackServerContext& context, const RequestCost& cost) const {
   if (cost.largest_tensor > config_.max_tensor_elements) {
@@ -338,34 +366,40 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
     reactor->Finish(ToGrpcStatus(admitted));
     return reactor;
   }
-  const bool queued = config_.scheduler->Submit(
-      [this, reactor, context, request, response, cost, handle, arrived, rpc] {
-        const absl::Time started = absl::Now();
-        absl::Duration compute;
-        absl::Status status;
-        if (reactor->is_cancelled()) {
-          status = absl::CancelledError("call cancelled while queued");
-        } else if (UntilDeadline(*context) <= absl::ZeroDuration()) {
-          status = absl::DeadlineExceededError(
-              "deadline passed while the call waited for a worker");
-        } else {
-          {
-            // This call's share of the cores while it computes.
-            ThreadBudget::Lease lease = ThreadBudget::Global().Acquire();
-            status =
-                handle(*request, response, CallControl{reactor->cancelled()});
-          }
-          compute = absl::Now() - started;
-          if (status.ok()) config_.cost_model->Observe(cost.flops, compute);
-          context->AddTrailingMetadata(
-              "attnserve-compute-us",
-              std::to_string(absl::ToInt64Microseconds(compute)));
-        }
-        if (!status.ok()) response->Clear();
-        Record(rpc, *request, response, status, arrived, started - arrived,
-               compute, cost.flops);
-        reactor->Finish(ToGrpcStatus(status));
-      });
+  auto work = [this, reactor, context, request, response, cost, handle, arrived,
+               rpc] {
+    const absl::Time started = absl::Now();
+    absl::Duration compute;
+    absl::Status status;
+    if (reactor->is_cancelled()) {
+      status = absl::CancelledError("call cancelled while queued");
+    } else if (UntilDeadline(*context) <= absl::ZeroDuration()) {
+      status = absl::DeadlineExceededError(
+          "deadline passed while the call waited for a worker");
+    } else {
+      {
+        // This call's share of the cores while it computes, no more
+        // threads than its size keeps busy.
+        ThreadBudget::Lease lease =
+            ThreadBudget::Global().Acquire(UsefulThreads(cost.flops));
+        status = handle(*request, response, CallControl{reactor->cancelled()});
+      }
+      compute = absl::Now() - started;
+      if (status.ok()) config_.cost_model->Observe(cost.flops, compute);
+      context->AddTrailingMetadata(
+          "attnserve-compute-us",
+          std::to_string(absl::ToInt64Microseconds(compute)));
+    }
+    if (!status.ok()) response->Clear();
+    Record(rpc, *request, response, status, arrived, started - arrived, compute,
+           cost.flops);
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  // A tiny call computes in less time than a hand-over to a worker takes.
+  if (cost.flops < kRunInlineFlops && config_.scheduler->RunHereIfIdle(work)) {
+    return reactor;
+  }
+  const bool queued = config_.scheduler->Submit(std::move(work));
   if (!queued) {
     const absl::Status busy = absl::ResourceExhaustedError(
         absl::StrCat("server busy: ", config_.scheduler->max_inflight(),

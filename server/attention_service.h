@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/auth.h"
+#include "server/message_pool.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/request_cost.h"
@@ -69,8 +70,7 @@ struct ServiceConfig {
 class AttentionServiceImpl final
     : public v1::AttentionService::CallbackService {
  public:
-  explicit AttentionServiceImpl(const ServiceConfig& config)
-      : config_(config) {}
+  explicit AttentionServiceImpl(const ServiceConfig& config);
 
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
                                    const v1::AttendRequest* request,
@@ -107,6 +107,11 @@ class AttentionServiceImpl final
               double flops) const;
 
   ServiceConfig config_;
+  // Messages of the compute RPCs, reused across calls.
+  MessagePool<v1::AttendRequest, v1::AttendResponse> attend_messages_;
+  MessagePool<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>
+      multi_head_messages_;
+  MessagePool<v1::LayerNormRequest, v1::LayerNormResponse> layer_norm_messages_;
 };
 
 }  // namespace attnserve

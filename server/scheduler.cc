@@ -35,6 +35,22 @@ bool Scheduler::Submit(std::function<void()> work) {
   return true;
 }
 
+bool Scheduler::RunHereIfIdle(const std::function<void()>& work) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!queue_.empty() || inflight_ >= max_inflight_) return false;
+    ++inflight_;
+  }
+  work();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    --inflight_;
+  }
+  // A call may have been queued while this one held the last slot.
+  work_ready_.notify_one();
+  return true;
+}
+
 int Scheduler::inflight() const {
   std::lock_guard<std::mutex> lock(mu_);
   return inflight_;
@@ -50,15 +66,21 @@ void Scheduler::WorkerLoop() {
     std::function<void()> work;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      work_ready_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+      // Calls run here (RunHereIfIdle) count against max_inflight too.
+      work_ready_.wait(lock, [this] {
+        return stopping_ || (!queue_.empty() && inflight_ < max_inflight_);
+      });
       if (queue_.empty()) return;  // stopping, nothing left to run
       work = std::move(queue_.front());
       queue_.pop_front();
       ++inflight_;
     }
     work();
-    std::lock_guard<std::mutex> lock(mu_);
-    --inflight_;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      --inflight_;
+    }
+    work_ready_.notify_one();
   }
 }
 

@@ -28,6 +28,11 @@ class Scheduler {
   // Runs `work` on a worker as soon as one is free; false, without running
   // it, when `max_queue` calls already wait.
   bool Submit(std::function<void()> work);
+  // Runs `work` on the calling thread, counted as in flight, when a worker
+  // would be free for it at once (fewer than max_inflight computing and
+  // nothing queued); false, without running it, otherwise. For calls so
+  // small that handing them to a worker would cost more than they do.
+  bool RunHereIfIdle(const std::function<void()>& work);
 
   int inflight() const;
   int queued() const;
@@ -40,7 +45,8 @@ class Scheduler {
   const int max_inflight_;
   const int max_queue_;
   mutable std::mutex mu_;
-  std::condition_variable work_ready_;  // queue_ gained work, or stopping_
+  // queue_ gained work, a call finished, or stopping_.
+  std::condition_variable work_ready_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

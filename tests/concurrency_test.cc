@@ -3,6 +3,7 @@
 // ThreadSanitizer sees every access (Debian's gRPC is not instrumented).
 #include <array>
 #include <atomic>
+#include <chrono>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -12,6 +13,7 @@
 #include "core/buffer_pool.h"
 #include "core/primitives.h"
 #include "gtest/gtest.h"
+#include "server/message_pool.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
 #include "tests/test_util.h"
@@ -95,6 +97,72 @@ TEST(ConcurrencyTest, SchedulerRunsEverythingItAccepts) {
   }  // the destructor runs what is queued
   EXPECT_EQ(ran.load() + refused.load(), 200);
   EXPECT_GT(ran.load(), 0);
+}
+
+TEST(ConcurrencyTest, CallsRunInPlaceNeverExceedMaxInflight) {
+  std::atomic<int> computing{0}, most{0}, ran{0}, in_place{0};
+  const auto work = [&] {
+    const int now = ++computing;
+    int seen = most.load();
+    while (now > seen && !most.compare_exchange_weak(seen, now)) {
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+    --computing;
+    ++ran;
+  };
+  {
+    Scheduler scheduler(/*max_inflight=*/2, /*max_queue=*/1000);
+    std::vector<std::thread> callers;
+    for (int t = 0; t < 4; ++t) {
+      callers.emplace_back([&] {
+        for (int i = 0; i < 50; ++i) {
+          if (scheduler.RunHereIfIdle(work)) {
+            ++in_place;
+          } else {
+            ASSERT_TRUE(scheduler.Submit(work));
+          }
+        }
+      });
+    }
+    for (std::thread& caller : callers) caller.join();
+  }
+  EXPECT_EQ(ran.load(), 200);
+  EXPECT_GT(in_place.load(), 0);
+  EXPECT_LE(most.load(), 2);
+}
+
+TEST(ConcurrencyTest, MessagePoolReusesClearedMessagesWithinItsBounds) {
+  using Pool = MessagePool<v1::LayerNormRequest, v1::LayerNormResponse>;
+  Pool pool(/*max_pooled=*/4, /*max_pooled_bytes=*/1 << 20);
+  auto* first = pool.AllocateMessages();
+  first->request()->mutable_input()->set_raw_data(std::string(4096, 'x'));
+  first->response()->mutable_output()->set_raw_data(std::string(4096, 'y'));
+  first->Release();
+  auto* again = pool.AllocateMessages();
+  EXPECT_EQ(again, first);
+  EXPECT_EQ(pool.reused(), 1u);
+  EXPECT_FALSE(again->request()->has_input());  // cleared
+  EXPECT_FALSE(again->response()->has_output());
+  // A pair holding more than the byte bound is freed, not kept.
+  again->request()->mutable_input()->set_raw_data(std::string(2 << 20, 'z'));
+  again->Release();
+  auto* fresh = pool.AllocateMessages();
+  EXPECT_EQ(pool.reused(), 1u);
+  fresh->Release();
+  // Many threads taking and returning pairs.
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&pool] {
+      for (int i = 0; i < 200; ++i) {
+        auto* held = pool.AllocateMessages();
+        held->request()->set_eps(1e-5f);
+        held->Release();
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_GT(pool.reused(), 700u);
+  pool.AllocateMessages()->Release();
 }
 
 TEST(ConcurrencyTest, MetricsRecordAndRenderConcurrently) {
