@@ -9,6 +9,8 @@
 #include <sys/resource.h>
 
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <random>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "core/convert.h"
 #include "core/multi_head_attention.h"
 #include "core/primitives.h"
+#include "core/thread_budget.h"
 
 namespace attnserve {
 namespace {
@@ -155,6 +158,43 @@ void BM_MultiHeadAttention(benchmark::State& state) {
   SetRate(state, 2.0 * b * l * e * e * 4 + 4.0 * b * l * l * e, 0);
 }
 
+// The serving comparison's in-process side: a packed layer (as a served
+// model is), called from several threads at once with the server's thread
+// budget. Args: seq, embed, heads; batch 1.
+void BM_MultiHeadServedShape(benchmark::State& state) {
+  const int64_t l = state.range(0), e = state.range(1);
+  Tensor x = Random(DType::kFloat32, {1, l, e}, 1);
+  Tensor in_proj = Random(DType::kFloat32, {3 * e, e}, 2);
+  Tensor in_bias = Random(DType::kFloat32, {3 * e}, 3);
+  Tensor out_proj = Random(DType::kFloat32, {e, e}, 4);
+  Tensor out_bias = Random(DType::kFloat32, {e}, 5);
+  MultiHeadWeights w;
+  w.num_heads = static_cast<int>(state.range(2));
+  w.in_proj_weight = in_proj.view();
+  w.in_proj_bias = in_bias.view();
+  w.out_proj_weight = out_proj.view();
+  w.out_proj_bias = out_bias.view();
+  MultiHeadInputs in{x.view(), std::nullopt, std::nullopt, std::nullopt,
+                     std::nullopt};
+  static std::mutex create_mu;
+  absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> layer;
+  {
+    std::lock_guard<std::mutex> lock(create_mu);
+    layer = MultiHeadLayer::Create(w, {});
+  }
+  if (!layer.ok()) state.SkipWithError("layer");
+  for (auto _ : state) {
+    ThreadBudget::Lease lease = ThreadBudget::Global().Acquire();
+    TensorResults results;
+    const absl::Status s = (*layer)->Run(in, {}, results);
+    if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
+    benchmark::DoNotOptimize(results);
+  }
+  // Summed over the benchmark's threads: the process's calls per second.
+  state.counters["calls_per_second"] =
+      benchmark::Counter(state.iterations(), benchmark::Counter::kIsRate);
+}
+
 // Args: rows, cols.
 void BM_LayerNorm(benchmark::State& state) {
   const int64_t rows = state.range(0), cols = state.range(1);
@@ -194,6 +234,11 @@ BENCHMARK(BM_MultiHeadAttention)
     ->Args({1, 16, 512, 8, 0, 1})
     ->Args({1, 16, 512, 8, 0, 0})
     ->Args({8, 512, 512, 8, 1, 1})
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_MultiHeadServedShape)->ArgNames({"L", "E", "H"})
+    ->Args({128, 512, 8})
+    ->Args({16, 512, 8})
+    ->Threads(1)->Threads(2)->Threads(8)
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNorm)->ArgNames({"rows", "cols"})
     ->Args({32 * 128, 768})

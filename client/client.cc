@@ -26,6 +26,11 @@ std::shared_ptr<grpc::Channel> CreateChannel(const ClientOptions& options,
     args.SetServiceConfigJSON(options.service_config_json);
   }
   if (own_connection) args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);
+  // Retries only ever come from a service config's retry policy; without
+  // one, the retry machinery is per-call overhead for nothing.
+  if (options.service_config_json.empty()) {
+    args.SetInt(GRPC_ARG_ENABLE_RETRIES, 0);
+  }
   std::shared_ptr<grpc::ChannelCredentials> credentials =
       grpc::InsecureChannelCredentials();
   if (!options.tls_ca_pem.empty() || !options.tls_cert_pem.empty()) {
