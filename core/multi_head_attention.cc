@@ -416,7 +416,9 @@ absl::Status MultiHeadLayer::Run(const MultiHeadInputs& in,
   ATTN_ASSIGN_OR_RETURN(
       ResultBuffer output,
       ResultBuffer::Allocate(results, "output", in.query.dtype, output_shape,
-                             /*bf16_ok=*/true));
+                             // float32 layers compute a bfloat16 query's
+                             // output in float32 and round it at the end.
+                             /*bf16_ok=*/compute == DType::kBFloat16));
   Tensor concat;
   if (out_.has_value()) {
     ATTN_ASSIGN_OR_RETURN(

@@ -242,6 +242,20 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
   std::optional<Tensor> packed_output = packed_results.Take("output");
   ASSERT_TRUE(packed_output.has_value());
   EXPECT_TRUE(AllClose(packed_output->view(), out, ToleranceFor(c.dtype)));
+
+  // A float32 model sent a lower-precision query computes in float32 and
+  // answers in the query's dtype.
+  if (c.dtype != DType::kFloat32) {
+    auto f32_layer = MultiHeadLayer::Create(w, MultiHeadLayer::Options{});
+    ASSERT_TRUE(f32_layer.ok()) << f32_layer.status();
+    TensorResults f32_results;
+    const absl::Status run = (*f32_layer)->Run(in, options, f32_results);
+    ASSERT_TRUE(run.ok()) << run;
+    std::optional<Tensor> f32_output = f32_results.Take("output");
+    ASSERT_TRUE(f32_output.has_value());
+    EXPECT_EQ(f32_output->dtype(), c.dtype);
+    EXPECT_TRUE(AllClose(f32_output->view(), out, ToleranceFor(c.dtype)));
+  }
 }
 
 MhaCase Case(std::string name, auto&& edit) {
