@@ -176,9 +176,11 @@ absl::Status MultiHeadLayer::Resolve(const MultiHeadWeights& w) {
     }
     q_name_ = k_name_ = v_name_ = "in_proj_weight";
   } else {
-    if (w.in_proj_bias.has_value()) {
+    if (w.in_proj_bias.has_value() &&
+        (w.q_proj_bias || w.k_proj_bias || w.v_proj_bias)) {
       return absl::InvalidArgumentError(
-          "in_proj_bias: given without in_proj_weight");
+          "in_proj_bias: give either in_proj_bias or "
+          "q_proj_bias/k_proj_bias/v_proj_bias, not both");
     }
     struct Part {
       const std::optional<TensorView>& weight;
@@ -214,6 +216,17 @@ absl::Status MultiHeadLayer::Resolve(const MultiHeadWeights& w) {
     }
     ATTN_RETURN_IF_ERROR(VerifyDim(*w.k_proj_weight, "k_proj_weight", 0, q_.out,
                                    "q_proj_weight dim 0"));
+    // PyTorch keeps one in_proj_bias also when the q/k/v weights are
+    // separate (kdim/vdim != embed_dim): its thirds bias q, k and v.
+    if (w.in_proj_bias.has_value()) {
+      ATTN_RETURN_IF_ERROR(
+          VerifyBias(w.in_proj_bias, "in_proj_bias", q_.out + k_.out + v_.out));
+      ATTN_ASSIGN_OR_RETURN(const float* bias,
+                            bias_data(w.in_proj_bias, "in_proj_bias"));
+      q_.bias = bias;
+      k_.bias = bias + q_.out;
+      v_.bias = bias + q_.out + k_.out;
+    }
     q_name_ = "q_proj_weight";
     k_name_ = "k_proj_weight";
     v_name_ = "v_proj_weight";

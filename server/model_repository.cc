@@ -105,25 +105,6 @@ absl::StatusOr<MultiHeadWeights> WeightsFrom(const SafetensorsFile& file,
     }
     *field = tensor.view();
   }
-  // PyTorch keeps one [3E] in_proj_bias also when q/k/v weights are separate
-  // (kdim/vdim != embed_dim): split it.
-  if (w.in_proj_bias.has_value() && !w.in_proj_weight.has_value()) {
-    const TensorView& bias = *w.in_proj_bias;
-    if (bias.rank() != 1 || bias.dim(0) % 3 != 0 ||
-        bias.dtype != DType::kFloat32) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(path,
-                       ": in_proj_bias: with separate q/k/v weights expected a "
-                       "FLOAT32 [3E] vector, got ",
-                       DTypeName(bias.dtype), " ", ShapeString(bias.shape)));
-    }
-    const int64_t e = bias.dim(0) / 3;
-    const float* data = bias.data_as<float>();
-    w.q_proj_bias = TensorView{DType::kFloat32, {e}, data};
-    w.k_proj_bias = TensorView{DType::kFloat32, {e}, data + e};
-    w.v_proj_bias = TensorView{DType::kFloat32, {e}, data + 2 * e};
-    w.in_proj_bias.reset();
-  }
   return w;
 }
 

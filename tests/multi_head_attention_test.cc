@@ -439,6 +439,42 @@ TEST_F(MhaErrorTest, ValidInputsWork) {
   EXPECT_TRUE(MultiHeadAttend(weights_, inputs_, options_).ok());
 }
 
+TEST_F(MhaErrorTest, SharedInProjBiasWithSeparateWeightsBiasesEachThird) {
+  // PyTorch's layout with kdim/vdim != embed_dim: separate weights, one
+  // [3E] in_proj_bias. It must equal the same bias given in thirds.
+  Tensor shared = Random(DType::kFloat32, {48});
+  const float* data = shared.data_as<float>();
+  weights_.in_proj_bias = shared.view();
+  auto together = MultiHeadAttend(weights_, inputs_, options_);
+  ASSERT_TRUE(together.ok()) << together.status();
+  weights_.in_proj_bias.reset();
+  weights_.q_proj_bias = TensorView{DType::kFloat32, {16}, data};
+  weights_.k_proj_bias = TensorView{DType::kFloat32, {16}, data + 16};
+  weights_.v_proj_bias = TensorView{DType::kFloat32, {16}, data + 32};
+  auto apart = MultiHeadAttend(weights_, inputs_, options_);
+  ASSERT_TRUE(apart.ok()) << apart.status();
+  const float* a = together->output.data_as<float>();
+  const float* b = apart->output.data_as<float>();
+  for (int64_t i = 0; i < together->output.num_elements(); ++i) {
+    ASSERT_EQ(a[i], b[i]) << i;
+  }
+  weights_.in_proj_bias = shared.view();
+  ExpectError(
+      "in_proj_bias: give either in_proj_bias or "
+      "q_proj_bias/k_proj_bias/v_proj_bias, not both");
+  weights_.q_proj_bias.reset();
+  weights_.k_proj_bias.reset();
+  weights_.v_proj_bias.reset();
+  Tensor short_bias = Random(DType::kFloat32, {40});
+  weights_.in_proj_bias = short_bias.view();
+  auto r = MultiHeadAttend(weights_, inputs_, options_);
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.status().message().find("in_proj_bias"), std::string::npos)
+      << r.status().message();
+  EXPECT_NE(r.status().message().find("48"), std::string::npos)
+      << r.status().message();
+}
+
 TEST_F(MhaErrorTest, HeadsMustDivide) {
   weights_.num_heads = 3;
   ExpectError("q_proj_weight: dim 0 (16) is not divisible by num_heads 3");
