@@ -21,4 +21,9 @@ if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
 $sudo apt-get update -qq
 $sudo apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
-echo "install-deps: ${#packages[@]} packages present"
+# The Node client's tests need node and npm; machines that already have a
+# Node.js distribution (with its own npm) keep it.
+if ! command -v npm >/dev/null; then
+  $sudo apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+fi
+echo "install-deps: ${#packages[@]} packages present, node $(node --version)"
