@@ -39,7 +39,7 @@ retry_codes=${LB_TEST_RETRY_CODES:-UNAVAILABLE,CANCELLED}
 python=/usr/bin/python3
 # The request: LayerNorm over [4, 16, 256] float32 (64 KiB, under gRPC's
 # 256 KiB retry buffer, so every attempt can be retried).
-shape=(--rpc=layernorm --batch=4 --seq=16 --dim=256 --heads=1)
+load_args=(--rpc=layernorm --batch=4 --seq=16 --dim=256 --heads=1 --warmup_s=0)
 
 log() { printf 'lb-test: %s\n' "$*"; }
 fail() {
@@ -118,7 +118,7 @@ start_replica() {
   local i=$1
   "$attnserve" --host=127.0.0.1 --port="${grpc_port[$i]}" \
     --metrics_port="${metrics_port[$i]}" --threads=1 --drain_seconds=5 \
-    --model_repository="$root/build/models" --log_level=info \
+    --log_level=info \
     >>"$tmp/replica$i.out" 2>>"$tmp/replica$i.err" &
   replica_pid[i]=$!
   wait_healthy "127.0.0.1:${grpc_port[$i]}" || fail "replica $i did not start (see $tmp/replica$i.*)"
@@ -174,8 +174,9 @@ printf '{"loadBalancingConfig": [{"round_robin": {}}], %s}\n' "$retry_policy" >"
 
 load=${LB_LOAD:-}
 if [[ -z $load ]]; then
-  if "$attnctl" --helpfull 2>&1 | grep -q -- '--service_config' &&
-    "$attnctl" --helpfull 2>&1 | grep -q -- '--duration_s'; then
+  # (--helpfull exits non-zero.)
+  attnctl_help=$("$attnctl" --helpfull 2>&1 || true)
+  if [[ $attnctl_help == *--service_config* && $attnctl_help == *--duration_s* ]]; then
     load=attnctl
   else
     load=python
@@ -186,7 +187,7 @@ case $load in
   python) load_cmd=("$python" "$root/deploy/lb_load.py") ;;
   *) fail "LB_LOAD must be attnctl or python" ;;
 esac
-log "load: ${load_cmd[*]} ${shape[*]} --concurrency=$concurrency, ${duration} s per run, retrying $retry_codes"
+log "load: ${load_cmd[*]} ${load_args[*]} --concurrency=$concurrency, ${duration} s per run, retrying $retry_codes"
 
 results=()
 failed_runs=0
@@ -207,7 +208,7 @@ for path in nginx round_robin; do
     nginx_lines_before=$(wc -l <"$tmp/nginx/access.log")
 
     report=$tmp/run$run.json
-    "${load_cmd[@]}" --target="$target" "${shape[@]}" --model=demo \
+    "${load_cmd[@]}" --target="$target" "${load_args[@]}" \
       --concurrency="$concurrency" --connections=2 --duration_s="$duration" \
       --timeout_s=10 --service_config="$config" --format=json >"$report" 2>"$tmp/run$run.err" &
     load_pid=$!
@@ -236,7 +237,8 @@ import json, sys
 r = json.load(open(sys.argv[1]))
 errors = ",".join(f"{k}={v}" for k, v in sorted(r.get("errors", {}).items())) or "none"
 lat = r.get("latency_us", {})
-print(r["requests"], r["ok"], errors, r["qps"], lat.get("p50", 0), lat.get("p99", 0))
+print(r["requests"], r["ok"], errors, round(r["qps"]), round(lat.get("p50", 0)),
+      round(lat.get("p99", 0)))
 EOF
 )
     retried=""

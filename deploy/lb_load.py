@@ -61,8 +61,10 @@ def tensor(shape, rng):
 def request_bytes(args):
     rng = random.Random(1)
     if args.rpc == "layernorm":
-        # LayerNormRequest{input = 1}
-        return "LayerNorm", field(1, 2, tensor([args.batch, args.seq, args.dim], rng))
+        # LayerNormRequest{input = 1, gamma = 2, beta = 3}
+        return "LayerNorm", (field(1, 2, tensor([args.batch, args.seq, args.dim], rng))
+                             + field(2, 2, tensor([args.dim], rng))
+                             + field(3, 2, tensor([args.dim], rng)))
     if args.rpc == "attend":
         # AttendRequest{query = 1, key = 2, value = 3}
         shape = [args.batch, args.heads, args.seq, args.dim // args.heads]
@@ -89,6 +91,8 @@ def main():
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--connections", type=int, default=1)
     parser.add_argument("--duration_s", type=float, default=10)
+    # Every call counts here: no warm-up (accepted for attnctl bench's sake).
+    parser.add_argument("--warmup_s", type=float, default=0)
     parser.add_argument("--timeout_s", type=float, default=10)
     parser.add_argument("--service_config", default="")
     parser.add_argument("--format", default="json", choices=["json"])

@@ -350,6 +350,9 @@ class DeployFilesTest(unittest.TestCase):
         next_upstream = re.search(r"grpc_next_upstream ([^;]*);", self.nginx).group(1).split()
         for condition in ("error", "timeout", "non_idempotent"):
             self.assertIn(condition, next_upstream)
+        # nginx's own failures reach clients as gRPC UNAVAILABLE.
+        self.assertRegex(self.nginx, r"error_page 502 503 504 = @grpc_unavailable;")
+        self.assertRegex(self.nginx, r"add_header grpc-status 14 always;")
         body = re.search(r"client_max_body_size (\d+)m;", self.nginx)
         self.assertGreaterEqual(int(body.group(1)), int(self.flags["max_message_mb"]))
 
