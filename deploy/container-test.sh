@@ -175,7 +175,10 @@ log "starting $name on $target (metrics 127.0.0.1:$metrics_port), --cpus=1"
 "${podman_cmd[@]}" run --detach --name "$name" --pull=never "${ulimits[@]}" \
   --cpus=1 --memory=2g --read-only --network slirp4netns \
   --publish "127.0.0.1:$grpc_port:50051" --publish "127.0.0.1:$metrics_port:9090" \
-  "$image" >/dev/null
+  "$image" >/dev/null 2>>"$tmp/podman.log" ||
+  { cat "$tmp/podman.log" >&2; fail "podman run failed"; }
+# (Without systemd, podman logs that it cannot schedule the health check's
+# timer; `podman healthcheck run` below runs the check itself.)
 
 healthy=0
 for _ in $(seq 1 120); do

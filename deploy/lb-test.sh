@@ -22,8 +22,7 @@
 #
 #   deploy/lb-test.sh
 #
-# The load is `attnctl bench` when build/bin/attnctl has it, otherwise
-# deploy/lb_load.py (same flags and report; LB_LOAD=python|attnctl picks).
+# The load is `attnctl bench` (closed loop, JSON report).
 # Environment: ATTNSERVE, ATTNCTL (default build/bin/...), LB_TEST_DURATION_S,
 # LB_TEST_CONCURRENCY (8), LB_TEST_KILL_AT_S (6), LB_TEST_RETRY_CODES
 # (UNAVAILABLE,CANCELLED).
@@ -48,17 +47,21 @@ fail() {
 }
 
 [[ -x $attnserve && -x $attnctl ]] || fail "build the project first (scripts/build.sh)"
+# (--helpfull exits non-zero.)
+attnctl_help=$("$attnctl" --helpfull 2>&1 || true)
+[[ $attnctl_help == *--service_config* && $attnctl_help == *--duration_s* ]] ||
+  fail "$attnctl has no bench command: rebuild it (scripts/build.sh)"
 
 if [[ $(id -u) -eq 0 ]]; then
   sudo=()
 else
   sudo=(sudo)
 fi
-log "installing nginx-light, curl, python3-grpcio (apt-get)"
+log "installing nginx-light, curl, python3 (apt-get)"
 export DEBIAN_FRONTEND=noninteractive
 "${sudo[@]}" apt-get update -qq
 "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
-  nginx-light curl python3 python3-grpcio >/dev/null
+  nginx-light curl python3 >/dev/null
 nginx_bin=$(command -v nginx || echo /usr/sbin/nginx)
 
 tmp=$(mktemp -d /tmp/attnserve-lb-test.XXXXXX)
@@ -172,21 +175,7 @@ retry_policy='"methodConfig": [{
 printf '{%s}\n' "$retry_policy" >"$tmp/proxy.json"
 printf '{"loadBalancingConfig": [{"round_robin": {}}], %s}\n' "$retry_policy" >"$tmp/round_robin.json"
 
-load=${LB_LOAD:-}
-if [[ -z $load ]]; then
-  # (--helpfull exits non-zero.)
-  attnctl_help=$("$attnctl" --helpfull 2>&1 || true)
-  if [[ $attnctl_help == *--service_config* && $attnctl_help == *--duration_s* ]]; then
-    load=attnctl
-  else
-    load=python
-  fi
-fi
-case $load in
-  attnctl) load_cmd=("$attnctl" bench) ;;
-  python) load_cmd=("$python" "$root/deploy/lb_load.py") ;;
-  *) fail "LB_LOAD must be attnctl or python" ;;
-esac
+load_cmd=("$attnctl" bench)
 log "load: ${load_cmd[*]} ${load_args[*]} --concurrency=$concurrency, ${duration} s per run, retrying $retry_codes"
 
 results=()
@@ -265,7 +254,7 @@ EOF
 done
 
 echo
-log "summary ($load load, ${duration} s per run, concurrency $concurrency, LayerNorm [4, 16, 256]):"
+log "summary (${duration} s per run, concurrency $concurrency, LayerNorm [4, 16, 256]):"
 printf '  %s\n' "${results[@]}"
 ((failed_runs == 0)) || fail "$failed_runs of $run runs failed"
 log "PASS"
