@@ -8,6 +8,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/thread_budget.h"
 #include "server/options.h"
@@ -52,6 +53,11 @@ int main(int argc, char** argv) {
       "Serves attention, multi-head attention and LayerNorm over gRPC.\n"
       "Usage: attnserve [--host=0.0.0.0] [--port=50051]");
   absl::ParseCommandLine(argc, argv);
+  // Debian's abseil is built without NDEBUG, which turns on absl::Mutex
+  // deadlock detection: a lock-order graph updated on every lock that gRPC
+  // takes, per call. Lock order is a property of the code, checked by its
+  // tests, not something to pay for on every request.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   attnserve::ServerOptions options;
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);

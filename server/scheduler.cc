@@ -42,13 +42,20 @@ bool Scheduler::RunHereIfIdle(const std::function<void()>& work) {
     ++inflight_;
   }
   work();
+  ReleaseSlot();
+  return true;
+}
+
+void Scheduler::ReleaseSlot() {
+  bool waiting;
   {
     std::lock_guard<std::mutex> lock(mu_);
     --inflight_;
+    waiting = !queue_.empty();
   }
-  // A call may have been queued while this one held the last slot.
-  work_ready_.notify_one();
-  return true;
+  // Only a queued call needs a worker woken: waking one for nothing costs
+  // two context switches per call.
+  if (waiting) work_ready_.notify_one();
 }
 
 int Scheduler::inflight() const {
@@ -76,11 +83,7 @@ void Scheduler::WorkerLoop() {
       ++inflight_;
     }
     work();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      --inflight_;
-    }
-    work_ready_.notify_one();
+    ReleaseSlot();
   }
 }
 

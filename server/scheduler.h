@@ -41,6 +41,9 @@ class Scheduler {
 
  private:
   void WorkerLoop();
+  // Ends a call's hold on an in-flight slot and wakes a worker if calls
+  // are queued.
+  void ReleaseSlot();
 
   const int max_inflight_;
   const int max_queue_;
