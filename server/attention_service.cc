@@ -278,6 +278,11 @@ AttentionServiceImpl::AttentionServiceImpl(const ServiceConfig& config)
 
 absl::Status AttentionServiceImpl::Admit(
     const grpc::CallbackServerContext& context, const RequestCost& cost) const {
+  if (draining_.load()) {
+    last_refused_ns_.store(absl::ToUnixNanos(absl::Now()));
+    return absl::UnavailableError(
+        "server is shutting down; retry on another replica");
+  }
   if (cost.largest_tensor > config_.max_tensor_elements) {
     return absl::ResourceExhaustedError(
         absl::StrCat("request: a tensor of ", cost.largest_tensor,

@@ -2,8 +2,9 @@
 // wire tensors into core views (no copy), calls the core, and writes the
 // result into the response.
 //
-// Thread-safety: gRPC calls the handlers concurrently; the service holds no
-// mutable state of its own (the model repository is thread-safe). Ownership:
+// Thread-safety: gRPC calls the handlers concurrently; the service's own
+// mutable state is its draining flag, atomic (the model repository is
+// thread-safe). Ownership:
 // the server owns the service; it must outlive the server.
 #ifndef ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
@@ -11,6 +12,7 @@
 #include <atomic>
 
 #include "absl/status/status.h"
+#include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/auth.h"
 #include "server/message_pool.h"
@@ -91,6 +93,15 @@ class AttentionServiceImpl final
       const v1::GetModelMetadataRequest* request,
       v1::GetModelMetadataResponse* response) override;
 
+  // From now on compute calls are refused with UNAVAILABLE "server is
+  // shutting down; retry on another replica"; accepted calls finish, and
+  // ListModels and GetModelMetadata still answer.
+  void StopAcceptingCalls() { draining_.store(true); }
+  // When a call was last refused for that (absl::UnixEpoch(): never).
+  absl::Time last_refused() const {
+    return absl::FromUnixNanos(last_refused_ns_.load());
+  }
+
  private:
   template <typename Request, typename Response, typename Handler>
   grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
@@ -107,6 +118,8 @@ class AttentionServiceImpl final
               double flops) const;
 
   ServiceConfig config_;
+  std::atomic<bool> draining_{false};
+  mutable std::atomic<int64_t> last_refused_ns_{0};
   // Messages of the compute RPCs, reused across calls.
   MessagePool<v1::AttendRequest, v1::AttendResponse> attend_messages_;
   MessagePool<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>

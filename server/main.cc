@@ -36,7 +36,11 @@ ABSL_FLAG(std::string, model_repository, "",
 ABSL_FLAG(int, threads, attnserve::ServerOptions().threads,
           "Compute threads shared by concurrent calls (0: all cores).");
 ABSL_FLAG(int, drain_seconds, attnserve::ServerOptions().drain_seconds,
-          "On SIGINT/SIGTERM, seconds accepted calls get to finish.");
+          "On SIGINT/SIGTERM, seconds from the signal until calls still "
+          "running are cancelled.");
+ABSL_FLAG(int, lame_duck_seconds, attnserve::ServerOptions().lame_duck_seconds,
+          "First part of --drain_seconds: health says NOT_SERVING while calls "
+          "are still served, then new calls get UNAVAILABLE (0: at once).");
 ABSL_FLAG(int, max_inflight, attnserve::ServerOptions().max_inflight,
           "Calls computing at once (0: one per compute thread).");
 ABSL_FLAG(int, max_queue, attnserve::ServerOptions().max_queue,
@@ -63,6 +67,7 @@ int main(int argc, char** argv) {
   options.port = absl::GetFlag(FLAGS_port);
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
+  options.lame_duck_seconds = absl::GetFlag(FLAGS_lame_duck_seconds);
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
   options.max_queue = absl::GetFlag(FLAGS_max_queue);
   options.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
@@ -113,7 +118,8 @@ int main(int argc, char** argv) {
   }
   std::printf("attnserve: signal %d, shutting down\n", signal_number);
   std::fflush(stdout);
-  (*server)->Shutdown(absl::Seconds(options.drain_seconds));
+  (*server)->Drain(absl::Seconds(options.lame_duck_seconds),
+                   absl::Seconds(options.drain_seconds));
   (*server)->Wait();
   server->reset();
   std::printf("attnserve: stopped\n");

@@ -45,6 +45,17 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--drain_seconds: ", options.drain_seconds, " is negative"));
   }
+  if (options.lame_duck_seconds < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lame_duck_seconds: ", options.lame_duck_seconds, " is negative"));
+  }
+  if (options.lame_duck_seconds > 0 &&
+      options.lame_duck_seconds >= options.drain_seconds) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--lame_duck_seconds: ", options.lame_duck_seconds,
+        " must be less than --drain_seconds (", options.drain_seconds,
+        "), of which it is the first part, or 0"));
+  }
   if (options.max_inflight < 0 || options.max_inflight > 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_inflight: ", options.max_inflight,

@@ -17,10 +17,17 @@ struct ServerOptions {
   int port = 50051;
   // Largest request and response message, in MiB (1 to 2047).
   int max_message_mb = 256;
-  // On SIGINT/SIGTERM: seconds that accepted calls get to finish before
-  // they are cancelled (health turns NOT_SERVING and new calls are refused
-  // at once).
+  // On SIGINT/SIGTERM: seconds from the signal until calls still running
+  // are cancelled. The drain: health turns NOT_SERVING; after
+  // lame_duck_seconds new compute calls are refused with UNAVAILABLE while
+  // accepted ones finish; then the server stops listening and waits for the
+  // rest of this time.
   int drain_seconds = 25;
+  // The first part of drain_seconds: health reports NOT_SERVING but calls
+  // are still served, so that load balancers and health-checking clients
+  // move away before any call is refused (0: refuse at once). Less than
+  // drain_seconds, so that calls accepted meanwhile have time to finish.
+  int lame_duck_seconds = 2;
   // Calls computing at once (0: one per compute thread).
   int max_inflight = 0;
   // Calls waiting for a worker beyond those; more get RESOURCE_EXHAUSTED.

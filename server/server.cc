@@ -1,5 +1,6 @@
 #include "server/server.h"
 
+#include <algorithm>
 #include <chrono>
 
 #include "absl/strings/str_cat.h"
@@ -101,12 +102,33 @@ AttnServer::~AttnServer() {
   Wait();
 }
 
-void AttnServer::Shutdown(absl::Duration grace) {
+void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   if (server_ == nullptr) return;
-  // Tell load balancers first, then stop accepting calls.
+  const absl::Time deadline = absl::Now() + grace;
+  // Load balancers and health-checking clients stop sending calls here
+  // when they see NOT_SERVING; until they do, calls are served.
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  absl::SleepFor(std::min(lame_duck, grace));
+  // Calls that still come get a status that clients' retry policies retry.
+  service_->StopAcceptingCalls();
+  // gRPC 1.51's Server::Shutdown drops as CANCELLED, which clients do not
+  // retry, every call not yet handed to a handler: requests still arriving
+  // when it starts or while it tells connections to stop. So stop listening
+  // once calls have stopped coming; clients that keep sending (they check
+  // no health) get the GOAWAY after kMaxRefusing, which moves them to other
+  // replicas sooner than refusals would.
+  constexpr absl::Duration kQuiet = absl::Milliseconds(250);
+  constexpr absl::Duration kMaxRefusing = absl::Seconds(1);
+  const absl::Time refusing_since = absl::Now();
+  const absl::Time stop_refusing =
+      std::min(deadline, refusing_since + kMaxRefusing);
+  while (absl::Now() < stop_refusing &&
+         absl::Now() - std::max(refusing_since, service_->last_refused()) <
+             kQuiet) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
   server_->GetHealthCheckService()->Shutdown();
-  server_->Shutdown(std::chrono::system_clock::now() +
-                    absl::ToChronoMilliseconds(grace));
+  server_->Shutdown(absl::ToChronoTime(deadline));
 }
 
 void AttnServer::Wait() {

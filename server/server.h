@@ -41,10 +41,18 @@ class AttnServer {
   // returned.
   absl::Status ReloadModels();
 
-  // Drains: marks the health service NOT_SERVING, refuses new calls, gives
-  // accepted calls (computing or queued) `grace` to finish, then cancels
-  // what is left, which stops at its next block boundary.
-  void Shutdown(absl::Duration grace);
+  // Drains, `grace` in all (see ServerOptions::drain_seconds):
+  //  1. the lame duck: the health service says NOT_SERVING while calls are
+  //     still served, for `lame_duck`;
+  //  2. new compute calls are refused with UNAVAILABLE (retryable) while
+  //     accepted ones (computing or queued) finish;
+  //  3. the server stops listening and waits for what is left until the
+  //     end of `grace`, then cancels it (it stops at its next block
+  //     boundary).
+  // Returns when every call is done.
+  void Drain(absl::Duration lame_duck, absl::Duration grace);
+  // Drain() without the lame duck.
+  void Shutdown(absl::Duration grace) { Drain(absl::ZeroDuration(), grace); }
   // Blocks until the server has shut down.
   void Wait();
 

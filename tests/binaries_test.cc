@@ -5,7 +5,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,7 +19,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
 #include "core/safetensors.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
 #include "tests/test_util.h"
@@ -315,6 +321,115 @@ TEST(BinariesTest, SigtermDrainsEveryAcceptedCall) {
   for (int i = 0; i < kCalls; ++i)
     EXPECT_TRUE(results[i].ok()) << i << ": " << results[i];
   EXPECT_EQ(server.StopWith(0, std::chrono::seconds(30)), 0);
+}
+
+// Clients calling without pause when SIGTERM comes: during the lame-duck
+// period health says NOT_SERVING while calls are still served, then new
+// calls are refused with a retryable UNAVAILABLE, and only then does the
+// server stop listening. No call may end CANCELLED (gRPC's answer to a call
+// it dropped before any handler saw it) or with any other error.
+TEST(BinariesTest, SigtermDrainAnswersEveryCallOkOrRetryable) {
+  using Clock = std::chrono::steady_clock;
+  constexpr char kDraining[] =
+      "server is shutting down; retry on another replica";
+  // No access log: thousands of calls would fill the output pipe.
+  ServerProcess server({"--drain_seconds=10", "--log_level=warning"});
+  ASSERT_GT(server.port(), 0);
+
+  // A health-checking client: when did NOT_SERVING come? Its channel is
+  // closed once it has: gRPC's server waits for open calls (a Watch) until
+  // --drain_seconds, and for idle connections to read its GOAWAY, which a
+  // client process may take seconds to do.
+  std::atomic<int> watching{0};  // 1: saw SERVING, -1: failed
+  std::atomic<Clock::rep> not_serving_at{0};
+  std::thread watcher([&] {
+    auto health = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
+        server.target(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(20));
+    grpc::health::v1::HealthCheckRequest request;
+    request.set_service("attnserve.v1.AttentionService");
+    auto watch = health->Watch(&context, request);
+    grpc::health::v1::HealthCheckResponse update;
+    watching = watch->Read(&update) &&
+                       update.status() ==
+                           grpc::health::v1::HealthCheckResponse::SERVING
+                   ? 1
+                   : -1;
+    while (watching == 1 && watch->Read(&update)) {
+      if (update.status() ==
+          grpc::health::v1::HealthCheckResponse::NOT_SERVING) {
+        not_serving_at = Clock::now().time_since_epoch().count();
+        break;
+      }
+    }
+    context.TryCancel();
+    watch->Finish().IgnoreError();
+  });
+  while (watching == 0) std::this_thread::yield();
+  if (watching != 1) watcher.join();
+  ASSERT_EQ(watching, 1) << "no SERVING from the health Watch";
+
+  // lb-test's request: 64 KiB, just over HTTP/2's initial flow-control
+  // window, so that a call's message can still be arriving when its
+  // headers are in.
+  v1::LayerNormRequest request;
+  std::mt19937 rng(7);
+  EncodeTensor(RandomTensor(DType::kFloat32, {4, 16, 256}, rng).view(),
+               request.mutable_input());
+  ClientOptions options;
+  options.target = server.target();
+  options.timeout = absl::Seconds(15);
+  struct Result {
+    absl::Status status;
+    Clock::time_point at;
+  };
+  constexpr int kClients = 8;
+  std::vector<std::vector<Result>> results(kClients);
+  std::vector<std::thread> clients;
+  for (int i = 0; i < kClients; ++i) {
+    clients.emplace_back([&, i] {
+      AttnClient client(options);
+      const Clock::time_point give_up = Clock::now() + std::chrono::seconds(20);
+      // A client stops at the first failure: with more replicas it would
+      // take its retry elsewhere.
+      while (Clock::now() < give_up) {
+        absl::Status status = client.LayerNorm(request).status();
+        results[i].push_back({status, Clock::now()});
+        if (!status.ok()) break;
+      }
+    });
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const Clock::time_point signalled = Clock::now();
+  kill(server.pid(), SIGTERM);
+  for (std::thread& client : clients) client.join();
+  EXPECT_EQ(server.StopWith(0, std::chrono::seconds(12)), 0);
+  EXPECT_LT(Clock::now() - signalled, std::chrono::seconds(10))
+      << "stopped later than --drain_seconds";
+  watcher.join();
+
+  ASSERT_NE(not_serving_at.load(), 0) << "health never said NOT_SERVING";
+  const Clock::time_point not_serving{Clock::duration(not_serving_at.load())};
+  int ok_after_not_serving = 0;
+  Clock::time_point first_refusal = Clock::time_point::max();
+  for (int i = 0; i < kClients; ++i) {
+    ASSERT_FALSE(results[i].empty());
+    for (size_t j = 0; j + 1 < results[i].size(); ++j) {
+      if (results[i][j].at > not_serving) ++ok_after_not_serving;
+    }
+    const Result& last = results[i].back();
+    EXPECT_EQ(last.status.code(), absl::StatusCode::kUnavailable)
+        << "client " << i << ": " << last.status;
+    EXPECT_EQ(last.status.message(), kDraining) << "client " << i;
+    first_refusal = std::min(first_refusal, last.at);
+  }
+  EXPECT_GT(not_serving, signalled);
+  EXPECT_LT(not_serving, first_refusal)
+      << "calls were refused before health said NOT_SERVING";
+  EXPECT_GT(ok_after_not_serving, 0)
+      << "no call was served in the lame-duck period";
 }
 
 TEST(BinariesTest, BrokenModelStopsStartUp) {

@@ -445,6 +445,18 @@ TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
   EXPECT_EQ(ValidateServerOptions(options).message(),
             "--max_message_mb: 0 is not in [1, 2047] (protobuf messages are "
             "limited to 2 GiB)");
+  options = ServerOptions();
+  options.lame_duck_seconds = -1;
+  EXPECT_EQ(ValidateServerOptions(options).message(),
+            "--lame_duck_seconds: -1 is negative");
+  options.lame_duck_seconds = 5;
+  options.drain_seconds = 5;
+  EXPECT_EQ(ValidateServerOptions(options).message(),
+            "--lame_duck_seconds: 5 must be less than --drain_seconds (5), of "
+            "which it is the first part, or 0");
+  options.lame_duck_seconds = 0;
+  options.drain_seconds = 0;
+  EXPECT_TRUE(ValidateServerOptions(options).ok());
   EXPECT_TRUE(ValidateServerOptions(ServerOptions()).ok());
 }
 
