@@ -89,6 +89,9 @@ ABSL_FLAG(int, concurrency, 1,
           "calls (open loop).");
 ABSL_FLAG(int, connections, 1,
           "bench: channels, each with its own connection.");
+ABSL_FLAG(int, client_threads, 0,
+          "bench: threads driving the calls (0: one per connection, at most "
+          "the cores attnctl may run on).");
 ABSL_FLAG(double, rate, 0,
           "bench: > 0 runs open loop at this many requests per second.");
 ABSL_FLAG(std::string, arrival, "constant",
@@ -197,6 +200,7 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   LoadOptions& load = options.bench.load;
   load.concurrency = absl::GetFlag(FLAGS_concurrency);
   load.connections = absl::GetFlag(FLAGS_connections);
+  load.threads = absl::GetFlag(FLAGS_client_threads);
   load.rate = absl::GetFlag(FLAGS_rate);
   ATTN_ASSIGN_OR_RETURN(load.arrival,
                         ParseArrival(absl::GetFlag(FLAGS_arrival)));
@@ -232,7 +236,7 @@ absl::Status ValidateOptions(const AttnctlOptions& options) {
   }
   if (options.command == "bench" && options.rpc.empty()) {
     return absl::InvalidArgumentError(
-        "--rpc: missing (attend, mha or layernorm)");
+        "--rpc: missing (attend, mha, layernorm or health)");
   }
   if (options.command != "health" && options.command != "models" &&
       options.command != "bench" && options.in_path.empty()) {
@@ -384,7 +388,7 @@ int main(int argc, char** argv) {
       "[--out=FILE.safetensors] [flags]\n"
       "attnctl health --target=HOST:PORT [--service=NAME]\n"
       "attnctl models --target=HOST:PORT [--model=NAME]\n"
-      "attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm "
+      "attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|health "
       "[--batch --seq --kv_seq --dim --heads --dtype | --in=FILE] "
       "[--model=NAME] [--concurrency=N --connections=M | --rate=R "
       "--arrival=constant|poisson] [--duration_s=S | --requests=N] "

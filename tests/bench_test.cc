@@ -243,7 +243,7 @@ TEST(BenchReportTest, TextWarnsWhenTheClientIsTheLimit) {
   EXPECT_THAT(text, ::testing::Not(HasSubstr("WARNING")));
   report.client_saturated = true;
   EXPECT_THAT(FormatText(report),
-              HasSubstr("WARNING: the client used nearly all the cores"));
+              HasSubstr("WARNING: the client is saturated"));
 }
 
 TEST(BenchReportTest, SweepChartPlotsEveryPercentileAtEveryStep) {

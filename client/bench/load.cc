@@ -1,7 +1,9 @@
 #include "client/bench/load.h"
 
+#include <pthread.h>
 #include <sched.h>
 #include <sys/resource.h>
+#include <time.h>
 
 #include <algorithm>
 #include <array>
@@ -18,6 +20,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "grpcpp/completion_queue.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
 
@@ -48,6 +51,17 @@ double ProcessCpuSeconds() {
   return seconds(usage.ru_utime) + seconds(usage.ru_stime);
 }
 
+// CPU seconds a running thread has used so far (0 if unreadable).
+double ThreadCpuSeconds(std::thread& thread) {
+  clockid_t clock;
+  timespec t{};
+  if (pthread_getcpuclockid(thread.native_handle(), &clock) != 0 ||
+      clock_gettime(clock, &t) != 0) {
+    return 0;
+  }
+  return t.tv_sec + t.tv_nsec / 1e9;
+}
+
 // The cores this process may run on (taskset narrows them).
 int CoresAvailable() {
   cpu_set_t set;
@@ -58,8 +72,10 @@ int CoresAvailable() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// One load test from start to report. Calls complete on gRPC's threads;
-// the object outlives every call it starts (Run waits for them all).
+// One load test from start to report. Calls run on completion queues, each
+// drained by one thread that also starts the next call of a closed loop:
+// the least CPU per call gRPC's C++ API allows (no hand-over between
+// threads). The object outlives every call it starts (Run waits for all).
 class LoadRun {
  public:
   LoadRun(const Workload& workload, const LoadOptions& options)
@@ -70,30 +86,45 @@ class LoadRun {
       channels_.push_back(CreateChannel(options.client, true));
       stubs_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
     }
+    const int pollers = options.threads > 0
+                            ? options.threads
+                            : std::min(options.connections, CoresAvailable());
+    for (int i = 0; i < pollers; ++i) {
+      queues_.push_back(std::make_unique<grpc::CompletionQueue>());
+    }
     for (auto& count : errors_) count.store(0);
   }
 
   BenchReport Run(const std::function<void(const LoadProgress&)>& progress);
 
  private:
-  // A closed-loop caller: one call in flight at a time, on one channel.
-  struct Slot {
-    int channel = 0;
-    std::unique_ptr<grpc::ClientContext> context;
-    grpc::ByteBuffer response;
-  };
-  // An open-loop call.
-  struct OpenCall {
+  // One call in flight. Closed loop: `closed` is true and the call's
+  // completion starts the next one on the same channel.
+  struct Call {
     grpc::ClientContext context;
     grpc::ByteBuffer response;
+    grpc::Status status;
+    std::unique_ptr<grpc::ClientAsyncResponseReader<grpc::ByteBuffer>> reader;
+    int64_t intended = 0;
+    int channel = 0;
+    bool closed = false;
   };
+
+  grpc::CompletionQueue* QueueOf(int channel) {
+    return queues_[channel % queues_.size()].get();
+  }
+  // Starts a call meant to start at `intended` on `channel`.
+  void Start(int channel, int64_t intended, bool closed);
+  // Drains one completion queue until it is shut down.
+  void Poll(grpc::CompletionQueue* queue);
 
   // Whether a call meant to start at `intended` may start. Counted calls
   // (intended after the warm-up) take one of `requests` tickets, or must
   // fall inside the measured period.
   bool MayStart(int64_t intended);
   bool Counted(int64_t intended) const { return intended >= measure_start_; }
-  void StartClosed(Slot* slot);
+  // Starts the next call of a closed-loop caller, or retires the caller.
+  void StartClosed(int channel);
   void SendOpenLoop();
   void Finish(const grpc::ClientContext& context, const grpc::Status& status,
               int64_t intended);
@@ -108,6 +139,7 @@ class LoadRun {
   grpc::ByteBuffer request_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
+  std::vector<std::unique_ptr<grpc::CompletionQueue>> queues_;
 
   int64_t start_ = 0;
   int64_t measure_start_ = 0;
@@ -177,21 +209,39 @@ void LoadRun::Finish(const grpc::ClientContext& context,
   }
 }
 
-void LoadRun::StartClosed(Slot* slot) {
+void LoadRun::Start(int channel, int64_t intended, bool closed) {
+  auto* call = new Call();
+  call->intended = intended;
+  call->channel = channel;
+  call->closed = closed;
+  PrepareContext(options_.client, &call->context);
+  call->reader = stubs_[channel]->PrepareUnaryCall(
+      &call->context, workload_.method, request_, QueueOf(channel));
+  call->reader->StartCall();
+  call->reader->Finish(&call->response, &call->status, call);
+}
+
+void LoadRun::StartClosed(int channel) {
   const int64_t now = NowNanos();
-  if (!MayStart(now)) {
+  if (MayStart(now)) {
+    Start(channel, now, /*closed=*/true);
+  } else {
     Leave();
-    return;
   }
-  slot->context = std::make_unique<grpc::ClientContext>();
-  PrepareContext(options_.client, slot->context.get());
-  slot->response.Clear();
-  stubs_[slot->channel]->UnaryCall(
-      slot->context.get(), workload_.method, grpc::StubOptions(), &request_,
-      &slot->response, [this, slot, now](grpc::Status status) {
-        Finish(*slot->context, status, now);
-        StartClosed(slot);
-      });
+}
+
+void LoadRun::Poll(grpc::CompletionQueue* queue) {
+  void* tag = nullptr;
+  bool ok = false;
+  while (queue->Next(&tag, &ok)) {
+    std::unique_ptr<Call> call(static_cast<Call*>(tag));
+    Finish(call->context, call->status, call->intended);
+    if (call->closed) {
+      StartClosed(call->channel);
+    } else {
+      Leave();
+    }
+  }
 }
 
 void LoadRun::SendOpenLoop() {
@@ -211,15 +261,8 @@ void LoadRun::SendOpenLoop() {
     if (Counted(intended) && NowNanos() - intended > late_after) {
       late_.fetch_add(1, std::memory_order_relaxed);
     }
-    auto* call = new OpenCall();
-    PrepareContext(options_.client, &call->context);
-    stubs_[sent % stubs_.size()]->UnaryCall(
-        &call->context, workload_.method, grpc::StubOptions(), &request_,
-        &call->response, [this, call, intended](grpc::Status status) {
-          Finish(call->context, status, intended);
-          delete call;
-          Leave();
-        });
+    Start(static_cast<int>(sent % stubs_.size()), intended,
+          /*closed=*/false);
   }
   Leave();
 }
@@ -248,22 +291,36 @@ BenchReport LoadRun::Run(
   if (options_.requests == 0) {
     measure_end_ = measure_start_ + absl::ToInt64Nanoseconds(options_.duration);
   }
-  std::vector<Slot> slots;
+  std::vector<std::thread> pollers;
+  for (auto& queue : queues_) {
+    pollers.emplace_back([this, q = queue.get()] { Poll(q); });
+  }
   std::thread sender;
   if (options_.rate > 0) {
     active_ = 1;
     sender = std::thread([this] { SendOpenLoop(); });
   } else {
-    slots.resize(options_.concurrency);
-    active_ = options_.concurrency;
-    for (int i = 0; i < options_.concurrency; ++i) {
-      slots[i].channel = i % options_.connections;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      active_ = options_.concurrency;
     }
-    for (Slot& slot : slots) StartClosed(&slot);
+    for (int i = 0; i < options_.concurrency; ++i) {
+      StartClosed(i % options_.connections);
+    }
   }
 
   const int64_t interval = absl::ToInt64Nanoseconds(options_.progress_interval);
   double cpu_at_start = ProcessCpuSeconds();
+  // The threads driving calls: one busy all the time limits the client
+  // even when the process as a whole has cores to spare.
+  const auto poller_cpu = [&pollers] {
+    std::vector<double> seconds;
+    for (std::thread& poller : pollers) {
+      seconds.push_back(ThreadCpuSeconds(poller));
+    }
+    return seconds;
+  };
+  std::vector<double> pollers_at_start = poller_cpu();
   bool measuring = options_.warmup <= absl::ZeroDuration();
   int64_t last_completed = 0, last_time = measure_start_;
   std::unique_lock<std::mutex> lock(mu_);
@@ -280,6 +337,7 @@ BenchReport LoadRun::Run(
       // Woken only to read the CPU clock: the next line is an interval on.
       measuring = true;
       cpu_at_start = ProcessCpuSeconds();
+      pollers_at_start = poller_cpu();
       continue;
     }
     if (progress) {
@@ -289,8 +347,11 @@ BenchReport LoadRun::Run(
     }
   }
   lock.unlock();
-  if (sender.joinable()) sender.join();
   const double cpu_seconds = ProcessCpuSeconds() - cpu_at_start;
+  const std::vector<double> pollers_at_end = poller_cpu();
+  if (sender.joinable()) sender.join();
+  for (auto& queue : queues_) queue->Shutdown();
+  for (std::thread& poller : pollers) poller.join();
 
   BenchReport report;
   report.rpc = workload_.rpc;
@@ -324,8 +385,14 @@ BenchReport LoadRun::Run(
   report.client_cpu_cores = cpu_seconds / wall;
   report.client_cpu_us_per_request =
       report.requests > 0 ? cpu_seconds * 1e6 / report.requests : 0;
+  for (size_t i = 0; i < pollers_at_end.size(); ++i) {
+    report.client_busiest_thread =
+        std::max(report.client_busiest_thread,
+                 (pollers_at_end[i] - pollers_at_start[i]) / wall);
+  }
   report.client_saturated =
-      report.client_cpu_cores >= 0.8 * report.client_cores_available;
+      report.client_cpu_cores >= 0.8 * report.client_cores_available ||
+      report.client_busiest_thread >= 0.9;
   return report;
 }
 
@@ -339,6 +406,10 @@ absl::Status VerifyLoadOptions(const LoadOptions& options) {
   if (options.connections < 1 || options.connections > 1024) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--connections: ", options.connections, " is not in [1, 1024]"));
+  }
+  if (options.threads < 0 || options.threads > 256) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--client_threads: ", options.threads, " is not in [0, 256]"));
   }
   if (options.rate < 0) {
     return absl::InvalidArgumentError(

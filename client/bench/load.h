@@ -3,9 +3,10 @@
 // loop (calls sent on a schedule, whatever the server's pace), with a
 // warm-up, a duration or request count, and per-call deadlines.
 //
-// Thread-safety: RunLoad blocks its caller; it runs calls on gRPC's callback
-// threads, a sender thread (open loop) and calls `progress` on the caller's
-// thread. Ownership: everything it creates is gone when it returns.
+// Thread-safety: RunLoad blocks its caller; it runs calls on its own
+// completion-queue threads, a sender thread (open loop) and calls
+// `progress` on the caller's thread. Ownership: everything it creates is gone
+// when it returns.
 #ifndef ATTNSERVE_CLIENT_BENCH_LOAD_H_
 #define ATTNSERVE_CLIENT_BENCH_LOAD_H_
 
@@ -42,6 +43,10 @@ struct LoadOptions {
   int64_t requests = 0;
   // Open loop: a send this far behind its schedule counts as late.
   absl::Duration late_threshold = absl::Milliseconds(1);
+  // Threads driving the calls, each with its own completion queue and a
+  // share of the connections (0: one per connection, at most the cores the
+  // client may run on).
+  int threads = 0;
   // How often `progress` is called.
   absl::Duration progress_interval = absl::Seconds(1);
 };

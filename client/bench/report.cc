@@ -51,6 +51,7 @@ nlohmann::json ReportJson(const BenchReport& r) {
       {"client_cpu_cores", r.client_cpu_cores},
       {"client_cores_available", r.client_cores_available},
       {"client_cpu_us_per_request", r.client_cpu_us_per_request},
+      {"client_busiest_thread", r.client_busiest_thread},
       {"client_saturated", r.client_saturated},
   };
   if (!r.step.empty()) j["step"] = r.step;
@@ -171,15 +172,19 @@ std::string FormatText(const BenchReport& r) {
         r.late, r.requests > 0 ? 100.0 * r.late / r.requests : 0.0,
         r.late_threshold_ms);
   }
-  absl::StrAppendFormat(&out,
-                        "client CPU  %.2f of %d cores, %.1f us per request\n",
-                        r.client_cpu_cores, r.client_cores_available,
-                        r.client_cpu_us_per_request);
+  absl::StrAppendFormat(
+      &out,
+      "client CPU  %.2f of %d cores, %.1f us per request, busiest thread "
+      "%.0f%%\n",
+      r.client_cpu_cores, r.client_cores_available, r.client_cpu_us_per_request,
+      100 * r.client_busiest_thread);
   if (r.client_saturated) {
     absl::StrAppend(&out,
-                    "WARNING: the client used nearly all the cores it may run "
-                    "on: these figures measure the client, not the server. "
-                    "Run it on other cores (taskset) or another machine.\n");
+                    "WARNING: the client is saturated (nearly all its cores, "
+                    "or a call-driving thread always busy): these figures "
+                    "measure the client, not the server. Give it more "
+                    "--connections/--client_threads, other cores (taskset) "
+                    "or another machine.\n");
   }
   return out;
 }

@@ -74,8 +74,11 @@ struct BenchReport {
   double client_cpu_cores = 0;
   int client_cores_available = 0;
   double client_cpu_us_per_request = 0;
-  // True when the client used nearly all the cores it may run on: the
-  // figures then measure the client, not the server.
+  // The share of the time the busiest call-driving thread was on a CPU.
+  double client_busiest_thread = 0;
+  // True when the client used nearly all the cores it may run on, or its
+  // busiest call-driving thread was busy nearly all the time: the figures
+  // then measure the client, not the server.
   bool client_saturated = false;
 };
 
