@@ -14,12 +14,30 @@
 #define ATTNSERVE_CORE_THREAD_BUDGET_H_
 
 #include <atomic>
+#include <string>
+
+#include "absl/strings/string_view.h"
 
 namespace attnserve {
 
-// The cores this process may use: its CPU affinity, capped by a cgroup CPU
-// quota and by OMP_NUM_THREADS when either is set.
+// The cores this process may use: its CPU affinity, capped by its cgroup's
+// CPU quota (CgroupCpuLimit of /sys/fs/cgroup and /proc/self/cgroup) and by
+// OMP_NUM_THREADS when either is set.
 int AvailableCores();
+
+// The CPU quota of a process's cgroup in whole cores (quota / period rounded
+// up, at least 1), or 0 when there is none or it cannot be read.
+// `cgroup_root` is where the cgroup file systems are mounted
+// (/sys/fs/cgroup) and `proc_self_cgroup` the text of the process's
+// /proc/self/cgroup. Reads cgroup v2's cpu.max ("max" or "<quota> <period>")
+// and, when that sets no limit, cgroup v1's cpu.cfs_quota_us (-1: none) and
+// cpu.cfs_period_us under the cpu controller's mount (cpu, cpu,cpuacct or
+// cpuacct,cpu), in the process's cgroup and each ancestor up to the mount
+// root (inside a container, the container's own cgroup), since a parent's
+// limit holds for its children; the tightest wins. Separate from
+// AvailableCores so that tests can feed it a directory tree.
+int CgroupCpuLimit(const std::string& cgroup_root,
+                   absl::string_view proc_self_cgroup);
 
 class ThreadBudget {
  public:
