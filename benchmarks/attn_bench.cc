@@ -123,24 +123,34 @@ void BM_MemoryCopy(benchmark::State& state) {
   SetRate(state, 0, 2.0 * bytes);
 }
 
+// Self-attention with nn.MultiheadAttention's weights (fused in_proj, both
+// biases) on a random [b, l, e] query.
+struct MultiHeadSetup {
+  MultiHeadSetup(int64_t b, int64_t l, int64_t e, int heads, DType dtype)
+      : x(Random(dtype, {b, l, e}, 1)),
+        in_proj(Random(DType::kFloat32, {3 * e, e}, 2)),
+        in_bias(Random(DType::kFloat32, {3 * e}, 3)),
+        out_proj(Random(DType::kFloat32, {e, e}, 4)),
+        out_bias(Random(DType::kFloat32, {e}, 5)) {
+    weights.num_heads = heads;
+    weights.in_proj_weight = in_proj.view();
+    weights.in_proj_bias = in_bias.view();
+    weights.out_proj_weight = out_proj.view();
+    weights.out_proj_bias = out_bias.view();
+    inputs.query = x.view();
+  }
+  Tensor x, in_proj, in_bias, out_proj, out_bias;
+  MultiHeadWeights weights;
+  MultiHeadInputs inputs;
+};
+
 // Args: batch, seq, embed, heads, bf16, packed.
 void BM_MultiHeadAttention(benchmark::State& state) {
   const int64_t b = state.range(0), l = state.range(1), e = state.range(2);
-  const int heads = static_cast<int>(state.range(3));
   const DType dtype = state.range(4) ? DType::kBFloat16 : DType::kFloat32;
-  Tensor x = Random(dtype, {b, l, e}, 1);
-  Tensor in_proj = Random(DType::kFloat32, {3 * e, e}, 2);
-  Tensor in_bias = Random(DType::kFloat32, {3 * e}, 3);
-  Tensor out_proj = Random(DType::kFloat32, {e, e}, 4);
-  Tensor out_bias = Random(DType::kFloat32, {e}, 5);
-  MultiHeadWeights w;
-  w.num_heads = heads;
-  w.in_proj_weight = in_proj.view();
-  w.in_proj_bias = in_bias.view();
-  w.out_proj_weight = out_proj.view();
-  w.out_proj_bias = out_bias.view();
-  MultiHeadInputs in{x.view(), std::nullopt, std::nullopt, std::nullopt,
-                     std::nullopt};
+  const MultiHeadSetup setup(b, l, e, static_cast<int>(state.range(3)), dtype);
+  const MultiHeadWeights& w = setup.weights;
+  const MultiHeadInputs& in = setup.inputs;
   // Packed: a layer prepared once, as for a served model; else the weights
   // arrive with each call, as inline request weights do.
   const bool packed = state.range(5) != 0;
@@ -162,31 +172,19 @@ void BM_MultiHeadAttention(benchmark::State& state) {
 // model is), called from several threads at once with the server's thread
 // budget. Args: seq, embed, heads; batch 1.
 void BM_MultiHeadServedShape(benchmark::State& state) {
-  const int64_t l = state.range(0), e = state.range(1);
-  Tensor x = Random(DType::kFloat32, {1, l, e}, 1);
-  Tensor in_proj = Random(DType::kFloat32, {3 * e, e}, 2);
-  Tensor in_bias = Random(DType::kFloat32, {3 * e}, 3);
-  Tensor out_proj = Random(DType::kFloat32, {e, e}, 4);
-  Tensor out_bias = Random(DType::kFloat32, {e}, 5);
-  MultiHeadWeights w;
-  w.num_heads = static_cast<int>(state.range(2));
-  w.in_proj_weight = in_proj.view();
-  w.in_proj_bias = in_bias.view();
-  w.out_proj_weight = out_proj.view();
-  w.out_proj_bias = out_bias.view();
-  MultiHeadInputs in{x.view(), std::nullopt, std::nullopt, std::nullopt,
-                     std::nullopt};
+  const MultiHeadSetup setup(1, state.range(0), state.range(1),
+                             static_cast<int>(state.range(2)), DType::kFloat32);
   static std::mutex create_mu;
   absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> layer;
   {
     std::lock_guard<std::mutex> lock(create_mu);
-    layer = MultiHeadLayer::Create(w, {});
+    layer = MultiHeadLayer::Create(setup.weights, {});
   }
   if (!layer.ok()) state.SkipWithError("layer");
   for (auto _ : state) {
     ThreadBudget::Lease lease = ThreadBudget::Global().Acquire();
     TensorResults results;
-    const absl::Status s = (*layer)->Run(in, {}, results);
+    const absl::Status s = (*layer)->Run(setup.inputs, {}, results);
     if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
     benchmark::DoNotOptimize(results);
   }
