@@ -6,53 +6,21 @@ on one model repository written here, sends both the same requests and
 compares the results. PYTHONPATH must hold the attnserve.v1 stubs and
 clients/python.
 """
-import atexit
 import os
-import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import grpc
 import numpy as np
 import torch
 
-from attnserve_client import (attention_weights, connect, pb, save_model,
-                              to_numpy, to_tensor)
+from attnserve_client import (ServerProcess, attention_weights, connect, pb,
+                              save_model, to_numpy, to_tensor)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SERVER_BIN = os.environ.get("ATTNSERVE_BIN", "")
 TOL = dict(rtol=1e-4, atol=1e-4)
-
-
-class Process:
-    """A server that prints '<banner> HOST:PORT ...' on stdout when ready."""
-
-    def __init__(self, argv, banner, workdir, name):
-        self.stdout = os.path.join(workdir, f"{name}.stdout")
-        self.stderr = os.path.join(workdir, f"{name}.stderr")
-        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
-            self.process = subprocess.Popen(argv, stdout=out, stderr=err)
-        atexit.register(self.stop)
-        deadline = time.monotonic() + 40
-        while time.monotonic() < deadline:
-            with open(self.stdout) as f:
-                for line in f:
-                    if line.startswith(banner):
-                        self.target = line[len(banner):].split()[0]
-                        return
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        with open(self.stderr) as f:
-            raise RuntimeError(f"{name} did not start: {f.read()}")
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
 
 
 class PeerSmokeTest(unittest.TestCase):
@@ -68,10 +36,10 @@ class PeerSmokeTest(unittest.TestCase):
         save_model(repository, "mha64_bf16", cls.mha.state_dict(),
                    num_heads=4, compute_dtype=pb.DATA_TYPE_BFLOAT16)
         cls.servers = [
-            Process([SERVER_BIN, "--host=127.0.0.1", "--port=0",
+            ServerProcess([SERVER_BIN, "--host=127.0.0.1", "--port=0",
                      "--metrics_port=-1", f"--model_repository={repository}"],
                     "attnserve listening on ", cls.workdir.name, "attnserve"),
-            Process([sys.executable, os.path.join(HERE, "torch_peer.py"),
+            ServerProcess([sys.executable, os.path.join(HERE, "torch_peer.py"),
                      "--port=0", "--torch_threads=1",
                      f"--model_repository={repository}"],
                     "peer listening on ", cls.workdir.name, "peer"),

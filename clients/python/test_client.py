@@ -5,12 +5,10 @@ Usage: test_client.py [ATTNSERVE_BINARY] [unittest args], or the binary in
 the environment variable ATTNSERVE_BIN. The attnserve.v1 stubs must be on
 PYTHONPATH.
 """
-import atexit
 import os
 import subprocess
 import sys
 import tempfile
-import time
 import unittest
 
 import grpc
@@ -21,46 +19,12 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from attnserve_client import (attention_weights, connect,  # noqa: E402
-                              load_safetensors, pb, save_model,
+from attnserve_client import (ServerProcess, attention_weights,  # noqa
+                              connect, load_safetensors, pb, save_model,
                               save_safetensors, to_numpy, to_tensor, to_torch)
 
 SERVER_BIN = os.environ.get("ATTNSERVE_BIN", "")
 TOL = dict(rtol=1e-4, atol=1e-4)  # the README's float32 contract
-
-
-class Server:
-    """An attnserve process on a free port of 127.0.0.1."""
-
-    def __init__(self, binary, workdir, *flags):
-        self.stdout = os.path.join(workdir, "server.stdout")
-        self.stderr = os.path.join(workdir, "server.stderr")
-        # Files, not pipes: the access log must never block the server.
-        with open(self.stdout, "w") as out, open(self.stderr, "w") as err:
-            self.process = subprocess.Popen(
-                [binary, "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
-                 *flags], stdout=out, stderr=err)
-        atexit.register(self.stop)
-        self.target = self._wait_for_address(timeout_s=30)
-
-    def _wait_for_address(self, timeout_s):
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            with open(self.stdout) as f:
-                for line in f:
-                    if line.startswith("attnserve listening on "):
-                        return line.split()[3]
-            if self.process.poll() is not None:
-                break
-            time.sleep(0.05)
-        self.stop()
-        with open(self.stderr) as f:
-            raise RuntimeError(f"attnserve did not start: {f.read()}")
-
-    def stop(self):
-        if self.process.poll() is None:
-            self.process.kill()
-        self.process.wait()
 
 
 def sdpa_reference(q, k, v, mask=None, causal=False, scale=None,
@@ -100,9 +64,10 @@ class ClientTest(unittest.TestCase):
         cls.mha = torch.nn.MultiheadAttention(64, 4, batch_first=True).eval()
         save_model(repository, "mha64", torch_state(cls.mha), num_heads=4,
                    description="test model, E=64, H=4")
-        cls.server = Server(SERVER_BIN, cls.workdir.name,
-                            f"--model_repository={repository}",
-                            "--threads=2")
+        cls.server = ServerProcess(
+            [SERVER_BIN, "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+             f"--model_repository={repository}", "--threads=2"],
+            "attnserve listening on ", cls.workdir.name, "server")
         cls.stub = connect(cls.server.target)
 
     @classmethod

@@ -16,9 +16,11 @@ except ImportError as error:  # pragma: no cover - depends on the setup
 from attnserve_client.channel import connect
 from attnserve_client.models import (attention_weights, load_safetensors,
                                      save_model, save_safetensors)
+from attnserve_client.process import ServerProcess
 from attnserve_client.tensors import to_numpy, to_tensor, to_torch
 
 __all__ = [
     "attention_weights", "connect", "load_safetensors", "pb", "pb_grpc",
-    "save_model", "save_safetensors", "to_numpy", "to_tensor", "to_torch",
+    "save_model", "save_safetensors", "ServerProcess", "to_numpy",
+    "to_tensor", "to_torch",
 ]
