@@ -2,8 +2,8 @@
 // health service and server reflection, on one listening port.
 //
 // Ownership: AttnServer owns the gRPC server and the service. Thread-safety:
-// Shutdown() and Wait() may be called from any thread; Shutdown() is
-// idempotent.
+// Drain(), Shutdown() and Wait() may be called from any thread; Drain() and
+// Shutdown() may be repeated (the destructor does).
 #ifndef ATTNSERVE_SERVER_SERVER_H_
 #define ATTNSERVE_SERVER_SERVER_H_
 
@@ -45,10 +45,10 @@ class AttnServer {
   //  1. the lame duck: the health service says NOT_SERVING while calls are
   //     still served, for `lame_duck`;
   //  2. new compute calls are refused with UNAVAILABLE (retryable) while
-  //     accepted ones (computing or queued) finish;
-  //  3. the server stops listening and waits for what is left until the
-  //     end of `grace`, then cancels it (it stops at its next block
-  //     boundary).
+  //     accepted ones (computing or queued) go on, until none has come for
+  //     250 ms, or for 1 s at most;
+  //  3. the server stops listening; accepted calls get the rest of `grace`,
+  //     then are cancelled (they stop at their next block boundary).
   // Returns when every call is done.
   void Drain(absl::Duration lame_duck, absl::Duration grace);
   // Drain() without the lame duck.
