@@ -592,6 +592,27 @@ TEST(AttnctlBenchTest, SweepPrintsATableAndWritesTheChart) {
   std::filesystem::remove(body);
 }
 
+TEST(AttnctlBenchTest, SendsARequestReadFromAFile) {
+  TestServer server;
+  std::string out, err;
+  const std::string golden = ::attnserve::testing::GoldensDir() +
+                             "/attend_cross_causal_scale.safetensors";
+  ASSERT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(),
+                                    " --rpc=attend --in=", golden,
+                                    " --requests=30 --warmup_s=0 "
+                                    "--format=json"),
+                       &out, &err),
+            0)
+      << err;
+  const auto json = nlohmann::json::parse(out);
+  EXPECT_EQ(json["rpc"], "Attend");
+  EXPECT_EQ(json["ok"], 30);
+  // The file's tensors, not synthetic ones.
+  EXPECT_THAT(json["workload"].get<std::string>(), HasSubstr("query="));
+  EXPECT_THAT(json["workload"].get<std::string>(),
+              ::testing::Not(HasSubstr("expected_output")));
+}
+
 TEST(AttnctlBenchTest, CsvAndBadFlags) {
   TestServer server;
   std::string out, err;

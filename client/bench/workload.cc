@@ -29,15 +29,27 @@ absl::StatusOr<Tensor> Random(Shape shape, DType dtype, std::mt19937* random,
   return Float32ToTensor(values.data(), std::move(shape), dtype);
 }
 
-std::string Describe(const NamedViews& tensors) {
+// "query=[1, 16, 64] FLOAT32": the shapes of the inputs `op` sends (not
+// weights, not whatever else a file holds).
+std::string Describe(Operation op, const NamedViews& tensors) {
+  static const std::vector<std::string> kAttend = {"query", "key", "value",
+                                                   "attn_mask"};
+  static const std::vector<std::string> kMultiHead = {
+      "query", "key", "value", "attn_mask", "key_padding_mask"};
+  static const std::vector<std::string> kLayerNorm = {"input", "gamma", "beta"};
+  const std::vector<std::string>& names =
+      op == Operation::kAttend
+          ? kAttend
+          : (op == Operation::kLayerNorm ? kLayerNorm : kMultiHead);
   std::string out;
-  for (const auto& [name, view] : tensors) {
-    if (name.find("_proj_") != std::string::npos) continue;
+  for (const std::string& name : names) {
+    const auto it = tensors.find(name);
+    if (it == tensors.end()) continue;
     absl::StrAppend(&out, out.empty() ? "" : " ", name, "=",
-                    ShapeString(view.shape));
+                    ShapeString(it->second.shape));
   }
-  if (!tensors.empty()) {
-    absl::StrAppend(&out, " ", DTypeName(tensors.begin()->second.dtype));
+  if (const auto first = tensors.find(names.front()); first != tensors.end()) {
+    absl::StrAppend(&out, " ", DTypeName(first->second.dtype));
   }
   return out;
 }
@@ -150,7 +162,7 @@ absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
   }
   workload.method = absl::StrCat("/", v1::AttentionService::service_full_name(),
                                  "/", workload.rpc);
-  workload.description = Describe(tensors);
+  workload.description = Describe(op, tensors);
   if (!params.model.empty()) {
     absl::StrAppend(&workload.description, " model=", params.model);
   }
