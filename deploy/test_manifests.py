@@ -146,7 +146,8 @@ class DeployFilesTest(unittest.TestCase):
     # The server's own flags, as a sanity check of the parsing above.
     def test_helpfull_lists_the_server_flags(self):
         for name in ("port", "metrics_port", "threads", "drain_seconds",
-                     "model_repository", "max_inflight", "max_queue"):
+                     "lame_duck_seconds", "model_repository", "max_inflight",
+                     "max_queue"):
             self.assertIn(name, self.flags)
         self.assertEqual(self.flags["port"], "50051")
         self.assertEqual(self.flags["metrics_port"], "9090")
@@ -211,6 +212,19 @@ class DeployFilesTest(unittest.TestCase):
         self.assertGreater(pre_stop_seconds, 0)
         drain = int(self.flag(self.server_args(), "drain_seconds"))
         self.assertGreater(spec["terminationGracePeriodSeconds"], drain + pre_stop_seconds)
+
+    def assertLameDuckWithinDrain(self, args, where):
+        # The lame duck is the first part of the drain (the server refuses
+        # to start otherwise).
+        lame_duck = int(self.flag(args, "lame_duck_seconds"))
+        drain = int(self.flag(args, "drain_seconds"))
+        if lame_duck > 0:
+            self.assertLess(lame_duck, drain, where)
+
+    def test_lame_duck_is_part_of_the_drain(self):
+        self.assertLameDuckWithinDrain(self.server_args(), "Deployment")
+        for name, service in self.replicas().items():
+            self.assertLameDuckWithinDrain(parse_flags(service["command"]), f"compose {name}")
 
     def test_threads_match_cpu_limit(self):
         resources = self.server_container()["resources"]
