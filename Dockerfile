@@ -38,9 +38,9 @@ COPY deploy/entrypoint.sh /usr/local/bin/attnserve-entrypoint
 USER 10001:10001
 EXPOSE 50051 9090
 # Compute threads: with the default --threads=0 the server counts the cores
-# it may use (CPU affinity, a cgroup v2 cpu.max quota, OMP_NUM_THREADS); the
-# entry point also turns a cgroup v1 CPU quota (cpu.cfs_quota_us) into
-# OMP_NUM_THREADS, so `--cpus=N` sizes the server on either cgroup version.
+# it may use (CPU affinity, OMP_NUM_THREADS, and its cgroup's CPU quota:
+# cgroup v2 cpu.max or v1 cpu.cfs_quota_us), so `--cpus=N` sizes it on
+# either cgroup version; the entry point only execs it.
 # The health check asks the standard gRPC health service on the default
 # port; a container started with another --port needs its own
 # --health-cmd.

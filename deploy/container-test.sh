@@ -8,8 +8,10 @@
 #   3. checks its size (<= MAX_IMAGE_MB, default 300 MB), user and health
 #      check;
 #   4. runs it read-only with --cpus=1, published on free loopback ports,
-#      waits for SERVING, checks the start-up line reports 1 compute thread
-#      and that the image's HEALTHCHECK reports healthy;
+#      waits for SERVING, checks the start-up line reports 1 compute thread,
+#      that attnserve started without the entry point and without
+#      OMP_NUM_THREADS reports 1 as well (it reads the cgroup quota, v2 or
+#      v1, itself), and that the image's HEALTHCHECK reports healthy;
 #   5. sends every golden vector through it with the host's attnctl and
 #      checks each max |diff| (f32 <= 1e-4, bf16 <= 2e-2), calls the demo
 #      model, reads /metrics;
@@ -197,14 +199,23 @@ log "server: $listening"
 threads=$(sed -n 's/.*(\([0-9]*\) compute threads.*/\1/p' <<<"$listening")
 [[ $threads == 1 ]] || fail "expected 1 compute thread under --cpus=1, the server reports '${threads:-?}'"
 
-# For the record: what the server counts by itself, without the entry
-# point's cgroup v1 step (on a cgroup v2 host it reads cpu.max itself).
+# The server sizes itself from the container's CPU quota (cgroup v2 cpu.max
+# or v1 cpu.cfs_quota_us) with no help: the entry point sets no
+# OMP_NUM_THREADS, and attnserve started directly, with OMP_NUM_THREADS
+# unset, counts 1 compute thread under --cpus=1 too.
+# shellcheck disable=SC2016 # expanded by the container's shell
+server_env=$("${podman_cmd[@]}" exec "$name" /bin/sh -c 'tr "\0" "\n" </proc/1/environ' 2>&1) ||
+  fail "podman exec (reading the server's environment): $server_env"
+[[ $server_env != *OMP_NUM_THREADS=* ]] ||
+  fail "the server runs with $(grep OMP_NUM_THREADS= <<<"$server_env"): the thread count is not its own reading"
 # shellcheck disable=SC2016 # expanded by the container's shell
 own_threads=$("${podman_cmd[@]}" run --rm --pull=never "${ulimits[@]}" --cpus=1 --network none \
   --entrypoint /bin/sh "$image" -c \
-  '/usr/local/bin/attnserve --host=127.0.0.1 --port=0 --metrics_port=-1 & pid=$!; sleep 2; kill $pid; wait $pid' \
+  'env -u OMP_NUM_THREADS /usr/local/bin/attnserve --host=127.0.0.1 --port=0 --metrics_port=-1 --lame_duck_seconds=0 & pid=$!; sleep 2; kill $pid; wait $pid' \
   2>/dev/null | sed -n 's/.*(\([0-9]*\) compute threads.*/\1/p' || true)
-log "attnserve without the entry point under --cpus=1: ${own_threads:-?} compute threads"
+log "attnserve without the entry point or OMP_NUM_THREADS under --cpus=1: ${own_threads:-?} compute threads"
+[[ $own_threads == 1 ]] ||
+  fail "expected 1 compute thread from attnserve itself under --cpus=1, it reports '${own_threads:-?}'"
 
 # The image's own HEALTHCHECK, run inside the container.
 if health_out=$("${podman_cmd[@]}" healthcheck run "$name" 2>&1); then
@@ -304,7 +315,7 @@ log "stopped in ${stop_seconds} s, exit code $exit_code"
 echo
 log "image size:     $image_mb MB (limit $max_image_mb MB; base $((base_bytes / 1000000)) MB)"
 log "build time:     $build_seconds s"
-log "compute threads under --cpus=1: $threads (the server alone: ${own_threads:-?})"
+log "compute threads under --cpus=1: $threads (attnserve without the entry point: $own_threads)"
 log "goldens passed: $passed/$total"
 if ((${#failures[@]})); then
   printf '  %s\n' "${failures[@]}" >&2
