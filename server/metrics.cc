@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <fstream>
 
@@ -133,7 +134,17 @@ absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
   }
   server->port_ = bound;
   httplib::Server* http = server->http_.get();
-  server->thread_ = std::thread([http] { http->listen_after_bind(); });
+  std::atomic<bool>* ended = &server->listen_ended_;
+  server->thread_ = std::thread([http, ended] {
+    http->listen_after_bind();
+    ended->store(true);
+  });
+  // httplib's stop() does nothing until the listening loop has started, so
+  // a server stopped right after Start (a failed start-up further on) would
+  // never end its thread: return only once it runs (or has given up).
+  while (!http->is_running() && !ended->load()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   return server;
 }
 

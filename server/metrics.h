@@ -7,6 +7,7 @@
 #define ATTNSERVE_SERVER_METRICS_H_
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -81,6 +82,8 @@ class MetricsServer {
   MetricsServer() = default;
   std::unique_ptr<httplib::Server> http_;
   std::thread thread_;
+  // Set by thread_ when httplib's listening loop returns.
+  std::atomic<bool> listen_ended_{false};
   int port_ = 0;
 };
 
