@@ -33,10 +33,10 @@ absl::Status VerifyHeadsDivide(const TensorView& weight,
 }
 
 // Reads a multi-head attn_mask: [Lq, Lk], [B, Lq, Lk] shared by all heads,
-// or [B, H, Lq, Lk].
-absl::StatusOr<MaskLayout> MultiHeadMask(const TensorView& mask, int64_t batch,
-                                         int64_t heads, int64_t query_len,
-                                         int64_t key_len) {
+// or [B, H, Lq, Lk]; for an unbatched query also PyTorch's [H, Lq, Lk].
+absl::StatusOr<MaskLayout> MultiHeadMask(const TensorView& mask, bool batched,
+                                         int64_t batch, int64_t heads,
+                                         int64_t query_len, int64_t key_len) {
   ATTN_RETURN_IF_ERROR(VerifyMask(mask, "attn_mask"));
   const int64_t plane = query_len * key_len;
   MaskLayout layout;
@@ -48,18 +48,21 @@ absl::StatusOr<MaskLayout> MultiHeadMask(const TensorView& mask, int64_t batch,
   const Shape shape2 = {query_len, key_len};
   const Shape shape3 = {batch, query_len, key_len};
   const Shape shape4 = {batch, heads, query_len, key_len};
+  const Shape per_head = {heads, query_len, key_len};
   for (int64_t n = 0; n < batch * heads; ++n) {
-    if (mask.shape == shape2) {
+    if (!batched && mask.shape == per_head) {
+      layout.batch_offset[n] = n * plane;  // batch is 1: n is the head
+    } else if (mask.shape == shape2) {
       layout.batch_offset[n] = 0;
     } else if (mask.shape == shape3) {
       layout.batch_offset[n] = (n / heads) * plane;
     } else if (mask.shape == shape4) {
       layout.batch_offset[n] = n * plane;
     } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat("attn_mask: shape ", ShapeString(mask.shape),
-                       ", expected ", ShapeString(shape2), ", ",
-                       ShapeString(shape3), " or ", ShapeString(shape4)));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "attn_mask: shape ", ShapeString(mask.shape), ", expected ",
+          ShapeString(shape2), ", ", ShapeString(batched ? shape3 : per_head),
+          " or ", ShapeString(shape4)));
     }
   }
   return layout;
@@ -361,9 +364,9 @@ absl::Status MultiHeadLayer::Run(const MultiHeadInputs& in,
       CheckedNumElements(per_head_weights, DType::kFloat32, "weights")
           .status());
   if (in.attn_mask.has_value()) {
-    ATTN_ASSIGN_OR_RETURN(
-        MaskLayout mask,
-        MultiHeadMask(*in.attn_mask, batch, heads, query_len, key_len));
+    ATTN_ASSIGN_OR_RETURN(MaskLayout mask,
+                          MultiHeadMask(*in.attn_mask, batched, batch, heads,
+                                        query_len, key_len));
     p.masks.push_back(std::move(mask));
   }
   if (in.key_padding_mask.has_value()) {

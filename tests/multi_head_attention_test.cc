@@ -475,6 +475,33 @@ TEST_F(MhaErrorTest, SharedInProjBiasWithSeparateWeightsBiasesEachThird) {
       << r.status().message();
 }
 
+TEST_F(MhaErrorTest, UnbatchedQueryTakesAPerHeadMaskAsPyTorchDoes) {
+  // PyTorch: an unbatched query's 3-D attn_mask is [H, Lq, Lk].
+  Tensor query = Random(DType::kFloat32, {5, 16});
+  Tensor mask = Random(DType::kFloat32, {4, 5, 5});
+  inputs_.query = query.view();
+  inputs_.attn_mask = mask.view();
+  auto unbatched = MultiHeadAttend(weights_, inputs_, options_);
+  ASSERT_TRUE(unbatched.ok()) << unbatched.status();
+  // The same as a batch of one with the [1, H, Lq, Lk] mask.
+  inputs_.query = TensorView{DType::kFloat32, {1, 5, 16}, query.data()};
+  inputs_.attn_mask = TensorView{DType::kFloat32, {1, 4, 5, 5}, mask.data()};
+  auto batched = MultiHeadAttend(weights_, inputs_, options_);
+  ASSERT_TRUE(batched.ok()) << batched.status();
+  ASSERT_EQ(unbatched->output.num_elements(), batched->output.num_elements());
+  for (int64_t i = 0; i < batched->output.num_elements(); ++i) {
+    ASSERT_EQ(unbatched->output.data_as<float>()[i],
+              batched->output.data_as<float>()[i])
+        << i;
+  }
+  Tensor wrong = Random(DType::kFloat32, {3, 5, 5});
+  inputs_.query = query.view();
+  inputs_.attn_mask = wrong.view();
+  ExpectError(
+      "attn_mask: shape [3, 5, 5], expected [5, 5], [4, 5, 5] or "
+      "[1, 4, 5, 5]");
+}
+
 TEST_F(MhaErrorTest, HeadsMustDivide) {
   weights_.num_heads = 3;
   ExpectError("q_proj_weight: dim 0 (16) is not divisible by num_heads 3");
