@@ -41,6 +41,10 @@ ABSL_FLAG(int, drain_seconds, attnserve::ServerOptions().drain_seconds,
 ABSL_FLAG(int, lame_duck_seconds, attnserve::ServerOptions().lame_duck_seconds,
           "First part of --drain_seconds: health says NOT_SERVING while calls "
           "are still served, then new calls get UNAVAILABLE (0: at once).");
+ABSL_FLAG(int, max_connection_age_seconds,
+          attnserve::ServerOptions().max_connection_age_seconds,
+          "Close client connections after about this many seconds, so that "
+          "load-balancing clients find new replicas (0: never).");
 ABSL_FLAG(int, max_inflight, attnserve::ServerOptions().max_inflight,
           "Calls computing at once (0: one per compute thread).");
 ABSL_FLAG(int, max_queue, attnserve::ServerOptions().max_queue,
@@ -68,6 +72,8 @@ int main(int argc, char** argv) {
   options.max_message_mb = absl::GetFlag(FLAGS_max_message_mb);
   options.drain_seconds = absl::GetFlag(FLAGS_drain_seconds);
   options.lame_duck_seconds = absl::GetFlag(FLAGS_lame_duck_seconds);
+  options.max_connection_age_seconds =
+      absl::GetFlag(FLAGS_max_connection_age_seconds);
   options.max_inflight = absl::GetFlag(FLAGS_max_inflight);
   options.max_queue = absl::GetFlag(FLAGS_max_queue);
   options.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);

@@ -56,6 +56,11 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
         " must be less than --drain_seconds (", options.drain_seconds,
         "), of which it is the first part, or 0"));
   }
+  if (options.max_connection_age_seconds < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--max_connection_age_seconds: ", options.max_connection_age_seconds,
+        " is negative"));
+  }
   if (options.max_inflight < 0 || options.max_inflight > 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_inflight: ", options.max_inflight,

@@ -28,6 +28,11 @@ struct ServerOptions {
   // move away before any call is refused (0: refuse at once). Less than
   // drain_seconds, so that calls accepted meanwhile have time to finish.
   int lame_duck_seconds = 2;
+  // Close each client connection after about this many seconds (gRPC sends
+  // GOAWAY; calls in flight get drain_seconds to finish), so that clients
+  // balancing over a changing set of replicas (a Kubernetes headless
+  // Service) reconnect and find new ones. 0: connections live on.
+  int max_connection_age_seconds = 0;
   // Calls computing at once (0: one per compute thread).
   int max_inflight = 0;
   // Calls waiting for a worker beyond those; more get RESOURCE_EXHAUSTED.

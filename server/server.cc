@@ -61,6 +61,13 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would
   // silently share it instead of failing.
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (options.max_connection_age_seconds > 0) {
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                               options.max_connection_age_seconds * 1000);
+    // Calls in flight on a closing connection finish as in a drain.
+    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                               options.drain_seconds * 1000);
+  }
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {

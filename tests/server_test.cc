@@ -318,6 +318,36 @@ TEST_F(ServerTest, SecondServerOnTheSamePortFails) {
                          " (address in use, or not an address of this host?)"));
 }
 
+TEST(ServerConnectionTest, ConnectionsAreClosedAfterTheirMaximumAge) {
+  ServerOptions options;
+  options.max_connection_age_seconds = 1;
+  TestServer server(options);
+  auto channel =
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  const auto check = [&] {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(10));
+    grpc::health::v1::HealthCheckRequest request;
+    grpc::health::v1::HealthCheckResponse response;
+    return stub->Check(&context, request, &response);
+  };
+  ASSERT_TRUE(check().ok());
+  EXPECT_EQ(channel->GetState(false), GRPC_CHANNEL_READY);
+  // After about a second (plus gRPC's 10% jitter) the server sends GOAWAY
+  // and closes the idle connection; the channel goes back to IDLE.
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::seconds(8);
+  while (channel->GetState(false) == GRPC_CHANNEL_READY &&
+         std::chrono::system_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_NE(channel->GetState(false), GRPC_CHANNEL_READY);
+  // A new call simply opens a new connection.
+  EXPECT_TRUE(check().ok());
+}
+
 TEST_F(ServerTest, ReflectionListsTheServices) {
   auto channel = grpc::CreateChannel(server_->target(),
                                      grpc::InsecureChannelCredentials());
@@ -457,6 +487,9 @@ TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
   options.lame_duck_seconds = 0;
   options.drain_seconds = 0;
   EXPECT_TRUE(ValidateServerOptions(options).ok());
+  options.max_connection_age_seconds = -1;
+  EXPECT_EQ(ValidateServerOptions(options).message(),
+            "--max_connection_age_seconds: -1 is negative");
   EXPECT_TRUE(ValidateServerOptions(ServerOptions()).ok());
 }
 
