@@ -129,30 +129,37 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
   return absl::OkStatus();
 }
 
-absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
-                                   const ModelRepository* models,
-                                   v1::MultiHeadAttendResponse* response,
-                                   const CallControl& control) {
-  MultiHeadWeights weights;
-  std::shared_ptr<const Model> model;
+namespace {
+
+// The served model a request names; null when it sends its weights inline.
+absl::StatusOr<std::shared_ptr<const Model>> RequestedModel(
+    const v1::MultiHeadAttendRequest& request, const ModelRepository* models) {
   switch (request.weights_source_case()) {
-    case v1::MultiHeadAttendRequest::kModel: {
+    case v1::MultiHeadAttendRequest::kModel:
       if (models == nullptr) {
         return absl::NotFoundError(absl::StrCat(
             "model: '", request.model(),
             "' not found: this server has no model repository; send the "
             "weights inline in `weights`"));
       }
-      ATTN_ASSIGN_OR_RETURN(model, models->Find(request.model()));
-      break;
-    }
-    case v1::MultiHeadAttendRequest::kWeights: {
-      ATTN_ASSIGN_OR_RETURN(weights, DecodeWeights(request.weights()));
-      break;
-    }
+      return models->Find(request.model());
+    case v1::MultiHeadAttendRequest::kWeights:
+      return nullptr;
     default:
       return absl::InvalidArgumentError(
           "weights: missing, expected either `model` or `weights`");
+  }
+}
+
+// HandleMultiHeadAttend once the model is resolved (`model`: null for
+// inline weights).
+absl::Status RunMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                const Model* model,
+                                v1::MultiHeadAttendResponse* response,
+                                const CallControl& control) {
+  MultiHeadWeights weights;
+  if (model == nullptr) {
+    ATTN_ASSIGN_OR_RETURN(weights, DecodeWeights(request.weights()));
   }
   MultiHeadInputs inputs;
   ATTN_ASSIGN_OR_RETURN(
@@ -181,6 +188,17 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
   }
   if (!request.return_weights()) response->clear_weights();
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                   const ModelRepository* models,
+                                   v1::MultiHeadAttendResponse* response,
+                                   const CallControl& control) {
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                        RequestedModel(request, models));
+  return RunMultiHeadAttend(request, model.get(), response, control);
 }
 
 absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
@@ -451,18 +469,19 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttend(
     grpc::CallbackServerContext* context,
     const v1::MultiHeadAttendRequest* request,
     v1::MultiHeadAttendResponse* response) {
-  std::shared_ptr<const Model> model;
-  if (request->has_model() && config_.models != nullptr) {
-    auto found = config_.models->Find(request->model());
-    if (found.ok()) model = *found;
-  }
-  return Serve(
-      context, request, response,
-      CostOf(*request, model != nullptr ? model->layer.get() : nullptr),
-      [this](const v1::MultiHeadAttendRequest& r,
-             v1::MultiHeadAttendResponse* out, const CallControl& control) {
-        return HandleMultiHeadAttend(r, config_.models, out, control);
-      });
+  // Looked up once, for the cost estimate and the computation: the call
+  // keeps these weights even if the repository reloads meanwhile.
+  absl::StatusOr<std::shared_ptr<const Model>> model =
+      RequestedModel(*request, config_.models);
+  const MultiHeadLayer* layer =
+      model.ok() && *model != nullptr ? (*model)->layer.get() : nullptr;
+  return Serve(context, request, response, CostOf(*request, layer),
+               [model = std::move(model)](const v1::MultiHeadAttendRequest& r,
+                                          v1::MultiHeadAttendResponse* out,
+                                          const CallControl& control) {
+                 if (!model.ok()) return model.status();
+                 return RunMultiHeadAttend(r, model->get(), out, control);
+               });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::LayerNorm(
