@@ -35,7 +35,7 @@ bool Scheduler::Submit(std::function<void()> work) {
   return true;
 }
 
-bool Scheduler::RunHereIfIdle(const std::function<void()>& work) {
+bool Scheduler::RunHereIfIdle(absl::FunctionRef<void()> work) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!queue_.empty() || inflight_ >= max_inflight_) return false;

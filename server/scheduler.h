@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 
 namespace attnserve {
 
@@ -32,7 +33,7 @@ class Scheduler {
   // would be free for it at once (fewer than max_inflight computing and
   // nothing queued); false, without running it, otherwise. For calls so
   // small that handing them to a worker would cost more than they do.
-  bool RunHereIfIdle(const std::function<void()>& work);
+  bool RunHereIfIdle(absl::FunctionRef<void()> work);
 
   int inflight() const;
   int queued() const;
