@@ -12,7 +12,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev openssl
-  libgtest-dev libgmock-dev googletest libbenchmark-dev
+  libgtest-dev libgmock-dev googletest libbenchmark-dev libgoogle-perftools-dev
   python3-grpcio python3-protobuf python3-yaml python3-torch python3-numpy
 )
 
