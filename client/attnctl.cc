@@ -59,6 +59,9 @@ ABSL_FLAG(bool, compute_bf16, false,
 ABSL_FLAG(bool, average_weights, false,
           "mha: return weights averaged over heads.");
 ABSL_FLAG(std::optional<int>, num_heads, std::nullopt, "mha: number of heads.");
+ABSL_FLAG(bool, shared_memory, false,
+          "attend, mha, layernorm and bench: send tensors and receive results "
+          "through a POSIX shared-memory object (server on this host only).");
 ABSL_FLAG(std::string, model, "",
           "mha: the server-side model to use; models: the model to describe.");
 ABSL_FLAG(std::optional<float>, eps, std::nullopt,
@@ -136,6 +139,8 @@ struct AttnctlOptions {
   bool return_weights = false;
   bool average_weights = false;
   bool compute_bf16 = false;
+  // --shared_memory: tensors travel through a shared-memory object.
+  bool shared_memory = false;
   std::string model;
   // health: the service to check; empty: the whole server.
   std::string service;
@@ -185,6 +190,7 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.average_weights = absl::GetFlag(FLAGS_average_weights);
   options.compute_bf16 = absl::GetFlag(FLAGS_compute_bf16);
   options.model = absl::GetFlag(FLAGS_model);
+  options.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   options.service = absl::GetFlag(FLAGS_service);
   ATTN_ASSIGN_OR_RETURN(
       options.client.service_config_json,
@@ -300,8 +306,9 @@ absl::Status RunOperation(const AttnctlOptions& options) {
   ATTN_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(options.in_path));
   ATTN_ASSIGN_OR_RETURN(OpParams params, Params(options, file));
   AttnClient client(options.client);
-  ATTN_ASSIGN_OR_RETURN(NamedTensors results,
-                        client.Run(op, ViewsOf(file.tensors), params));
+  ATTN_ASSIGN_OR_RETURN(
+      NamedTensors results,
+      client.Run(op, ViewsOf(file.tensors), params, options.shared_memory));
   PrintResults(results, file);
   if (!options.out_path.empty()) {
     ATTN_RETURN_IF_ERROR(
@@ -340,16 +347,33 @@ absl::Status RunModels(const AttnctlOptions& options) {
   return absl::OkStatus();
 }
 
-// The bench request: from --in (with its metadata) or synthetic shapes.
-absl::StatusOr<Workload> BenchWorkload(const AttnctlOptions& options) {
+// The bench request: from --in (with its metadata) or synthetic shapes. With
+// --shared_memory its tensors go into an object registered through `client`
+// for as long as `*session` lives.
+absl::StatusOr<Workload> BenchWorkload(
+    const AttnctlOptions& options, AttnClient& client,
+    std::unique_ptr<SharedMemorySession>* session) {
   // The cheapest call the server answers: a baseline for the others.
   if (options.rpc == "health") return HealthCheckWorkload();
   ATTN_ASSIGN_OR_RETURN(Operation op, ParseOperation(options.rpc));
+  RequestTransform transform;
+  if (options.shared_memory) {
+    transform = [&](google::protobuf::Message* request) -> absl::Status {
+      std::optional<v1::GetModelMetadataResponse> model;
+      if (!options.model.empty()) {
+        ATTN_ASSIGN_OR_RETURN(model, client.GetModelMetadata(options.model));
+      }
+      ATTN_ASSIGN_OR_RETURN(
+          *session, client.PlaceInSharedMemory(
+                        request, model.has_value() ? &*model : nullptr));
+      return absl::OkStatus();
+    };
+  }
   if (!options.in_path.empty()) {
     ATTN_ASSIGN_OR_RETURN(SafetensorsFile file,
                           ReadSafetensors(options.in_path));
     ATTN_ASSIGN_OR_RETURN(OpParams params, Params(options, file));
-    return MakeWorkload(op, ViewsOf(file.tensors), params);
+    return MakeWorkload(op, ViewsOf(file.tensors), params, transform);
   }
   ATTN_ASSIGN_OR_RETURN(
       NamedTensors tensors,
@@ -359,11 +383,14 @@ absl::StatusOr<Workload> BenchWorkload(const AttnctlOptions& options) {
   if (op == Operation::kMultiHeadAttend && options.model.empty()) {
     params.num_heads = static_cast<int>(options.shape.heads);
   }
-  return MakeWorkload(op, ViewsOf(tensors), params);
+  return MakeWorkload(op, ViewsOf(tensors), params, transform);
 }
 
 absl::Status RunBench(const AttnctlOptions& options) {
-  ATTN_ASSIGN_OR_RETURN(const Workload workload, BenchWorkload(options));
+  AttnClient client(options.client);
+  std::unique_ptr<SharedMemorySession> session;
+  ATTN_ASSIGN_OR_RETURN(const Workload workload,
+                        BenchWorkload(options, client, &session));
   BenchCommandOptions bench = options.bench;
   bench.load.client = options.client;
   return RunBenchCommand(workload, bench, stdout, stderr);

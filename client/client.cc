@@ -1,7 +1,9 @@
 #include "client/client.h"
 
 #include <chrono>
+#include <type_traits>
 
+#include "client/shared_memory.h"
 #include "core/status_macros.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -115,9 +117,107 @@ absl::StatusOr<v1::GetModelMetadataResponse> AttnClient::GetModelMetadata(
       request);
 }
 
+absl::Status AttnClient::RegisterSharedMemory(
+    const v1::SharedMemoryRegion& region) {
+  v1::RegisterSharedMemoryRequest request;
+  *request.mutable_region() = region;
+  return Call<v1::RegisterSharedMemoryRequest,
+              v1::RegisterSharedMemoryResponse>(
+             [this](auto* c, const auto& req, auto* resp) {
+               return stub_->RegisterSharedMemory(c, req, resp);
+             },
+             request)
+      .status();
+}
+
+absl::Status AttnClient::UnregisterSharedMemory(const std::string& name) {
+  v1::UnregisterSharedMemoryRequest request;
+  request.set_name(name);
+  return Call<v1::UnregisterSharedMemoryRequest,
+              v1::UnregisterSharedMemoryResponse>(
+             [this](auto* c, const auto& req, auto* resp) {
+               return stub_->UnregisterSharedMemory(c, req, resp);
+             },
+             request)
+      .status();
+}
+
+absl::StatusOr<v1::ListSharedMemoryResponse> AttnClient::ListSharedMemory(
+    const std::string& name) {
+  v1::ListSharedMemoryRequest request;
+  request.set_name(name);
+  return Call<v1::ListSharedMemoryRequest, v1::ListSharedMemoryResponse>(
+      [this](auto* c, const auto& req, auto* resp) {
+        return stub_->ListSharedMemory(c, req, resp);
+      },
+      request);
+}
+
+SharedMemorySession::~SharedMemorySession() {
+  // Best effort: a server that is gone has dropped the region anyway.
+  (void)client_->UnregisterSharedMemory(region_);
+}
+
+absl::StatusOr<std::unique_ptr<SharedMemorySession>>
+AttnClient::PlaceInSharedMemory(google::protobuf::Message* request,
+                                const v1::GetModelMetadataResponse* model) {
+  ATTN_ASSIGN_OR_RETURN(const SharedMemoryPlan plan,
+                        PlanSharedMemory(*request, model));
+  const std::string key =
+      UniqueSharedMemoryKey(request->GetDescriptor()->name());
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<SharedMemoryBuffer> buffer,
+                        SharedMemoryBuffer::Create(key, plan.total_bytes));
+  v1::SharedMemoryRegion region;
+  region.set_name(key.substr(1));
+  region.set_key(key);
+  region.set_byte_size(plan.total_bytes);
+  ATTN_RETURN_IF_ERROR(RegisterSharedMemory(region));
+  std::unique_ptr<SharedMemorySession> session(
+      new SharedMemorySession(this, std::move(buffer), region.name()));
+  ATTN_RETURN_IF_ERROR(PlaceRequest(plan, session->placer(), request));
+  return session;
+}
+
+template <typename Request>
+absl::StatusOr<NamedTensors> AttnClient::RunInSharedMemory(
+    Request request, const v1::GetModelMetadataResponse* model) {
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<SharedMemorySession> session,
+                        PlaceInSharedMemory(&request, model));
+  ATTN_ASSIGN_OR_RETURN(auto response, Send(request));
+  const v1::Tensor* weights = nullptr;
+  if constexpr (!std::is_same_v<Request, v1::LayerNormRequest>) {
+    if (response.has_weights()) weights = &response.weights();
+  }
+  return ResultTensors(response.output(), weights, &session->placer());
+}
+
 absl::StatusOr<NamedTensors> AttnClient::Run(Operation op,
                                              const NamedViews& tensors,
-                                             const OpParams& params) {
+                                             const OpParams& params,
+                                             bool shared_memory) {
+  if (shared_memory) {
+    switch (op) {
+      case Operation::kAttend: {
+        ATTN_ASSIGN_OR_RETURN(auto request,
+                              BuildAttendRequest(tensors, params));
+        return RunInSharedMemory(std::move(request), nullptr);
+      }
+      case Operation::kMultiHeadAttend: {
+        ATTN_ASSIGN_OR_RETURN(auto request,
+                              BuildMultiHeadAttendRequest(tensors, params));
+        if (params.model.empty()) {
+          return RunInSharedMemory(std::move(request), nullptr);
+        }
+        ATTN_ASSIGN_OR_RETURN(auto model, GetModelMetadata(params.model));
+        return RunInSharedMemory(std::move(request), &model);
+      }
+      case Operation::kLayerNorm: {
+        ATTN_ASSIGN_OR_RETURN(auto request,
+                              BuildLayerNormRequest(tensors, params));
+        return RunInSharedMemory(std::move(request), nullptr);
+      }
+    }
+  }
   switch (op) {
     case Operation::kAttend: {
       ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(tensors, params));

@@ -14,6 +14,7 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/requests.h"
+#include "client/shared_memory.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
@@ -51,6 +52,33 @@ void PrepareContext(const ClientOptions& options, grpc::ClientContext* context);
 // The gRPC status as an absl::Status with the same code and message.
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
+class AttnClient;
+
+// A request's tensors in a shared-memory object of this process, registered
+// with the server while the session lives; the destructor unregisters the
+// region and removes the object. Thread-compatible.
+class SharedMemorySession {
+ public:
+  ~SharedMemorySession();
+  SharedMemoryPlacer& placer() { return placer_; }
+  const std::string& region() const { return region_; }
+
+ private:
+  friend class AttnClient;
+  SharedMemorySession(AttnClient* client,
+                      std::unique_ptr<SharedMemoryBuffer> buffer,
+                      std::string region)
+      : client_(client),
+        buffer_(std::move(buffer)),
+        region_(std::move(region)),
+        placer_(buffer_.get(), region_) {}
+
+  AttnClient* client_;
+  std::unique_ptr<SharedMemoryBuffer> buffer_;
+  std::string region_;
+  SharedMemoryPlacer placer_;
+};
+
 class AttnClient {
  public:
   explicit AttnClient(const ClientOptions& options);
@@ -64,10 +92,28 @@ class AttnClient {
   absl::StatusOr<v1::GetModelMetadataResponse> GetModelMetadata(
       const std::string& name);
 
+  // Shared memory on the server's host (client/shared_memory.h).
+  absl::Status RegisterSharedMemory(const v1::SharedMemoryRegion& region);
+  // `name` empty: every region.
+  absl::Status UnregisterSharedMemory(const std::string& name);
+  absl::StatusOr<v1::ListSharedMemoryResponse> ListSharedMemory(
+      const std::string& name);
+  // Moves `request`'s tensors (an AttendRequest, MultiHeadAttendRequest or
+  // LayerNormRequest built with raw_data) into a new shared-memory object
+  // registered with the server, with room for the results; `model`: the
+  // metadata of the model an MHA request names (else null). The client must
+  // outlive the session.
+  absl::StatusOr<std::unique_ptr<SharedMemorySession>> PlaceInSharedMemory(
+      google::protobuf::Message* request,
+      const v1::GetModelMetadataResponse* model);
+
   // Runs `op` on named tensors (see requests.h): request built from
   // `tensors` and `params`, result as "output" and "weights".
+  // `shared_memory`: tensors and results travel through a shared-memory
+  // object created, registered, unregistered and removed for the call.
   absl::StatusOr<NamedTensors> Run(Operation op, const NamedViews& tensors,
-                                   const OpParams& params);
+                                   const OpParams& params,
+                                   bool shared_memory = false);
 
   // The server's health for `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
@@ -76,6 +122,20 @@ class AttnClient {
  private:
   template <typename Request, typename Response, typename Method>
   absl::StatusOr<Response> Call(Method method, const Request& request);
+  // Run with shared memory, for a request built with raw_data.
+  template <typename Request>
+  absl::StatusOr<NamedTensors> RunInSharedMemory(
+      Request request, const v1::GetModelMetadataResponse* model);
+  absl::StatusOr<v1::AttendResponse> Send(const v1::AttendRequest& r) {
+    return Attend(r);
+  }
+  absl::StatusOr<v1::MultiHeadAttendResponse> Send(
+      const v1::MultiHeadAttendRequest& r) {
+    return MultiHeadAttend(r);
+  }
+  absl::StatusOr<v1::LayerNormResponse> Send(const v1::LayerNormRequest& r) {
+    return LayerNorm(r);
+  }
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -143,13 +143,16 @@ absl::StatusOr<v1::LayerNormRequest> BuildLayerNormRequest(
   return request;
 }
 
-absl::StatusOr<NamedTensors> ResultTensors(const v1::Tensor& output,
-                                           const v1::Tensor* weights) {
+absl::StatusOr<NamedTensors> ResultTensors(
+    const v1::Tensor& output, const v1::Tensor* weights,
+    SharedMemoryResolver* shared_memory) {
   NamedTensors result;
-  ATTN_ASSIGN_OR_RETURN(Tensor out, CopyTensor(output, "output"));
+  ATTN_ASSIGN_OR_RETURN(Tensor out,
+                        CopyTensor(output, "output", shared_memory));
   result.emplace("output", std::move(out));
   if (weights != nullptr) {
-    ATTN_ASSIGN_OR_RETURN(Tensor w, CopyTensor(*weights, "weights"));
+    ATTN_ASSIGN_OR_RETURN(Tensor w,
+                          CopyTensor(*weights, "weights", shared_memory));
     result.emplace("weights", std::move(w));
   }
   return result;

@@ -15,6 +15,7 @@
 #include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/tensor.h"
+#include "proto/tensor_codec.h"
 
 namespace attnserve {
 
@@ -52,9 +53,11 @@ absl::StatusOr<v1::MultiHeadAttendRequest> BuildMultiHeadAttendRequest(
 absl::StatusOr<v1::LayerNormRequest> BuildLayerNormRequest(
     const NamedViews& tensors, const OpParams& params);
 
-// "output" and, when present, "weights" of a response.
-absl::StatusOr<NamedTensors> ResultTensors(const v1::Tensor& output,
-                                           const v1::Tensor* weights);
+// "output" and, when present, "weights" of a response; `shared_memory`
+// resolves results the server wrote into shared memory.
+absl::StatusOr<NamedTensors> ResultTensors(
+    const v1::Tensor& output, const v1::Tensor* weights,
+    SharedMemoryResolver* shared_memory = nullptr);
 
 enum class Operation { kAttend, kMultiHeadAttend, kLayerNorm };
 

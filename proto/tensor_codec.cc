@@ -47,8 +47,31 @@ v1::DataType DTypeToProto(DType dtype) {
   return v1::DATA_TYPE_UNSPECIFIED;
 }
 
+namespace {
+
+// The memory of a shared-memory reference `ref` that must hold `byte_size`
+// bytes of `dtype`: exactly (`exact`, inputs) or at least (results).
+absl::StatusOr<char*> ResolveRef(const v1::SharedMemoryRef& ref,
+                                 uint64_t byte_size, DType dtype, bool exact,
+                                 SharedMemoryResolver* shared_memory,
+                                 absl::string_view field) {
+  if (shared_memory == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": shared memory references are not accepted here"));
+  }
+  if (exact ? ref.byte_size() != byte_size : ref.byte_size() < byte_size) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": shared_memory.byte_size is ", ref.byte_size(),
+        exact ? ", expected " : ", needs at least ", byte_size, " bytes"));
+  }
+  return shared_memory->Resolve(ref, byte_size, DTypeSize(dtype), field);
+}
+
+}  // namespace
+
 absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
-                                        absl::string_view field) {
+                                        absl::string_view field,
+                                        SharedMemoryResolver* shared_memory) {
   TensorView view;
   ATTN_ASSIGN_OR_RETURN(view.dtype, DTypeFromProto(tensor.dtype(), field));
   view.shape.assign(tensor.shape().begin(), tensor.shape().end());
@@ -58,9 +81,23 @@ absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
       static_cast<uint64_t>(count) * DTypeSize(view.dtype);
   const bool has_raw = !tensor.raw_data().empty();
   const bool has_floats = tensor.float_data_size() > 0;
+  const bool has_shared = tensor.has_shared_memory();
   if (has_raw && has_floats) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": both raw_data and float_data are set, expected exactly one"));
+  }
+  if (has_shared && (has_raw || has_floats)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": both shared_memory and ", has_raw ? "raw_data" : "float_data",
+        " are set, expected exactly one"));
+  }
+  if (has_shared) {
+    ATTN_ASSIGN_OR_RETURN(
+        view.data,
+        ResolveRef(tensor.shared_memory(), expected_bytes, view.dtype,
+                   /*exact=*/true, shared_memory,
+                   absl::StrCat(field, ".shared_memory")));
+    return view;
   }
   if (has_floats) {
     if (view.dtype != DType::kFloat32) {
@@ -104,14 +141,35 @@ absl::StatusOr<void*> WireResults::DoAllocate(absl::string_view name,
   }
   tensor->set_dtype(DTypeToProto(dtype));
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  const uint64_t byte_size = NumElements(shape) * DTypeSize(dtype);
+  const v1::SharedMemoryRef* region = nullptr;
+  if (regions_ != nullptr) {
+    if (name == "output" && regions_->has_output())
+      region = &regions_->output();
+    if (name == "weights" && regions_->has_weights()) {
+      region = &regions_->weights();
+    }
+  }
+  if (region != nullptr) {
+    ATTN_ASSIGN_OR_RETURN(
+        char* data,
+        ResolveRef(*region, byte_size, dtype, /*exact=*/false, shared_memory_,
+                   absl::StrCat("result_regions.", name)));
+    v1::SharedMemoryRef* written = tensor->mutable_shared_memory();
+    *written = *region;
+    written->set_byte_size(byte_size);
+    return data;
+  }
   std::string* bytes = tensor->mutable_raw_data();
-  bytes->resize(NumElements(shape) * DTypeSize(dtype));
+  bytes->resize(byte_size);
   return bytes->data();
 }
 
 absl::StatusOr<Tensor> CopyTensor(const v1::Tensor& tensor,
-                                  absl::string_view field) {
-  ATTN_ASSIGN_OR_RETURN(TensorView view, DecodeTensor(tensor, field));
+                                  absl::string_view field,
+                                  SharedMemoryResolver* shared_memory) {
+  ATTN_ASSIGN_OR_RETURN(TensorView view,
+                        DecodeTensor(tensor, field, shared_memory));
   ATTN_ASSIGN_OR_RETURN(Tensor copy, Tensor::Allocate(view.dtype, view.shape));
   if (copy.num_bytes() > 0)
     std::memcpy(copy.data(), view.data, copy.num_bytes());

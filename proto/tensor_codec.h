@@ -19,22 +19,45 @@ namespace attnserve {
 absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field);
 v1::DataType DTypeToProto(DType dtype);
 
+// Turns shared-memory references into memory: the server's side of
+// SharedMemoryRef. Implementations keep what they resolve valid for their own
+// lifetime.
+class SharedMemoryResolver {
+ public:
+  virtual ~SharedMemoryResolver() = default;
+  // `byte_size` bytes at `ref` (ref.byte_size() is the caller's to check),
+  // aligned to `alignment`: NOT_FOUND for an unknown region, INVALID_ARGUMENT
+  // for bytes outside it or misaligned; messages name `field`.
+  virtual absl::StatusOr<char*> Resolve(const v1::SharedMemoryRef& ref,
+                                        uint64_t byte_size, uint64_t alignment,
+                                        absl::string_view field) = 0;
+};
+
 // A view of `tensor`'s values after checking its dtype, dims and that exactly
-// one of raw_data and float_data holds shape x dtype-size bytes. Messages
-// name `field`, e.g. "query: raw_data has 12 bytes, expected 16 (...)".
-absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
-                                        absl::string_view field);
+// one of raw_data, float_data and shared_memory holds shape x dtype-size
+// bytes. Messages name `field`, e.g. "query: raw_data has 12 bytes, expected
+// 16 (...)". `shared_memory` null: references are refused.
+absl::StatusOr<TensorView> DecodeTensor(
+    const v1::Tensor& tensor, absl::string_view field,
+    SharedMemoryResolver* shared_memory = nullptr);
 
 // Writes `view` into `out` as raw_data.
 void EncodeTensor(const TensorView& view, v1::Tensor* out);
 
 // Hands out wire tensors' raw_data as result memory, so that operations
 // compute straight into a response. `output` receives result "output";
-// `weights` (may be null) result "weights". Thread-compatible.
+// `weights` (may be null) result "weights". A result that `regions` places in
+// shared memory is written there through `shared_memory` instead, and its
+// wire tensor carries the reference. Thread-compatible.
 class WireResults : public ResultAllocator {
  public:
-  WireResults(v1::Tensor* output, v1::Tensor* weights)
-      : output_(output), weights_(weights) {}
+  WireResults(v1::Tensor* output, v1::Tensor* weights,
+              const v1::ResultRegions* regions = nullptr,
+              SharedMemoryResolver* shared_memory = nullptr)
+      : output_(output),
+        weights_(weights),
+        regions_(regions),
+        shared_memory_(shared_memory) {}
 
  protected:
   absl::StatusOr<void*> DoAllocate(absl::string_view name, DType dtype,
@@ -43,12 +66,15 @@ class WireResults : public ResultAllocator {
  private:
   v1::Tensor* output_;
   v1::Tensor* weights_;
+  const v1::ResultRegions* regions_;
+  SharedMemoryResolver* shared_memory_;
 };
 
 // A copy of a wire tensor as a core tensor (for clients, which keep results
 // beyond the response's life).
-absl::StatusOr<Tensor> CopyTensor(const v1::Tensor& tensor,
-                                  absl::string_view field);
+absl::StatusOr<Tensor> CopyTensor(
+    const v1::Tensor& tensor, absl::string_view field,
+    SharedMemoryResolver* shared_memory = nullptr);
 
 }  // namespace attnserve
 

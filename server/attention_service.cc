@@ -19,23 +19,45 @@ namespace {
 
 // A required tensor field.
 absl::StatusOr<TensorView> Required(bool present, const v1::Tensor& tensor,
-                                    absl::string_view field) {
+                                    absl::string_view field,
+                                    const CallControl& control) {
   if (!present) {
     return absl::InvalidArgumentError(absl::StrCat(field, ": missing"));
   }
-  return DecodeTensor(tensor, field);
+  return DecodeTensor(tensor, field, control.shared_memory);
 }
 
 // An optional tensor field: absent stays absent.
 absl::Status Optional(bool present, const v1::Tensor& tensor,
-                      absl::string_view field, std::optional<TensorView>* out) {
+                      absl::string_view field, const CallControl& control,
+                      std::optional<TensorView>* out) {
   if (!present) return absl::OkStatus();
-  ATTN_ASSIGN_OR_RETURN(*out, DecodeTensor(tensor, field));
+  ATTN_ASSIGN_OR_RETURN(*out,
+                        DecodeTensor(tensor, field, control.shared_memory));
   return absl::OkStatus();
 }
 
-#define ATTN_OPTIONAL_TENSOR(msg, name, out) \
-  Optional((msg).has_##name(), (msg).name(), #name, (out))
+#define ATTN_REQUIRED_TENSOR(msg, name, control) \
+  Required((msg).has_##name(), (msg).name(), #name, (control))
+#define ATTN_OPTIONAL_TENSOR(msg, name, control, out) \
+  Optional((msg).has_##name(), (msg).name(), #name, (control), (out))
+
+// Where a request's results go: its response, or the shared-memory regions
+// it names.
+template <typename Request, typename Response>
+WireResults ResultsOf(const Request& request, Response* response,
+                      v1::Tensor* weights, const CallControl& control) {
+  return WireResults(
+      response->mutable_output(), weights,
+      request.has_result_regions() ? &request.result_regions() : nullptr,
+      control.shared_memory);
+}
+
+// After a computation: the shared memory it read and wrote is still there.
+absl::Status VerifySharedMemoryIntact(const CallControl& control) {
+  return control.shared_memory != nullptr ? control.shared_memory->CheckIntact()
+                                          : absl::OkStatus();
+}
 
 // The attention options both request messages carry, under the same names.
 template <typename Request>
@@ -49,29 +71,30 @@ AttentionOptions AttentionOptionsOf(const Request& request) {
   return options;
 }
 
-absl::StatusOr<MultiHeadWeights> DecodeWeights(const v1::AttentionWeights& w) {
+absl::StatusOr<MultiHeadWeights> DecodeWeights(const v1::AttentionWeights& w,
+                                               const CallControl& c) {
   MultiHeadWeights weights;
   weights.num_heads = w.num_heads();
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, q_proj_weight, &weights.q_proj_weight));
+      ATTN_OPTIONAL_TENSOR(w, q_proj_weight, c, &weights.q_proj_weight));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, k_proj_weight, &weights.k_proj_weight));
+      ATTN_OPTIONAL_TENSOR(w, k_proj_weight, c, &weights.k_proj_weight));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, v_proj_weight, &weights.v_proj_weight));
+      ATTN_OPTIONAL_TENSOR(w, v_proj_weight, c, &weights.v_proj_weight));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, in_proj_weight, &weights.in_proj_weight));
+      ATTN_OPTIONAL_TENSOR(w, in_proj_weight, c, &weights.in_proj_weight));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, q_proj_bias, &weights.q_proj_bias));
+      ATTN_OPTIONAL_TENSOR(w, q_proj_bias, c, &weights.q_proj_bias));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, k_proj_bias, &weights.k_proj_bias));
+      ATTN_OPTIONAL_TENSOR(w, k_proj_bias, c, &weights.k_proj_bias));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, v_proj_bias, &weights.v_proj_bias));
+      ATTN_OPTIONAL_TENSOR(w, v_proj_bias, c, &weights.v_proj_bias));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, in_proj_bias, &weights.in_proj_bias));
+      ATTN_OPTIONAL_TENSOR(w, in_proj_bias, c, &weights.in_proj_bias));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, out_proj_weight, &weights.out_proj_weight));
+      ATTN_OPTIONAL_TENSOR(w, out_proj_weight, c, &weights.out_proj_weight));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, out_proj_bias, &weights.out_proj_bias));
+      ATTN_OPTIONAL_TENSOR(w, out_proj_bias, c, &weights.out_proj_bias));
   return weights;
 }
 
@@ -113,20 +136,21 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
                           v1::AttendResponse* response,
                           const CallControl& control) {
   AttendInputs inputs;
-  ATTN_ASSIGN_OR_RETURN(
-      inputs.query, Required(request.has_query(), request.query(), "query"));
+  ATTN_ASSIGN_OR_RETURN(inputs.query,
+                        ATTN_REQUIRED_TENSOR(request, query, control));
   ATTN_ASSIGN_OR_RETURN(inputs.key,
-                        Required(request.has_key(), request.key(), "key"));
-  ATTN_ASSIGN_OR_RETURN(
-      inputs.value, Required(request.has_value(), request.value(), "value"));
+                        ATTN_REQUIRED_TENSOR(request, key, control));
+  ATTN_ASSIGN_OR_RETURN(inputs.value,
+                        ATTN_REQUIRED_TENSOR(request, value, control));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(request, attn_mask, &inputs.attn_mask));
+      ATTN_OPTIONAL_TENSOR(request, attn_mask, control, &inputs.attn_mask));
   AttentionOptions options = AttentionOptionsOf(request);
   options.cancelled = control.cancelled;
-  WireResults results(response->mutable_output(), response->mutable_weights());
+  WireResults results =
+      ResultsOf(request, response, response->mutable_weights(), control);
   ATTN_RETURN_IF_ERROR(Attend(inputs, options, results));
   if (!request.return_weights()) response->clear_weights();
-  return absl::OkStatus();
+  return VerifySharedMemoryIntact(control);
 }
 
 namespace {
@@ -159,22 +183,25 @@ absl::Status RunMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                                 const CallControl& control) {
   MultiHeadWeights weights;
   if (model == nullptr) {
-    ATTN_ASSIGN_OR_RETURN(weights, DecodeWeights(request.weights()));
+    ATTN_ASSIGN_OR_RETURN(weights, DecodeWeights(request.weights(), control));
   }
   MultiHeadInputs inputs;
-  ATTN_ASSIGN_OR_RETURN(
-      inputs.query, Required(request.has_query(), request.query(), "query"));
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, key, &inputs.key));
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, value, &inputs.value));
+  ATTN_ASSIGN_OR_RETURN(inputs.query,
+                        ATTN_REQUIRED_TENSOR(request, query, control));
   ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(request, attn_mask, &inputs.attn_mask));
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, key_padding_mask,
+      ATTN_OPTIONAL_TENSOR(request, key, control, &inputs.key));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, value, control, &inputs.value));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, attn_mask, control, &inputs.attn_mask));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, key_padding_mask, control,
                                             &inputs.key_padding_mask));
   MultiHeadOptions options;
   options.attention = AttentionOptionsOf(request);
   options.attention.cancelled = control.cancelled;
   options.average_weights = request.average_weights();
-  WireResults results(response->mutable_output(), response->mutable_weights());
+  WireResults results =
+      ResultsOf(request, response, response->mutable_weights(), control);
   if (model != nullptr) {
     // The model's defaults fill what the request leaves unset.
     if (!options.attention.scale.has_value() &&
@@ -187,7 +214,7 @@ absl::Status RunMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
     ATTN_RETURN_IF_ERROR(MultiHeadAttend(weights, inputs, options, results));
   }
   if (!request.return_weights()) response->clear_weights();
-  return absl::OkStatus();
+  return VerifySharedMemoryIntact(control);
 }
 
 }  // namespace
@@ -203,12 +230,12 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
 
 absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
                              v1::LayerNormResponse* response,
-                             const CallControl&) {
-  ATTN_ASSIGN_OR_RETURN(TensorView input, Required(request.has_input(),
-                                                   request.input(), "input"));
+                             const CallControl& control) {
+  ATTN_ASSIGN_OR_RETURN(TensorView input,
+                        ATTN_REQUIRED_TENSOR(request, input, control));
   std::optional<TensorView> gamma, beta;
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, &gamma));
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, &beta));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, control, &beta));
   LayerNormOptions options;
   if (request.has_eps()) options.eps = request.eps();
   if (request.normalized_ndim() < 0) {
@@ -218,8 +245,9 @@ absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
   }
   options.normalized_ndim =
       request.normalized_ndim() == 0 ? 1 : request.normalized_ndim();
-  WireResults results(response->mutable_output(), nullptr);
-  return LayerNorm(input, gamma, beta, options, results);
+  WireResults results = ResultsOf(request, response, nullptr, control);
+  ATTN_RETURN_IF_ERROR(LayerNorm(input, gamma, beta, options, results));
+  return VerifySharedMemoryIntact(control);
 }
 
 absl::Status HandleListModels(const ModelRepository* models,
@@ -275,6 +303,40 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   add(response->mutable_outputs(), "output", f32, {-1, -1, layer.output_dim()});
   add(response->mutable_outputs(), "weights", f32,
       {-1, layer.num_heads(), -1, -1});
+  return absl::OkStatus();
+}
+
+namespace {
+
+absl::Status NoSharedMemory() {
+  return absl::FailedPreconditionError(
+      "shared memory is off on this server (--max_shared_memory_mb=0)");
+}
+
+}  // namespace
+
+absl::Status HandleRegisterSharedMemory(
+    const v1::RegisterSharedMemoryRequest& request,
+    SharedMemoryRegistry* registry) {
+  if (registry == nullptr) return NoSharedMemory();
+  const v1::SharedMemoryRegion& region = request.region();
+  return registry->Register(SharedMemoryRegionInfo{
+      region.name(), region.key(), region.offset(), region.byte_size()});
+}
+
+absl::Status HandleListSharedMemory(const v1::ListSharedMemoryRequest& request,
+                                    const SharedMemoryRegistry* registry,
+                                    v1::ListSharedMemoryResponse* response) {
+  if (registry == nullptr) return NoSharedMemory();
+  ATTN_ASSIGN_OR_RETURN(std::vector<SharedMemoryRegionInfo> regions,
+                        registry->List(request.name()));
+  for (const SharedMemoryRegionInfo& info : regions) {
+    v1::SharedMemoryRegion* region = response->add_regions();
+    region->set_name(info.name);
+    region->set_key(info.key);
+    region->set_offset(info.offset);
+    region->set_byte_size(info.byte_size);
+  }
   return absl::OkStatus();
 }
 
@@ -408,7 +470,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
         // threads than its size keeps busy.
         ThreadBudget::Lease lease =
             ThreadBudget::Global().Acquire(UsefulThreads(cost.flops));
-        status = handle(*request, response, CallControl{cancelled});
+        CallSharedMemory shared_memory(config_.shared_memory);
+        status =
+            handle(*request, response, CallControl{cancelled, &shared_memory});
       }
       compute = absl::Now() - started;
       if (status.ok()) config_.cost_model->Observe(cost.flops, compute);
@@ -505,6 +569,41 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::GetModelMetadata(
   absl::Status status = Authenticate(*context);
   if (status.ok()) {
     status = HandleGetModelMetadata(*request, config_.models, response);
+  }
+  return ServeInline(context, response, status);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterSharedMemory(
+    grpc::CallbackServerContext* context,
+    const v1::RegisterSharedMemoryRequest* request,
+    v1::RegisterSharedMemoryResponse* response) {
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) {
+    status = HandleRegisterSharedMemory(*request, config_.shared_memory);
+  }
+  return ServeInline(context, response, status);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterSharedMemory(
+    grpc::CallbackServerContext* context,
+    const v1::UnregisterSharedMemoryRequest* request,
+    v1::UnregisterSharedMemoryResponse* response) {
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) {
+    status = config_.shared_memory != nullptr
+                 ? config_.shared_memory->Unregister(request->name())
+                 : NoSharedMemory();
+  }
+  return ServeInline(context, response, status);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListSharedMemory(
+    grpc::CallbackServerContext* context,
+    const v1::ListSharedMemoryRequest* request,
+    v1::ListSharedMemoryResponse* response) {
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) {
+    status = HandleListSharedMemory(*request, config_.shared_memory, response);
   }
   return ServeInline(context, response, status);
 }

@@ -20,6 +20,7 @@
 #include "server/model_repository.h"
 #include "server/request_cost.h"
 #include "server/scheduler.h"
+#include "server/shared_memory.h"
 
 namespace attnserve {
 
@@ -27,6 +28,9 @@ namespace attnserve {
 struct CallControl {
   // Turns true when the client cancels or the deadline passes.
   const std::atomic<bool>* cancelled = nullptr;
+  // Resolves the request's shared-memory references and keeps their regions
+  // mapped for the call; null: references are refused.
+  CallSharedMemory* shared_memory = nullptr;
 };
 
 // Request handling without gRPC's machinery, so that it can be tested and
@@ -47,14 +51,23 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
 absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
                              v1::LayerNormResponse* response,
                              const CallControl& control = {});
+// `registry` may be null (shared memory off).
+absl::Status HandleRegisterSharedMemory(
+    const v1::RegisterSharedMemoryRequest& request,
+    SharedMemoryRegistry* registry);
+absl::Status HandleListSharedMemory(const v1::ListSharedMemoryRequest& request,
+                                    const SharedMemoryRegistry* registry,
+                                    v1::ListSharedMemoryResponse* response);
 
 // What the service needs from the server around it; every pointer must
 // outlive the service.
 struct ServiceConfig {
   const ModelRepository* models = nullptr;  // null: no repository
-  Scheduler* scheduler = nullptr;           // required
-  CostModel* cost_model = nullptr;          // required
-  Metrics* metrics = nullptr;               // required
+  // Null: no shared memory (its RPCs answer FAILED_PRECONDITION).
+  SharedMemoryRegistry* shared_memory = nullptr;
+  Scheduler* scheduler = nullptr;   // required
+  CostModel* cost_model = nullptr;  // required
+  Metrics* metrics = nullptr;       // required
   // Null: no authentication.
   const TokenAuthenticator* auth = nullptr;
   // Write one access-log line per call to stderr.
@@ -92,6 +105,18 @@ class AttentionServiceImpl final
       grpc::CallbackServerContext* context,
       const v1::GetModelMetadataRequest* request,
       v1::GetModelMetadataResponse* response) override;
+  grpc::ServerUnaryReactor* RegisterSharedMemory(
+      grpc::CallbackServerContext* context,
+      const v1::RegisterSharedMemoryRequest* request,
+      v1::RegisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* UnregisterSharedMemory(
+      grpc::CallbackServerContext* context,
+      const v1::UnregisterSharedMemoryRequest* request,
+      v1::UnregisterSharedMemoryResponse* response) override;
+  grpc::ServerUnaryReactor* ListSharedMemory(
+      grpc::CallbackServerContext* context,
+      const v1::ListSharedMemoryRequest* request,
+      v1::ListSharedMemoryResponse* response) override;
 
   // From now on compute calls are refused with UNAVAILABLE "server is
   // shutting down; retry on another replica"; accepted calls finish, and

@@ -52,6 +52,10 @@ ABSL_FLAG(int, max_queue, attnserve::ServerOptions().max_queue,
 ABSL_FLAG(int64_t, max_tensor_elements,
           attnserve::ServerOptions().max_tensor_elements,
           "Largest tensor a request may carry, in elements.");
+ABSL_FLAG(int64_t, max_shared_memory_mb,
+          attnserve::ServerOptions().max_shared_memory_mb,
+          "Most shared memory clients on this host may register at once, MiB "
+          "(0: shared memory off).");
 ABSL_FLAG(int64_t, max_request_memory_mb,
           attnserve::ServerOptions().max_request_memory_mb,
           "Largest memory a call may need for results and intermediates, MiB.");
@@ -78,6 +82,7 @@ int main(int argc, char** argv) {
   options.max_queue = absl::GetFlag(FLAGS_max_queue);
   options.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   options.max_request_memory_mb = absl::GetFlag(FLAGS_max_request_memory_mb);
+  options.max_shared_memory_mb = absl::GetFlag(FLAGS_max_shared_memory_mb);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);

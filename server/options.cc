@@ -75,6 +75,12 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
         absl::StrCat("--max_tensor_elements: ", options.max_tensor_elements,
                      " must be > 0"));
   }
+  if (options.max_shared_memory_mb < 0 ||
+      options.max_shared_memory_mb > (int64_t{1} << 40)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_shared_memory_mb: ", options.max_shared_memory_mb,
+                     " is out of range, expected 0 (off) to 2^40"));
+  }
   if (options.max_request_memory_mb <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_request_memory_mb: ", options.max_request_memory_mb,

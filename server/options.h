@@ -41,6 +41,9 @@ struct ServerOptions {
   int64_t max_tensor_elements = int64_t{1} << 28;
   // Largest estimate of what a call allocates (results, intermediates), MiB.
   int64_t max_request_memory_mb = 4096;
+  // Most shared memory clients on this host may register at once, MiB
+  // (RegisterSharedMemory); 0 turns shared memory off.
+  int64_t max_shared_memory_mb = 4096;
   // Port of the Prometheus metrics page (GET /metrics) on `host`; 0 picks a
   // free port, -1 turns it off.
   int metrics_port = 9090;

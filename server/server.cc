@@ -42,7 +42,12 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   }
   ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
                         ServerCredentialsFor(options));
+  if (options.max_shared_memory_mb > 0) {
+    server->shared_memory_ = std::make_unique<SharedMemoryRegistry>(
+        static_cast<uint64_t>(options.max_shared_memory_mb) << 20);
+  }
   ServiceConfig config;
+  config.shared_memory = server->shared_memory_.get();
   config.auth = server->auth_.get();
   config.metrics = server->metrics_.get();
   config.access_log = options.log_level == "info";

@@ -64,6 +64,9 @@ class AttnServer {
   std::unique_ptr<CostModel> cost_model_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<TokenAuthenticator> auth_;
+  // Null when shared memory is off. Declared before the service and the
+  // gRPC server, so that it is destroyed (its regions unmapped) after them.
+  std::unique_ptr<SharedMemoryRegistry> shared_memory_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<MetricsServer> metrics_server_;

@@ -64,6 +64,15 @@ TEST_P(GoldenTest, ThroughServer) {
   ExpectMatchesGolden(*file, *results);
 }
 
+TEST_P(GoldenTest, ThroughSharedMemory) {
+  auto file = ReadSafetensors(GetParam());
+  ASSERT_TRUE(file.ok()) << file.status();
+  AttnClient client = server_->MakeClient();
+  auto results = RunGoldenThroughClient(client, *file, /*shared_memory=*/true);
+  ASSERT_TRUE(results.ok()) << results.status();
+  ExpectMatchesGolden(*file, *results);
+}
+
 std::string CaseName(const ::testing::TestParamInfo<std::string>& info) {
   std::string name = std::filesystem::path(info.param).stem().string();
   for (char& c : name) {

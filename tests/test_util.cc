@@ -157,11 +157,12 @@ absl::StatusOr<NamedTensors> RunGoldenThroughCore(const SafetensorsFile& file) {
   return out;
 }
 
-absl::StatusOr<NamedTensors> RunGoldenThroughClient(
-    AttnClient& client, const SafetensorsFile& file) {
+absl::StatusOr<NamedTensors> RunGoldenThroughClient(AttnClient& client,
+                                                    const SafetensorsFile& file,
+                                                    bool shared_memory) {
   ATTN_ASSIGN_OR_RETURN(OpParams params, GoldenParams(file));
   ATTN_ASSIGN_OR_RETURN(Operation op, GoldenOperation(file));
-  return client.Run(op, ViewsOf(file.tensors), params);
+  return client.Run(op, ViewsOf(file.tensors), params, shared_memory);
 }
 
 TestServer::TestServer(ServerOptions options) {

@@ -47,9 +47,11 @@ std::vector<std::string> GoldenFiles();
 // A golden case run through the core directly: the tensors "output" and,
 // when the file has expected weights, "weights".
 absl::StatusOr<NamedTensors> RunGoldenThroughCore(const SafetensorsFile& file);
-// The same through a server.
-absl::StatusOr<NamedTensors> RunGoldenThroughClient(
-    AttnClient& client, const SafetensorsFile& file);
+// The same through a server (`shared_memory`: tensors and results through a
+// shared-memory region).
+absl::StatusOr<NamedTensors> RunGoldenThroughClient(AttnClient& client,
+                                                    const SafetensorsFile& file,
+                                                    bool shared_memory = false);
 
 // An attnserve server on a free loopback port for the test's lifetime.
 class TestServer {

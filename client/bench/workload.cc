@@ -131,13 +131,15 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
 }
 
 absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
-                                      const OpParams& params) {
+                                      const OpParams& params,
+                                      const RequestTransform& transform) {
   Workload workload;
   bool serialized = false;
   switch (op) {
     case Operation::kAttend: {
       ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(tensors, params));
       workload.rpc = "Attend";
+      if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
       serialized = request.SerializeToString(&workload.request);
       break;
     }
@@ -145,6 +147,7 @@ absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
       ATTN_ASSIGN_OR_RETURN(auto request,
                             BuildMultiHeadAttendRequest(tensors, params));
       workload.rpc = "MultiHeadAttend";
+      if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
       serialized = request.SerializeToString(&workload.request);
       break;
     }
@@ -152,6 +155,7 @@ absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
       ATTN_ASSIGN_OR_RETURN(auto request,
                             BuildLayerNormRequest(tensors, params));
       workload.rpc = "LayerNorm";
+      if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
       serialized = request.SerializeToString(&workload.request);
       break;
     }

@@ -7,6 +7,7 @@
 #define ATTNSERVE_CLIENT_BENCH_WORKLOAD_H_
 
 #include <cstdint>
+#include <functional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -51,9 +52,16 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
                                               const SyntheticShape& shape,
                                               bool with_model);
 
-// The serialized request for `op` on `tensors` with `params`.
+// Changes a request before it is serialized (e.g. moves its tensors into
+// shared memory).
+using RequestTransform =
+    std::function<absl::Status(google::protobuf::Message*)>;
+
+// The serialized request for `op` on `tensors` with `params`, passed through
+// `transform` when given.
 absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
-                                      const OpParams& params);
+                                      const OpParams& params,
+                                      const RequestTransform& transform = {});
 
 // grpc.health.v1.Health/Check for the whole server: the cheapest unary call
 // the server answers, to compare the others with.
