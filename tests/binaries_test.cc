@@ -157,31 +157,87 @@ TEST(BinariesTest, AttnctlRoundTripsGoldensThroughTheServer) {
       {"layernorm", "layer_norm_two_trailing_dims_no_affine.safetensors"},
   };
   for (const auto& [command, golden] : cases) {
-    SCOPED_TRACE(golden);
-    const std::string in = GoldensDir() + "/" + golden;
-    const std::string out = TempPath("out.safetensors");
-    const CommandResult run = RunCommand(
-        absl::StrCat(Attnctl(), " ", command, " --target=", server.target(),
-                     " --in=", in, " --out=", out, " --return_weights"));
-    ASSERT_EQ(run.exit_code, 0) << run.output;
-    EXPECT_NE(run.output.find("wrote " + out), std::string::npos) << run.output;
-    auto expected = ReadSafetensors(in);
-    auto got = ReadSafetensors(out);
-    std::filesystem::remove(out);
-    ASSERT_TRUE(expected.ok()) << expected.status();
-    ASSERT_TRUE(got.ok()) << got.status();
-    const Tensor* output = got->Find("output");
-    ASSERT_NE(output, nullptr);
-    EXPECT_TRUE(AllClose(output->view(),
-                         ToRef(expected->Find("expected_output")->view()),
-                         kFloat32Tolerance));
-    if (const Tensor* want = expected->Find("expected_weights")) {
-      const Tensor* weights = got->Find("weights");
-      ASSERT_NE(weights, nullptr);
-      EXPECT_TRUE(
-          AllClose(weights->view(), ToRef(want->view()), kFloat32Tolerance));
+    for (const char* transport : {"", " --shared_memory"}) {
+      SCOPED_TRACE(absl::StrCat(golden, transport));
+      const std::string in = GoldensDir() + "/" + golden;
+      const std::string out = TempPath("out.safetensors");
+      const CommandResult run = RunCommand(absl::StrCat(
+          Attnctl(), " ", command, " --target=", server.target(), " --in=", in,
+          " --out=", out, " --return_weights", transport));
+      ASSERT_EQ(run.exit_code, 0) << run.output;
+      EXPECT_NE(run.output.find("wrote " + out), std::string::npos)
+          << run.output;
+      auto expected = ReadSafetensors(in);
+      auto got = ReadSafetensors(out);
+      std::filesystem::remove(out);
+      ASSERT_TRUE(expected.ok()) << expected.status();
+      ASSERT_TRUE(got.ok()) << got.status();
+      const Tensor* output = got->Find("output");
+      ASSERT_NE(output, nullptr);
+      EXPECT_TRUE(AllClose(output->view(),
+                           ToRef(expected->Find("expected_output")->view()),
+                           kFloat32Tolerance));
+      if (const Tensor* want = expected->Find("expected_weights")) {
+        const Tensor* weights = got->Find("weights");
+        ASSERT_NE(weights, nullptr);
+        EXPECT_TRUE(
+            AllClose(weights->view(), ToRef(want->view()), kFloat32Tolerance));
+      }
     }
   }
+}
+
+// The server's resident memory (VmRSS) in bytes, 0 if unreadable.
+int64_t ResidentBytes(pid_t pid) {
+  std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) {
+      return std::atoll(line.c_str() + 6) * 1024;
+    }
+  }
+  return 0;
+}
+
+// Requests of mixed sizes (up to 64 MB moved), by value and through shared
+// memory, reuse the memory the first round faulted in: resident memory
+// plateaus. (Sanitizer builds run their own allocator and quarantine.)
+TEST(BinariesTest, ResidentMemoryPlateausUnderMixedLoad) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  GTEST_SKIP() << "resident memory under a sanitizer measures its allocator";
+#endif
+  ServerProcess server({"--log_level=warning"});
+  ASSERT_GT(server.port(), 0);
+  const std::string load[] = {
+      "--rpc=attend --batch=8 --heads=8 --seq=512 --dim=64 --requests=4",
+      "--rpc=layernorm --batch=8 --seq=2048 --dim=512 --requests=4",
+      "--rpc=mha --batch=2 --seq=256 --dim=512 --requests=4",
+      "--rpc=attend --seq=1 --kv_seq=4096 --requests=20",
+      "--rpc=layernorm --batch=1 --seq=0 --dim=64 --requests=200",
+      "--rpc=attend --batch=8 --heads=8 --seq=512 --dim=64 --requests=4 "
+      "--shared_memory",
+  };
+  const auto round = [&] {
+    for (const std::string& workload : load) {
+      const CommandResult run = RunCommand(
+          absl::StrCat(Attnctl(), " bench --target=", server.target(), " ",
+                       workload, " --concurrency=2 --warmup_s=0 --format=csv"));
+      ASSERT_EQ(run.exit_code, 0) << workload << "\n" << run.output;
+    }
+  };
+  round();
+  round();
+  const int64_t warm = ResidentBytes(server.pid());
+  ASSERT_GT(warm, 0);
+  for (int i = 0; i < 4; ++i) round();
+  const int64_t after = ResidentBytes(server.pid());
+  std::printf("resident memory: %lld MiB warm, %lld MiB after 4 more rounds\n",
+              static_cast<long long>(warm >> 20),
+              static_cast<long long>(after >> 20));
+  // The bound: at most 10% above the warm figure.
+  EXPECT_LE(after, warm + warm / 10)
+      << "warm " << (warm >> 20) << " MiB, after 4 more rounds "
+      << (after >> 20) << " MiB";
 }
 
 TEST(BinariesTest, AttnctlReportsServerErrors) {
