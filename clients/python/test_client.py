@@ -19,9 +19,12 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from attnserve_client import (ServerProcess, attention_weights,  # noqa
-                              connect, load_safetensors, pb, save_model,
-                              save_safetensors, to_numpy, to_tensor, to_torch)
+from attnserve_client import (MESSAGE_SIZE_OPTIONS,  # noqa
+                              ServerProcess, SharedMemoryRegion,
+                              attention_weights, connect, load_safetensors,
+                              pb, save_model, save_safetensors, to_numpy,
+                              to_tensor, to_torch)
+from attnserve_client import shared_memory  # noqa
 
 SERVER_BIN = os.environ.get("ATTNSERVE_BIN", "")
 TOL = dict(rtol=1e-4, atol=1e-4)  # the README's float32 contract
@@ -259,6 +262,151 @@ class ClientTest(unittest.TestCase):
         self.assertIn("weight on padding 0.0", result.stdout)
 
 
+    def assert_same_results(self, region, by_reference, by_value):
+        """Each result of `by_value` equals the one `by_reference` placed in
+        `region` (bytes in the message: none)."""
+        for field in by_value.DESCRIPTOR.fields_by_name:
+            if not by_value.HasField(field):
+                self.assertFalse(by_reference.HasField(field))
+                continue
+            tensor = getattr(by_reference, field)
+            self.assertTrue(tensor.HasField("shared_memory"), field)
+            self.assertEqual(tensor.raw_data, b"")
+            self.assertEqual(tensor.shared_memory.region, region.name)
+            np.testing.assert_array_equal(
+                region.to_numpy(tensor), to_numpy(getattr(by_value, field)),
+                err_msg=field)
+
+    def test_shared_memory_attend(self):
+        q, k, v = self.randn(2, 3, 5, 16), self.randn(2, 3, 7, 16), \
+            self.randn(2, 3, 7, 24)
+        keep = self.rng.random((5, 7)) > 0.3
+        with SharedMemoryRegion(self.stub, "test-attend", 1 << 16) as region:
+            reply = self.stub.Attend(pb.AttendRequest(
+                query=region.tensor(q), key=region.tensor(k),
+                value=region.tensor(v), attn_mask=region.tensor(keep),
+                return_weights=True, result_regions=region.result_regions(
+                    2 * 3 * 5 * 24 * 4, 2 * 3 * 5 * 7 * 4)))
+            expected = self.stub.Attend(pb.AttendRequest(
+                query=to_tensor(q), key=to_tensor(k), value=to_tensor(v),
+                attn_mask=to_tensor(keep), return_weights=True))
+            self.assert_same_results(region, reply, expected)
+            self.assertEqual(reply.output.shared_memory.byte_size,
+                             2 * 3 * 5 * 24 * 4)
+
+    def test_shared_memory_multi_head_attend(self):
+        q, kv = self.randn(2, 5, 64), self.randn(2, 9, 64)
+        inline = attention_weights(torch_state(self.mha), num_heads=4)
+        with SharedMemoryRegion(self.stub, "test-mha", 1 << 18) as region:
+            for source in (dict(model="mha64"), dict(weights=inline)):
+                region.reset()
+                placed = dict(source)
+                if "weights" in source:
+                    # The inline weights' tensors in shared memory too.
+                    placed["weights"] = pb.AttentionWeights(num_heads=4)
+                    for field, tensor in inline.ListFields():
+                        if field.name != "num_heads":
+                            getattr(placed["weights"], field.name).CopyFrom(
+                                region.tensor(to_numpy(tensor)))
+                reply = self.stub.MultiHeadAttend(pb.MultiHeadAttendRequest(
+                    query=region.tensor(q), key=region.tensor(kv),
+                    return_weights=True, result_regions=region.result_regions(
+                        2 * 5 * 64 * 4, 2 * 4 * 5 * 9 * 4), **placed))
+                expected = self.stub.MultiHeadAttend(
+                    pb.MultiHeadAttendRequest(
+                        query=to_tensor(q), key=to_tensor(kv),
+                        return_weights=True, **source))
+                self.assert_same_results(region, reply, expected)
+
+    def test_shared_memory_layer_norm(self):
+        x, gamma = self.randn(3, 4, 10), self.randn(10)
+        with SharedMemoryRegion(self.stub, "test-ln", 1 << 12) as region:
+            reply = self.stub.LayerNorm(pb.LayerNormRequest(
+                input=region.tensor(x), gamma=region.tensor(gamma),
+                result_regions=region.result_regions(x.nbytes)))
+            expected = self.stub.LayerNorm(pb.LayerNormRequest(
+                input=to_tensor(x), gamma=to_tensor(gamma)))
+            self.assert_same_results(region, reply, expected)
+            # A result may also come back by value next to shared inputs.
+            reply = self.stub.LayerNorm(pb.LayerNormRequest(
+                input=region.tensor(x), gamma=region.tensor(gamma)))
+            np.testing.assert_array_equal(region.to_numpy(reply.output),
+                                          to_numpy(expected.output))
+
+    def test_shared_memory_bad_references(self):
+        x = self.randn(4, 8)
+        with SharedMemoryRegion(self.stub, "test-bad", 1 << 12) as region:
+            tensor = region.tensor(x)
+            cases = [
+                ("region", "no-such-region", grpc.StatusCode.NOT_FOUND),
+                ("offset", region.byte_size, grpc.StatusCode.INVALID_ARGUMENT),
+                ("offset", 2, grpc.StatusCode.INVALID_ARGUMENT),  # unaligned
+                ("byte_size", x.nbytes - 4, grpc.StatusCode.INVALID_ARGUMENT),
+            ]
+            for field, value, code in cases:
+                bad = pb.Tensor()
+                bad.CopyFrom(tensor)
+                setattr(bad.shared_memory, field, value)
+                with self.assertRaises(grpc.RpcError, msg=field) as caught:
+                    self.stub.LayerNorm(pb.LayerNormRequest(input=bad))
+                self.assertEqual(caught.exception.code(), code,
+                                 caught.exception.details())
+                self.assertIn("input", caught.exception.details())
+            with self.assertRaises(grpc.RpcError) as caught:
+                self.stub.LayerNorm(pb.LayerNormRequest(
+                    input=tensor, result_regions=region.result_regions(8)))
+            self.assertEqual(caught.exception.code(),
+                             grpc.StatusCode.INVALID_ARGUMENT)
+            self.assertIn("result_regions.output",
+                          caught.exception.details())
+            # A name in use: the second object is removed again.
+            before = set(os.listdir("/dev/shm"))
+            with self.assertRaises(grpc.RpcError) as caught:
+                SharedMemoryRegion(self.stub, "test-bad", 1 << 12)
+            self.assertEqual(caught.exception.code(),
+                             grpc.StatusCode.ALREADY_EXISTS)
+            self.assertEqual(set(os.listdir("/dev/shm")), before)
+
+    def test_shared_memory_close(self):
+        x = self.randn(3, 10)
+        region = SharedMemoryRegion(self.stub, "test-close", 1 << 12)
+        listed = self.stub.ListSharedMemory(
+            pb.ListSharedMemoryRequest(name="test-close")).regions
+        self.assertEqual([(r.key, r.byte_size) for r in listed],
+                         [(region.key, 1 << 12)])
+        self.assertTrue(os.path.exists("/dev/shm" + region.key))
+        reply = self.stub.LayerNorm(pb.LayerNormRequest(
+            input=region.tensor(x),
+            result_regions=region.result_regions(x.nbytes)))
+        view = region.to_numpy(reply.output)
+        kept = view.copy()
+        region.close()
+        region.close()  # idempotent
+        self.assertTrue(region.closed)
+        self.assertEqual(
+            list(self.stub.ListSharedMemory(
+                pb.ListSharedMemoryRequest()).regions), [])
+        self.assertFalse(os.path.exists("/dev/shm" + region.key))
+        # A view outlives the region: still mapped, no longer registered.
+        np.testing.assert_array_equal(view, kept)
+        with self.assertRaisesRegex(ValueError, "closed"):
+            region.tensor(x)
+
+    def test_example_shared_memory_runs(self):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [HERE, os.environ.get("PYTHONPATH", "")]))
+        result = subprocess.run(
+            [sys.executable, os.path.join(HERE, "example_shared_memory.py"),
+             f"--target={self.server.target}"],
+            env=env, capture_output=True, text=True, timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        lines = result.stdout.splitlines()
+        self.assertEqual(len(lines), 3, result.stdout)
+        self.assertIn("Attend weights: (2, 8, 128, 128) float32", lines[1])
+        for line in lines:
+            self.assertTrue(line.endswith("max |diff| vs by value 0.0e+00"),
+                            line)
+
 class HelpersTest(unittest.TestCase):
     """The conversions and the safetensors writer, without a server."""
 
@@ -307,6 +455,55 @@ class HelpersTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "bias_k"):
             attention_weights({"bias_k": torch.zeros(1, 1, 4)}, num_heads=1)
 
+
+    def test_shared_memory_placement(self):
+        """Tensors in a region: aligned, converted in the copy, read back."""
+        class Stub:  # registration succeeds, as on a server
+            RegisterSharedMemory = UnregisterSharedMemory = \
+                staticmethod(lambda request, **kwargs: None)
+
+        values = [np.arange(6, dtype=np.float32).reshape(2, 3),
+                  np.arange(12, dtype=np.float64).reshape(3, 4)[:, ::2],
+                  np.array([1.0, 2.0], dtype=">f4"),
+                  np.array([[True, False]]),
+                  np.array([1.5, -2], dtype=np.float16),
+                  np.zeros((0, 3), dtype=np.float32)]
+        with SharedMemoryRegion(Stub(), "helpers", 1024) as region:
+            for value in values:
+                tensor = region.tensor(value)
+                ref = tensor.shared_memory
+                self.assertEqual(ref.offset % shared_memory.ALIGNMENT, 0)
+                self.assertEqual(ref.byte_size,
+                                 value.size * value.dtype.itemsize
+                                 if value.dtype != np.float64
+                                 else value.size * 4)
+                self.assertEqual(tensor.dtype, to_tensor(value).dtype)
+                np.testing.assert_array_equal(region.to_numpy(tensor), value)
+            x = torch.tensor([[1.0, -0.5], [3.0, 0.25]]).bfloat16().t()
+            tensor = region.tensor(x)  # strided
+            self.assertEqual(tensor.dtype, pb.DATA_TYPE_BFLOAT16)
+            self.assertTrue(torch.equal(region.to_torch(tensor), x))
+            np.testing.assert_array_equal(region.to_numpy(tensor),
+                                          x.float().numpy())
+            # Raw tensors go to the package's conversions.
+            np.testing.assert_array_equal(
+                region.to_numpy(to_tensor(values[0])), values[0])
+            with self.assertRaisesRegex(ValueError, "larger region"):
+                region.result(1024)
+            region.reset()
+            self.assertEqual(region.result(1024).offset, 0)
+            other = pb.Tensor(dtype=pb.DATA_TYPE_FLOAT32, shape=[1],
+                              shared_memory=pb.SharedMemoryRef(
+                                  region="other", byte_size=4))
+            with self.assertRaisesRegex(ValueError, "'other'"):
+                region.to_numpy(other)
+        with self.assertRaisesRegex(ValueError, "name"):
+            SharedMemoryRegion(Stub(), "", 64)
+
+    def test_channel_message_sizes(self):
+        self.assertEqual(dict(MESSAGE_SIZE_OPTIONS),
+                         {"grpc.max_receive_message_length": -1,
+                          "grpc.max_send_message_length": -1})
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and os.path.isfile(sys.argv[1]):

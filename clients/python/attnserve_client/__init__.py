@@ -13,14 +13,16 @@ except ImportError as error:  # pragma: no cover - depends on the setup
         "attnserve_python_stubs) and add build/clients/python_gen to "
         "PYTHONPATH") from error
 
-from attnserve_client.channel import connect
+from attnserve_client.channel import MESSAGE_SIZE_OPTIONS, connect
 from attnserve_client.models import (attention_weights, load_safetensors,
                                      save_model, save_safetensors)
 from attnserve_client.process import ServerProcess
+from attnserve_client.shared_memory import SharedMemoryRegion
 from attnserve_client.tensors import to_numpy, to_tensor, to_torch
 
 __all__ = [
-    "attention_weights", "connect", "load_safetensors", "pb", "pb_grpc",
-    "save_model", "save_safetensors", "ServerProcess", "to_numpy",
-    "to_tensor", "to_torch",
+    "MESSAGE_SIZE_OPTIONS", "attention_weights", "connect",
+    "load_safetensors", "pb", "pb_grpc", "save_model", "save_safetensors",
+    "ServerProcess", "SharedMemoryRegion", "to_numpy", "to_tensor",
+    "to_torch",
 ]

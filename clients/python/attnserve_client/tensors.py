@@ -32,30 +32,41 @@ def _is_torch(value):
     return torch is not None and isinstance(value, torch.Tensor)
 
 
+def _wire_array(value):
+    """(wire dtype, numpy array) of a numpy array, torch tensor or lists.
+
+    The array is the values as they are, without a copy: possibly strided,
+    big-endian or float64. The caller converts them to the wire layout,
+    _WIRE_TO_NUMPY[dtype], in the one copy it makes. torch.bfloat16 comes as
+    its uint16 bits.
+    """
+    if _is_torch(value):
+        value = value.detach().cpu()
+        if value.dtype == torch.bfloat16:
+            bits = value.view(torch.int16).numpy().view(np.uint16)
+            return pb.DATA_TYPE_BFLOAT16, bits
+        value = value.numpy()
+    array = np.asarray(value)
+    native = array.dtype.newbyteorder("=")
+    if native == np.float64:
+        return pb.DATA_TYPE_FLOAT32, array
+    if native not in _NUMPY_TO_WIRE:
+        raise TypeError(f"no wire dtype for {array.dtype}; use float32, "
+                        "float16, bfloat16 (torch), bool or uint8")
+    return _NUMPY_TO_WIRE[native], array
+
+
 def to_tensor(value):
     """Wire Tensor from a numpy array, a torch tensor or nested lists.
 
     float64 is sent as FLOAT32 (the wire has no float64); torch.bfloat16 as
     BFLOAT16; float16, bool and uint8 as themselves.
     """
-    if _is_torch(value):
-        value = value.detach().cpu().contiguous()
-        if value.dtype == torch.bfloat16:
-            bits = value.view(torch.int16).numpy()
-            return pb.Tensor(dtype=pb.DATA_TYPE_BFLOAT16, shape=value.shape,
-                             raw_data=bits.tobytes())
-        value = value.numpy()
-    array = np.asarray(value)
-    if array.dtype == np.float64:
-        array = array.astype(np.float32)
-    native = array.dtype.newbyteorder("=")
-    if native not in _NUMPY_TO_WIRE:
-        raise TypeError(f"no wire dtype for {array.dtype}; use float32, "
-                        "float16, bfloat16 (torch), bool or uint8")
-    # tobytes() writes row-major; only big-endian data needs a byte swap.
-    array = array.astype(native.newbyteorder("<"), copy=False)
-    return pb.Tensor(dtype=_NUMPY_TO_WIRE[native], shape=array.shape,
-                     raw_data=array.tobytes())
+    dtype, array = _wire_array(value)
+    # tobytes() writes row-major; astype converts only what differs from the
+    # wire (float64, big-endian).
+    array = array.astype(_WIRE_TO_NUMPY[dtype], copy=False)
+    return pb.Tensor(dtype=dtype, shape=array.shape, raw_data=array.tobytes())
 
 
 def _raw_array(tensor):
