@@ -500,6 +500,38 @@ class HelpersTest(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "name"):
             SharedMemoryRegion(Stub(), "", 64)
 
+    def test_large_buffers_are_kept(self):
+        """After keep_large_buffers, a freed 64 MB block is reused memory
+        of the heap instead of a fresh mapping (glibc's mallinfo2)."""
+        script = """
+import ctypes, sys
+from attnserve_client import keep_large_buffers
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+        "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+def mapped_by(size):
+    before = libc.mallinfo2().hblkhd
+    block = bytearray(size)
+    return libc.mallinfo2().hblkhd - before
+size = 64 << 20
+print(mapped_by(size) >= size, keep_large_buffers(), keep_large_buffers(),
+      mapped_by(size) >= size)
+"""
+        env = dict(os.environ)
+        env.pop("GLIBC_TUNABLES", None)
+        out = subprocess.run([sys.executable, "-c", script], env=env,
+                             check=True, capture_output=True, text=True)
+        self.assertEqual(out.stdout.split(), ["True", "True", "True",
+                                              "False"])
+        env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=65536"
+        out = subprocess.run([sys.executable, "-c", script], env=env,
+                             check=True, capture_output=True, text=True)
+        self.assertEqual(out.stdout.split(), ["True", "False", "False",
+                                              "True"])
+
     def test_channel_message_sizes(self):
         self.assertEqual(dict(MESSAGE_SIZE_OPTIONS),
                          {"grpc.max_receive_message_length": -1,

@@ -14,6 +14,7 @@ except ImportError as error:  # pragma: no cover - depends on the setup
         "PYTHONPATH") from error
 
 from attnserve_client.channel import MESSAGE_SIZE_OPTIONS, connect
+from attnserve_client.memory import keep_large_buffers
 from attnserve_client.models import (attention_weights, load_safetensors,
                                      save_model, save_safetensors)
 from attnserve_client.process import ServerProcess
@@ -22,6 +23,7 @@ from attnserve_client.tensors import to_numpy, to_tensor, to_torch
 
 __all__ = [
     "MESSAGE_SIZE_OPTIONS", "attention_weights", "connect",
+    "keep_large_buffers",
     "load_safetensors", "pb", "pb_grpc", "save_model", "save_safetensors",
     "ServerProcess", "SharedMemoryRegion", "to_numpy", "to_tensor",
     "to_torch",

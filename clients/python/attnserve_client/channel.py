@@ -2,6 +2,7 @@
 import grpc
 
 from attnserve.v1 import attention_pb2_grpc as pb_grpc
+from attnserve_client.memory import keep_large_buffers
 
 # grpcio caps received messages at 4 MiB by default; attention outputs and
 # weights are often larger. Unlimited here: the server enforces its own limit
@@ -16,15 +17,19 @@ MESSAGE_SIZE_OPTIONS = [
 ]
 
 
-def connect(target, credentials=None, options=()):
+def connect(target, credentials=None, options=(), keep_buffers=True):
     """Returns an AttentionServiceStub for `target` ("host:port").
 
     With `credentials` (grpc.ssl_channel_credentials(...), possibly composed
     with call credentials) the channel is secure, else plaintext. `options`
     are more channel arguments; one naming a MESSAGE_SIZE_OPTIONS key
     replaces that default. The channel is `stub.channel`; close it when
-    done.
+    done. With `keep_buffers` the process keeps large freed buffers for
+    reuse (keep_large_buffers()), which makes large calls several times
+    faster; pass False to leave the process's allocator as it is.
     """
+    if keep_buffers:
+        keep_large_buffers()
     options = list(options)
     given = {key for key, _ in options}
     options = [option for option in MESSAGE_SIZE_OPTIONS
