@@ -13,6 +13,16 @@ Starts attnserve (demo model) and measures with `attnctl bench`:
      with as many calls in flight.
 and prints every figure with its ratio and target.
 
+The size sweep (--part=sizes; --part=all runs both) measures what a user
+sees end to end as messages grow: LayerNorm [rows, 512] moving 0.25 MB to
+128 MB (input plus output) and the large cases of the serving targets,
+each over gRPC and over shared memory, from `attnctl bench` and from the
+Python client (benchmarks/python_client_bench.py), one call in flight,
+with the time plain loopback TCP takes to move the same bytes measured in
+the same run. The sweep runs unpinned: the server computes with both cores
+while the client waits, as a single caller's process on the same host
+would.
+
 By default the server (and the peer, and the in-process benchmark) run on
 core 1 and the clients on core 0 (taskset), so that client and server do not
 steal each other's cycles and the figures repeat; --no_pin lets both float
@@ -24,8 +34,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -40,6 +52,10 @@ def parse_args():
     parser.add_argument("--client_cpus", default="0")
     parser.add_argument("--no_pin", action="store_true")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--part", choices=("all", "baselines", "sizes"),
+                        default="all")
+    parser.add_argument("--sweep_duration_s", type=float, default=3,
+                        help="measured seconds per size-sweep case")
     return parser.parse_args()
 
 
@@ -149,11 +165,183 @@ class Bench:
         return qps
 
 
+def loopback_tcp_ms(bytes_in, bytes_out, repeats=5):
+    """Best time (ms) to send `bytes_in` over loopback TCP and get `bytes_out`
+    back: the floor for moving a call's bytes through a socket here."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    inbound, outbound = bytearray(max(1, bytes_in)), bytes(bytes_out)
+
+    def echo():
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        view = memoryview(inbound)
+        for _ in range(repeats):
+            got = 0
+            while got < bytes_in:
+                got += conn.recv_into(view[got:], bytes_in - got)
+            conn.sendall(outbound)
+        conn.close()
+
+    thread = threading.Thread(target=echo)
+    thread.start()
+    client = socket.create_connection(listener.getsockname())
+    client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    request, reply = bytes(bytes_in), bytearray(max(1, bytes_out))
+    view = memoryview(reply)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        client.sendall(request)
+        got = 0
+        while got < bytes_out:
+            got += client.recv_into(view[got:], bytes_out - got)
+        best = min(best, time.perf_counter() - start)
+    thread.join()
+    client.close()
+    listener.close()
+    return best * 1e3
+
+
+# Size sweep: (name, attnctl bench flags, bytes in, bytes out, target of
+# compute / end to end over gRPC and over shared memory, or None).
+def sweep_cases():
+    cases = []
+    for moved_mb in (0.25, 1, 4, 8, 16, 64, 128):
+        rows = int(moved_mb * (1 << 20) / 2 / (512 * 4))
+        size = rows * 512 * 4
+        cases.append((f"LayerNorm [{rows}, 512]",
+                      ["layernorm", f"--batch={rows}", "--seq=0",
+                       "--dim=512"], size, size, None))
+    attend = 8 * 8 * 512 * 64 * 4
+    long_seq = 8 * 4096 * 64 * 4
+    mha = 8 * 512 * 512 * 4
+    cases += [
+        ("Attend B8 H8 L512 d64",
+         ["attend", "--batch=8", "--heads=8", "--seq=512", "--dim=64"],
+         3 * attend, attend, (0.60, 0.90)),
+        ("Attend B1 H8 L4096 d64",
+         ["attend", "--batch=1", "--heads=8", "--seq=4096", "--dim=64"],
+         3 * long_seq, long_seq, (0.80, 0.95)),
+        ("MHA demo B8 L512 E512",
+         ["mha", "--model=demo", "--batch=8", "--seq=512"], mha, mha,
+         (0.70, 0.90)),
+        ("Attend decode Lq1 Lk4096 H8",
+         ["attend", "--seq=1", "--kv_seq=4096", "--heads=8", "--dim=64"],
+         2 * long_seq + 8 * 64 * 4, 8 * 64 * 4, None),
+    ]
+    return cases
+
+
+def python_client(bench, port, workload, shared_memory):
+    """The Python client's p50 end to end and server compute, in ms."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ":".join([
+        os.path.join(bench.args.build, "clients", "python_gen"),
+        os.path.join(ROOT, "clients", "python")])
+    command = ["/usr/bin/python3",
+               os.path.join(ROOT, "benchmarks", "python_client_bench.py"),
+               f"--target=127.0.0.1:{port}",
+               f"--duration_s={bench.args.sweep_duration_s}", *workload]
+    if shared_memory:
+        command.append("--shared_memory")
+    out = subprocess.run(command, check=True, capture_output=True, text=True,
+                         env=env).stdout
+    return json.loads(out)
+
+
+def size_sweep(args, bench):
+    """Prints the sweep's table; returns (figures, rows of targets)."""
+    server, port = bench.start([
+        os.path.join(bench.bin, "attnserve"), "--host=127.0.0.1",
+        "--port=0", "--metrics_port=-1", "--log_level=warning",
+        f"--model_repository={bench.models}"],
+        r"listening on 127\.0\.0\.1:(\d+)")
+    figures, lines, targets = [], [], []
+    try:
+        for name, workload, bytes_in, bytes_out, target in sweep_cases():
+            tcp = loopback_tcp_ms(bytes_in, bytes_out)
+            moved = (bytes_in + bytes_out) / 1e6
+            for transport in ("grpc", "shm"):
+                flags = ["--shared_memory"] if transport == "shm" else []
+                report = bench.load(
+                    port, *workload, "--concurrency=1",
+                    f"--duration_s={args.sweep_duration_s}",
+                    "--warmup_s=1", *flags)
+                e2e = report["latency_us"]["p50"] / 1e3
+                compute = report["server_compute_us"]["p50"] / 1e3
+                python = python_client(bench, port, workload,
+                                       transport == "shm")
+                figure = {"case": name, "transport": transport,
+                          "moved_mb": moved, "attnctl_ms": e2e,
+                          "compute_ms": compute, "ratio": compute / e2e,
+                          "tcp_ms": tcp, "python_ms": python["p50_ms"],
+                          "python_compute_ms": python["compute_p50_ms"]}
+                figures.append(figure)
+                lines.append((name, transport, f"{moved:.2f}",
+                              f"{e2e:.2f}", f"{compute:.2f}",
+                              f"{100 * compute / e2e:.0f}%",
+                              f"{e2e / moved:.3f}", f"{tcp:.2f}",
+                              f"{python['p50_ms']:.2f}",
+                              f"{python['p50_ms'] / e2e:.2f}"))
+                if target is not None:
+                    want = target[0 if transport == "grpc" else 1]
+                    targets.append((f"{name} over {transport}: compute / "
+                                    "end to end", f"{100 * compute / e2e:.0f}%",
+                                    f">= {100 * want:.0f}%",
+                                    compute / e2e >= want))
+    finally:
+        bench.stop(server)
+    header = ("case", "via", "MB moved", "attnctl ms", "compute ms",
+              "compute/e2e", "ms/MB", "TCP ms", "python ms", "python/attnctl")
+    widths = [max(len(str(r[i])) for r in lines + [header])
+              for i in range(len(header))]
+    print("\nEnd to end by size (p50, one call in flight, unpinned; TCP: "
+          "plain loopback socket moving the same bytes)\n")
+    for r in [header] + lines:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    return figures, targets
+
+
+def sweep_targets(figures):
+    """The issue's size targets from the sweep's figures."""
+    rows = []
+    by = {(f["case"], f["transport"]): f for f in figures}
+    small = by[("LayerNorm [2048, 512]", "grpc")]
+    large = by[("LayerNorm [16384, 512]", "grpc")]
+    per_mb = ((large["attnctl_ms"] / large["moved_mb"]) /
+              (small["attnctl_ms"] / small["moved_mb"]))
+    rows.append(("LayerNorm ms/MB at 64 MB vs at 8 MB (gRPC)",
+                 f"{per_mb:.2f}x", "<= 1.5x", per_mb <= 1.5))
+    bound = 2 * (large["compute_ms"] + large["tcp_ms"])
+    rows.append(("LayerNorm 64 MB over gRPC vs 2 x (compute + TCP)",
+                 f"{large['attnctl_ms']:.1f} ms", f"<= {bound:.1f} ms",
+                 large["attnctl_ms"] <= bound))
+    attend = by[("Attend B8 H8 L512 d64", "grpc")]
+    ratio = attend["python_ms"] / attend["attnctl_ms"]
+    rows.append(("Python client vs attnctl, Attend B8 H8 L512 (gRPC)",
+                 f"{ratio:.2f}x", "<= 2x", ratio <= 2))
+    return rows
+
+
 def main():
     args = parse_args()
     bench = Bench(args)
     rows = []
     figures = {}
+    if args.part in ("all", "sizes"):
+        sweep, targets = size_sweep(args, bench)
+        figures["size_sweep"] = sweep
+        print("\nSize-sweep targets\n")
+        for case, got, want, met in targets + sweep_targets(sweep):
+            print(f"{case}: {got} (target {want}) "
+                  f"{'met' if met else 'MISSED'}")
+        if args.part == "sizes":
+            if args.json:
+                with open(args.json, "w") as out:
+                    json.dump(figures, out, indent=2)
+            return 0
 
     def row(case, ours, theirs, ratio, target, met):
         rows.append((case, ours, theirs, ratio, target,

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Installs what the serving benchmark needs (h2load, grpcio and PyTorch for
-# the peer server), builds Release and runs benchmarks/serving.py: attnserve
-# against an empty RPC, the core in process, a grpcio+PyTorch server and
-# h2load. Arguments go to serving.py (e.g. --no_pin, --duration_s=20).
+# the peer server), builds Release and runs benchmarks/serving.py: a size
+# sweep over gRPC and shared memory, then attnserve against an empty RPC,
+# the core in process, a grpcio+PyTorch server and h2load. Arguments go to serving.py (e.g. --no_pin, --duration_s=20).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 "$root/scripts/install-deps.sh"
