@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/attention_common.h"
 #include "core/attention_kernel.h"
+#include "core/attention_weights.h"
 #include "core/convert.h"
 #include "core/primitives.h"
 #include "core/status_macros.h"
@@ -86,6 +87,42 @@ absl::StatusOr<MaskLayout> KeyPaddingMask(const TensorView& mask, bool batched,
   return layout;
 }
 
+// The checks of a run's inputs that need no weights: dtypes, ranks, and
+// batch and sequence dims that agree.
+absl::Status VerifyInputs(const TensorView& query, const TensorView& key,
+                          const TensorView& value) {
+  ATTN_RETURN_IF_ERROR(VerifyFloating(query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifyRank(query, "query", 2, 3));
+  ATTN_RETURN_IF_ERROR(VerifySameDType(key, "key", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameDType(value, "value", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameRank(key, "key", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameRank(value, "value", query, "query"));
+  const bool batched = query.rank() == 3;
+  if (batched) {
+    ATTN_RETURN_IF_ERROR(VerifyDim(key, "key", 0, query.dim(0), "query dim 0"));
+    ATTN_RETURN_IF_ERROR(
+        VerifyDim(value, "value", 0, query.dim(0), "query dim 0"));
+  }
+  return VerifyDim(value, "value", -2, key.dim(-2),
+                   batched ? "key dim 1" : "key dim 0");
+}
+
+// mean[b] = sum over h of per_head[b, h] / heads, each a plane of `plane`
+// floats.
+void AverageHeads(const float* per_head, int64_t batch, int64_t heads,
+                  int64_t plane, float* mean) {
+  const float inv_heads = 1.0f / static_cast<float>(heads);
+  for (int64_t b = 0; b < batch; ++b) {
+    float* out = mean + b * plane;
+    std::fill(out, out + plane, 0.0f);
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* src = per_head + (b * heads + h) * plane;
+      for (int64_t i = 0; i < plane; ++i) out[i] += src[i];
+    }
+    for (int64_t i = 0; i < plane; ++i) out[i] *= inv_heads;
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<AttentionResult> MultiHeadAttend(
@@ -123,14 +160,18 @@ absl::StatusOr<const void*> MultiHeadLayer::Converted(
   return owned_.back().data();
 }
 
+absl::StatusOr<const float*> MultiHeadLayer::ConvertedBias(
+    const std::optional<TensorView>& t, absl::string_view field) {
+  ATTN_ASSIGN_OR_RETURN(const void* data, Converted(t, DType::kFloat32, field));
+  return static_cast<const float*>(data);
+}
+
 absl::Status MultiHeadLayer::Resolve(const MultiHeadWeights& w) {
   if (w.num_heads <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("num_heads: must be > 0, got ", w.num_heads));
   }
   heads_ = w.num_heads;
-  const int heads = w.num_heads;
-  const DType dtype = compute_;
   const bool separate = w.q_proj_weight.has_value() ||
                         w.k_proj_weight.has_value() ||
                         w.v_proj_weight.has_value();
@@ -139,124 +180,135 @@ absl::Status MultiHeadLayer::Resolve(const MultiHeadWeights& w) {
         "in_proj_weight: give either in_proj_weight or "
         "q_proj_weight/k_proj_weight/v_proj_weight, not both");
   }
-  owned_.reserve(10);  // stable addresses for the converted copies
-  const auto bias_data =
-      [&](const std::optional<TensorView>& t,
-          absl::string_view field) -> absl::StatusOr<const float*> {
-    ATTN_ASSIGN_OR_RETURN(const void* data,
-                          Converted(t, DType::kFloat32, field));
-    return static_cast<const float*>(data);
-  };
-  if (w.in_proj_weight.has_value()) {
-    const TensorView& in_proj = *w.in_proj_weight;
-    ATTN_RETURN_IF_ERROR(VerifyFloating(in_proj, "in_proj_weight"));
-    ATTN_RETURN_IF_ERROR(VerifyRank(in_proj, "in_proj_weight", 2, 2));
-    const int64_t embed = in_proj.dim(1);
-    ATTN_RETURN_IF_ERROR(
-        VerifyDim(in_proj, "in_proj_weight", 0, 3 * embed, "3 x dim 1 ="));
-    if (w.q_proj_bias || w.k_proj_bias || w.v_proj_bias) {
-      return absl::InvalidArgumentError(
-          "q_proj_bias: with in_proj_weight, give the bias as in_proj_bias");
-    }
-    ATTN_RETURN_IF_ERROR(VerifyBias(w.in_proj_bias, "in_proj_bias", 3 * embed));
-    if (embed % heads != 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("in_proj_weight: embed dim (dim 1) ", embed,
-                       " is not divisible by num_heads ", heads));
-    }
-    ATTN_ASSIGN_OR_RETURN(const void* weight,
-                          Converted(w.in_proj_weight, dtype, "in_proj_weight"));
-    ATTN_ASSIGN_OR_RETURN(const float* bias,
-                          bias_data(w.in_proj_bias, "in_proj_bias"));
-    fused_qkv_ = Projection{weight, bias, 3 * embed, embed, nullptr};
-    Projection* parts[] = {&q_, &k_, &v_};
-    for (int i = 0; i < 3; ++i) {
-      parts[i]->weight = static_cast<const char*>(weight) +
-                         i * embed * embed * DTypeSize(dtype);
-      parts[i]->bias = bias != nullptr ? bias + i * embed : nullptr;
-      parts[i]->out = embed;
-      parts[i]->in = embed;
-    }
-    q_name_ = k_name_ = v_name_ = "in_proj_weight";
-  } else {
-    if (w.in_proj_bias.has_value() &&
-        (w.q_proj_bias || w.k_proj_bias || w.v_proj_bias)) {
-      return absl::InvalidArgumentError(
-          "in_proj_bias: give either in_proj_bias or "
-          "q_proj_bias/k_proj_bias/v_proj_bias, not both");
-    }
-    struct Part {
-      const std::optional<TensorView>& weight;
-      const std::optional<TensorView>& bias;
-      const char* weight_field;
-      const char* bias_field;
-      Projection* proj;
-    };
-    const Part parts[] = {
-        {w.q_proj_weight, w.q_proj_bias, "q_proj_weight", "q_proj_bias", &q_},
-        {w.k_proj_weight, w.k_proj_bias, "k_proj_weight", "k_proj_bias", &k_},
-        {w.v_proj_weight, w.v_proj_bias, "v_proj_weight", "v_proj_bias", &v_},
-    };
-    for (const Part& part : parts) {
-      if (!part.weight.has_value()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            part.weight_field,
-            ": missing (give q_proj_weight, k_proj_weight and v_proj_weight, "
-            "or in_proj_weight)"));
-      }
-      ATTN_RETURN_IF_ERROR(VerifyFloating(*part.weight, part.weight_field));
-      ATTN_RETURN_IF_ERROR(VerifyRank(*part.weight, part.weight_field, 2, 2));
-      ATTN_RETURN_IF_ERROR(
-          VerifyHeadsDivide(*part.weight, part.weight_field, heads));
-      ATTN_RETURN_IF_ERROR(
-          VerifyBias(part.bias, part.bias_field, part.weight->dim(0)));
-      ATTN_ASSIGN_OR_RETURN(part.proj->weight,
-                            Converted(part.weight, dtype, part.weight_field));
-      ATTN_ASSIGN_OR_RETURN(part.proj->bias,
-                            bias_data(part.bias, part.bias_field));
-      part.proj->out = part.weight->dim(0);
-      part.proj->in = part.weight->dim(1);
-    }
-    ATTN_RETURN_IF_ERROR(VerifyDim(*w.k_proj_weight, "k_proj_weight", 0, q_.out,
-                                   "q_proj_weight dim 0"));
-    // PyTorch keeps one in_proj_bias also when the q/k/v weights are
-    // separate (kdim/vdim != embed_dim): its thirds bias q, k and v.
-    if (w.in_proj_bias.has_value()) {
-      ATTN_RETURN_IF_ERROR(
-          VerifyBias(w.in_proj_bias, "in_proj_bias", q_.out + k_.out + v_.out));
-      ATTN_ASSIGN_OR_RETURN(const float* bias,
-                            bias_data(w.in_proj_bias, "in_proj_bias"));
-      q_.bias = bias;
-      k_.bias = bias + q_.out;
-      v_.bias = bias + q_.out + k_.out;
-    }
-    q_name_ = "q_proj_weight";
-    k_name_ = "k_proj_weight";
-    v_name_ = "v_proj_weight";
-  }
-  key_dim_ = q_.out / heads;
-  value_dim_ = v_.out / heads;
+  // Stable addresses for the converted copies: at most one per field.
+  owned_.reserve(kMultiHeadWeightFields.size());
+  ATTN_RETURN_IF_ERROR(w.in_proj_weight.has_value() ? ResolveFused(w)
+                                                    : ResolveSeparate(w));
+  key_dim_ = q_.out / heads_;
+  value_dim_ = v_.out / heads_;
+  return ResolveOutput(w);
+}
 
-  if (w.out_proj_weight.has_value()) {
-    const TensorView& out = *w.out_proj_weight;
-    ATTN_RETURN_IF_ERROR(VerifyFloating(out, "out_proj_weight"));
-    ATTN_RETURN_IF_ERROR(VerifyRank(out, "out_proj_weight", 2, 2));
-    ATTN_RETURN_IF_ERROR(VerifyDim(out, "out_proj_weight", 1, v_.out,
-                                   absl::StrCat(v_name_, " rows (H*dv) =")));
+// PyTorch's fused [3E, E] in_proj_weight: q, k and v read its thirds (and
+// in_proj_bias's) in place.
+absl::Status MultiHeadLayer::ResolveFused(const MultiHeadWeights& w) {
+  const TensorView& in_proj = *w.in_proj_weight;
+  ATTN_RETURN_IF_ERROR(VerifyFloating(in_proj, "in_proj_weight"));
+  ATTN_RETURN_IF_ERROR(VerifyRank(in_proj, "in_proj_weight", 2, 2));
+  const int64_t embed = in_proj.dim(1);
+  ATTN_RETURN_IF_ERROR(
+      VerifyDim(in_proj, "in_proj_weight", 0, 3 * embed, "3 x dim 1 ="));
+  if (w.q_proj_bias || w.k_proj_bias || w.v_proj_bias) {
+    return absl::InvalidArgumentError(
+        "q_proj_bias: with in_proj_weight, give the bias as in_proj_bias");
+  }
+  ATTN_RETURN_IF_ERROR(VerifyBias(w.in_proj_bias, "in_proj_bias", 3 * embed));
+  if (embed % heads_ != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("in_proj_weight: embed dim (dim 1) ", embed,
+                     " is not divisible by num_heads ", heads_));
+  }
+  ATTN_ASSIGN_OR_RETURN(
+      const void* weight,
+      Converted(w.in_proj_weight, compute_, "in_proj_weight"));
+  ATTN_ASSIGN_OR_RETURN(const float* bias,
+                        ConvertedBias(w.in_proj_bias, "in_proj_bias"));
+  fused_qkv_ = Projection{weight, bias, 3 * embed, embed, nullptr};
+  Projection* parts[] = {&q_, &k_, &v_};
+  for (int i = 0; i < 3; ++i) {
+    parts[i]->weight = static_cast<const char*>(weight) +
+                       i * embed * embed * DTypeSize(compute_);
+    parts[i]->bias = bias != nullptr ? bias + i * embed : nullptr;
+    parts[i]->out = embed;
+    parts[i]->in = embed;
+  }
+  q_name_ = k_name_ = v_name_ = "in_proj_weight";
+  return absl::OkStatus();
+}
+
+// Separate q/k/v_proj_weight, each with its own bias or the thirds of one
+// in_proj_bias.
+absl::Status MultiHeadLayer::ResolveSeparate(const MultiHeadWeights& w) {
+  if (w.in_proj_bias.has_value() &&
+      (w.q_proj_bias || w.k_proj_bias || w.v_proj_bias)) {
+    return absl::InvalidArgumentError(
+        "in_proj_bias: give either in_proj_bias or "
+        "q_proj_bias/k_proj_bias/v_proj_bias, not both");
+  }
+  using Field = std::optional<TensorView> MultiHeadWeights::*;
+  struct Part {
+    Field weight;
+    Field bias;
+    Projection* proj;
+  };
+  const Part parts[] = {
+      {&MultiHeadWeights::q_proj_weight, &MultiHeadWeights::q_proj_bias, &q_},
+      {&MultiHeadWeights::k_proj_weight, &MultiHeadWeights::k_proj_bias, &k_},
+      {&MultiHeadWeights::v_proj_weight, &MultiHeadWeights::v_proj_bias, &v_},
+  };
+  for (const Part& part : parts) {
+    const std::optional<TensorView>& weight = w.*part.weight;
+    const std::optional<TensorView>& bias = w.*part.bias;
+    const absl::string_view weight_field =
+        MultiHeadWeightFieldName(part.weight);
+    const absl::string_view bias_field = MultiHeadWeightFieldName(part.bias);
+    if (!weight.has_value()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          weight_field,
+          ": missing (give q_proj_weight, k_proj_weight and v_proj_weight, "
+          "or in_proj_weight)"));
+    }
+    ATTN_RETURN_IF_ERROR(VerifyFloating(*weight, weight_field));
+    ATTN_RETURN_IF_ERROR(VerifyRank(*weight, weight_field, 2, 2));
+    ATTN_RETURN_IF_ERROR(VerifyHeadsDivide(*weight, weight_field, heads_));
+    ATTN_RETURN_IF_ERROR(VerifyBias(bias, bias_field, weight->dim(0)));
+    ATTN_ASSIGN_OR_RETURN(part.proj->weight,
+                          Converted(weight, compute_, weight_field));
+    ATTN_ASSIGN_OR_RETURN(part.proj->bias, ConvertedBias(bias, bias_field));
+    part.proj->out = weight->dim(0);
+    part.proj->in = weight->dim(1);
+  }
+  ATTN_RETURN_IF_ERROR(VerifyDim(*w.k_proj_weight, "k_proj_weight", 0, q_.out,
+                                 "q_proj_weight dim 0"));
+  // PyTorch keeps one in_proj_bias also when the q/k/v weights are
+  // separate (kdim/vdim != embed_dim): its thirds bias q, k and v.
+  if (w.in_proj_bias.has_value()) {
     ATTN_RETURN_IF_ERROR(
-        VerifyBias(w.out_proj_bias, "out_proj_bias", out.dim(0)));
-    Projection proj;
-    ATTN_ASSIGN_OR_RETURN(
-        proj.weight, Converted(w.out_proj_weight, dtype, "out_proj_weight"));
-    ATTN_ASSIGN_OR_RETURN(proj.bias,
-                          bias_data(w.out_proj_bias, "out_proj_bias"));
-    proj.out = out.dim(0);
-    proj.in = out.dim(1);
-    out_ = proj;
-  } else if (w.out_proj_bias.has_value()) {
+        VerifyBias(w.in_proj_bias, "in_proj_bias", q_.out + k_.out + v_.out));
+    ATTN_ASSIGN_OR_RETURN(const float* bias,
+                          ConvertedBias(w.in_proj_bias, "in_proj_bias"));
+    q_.bias = bias;
+    k_.bias = bias + q_.out;
+    v_.bias = bias + q_.out + k_.out;
+  }
+  q_name_ = "q_proj_weight";
+  k_name_ = "k_proj_weight";
+  v_name_ = "v_proj_weight";
+  return absl::OkStatus();
+}
+
+// The optional output projection; its input is the heads' concatenation.
+absl::Status MultiHeadLayer::ResolveOutput(const MultiHeadWeights& w) {
+  if (!w.out_proj_weight.has_value()) {
+    if (!w.out_proj_bias.has_value()) return absl::OkStatus();
     return absl::InvalidArgumentError(
         "out_proj_bias: given without out_proj_weight");
   }
+  const TensorView& out = *w.out_proj_weight;
+  ATTN_RETURN_IF_ERROR(VerifyFloating(out, "out_proj_weight"));
+  ATTN_RETURN_IF_ERROR(VerifyRank(out, "out_proj_weight", 2, 2));
+  ATTN_RETURN_IF_ERROR(VerifyDim(out, "out_proj_weight", 1, v_.out,
+                                 absl::StrCat(v_name_, " rows (H*dv) =")));
+  ATTN_RETURN_IF_ERROR(
+      VerifyBias(w.out_proj_bias, "out_proj_bias", out.dim(0)));
+  Projection proj;
+  ATTN_ASSIGN_OR_RETURN(
+      proj.weight, Converted(w.out_proj_weight, compute_, "out_proj_weight"));
+  ATTN_ASSIGN_OR_RETURN(proj.bias,
+                        ConvertedBias(w.out_proj_bias, "out_proj_bias"));
+  proj.out = out.dim(0);
+  proj.in = out.dim(1);
+  out_ = proj;
   return absl::OkStatus();
 }
 
@@ -311,185 +363,225 @@ absl::Status MultiHeadAttend(const MultiHeadWeights& weights,
   return layer->Run(inputs, options, results);
 }
 
+// A run's sizes, from its checked inputs.
+struct MultiHeadLayer::RunDims {
+  bool batched = false;  // [B, L, E] inputs, not [L, E]
+  int64_t batch = 1;
+  int64_t query_len = 0;
+  int64_t key_len = 0;
+};
+
+// The scratch tensors a run computes in. The AttentionProblem points into
+// them, so they live until Run returns.
+struct MultiHeadLayer::RunBuffers {
+  Tensor qkv_proj;                // fused self-attention: [B, L, 3E]
+  Tensor q_proj, k_proj, v_proj;  // [B, L, H * d]
+  Tensor concat;                  // heads side by side, for out_proj
+  Tensor per_head_weights;        // [B, H, Lq, Lk], to be averaged
+};
+
 absl::Status MultiHeadLayer::Run(const MultiHeadInputs& in,
                                  const MultiHeadOptions& options,
                                  ResultAllocator& results) const {
-  ATTN_RETURN_IF_ERROR(VerifyFloating(in.query, "query"));
-  ATTN_RETURN_IF_ERROR(VerifyRank(in.query, "query", 2, 3));
   const TensorView& key = in.key.has_value() ? *in.key : in.query;
   const TensorView& value = in.value.has_value() ? *in.value : key;
-  ATTN_RETURN_IF_ERROR(VerifySameDType(key, "key", in.query, "query"));
-  ATTN_RETURN_IF_ERROR(VerifySameDType(value, "value", in.query, "query"));
-  ATTN_RETURN_IF_ERROR(VerifySameRank(key, "key", in.query, "query"));
-  ATTN_RETURN_IF_ERROR(VerifySameRank(value, "value", in.query, "query"));
-  const bool batched = in.query.rank() == 3;
-  if (batched) {
-    ATTN_RETURN_IF_ERROR(
-        VerifyDim(key, "key", 0, in.query.dim(0), "query dim 0"));
-    ATTN_RETURN_IF_ERROR(
-        VerifyDim(value, "value", 0, in.query.dim(0), "query dim 0"));
+  ATTN_RETURN_IF_ERROR(VerifyInputs(in.query, key, value));
+  ATTN_RETURN_IF_ERROR(VerifyFeatureDims(in.query, key, value));
+  RunDims dims;
+  dims.batched = in.query.rank() == 3;
+  dims.batch = dims.batched ? in.query.dim(0) : 1;
+  dims.query_len = in.query.dim(-2);
+  dims.key_len = key.dim(-2);
+
+  ATTN_ASSIGN_OR_RETURN(AttentionProblem p,
+                        Problem(in, dims, options.attention));
+  RunBuffers buffers;
+  ATTN_RETURN_IF_ERROR(ProjectInputs(in, key, value, dims, p, buffers));
+  ATTN_ASSIGN_OR_RETURN(
+      ResultBuffer output,
+      AllocateOutput(in.query.dtype, dims, results, p, buffers));
+  ATTN_ASSIGN_OR_RETURN(float* mean_weights,
+                        AllocateWeights(options, dims, results, p, buffers));
+
+  ATTN_RETURN_IF_ERROR(RunAttention(p));
+  if (out_.has_value()) {
+    ATTN_RETURN_IF_ERROR(Project(*out_, dims.batch * dims.query_len,
+                                 buffers.concat.data(), output.data(),
+                                 output.dtype()));
   }
-  ATTN_RETURN_IF_ERROR(VerifyDim(value, "value", -2, key.dim(-2),
-                                 batched ? "key dim 1" : "key dim 0"));
-  const auto check_input = [](const TensorView& t, absl::string_view field,
-                              int64_t expected,
-                              absl::string_view weight_field) -> absl::Status {
+  output.Finish();
+  if (mean_weights != nullptr) {
+    AverageHeads(buffers.per_head_weights.data_as<float>(), dims.batch, heads_,
+                 dims.query_len * dims.key_len, mean_weights);
+  }
+  return absl::OkStatus();
+}
+
+// Each input's last dim is what its projection reads.
+absl::Status MultiHeadLayer::VerifyFeatureDims(const TensorView& query,
+                                               const TensorView& key,
+                                               const TensorView& value) const {
+  const auto verify = [](const TensorView& t, absl::string_view field,
+                         int64_t expected,
+                         absl::string_view weight_field) -> absl::Status {
     if (t.dim(-1) == expected) return absl::OkStatus();
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": last dim ", t.dim(-1), " != ", weight_field,
                      " dim 1 ", expected));
   };
-  ATTN_RETURN_IF_ERROR(check_input(in.query, "query", q_.in, q_name_));
-  ATTN_RETURN_IF_ERROR(check_input(key, "key", k_.in, k_name_));
-  ATTN_RETURN_IF_ERROR(check_input(value, "value", v_.in, v_name_));
-  const int64_t batch = batched ? in.query.dim(0) : 1;
-  const int64_t query_len = in.query.dim(-2);
-  const int64_t key_len = key.dim(-2);
-  const DType compute = compute_;
-  const int64_t heads = heads_;
+  ATTN_RETURN_IF_ERROR(verify(query, "query", q_.in, q_name_));
+  ATTN_RETURN_IF_ERROR(verify(key, "key", k_.in, k_name_));
+  return verify(value, "value", v_.in, v_name_);
+}
 
+// The kernel's problem without its operands: sizes, options and masks.
+absl::StatusOr<AttentionProblem> MultiHeadLayer::Problem(
+    const MultiHeadInputs& in, const RunDims& dims,
+    const AttentionOptions& options) const {
   AttentionProblem p;
-  p.batch = batch;
-  p.heads = heads;
-  p.query_len = query_len;
-  p.key_len = key_len;
+  p.batch = dims.batch;
+  p.heads = heads_;
+  p.query_len = dims.query_len;
+  p.key_len = dims.key_len;
   p.key_dim = key_dim_;
   p.value_dim = value_dim_;
-  p.causal = options.attention.causal;
-  p.cancelled = options.attention.cancelled;
-  ATTN_ASSIGN_OR_RETURN(p.logit_multiplier,
-                        LogitMultiplier(options.attention, key_dim_));
-  const Shape per_head_weights = {batch, heads, query_len, key_len};
+  p.causal = options.causal;
+  p.cancelled = options.cancelled;
+  ATTN_ASSIGN_OR_RETURN(p.logit_multiplier, LogitMultiplier(options, key_dim_));
+  const Shape per_head_weights = {dims.batch, heads_, dims.query_len,
+                                  dims.key_len};
   ATTN_RETURN_IF_ERROR(
       CheckedNumElements(per_head_weights, DType::kFloat32, "weights")
           .status());
   if (in.attn_mask.has_value()) {
     ATTN_ASSIGN_OR_RETURN(MaskLayout mask,
-                          MultiHeadMask(*in.attn_mask, batched, batch, heads,
-                                        query_len, key_len));
+                          MultiHeadMask(*in.attn_mask, dims.batched, dims.batch,
+                                        heads_, dims.query_len, dims.key_len));
     p.masks.push_back(std::move(mask));
   }
   if (in.key_padding_mask.has_value()) {
-    ATTN_ASSIGN_OR_RETURN(
-        MaskLayout mask,
-        KeyPaddingMask(*in.key_padding_mask, batched, batch, heads, key_len));
+    ATTN_ASSIGN_OR_RETURN(MaskLayout mask,
+                          KeyPaddingMask(*in.key_padding_mask, dims.batched,
+                                         dims.batch, heads_, dims.key_len));
     p.masks.push_back(std::move(mask));
   }
+  return p;
+}
 
-  // Projections write [B, L, H * d] in the compute dtype; the kernel reads
-  // each head's columns in place, so heads are never copied apart or back
-  // together.
-  const size_t elem = DTypeSize(compute);
+// Projections write [B, L, H * d] in the compute dtype; the kernel reads
+// each head's columns in place, so heads are never copied apart or back
+// together.
+absl::Status MultiHeadLayer::ProjectInputs(
+    const MultiHeadInputs& in, const TensorView& key, const TensorView& value,
+    const RunDims& dims, AttentionProblem& p, RunBuffers& buffers) const {
+  const DType compute = compute_;
+  const int64_t batch = dims.batch;
   p.operand_dtype = compute;
   ATTN_ASSIGN_OR_RETURN(OperandData query,
                         OperandData::From(in.query, compute, "query"));
-  Tensor q_proj, k_proj, v_proj, qkv_proj;
   if (fused_qkv_.has_value() && !in.key.has_value() && !in.value.has_value()) {
     // Self-attention with the fused weight: one [B*L, E] x [E, 3E] matmul.
     const int64_t e = q_.out;
-    ATTN_ASSIGN_OR_RETURN(qkv_proj,
-                          Tensor::Allocate(compute, {batch, query_len, 3 * e}));
-    char* qkv = static_cast<char*>(qkv_proj.data());
-    ATTN_RETURN_IF_ERROR(
-        Project(*fused_qkv_, batch * query_len, query.data(), qkv, compute));
-    const OperandLayout layout{query_len * 3 * e, key_dim_, 3 * e};
+    ATTN_ASSIGN_OR_RETURN(
+        buffers.qkv_proj,
+        Tensor::Allocate(compute, {batch, dims.query_len, 3 * e}));
+    char* qkv = static_cast<char*>(buffers.qkv_proj.data());
+    ATTN_RETURN_IF_ERROR(Project(*fused_qkv_, batch * dims.query_len,
+                                 query.data(), qkv, compute));
+    const size_t elem = DTypeSize(compute);
+    const OperandLayout layout{dims.query_len * 3 * e, key_dim_, 3 * e};
     p.query = qkv;
     p.key = qkv + e * elem;
     p.value = qkv + 2 * e * elem;
     p.query_layout = p.key_layout = p.value_layout = layout;
-  } else {
-    ATTN_ASSIGN_OR_RETURN(OperandData key_data,
-                          OperandData::From(key, compute, "key"));
-    ATTN_ASSIGN_OR_RETURN(OperandData value_data,
-                          OperandData::From(value, compute, "value"));
-    ATTN_ASSIGN_OR_RETURN(
-        q_proj, Tensor::Allocate(compute, {batch, query_len, q_.out}));
-    ATTN_ASSIGN_OR_RETURN(k_proj,
-                          Tensor::Allocate(compute, {batch, key_len, k_.out}));
-    ATTN_ASSIGN_OR_RETURN(v_proj,
-                          Tensor::Allocate(compute, {batch, key_len, v_.out}));
-    ATTN_RETURN_IF_ERROR(
-        Project(q_, batch * query_len, query.data(), q_proj.data(), compute));
-    ATTN_RETURN_IF_ERROR(
-        Project(k_, batch * key_len, key_data.data(), k_proj.data(), compute));
-    ATTN_RETURN_IF_ERROR(Project(v_, batch * key_len, value_data.data(),
-                                 v_proj.data(), compute));
-    p.query = q_proj.data();
-    p.key = k_proj.data();
-    p.value = v_proj.data();
-    p.query_layout = InterleavedHeadsLayout(heads, query_len, key_dim_);
-    p.key_layout = InterleavedHeadsLayout(heads, key_len, key_dim_);
-    p.value_layout = InterleavedHeadsLayout(heads, key_len, value_dim_);
+    return absl::OkStatus();
   }
+  ATTN_ASSIGN_OR_RETURN(OperandData key_data,
+                        OperandData::From(key, compute, "key"));
+  ATTN_ASSIGN_OR_RETURN(OperandData value_data,
+                        OperandData::From(value, compute, "value"));
+  ATTN_ASSIGN_OR_RETURN(
+      buffers.q_proj,
+      Tensor::Allocate(compute, {batch, dims.query_len, q_.out}));
+  ATTN_ASSIGN_OR_RETURN(
+      buffers.k_proj, Tensor::Allocate(compute, {batch, dims.key_len, k_.out}));
+  ATTN_ASSIGN_OR_RETURN(
+      buffers.v_proj, Tensor::Allocate(compute, {batch, dims.key_len, v_.out}));
+  ATTN_RETURN_IF_ERROR(Project(q_, batch * dims.query_len, query.data(),
+                               buffers.q_proj.data(), compute));
+  ATTN_RETURN_IF_ERROR(Project(k_, batch * dims.key_len, key_data.data(),
+                               buffers.k_proj.data(), compute));
+  ATTN_RETURN_IF_ERROR(Project(v_, batch * dims.key_len, value_data.data(),
+                               buffers.v_proj.data(), compute));
+  p.query = buffers.q_proj.data();
+  p.key = buffers.k_proj.data();
+  p.value = buffers.v_proj.data();
+  p.query_layout = InterleavedHeadsLayout(heads_, dims.query_len, key_dim_);
+  p.key_layout = InterleavedHeadsLayout(heads_, dims.key_len, key_dim_);
+  p.value_layout = InterleavedHeadsLayout(heads_, dims.key_len, value_dim_);
+  return absl::OkStatus();
+}
 
-  // The heads' outputs land side by side: the concatenation the output
-  // projection reads (in the compute dtype), or the result itself without
-  // one.
-  const int64_t concat_dim = heads * value_dim_;
+// The heads' outputs land side by side: the concatenation the output
+// projection reads (in the compute dtype), or the result itself without
+// one.
+absl::StatusOr<ResultBuffer> MultiHeadLayer::AllocateOutput(
+    DType dtype, const RunDims& dims, ResultAllocator& results,
+    AttentionProblem& p, RunBuffers& buffers) const {
+  const int64_t concat_dim = heads_ * value_dim_;
   const int64_t out_dim = out_.has_value() ? out_->out : concat_dim;
-  const Shape output_shape =
-      batched ? Shape{batch, query_len, out_dim} : Shape{query_len, out_dim};
+  const Shape output_shape = dims.batched
+                                 ? Shape{dims.batch, dims.query_len, out_dim}
+                                 : Shape{dims.query_len, out_dim};
   ATTN_ASSIGN_OR_RETURN(
       ResultBuffer output,
-      ResultBuffer::Allocate(results, "output", in.query.dtype, output_shape,
+      ResultBuffer::Allocate(results, "output", dtype, output_shape,
                              // float32 layers compute a bfloat16 query's
                              // output in float32 and round it at the end.
-                             /*bf16_ok=*/compute == DType::kBFloat16));
-  Tensor concat;
+                             /*bf16_ok=*/compute_ == DType::kBFloat16));
   if (out_.has_value()) {
     ATTN_ASSIGN_OR_RETURN(
-        concat, Tensor::Allocate(compute, {batch, query_len, concat_dim}));
-    p.output = concat.data();
-    p.output_dtype = compute;
+        buffers.concat,
+        Tensor::Allocate(compute_, {dims.batch, dims.query_len, concat_dim}));
+    p.output = buffers.concat.data();
+    p.output_dtype = compute_;
   } else {
     p.output = output.data();
     p.output_dtype = output.dtype();
   }
-  p.output_layout = InterleavedHeadsLayout(heads, query_len, value_dim_);
+  p.output_layout = InterleavedHeadsLayout(heads_, dims.query_len, value_dim_);
+  return output;
+}
 
-  // Per-head weights go straight to the result unless they are averaged.
-  Tensor per_head;
-  float* mean_weights = nullptr;
-  if (options.attention.return_weights) {
-    const bool average = options.average_weights;
-    const Shape weights_shape =
-        average
-            ? (batched ? Shape{batch, query_len, key_len}
-                       : Shape{query_len, key_len})
-            : (batched ? per_head_weights : Shape{heads, query_len, key_len});
-    ATTN_ASSIGN_OR_RETURN(
-        void* weights_data,
-        results.Allocate("weights", DType::kFloat32, weights_shape));
-    if (average) {
-      ATTN_ASSIGN_OR_RETURN(
-          per_head, Tensor::Allocate(DType::kFloat32, per_head_weights));
-      p.weights = per_head.data_as<float>();
-      mean_weights = static_cast<float*>(weights_data);
-    } else {
-      p.weights = static_cast<float*>(weights_data);
-    }
+// Per-head weights go straight to the result unless they are averaged;
+// then the kernel writes them to scratch and this returns where the mean
+// goes (null otherwise).
+absl::StatusOr<float*> MultiHeadLayer::AllocateWeights(
+    const MultiHeadOptions& options, const RunDims& dims,
+    ResultAllocator& results, AttentionProblem& p, RunBuffers& buffers) const {
+  if (!options.attention.return_weights) return nullptr;
+  const Shape per_head = {dims.batch, heads_, dims.query_len, dims.key_len};
+  const bool average = options.average_weights;
+  Shape weights_shape;
+  if (average) {
+    weights_shape = dims.batched
+                        ? Shape{dims.batch, dims.query_len, dims.key_len}
+                        : Shape{dims.query_len, dims.key_len};
+  } else {
+    weights_shape =
+        dims.batched ? per_head : Shape{heads_, dims.query_len, dims.key_len};
   }
-  ATTN_RETURN_IF_ERROR(RunAttention(p));
-  if (out_.has_value()) {
-    ATTN_RETURN_IF_ERROR(Project(*out_, batch * query_len, concat.data(),
-                                 output.data(), output.dtype()));
+  ATTN_ASSIGN_OR_RETURN(
+      void* weights_data,
+      results.Allocate("weights", DType::kFloat32, weights_shape));
+  if (!average) {
+    p.weights = static_cast<float*>(weights_data);
+    return nullptr;
   }
-  output.Finish();
-
-  if (mean_weights != nullptr) {
-    const int64_t plane = query_len * key_len;
-    const float inv_heads = 1.0f / static_cast<float>(heads);
-    for (int64_t b = 0; b < batch; ++b) {
-      float* out = mean_weights + b * plane;
-      std::fill(out, out + plane, 0.0f);
-      for (int64_t h = 0; h < heads; ++h) {
-        const float* src = per_head.data_as<float>() + (b * heads + h) * plane;
-        for (int64_t i = 0; i < plane; ++i) out[i] += src[i];
-      }
-      for (int64_t i = 0; i < plane; ++i) out[i] *= inv_heads;
-    }
-  }
-  return absl::OkStatus();
+  ATTN_ASSIGN_OR_RETURN(buffers.per_head_weights,
+                        Tensor::Allocate(DType::kFloat32, per_head));
+  p.weights = buffers.per_head_weights.data_as<float>();
+  return static_cast<float*>(weights_data);
 }
 
 }  // namespace attnserve

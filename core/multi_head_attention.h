@@ -21,6 +21,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/attention.h"
+#include "core/attention_kernel.h"
 #include "core/convert.h"
 #include "core/primitives.h"
 #include "core/results.h"
@@ -68,11 +69,42 @@ class MultiHeadLayer {
     std::shared_ptr<const PackedLinear> packed;
   };
 
+  // A run's sizes, and the scratch tensors it computes in (defined in the
+  // .cc file).
+  struct RunDims;
+  struct RunBuffers;
+
   MultiHeadLayer() = default;
+
+  // Steps of Create: check the weights and set up the projections.
   absl::Status Resolve(const MultiHeadWeights& w);
+  absl::Status ResolveFused(const MultiHeadWeights& w);
+  absl::Status ResolveSeparate(const MultiHeadWeights& w);
+  absl::Status ResolveOutput(const MultiHeadWeights& w);
   absl::Status Pack();
   absl::StatusOr<const void*> Converted(const std::optional<TensorView>& t,
                                         DType dtype, absl::string_view field);
+  absl::StatusOr<const float*> ConvertedBias(const std::optional<TensorView>& t,
+                                             absl::string_view field);
+
+  // Steps of Run, in order.
+  absl::Status VerifyFeatureDims(const TensorView& query, const TensorView& key,
+                                 const TensorView& value) const;
+  absl::StatusOr<AttentionProblem> Problem(
+      const MultiHeadInputs& in, const RunDims& dims,
+      const AttentionOptions& options) const;
+  absl::Status ProjectInputs(const MultiHeadInputs& in, const TensorView& key,
+                             const TensorView& value, const RunDims& dims,
+                             AttentionProblem& p, RunBuffers& buffers) const;
+  absl::StatusOr<ResultBuffer> AllocateOutput(DType dtype, const RunDims& dims,
+                                              ResultAllocator& results,
+                                              AttentionProblem& p,
+                                              RunBuffers& buffers) const;
+  absl::StatusOr<float*> AllocateWeights(const MultiHeadOptions& options,
+                                         const RunDims& dims,
+                                         ResultAllocator& results,
+                                         AttentionProblem& p,
+                                         RunBuffers& buffers) const;
   absl::Status Project(const Projection& proj, int64_t rows, const void* x,
                        void* y, DType y_dtype) const;
 
