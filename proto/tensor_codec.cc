@@ -1,9 +1,11 @@
 #include "proto/tensor_codec.h"
 
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "google/protobuf/descriptor.h"
 
 namespace attnserve {
 
@@ -174,6 +176,48 @@ absl::StatusOr<Tensor> CopyTensor(const v1::Tensor& tensor,
   if (copy.num_bytes() > 0)
     std::memcpy(copy.data(), view.data, copy.num_bytes());
   return copy;
+}
+
+namespace {
+
+// The AttentionWeights field `field` names. The table and the proto share
+// the names; tests check every one resolves.
+const google::protobuf::FieldDescriptor& WeightFieldDescriptor(
+    const MultiHeadWeightField& field) {
+  return *v1::AttentionWeights::descriptor()->FindFieldByName(
+      std::string(field.name));
+}
+
+}  // namespace
+
+const v1::Tensor* FindWeightTensor(const v1::AttentionWeights& weights,
+                                   const MultiHeadWeightField& field) {
+  const google::protobuf::FieldDescriptor& descriptor =
+      WeightFieldDescriptor(field);
+  const google::protobuf::Reflection* reflection = weights.GetReflection();
+  if (!reflection->HasField(weights, &descriptor)) return nullptr;
+  // Generated messages hold generated submessages: the cast is exact.
+  return static_cast<const v1::Tensor*>(
+      &reflection->GetMessage(weights, &descriptor));
+}
+
+v1::Tensor* MutableWeightTensor(v1::AttentionWeights* weights,
+                                const MultiHeadWeightField& field) {
+  return static_cast<v1::Tensor*>(weights->GetReflection()->MutableMessage(
+      weights, &WeightFieldDescriptor(field)));
+}
+
+absl::StatusOr<MultiHeadWeights> DecodeAttentionWeights(
+    const v1::AttentionWeights& weights, SharedMemoryResolver* shared_memory) {
+  MultiHeadWeights decoded;
+  decoded.num_heads = weights.num_heads();
+  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+    const v1::Tensor* tensor = FindWeightTensor(weights, field);
+    if (tensor == nullptr) continue;
+    ATTN_ASSIGN_OR_RETURN(decoded.*field.member,
+                          DecodeTensor(*tensor, field.name, shared_memory));
+  }
+  return decoded;
 }
 
 }  // namespace attnserve

@@ -1,4 +1,5 @@
-// Conversions between wire tensors (attnserve.v1.Tensor) and core tensors.
+// Conversions between wire tensors (attnserve.v1.Tensor) and core tensors,
+// and between wire and core attention weights.
 //
 // Decoding never copies: a TensorView points into the message's raw_data or
 // float_data, so the message must outlive the view. Thread-safety: free
@@ -9,6 +10,8 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
+#include "core/attention.h"
+#include "core/attention_weights.h"
 #include "core/results.h"
 #include "core/tensor.h"
 
@@ -74,6 +77,23 @@ class WireResults : public ResultAllocator {
 // beyond the response's life).
 absl::StatusOr<Tensor> CopyTensor(
     const v1::Tensor& tensor, absl::string_view field,
+    SharedMemoryResolver* shared_memory = nullptr);
+
+// The wire tensor of `field` in `weights` (reached by the field's name), or
+// null when `weights` does not set it.
+const v1::Tensor* FindWeightTensor(const v1::AttentionWeights& weights,
+                                   const MultiHeadWeightField& field);
+// The wire tensor of `field` in `weights`, which is set from now on.
+v1::Tensor* MutableWeightTensor(v1::AttentionWeights* weights,
+                                const MultiHeadWeightField& field);
+
+// num_heads and a view of every tensor field `weights` sets, decoded by
+// DecodeTensor in the order of kMultiHeadWeightFields: the first bad field
+// fails the call with DecodeTensor's message, naming it (e.g.
+// "q_proj_weight: raw_data has ..."). Fields `weights` does not set stay
+// absent. Never copies: `weights` must outlive the result.
+absl::StatusOr<MultiHeadWeights> DecodeAttentionWeights(
+    const v1::AttentionWeights& weights,
     SharedMemoryResolver* shared_memory = nullptr);
 
 }  // namespace attnserve

@@ -1,5 +1,6 @@
 // The model repository: loading (both weight namings), refusing broken
-// models with the file and the problem, atomic reloads, and the model RPCs.
+// models with the file and the problem, atomic reloads, and the model RPCs;
+// the table of weight fields both namings and the wire go through.
 #include "server/model_repository.h"
 
 #include <atomic>
@@ -11,8 +12,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/attention_weights.h"
 #include "core/safetensors.h"
+#include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
 #include "tests/test_util.h"
@@ -290,6 +294,72 @@ TEST(ModelRepositoryTest, ListAndMetadataRpcs) {
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(missing.message(),
             "model: 'beta' not found; loaded models: alpha, zeta");
+}
+
+TEST(AttentionWeightsTableTest, CoversEveryTensorFieldOfTheProto) {
+  const google::protobuf::Descriptor* message =
+      v1::AttentionWeights::descriptor();
+  int tensor_fields = 0;
+  for (int i = 0; i < message->field_count(); ++i) {
+    if (message->field(i)->message_type() == v1::Tensor::descriptor()) {
+      ++tensor_fields;
+    }
+  }
+  EXPECT_EQ(tensor_fields, static_cast<int>(kMultiHeadWeightFields.size()));
+  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+    const google::protobuf::FieldDescriptor* descriptor =
+        message->FindFieldByName(std::string(field.name));
+    ASSERT_NE(descriptor, nullptr) << field.name;
+    EXPECT_EQ(descriptor->message_type(), v1::Tensor::descriptor());
+    EXPECT_EQ(FindMultiHeadWeightField(field.name), &field);
+    EXPECT_EQ(MultiHeadWeightFieldName(field.member), field.name);
+  }
+  ASSERT_NE(FindMultiHeadWeightField("out_proj.weight"), nullptr);
+  EXPECT_EQ(FindMultiHeadWeightField("out_proj.weight")->name,
+            "out_proj_weight");
+  EXPECT_EQ(FindMultiHeadWeightField("out_proj.bias")->name, "out_proj_bias");
+  EXPECT_EQ(FindMultiHeadWeightField("in_proj.weight"), nullptr);
+  EXPECT_EQ(FindMultiHeadWeightField(""), nullptr);
+}
+
+TEST(AttentionWeightsTableTest, EveryFieldRoundTripsThroughTheWire) {
+  std::mt19937 rng(7);
+  v1::AttentionWeights wire;
+  wire.set_num_heads(3);
+  // Field i gets a [i + 1] tensor, so that a mixed-up field shows.
+  int64_t len = 1;
+  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+    EXPECT_EQ(FindWeightTensor(wire, field), nullptr) << field.name;
+    EncodeTensor(RandomTensor(DType::kFloat32, {len++}, rng).view(),
+                 MutableWeightTensor(&wire, field));
+  }
+  EXPECT_EQ(wire.out_proj_bias().shape(0), 10);
+  auto decoded = DecodeAttentionWeights(wire);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_EQ(decoded->num_heads, 3);
+  len = 1;
+  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+    ASSERT_NE(FindWeightTensor(wire, field), nullptr) << field.name;
+    const std::optional<TensorView>& view = (*decoded).*field.member;
+    ASSERT_TRUE(view.has_value()) << field.name;
+    EXPECT_EQ(view->shape, Shape{len++}) << field.name;
+  }
+
+  // Unset fields stay absent; a bad one fails, named.
+  v1::AttentionWeights partial;
+  EncodeTensor(RandomTensor(DType::kFloat32, {4}, rng).view(),
+               partial.mutable_k_proj_bias());
+  decoded = DecodeAttentionWeights(partial);
+  ASSERT_TRUE(decoded.ok()) << decoded.status();
+  EXPECT_TRUE(decoded->k_proj_bias.has_value());
+  EXPECT_FALSE(decoded->q_proj_weight.has_value());
+  EXPECT_FALSE(decoded->out_proj_bias.has_value());
+  partial.mutable_out_proj_bias()->set_dtype(v1::DATA_TYPE_UNSPECIFIED);
+  decoded = DecodeAttentionWeights(partial);
+  ASSERT_FALSE(decoded.ok());
+  EXPECT_TRUE(absl::StartsWith(decoded.status().message(),
+                               "out_proj_bias: dtype is DATA_TYPE_UNSPECIFIED"))
+      << decoded.status();
 }
 
 }  // namespace
