@@ -2,6 +2,7 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/attention_weights.h"
 #include "core/status_macros.h"
 #include "proto/tensor_codec.h"
 
@@ -101,7 +102,6 @@ absl::StatusOr<v1::AttendRequest> BuildAttendRequest(const NamedViews& tensors,
 absl::StatusOr<v1::MultiHeadAttendRequest> BuildMultiHeadAttendRequest(
     const NamedViews& tensors, const OpParams& params) {
   using R = v1::MultiHeadAttendRequest;
-  using W = v1::AttentionWeights;
   ATTN_RETURN_IF_ERROR(RequireTensor(tensors, "query"));
   R request;
   Encode(tensors, "query", &R::mutable_query, &request);
@@ -112,18 +112,14 @@ absl::StatusOr<v1::MultiHeadAttendRequest> BuildMultiHeadAttendRequest(
   if (!params.model.empty()) {
     request.set_model(params.model);
   } else {
-    W* weights = request.mutable_weights();
+    v1::AttentionWeights* weights = request.mutable_weights();
     weights->set_num_heads(params.num_heads);
-    Encode(tensors, "q_proj_weight", &W::mutable_q_proj_weight, weights);
-    Encode(tensors, "k_proj_weight", &W::mutable_k_proj_weight, weights);
-    Encode(tensors, "v_proj_weight", &W::mutable_v_proj_weight, weights);
-    Encode(tensors, "in_proj_weight", &W::mutable_in_proj_weight, weights);
-    Encode(tensors, "q_proj_bias", &W::mutable_q_proj_bias, weights);
-    Encode(tensors, "k_proj_bias", &W::mutable_k_proj_bias, weights);
-    Encode(tensors, "v_proj_bias", &W::mutable_v_proj_bias, weights);
-    Encode(tensors, "in_proj_bias", &W::mutable_in_proj_bias, weights);
-    Encode(tensors, "out_proj_weight", &W::mutable_out_proj_weight, weights);
-    Encode(tensors, "out_proj_bias", &W::mutable_out_proj_bias, weights);
+    for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+      auto it = tensors.find(std::string(field.name));
+      if (it != tensors.end()) {
+        EncodeTensor(it->second, MutableWeightTensor(weights, field));
+      }
+    }
   }
   SetAttentionOptions(params, &request);
   request.set_average_weights(params.average_weights);

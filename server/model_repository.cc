@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/attention_weights.h"
 #include "core/files.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
@@ -61,30 +62,18 @@ absl::StatusOr<v1::ModelConfig> ReadConfig(const std::string& path) {
   return config;
 }
 
-// The MultiHeadWeights field a stored tensor name fills.
-std::optional<TensorView>* FieldFor(const std::string& name,
-                                    MultiHeadWeights& w) {
-  if (name == "q_proj_weight") return &w.q_proj_weight;
-  if (name == "k_proj_weight") return &w.k_proj_weight;
-  if (name == "v_proj_weight") return &w.v_proj_weight;
-  if (name == "in_proj_weight") return &w.in_proj_weight;
-  if (name == "q_proj_bias") return &w.q_proj_bias;
-  if (name == "k_proj_bias") return &w.k_proj_bias;
-  if (name == "v_proj_bias") return &w.v_proj_bias;
-  if (name == "in_proj_bias") return &w.in_proj_bias;
-  if (name == "out_proj_weight" || name == "out_proj.weight") {
-    return &w.out_proj_weight;
+// The names a weight file may use, e.g. "..., out_proj_weight
+// (out_proj.weight), ...", for the message that refuses any other.
+std::string AcceptedNames() {
+  std::string names;
+  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+    absl::StrAppend(&names, names.empty() ? "" : ", ", field.name);
+    if (!field.state_dict_alias.empty()) {
+      absl::StrAppend(&names, " (", field.state_dict_alias, ")");
+    }
   }
-  if (name == "out_proj_bias" || name == "out_proj.bias") {
-    return &w.out_proj_bias;
-  }
-  return nullptr;
+  return names;
 }
-
-constexpr const char* kAcceptedNames =
-    "q_proj_weight, k_proj_weight, v_proj_weight, in_proj_weight, "
-    "q_proj_bias, k_proj_bias, v_proj_bias, in_proj_bias, out_proj_weight "
-    "(out_proj.weight), out_proj_bias (out_proj.bias)";
 
 absl::StatusOr<MultiHeadWeights> WeightsFrom(const SafetensorsFile& file,
                                              int num_heads,
@@ -97,13 +86,13 @@ absl::StatusOr<MultiHeadWeights> WeightsFrom(const SafetensorsFile& file,
           path, ": ", name,
           ": add_bias_kv (learned key/value bias rows) is not supported"));
     }
-    std::optional<TensorView>* field = FieldFor(name, w);
+    const MultiHeadWeightField* field = FindMultiHeadWeightField(name);
     if (field == nullptr) {
       return absl::InvalidArgumentError(absl::StrCat(path, ": unknown tensor '",
                                                      name, "' (expected ",
-                                                     kAcceptedNames, ")"));
+                                                     AcceptedNames(), ")"));
     }
-    *field = tensor.view();
+    w.*field->member = tensor.view();
   }
   return w;
 }

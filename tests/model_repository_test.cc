@@ -156,7 +156,11 @@ TEST(ModelRepositoryTest, BrokenModelsNameTheFileAndTheProblem) {
   NamedTensors unknown = StateDict(1);
   unknown.emplace("w_q", RandomTensor(DType::kFloat32, {16, 16}, rng));
   ExpectLoadError(kConfig, unknown,
-                  "weights.safetensors: unknown tensor 'w_q'");
+                  "weights.safetensors: unknown tensor 'w_q' (expected "
+                  "q_proj_weight, k_proj_weight, v_proj_weight, "
+                  "in_proj_weight, q_proj_bias, k_proj_bias, v_proj_bias, "
+                  "in_proj_bias, out_proj_weight (out_proj.weight), "
+                  "out_proj_bias (out_proj.bias))");
 }
 
 TEST(ModelRepositoryTest, FailedReloadKeepsTheLoadedModels) {
