@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/completion_queue.h"
@@ -27,8 +28,19 @@
 namespace attnserve {
 namespace {
 
-constexpr int kNumCodes = 17;  // grpc::StatusCode values 0..16
+// Failed calls are counted per canonical status code, OK to UNAUTHENTICATED.
+constexpr int kNumCodes =
+    static_cast<int>(absl::StatusCode::kUnauthenticated) + 1;
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+// The slot of `code` among the kNumCodes counters. A peer can send any
+// number as a status; one outside the canonical codes counts as UNKNOWN.
+int CodeSlot(absl::StatusCode code) {
+  const int slot = static_cast<int>(code);
+  return slot > 0 && slot < kNumCodes
+             ? slot
+             : static_cast<int>(absl::StatusCode::kUnknown);
+}
 
 int64_t NowNanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -232,7 +244,7 @@ void LoadRun::Finish(const grpc::ClientContext& context,
   if (status.ok()) {
     ok_.fetch_add(1, std::memory_order_relaxed);
   } else {
-    const int code = std::clamp<int>(status.error_code(), 0, kNumCodes - 1);
+    const int code = CodeSlot(FromGrpcStatus(status).code());
     if (errors_[code].fetch_add(1) == 0) {
       std::lock_guard<std::mutex> lock(mu_);
       first_messages_[code] = status.error_message();
