@@ -1,14 +1,28 @@
-// attnctl: calls an attnserve server with tensors from a safetensors file and
-// writes the results to one.
+// attnctl: the command-line client of an attnserve server. It runs an
+// operation on tensors from a safetensors file (and writes the results to
+// one), checks health, lists models, and measures the server under load.
 //
 //   attnctl attend|mha|layernorm --target=HOST:PORT --in=FILE.safetensors
-//           [--out=RESULT.safetensors] [operation flags]
+//           [--out=RESULT.safetensors] [--shared_memory] [operation flags]
 //   attnctl health --target=HOST:PORT [--service=NAME]
 //   attnctl models --target=HOST:PORT [--model=NAME]
-//   attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm [shape flags
-//           or --in=FILE] [--concurrency=N --connections=M | --rate=R]
-//           [--duration_s=S | --requests=N] [--sweep=concurrency=1,2,4]
+//   attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|health
+//           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
+//           [--model=NAME] [--shared_memory] [--concurrency=N]
+//           [--connections=M] [--client_threads=T]
+//           [--rate=R --arrival=constant|poisson --late_ms=MS]
+//           [--duration_s=S | --requests=N] [--warmup_s=S]
+//           [--format=text|json|csv] [--save_request=FILE]
+//           [--sweep=concurrency=N,N,...|rate=R,R,... --plot=FILE.svg]
 //
+// Every command also takes the connection flags --timeout_s,
+// --max_message_mb, --tls_ca, --tls_cert, --tls_key, --token and
+// --service_config.
+//
+// Operation flags: --causal, --scale, --temperature, --return_weights and
+// --compute_bf16 (attend, mha); --num_heads, --average_weights and --model
+// (mha); --eps and --normalized_ndim (layernorm). bench takes them too,
+// but its synthetic mha requests take the head count from --heads.
 // Operation parameters come from the flags, else from the input file's
 // __metadata__ (causal, scale, temperature, num_heads, eps,
 // normalized_ndim), else the server's defaults.
@@ -121,11 +135,13 @@ namespace {
 
 // Everything attnctl takes from its command line.
 struct AttnctlOptions {
-  // attend, mha, layernorm or health.
+  // attend, mha, layernorm, health, models or bench.
   std::string command;
-  // --target, --timeout_s, --max_message_mb.
+  // --target, --timeout_s, --max_message_mb, --tls_ca, --tls_cert,
+  // --tls_key, --token and --service_config.
   ClientOptions client;
-  // --in: the request's tensors (required but for health).
+  // --in: the request's tensors (required by attend, mha and layernorm;
+  // bench uses it instead of synthetic shapes).
   std::string in_path;
   // --out: where to write the results; empty: only print a summary.
   std::string out_path;
@@ -141,6 +157,8 @@ struct AttnctlOptions {
   bool compute_bf16 = false;
   // --shared_memory: tensors travel through a shared-memory object.
   bool shared_memory = false;
+  // --model: mha and bench, the server-side model to call; models, the
+  // model to describe.
   std::string model;
   // health: the service to check; empty: the whole server.
   std::string service;

@@ -11,7 +11,7 @@
 #include "core/primitives.h"
 #include "core/row_ops.h"
 #include "gtest/gtest.h"
-#include "tests/test_util.h"
+#include "tests/core_test_util.h"
 
 namespace attnserve::testing {
 namespace {

@@ -2,19 +2,20 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <string>
 
 #include "core/convert.h"
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
-#include "tests/test_util.h"
+#include "tests/core_test_util.h"
 
 namespace attnserve::testing {
 namespace {
 
 TEST(SafetensorsTest, RoundTripsEveryDType) {
   std::mt19937 rng(2);
-  NamedTensors tensors;
+  std::map<std::string, Tensor> tensors;
   tensors.emplace("a", RandomTensor(DType::kFloat32, {2, 3}, rng));
   tensors.emplace("b", RandomTensor(DType::kBFloat16, {4}, rng));
   tensors.emplace("c", RandomTensor(DType::kFloat16, {1, 1, 5}, rng));
@@ -24,8 +25,9 @@ TEST(SafetensorsTest, RoundTripsEveryDType) {
   const std::string path = (std::filesystem::temp_directory_path() /
                             "attnserve_roundtrip.safetensors")
                                .string();
-  ASSERT_TRUE(
-      WriteSafetensors(path, ViewsOf(tensors), {{"op", "attend"}}).ok());
+  std::map<std::string, TensorView> views;
+  for (const auto& [name, t] : tensors) views.emplace(name, t.view());
+  ASSERT_TRUE(WriteSafetensors(path, views, {{"op", "attend"}}).ok());
   auto file = ReadSafetensors(path);
   std::filesystem::remove(path);
   ASSERT_TRUE(file.ok()) << file.status();

@@ -6,7 +6,7 @@
 #include "core/attention.h"
 #include "core/convert.h"
 #include "gtest/gtest.h"
-#include "tests/test_util.h"
+#include "tests/core_test_util.h"
 
 namespace attnserve::testing {
 namespace {

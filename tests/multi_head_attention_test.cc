@@ -11,7 +11,7 @@
 
 #include "core/attention.h"
 #include "gtest/gtest.h"
-#include "tests/test_util.h"
+#include "tests/core_test_util.h"
 
 namespace attnserve::testing {
 namespace {

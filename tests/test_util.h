@@ -1,48 +1,20 @@
-// Helpers shared by the test suites: random tensors, comparisons against the
-// float64 reference, the golden files and an in-process server.
+// Helpers of the suites that need the server or the client: the golden
+// cases run through the core and through a client, and an in-process
+// server. The core's helpers come with them (tests/core_test_util.h).
 #ifndef ATTNSERVE_TESTS_TEST_UTIL_H_
 #define ATTNSERVE_TESTS_TEST_UTIL_H_
 
 #include <memory>
-#include <random>
 #include <string>
-#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
 #include "client/requests.h"
 #include "core/safetensors.h"
-#include "core/tensor.h"
-#include "gtest/gtest.h"
 #include "server/server.h"
-#include "tests/reference.h"
+#include "tests/core_test_util.h"
 
 namespace attnserve::testing {
-
-// Floating tensors uniform in [-1, 1); BOOL/UINT8 tensors 1 with
-// probability `keep`.
-Tensor RandomTensor(DType dtype, Shape shape, std::mt19937& rng,
-                    double keep = 0.7);
-
-// Tolerances of the golden README: f32 1e-4 + 1e-4*|expected|, bf16 2e-2.
-struct Tolerance {
-  double atol;
-  double rtol;
-};
-inline constexpr Tolerance kFloat32Tolerance{1e-4, 1e-4};
-inline constexpr Tolerance kBFloat16Tolerance{2e-2, 2e-2};
-inline constexpr Tolerance kFloat16Tolerance{5e-3, 5e-3};
-Tolerance ToleranceFor(DType dtype);
-
-// Passes if shapes match and every |got - expected| <= atol + rtol*|expected|;
-// otherwise says how many elements differ and where the worst one is.
-::testing::AssertionResult AllClose(const TensorView& got,
-                                    const RefTensor& expected, Tolerance tol);
-
-// The golden folder (ATTNSERVE_GOLDENS_DIR) and its *.safetensors files,
-// sorted. Empty if the folder is missing.
-std::string GoldensDir();
-std::vector<std::string> GoldenFiles();
 
 // A golden case run through the core directly: the tensors "output" and,
 // when the file has expected weights, "weights".

@@ -18,6 +18,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/completion_queue.h"
@@ -27,8 +28,19 @@
 namespace attnserve {
 namespace {
 
-constexpr int kNumCodes = 17;  // grpc::StatusCode values 0..16
+// Failed calls are counted per canonical status code, OK to UNAUTHENTICATED.
+constexpr int kNumCodes =
+    static_cast<int>(absl::StatusCode::kUnauthenticated) + 1;
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+
+// The slot of `code` among the kNumCodes counters. A peer can send any
+// number as a status; one outside the canonical codes counts as UNKNOWN.
+int CodeSlot(absl::StatusCode code) {
+  const int slot = static_cast<int>(code);
+  return slot > 0 && slot < kNumCodes
+             ? slot
+             : static_cast<int>(absl::StatusCode::kUnknown);
+}
 
 int64_t NowNanos() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -70,6 +82,40 @@ int CoresAvailable() {
     return std::max(1, CPU_COUNT(&set));
   }
   return std::max(1u, std::thread::hardware_concurrency());
+}
+
+// CPU seconds of each running thread in `threads`.
+std::vector<double> ThreadsCpuSeconds(std::vector<std::thread>& threads) {
+  std::vector<double> seconds;
+  for (std::thread& thread : threads) {
+    seconds.push_back(ThreadCpuSeconds(thread));
+  }
+  return seconds;
+}
+
+// The client's CPU time over the counted period.
+struct CpuUse {
+  // The whole process.
+  double process_seconds = 0;
+  // Each thread driving calls: one busy all the time limits the client even
+  // when the process as a whole has cores to spare.
+  std::vector<double> poller_seconds;
+};
+
+// The client_* figures of `report`, whose duration_s and requests are set.
+void AddClientCpu(const CpuUse& cpu, BenchReport* report) {
+  const double wall = std::max(report->duration_s, 1e-9);
+  report->client_cores_available = CoresAvailable();
+  report->client_cpu_cores = cpu.process_seconds / wall;
+  report->client_cpu_us_per_request =
+      report->requests > 0 ? cpu.process_seconds * 1e6 / report->requests : 0;
+  for (double seconds : cpu.poller_seconds) {
+    report->client_busiest_thread =
+        std::max(report->client_busiest_thread, seconds / wall);
+  }
+  report->client_saturated =
+      report->client_cpu_cores >= 0.8 * report->client_cores_available ||
+      report->client_busiest_thread >= 0.9;
 }
 
 // One load test from start to report. Calls run on completion queues, each
@@ -133,6 +179,16 @@ class LoadRun {
   int64_t Completed() const { return ok_.load() + failed_.load(); }
   LoadProgress Snapshot(int64_t now, int64_t* last_completed,
                         int64_t* last_time) const;
+  // The steps of Run: threads draining the completion queues; the first
+  // calls (closed loop) or the sender thread (open loop); progress lines
+  // until every caller is done, and the CPU the counted period took.
+  std::vector<std::thread> StartPollers();
+  std::thread StartCallers();
+  CpuUse WaitForCallers(
+      std::vector<std::thread>& pollers,
+      const std::function<void(const LoadProgress&)>& progress);
+  // The report but its client_* CPU figures, once every call is done.
+  BenchReport MakeReport();
 
   const Workload& workload_;
   const LoadOptions& options_;
@@ -188,7 +244,7 @@ void LoadRun::Finish(const grpc::ClientContext& context,
   if (status.ok()) {
     ok_.fetch_add(1, std::memory_order_relaxed);
   } else {
-    const int code = std::clamp<int>(status.error_code(), 0, kNumCodes - 1);
+    const int code = CodeSlot(FromGrpcStatus(status).code());
     if (errors_[code].fetch_add(1) == 0) {
       std::lock_guard<std::mutex> lock(mu_);
       first_messages_[code] = status.error_message();
@@ -284,17 +340,15 @@ LoadProgress LoadRun::Snapshot(int64_t now, int64_t* last_completed,
   return p;
 }
 
-BenchReport LoadRun::Run(
-    const std::function<void(const LoadProgress&)>& progress) {
-  start_ = NowNanos();
-  measure_start_ = start_ + absl::ToInt64Nanoseconds(options_.warmup);
-  if (options_.requests == 0) {
-    measure_end_ = measure_start_ + absl::ToInt64Nanoseconds(options_.duration);
-  }
+std::vector<std::thread> LoadRun::StartPollers() {
   std::vector<std::thread> pollers;
   for (auto& queue : queues_) {
     pollers.emplace_back([this, q = queue.get()] { Poll(q); });
   }
+  return pollers;
+}
+
+std::thread LoadRun::StartCallers() {
   std::thread sender;
   if (options_.rate > 0) {
     active_ = 1;
@@ -308,19 +362,15 @@ BenchReport LoadRun::Run(
       StartClosed(i % options_.connections);
     }
   }
+  return sender;
+}
 
+CpuUse LoadRun::WaitForCallers(
+    std::vector<std::thread>& pollers,
+    const std::function<void(const LoadProgress&)>& progress) {
   const int64_t interval = absl::ToInt64Nanoseconds(options_.progress_interval);
   double cpu_at_start = ProcessCpuSeconds();
-  // The threads driving calls: one busy all the time limits the client
-  // even when the process as a whole has cores to spare.
-  const auto poller_cpu = [&pollers] {
-    std::vector<double> seconds;
-    for (std::thread& poller : pollers) {
-      seconds.push_back(ThreadCpuSeconds(poller));
-    }
-    return seconds;
-  };
-  std::vector<double> pollers_at_start = poller_cpu();
+  std::vector<double> pollers_at_start = ThreadsCpuSeconds(pollers);
   bool measuring = options_.warmup <= absl::ZeroDuration();
   int64_t last_completed = 0, last_time = measure_start_;
   std::unique_lock<std::mutex> lock(mu_);
@@ -337,7 +387,7 @@ BenchReport LoadRun::Run(
       // Woken only to read the CPU clock: the next line is an interval on.
       measuring = true;
       cpu_at_start = ProcessCpuSeconds();
-      pollers_at_start = poller_cpu();
+      pollers_at_start = ThreadsCpuSeconds(pollers);
       continue;
     }
     if (progress) {
@@ -347,12 +397,16 @@ BenchReport LoadRun::Run(
     }
   }
   lock.unlock();
-  const double cpu_seconds = ProcessCpuSeconds() - cpu_at_start;
-  const std::vector<double> pollers_at_end = poller_cpu();
-  if (sender.joinable()) sender.join();
-  for (auto& queue : queues_) queue->Shutdown();
-  for (std::thread& poller : pollers) poller.join();
+  CpuUse cpu;
+  cpu.process_seconds = ProcessCpuSeconds() - cpu_at_start;
+  cpu.poller_seconds = ThreadsCpuSeconds(pollers);
+  for (size_t i = 0; i < cpu.poller_seconds.size(); ++i) {
+    cpu.poller_seconds[i] -= pollers_at_start[i];
+  }
+  return cpu;
+}
 
+BenchReport LoadRun::MakeReport() {
   BenchReport report;
   report.rpc = workload_.rpc;
   report.workload = workload_.description;
@@ -380,19 +434,24 @@ BenchReport LoadRun::Run(
   report.late = late_.load();
   report.late_threshold_ms =
       absl::ToDoubleMilliseconds(options_.late_threshold);
-  const double wall = std::max(report.duration_s, 1e-9);
-  report.client_cores_available = CoresAvailable();
-  report.client_cpu_cores = cpu_seconds / wall;
-  report.client_cpu_us_per_request =
-      report.requests > 0 ? cpu_seconds * 1e6 / report.requests : 0;
-  for (size_t i = 0; i < pollers_at_end.size(); ++i) {
-    report.client_busiest_thread =
-        std::max(report.client_busiest_thread,
-                 (pollers_at_end[i] - pollers_at_start[i]) / wall);
+  return report;
+}
+
+BenchReport LoadRun::Run(
+    const std::function<void(const LoadProgress&)>& progress) {
+  start_ = NowNanos();
+  measure_start_ = start_ + absl::ToInt64Nanoseconds(options_.warmup);
+  if (options_.requests == 0) {
+    measure_end_ = measure_start_ + absl::ToInt64Nanoseconds(options_.duration);
   }
-  report.client_saturated =
-      report.client_cpu_cores >= 0.8 * report.client_cores_available ||
-      report.client_busiest_thread >= 0.9;
+  std::vector<std::thread> pollers = StartPollers();
+  std::thread sender = StartCallers();
+  const CpuUse cpu = WaitForCallers(pollers, progress);
+  if (sender.joinable()) sender.join();
+  for (auto& queue : queues_) queue->Shutdown();
+  for (std::thread& poller : pollers) poller.join();
+  BenchReport report = MakeReport();
+  AddClientCpu(cpu, &report);
   return report;
 }
 

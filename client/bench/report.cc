@@ -234,101 +234,137 @@ std::string FormatSweepTable(const std::vector<BenchReport>& reports) {
   return out;
 }
 
-std::string RenderSweepSvg(const std::vector<BenchReport>& reports,
-                           absl::string_view title) {
-  constexpr double kWidth = 800, kHeight = 500;
-  constexpr double kLeft = 70, kRight = 130, kTop = 40, kBottom = 60;
-  const double plot_w = kWidth - kLeft - kRight;
-  const double plot_h = kHeight - kTop - kBottom;
-  struct Series {
-    const char* name;
-    const char* color;
-    double LatencySummary::*field;
-  };
-  const Series series[] = {{"p50", "#1f77b4", &LatencySummary::p50_us},
-                           {"p90", "#2ca02c", &LatencySummary::p90_us},
-                           {"p99", "#ff7f0e", &LatencySummary::p99_us},
-                           {"p99.9", "#d62728", &LatencySummary::p999_us}};
+namespace {
+
+// The chart's page and margins, in SVG user units.
+constexpr double kWidth = 800, kHeight = 500;
+constexpr double kLeft = 70, kRight = 130, kTop = 40, kBottom = 60;
+constexpr double kPlotW = kWidth - kLeft - kRight;
+constexpr double kPlotH = kHeight - kTop - kBottom;
+
+// A latency percentile drawn as one line.
+struct Series {
+  const char* name;
+  const char* color;
+  double LatencySummary::*field;
+};
+constexpr Series kSeries[] = {{"p50", "#1f77b4", &LatencySummary::p50_us},
+                              {"p90", "#2ca02c", &LatencySummary::p90_us},
+                              {"p99", "#ff7f0e", &LatencySummary::p99_us},
+                              {"p99.9", "#d62728", &LatencySummary::p999_us}};
+
+// The axes: requests/s across, milliseconds up, both from 0 to a round
+// value a little above the largest point.
+struct Axes {
+  double x_step, y_step, x_max, y_max;
+  double X(double qps) const { return kLeft + qps / x_max * kPlotW; }
+  double Y(double ms) const { return kTop + kPlotH - ms / y_max * kPlotH; }
+};
+
+Axes AxesFor(const std::vector<BenchReport>& reports) {
   double max_qps = 0, max_ms = 0;
   for (const BenchReport& r : reports) {
     max_qps = std::max(max_qps, r.qps);
     max_ms = std::max(max_ms, r.latency.p999_us / 1e3);
   }
-  const double x_step = TickStep(max_qps > 0 ? max_qps * 1.05 : 1);
-  const double y_step = TickStep(max_ms > 0 ? max_ms * 1.05 : 1);
-  const double x_max =
-      std::ceil(std::max(max_qps, 1e-9) * 1.05 / x_step) * x_step;
-  const double y_max =
-      std::ceil(std::max(max_ms, 1e-9) * 1.05 / y_step) * y_step;
-  const auto x_of = [&](double qps) { return kLeft + qps / x_max * plot_w; };
-  const auto y_of = [&](double ms) {
-    return kTop + plot_h - ms / y_max * plot_h;
-  };
+  Axes axes;
+  axes.x_step = TickStep(max_qps > 0 ? max_qps * 1.05 : 1);
+  axes.y_step = TickStep(max_ms > 0 ? max_ms * 1.05 : 1);
+  axes.x_max =
+      std::ceil(std::max(max_qps, 1e-9) * 1.05 / axes.x_step) * axes.x_step;
+  axes.y_max =
+      std::ceil(std::max(max_ms, 1e-9) * 1.05 / axes.y_step) * axes.y_step;
+  return axes;
+}
 
-  std::string svg = absl::StrFormat(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
-      "viewBox=\"0 0 %g %g\" font-family=\"sans-serif\" font-size=\"12\">\n"
-      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
-      "<text x=\"%g\" y=\"22\" font-size=\"15\">%s</text>\n",
-      kWidth, kHeight, kWidth, kHeight, kLeft, Escape(title));
-  // Grid and ticks.
-  for (double x = 0; x <= x_max + x_step / 2; x += x_step) {
+// Grid lines with their tick labels, the plot's frame and the axis titles.
+void AppendGrid(const Axes& axes, std::string* svg) {
+  for (double x = 0; x <= axes.x_max + axes.x_step / 2; x += axes.x_step) {
     absl::StrAppendFormat(
-        &svg,
+        svg,
         "<line x1=\"%.1f\" y1=\"%g\" x2=\"%.1f\" y2=\"%g\" stroke=\"#ddd\"/>"
         "<text x=\"%.1f\" y=\"%g\" text-anchor=\"middle\">%g</text>\n",
-        x_of(x), kTop, x_of(x), kTop + plot_h, x_of(x), kTop + plot_h + 18, x);
+        axes.X(x), kTop, axes.X(x), kTop + kPlotH, axes.X(x),
+        kTop + kPlotH + 18, x);
   }
-  for (double y = 0; y <= y_max + y_step / 2; y += y_step) {
+  for (double y = 0; y <= axes.y_max + axes.y_step / 2; y += axes.y_step) {
     absl::StrAppendFormat(
-        &svg,
+        svg,
         "<line x1=\"%g\" y1=\"%.1f\" x2=\"%g\" y2=\"%.1f\" stroke=\"#ddd\"/>"
         "<text x=\"%g\" y=\"%.1f\" text-anchor=\"end\">%g</text>\n",
-        kLeft, y_of(y), kLeft + plot_w, y_of(y), kLeft - 6, y_of(y) + 4, y);
+        kLeft, axes.Y(y), kLeft + kPlotW, axes.Y(y), kLeft - 6, axes.Y(y) + 4,
+        y);
   }
   absl::StrAppendFormat(
-      &svg,
+      svg,
       "<rect x=\"%g\" y=\"%g\" width=\"%g\" height=\"%g\" fill=\"none\" "
       "stroke=\"black\"/>\n"
       "<text x=\"%g\" y=\"%g\" text-anchor=\"middle\">throughput "
       "(requests/s)</text>\n"
       "<text transform=\"translate(18 %g) rotate(-90)\" "
       "text-anchor=\"middle\">latency (ms)</text>\n",
-      kLeft, kTop, plot_w, plot_h, kLeft + plot_w / 2, kHeight - 15,
-      kTop + plot_h / 2);
-  for (size_t s = 0; s < std::size(series); ++s) {
-    const Series& line = series[s];
-    std::vector<std::string> points;
-    for (const BenchReport& r : reports) {
-      points.push_back(absl::StrFormat("%.1f,%.1f", x_of(r.qps),
-                                       y_of(r.latency.*line.field / 1e3)));
-    }
-    absl::StrAppendFormat(&svg,
-                          "<polyline class=\"%s\" fill=\"none\" stroke=\"%s\" "
-                          "stroke-width=\"2\" points=\"%s\"/>\n",
-                          line.name, line.color, absl::StrJoin(points, " "));
-    for (const std::string& point : points) {
-      const size_t comma = point.find(',');
-      absl::StrAppendFormat(
-          &svg, "<circle cx=\"%s\" cy=\"%s\" r=\"3\" fill=\"%s\"/>\n",
-          point.substr(0, comma), point.substr(comma + 1), line.color);
-    }
-    const double legend_y = kTop + 10 + 20 * s;
-    absl::StrAppendFormat(
-        &svg,
-        "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"%s\" "
-        "stroke-width=\"2\"/><text x=\"%g\" y=\"%g\">%s</text>\n",
-        kLeft + plot_w + 12, legend_y, kLeft + plot_w + 36, legend_y,
-        line.color, kLeft + plot_w + 42, legend_y + 4, line.name);
-  }
-  // Each step's name beside its p99 point.
+      kLeft, kTop, kPlotW, kPlotH, kLeft + kPlotW / 2, kHeight - 15,
+      kTop + kPlotH / 2);
+}
+
+// Series number `index`: its line through the steps, a dot on each step and
+// its legend entry.
+void AppendSeries(const Axes& axes, const std::vector<BenchReport>& reports,
+                  size_t index, std::string* svg) {
+  const Series& line = kSeries[index];
+  std::vector<std::string> points;
   for (const BenchReport& r : reports) {
-    absl::StrAppendFormat(&svg,
+    points.push_back(absl::StrFormat("%.1f,%.1f", axes.X(r.qps),
+                                     axes.Y(r.latency.*line.field / 1e3)));
+  }
+  absl::StrAppendFormat(svg,
+                        "<polyline class=\"%s\" fill=\"none\" stroke=\"%s\" "
+                        "stroke-width=\"2\" points=\"%s\"/>\n",
+                        line.name, line.color, absl::StrJoin(points, " "));
+  // The dots reuse the rounded coordinates so that they sit on the line.
+  for (const std::string& point : points) {
+    const size_t comma = point.find(',');
+    absl::StrAppendFormat(
+        svg, "<circle cx=\"%s\" cy=\"%s\" r=\"3\" fill=\"%s\"/>\n",
+        point.substr(0, comma), point.substr(comma + 1), line.color);
+  }
+  const double legend_y = kTop + 10 + 20 * index;
+  absl::StrAppendFormat(
+      svg,
+      "<line x1=\"%g\" y1=\"%g\" x2=\"%g\" y2=\"%g\" stroke=\"%s\" "
+      "stroke-width=\"2\"/><text x=\"%g\" y=\"%g\">%s</text>\n",
+      kLeft + kPlotW + 12, legend_y, kLeft + kPlotW + 36, legend_y, line.color,
+      kLeft + kPlotW + 42, legend_y + 4, line.name);
+}
+
+// Each step's name beside its p99 point.
+void AppendStepLabels(const Axes& axes, const std::vector<BenchReport>& reports,
+                      std::string* svg) {
+  for (const BenchReport& r : reports) {
+    absl::StrAppendFormat(svg,
                           "<text class=\"step\" x=\"%.1f\" y=\"%.1f\" "
                           "font-size=\"10\">%s</text>\n",
-                          x_of(r.qps) + 5, y_of(r.latency.p99_us / 1e3) - 5,
+                          axes.X(r.qps) + 5, axes.Y(r.latency.p99_us / 1e3) - 5,
                           Escape(r.step));
   }
+}
+
+}  // namespace
+
+std::string RenderSweepSvg(const std::vector<BenchReport>& reports,
+                           absl::string_view title) {
+  const Axes axes = AxesFor(reports);
+  std::string svg = absl::StrFormat(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%g\" height=\"%g\" "
+      "viewBox=\"0 0 %g %g\" font-family=\"sans-serif\" font-size=\"12\">\n"
+      "<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n"
+      "<text x=\"%g\" y=\"22\" font-size=\"15\">%s</text>\n",
+      kWidth, kHeight, kWidth, kHeight, kLeft, Escape(title));
+  AppendGrid(axes, &svg);
+  for (size_t s = 0; s < std::size(kSeries); ++s) {
+    AppendSeries(axes, reports, s, &svg);
+  }
+  AppendStepLabels(axes, reports, &svg);
   svg += "</svg>\n";
   return svg;
 }

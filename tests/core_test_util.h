@@ -1,0 +1,43 @@
+// Helpers for the suites of the core: random tensors, comparisons against the
+// float64 reference and the golden files. They need only attnserve::core.
+#ifndef ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
+#define ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
+
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+#include "gtest/gtest.h"
+#include "tests/reference.h"
+
+namespace attnserve::testing {
+
+// Floating tensors uniform in [-1, 1); BOOL/UINT8 tensors 1 with
+// probability `keep`.
+Tensor RandomTensor(DType dtype, Shape shape, std::mt19937& rng,
+                    double keep = 0.7);
+
+// Tolerances of the golden README: f32 1e-4 + 1e-4*|expected|, bf16 2e-2.
+struct Tolerance {
+  double atol;
+  double rtol;
+};
+inline constexpr Tolerance kFloat32Tolerance{1e-4, 1e-4};
+inline constexpr Tolerance kBFloat16Tolerance{2e-2, 2e-2};
+inline constexpr Tolerance kFloat16Tolerance{5e-3, 5e-3};
+Tolerance ToleranceFor(DType dtype);
+
+// Passes if shapes match and every |got - expected| <= atol + rtol*|expected|;
+// otherwise says how many elements differ and where the worst one is.
+::testing::AssertionResult AllClose(const TensorView& got,
+                                    const RefTensor& expected, Tolerance tol);
+
+// The golden folder (ATTNSERVE_GOLDENS_DIR) and its *.safetensors files,
+// sorted. Empty if the folder is missing.
+std::string GoldensDir();
+std::vector<std::string> GoldenFiles();
+
+}  // namespace attnserve::testing
+
+#endif  // ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
