@@ -430,15 +430,20 @@ absl::Status Run(const std::string& command) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attnctl attend|mha|layernorm --target=HOST:PORT --in=FILE.safetensors "
-      "[--out=FILE.safetensors] [flags]\n"
+      "[--out=FILE.safetensors] [--shared_memory] [--model=NAME] "
+      "[operation flags]\n"
       "attnctl health --target=HOST:PORT [--service=NAME]\n"
       "attnctl models --target=HOST:PORT [--model=NAME]\n"
       "attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|health "
       "[--batch --seq --kv_seq --dim --heads --dtype | --in=FILE] "
-      "[--model=NAME] [--concurrency=N --connections=M | --rate=R "
-      "--arrival=constant|poisson] [--duration_s=S | --requests=N] "
-      "[--warmup_s=S] [--format=text|json|csv] [--sweep=concurrency=1,2,4 "
-      "--plot=FILE.svg]");
+      "[--model=NAME] [--shared_memory] [--concurrency=N --connections=M "
+      "--client_threads=T | --rate=R --arrival=constant|poisson "
+      "--late_ms=MS] [--duration_s=S | --requests=N] [--warmup_s=S] "
+      "[--format=text|json|csv] [--sweep=concurrency=1,2,4 --plot=FILE.svg] "
+      "[--save_request=FILE]\n"
+      "Connection flags for every command: --timeout_s --max_message_mb "
+      "--service_config --tls_ca --tls_cert --tls_key --token. "
+      "--help lists every flag.");
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   // Debian's abseil is built without NDEBUG, which turns on absl::Mutex
   // deadlock detection: a lock-order graph updated on every lock that gRPC
