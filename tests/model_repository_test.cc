@@ -15,6 +15,7 @@
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
+#include "server/handlers.h"
 #include "tests/test_util.h"
 
 namespace attnserve::testing {
