@@ -12,7 +12,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/tensor.h"
-#include "core/thread_budget.h"
 #include "server/grpc_status.h"
 #include "server/handlers.h"
 
@@ -179,7 +178,7 @@ void AttentionServiceImpl::Compute(const Call& call,
       // This call's share of the cores while it computes, no more
       // threads than its size keeps busy.
       ThreadBudget::Lease lease =
-          ThreadBudget::Global().Acquire(UsefulThreads(call.cost.flops));
+          config_.thread_budget->Acquire(UsefulThreads(call.cost.flops));
       CallSharedMemory shared_memory(config_.shared_memory);
       status = call.handle(CallControl{cancelled, &shared_memory});
     }

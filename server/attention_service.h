@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "core/thread_budget.h"
 #include "server/auth.h"
 #include "server/message_pool.h"
 #include "server/metrics.h"
@@ -39,6 +40,9 @@ struct ServiceConfig {
   Scheduler* scheduler = nullptr;   // required
   CostModel* cost_model = nullptr;  // required
   Metrics* metrics = nullptr;       // required
+  // Required: the cores compute calls share. Each call leases its share
+  // (no more threads than its size keeps busy) while it computes.
+  ThreadBudget* thread_budget = nullptr;
   // Null: no authentication.
   const TokenAuthenticator* auth = nullptr;
   // Write one access-log line per call to stderr.
