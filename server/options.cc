@@ -126,6 +126,13 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
   return absl::OkStatus();
 }
 
+bool ShouldLog(const ServerOptions& options, LogSeverity severity) {
+  LogSeverity least = LogSeverity::kInfo;
+  if (options.log_level == "warning") least = LogSeverity::kWarning;
+  if (options.log_level == "error") least = LogSeverity::kError;
+  return severity >= least;
+}
+
 std::string ListenAddress(const std::string& host, int port) {
   if (absl::StrContains(host, ':') && !absl::StartsWith(host, "[")) {
     return absl::StrCat("[", host, "]:", port);

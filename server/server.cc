@@ -51,7 +51,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   config.shared_memory = server->shared_memory_.get();
   config.auth = server->auth_.get();
   config.metrics = server->metrics_.get();
-  config.access_log = options.log_level == "info";
+  config.access_log = ShouldLog(options, LogSeverity::kInfo);
   config.models = server->models_.get();
   config.scheduler = server->scheduler_.get();
   config.cost_model = server->cost_model_.get();
