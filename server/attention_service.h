@@ -1,19 +1,26 @@
-// AttentionService on the gRPC callback API: each RPC converts the request's
-// wire tensors into core views (no copy), calls the core, and writes the
-// result into the response.
+// AttentionService on the gRPC callback API: the plumbing around the
+// request handlers of server/handlers.h. Each call is authenticated; a
+// compute call is also admitted (limits, deadline), queued on the scheduler,
+// computed with its share of the cores, cancelled when the client goes,
+// counted in the metrics and written to the access log.
 //
-// Thread-safety: gRPC calls the handlers concurrently; the service's own
-// mutable state is its draining flag, atomic (the model repository is
-// thread-safe). Ownership:
-// the server owns the service; it must outlive the server.
+// Thread-safety: gRPC calls the RPC methods concurrently; the service's own
+// mutable state is its draining flag and refusal time, atomic (everything
+// ServiceConfig points to is thread-safe). Ownership: the server owns the
+// service; it must outlive the server, and everything ServiceConfig points
+// to must outlive the service.
 #ifndef ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 
 #include <atomic>
+#include <cstdint>
+#include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
+#include "core/thread_budget.h"
 #include "server/auth.h"
 #include "server/message_pool.h"
 #include "server/metrics.h"
@@ -24,41 +31,6 @@
 
 namespace attnserve {
 
-// What a running call lets its handler see of the call.
-struct CallControl {
-  // Turns true when the client cancels or the deadline passes.
-  const std::atomic<bool>* cancelled = nullptr;
-  // Resolves the request's shared-memory references and keeps their regions
-  // mapped for the call; null: references are refused.
-  CallSharedMemory* shared_memory = nullptr;
-};
-
-// Request handling without gRPC's machinery, so that it can be tested and
-// reused directly.
-absl::Status HandleAttend(const v1::AttendRequest& request,
-                          v1::AttendResponse* response,
-                          const CallControl& control = {});
-// `models` may be null (no repository).
-absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
-                                   const ModelRepository* models,
-                                   v1::MultiHeadAttendResponse* response,
-                                   const CallControl& control = {});
-absl::Status HandleListModels(const ModelRepository* models,
-                              v1::ListModelsResponse* response);
-absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
-                                    const ModelRepository* models,
-                                    v1::GetModelMetadataResponse* response);
-absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
-                             v1::LayerNormResponse* response,
-                             const CallControl& control = {});
-// `registry` may be null (shared memory off).
-absl::Status HandleRegisterSharedMemory(
-    const v1::RegisterSharedMemoryRequest& request,
-    SharedMemoryRegistry* registry);
-absl::Status HandleListSharedMemory(const v1::ListSharedMemoryRequest& request,
-                                    const SharedMemoryRegistry* registry,
-                                    v1::ListSharedMemoryResponse* response);
-
 // What the service needs from the server around it; every pointer must
 // outlive the service.
 struct ServiceConfig {
@@ -68,6 +40,9 @@ struct ServiceConfig {
   Scheduler* scheduler = nullptr;   // required
   CostModel* cost_model = nullptr;  // required
   Metrics* metrics = nullptr;       // required
+  // Required: the cores compute calls share. Each call leases its share
+  // (no more threads than its size keeps busy) while it computes.
+  ThreadBudget* thread_budget = nullptr;
   // Null: no authentication.
   const TokenAuthenticator* auth = nullptr;
   // Write one access-log line per call to stderr.
@@ -128,10 +103,28 @@ class AttentionServiceImpl final
   }
 
  private:
+  // A compute call from arrival to answer; defined in the .cc.
+  struct Call;
+
+  // Compute RPCs: `handle(*request, response, control)` runs on a worker
+  // (or, when tiny, here) once the call is authenticated and admitted.
   template <typename Request, typename Response, typename Handler>
   grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
                                   const Request* request, Response* response,
                                   const RequestCost& cost, Handler handle);
+  // Authenticates and admits `call`, then computes it here if it is tiny
+  // and a worker is free, or queues it on the scheduler.
+  grpc::ServerUnaryReactor* Dispatch(Call call);
+  // Computes an admitted call and answers it through `reactor`.
+  // `cancelled`: set when the client cancels or the deadline passes; null
+  // for calls too short to be worth stopping.
+  void Compute(const Call& call, grpc::ServerUnaryReactor* reactor,
+               const std::atomic<bool>* cancelled);
+  // RPCs that only read or register server state: authenticated, then
+  // answered on gRPC's thread, outside the scheduler and the metrics.
+  grpc::ServerUnaryReactor* ServeInline(
+      grpc::CallbackServerContext* context, google::protobuf::Message* response,
+      absl::FunctionRef<absl::Status()> handle);
   absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
   absl::Status Admit(const grpc::CallbackServerContext& context,
                      const RequestCost& cost) const;

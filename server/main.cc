@@ -23,7 +23,8 @@ ABSL_FLAG(int, max_message_mb, attnserve::ServerOptions().max_message_mb,
 ABSL_FLAG(int, metrics_port, attnserve::ServerOptions().metrics_port,
           "Port of the Prometheus page GET /metrics (0: any free, -1: off).");
 ABSL_FLAG(std::string, log_level, attnserve::ServerOptions().log_level,
-          "info (one access-log line per call), warning or error.");
+          "info (warnings and one access-log line per call), warning "
+          "(problems such as a failed reload) or error (neither).");
 ABSL_FLAG(std::string, tls_cert, "", "PEM certificate chain: serve over TLS.");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert.");
 ABSL_FLAG(std::string, tls_client_ca, "",
@@ -60,16 +61,9 @@ ABSL_FLAG(int64_t, max_request_memory_mb,
           attnserve::ServerOptions().max_request_memory_mb,
           "Largest memory a call may need for results and intermediates, MiB.");
 
-int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
-      "Serves attention, multi-head attention and LayerNorm over gRPC.\n"
-      "Usage: attnserve [--host=0.0.0.0] [--port=50051]");
-  absl::ParseCommandLine(argc, argv);
-  // Debian's abseil is built without NDEBUG, which turns on absl::Mutex
-  // deadlock detection: a lock-order graph updated on every lock that gRPC
-  // takes, per call. Lock order is a property of the code, checked by its
-  // tests, not something to pay for on every request.
-  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+namespace {
+
+attnserve::ServerOptions OptionsFromFlags() {
   attnserve::ServerOptions options;
   options.host = absl::GetFlag(FLAGS_host);
   options.port = absl::GetFlag(FLAGS_port);
@@ -91,6 +85,22 @@ int main(int argc, char** argv) {
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  return options;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "Serves attention, multi-head attention and LayerNorm over gRPC.\n"
+      "Usage: attnserve [--host=0.0.0.0] [--port=50051]");
+  absl::ParseCommandLine(argc, argv);
+  // Debian's abseil is built without NDEBUG, which turns on absl::Mutex
+  // deadlock detection: a lock-order graph updated on every lock that gRPC
+  // takes, per call. Lock order is a property of the code, checked by its
+  // tests, not something to pay for on every request.
+  absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
+  const attnserve::ServerOptions options = OptionsFromFlags();
 
   // Block the stop signals in every thread (gRPC's threads inherit this
   // mask), then wait for them synchronously below.
@@ -121,7 +131,8 @@ int main(int argc, char** argv) {
     if (reloaded.ok()) {
       std::printf("attnserve: models reloaded from %s\n",
                   options.model_repository.c_str());
-    } else {
+    } else if (attnserve::ShouldLog(options,
+                                    attnserve::LogSeverity::kWarning)) {
       std::printf("attnserve: reload failed, keeping the loaded models: %s\n",
                   std::string(reloaded.message()).c_str());
     }

@@ -2,8 +2,9 @@
 
 #include <unistd.h>
 
+#include <array>
+#include <charconv>
 #include <chrono>
-#include <cstdio>
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
@@ -19,10 +20,14 @@ int64_t ResidentBytes() {
   return resident * sysconf(_SC_PAGESIZE);
 }
 
+// The shortest text that reads back as `v`, as Prometheus' client libraries
+// print: le="0.0005", not its 17-digit expansion "0.00050000000000000001".
 std::string Number(double v) {
-  char buffer[64];
-  std::snprintf(buffer, sizeof(buffer), "%.17g", v);
-  return buffer;
+  std::array<char, 32> buffer;  // the longest double, -2.2250738585072014e-308
+  char* end = std::to_chars(buffer.data(), buffer.data() + buffer.size(), v,
+                            std::chars_format::general)
+                  .ptr;
+  return std::string(buffer.data(), end);
 }
 
 }  // namespace

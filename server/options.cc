@@ -2,10 +2,13 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace attnserve {
+namespace {
 
-absl::Status ValidateServerOptions(const ServerOptions& options) {
+// Where the server listens and the messages it accepts.
+absl::Status VerifyListening(const ServerOptions& options) {
   if (options.host.empty()) {
     return absl::InvalidArgumentError("--host: must not be empty");
   }
@@ -18,10 +21,18 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
         "--max_message_mb: ", options.max_message_mb,
         " is not in [1, 2047] (protobuf messages are limited to 2 GiB)"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status VerifyThreads(const ServerOptions& options) {
   if (options.threads < 0 || options.threads > 4096) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--threads: ", options.threads, " is not in [0, 4096] (0: all cores)"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status VerifyTls(const ServerOptions& options) {
   if (options.tls_cert.empty() != options.tls_key.empty()) {
     return absl::InvalidArgumentError(
         "--tls_cert and --tls_key: give both or neither");
@@ -30,6 +41,10 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
     return absl::InvalidArgumentError(
         "--tls_client_ca: needs --tls_cert and --tls_key");
   }
+  return absl::OkStatus();
+}
+
+absl::Status VerifyMetricsAndLogs(const ServerOptions& options) {
   if (options.metrics_port < -1 || options.metrics_port > 65535) {
     return absl::InvalidArgumentError(
         absl::StrCat("--metrics_port: ", options.metrics_port,
@@ -41,6 +56,11 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
         absl::StrCat("--log_level: '", options.log_level,
                      "', expected info, warning or error"));
   }
+  return absl::OkStatus();
+}
+
+// The drain, and how long connections live.
+absl::Status VerifyShutdown(const ServerOptions& options) {
   if (options.drain_seconds < 0) {
     return absl::InvalidArgumentError(absl::StrCat(
         "--drain_seconds: ", options.drain_seconds, " is negative"));
@@ -61,6 +81,11 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
         "--max_connection_age_seconds: ", options.max_connection_age_seconds,
         " is negative"));
   }
+  return absl::OkStatus();
+}
+
+// Calls in flight and queued, and what one call may use.
+absl::Status VerifyLimits(const ServerOptions& options) {
   if (options.max_inflight < 0 || options.max_inflight > 4096) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_inflight: ", options.max_inflight,
@@ -87,6 +112,25 @@ absl::Status ValidateServerOptions(const ServerOptions& options) {
                      " must be > 0"));
   }
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status ValidateServerOptions(const ServerOptions& options) {
+  ATTN_RETURN_IF_ERROR(VerifyListening(options));
+  ATTN_RETURN_IF_ERROR(VerifyThreads(options));
+  ATTN_RETURN_IF_ERROR(VerifyTls(options));
+  ATTN_RETURN_IF_ERROR(VerifyMetricsAndLogs(options));
+  ATTN_RETURN_IF_ERROR(VerifyShutdown(options));
+  ATTN_RETURN_IF_ERROR(VerifyLimits(options));
+  return absl::OkStatus();
+}
+
+bool ShouldLog(const ServerOptions& options, LogSeverity severity) {
+  LogSeverity least = LogSeverity::kInfo;
+  if (options.log_level == "warning") least = LogSeverity::kWarning;
+  if (options.log_level == "error") least = LogSeverity::kError;
+  return severity >= least;
 }
 
 std::string ListenAddress(const std::string& host, int port) {

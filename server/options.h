@@ -1,4 +1,7 @@
 // Start-up options of the attnserve binary.
+//
+// ServerOptions is a plain value; the functions below only read their
+// arguments and may be called from any thread.
 #ifndef ATTNSERVE_SERVER_OPTIONS_H_
 #define ATTNSERVE_SERVER_OPTIONS_H_
 
@@ -47,8 +50,10 @@ struct ServerOptions {
   // Port of the Prometheus metrics page (GET /metrics) on `host`; 0 picks a
   // free port, -1 turns it off.
   int metrics_port = 9090;
-  // "info": one access-log line per call on stderr; "warning": only
-  // problems (reload failures); "error".
+  // The least serious log lines written (ShouldLog): "info" adds one
+  // access-log line per call on stderr to the warnings; "warning": problems
+  // the server works around (a failed reload, which keeps the loaded
+  // models); "error": neither. Start-up errors are always written.
   std::string log_level = "info";
   // TLS: PEM certificate chain and private key of the server. Both or
   // neither.
@@ -72,6 +77,13 @@ struct ServerOptions {
 
 // OK, or INVALID_ARGUMENT naming the flag that is out of range.
 absl::Status ValidateServerOptions(const ServerOptions& options);
+
+// How serious a log line is, least first.
+enum class LogSeverity { kInfo, kWarning, kError };
+
+// Whether a server started with `options` writes lines of `severity`: those
+// at or above its log_level (which must be valid).
+bool ShouldLog(const ServerOptions& options, LogSeverity severity);
 
 // "host:port", with IPv6 literals bracketed.
 std::string ListenAddress(const std::string& host, int port);

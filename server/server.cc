@@ -17,7 +17,8 @@ namespace attnserve {
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     const ServerOptions& options) {
   ATTN_RETURN_IF_ERROR(ValidateServerOptions(options));
-  ThreadBudget::Global().SetTotal(options.threads);
+  ThreadBudget* const thread_budget = &ThreadBudget::Global();
+  thread_budget->SetTotal(options.threads);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
@@ -28,7 +29,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
         std::make_unique<ModelRepository>(options.model_repository);
     ATTN_RETURN_IF_ERROR(server->models_->Reload());
   }
-  const int threads = ThreadBudget::Global().total();
+  const int threads = thread_budget->total();
   server->scheduler_ = std::make_unique<Scheduler>(
       options.max_inflight > 0 ? options.max_inflight : threads,
       options.max_queue);
@@ -50,10 +51,11 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   config.shared_memory = server->shared_memory_.get();
   config.auth = server->auth_.get();
   config.metrics = server->metrics_.get();
-  config.access_log = options.log_level == "info";
+  config.access_log = ShouldLog(options, LogSeverity::kInfo);
   config.models = server->models_.get();
   config.scheduler = server->scheduler_.get();
   config.cost_model = server->cost_model_.get();
+  config.thread_budget = thread_budget;
   config.max_tensor_elements = options.max_tensor_elements;
   config.max_request_bytes = options.max_request_memory_mb << 20;
   server->service_ = std::make_unique<AttentionServiceImpl>(config);

@@ -344,6 +344,42 @@ TEST(BinariesTest, ServerServesTheDemoModelAndReloadsOnSighup) {
   std::filesystem::remove_all(repo);
 }
 
+// A failed reload is a warning: written at --log_level=warning, not at
+// --log_level=error.
+TEST(BinariesTest, LogLevelErrorHidesTheWarningsThatWarningShows) {
+  const std::string repo = TempPath("warning_repo");
+  std::filesystem::remove_all(repo);
+  ASSERT_EQ(RunCommand(absl::StrCat(BinDir(), "/attnserve_demo_model --out=",
+                                    repo, "/demo --embed_dim=64 --num_heads=4"))
+                .exit_code,
+            0);
+  const auto output_after_failed_reload = [&](const std::string& level) {
+    std::filesystem::remove_all(repo + "/bad");
+    ServerProcess server(
+        {"--model_repository=" + repo, "--log_level=" + level});
+    EXPECT_GT(server.port(), 0) << level;
+    // A model without weights: the reload fails.
+    std::filesystem::create_directories(repo + "/bad");
+    { std::ofstream(repo + "/bad/config.pbtxt") << "num_heads: 2\n"; }
+    // Both signals wait (the server blocks them) until its signal loop takes
+    // them lowest number first, so the reload is done before the shutdown.
+    kill(server.pid(), SIGHUP);
+    EXPECT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(10)), 0) << level;
+    return server.RemainingOutput();
+  };
+  constexpr char kWarning[] =
+      "attnserve: reload failed, keeping the loaded models: ";
+  const std::string at_warning = output_after_failed_reload("warning");
+  EXPECT_NE(at_warning.find(kWarning), std::string::npos) << at_warning;
+  EXPECT_NE(at_warning.find("/bad/weights.safetensors: cannot open"),
+            std::string::npos)
+      << at_warning;
+  const std::string at_error = output_after_failed_reload("error");
+  EXPECT_NE(at_error.find("shutting down"), std::string::npos) << at_error;
+  EXPECT_EQ(at_error.find(kWarning), std::string::npos) << at_error;
+  std::filesystem::remove_all(repo);
+}
+
 TEST(BinariesTest, SigtermDrainsEveryAcceptedCall) {
   ServerProcess server(
       {"--max_inflight=1", "--max_queue=16", "--drain_seconds=30"});

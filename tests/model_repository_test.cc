@@ -21,6 +21,7 @@
 #include "google/protobuf/descriptor.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
+#include "server/handlers.h"
 #include "tests/test_util.h"
 
 namespace attnserve::testing {

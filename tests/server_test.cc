@@ -493,5 +493,19 @@ TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
   EXPECT_TRUE(ValidateServerOptions(ServerOptions()).ok());
 }
 
+TEST(ServerOptionsTest, LogLevelShowsItsSeverityAndAbove) {
+  ServerOptions options;
+  options.log_level = "info";
+  EXPECT_TRUE(ShouldLog(options, LogSeverity::kInfo));
+  EXPECT_TRUE(ShouldLog(options, LogSeverity::kWarning));
+  options.log_level = "warning";
+  EXPECT_FALSE(ShouldLog(options, LogSeverity::kInfo));
+  EXPECT_TRUE(ShouldLog(options, LogSeverity::kWarning));
+  EXPECT_TRUE(ShouldLog(options, LogSeverity::kError));
+  options.log_level = "error";
+  EXPECT_FALSE(ShouldLog(options, LogSeverity::kWarning));
+  EXPECT_TRUE(ShouldLog(options, LogSeverity::kError));
+}
+
 }  // namespace
 }  // namespace attnserve::testing

@@ -3,6 +3,7 @@
 #include <atomic>
 #include <chrono>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -16,6 +17,7 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "proto/tensor_codec.h"
+#include "server/metrics.h"
 #include "tests/test_util.h"
 
 namespace attnserve::testing {
@@ -198,6 +200,33 @@ TEST(ServingTest, MetricsPageCountsCallsByRpcAndCode) {
     EXPECT_NE(text.find(line), std::string::npos) << "missing: " << line << "\n"
                                                   << text;
   }
+}
+
+// Bucket bounds and sums in the shortest text that reads back as the same
+// double, as Prometheus' clients print them.
+TEST(ServingTest, MetricsPagePrintsShortestBucketBounds) {
+  Metrics metrics;
+  metrics.RecordCall("Attend", "OK", absl::Microseconds(400),
+                     absl::ZeroDuration(), absl::Microseconds(300), 1e6, 0);
+  metrics.RecordCall("Attend", "OK", absl::Seconds(2), absl::ZeroDuration(),
+                     absl::Seconds(2), 1e6, 0);
+  const std::string text = metrics.Render({});
+  for (const char* line : {
+           "attnserve_request_duration_seconds_bucket{rpc=\"Attend\",le=\"0."
+           "0005\"} 1\n",
+           "attnserve_request_duration_seconds_bucket{rpc=\"Attend\",le=\"1\"}"
+           " 1\n",
+           "attnserve_request_duration_seconds_bucket{rpc=\"Attend\",le=\"2."
+           "5\"} 2\n",
+           "attnserve_request_duration_seconds_bucket{rpc=\"Attend\",le=\"+"
+           "Inf\"} 2\n",
+           "attnserve_request_duration_seconds_sum{rpc=\"Attend\"} 2.0004\n",
+           "attnserve_flops_total 2e+06\n",
+       }) {
+    EXPECT_NE(text.find(line), std::string::npos) << "missing: " << line << "\n"
+                                                  << text;
+  }
+  EXPECT_EQ(text.find("le=\"0.00050"), std::string::npos) << text;
 }
 
 TEST(ServingTest, HealthWatchersSeeNotServingWhenTheServerDrains) {

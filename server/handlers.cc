@@ -1,0 +1,320 @@
+#include "server/handlers.h"
+
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/attention.h"
+#include "core/status_macros.h"
+#include "proto/tensor_codec.h"
+
+namespace attnserve {
+namespace {
+
+// A required tensor field.
+absl::StatusOr<TensorView> Required(bool present, const v1::Tensor& tensor,
+                                    absl::string_view field,
+                                    const CallControl& control) {
+  if (!present) {
+    return absl::InvalidArgumentError(absl::StrCat(field, ": missing"));
+  }
+  return DecodeTensor(tensor, field, control.shared_memory);
+}
+
+// An optional tensor field: absent stays absent.
+absl::Status Optional(bool present, const v1::Tensor& tensor,
+                      absl::string_view field, const CallControl& control,
+                      std::optional<TensorView>* out) {
+  if (!present) return absl::OkStatus();
+  ATTN_ASSIGN_OR_RETURN(*out,
+                        DecodeTensor(tensor, field, control.shared_memory));
+  return absl::OkStatus();
+}
+
+#define ATTN_REQUIRED_TENSOR(msg, name, control) \
+  Required((msg).has_##name(), (msg).name(), #name, (control))
+#define ATTN_OPTIONAL_TENSOR(msg, name, control, out) \
+  Optional((msg).has_##name(), (msg).name(), #name, (control), (out))
+
+// Where a request's results go: its response, or the shared-memory regions
+// it names.
+template <typename Request, typename Response>
+WireResults ResultsOf(const Request& request, Response* response,
+                      v1::Tensor* weights, const CallControl& control) {
+  return WireResults(
+      response->mutable_output(), weights,
+      request.has_result_regions() ? &request.result_regions() : nullptr,
+      control.shared_memory);
+}
+
+// After a computation: the shared memory it read and wrote is still there.
+absl::Status VerifySharedMemoryIntact(const CallControl& control) {
+  return control.shared_memory != nullptr ? control.shared_memory->CheckIntact()
+                                          : absl::OkStatus();
+}
+
+// The attention options both request messages carry, under the same names.
+template <typename Request>
+AttentionOptions AttentionOptionsOf(const Request& request) {
+  AttentionOptions options;
+  options.causal = request.causal();
+  if (request.has_scale()) options.scale = request.scale();
+  if (request.has_temperature()) options.temperature = request.temperature();
+  options.return_weights = request.return_weights();
+  options.compute_bf16 = request.compute_bf16();
+  return options;
+}
+
+absl::StatusOr<MultiHeadWeights> DecodeWeights(const v1::AttentionWeights& w,
+                                               const CallControl& c) {
+  MultiHeadWeights weights;
+  weights.num_heads = w.num_heads();
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, q_proj_weight, c, &weights.q_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, k_proj_weight, c, &weights.k_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, v_proj_weight, c, &weights.v_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, in_proj_weight, c, &weights.in_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, q_proj_bias, c, &weights.q_proj_bias));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, k_proj_bias, c, &weights.k_proj_bias));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, v_proj_bias, c, &weights.v_proj_bias));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, in_proj_bias, c, &weights.in_proj_bias));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, out_proj_weight, c, &weights.out_proj_weight));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(w, out_proj_bias, c, &weights.out_proj_bias));
+  return weights;
+}
+
+// The served model a request names; null when it sends its weights inline.
+absl::StatusOr<std::shared_ptr<const Model>> RequestedModel(
+    const v1::MultiHeadAttendRequest& request, const ModelRepository* models) {
+  switch (request.weights_source_case()) {
+    case v1::MultiHeadAttendRequest::kModel:
+      if (models == nullptr) {
+        return absl::NotFoundError(absl::StrCat(
+            "model: '", request.model(),
+            "' not found: this server has no model repository; send the "
+            "weights inline in `weights`"));
+      }
+      return models->Find(request.model());
+    case v1::MultiHeadAttendRequest::kWeights:
+      return nullptr;
+    default:
+      return absl::InvalidArgumentError(
+          "weights: missing, expected either `model` or `weights`");
+  }
+}
+
+// HandleMultiHeadAttend once the model is resolved (`model`: null for
+// inline weights).
+absl::Status RunMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                const Model* model,
+                                v1::MultiHeadAttendResponse* response,
+                                const CallControl& control) {
+  MultiHeadWeights weights;
+  if (model == nullptr) {
+    ATTN_ASSIGN_OR_RETURN(weights, DecodeWeights(request.weights(), control));
+  }
+  MultiHeadInputs inputs;
+  ATTN_ASSIGN_OR_RETURN(inputs.query,
+                        ATTN_REQUIRED_TENSOR(request, query, control));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, key, control, &inputs.key));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, value, control, &inputs.value));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, attn_mask, control, &inputs.attn_mask));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, key_padding_mask, control,
+                                            &inputs.key_padding_mask));
+  MultiHeadOptions options;
+  options.attention = AttentionOptionsOf(request);
+  options.attention.cancelled = control.cancelled;
+  options.average_weights = request.average_weights();
+  WireResults results =
+      ResultsOf(request, response, response->mutable_weights(), control);
+  if (model != nullptr) {
+    // The model's defaults fill what the request leaves unset.
+    if (!options.attention.scale.has_value() &&
+        model->config.has_default_scale()) {
+      options.attention.scale = model->config.default_scale();
+    }
+    options.attention.causal |= model->config.default_causal();
+    ATTN_RETURN_IF_ERROR(model->layer->Run(inputs, options, results));
+  } else {
+    ATTN_RETURN_IF_ERROR(MultiHeadAttend(weights, inputs, options, results));
+  }
+  if (!request.return_weights()) response->clear_weights();
+  return VerifySharedMemoryIntact(control);
+}
+
+absl::Status NoSharedMemory() {
+  return absl::FailedPreconditionError(
+      "shared memory is off on this server (--max_shared_memory_mb=0)");
+}
+
+}  // namespace
+
+absl::Status HandleAttend(const v1::AttendRequest& request,
+                          v1::AttendResponse* response,
+                          const CallControl& control) {
+  AttendInputs inputs;
+  ATTN_ASSIGN_OR_RETURN(inputs.query,
+                        ATTN_REQUIRED_TENSOR(request, query, control));
+  ATTN_ASSIGN_OR_RETURN(inputs.key,
+                        ATTN_REQUIRED_TENSOR(request, key, control));
+  ATTN_ASSIGN_OR_RETURN(inputs.value,
+                        ATTN_REQUIRED_TENSOR(request, value, control));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, attn_mask, control, &inputs.attn_mask));
+  AttentionOptions options = AttentionOptionsOf(request);
+  options.cancelled = control.cancelled;
+  WireResults results =
+      ResultsOf(request, response, response->mutable_weights(), control);
+  ATTN_RETURN_IF_ERROR(Attend(inputs, options, results));
+  if (!request.return_weights()) response->clear_weights();
+  return VerifySharedMemoryIntact(control);
+}
+
+MultiHeadAttendHandler::MultiHeadAttendHandler(
+    const v1::MultiHeadAttendRequest& request, const ModelRepository* models)
+    : model_(RequestedModel(request, models)) {}
+
+const MultiHeadLayer* MultiHeadAttendHandler::layer() const {
+  return model_.ok() && *model_ != nullptr ? (*model_)->layer.get() : nullptr;
+}
+
+absl::Status MultiHeadAttendHandler::operator()(
+    const v1::MultiHeadAttendRequest& request,
+    v1::MultiHeadAttendResponse* response, const CallControl& control) const {
+  if (!model_.ok()) return model_.status();
+  return RunMultiHeadAttend(request, model_->get(), response, control);
+}
+
+absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                   const ModelRepository* models,
+                                   v1::MultiHeadAttendResponse* response,
+                                   const CallControl& control) {
+  return MultiHeadAttendHandler(request, models)(request, response, control);
+}
+
+absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
+                             v1::LayerNormResponse* response,
+                             const CallControl& control) {
+  ATTN_ASSIGN_OR_RETURN(TensorView input,
+                        ATTN_REQUIRED_TENSOR(request, input, control));
+  std::optional<TensorView> gamma, beta;
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, control, &beta));
+  LayerNormOptions options;
+  if (request.has_eps()) options.eps = request.eps();
+  if (request.normalized_ndim() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("normalized_ndim: must be >= 0 (0 means 1), got ",
+                     request.normalized_ndim()));
+  }
+  options.normalized_ndim =
+      request.normalized_ndim() == 0 ? 1 : request.normalized_ndim();
+  WireResults results = ResultsOf(request, response, nullptr, control);
+  ATTN_RETURN_IF_ERROR(LayerNorm(input, gamma, beta, options, results));
+  return VerifySharedMemoryIntact(control);
+}
+
+absl::Status HandleListModels(const ModelRepository* models,
+                              v1::ListModelsResponse* response) {
+  if (models == nullptr) return absl::OkStatus();
+  for (const auto& model : models->List()) {
+    v1::ListModelsResponse::Model* entry = response->add_models();
+    entry->set_name(model->name);
+    entry->set_num_heads(model->layer->num_heads());
+    entry->set_embed_dim(model->layer->query_dim());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
+                                    const ModelRepository* models,
+                                    v1::GetModelMetadataResponse* response) {
+  if (models == nullptr) {
+    return absl::NotFoundError(
+        absl::StrCat("name: model '", request.name(),
+                     "' not found: this server has no model repository"));
+  }
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                        models->Find(request.name()));
+  const MultiHeadLayer& layer = *model->layer;
+  response->set_name(model->name);
+  response->set_platform("attnserve_multi_head_attention");
+  response->set_num_heads(layer.num_heads());
+  response->set_query_dim(layer.query_dim());
+  response->set_key_dim(layer.key_input_dim());
+  response->set_value_dim(layer.value_input_dim());
+  response->set_head_key_dim(layer.head_key_dim());
+  response->set_head_value_dim(layer.head_value_dim());
+  response->set_output_dim(layer.output_dim());
+  response->set_compute_dtype(DTypeToProto(layer.compute_dtype()));
+  response->set_description(model->config.description());
+  const auto add = [](auto* list, const char* name, v1::DataType dtype,
+                      std::initializer_list<int64_t> shape) {
+    v1::TensorMetadata* t = list->Add();
+    t->set_name(name);
+    t->set_datatype(dtype);
+    t->mutable_shape()->Assign(shape.begin(), shape.end());
+  };
+  const auto f32 = v1::DATA_TYPE_FLOAT32;
+  add(response->mutable_inputs(), "query", f32, {-1, -1, layer.query_dim()});
+  add(response->mutable_inputs(), "key", f32, {-1, -1, layer.key_input_dim()});
+  add(response->mutable_inputs(), "value", f32,
+      {-1, -1, layer.value_input_dim()});
+  add(response->mutable_inputs(), "attn_mask", v1::DATA_TYPE_BOOL,
+      {-1, layer.num_heads(), -1, -1});
+  add(response->mutable_inputs(), "key_padding_mask", v1::DATA_TYPE_BOOL,
+      {-1, -1});
+  add(response->mutable_outputs(), "output", f32, {-1, -1, layer.output_dim()});
+  add(response->mutable_outputs(), "weights", f32,
+      {-1, layer.num_heads(), -1, -1});
+  return absl::OkStatus();
+}
+
+absl::Status HandleRegisterSharedMemory(
+    const v1::RegisterSharedMemoryRequest& request,
+    SharedMemoryRegistry* registry) {
+  if (registry == nullptr) return NoSharedMemory();
+  const v1::SharedMemoryRegion& region = request.region();
+  return registry->Register(SharedMemoryRegionInfo{
+      region.name(), region.key(), region.offset(), region.byte_size()});
+}
+
+absl::Status HandleUnregisterSharedMemory(
+    const v1::UnregisterSharedMemoryRequest& request,
+    SharedMemoryRegistry* registry) {
+  if (registry == nullptr) return NoSharedMemory();
+  return registry->Unregister(request.name());
+}
+
+absl::Status HandleListSharedMemory(const v1::ListSharedMemoryRequest& request,
+                                    const SharedMemoryRegistry* registry,
+                                    v1::ListSharedMemoryResponse* response) {
+  if (registry == nullptr) return NoSharedMemory();
+  ATTN_ASSIGN_OR_RETURN(std::vector<SharedMemoryRegionInfo> regions,
+                        registry->List(request.name()));
+  for (const SharedMemoryRegionInfo& info : regions) {
+    v1::SharedMemoryRegion* region = response->add_regions();
+    region->set_name(info.name);
+    region->set_key(info.key);
+    region->set_offset(info.offset);
+    region->set_byte_size(info.byte_size);
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace attnserve

@@ -1,0 +1,94 @@
+// The AttentionService RPCs as plain functions, request -> core -> response:
+// each decodes the request's wire tensors into core views (no copy), calls
+// the core, and writes the result into the response (or the shared-memory
+// regions the request names). No gRPC machinery: admission, queueing,
+// deadlines and metrics are the service's (server/attention_service.h), so
+// that these can be tested and reused directly.
+//
+// Thread-safety: the handlers may run concurrently; they share nothing but
+// the ModelRepository and SharedMemoryRegistry passed in, which are
+// thread-safe. Ownership: they own nothing they are given; the request,
+// response and everything a CallControl points to must outlive the call.
+#ifndef ATTNSERVE_SERVER_HANDLERS_H_
+#define ATTNSERVE_SERVER_HANDLERS_H_
+
+#include <atomic>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "attnserve/v1/attention.pb.h"
+#include "core/multi_head_attention.h"
+#include "server/model_repository.h"
+#include "server/shared_memory.h"
+
+namespace attnserve {
+
+// What a running call lets its handler see of the call.
+struct CallControl {
+  // Turns true when the client cancels or the deadline passes.
+  const std::atomic<bool>* cancelled = nullptr;
+  // Resolves the request's shared-memory references and keeps their regions
+  // mapped for the call; null: references are refused.
+  CallSharedMemory* shared_memory = nullptr;
+};
+
+absl::Status HandleAttend(const v1::AttendRequest& request,
+                          v1::AttendResponse* response,
+                          const CallControl& control = {});
+
+// MultiHeadAttend with the request's model looked up once, when the call
+// arrives, for both its cost estimate and its computation: the call keeps
+// these weights even if the repository reloads meanwhile. Copyable; copies
+// share the model.
+class MultiHeadAttendHandler {
+ public:
+  // `models` may be null (no repository).
+  MultiHeadAttendHandler(const v1::MultiHeadAttendRequest& request,
+                         const ModelRepository* models);
+
+  // The served layer, for the cost estimate; null when the request sends
+  // its weights inline or its model was not found.
+  const MultiHeadLayer* layer() const;
+
+  // Fails with the lookup's error if the model was not found.
+  absl::Status operator()(const v1::MultiHeadAttendRequest& request,
+                          v1::MultiHeadAttendResponse* response,
+                          const CallControl& control) const;
+
+ private:
+  // Null when the request sends its weights inline.
+  absl::StatusOr<std::shared_ptr<const Model>> model_;
+};
+
+// MultiHeadAttendHandler's lookup and computation in one step. `models` may
+// be null (no repository).
+absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                   const ModelRepository* models,
+                                   v1::MultiHeadAttendResponse* response,
+                                   const CallControl& control = {});
+absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
+                             v1::LayerNormResponse* response,
+                             const CallControl& control = {});
+
+// `models` may be null (no repository).
+absl::Status HandleListModels(const ModelRepository* models,
+                              v1::ListModelsResponse* response);
+absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
+                                    const ModelRepository* models,
+                                    v1::GetModelMetadataResponse* response);
+
+// `registry` may be null (shared memory off: FAILED_PRECONDITION).
+absl::Status HandleRegisterSharedMemory(
+    const v1::RegisterSharedMemoryRequest& request,
+    SharedMemoryRegistry* registry);
+absl::Status HandleUnregisterSharedMemory(
+    const v1::UnregisterSharedMemoryRequest& request,
+    SharedMemoryRegistry* registry);
+absl::Status HandleListSharedMemory(const v1::ListSharedMemoryRequest& request,
+                                    const SharedMemoryRegistry* registry,
+                                    v1::ListSharedMemoryResponse* response);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_HANDLERS_H_
