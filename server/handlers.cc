@@ -68,33 +68,6 @@ AttentionOptions AttentionOptionsOf(const Request& request) {
   return options;
 }
 
-absl::StatusOr<MultiHeadWeights> DecodeWeights(const v1::AttentionWeights& w,
-                                               const CallControl& c) {
-  MultiHeadWeights weights;
-  weights.num_heads = w.num_heads();
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, q_proj_weight, c, &weights.q_proj_weight));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, k_proj_weight, c, &weights.k_proj_weight));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, v_proj_weight, c, &weights.v_proj_weight));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, in_proj_weight, c, &weights.in_proj_weight));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, q_proj_bias, c, &weights.q_proj_bias));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, k_proj_bias, c, &weights.k_proj_bias));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, v_proj_bias, c, &weights.v_proj_bias));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, in_proj_bias, c, &weights.in_proj_bias));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, out_proj_weight, c, &weights.out_proj_weight));
-  ATTN_RETURN_IF_ERROR(
-      ATTN_OPTIONAL_TENSOR(w, out_proj_bias, c, &weights.out_proj_bias));
-  return weights;
-}
-
 // The served model a request names; null when it sends its weights inline.
 absl::StatusOr<std::shared_ptr<const Model>> RequestedModel(
     const v1::MultiHeadAttendRequest& request, const ModelRepository* models) {
@@ -123,7 +96,9 @@ absl::Status RunMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                                 const CallControl& control) {
   MultiHeadWeights weights;
   if (model == nullptr) {
-    ATTN_ASSIGN_OR_RETURN(weights, DecodeWeights(request.weights(), control));
+    ATTN_ASSIGN_OR_RETURN(
+        weights,
+        DecodeAttentionWeights(request.weights(), control.shared_memory));
   }
   MultiHeadInputs inputs;
   ATTN_ASSIGN_OR_RETURN(inputs.query,
