@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 
 namespace attnserve {
 
@@ -57,16 +58,16 @@ absl::StatusOr<Float32Data> Float32Data::From(const TensorView& view,
       return result;
     case DType::kBFloat16:
     case DType::kFloat16: {
-      auto owned = Tensor::Allocate(DType::kFloat32, view.shape);
-      if (!owned.ok()) return owned.status();
-      float* out = owned->data_as<float>();
+      ATTN_ASSIGN_OR_RETURN(Tensor owned,
+                            Tensor::Allocate(DType::kFloat32, view.shape));
+      float* out = owned.data_as<float>();
       const uint16_t* in = view.data_as<uint16_t>();
       if (view.dtype == DType::kBFloat16) {
         for (int64_t i = 0; i < count; ++i) out[i] = BFloat16ToFloat(in[i]);
       } else {
         for (int64_t i = 0; i < count; ++i) out[i] = Float16ToFloat(in[i]);
       }
-      result.owned_ = *std::move(owned);
+      result.owned_ = std::move(owned);
       result.data_ = result.owned_.data_as<float>();
       return result;
     }
@@ -85,11 +86,10 @@ absl::StatusOr<OperandData> OperandData::From(const TensorView& view,
     result.data_ = view.data;
     return result;
   }
-  auto widened = Float32Data::From(view, field);
-  if (!widened.ok()) return widened.status();
-  auto owned = Float32ToTensor(widened->data(), view.shape, target);
-  if (!owned.ok()) return owned.status();
-  result.owned_ = *std::move(owned);
+  ATTN_ASSIGN_OR_RETURN(const Float32Data widened,
+                        Float32Data::From(view, field));
+  ATTN_ASSIGN_OR_RETURN(result.owned_,
+                        Float32ToTensor(widened.data(), view.shape, target));
   result.data_ = result.owned_.data();
   return result;
 }

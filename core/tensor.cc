@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/buffer_pool.h"
+#include "core/status_macros.h"
 
 namespace attnserve {
 
@@ -90,9 +91,9 @@ void Tensor::PoolDeleter::operator()(void* p) const {
 absl::StatusOr<size_t> CheckTensorBytes(DType dtype,
                                         absl::Span<const int64_t> shape,
                                         absl::string_view field) {
-  auto count = CheckedNumElements(shape, dtype, field);
-  if (!count.ok()) return count.status();
-  const size_t bytes = static_cast<size_t>(*count) * DTypeSize(dtype);
+  ATTN_ASSIGN_OR_RETURN(const int64_t count,
+                        CheckedNumElements(shape, dtype, field));
+  const size_t bytes = static_cast<size_t>(count) * DTypeSize(dtype);
   if (bytes > kMaxTensorBytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         "a ", DTypeName(dtype), " tensor of shape ", ShapeString(shape),
@@ -103,9 +104,8 @@ absl::StatusOr<size_t> CheckTensorBytes(DType dtype,
 }
 
 absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
-  auto checked = CheckTensorBytes(dtype, shape, "tensor");
-  if (!checked.ok()) return checked.status();
-  const size_t bytes = *checked;
+  ATTN_ASSIGN_OR_RETURN(const size_t bytes,
+                        CheckTensorBytes(dtype, shape, "tensor"));
   size_t capacity = 0;
   void* p = BufferPool::Global().Acquire(bytes, &capacity);
   if (p == nullptr) {

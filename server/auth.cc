@@ -7,6 +7,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "core/files.h"
+#include "core/status_macros.h"
 #include "grpcpp/security/server_credentials.h"
 
 namespace attnserve {
@@ -27,29 +28,29 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
     const ServerOptions& options) {
   if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();
-  auto cert = ReadFileToString(options.tls_cert, "--tls_cert");
-  if (!cert.ok()) return cert.status();
-  auto key = ReadFileToString(options.tls_key, "--tls_key");
-  if (!key.ok()) return key.status();
+  ATTN_ASSIGN_OR_RETURN(std::string cert,
+                        ReadFileToString(options.tls_cert, "--tls_cert"));
+  ATTN_ASSIGN_OR_RETURN(std::string key,
+                        ReadFileToString(options.tls_key, "--tls_key"));
   grpc::SslServerCredentialsOptions ssl(
       options.tls_client_ca.empty()
           ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
           : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   if (!options.tls_client_ca.empty()) {
-    auto ca = ReadFileToString(options.tls_client_ca, "--tls_client_ca");
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
+    ATTN_ASSIGN_OR_RETURN(
+        ssl.pem_root_certs,
+        ReadFileToString(options.tls_client_ca, "--tls_client_ca"));
   }
-  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  ssl.pem_key_cert_pairs.push_back({key, cert});
   return grpc::SslServerCredentials(ssl);
 }
 
 absl::StatusOr<std::unique_ptr<TokenAuthenticator>>
 TokenAuthenticator::FromFile(const std::string& path) {
-  auto text = ReadFileToString(path, "--auth_token_file");
-  if (!text.ok()) return text.status();
+  ATTN_ASSIGN_OR_RETURN(const std::string text,
+                        ReadFileToString(path, "--auth_token_file"));
   std::vector<std::string> tokens;
-  std::istringstream lines(*text);
+  std::istringstream lines(text);
   std::string line;
   while (std::getline(lines, line)) {
     absl::string_view token = absl::StripAsciiWhitespace(line);
