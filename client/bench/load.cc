@@ -9,17 +9,17 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "grpcpp/completion_queue.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -95,7 +95,8 @@ class LoadRun {
     for (auto& count : errors_) count.store(0);
   }
 
-  BenchReport Run(const std::function<void(const LoadProgress&)>& progress);
+  BenchReport Run(const std::function<void(const LoadProgress&)>& progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // One call in flight. Closed loop: `closed` is true and the call's
@@ -116,7 +117,7 @@ class LoadRun {
   // Starts a call meant to start at `intended` on `channel`.
   void Start(int channel, int64_t intended, bool closed);
   // Drains one completion queue until it is shut down.
-  void Poll(grpc::CompletionQueue* queue);
+  void Poll(grpc::CompletionQueue* queue) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Whether a call meant to start at `intended` may start. Counted calls
   // (intended after the warm-up) take one of `requests` tickets, or must
@@ -124,12 +125,12 @@ class LoadRun {
   bool MayStart(int64_t intended);
   bool Counted(int64_t intended) const { return intended >= measure_start_; }
   // Starts the next call of a closed-loop caller, or retires the caller.
-  void StartClosed(int channel);
-  void SendOpenLoop();
+  void StartClosed(int channel) ABSL_LOCKS_EXCLUDED(mu_);
+  void SendOpenLoop() ABSL_LOCKS_EXCLUDED(mu_);
   void Finish(const grpc::ClientContext& context, const grpc::Status& status,
-              int64_t intended);
+              int64_t intended) ABSL_LOCKS_EXCLUDED(mu_);
   // One caller (slot, sender or open-loop call) is done.
-  void Leave();
+  void Leave() ABSL_LOCKS_EXCLUDED(mu_);
   int64_t Completed() const { return ok_.load() + failed_.load(); }
   LoadProgress Snapshot(int64_t now, int64_t* last_completed,
                         int64_t* last_time) const;
@@ -147,10 +148,10 @@ class LoadRun {
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> tickets_{0};
 
-  std::mutex mu_;
-  std::condition_variable done_;
-  int active_ = 0;                             // guarded by mu_
-  std::map<int, std::string> first_messages_;  // guarded by mu_
+  Mutex mu_;
+  CondVar done_;  // active_ went down
+  int active_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int, std::string> first_messages_ ABSL_GUARDED_BY(mu_);
 
   LatencyHistogram latency_;
   LatencyHistogram compute_;
@@ -174,10 +175,10 @@ bool LoadRun::MayStart(int64_t intended) {
 }
 
 void LoadRun::Leave() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   --active_;
   // Wakes the sender waiting for a free slot, and Run when all are done.
-  done_.notify_all();
+  done_.SignalAll();
 }
 
 void LoadRun::Finish(const grpc::ClientContext& context,
@@ -190,7 +191,7 @@ void LoadRun::Finish(const grpc::ClientContext& context,
   } else {
     const int code = std::clamp<int>(status.error_code(), 0, kNumCodes - 1);
     if (errors_[code].fetch_add(1) == 0) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       first_messages_[code] = status.error_message();
     }
     failed_.fetch_add(1, std::memory_order_relaxed);
@@ -254,8 +255,8 @@ void LoadRun::SendOpenLoop() {
     {
       // Outstanding calls are capped: a full client waits, and its waiting
       // shows up as late sends and as latency (measured from `intended`).
-      std::unique_lock<std::mutex> lock(mu_);
-      done_.wait(lock, [&] { return active_ <= options_.concurrency; });
+      MutexLock lock(&mu_);
+      while (active_ > options_.concurrency) done_.Wait(&mu_);
       ++active_;
     }
     if (Counted(intended) && NowNanos() - intended > late_after) {
@@ -297,11 +298,14 @@ BenchReport LoadRun::Run(
   }
   std::thread sender;
   if (options_.rate > 0) {
-    active_ = 1;
+    {
+      MutexLock lock(&mu_);
+      active_ = 1;
+    }
     sender = std::thread([this] { SendOpenLoop(); });
   } else {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       active_ = options_.concurrency;
     }
     for (int i = 0; i < options_.concurrency; ++i) {
@@ -323,14 +327,14 @@ BenchReport LoadRun::Run(
   std::vector<double> pollers_at_start = poller_cpu();
   bool measuring = options_.warmup <= absl::ZeroDuration();
   int64_t last_completed = 0, last_time = measure_start_;
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   while (active_ > 0) {
     int64_t wake = NowNanos() + interval;
     if (!measuring) wake = std::min(wake, measure_start_);
-    done_.wait_until(
-        lock,
-        std::chrono::steady_clock::time_point(std::chrono::nanoseconds(wake)),
-        [&] { return active_ == 0; });
+    const auto deadline =
+        std::chrono::steady_clock::time_point(std::chrono::nanoseconds(wake));
+    while (active_ > 0 && !done_.WaitUntil(&mu_, deadline)) {
+    }
     if (active_ == 0) break;
     const int64_t now = NowNanos();
     if (!measuring && now >= measure_start_) {
@@ -341,12 +345,12 @@ BenchReport LoadRun::Run(
       continue;
     }
     if (progress) {
-      lock.unlock();
+      mu_.Unlock();
       progress(Snapshot(now, &last_completed, &last_time));
-      lock.lock();
+      mu_.Lock();
     }
   }
-  lock.unlock();
+  mu_.Unlock();
   const double cpu_seconds = ProcessCpuSeconds() - cpu_at_start;
   const std::vector<double> pollers_at_end = poller_cpu();
   if (sender.joinable()) sender.join();
@@ -370,6 +374,7 @@ BenchReport LoadRun::Run(
     const std::string name =
         absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
     report.errors[name] = errors_[code].load();
+    MutexLock lock(&mu_);  // uncontended: every caller is done
     report.error_messages[name] = first_messages_[code];
   }
   const int64_t end = std::max(last_completion_.load(), measure_start_);
