@@ -6,11 +6,11 @@
 #include <deque>
 #include <limits>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "core/convert.h"
+#include "core/mutex.h"
 #include "core/primitives.h"
 #include "core/row_ops.h"
 
@@ -100,20 +100,20 @@ class TileGemms {
 // The first error any thread hit; the others stop at their next block.
 class SharedStatus {
  public:
-  void Update(absl::Status status) {
+  void Update(absl::Status status) ABSL_LOCKS_EXCLUDED(mu_) {
     if (status.ok()) return;
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (status_.ok()) status_ = std::move(status);
     failed_.store(true, std::memory_order_relaxed);
   }
   bool failed() const { return failed_.load(std::memory_order_relaxed); }
-  absl::Status status() {
-    std::lock_guard<std::mutex> lock(mu_);
+  absl::Status status() ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
     return status_;
   }
 
  private:
-  std::mutex mu_;
+  Mutex mu_;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   std::atomic<bool> failed_{false};
 };

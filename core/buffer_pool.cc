@@ -26,7 +26,7 @@ void* BufferPool::Acquire(size_t bytes, size_t* capacity) {
   constexpr size_t kGranule = size_t{64} << 10;
   *capacity = (bytes + kGranule - 1) / kGranule * kGranule;
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = free_.find(*capacity);
     if (it != free_.end() && !it->second.empty()) {
       void* p = it->second.back();
@@ -41,7 +41,7 @@ void* BufferPool::Acquire(size_t bytes, size_t* capacity) {
 void BufferPool::Release(void* buffer, size_t capacity) {
   if (buffer == nullptr) return;
   if (capacity >= kMinPooledBytes) {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (cached_bytes_ + capacity <= max_cached_bytes_) {
       free_[capacity].push_back(buffer);
       cached_bytes_ += capacity;
@@ -52,7 +52,7 @@ void BufferPool::Release(void* buffer, size_t capacity) {
 }
 
 size_t BufferPool::cached_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return cached_bytes_;
 }
 

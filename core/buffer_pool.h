@@ -11,11 +11,11 @@
 #define ATTNSERVE_CORE_BUFFER_POOL_H_
 
 #include <cstddef>
-#include <mutex>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
+#include "core/mutex.h"
 
 namespace attnserve {
 
@@ -33,15 +33,15 @@ class BufferPool {
   // A kAlignment-aligned buffer of at least `bytes` (at least one byte), or
   // null when memory is exhausted; its capacity goes to *capacity and must
   // be passed back to Release.
-  void* Acquire(size_t bytes, size_t* capacity);
-  void Release(void* buffer, size_t capacity);
+  void* Acquire(size_t bytes, size_t* capacity) ABSL_LOCKS_EXCLUDED(mu_);
+  void Release(void* buffer, size_t capacity) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Bytes held for reuse now.
-  size_t cached_bytes() const;
+  size_t cached_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   const size_t max_cached_bytes_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   absl::flat_hash_map<size_t, std::vector<void*>> free_ ABSL_GUARDED_BY(mu_);
   size_t cached_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };

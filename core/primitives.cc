@@ -81,7 +81,7 @@ PrimitiveCache::GetOrCreate(const std::string& key,
   if (threads <= 0) threads = default_threads;
   const std::string full_key = absl::StrCat(key, "|threads=", threads);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     auto it = index_.find(full_key);
     if (it != index_.end()) {
       lru_.splice(lru_.begin(), lru_, it->second);
@@ -100,7 +100,7 @@ PrimitiveCache::GetOrCreate(const std::string& key,
   });
   if (threads != default_threads) omp_set_num_threads(default_threads);
   if (!status.ok()) return status;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ++creations_;
   auto it = index_.find(full_key);
   if (it != index_.end()) return it->second->second;
@@ -114,7 +114,7 @@ PrimitiveCache::GetOrCreate(const std::string& key,
 }
 
 int64_t PrimitiveCache::creations() const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return creations_;
 }
 

@@ -15,7 +15,6 @@
 #include <cstdint>
 #include <list>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -28,6 +27,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/mutex.h"
 #include "core/tensor.h"
 #include "oneapi/dnnl/dnnl.hpp"
 
@@ -56,15 +56,15 @@ class PrimitiveCache {
   // that OpenMP thread count.
   absl::StatusOr<std::shared_ptr<const CachedPrimitive>> GetOrCreate(
       const std::string& key, absl::FunctionRef<CachedPrimitive()> create,
-      int threads = 0);
+      int threads = 0) ABSL_LOCKS_EXCLUDED(mu_);
 
   // How many primitives this cache has created since start-up.
-  int64_t creations() const;
+  int64_t creations() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using Entry = std::pair<std::string, std::shared_ptr<const CachedPrimitive>>;
   const size_t capacity_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::list<Entry> lru_ ABSL_GUARDED_BY(mu_);  // most recent first
   absl::flat_hash_map<std::string, std::list<Entry>::iterator> index_
       ABSL_GUARDED_BY(mu_);

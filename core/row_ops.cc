@@ -2,8 +2,10 @@
 
 // GCC 12's AVX-512 headers build masked intrinsics on _mm512_undefined_ps(),
 // which its own -Wuninitialized flags (GCC bug 105593).
+#if !defined(__clang__)  // clang has no -Wmaybe-uninitialized
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #include <immintrin.h>
 
 #include <algorithm>

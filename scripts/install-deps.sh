@@ -2,7 +2,9 @@
 # Installs the Debian bookworm packages that attnserve builds and tests with.
 # Safe to run again: apt-get skips what is already installed. The Python
 # packages serve the Python client's tests (PyTorch is their reference) and
-# the manifest checks of deploy/.
+# the manifest checks of deploy/. clang (with its OpenMP runtime, which
+# CMake's FindOpenMP needs to configure a clang build) and ninja run the
+# thread-safety analysis of scripts/check-thread-safety.sh.
 set -euo pipefail
 
 # libdnnl-dev's CMake package looks for OpenCL (Debian builds oneDNN with its
@@ -13,6 +15,7 @@ packages=(
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev openssl
   libgtest-dev libgmock-dev googletest libbenchmark-dev libgoogle-perftools-dev
+  clang libomp-dev ninja-build
   python3-grpcio python3-protobuf python3-yaml python3-torch python3-numpy
 )
 

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs what is missing, builds attnserve with its tests and runs them all:
-# a Release build, then the same suite built with AddressSanitizer and
+# Installs what is missing, checks the lock annotations with clang's
+# -Wthread-safety, builds attnserve with its tests and runs them all: a
+# Release build, then the same suite built with AddressSanitizer and
 # UndefinedBehaviorSanitizer, then the concurrency tests built with
 # ThreadSanitizer (skip the sanitizer builds with --quick).
 # The golden vectors are read from ../shared/goldens (override with
@@ -15,6 +16,10 @@ if [[ -n "${ATTNSERVE_GOLDENS_DIR:-}" ]]; then
   extra+=("-DATTNSERVE_GOLDENS_DIR=$ATTNSERVE_GOLDENS_DIR")
 fi
 jobs=$(nproc)
+
+# Front end only, so cheap enough for --quick as well.
+echo "== Thread-safety analysis (clang -Wthread-safety)"
+"$root/scripts/check-thread-safety.sh" "$root/build-clang"
 
 echo "== Release build and tests"
 "$root/scripts/build.sh" Release -DATTNSERVE_BUILD_TESTS=ON "${extra[@]}"

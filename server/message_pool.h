@@ -15,10 +15,10 @@
 
 #include <cstddef>
 #include <memory>
-#include <mutex>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "core/mutex.h"
 #include "grpcpp/support/message_allocator.h"
 
 namespace attnserve {
@@ -31,9 +31,10 @@ class MessagePool : public grpc::MessageAllocator<Request, Response> {
   MessagePool(const MessagePool&) = delete;
   MessagePool& operator=(const MessagePool&) = delete;
 
-  grpc::MessageHolder<Request, Response>* AllocateMessages() override {
+  grpc::MessageHolder<Request, Response>* AllocateMessages() override
+      ABSL_LOCKS_EXCLUDED(mu_) {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       if (!idle_.empty()) {
         std::unique_ptr<Holder> holder = std::move(idle_.back());
         idle_.pop_back();
@@ -46,8 +47,8 @@ class MessagePool : public grpc::MessageAllocator<Request, Response> {
   }
 
   // Calls that found an idle pair (for tests and metrics).
-  size_t reused() const {
-    std::lock_guard<std::mutex> lock(mu_);
+  size_t reused() const ABSL_LOCKS_EXCLUDED(mu_) {
+    MutexLock lock(&mu_);
     return reused_;
   }
 
@@ -66,13 +67,13 @@ class MessagePool : public grpc::MessageAllocator<Request, Response> {
     size_t bytes = 0;
   };
 
-  void Recycle(Holder* released) {
+  void Recycle(Holder* released) ABSL_LOCKS_EXCLUDED(mu_) {
     std::unique_ptr<Holder> holder(released);
     holder->bytes =
         holder->request.ByteSizeLong() + holder->response.ByteSizeLong();
     holder->request.Clear();
     holder->response.Clear();
-    std::lock_guard<std::mutex> lock(mu_);
+    MutexLock lock(&mu_);
     if (idle_.size() < max_pooled_ &&
         pooled_bytes_ + holder->bytes <= max_pooled_bytes_) {
       pooled_bytes_ += holder->bytes;
@@ -82,7 +83,7 @@ class MessagePool : public grpc::MessageAllocator<Request, Response> {
 
   const size_t max_pooled_;
   const size_t max_pooled_bytes_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::vector<std::unique_ptr<Holder>> idle_ ABSL_GUARDED_BY(mu_);
   size_t pooled_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t reused_ ABSL_GUARDED_BY(mu_) = 0;

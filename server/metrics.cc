@@ -46,7 +46,7 @@ void Metrics::Histogram::Observe(double seconds) {
 void Metrics::RecordCall(const std::string& rpc, const std::string& code,
                          absl::Duration total, absl::Duration queue_wait,
                          absl::Duration compute, double flops, int64_t bytes) {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   ++calls_[{rpc, code}];
   total_[rpc].Observe(absl::ToDoubleSeconds(total));
   if (code == "OK") {
@@ -78,7 +78,7 @@ void Metrics::RenderHistogram(const std::string& name, const std::string& help,
 
 std::string Metrics::Render(const ServingGauges& gauges) const {
   std::string out;
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   absl::StrAppend(
       &out,
       "# HELP attnserve_requests_total Calls finished, by RPC and "

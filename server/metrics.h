@@ -12,13 +12,13 @@
 #include <functional>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/mutex.h"
 
 namespace httplib {
 class Server;
@@ -39,11 +39,13 @@ class Metrics {
   // went (queue wait and compute are zero for calls refused up front).
   void RecordCall(const std::string& rpc, const std::string& code,
                   absl::Duration total, absl::Duration queue_wait,
-                  absl::Duration compute, double flops, int64_t bytes);
+                  absl::Duration compute, double flops, int64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // The Prometheus text exposition of everything recorded, plus `gauges`,
   // build information and the process's resident memory.
-  std::string Render(const ServingGauges& gauges) const;
+  std::string Render(const ServingGauges& gauges) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   static constexpr std::array<double, 14> kBuckets = {
@@ -59,7 +61,7 @@ class Metrics {
                               const std::map<std::string, Histogram>& by_rpc,
                               std::string* out);
 
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   std::map<std::pair<std::string, std::string>, int64_t> calls_
       ABSL_GUARDED_BY(mu_);
   std::map<std::string, Histogram> total_ ABSL_GUARDED_BY(mu_);

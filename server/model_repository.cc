@@ -129,7 +129,7 @@ ModelRepository::ModelRepository(std::string root)
     : root_(std::move(root)), models_(std::make_shared<const ModelMap>()) {}
 
 absl::Status ModelRepository::Reload() {
-  std::lock_guard<std::mutex> reload_lock(reload_mu_);
+  MutexLock reload_lock(&reload_mu_);
   auto loaded = std::make_shared<ModelMap>();
   if (!root_.empty()) {
     std::error_code error;
@@ -147,14 +147,14 @@ absl::Status ModelRepository::Reload() {
       (*loaded)[model->name] = std::move(model);
     }
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   models_ = std::move(loaded);
   return absl::OkStatus();
 }
 
 std::shared_ptr<const ModelRepository::ModelMap> ModelRepository::Snapshot()
     const {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   return models_;
 }
 

@@ -14,7 +14,6 @@
 
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -23,6 +22,7 @@
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/multi_head_attention.h"
+#include "core/mutex.h"
 
 namespace attnserve {
 
@@ -44,21 +44,24 @@ class ModelRepository {
   // Loads every model under the root and, only if all load, replaces the
   // served set with them; otherwise keeps the current set and returns the
   // first error.
-  absl::Status Reload();
+  absl::Status Reload() ABSL_LOCKS_EXCLUDED(reload_mu_, mu_);
 
   // The model called `name`, or NOT_FOUND naming the models there are.
   absl::StatusOr<std::shared_ptr<const Model>> Find(
-      absl::string_view name) const;
+      absl::string_view name) const ABSL_LOCKS_EXCLUDED(mu_);
   // Every model, sorted by name.
-  std::vector<std::shared_ptr<const Model>> List() const;
+  std::vector<std::shared_ptr<const Model>> List() const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   using ModelMap = std::map<std::string, std::shared_ptr<const Model>>;
-  std::shared_ptr<const ModelMap> Snapshot() const;
+  std::shared_ptr<const ModelMap> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string root_;
-  std::mutex reload_mu_;  // one reload at a time
-  mutable std::mutex mu_;
+  // One reload at a time; taken before mu_, which a reload holds only to
+  // swap in the new set.
+  Mutex reload_mu_ ABSL_ACQUIRED_BEFORE(mu_);
+  mutable Mutex mu_;
   std::shared_ptr<const ModelMap> models_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -9,15 +9,14 @@
 #ifndef ATTNSERVE_SERVER_SCHEDULER_H_
 #define ATTNSERVE_SERVER_SCHEDULER_H_
 
-#include <condition_variable>
 #include <deque>
 #include <functional>
-#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/functional/function_ref.h"
+#include "core/mutex.h"
 
 namespace attnserve {
 
@@ -28,29 +27,29 @@ class Scheduler {
 
   // Runs `work` on a worker as soon as one is free; false, without running
   // it, when `max_queue` calls already wait.
-  bool Submit(std::function<void()> work);
+  bool Submit(std::function<void()> work) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs `work` on the calling thread, counted as in flight, when a worker
   // would be free for it at once (fewer than max_inflight computing and
   // nothing queued); false, without running it, otherwise. For calls so
   // small that handing them to a worker would cost more than they do.
-  bool RunHereIfIdle(absl::FunctionRef<void()> work);
+  bool RunHereIfIdle(absl::FunctionRef<void()> work) ABSL_LOCKS_EXCLUDED(mu_);
 
-  int inflight() const;
-  int queued() const;
+  int inflight() const ABSL_LOCKS_EXCLUDED(mu_);
+  int queued() const ABSL_LOCKS_EXCLUDED(mu_);
   int max_inflight() const { return max_inflight_; }
   int max_queue() const { return max_queue_; }
 
  private:
-  void WorkerLoop();
+  void WorkerLoop() ABSL_LOCKS_EXCLUDED(mu_);
   // Ends a call's hold on an in-flight slot and wakes a worker if calls
   // are queued.
-  void ReleaseSlot();
+  void ReleaseSlot() ABSL_LOCKS_EXCLUDED(mu_);
 
   const int max_inflight_;
   const int max_queue_;
-  mutable std::mutex mu_;
+  mutable Mutex mu_;
   // queue_ gained work, a call finished, or stopping_.
-  std::condition_variable work_ready_;
+  CondVar work_ready_;
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;

@@ -17,6 +17,7 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 
 namespace attnserve {
@@ -31,7 +32,7 @@ struct GuardSlot {
   std::atomic<bool> faulted{false};
 };
 std::array<GuardSlot, kMaxSharedMemoryRegions> guard_slots;
-std::mutex guard_mu;  // serializes claiming and releasing slots
+Mutex guard_mu;  // serializes claiming and releasing slots
 struct sigaction previous_sigbus;
 size_t page_size = 4096;
 
@@ -84,7 +85,7 @@ void InstallGuard() {
 // A free slot for [begin, end), or -1 when all are taken.
 int ClaimGuardSlot(uintptr_t begin, uintptr_t end) {
   InstallGuard();
-  std::lock_guard<std::mutex> lock(guard_mu);
+  MutexLock lock(&guard_mu);
   for (int i = 0; i < kMaxSharedMemoryRegions; ++i) {
     GuardSlot& slot = guard_slots[i];
     if (slot.end.load() == 0) {
@@ -98,7 +99,7 @@ int ClaimGuardSlot(uintptr_t begin, uintptr_t end) {
 }
 
 void ReleaseGuardSlot(int index) {
-  std::lock_guard<std::mutex> lock(guard_mu);
+  MutexLock lock(&guard_mu);
   guard_slots[index].end.store(0, std::memory_order_release);
   guard_slots[index].begin.store(0, std::memory_order_release);
 }
@@ -270,7 +271,7 @@ absl::Status SharedMemoryRegistry::Register(
     return valid;
   }
   {
-    absl::MutexLock lock(&mu_);
+    MutexLock lock(&mu_);
     if (absl::Status room = VerifyRoomFor(info); !room.ok()) return room;
   }
   // Mapped outside the lock (opening and mapping take a while), so checked
@@ -278,7 +279,7 @@ absl::Status SharedMemoryRegistry::Register(
   absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> region =
       SharedMemoryRegion::Map(info);
   if (!region.ok()) return region.status();
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (absl::Status room = VerifyRoomFor(info); !room.ok()) return room;
   registered_bytes_ += info.byte_size;
   regions_.emplace(info.name, std::move(*region));
@@ -289,7 +290,7 @@ absl::Status SharedMemoryRegistry::Unregister(absl::string_view name) {
   // Regions are released outside the lock: unmapping takes a while, and
   // calls may still hold them (then they go when those calls finish).
   std::vector<std::shared_ptr<const SharedMemoryRegion>> released;
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   if (name.empty()) {
     for (auto& [unused, region] : regions_) released.push_back(region);
     regions_.clear();
@@ -310,7 +311,7 @@ absl::Status SharedMemoryRegistry::Unregister(absl::string_view name) {
 absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>>
 SharedMemoryRegistry::Find(absl::string_view name,
                            absl::string_view field) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   auto it = regions_.find(name);
   if (it == regions_.end()) {
     return absl::NotFoundError(
@@ -322,7 +323,7 @@ SharedMemoryRegistry::Find(absl::string_view name,
 
 absl::StatusOr<std::vector<SharedMemoryRegionInfo>> SharedMemoryRegistry::List(
     absl::string_view name) const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   std::vector<SharedMemoryRegionInfo> infos;
   for (const auto& [region_name, region] : regions_) {
     if (name.empty() || region_name == name) infos.push_back(region->info());
@@ -335,7 +336,7 @@ absl::StatusOr<std::vector<SharedMemoryRegionInfo>> SharedMemoryRegistry::List(
 }
 
 uint64_t SharedMemoryRegistry::registered_bytes() const {
-  absl::MutexLock lock(&mu_);
+  MutexLock lock(&mu_);
   return registered_bytes_;
 }
 

@@ -27,7 +27,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "absl/synchronization/mutex.h"
+#include "core/mutex.h"
 #include "proto/tensor_codec.h"
 
 namespace attnserve {
@@ -108,7 +108,7 @@ class SharedMemoryRegistry {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const uint64_t max_bytes_;
-  mutable absl::Mutex mu_;
+  mutable Mutex mu_;
   std::map<std::string, std::shared_ptr<const SharedMemoryRegion>, std::less<>>
       regions_ ABSL_GUARDED_BY(mu_);
   uint64_t registered_bytes_ ABSL_GUARDED_BY(mu_) = 0;

@@ -9,18 +9,18 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <limits>
 #include <map>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "core/mutex.h"
 #include "grpcpp/completion_queue.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -141,7 +141,8 @@ class LoadRun {
     for (auto& count : errors_) count.store(0);
   }
 
-  BenchReport Run(const std::function<void(const LoadProgress&)>& progress);
+  BenchReport Run(const std::function<void(const LoadProgress&)>& progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // One call in flight. Closed loop: `closed` is true and the call's
@@ -162,7 +163,7 @@ class LoadRun {
   // Starts a call meant to start at `intended` on `channel`.
   void Start(int channel, int64_t intended, bool closed);
   // Drains one completion queue until it is shut down.
-  void Poll(grpc::CompletionQueue* queue);
+  void Poll(grpc::CompletionQueue* queue) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Whether a call meant to start at `intended` may start. Counted calls
   // (intended after the warm-up) take one of `requests` tickets, or must
@@ -170,12 +171,12 @@ class LoadRun {
   bool MayStart(int64_t intended);
   bool Counted(int64_t intended) const { return intended >= measure_start_; }
   // Starts the next call of a closed-loop caller, or retires the caller.
-  void StartClosed(int channel);
-  void SendOpenLoop();
+  void StartClosed(int channel) ABSL_LOCKS_EXCLUDED(mu_);
+  void SendOpenLoop() ABSL_LOCKS_EXCLUDED(mu_);
   void Finish(const grpc::ClientContext& context, const grpc::Status& status,
-              int64_t intended);
+              int64_t intended) ABSL_LOCKS_EXCLUDED(mu_);
   // One caller (slot, sender or open-loop call) is done.
-  void Leave();
+  void Leave() ABSL_LOCKS_EXCLUDED(mu_);
   int64_t Completed() const { return ok_.load() + failed_.load(); }
   LoadProgress Snapshot(int64_t now, int64_t* last_completed,
                         int64_t* last_time) const;
@@ -183,12 +184,13 @@ class LoadRun {
   // calls (closed loop) or the sender thread (open loop); progress lines
   // until every caller is done, and the CPU the counted period took.
   std::vector<std::thread> StartPollers();
-  std::thread StartCallers();
+  std::thread StartCallers() ABSL_LOCKS_EXCLUDED(mu_);
   CpuUse WaitForCallers(
       std::vector<std::thread>& pollers,
-      const std::function<void(const LoadProgress&)>& progress);
+      const std::function<void(const LoadProgress&)>& progress)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The report but its client_* CPU figures, once every call is done.
-  BenchReport MakeReport();
+  BenchReport MakeReport() ABSL_LOCKS_EXCLUDED(mu_);
 
   const Workload& workload_;
   const LoadOptions& options_;
@@ -203,10 +205,10 @@ class LoadRun {
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> tickets_{0};
 
-  std::mutex mu_;
-  std::condition_variable done_;
-  int active_ = 0;                             // guarded by mu_
-  std::map<int, std::string> first_messages_;  // guarded by mu_
+  Mutex mu_;
+  CondVar done_;  // active_ went down
+  int active_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<int, std::string> first_messages_ ABSL_GUARDED_BY(mu_);
 
   LatencyHistogram latency_;
   LatencyHistogram compute_;
@@ -230,10 +232,10 @@ bool LoadRun::MayStart(int64_t intended) {
 }
 
 void LoadRun::Leave() {
-  std::lock_guard<std::mutex> lock(mu_);
+  MutexLock lock(&mu_);
   --active_;
   // Wakes the sender waiting for a free slot, and Run when all are done.
-  done_.notify_all();
+  done_.SignalAll();
 }
 
 void LoadRun::Finish(const grpc::ClientContext& context,
@@ -246,7 +248,7 @@ void LoadRun::Finish(const grpc::ClientContext& context,
   } else {
     const int code = CodeSlot(FromGrpcStatus(status).code());
     if (errors_[code].fetch_add(1) == 0) {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       first_messages_[code] = status.error_message();
     }
     failed_.fetch_add(1, std::memory_order_relaxed);
@@ -310,8 +312,8 @@ void LoadRun::SendOpenLoop() {
     {
       // Outstanding calls are capped: a full client waits, and its waiting
       // shows up as late sends and as latency (measured from `intended`).
-      std::unique_lock<std::mutex> lock(mu_);
-      done_.wait(lock, [&] { return active_ <= options_.concurrency; });
+      MutexLock lock(&mu_);
+      while (active_ > options_.concurrency) done_.Wait(&mu_);
       ++active_;
     }
     if (Counted(intended) && NowNanos() - intended > late_after) {
@@ -351,11 +353,14 @@ std::vector<std::thread> LoadRun::StartPollers() {
 std::thread LoadRun::StartCallers() {
   std::thread sender;
   if (options_.rate > 0) {
-    active_ = 1;
+    {
+      MutexLock lock(&mu_);
+      active_ = 1;
+    }
     sender = std::thread([this] { SendOpenLoop(); });
   } else {
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      MutexLock lock(&mu_);
       active_ = options_.concurrency;
     }
     for (int i = 0; i < options_.concurrency; ++i) {
@@ -373,14 +378,14 @@ CpuUse LoadRun::WaitForCallers(
   std::vector<double> pollers_at_start = ThreadsCpuSeconds(pollers);
   bool measuring = options_.warmup <= absl::ZeroDuration();
   int64_t last_completed = 0, last_time = measure_start_;
-  std::unique_lock<std::mutex> lock(mu_);
+  mu_.Lock();
   while (active_ > 0) {
     int64_t wake = NowNanos() + interval;
     if (!measuring) wake = std::min(wake, measure_start_);
-    done_.wait_until(
-        lock,
-        std::chrono::steady_clock::time_point(std::chrono::nanoseconds(wake)),
-        [&] { return active_ == 0; });
+    const auto deadline =
+        std::chrono::steady_clock::time_point(std::chrono::nanoseconds(wake));
+    while (active_ > 0 && !done_.WaitUntil(&mu_, deadline)) {
+    }
     if (active_ == 0) break;
     const int64_t now = NowNanos();
     if (!measuring && now >= measure_start_) {
@@ -391,12 +396,12 @@ CpuUse LoadRun::WaitForCallers(
       continue;
     }
     if (progress) {
-      lock.unlock();
+      mu_.Unlock();
       progress(Snapshot(now, &last_completed, &last_time));
-      lock.lock();
+      mu_.Lock();
     }
   }
-  lock.unlock();
+  mu_.Unlock();
   CpuUse cpu;
   cpu.process_seconds = ProcessCpuSeconds() - cpu_at_start;
   cpu.poller_seconds = ThreadsCpuSeconds(pollers);
@@ -424,6 +429,7 @@ BenchReport LoadRun::MakeReport() {
     const std::string name =
         absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
     report.errors[name] = errors_[code].load();
+    MutexLock lock(&mu_);  // uncontended: every caller is done
     report.error_messages[name] = first_messages_[code];
   }
   const int64_t end = std::max(last_completion_.load(), measure_start_);
