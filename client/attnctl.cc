@@ -240,7 +240,7 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   return options;
 }
 
-absl::Status ValidateOptions(const AttnctlOptions& options) {
+absl::Status VerifyOptions(const AttnctlOptions& options) {
   if (options.client.tls_cert_pem.empty() !=
       options.client.tls_key_pem.empty()) {
     return absl::InvalidArgumentError(
@@ -417,7 +417,7 @@ absl::Status RunBench(const AttnctlOptions& options) {
 absl::Status Run(const std::string& command) {
   ATTN_ASSIGN_OR_RETURN(const AttnctlOptions options,
                         OptionsFromFlags(command));
-  ATTN_RETURN_IF_ERROR(ValidateOptions(options));
+  ATTN_RETURN_IF_ERROR(VerifyOptions(options));
   if (options.command == "health") return RunHealth(options);
   if (options.command == "models") return RunModels(options);
   if (options.command == "bench") return RunBench(options);

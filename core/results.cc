@@ -8,7 +8,7 @@ namespace attnserve {
 absl::StatusOr<void*> ResultAllocator::Allocate(absl::string_view name,
                                                 DType dtype,
                                                 const Shape& shape) {
-  ATTN_RETURN_IF_ERROR(CheckTensorBytes(dtype, shape, name).status());
+  ATTN_RETURN_IF_ERROR(VerifyTensorBytes(dtype, shape, name).status());
   return DoAllocate(name, dtype, shape);
 }
 

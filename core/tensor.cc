@@ -88,9 +88,9 @@ void Tensor::PoolDeleter::operator()(void* p) const {
   BufferPool::Global().Release(p, capacity);
 }
 
-absl::StatusOr<size_t> CheckTensorBytes(DType dtype,
-                                        absl::Span<const int64_t> shape,
-                                        absl::string_view field) {
+absl::StatusOr<size_t> VerifyTensorBytes(DType dtype,
+                                         absl::Span<const int64_t> shape,
+                                         absl::string_view field) {
   ATTN_ASSIGN_OR_RETURN(const int64_t count,
                         CheckedNumElements(shape, dtype, field));
   const size_t bytes = static_cast<size_t>(count) * DTypeSize(dtype);
@@ -105,7 +105,7 @@ absl::StatusOr<size_t> CheckTensorBytes(DType dtype,
 
 absl::StatusOr<Tensor> Tensor::Allocate(DType dtype, Shape shape) {
   ATTN_ASSIGN_OR_RETURN(const size_t bytes,
-                        CheckTensorBytes(dtype, shape, "tensor"));
+                        VerifyTensorBytes(dtype, shape, "tensor"));
   size_t capacity = 0;
   void* p = BufferPool::Global().Acquire(bytes, &capacity);
   if (p == nullptr) {

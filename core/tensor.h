@@ -67,9 +67,9 @@ inline constexpr size_t kMaxTensorBytes = size_t{2} << 30;
 // The bytes of a tensor of `dtype` and `shape`: INVALID_ARGUMENT naming
 // `field` for negative or overflowing dims, RESOURCE_EXHAUSTED above
 // kMaxTensorBytes.
-absl::StatusOr<size_t> CheckTensorBytes(DType dtype,
-                                        absl::Span<const int64_t> shape,
-                                        absl::string_view field);
+absl::StatusOr<size_t> VerifyTensorBytes(DType dtype,
+                                         absl::Span<const int64_t> shape,
+                                         absl::string_view field);
 
 // A tensor that owns a 64-byte aligned buffer from BufferPool::Global().
 // Move-only.

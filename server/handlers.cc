@@ -52,8 +52,9 @@ WireResults ResultsOf(const Request& request, Response* response,
 
 // After a computation: the shared memory it read and wrote is still there.
 absl::Status VerifySharedMemoryIntact(const CallControl& control) {
-  return control.shared_memory != nullptr ? control.shared_memory->CheckIntact()
-                                          : absl::OkStatus();
+  return control.shared_memory != nullptr
+             ? control.shared_memory->VerifyIntact()
+             : absl::OkStatus();
 }
 
 // The attention options both request messages carry, under the same names.

@@ -116,7 +116,7 @@ absl::Status VerifyLimits(const ServerOptions& options) {
 
 }  // namespace
 
-absl::Status ValidateServerOptions(const ServerOptions& options) {
+absl::Status VerifyServerOptions(const ServerOptions& options) {
   ATTN_RETURN_IF_ERROR(VerifyListening(options));
   ATTN_RETURN_IF_ERROR(VerifyThreads(options));
   ATTN_RETURN_IF_ERROR(VerifyTls(options));

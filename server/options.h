@@ -76,7 +76,7 @@ struct ServerOptions {
 };
 
 // OK, or INVALID_ARGUMENT naming the flag that is out of range.
-absl::Status ValidateServerOptions(const ServerOptions& options);
+absl::Status VerifyServerOptions(const ServerOptions& options);
 
 // How serious a log line is, least first.
 enum class LogSeverity { kInfo, kWarning, kError };

@@ -16,7 +16,7 @@ namespace attnserve {
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     const ServerOptions& options) {
-  ATTN_RETURN_IF_ERROR(ValidateServerOptions(options));
+  ATTN_RETURN_IF_ERROR(VerifyServerOptions(options));
   ThreadBudget* const thread_budget = &ThreadBudget::Global();
   thread_budget->SetTotal(options.threads);
   grpc::EnableDefaultHealthCheckService(true);

@@ -230,7 +230,7 @@ absl::StatusOr<char*> SharedMemoryRegion::Slice(uint64_t offset, uint64_t size,
   return data;
 }
 
-absl::Status SharedMemoryRegion::CheckIntact() const {
+absl::Status SharedMemoryRegion::VerifyIntact() const {
   struct stat st {};
   const bool shrank =
       fstat(fd_, &st) != 0 ||
@@ -351,15 +351,15 @@ absl::StatusOr<char*> CallSharedMemory::Resolve(const v1::SharedMemoryRef& ref,
   ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const SharedMemoryRegion> region,
                         registry_->Find(ref.region(), field));
   if (std::find(held_.begin(), held_.end(), region) == held_.end()) {
-    ATTN_RETURN_IF_ERROR(region->CheckIntact());
+    ATTN_RETURN_IF_ERROR(region->VerifyIntact());
     held_.push_back(region);
   }
   return region->Slice(ref.offset(), byte_size, alignment, field);
 }
 
-absl::Status CallSharedMemory::CheckIntact() const {
+absl::Status CallSharedMemory::VerifyIntact() const {
   for (const auto& region : held_) {
-    ATTN_RETURN_IF_ERROR(region->CheckIntact());
+    ATTN_RETURN_IF_ERROR(region->VerifyIntact());
   }
   return absl::OkStatus();
 }

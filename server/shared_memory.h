@@ -62,7 +62,7 @@ class SharedMemoryRegion {
 
   // FAILED_PRECONDITION naming the region when its object is now smaller
   // than the window, or was while it was read (the fault guard's mark).
-  absl::Status CheckIntact() const;
+  absl::Status VerifyIntact() const;
 
  private:
   SharedMemoryRegion(SharedMemoryRegionInfo info, int fd, char* map_base,
@@ -126,7 +126,7 @@ class CallSharedMemory : public SharedMemoryResolver {
                                 uint64_t byte_size, uint64_t alignment,
                                 absl::string_view field) override;
   // After computing: FAILED_PRECONDITION if a region used shrank meanwhile.
-  absl::Status CheckIntact() const;
+  absl::Status VerifyIntact() const;
 
  private:
   const SharedMemoryRegistry* registry_;

@@ -166,11 +166,11 @@ TEST_F(SecurityTest, TokensGuardEveryRpcButHealth) {
 TEST(ServerOptionsTest, TlsFlagsComeInPairs) {
   ServerOptions options;
   options.tls_cert = "cert.pem";
-  EXPECT_EQ(ValidateServerOptions(options).message(),
+  EXPECT_EQ(VerifyServerOptions(options).message(),
             "--tls_cert and --tls_key: give both or neither");
   options = ServerOptions();
   options.tls_client_ca = "ca.pem";
-  EXPECT_EQ(ValidateServerOptions(options).message(),
+  EXPECT_EQ(VerifyServerOptions(options).message(),
             "--tls_client_ca: needs --tls_cert and --tls_key");
 }
 

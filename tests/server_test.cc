@@ -468,29 +468,29 @@ TEST_F(ServerTest, ComputeBf16IsHonored) {
 TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
   ServerOptions options;
   options.port = 70000;
-  EXPECT_EQ(ValidateServerOptions(options).message(),
+  EXPECT_EQ(VerifyServerOptions(options).message(),
             "--port: 70000 is not in [0, 65535]");
   options = ServerOptions();
   options.max_message_mb = 0;
-  EXPECT_EQ(ValidateServerOptions(options).message(),
+  EXPECT_EQ(VerifyServerOptions(options).message(),
             "--max_message_mb: 0 is not in [1, 2047] (protobuf messages are "
             "limited to 2 GiB)");
   options = ServerOptions();
   options.lame_duck_seconds = -1;
-  EXPECT_EQ(ValidateServerOptions(options).message(),
+  EXPECT_EQ(VerifyServerOptions(options).message(),
             "--lame_duck_seconds: -1 is negative");
   options.lame_duck_seconds = 5;
   options.drain_seconds = 5;
-  EXPECT_EQ(ValidateServerOptions(options).message(),
+  EXPECT_EQ(VerifyServerOptions(options).message(),
             "--lame_duck_seconds: 5 must be less than --drain_seconds (5), of "
             "which it is the first part, or 0");
   options.lame_duck_seconds = 0;
   options.drain_seconds = 0;
-  EXPECT_TRUE(ValidateServerOptions(options).ok());
+  EXPECT_TRUE(VerifyServerOptions(options).ok());
   options.max_connection_age_seconds = -1;
-  EXPECT_EQ(ValidateServerOptions(options).message(),
+  EXPECT_EQ(VerifyServerOptions(options).message(),
             "--max_connection_age_seconds: -1 is negative");
-  EXPECT_TRUE(ValidateServerOptions(ServerOptions()).ok());
+  EXPECT_TRUE(VerifyServerOptions(ServerOptions()).ok());
 }
 
 TEST(ServerOptionsTest, LogLevelShowsItsSeverityAndAbove) {

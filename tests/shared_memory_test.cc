@@ -444,7 +444,7 @@ TEST(SharedMemoryRegistryTest, HeldRegionOutlivesUnregister) {
   ASSERT_TRUE(registry.Unregister("r").ok());
   EXPECT_EQ(registry.registered_bytes(), 0u);
   EXPECT_EQ((*data)[8191], 7);  // still mapped for the call
-  EXPECT_TRUE(call.CheckIntact().ok());
+  EXPECT_TRUE(call.VerifyIntact().ok());
 }
 
 TEST(SharedMemoryRegistryTest, TruncatedUnderAReadFailsTheCall) {
@@ -463,7 +463,7 @@ TEST(SharedMemoryRegistryTest, TruncatedUnderAReadFailsTheCall) {
   // call.
   volatile char* last_page = *data + 3 * 4096;
   EXPECT_EQ(last_page[5], 0);
-  const absl::Status intact = call.CheckIntact();
+  const absl::Status intact = call.VerifyIntact();
   EXPECT_EQ(intact.code(), absl::StatusCode::kFailedPrecondition) << intact;
 }
 
