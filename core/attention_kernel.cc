@@ -13,6 +13,7 @@
 #include "core/mutex.h"
 #include "core/primitives.h"
 #include "core/row_ops.h"
+#include "core/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -70,9 +71,8 @@ class TileGemms {
     for (TileGemm& gemm : gemms_) {
       if (gemm.shape() == shape) return &gemm;
     }
-    auto gemm = TileGemm::Create(shape);
-    if (!gemm.ok()) return gemm.status();
-    gemms_.push_back(*std::move(gemm));
+    ATTN_ASSIGN_OR_RETURN(TileGemm gemm, TileGemm::Create(shape));
+    gemms_.push_back(std::move(gemm));
     return &gemms_.back();
   }
 
@@ -88,9 +88,8 @@ class TileGemms {
       }
       return absl::OkStatus();
     }
-    auto gemm = Get(shape);
-    if (!gemm.ok()) return gemm.status();
-    return GuardDnnl("tile matmul", [&] { (*gemm)->Run(a, b, c); });
+    ATTN_ASSIGN_OR_RETURN(TileGemm * gemm, Get(shape));
+    return GuardDnnl("tile matmul", [&] { gemm->Run(a, b, c); });
   }
 
  private:

@@ -158,9 +158,7 @@ SharedMemoryRegion::SharedMemoryRegion(SharedMemoryRegionInfo info, int fd,
 
 absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(
     SharedMemoryRegionInfo info) {
-  absl::StatusOr<std::string> key = NormalizedKey(info.key);
-  if (!key.ok()) return key.status();
-  info.key = *key;
+  ATTN_ASSIGN_OR_RETURN(info.key, NormalizedKey(info.key));
   if (info.byte_size == 0) {
     return absl::InvalidArgumentError("byte_size: must be > 0");
   }
@@ -276,13 +274,12 @@ absl::Status SharedMemoryRegistry::Register(
   }
   // Mapped outside the lock (opening and mapping take a while), so checked
   // again after: another registration may have come meanwhile.
-  absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> region =
-      SharedMemoryRegion::Map(info);
-  if (!region.ok()) return region.status();
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<SharedMemoryRegion> region,
+                        SharedMemoryRegion::Map(info));
   MutexLock lock(&mu_);
   if (absl::Status room = VerifyRoomFor(info); !room.ok()) return room;
   registered_bytes_ += info.byte_size;
-  regions_.emplace(info.name, std::move(*region));
+  regions_.emplace(info.name, std::move(region));
   return absl::OkStatus();
 }
 
