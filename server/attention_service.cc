@@ -94,8 +94,6 @@ struct AttentionServiceImpl::Call {
   std::string rpc;  // for the metrics and the access log
   RequestCost cost;
   absl::Time arrived;
-  // The RPC's handler, bound to the request and the response.
-  std::function<absl::Status(const CallControl&)> handle;
 };
 
 AttentionServiceImpl::AttentionServiceImpl(const ServiceConfig& config)
@@ -114,14 +112,16 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
     Response* response, const RequestCost& cost, Handler handle) {
   const absl::Time arrived = absl::Now();
   return Dispatch(
-      Call{context, request, response, RpcName(*request), cost, arrived,
-           [request, response,
-            handle = std::move(handle)](const CallControl& control) {
-             return handle(*request, response, control);
-           }});
+      Call{context, request, response, RpcName(*request), cost, arrived},
+      [request, response,
+       handle = std::move(handle)](const CallControl& control) {
+        return handle(*request, response, control);
+      });
 }
 
-grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call) {
+template <typename BoundHandler>
+grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call,
+                                                         BoundHandler handle) {
   absl::Status admitted = Authenticate(*call.context);
   if (admitted.ok()) admitted = Admit(*call.context, call.cost);
   if (!admitted.ok()) {
@@ -139,7 +139,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call) {
     grpc::ServerUnaryReactor* reactor = nullptr;
     if (config_.scheduler->RunHereIfIdle([&] {
           reactor = call.context->DefaultReactor();
-          Compute(call, reactor, nullptr);
+          Compute(call, handle, reactor, nullptr);
         })) {
       return reactor;
     }
@@ -147,9 +147,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call) {
   auto* reactor = new CallReactor();
   // Shared with the queued work, which the scheduler drops when it refuses.
   auto queued_call = std::make_shared<const Call>(std::move(call));
-  const bool queued = config_.scheduler->Submit([this, queued_call, reactor] {
-    Compute(*queued_call, reactor, reactor->cancelled());
-  });
+  const bool queued = config_.scheduler->Submit(
+      [this, queued_call, handle = std::move(handle), reactor] {
+        Compute(*queued_call, handle, reactor, reactor->cancelled());
+      });
   if (!queued) {
     const absl::Status busy = absl::ResourceExhaustedError(
         absl::StrCat("server busy: ", config_.scheduler->max_inflight(),
@@ -162,9 +163,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call) {
   return reactor;
 }
 
-void AttentionServiceImpl::Compute(const Call& call,
-                                   grpc::ServerUnaryReactor* reactor,
-                                   const std::atomic<bool>* cancelled) {
+void AttentionServiceImpl::Compute(
+    const Call& call,
+    absl::FunctionRef<absl::Status(const CallControl&)> handle,
+    grpc::ServerUnaryReactor* reactor, const std::atomic<bool>* cancelled) {
   const absl::Time started = absl::Now();
   absl::Duration compute;
   absl::Status status;
@@ -180,7 +182,7 @@ void AttentionServiceImpl::Compute(const Call& call,
       ThreadBudget::Lease lease =
           config_.thread_budget->Acquire(UsefulThreads(call.cost.flops));
       CallSharedMemory shared_memory(config_.shared_memory);
-      status = call.handle(CallControl{cancelled, &shared_memory});
+      status = handle(CallControl{cancelled, &shared_memory});
     }
     compute = absl::Now() - started;
     if (status.ok()) config_.cost_model->Observe(call.cost.flops, compute);

@@ -31,6 +31,8 @@
 
 namespace attnserve {
 
+struct CallControl;  // server/handlers.h
+
 // What the service needs from the server around it; every pointer must
 // outlive the service.
 struct ServiceConfig {
@@ -112,13 +114,18 @@ class AttentionServiceImpl final
   grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
                                   const Request* request, Response* response,
                                   const RequestCost& cost, Handler handle);
-  // Authenticates and admits `call`, then computes it here if it is tiny
-  // and a worker is free, or queues it on the scheduler.
-  grpc::ServerUnaryReactor* Dispatch(Call call);
+  // Authenticates and admits `call`, then computes it with `handle` (the
+  // RPC's handler bound to the request and the response) here if it is tiny
+  // and a worker is free, or queues it on the scheduler. A template so that
+  // the handler is not type-erased into an allocation on the tiny-call path.
+  template <typename BoundHandler>
+  grpc::ServerUnaryReactor* Dispatch(Call call, BoundHandler handle);
   // Computes an admitted call and answers it through `reactor`.
   // `cancelled`: set when the client cancels or the deadline passes; null
   // for calls too short to be worth stopping.
-  void Compute(const Call& call, grpc::ServerUnaryReactor* reactor,
+  void Compute(const Call& call,
+               absl::FunctionRef<absl::Status(const CallControl&)> handle,
+               grpc::ServerUnaryReactor* reactor,
                const std::atomic<bool>* cancelled);
   // RPCs that only read or register server state: authenticated, then
   // answered on gRPC's thread, outside the scheduler and the metrics.
