@@ -60,85 +60,63 @@ AttnClient::AttnClient(const ClientOptions& options)
   health_stub_ = grpc::health::v1::Health::NewStub(channel_);
 }
 
-template <typename Request, typename Response, typename Method>
-absl::StatusOr<Response> AttnClient::Call(Method method,
-                                          const Request& request) {
+template <typename Stub, typename Request, typename Response>
+absl::StatusOr<Response> AttnClient::Call(
+    Stub* stub,
+    grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
+                                 Response*),
+    const Request& request) {
   grpc::ClientContext context;
   PrepareContext(options_, &context);
   Response response;
-  grpc::Status status = method(&context, request, &response);
+  grpc::Status status = (stub->*method)(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
   return response;
 }
 
 absl::StatusOr<v1::AttendResponse> AttnClient::Attend(
     const v1::AttendRequest& request) {
-  return Call<v1::AttendRequest, v1::AttendResponse>(
-      [this](auto* c, const auto& req, auto* resp) {
-        return stub_->Attend(c, req, resp);
-      },
-      request);
+  return Call(stub_.get(), &v1::AttentionService::Stub::Attend, request);
 }
 
 absl::StatusOr<v1::MultiHeadAttendResponse> AttnClient::MultiHeadAttend(
     const v1::MultiHeadAttendRequest& request) {
-  return Call<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>(
-      [this](auto* c, const auto& req, auto* resp) {
-        return stub_->MultiHeadAttend(c, req, resp);
-      },
-      request);
+  return Call(stub_.get(), &v1::AttentionService::Stub::MultiHeadAttend,
+              request);
 }
 
 absl::StatusOr<v1::LayerNormResponse> AttnClient::LayerNorm(
     const v1::LayerNormRequest& request) {
-  return Call<v1::LayerNormRequest, v1::LayerNormResponse>(
-      [this](auto* c, const auto& req, auto* resp) {
-        return stub_->LayerNorm(c, req, resp);
-      },
-      request);
+  return Call(stub_.get(), &v1::AttentionService::Stub::LayerNorm, request);
 }
 
 absl::StatusOr<v1::ListModelsResponse> AttnClient::ListModels() {
-  return Call<v1::ListModelsRequest, v1::ListModelsResponse>(
-      [this](auto* c, const auto& req, auto* resp) {
-        return stub_->ListModels(c, req, resp);
-      },
-      v1::ListModelsRequest());
+  return Call(stub_.get(), &v1::AttentionService::Stub::ListModels,
+              v1::ListModelsRequest());
 }
 
 absl::StatusOr<v1::GetModelMetadataResponse> AttnClient::GetModelMetadata(
     const std::string& name) {
   v1::GetModelMetadataRequest request;
   request.set_name(name);
-  return Call<v1::GetModelMetadataRequest, v1::GetModelMetadataResponse>(
-      [this](auto* c, const auto& req, auto* resp) {
-        return stub_->GetModelMetadata(c, req, resp);
-      },
-      request);
+  return Call(stub_.get(), &v1::AttentionService::Stub::GetModelMetadata,
+              request);
 }
 
 absl::Status AttnClient::RegisterSharedMemory(
     const v1::SharedMemoryRegion& region) {
   v1::RegisterSharedMemoryRequest request;
   *request.mutable_region() = region;
-  return Call<v1::RegisterSharedMemoryRequest,
-              v1::RegisterSharedMemoryResponse>(
-             [this](auto* c, const auto& req, auto* resp) {
-               return stub_->RegisterSharedMemory(c, req, resp);
-             },
-             request)
+  return Call(stub_.get(), &v1::AttentionService::Stub::RegisterSharedMemory,
+              request)
       .status();
 }
 
 absl::Status AttnClient::UnregisterSharedMemory(const std::string& name) {
   v1::UnregisterSharedMemoryRequest request;
   request.set_name(name);
-  return Call<v1::UnregisterSharedMemoryRequest,
-              v1::UnregisterSharedMemoryResponse>(
-             [this](auto* c, const auto& req, auto* resp) {
-               return stub_->UnregisterSharedMemory(c, req, resp);
-             },
-             request)
+  return Call(stub_.get(), &v1::AttentionService::Stub::UnregisterSharedMemory,
+              request)
       .status();
 }
 
@@ -146,11 +124,8 @@ absl::StatusOr<v1::ListSharedMemoryResponse> AttnClient::ListSharedMemory(
     const std::string& name) {
   v1::ListSharedMemoryRequest request;
   request.set_name(name);
-  return Call<v1::ListSharedMemoryRequest, v1::ListSharedMemoryResponse>(
-      [this](auto* c, const auto& req, auto* resp) {
-        return stub_->ListSharedMemory(c, req, resp);
-      },
-      request);
+  return Call(stub_.get(), &v1::AttentionService::Stub::ListSharedMemory,
+              request);
 }
 
 SharedMemorySession::~SharedMemorySession() {
@@ -248,14 +223,10 @@ absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus>
 AttnClient::Health(const std::string& service) {
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
-  auto response = Call<grpc::health::v1::HealthCheckRequest,
-                       grpc::health::v1::HealthCheckResponse>(
-      [this](auto* c, const auto& req, auto* resp) {
-        return health_stub_->Check(c, req, resp);
-      },
-      request);
-  if (!response.ok()) return response.status();
-  return response->status();
+  ATTN_ASSIGN_OR_RETURN(const grpc::health::v1::HealthCheckResponse response,
+                        Call(health_stub_.get(),
+                             &grpc::health::v1::Health::Stub::Check, request));
+  return response.status();
 }
 
 }  // namespace attnserve

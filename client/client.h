@@ -120,8 +120,14 @@ class AttnClient {
       const std::string& service);
 
  private:
-  template <typename Request, typename Response, typename Method>
-  absl::StatusOr<Response> Call(Method method, const Request& request);
+  // One unary call of `stub`'s `method` with this client's deadline and
+  // metadata.
+  template <typename Stub, typename Request, typename Response>
+  absl::StatusOr<Response> Call(
+      Stub* stub,
+      grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
+                                   Response*),
+      const Request& request);
   // Run with shared memory, for a request built with raw_data.
   template <typename Request>
   absl::StatusOr<NamedTensors> RunInSharedMemory(
