@@ -1,5 +1,6 @@
 #include "proto/tensor_codec.h"
 
+#include <array>
 #include <cstring>
 #include <string>
 
@@ -181,11 +182,26 @@ absl::StatusOr<Tensor> CopyTensor(const v1::Tensor& tensor,
 namespace {
 
 // The AttentionWeights field `field` names. The table and the proto share
-// the names; tests check every one resolves.
+// the names; tests check every one resolves. Entries of the table are
+// looked up once, not by name on every call.
 const google::protobuf::FieldDescriptor& WeightFieldDescriptor(
     const MultiHeadWeightField& field) {
-  return *v1::AttentionWeights::descriptor()->FindFieldByName(
-      std::string(field.name));
+  const google::protobuf::Descriptor* message =
+      v1::AttentionWeights::descriptor();
+  static const auto* const kByTableIndex = [message] {
+    auto* descriptors = new std::array<const google::protobuf::FieldDescriptor*,
+                                       kMultiHeadWeightFields.size()>();
+    for (size_t i = 0; i < kMultiHeadWeightFields.size(); ++i) {
+      (*descriptors)[i] =
+          message->FindFieldByName(std::string(kMultiHeadWeightFields[i].name));
+    }
+    return descriptors;
+  }();
+  const MultiHeadWeightField* first = kMultiHeadWeightFields.data();
+  if (&field >= first && &field < first + kMultiHeadWeightFields.size()) {
+    return *(*kByTableIndex)[&field - first];
+  }
+  return *message->FindFieldByName(std::string(field.name));
 }
 
 }  // namespace
