@@ -148,13 +148,16 @@ TEST(TensorCodecTest, DecodesRawDataOfEveryDTypeInPlace) {
 }
 
 TEST(TensorCodecTest, ScalarsAndEmptyTensors) {
-  auto scalar =
-      DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {}, Bytes<float>({4.0f})), "x");
+  // The view reads the message's bytes: the message must outlive it.
+  const v1::Tensor scalar_wire =
+      Wire(v1::DATA_TYPE_FLOAT32, {}, Bytes<float>({4.0f}));
+  auto scalar = DecodeTensor(scalar_wire, "x");
   ASSERT_TRUE(scalar.ok()) << scalar.status();
   EXPECT_TRUE(scalar->shape.empty());
   EXPECT_EQ(*static_cast<const float*>(scalar->data), 4.0f);
   // Zero elements need zero bytes.
-  auto empty = DecodeTensor(Wire(v1::DATA_TYPE_BFLOAT16, {3, 0}, ""), "x");
+  const v1::Tensor empty_wire = Wire(v1::DATA_TYPE_BFLOAT16, {3, 0}, "");
+  auto empty = DecodeTensor(empty_wire, "x");
   ASSERT_TRUE(empty.ok()) << empty.status();
   EXPECT_EQ(empty->shape, (Shape{3, 0}));
   EXPECT_EQ(empty->num_elements(), 0);
