@@ -187,12 +187,16 @@ TEST(BinariesTest, AttnctlRoundTripsGoldensThroughTheServer) {
   }
 }
 
-// The server's resident memory (VmRSS) in bytes, 0 if unreadable.
-int64_t ResidentBytes(pid_t pid) {
+// The most memory the server has had resident so far (VmHWM) in bytes, 0
+// if unreadable. The peak, not the current figure (VmRSS): the allocator
+// returns idle pages to the kernel now and then and faults them in again,
+// which moves VmRSS by 10% either way between two reads of the same state;
+// a leak or a growing working set raises the peak.
+int64_t PeakResidentBytes(pid_t pid) {
   std::ifstream status(absl::StrCat("/proc/", pid, "/status"));
   std::string line;
   while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) {
+    if (line.rfind("VmHWM:", 0) == 0) {
       return std::atoll(line.c_str() + 6) * 1024;
     }
   }
@@ -230,15 +234,18 @@ TEST(BinariesTest, ResidentMemoryPlateausUnderMixedLoad) {
   };
   round();
   round();
-  const int64_t warm = ResidentBytes(server.pid());
+  const int64_t warm = PeakResidentBytes(server.pid());
   ASSERT_GT(warm, 0);
   for (int i = 0; i < 4; ++i) round();
-  const int64_t after = ResidentBytes(server.pid());
-  std::printf("resident memory: %lld MiB warm, %lld MiB after 4 more rounds\n",
-              static_cast<long long>(warm >> 20),
-              static_cast<long long>(after >> 20));
-  // The bound: at most 10% above the warm figure.
-  EXPECT_LE(after, warm + warm / 10)
+  const int64_t after = PeakResidentBytes(server.pid());
+  std::printf(
+      "peak resident memory: %lld MiB warm, %lld MiB after 4 more rounds\n",
+      static_cast<long long>(warm >> 20), static_cast<long long>(after >> 20));
+  // The bound: at most 15% above the warm figure. The peak settles within
+  // about 6% (a few MiB of steps as the allocator's spans fragment, flat
+  // after), and 15% is about 30 MiB: less than what keeping one large
+  // call's buffers, or 32 KiB per call, over these ~950 calls would add.
+  EXPECT_LE(after, warm + warm * 15 / 100)
       << "warm " << (warm >> 20) << " MiB, after 4 more rounds "
       << (after >> 20) << " MiB";
 }
