@@ -31,6 +31,9 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA certificates: require client certificates they signed.");
 ABSL_FLAG(std::string, auth_token_file, "",
           "File of accepted bearer tokens, one per line.");
+ABSL_FLAG(bool, reflection, attnserve::ServerOptions().reflection,
+          "Serve gRPC server reflection (the API schema; needs no token). "
+          "false: only health checks answer without a token.");
 ABSL_FLAG(std::string, model_repository, "",
           "Folder of models: NAME/config.pbtxt and NAME/weights.safetensors. "
           "SIGHUP reloads it.");
@@ -85,6 +88,7 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
   options.tls_client_ca = absl::GetFlag(FLAGS_tls_client_ca);
   options.auth_token_file = absl::GetFlag(FLAGS_auth_token_file);
+  options.reflection = absl::GetFlag(FLAGS_reflection);
   return options;
 }
 

@@ -63,9 +63,14 @@ struct ServerOptions {
   // signed by one of them. Needs tls_cert.
   std::string tls_client_ca;
   // File of accepted bearer tokens, one per line ('#' starts a comment).
-  // When set, every call but health checks needs the metadata
-  // `authorization: Bearer <token>`.
+  // When set, every AttentionService call needs the metadata
+  // `authorization: Bearer <token>`; health checks and reflection do not.
   std::string auth_token_file;
+  // Serve gRPC server reflection (the API's schema, for tools such as
+  // grpcurl). It answers without a token: it tells only what the published
+  // proto files tell, no models and no server state. false: only health
+  // checks answer without one.
+  bool reflection = true;
   // Model repository folder: NAME/config.pbtxt and NAME/weights.safetensors
   // per model. Empty: no models (weights come with each request).
   std::string model_repository;

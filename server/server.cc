@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <memory>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -9,10 +11,53 @@
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/impl/server_builder_option.h"
+#include "grpcpp/impl/server_builder_plugin.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
 
 namespace attnserve {
+
+namespace {
+
+// Takes gRPC's reflection service out of a server: gRPC registers it in
+// every builder once InitProtoReflectionServerBuilderPlugin has run.
+class WithoutReflection : public grpc::ServerBuilderOption {
+ public:
+  void UpdateArguments(grpc::ChannelArguments* /*args*/) override {}
+  void UpdatePlugins(std::vector<std::unique_ptr<grpc::ServerBuilderPlugin>>*
+                         plugins) override {
+    plugins->erase(
+        std::remove_if(plugins->begin(), plugins->end(),
+                       [](const std::unique_ptr<grpc::ServerBuilderPlugin>& p) {
+                         return p->name() == "proto_server_reflection";
+                       }),
+        plugins->end());
+  }
+};
+
+// Message limits, port sharing, connection age and reflection from `options`.
+void ConfigureBuilder(const ServerOptions& options,
+                      grpc::ServerBuilder* builder) {
+  const int max_bytes = options.max_message_mb * 1024 * 1024;
+  builder->SetMaxReceiveMessageSize(max_bytes);
+  builder->SetMaxSendMessageSize(max_bytes);
+  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would
+  // silently share it instead of failing.
+  builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  if (options.max_connection_age_seconds > 0) {
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
+                                options.max_connection_age_seconds * 1000);
+    // Calls in flight on a closing connection finish as in a drain.
+    builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
+                                options.drain_seconds * 1000);
+  }
+  if (!options.reflection) {
+    builder->SetOption(std::make_unique<WithoutReflection>());
+  }
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     const ServerOptions& options) {
@@ -62,19 +107,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   grpc::ServerBuilder builder;
   const std::string address = ListenAddress(options.host, options.port);
   builder.AddListeningPort(address, credentials, &server->port_);
-  const int max_bytes = options.max_message_mb * 1024 * 1024;
-  builder.SetMaxReceiveMessageSize(max_bytes);
-  builder.SetMaxSendMessageSize(max_bytes);
-  // gRPC sets SO_REUSEPORT by default: a second server on a busy port would
-  // silently share it instead of failing.
-  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
-  if (options.max_connection_age_seconds > 0) {
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
-                               options.max_connection_age_seconds * 1000);
-    // Calls in flight on a closing connection finish as in a drain.
-    builder.AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS,
-                               options.drain_seconds * 1000);
-  }
+  ConfigureBuilder(options, &builder);
   builder.RegisterService(server->service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {

@@ -2,6 +2,7 @@
 // serving after each of them.
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <set>
 #include <string>
 #include <thread>
@@ -348,9 +349,12 @@ TEST(ServerConnectionTest, ConnectionsAreClosedAfterTheirMaximumAge) {
   EXPECT_TRUE(check().ok());
 }
 
-TEST_F(ServerTest, ReflectionListsTheServices) {
-  auto channel = grpc::CreateChannel(server_->target(),
-                                     grpc::InsecureChannelCredentials());
+// The services a server lists through reflection, or the status of the
+// reflection stream (`token`: sent as `authorization: Bearer <token>`).
+absl::StatusOr<std::set<std::string>> ReflectedServices(
+    const std::string& target, const std::string& token = "") {
+  auto channel =
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials());
   namespace reflection = attnserve::testing::reflection;
   using Request = reflection::ServerReflectionRequest;
   using Response = reflection::ServerReflectionResponse;
@@ -360,24 +364,57 @@ TEST_F(ServerTest, ReflectionListsTheServices) {
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() +
                        std::chrono::seconds(30));
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
   std::unique_ptr<grpc::ClientReaderWriter<Request, Response>> stream(
       grpc::internal::ClientReaderWriterFactory<Request, Response>::Create(
           channel.get(), method, &context));
   Request request;
   request.set_list_services("");
-  ASSERT_TRUE(stream->Write(request));
+  stream->Write(request);
   stream->WritesDone();
   Response response;
-  ASSERT_TRUE(stream->Read(&response));
   std::set<std::string> names;
-  for (const auto& service : response.list_services_response().service()) {
-    names.insert(service.name());
-  }
-  EXPECT_TRUE(names.count("attnserve.v1.AttentionService")) << names.size();
-  EXPECT_TRUE(names.count("grpc.health.v1.Health"));
   while (stream->Read(&response)) {
+    for (const auto& service : response.list_services_response().service()) {
+      names.insert(service.name());
+    }
   }
-  EXPECT_TRUE(stream->Finish().ok());
+  const grpc::Status status = stream->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return names;
+}
+
+TEST_F(ServerTest, ReflectionListsTheServices) {
+  auto names = ReflectedServices(server_->target());
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_TRUE(names->count("attnserve.v1.AttentionService")) << names->size();
+  EXPECT_TRUE(names->count("grpc.health.v1.Health"));
+}
+
+// Reflection tells only what the published proto files tell, so it answers
+// without a token, like health checks; --reflection=false turns it off.
+TEST(ServerReflectionTest, OpenWithTokensUnlessTurnedOff) {
+  const std::string tokens = ::testing::TempDir() + "/reflection_test_tokens";
+  std::ofstream(tokens) << "reflection-token\n";
+  ServerOptions options;
+  options.auth_token_file = tokens;
+  TestServer guarded(options);
+  auto names = ReflectedServices(guarded.target());
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_TRUE(names->count("attnserve.v1.AttentionService"));
+  EXPECT_EQ(guarded.MakeClient().ListModels().status().code(),
+            absl::StatusCode::kUnauthenticated);
+
+  options.reflection = false;
+  TestServer closed(options);
+  for (const std::string token : {"", "reflection-token"}) {
+    EXPECT_EQ(ReflectedServices(closed.target(), token).status().code(),
+              absl::StatusCode::kUnimplemented)
+        << token;
+  }
+  auto health = closed.MakeClient().Health("");
+  ASSERT_TRUE(health.ok()) << health.status();
+  EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
 }
 
 TEST_F(ServerTest, ConcurrentCallsOfMixedShapesAreAllCorrect) {
