@@ -25,12 +25,13 @@ namespace {
 
 // Attention over L queries and keys, d=64, 8 heads: about 2 * 8 * L^2 * 128
 // FLOPs, some hundreds of milliseconds for L in the thousands.
-v1::AttendRequest LongRequest(int64_t len) {
+v1::AttendRequest LongRequest(int64_t len, int64_t batch = 8) {
   std::mt19937 rng(31);
   v1::AttendRequest r;
   for (v1::Tensor* t :
        {r.mutable_query(), r.mutable_key(), r.mutable_value()}) {
-    EncodeTensor(RandomTensor(DType::kFloat32, {8, len, 64}, rng).view(), t);
+    EncodeTensor(RandomTensor(DType::kFloat32, {batch, len, 64}, rng).view(),
+                 t);
   }
   return r;
 }
@@ -110,11 +111,16 @@ TEST(ServingTest, FullQueueIsRefusedAtOnce) {
 }
 
 TEST(ServingTest, CallThatCannotMeetItsDeadlineIsRefusedUpFront) {
-  TestServer server;
-  // Long enough for the request to arrive on a busy machine.
-  AttnClient client = ClientWithTimeout(server, absl::Seconds(2));
-  // About 1.5 TFLOP: no 2-core machine finishes that in 2 s.
-  const absl::Status status = client.Attend(LongRequest(8192)).status();
+  ServerOptions options;
+  options.threads = 2;
+  TestServer server(options);
+  // Long enough for the 48 MB request to arrive on a busy machine (2 s
+  // was not, with other builds running beside the test).
+  AttnClient client = ClientWithTimeout(server, absl::Seconds(10));
+  // 1.1 TFLOP, which a fresh server's cost model (20 GFLOP/s per thread
+  // until it has measured calls) puts at 27 s on 2 threads.
+  const absl::Status status =
+      client.Attend(LongRequest(65536, /*batch=*/1)).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kDeadlineExceeded);
   EXPECT_NE(status.message().find("call needs about"), std::string::npos)
       << "refused by the server's estimate, not by the client's timer: "
