@@ -43,33 +43,6 @@ RefTensor Reshaped(RefTensor t, Shape shape) {
   return t;
 }
 
-// [B, L, H*d] -> [B, H, L, d].
-RefTensor RefSplitHeads(const RefTensor& x, int64_t heads) {
-  const int64_t b = x.shape[0], l = x.shape[1], d = x.shape[2] / heads;
-  RefTensor y{{b, heads, l, d}, std::vector<double>(x.values.size())};
-  for (int64_t i = 0; i < b; ++i)
-    for (int64_t t = 0; t < l; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t c = 0; c < d; ++c)
-          y.values[((i * heads + h) * l + t) * d + c] =
-              x.values[((i * l + t) * heads + h) * d + c];
-  return y;
-}
-
-// [B, H, L, d] -> [B, L, H*d].
-RefTensor RefMergeHeads(const RefTensor& x) {
-  const int64_t b = x.shape[0], heads = x.shape[1], l = x.shape[2],
-                d = x.shape[3];
-  RefTensor y{{b, l, heads * d}, std::vector<double>(x.values.size())};
-  for (int64_t i = 0; i < b; ++i)
-    for (int64_t t = 0; t < l; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t c = 0; c < d; ++c)
-          y.values[((i * l + t) * heads + h) * d + c] =
-              x.values[((i * heads + h) * l + t) * d + c];
-  return y;
-}
-
 std::optional<RefTensor> OptRef(const std::optional<Tensor>& t) {
   if (!t) return std::nullopt;
   return ToRef(t->view());
@@ -168,31 +141,18 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
       key ? Reshaped(ToRef(key->view()), {b, lk, c.ek}) : q_ref;
   const RefTensor v_ref =
       value ? Reshaped(ToRef(value->view()), {b, lk, c.ev}) : k_ref;
-  RefTensor pq, pk, pv;
-  if (c.fused) {
-    const RefTensor all = ToRef(win->view());
-    const int64_t e = c.eq;
-    auto part = [&](int i, const RefTensor& src) {
-      RefTensor wpart{{e, e},
-                      {all.values.begin() + i * e * e,
-                       all.values.begin() + (i + 1) * e * e}};
-      std::optional<RefTensor> bpart;
-      if (bin) {
-        const RefTensor ball = ToRef(bin->view());
-        bpart = RefTensor{
-            {e},
-            {ball.values.begin() + i * e, ball.values.begin() + (i + 1) * e}};
-      }
-      return RefLinear(src, wpart, bpart);
-    };
-    pq = part(0, q_ref);
-    pk = part(1, k_ref);
-    pv = part(2, v_ref);
-  } else {
-    pq = RefLinear(q_ref, ToRef(wq->view()), OptRef(bq));
-    pk = RefLinear(k_ref, ToRef(wk->view()), OptRef(bk));
-    pv = RefLinear(v_ref, ToRef(wv->view()), OptRef(bv));
-  }
+  RefMultiHeadWeights ref_weights;
+  ref_weights.num_heads = c.heads;
+  ref_weights.q_proj_weight = OptRef(wq);
+  ref_weights.k_proj_weight = OptRef(wk);
+  ref_weights.v_proj_weight = OptRef(wv);
+  ref_weights.in_proj_weight = OptRef(win);
+  ref_weights.q_proj_bias = OptRef(bq);
+  ref_weights.k_proj_bias = OptRef(bk);
+  ref_weights.v_proj_bias = OptRef(bv);
+  ref_weights.in_proj_bias = OptRef(bin);
+  ref_weights.out_proj_weight = OptRef(wo);
+  ref_weights.out_proj_bias = OptRef(bo);
   std::vector<RefTensor> masks;
   std::vector<bool> keep;
   if (mask) {
@@ -205,11 +165,10 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
     masks.push_back(Reshaped(ToRef(padding->view()), {b, 1, 1, lk}));
     keep.push_back(true);
   }
-  const RefAttentionResult att = RefAttend(
-      RefSplitHeads(pq, h), RefSplitHeads(pk, h), RefSplitHeads(pv, h), masks,
-      keep, {c.causal, c.scale, c.temperature});
-  RefTensor out = RefMergeHeads(att.output);
-  if (wo) out = RefLinear(out, ToRef(wo->view()), OptRef(bo));
+  const RefAttentionResult att =
+      RefMultiHeadAttend(ref_weights, q_ref, k_ref, v_ref, masks, keep,
+                         {c.causal, c.scale, c.temperature});
+  RefTensor out = att.output;
   if (!batched) out.shape.erase(out.shape.begin());
   RefTensor weights = att.weights;
   if (c.average) {
