@@ -593,18 +593,6 @@ void PrintTo(const MhaNonFiniteCase& c, std::ostream* os) {
   *os << MhaNonFiniteName(c);
 }
 
-std::optional<RefTensor>* RefField(RefMultiHeadWeights& w,
-                                   absl::string_view name) {
-  std::optional<RefTensor>* fields[] = {
-      &w.q_proj_weight,   &w.k_proj_weight, &w.v_proj_weight, &w.in_proj_weight,
-      &w.q_proj_bias,     &w.k_proj_bias,   &w.v_proj_bias,   &w.in_proj_bias,
-      &w.out_proj_weight, &w.out_proj_bias};
-  for (size_t i = 0; i < kMultiHeadWeightFields.size(); ++i) {
-    if (kMultiHeadWeightFields[i].name == name) return fields[i];
-  }
-  return nullptr;
-}
-
 class MhaNonFiniteTest : public ::testing::TestWithParam<MhaNonFiniteCase> {};
 
 TEST_P(MhaNonFiniteTest, PropagatesAsTheReferenceDoes) {
@@ -652,7 +640,7 @@ TEST_P(MhaNonFiniteTest, PropagatesAsTheReferenceDoes) {
     auto it = t.find(std::string(field.name));
     if (it == t.end()) continue;
     w.*field.member = it->second.view();
-    *RefField(ref_w, field.name) = ToRef(it->second.view());
+    *ref_w.Field(field.name) = ToRef(it->second.view());
   }
   MultiHeadInputs in{t.at("query").view(), t.at("key").view(),
                      t.at("value").view(), std::nullopt, OptView(padding)};

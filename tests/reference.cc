@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "core/convert.h"
 
@@ -184,6 +185,24 @@ RefTensor Part(const RefTensor& t, int i, int64_t rows) {
 }
 
 }  // namespace
+
+std::optional<RefTensor>* RefMultiHeadWeights::Field(absl::string_view name) {
+  const std::pair<absl::string_view, std::optional<RefTensor>*> fields[] = {
+      {"q_proj_weight", &q_proj_weight},
+      {"k_proj_weight", &k_proj_weight},
+      {"v_proj_weight", &v_proj_weight},
+      {"in_proj_weight", &in_proj_weight},
+      {"q_proj_bias", &q_proj_bias},
+      {"k_proj_bias", &k_proj_bias},
+      {"v_proj_bias", &v_proj_bias},
+      {"in_proj_bias", &in_proj_bias},
+      {"out_proj_weight", &out_proj_weight},
+      {"out_proj_bias", &out_proj_bias}};
+  for (const auto& [field_name, field] : fields) {
+    if (field_name == name) return field;
+  }
+  return nullptr;
+}
 
 RefAttentionResult RefMultiHeadAttend(
     const RefMultiHeadWeights& w, const RefTensor& query, const RefTensor& key,

@@ -9,6 +9,7 @@
 #include <optional>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "core/tensor.h"
 #include "gtest/gtest.h"
 
@@ -48,6 +49,9 @@ RefAttentionResult RefAttend(const RefTensor& q, const RefTensor& k,
 
 // nn.MultiheadAttention's weights (see MultiHeadWeights in core/attention.h).
 struct RefMultiHeadWeights {
+  // The field named `name` (kMultiHeadWeightFields' names); null for none.
+  std::optional<RefTensor>* Field(absl::string_view name);
+
   int num_heads = 0;
   std::optional<RefTensor> q_proj_weight, k_proj_weight, v_proj_weight,
       in_proj_weight, q_proj_bias, k_proj_bias, v_proj_bias, in_proj_bias,
