@@ -241,33 +241,28 @@ float OperandValue(const void* base, DType dtype, int64_t offset) {
 // and whenever no key is excluded), kExcludeValues does not read those rows.
 enum class ValueMode { kGemm, kExcludeValues };
 
-// acc += probabilities * V for keys j0 .. j0 + cols. With kExcludeValues
-// and a non-finite element in the tile, the GEMM runs on a copy of the tile
-// with those elements 0, and each is then added, with its IEEE product,
-// to the rows that do not exclude its key.
-absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
-                              const BlockOperands& in, int64_t j0, int64_t cols,
-                              const void* probs, int64_t ld, float* acc,
-                              TileGemms& gemms, ThreadBuffers& buf,
-                              ValueMode mode) {
+// acc += probabilities * the `cols` value rows at `v` (`stride` apart,
+// keys j0 .. j0 + cols), reading no value row of a key a row excludes: with
+// a non-finite element in the tile, the GEMM runs on a copy of the tile with
+// those elements 0, and each is then added, with its IEEE product, to the
+// rows that keep its key.
+absl::Status AccumulateKeptValues(const AttentionProblem& p, const Block& blk,
+                                  const void* v, int64_t stride, int64_t j0,
+                                  int64_t cols, const void* probs, int64_t ld,
+                                  float* acc, TileGemms& gemms,
+                                  ThreadBuffers& buf) {
   const DType t = p.operand_dtype;
   const int64_t dv = p.value_dim;
-  const int64_t stride = p.value_layout.row_stride;
-  const void* v = At(in.v, t, j0 * stride);
-  if (mode == ValueMode::kGemm) {
-    return MultiplyValues(p, blk, v, stride, cols, probs, ld, acc, gemms);
-  }
-  int64_t bad[kKeyBlock];  // tile rows holding a non-finite value
-  int64_t num_bad = 0;
+  std::vector<int64_t> bad;  // tile rows holding a non-finite value
   for (int64_t j = 0; j < cols; ++j) {
     for (int64_t c = 0; c < dv; ++c) {
       if (!std::isfinite(OperandValue(v, t, j * stride + c))) {
-        bad[num_bad++] = j;
+        bad.push_back(j);
         break;
       }
     }
   }
-  if (num_bad == 0) {
+  if (bad.empty()) {
     return MultiplyValues(p, blk, v, stride, cols, probs, ld, acc, gemms);
   }
   const size_t elem = DTypeSize(t);
@@ -282,9 +277,9 @@ absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
   for (int64_t j = 0; j < cols; ++j) {
     std::memcpy(copy + j * dv * elem, At(v, t, j * stride), dv * elem);
   }
-  for (int64_t b = 0; b < num_bad; ++b) {
+  for (int64_t j : bad) {
     for (int64_t c = 0; c < dv; ++c) {
-      const int64_t at = bad[b] * dv + c;
+      const int64_t at = j * dv + c;
       if (std::isfinite(OperandValue(copy, t, at))) continue;
       if (t == DType::kBFloat16) {
         reinterpret_cast<uint16_t*>(copy)[at] = 0;
@@ -296,8 +291,7 @@ absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
   ATTN_RETURN_IF_ERROR(
       MultiplyValues(p, blk, copy, dv, cols, probs, ld, acc, gemms));
   for (int64_t r = 0; r < blk.rows; ++r) {
-    for (int64_t b = 0; b < num_bad; ++b) {
-      const int64_t j = bad[b];
+    for (int64_t j : bad) {
       if (Excluded(p, blk.n, blk.i0 + r, j0 + j)) continue;
       const float prob = OperandValue(probs, t, r * ld + j);
       for (int64_t c = 0; c < dv; ++c) {
@@ -307,6 +301,22 @@ absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
     }
   }
   return absl::OkStatus();
+}
+
+// acc += probabilities (rows `ld` apart, operand dtype) * V for keys
+// j0 .. j0 + cols.
+absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
+                              const BlockOperands& in, int64_t j0, int64_t cols,
+                              const void* probs, int64_t ld, float* acc,
+                              TileGemms& gemms, ThreadBuffers& buf,
+                              ValueMode mode) {
+  const int64_t stride = p.value_layout.row_stride;
+  const void* v = At(in.v, p.operand_dtype, j0 * stride);
+  if (mode == ValueMode::kExcludeValues) {
+    return AccumulateKeptValues(p, blk, v, stride, j0, cols, probs, ld, acc,
+                                gemms, buf);
+  }
+  return MultiplyValues(p, blk, v, stride, cols, probs, ld, acc, gemms);
 }
 
 // Whether the kGemm pass may have let an excluded key's non-finite value
