@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <deque>
 #include <limits>
 #include <memory>
@@ -19,6 +20,7 @@ namespace attnserve {
 namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 
 // Tile sizes: a 128 x 512 float32 logits tile is 256 KiB, which stays in a
 // 1 MiB L2 with the key and value blocks it is made from; measured faster
@@ -34,22 +36,54 @@ void ApplyKeepMask(const T* mask, int64_t key_stride, int64_t count,
   }
 }
 
-// Applies `mask` to logits (n, i, j0 .. j0 + count) held in `row`.
+// Applies `mask` to logits (n, i, j0 .. j0 + count) held in `row`. An
+// excluded position's logit is replaced, not added to: a NaN or +inf logit
+// there must not reach the row (NaN + -inf is NaN).
 void ApplyMask(const MaskLayout& mask, int64_t n, int64_t i, int64_t j0,
                int64_t count, float* row) {
   const int64_t offset =
       mask.batch_offset[n] + i * mask.query_stride + j0 * mask.key_stride;
   if (mask.dtype == DType::kFloat32) {
     const float* values = static_cast<const float*>(mask.data) + offset;
-    for (int64_t j = 0; j < count; ++j) row[j] += values[j * mask.key_stride];
+    for (int64_t j = 0; j < count; ++j) {
+      const float v = values[j * mask.key_stride];
+      row[j] = v == kNegInf ? kNegInf : row[j] + v;
+    }
   } else {
     ApplyKeepMask(static_cast<const uint8_t*>(mask.data) + offset,
                   mask.key_stride, count, row);
   }
 }
 
+// Whether key j is excluded from query i of (batch, head) n by causality or
+// a mask (not merely given a -inf logit by the data).
+bool Excluded(const AttentionProblem& p, int64_t n, int64_t i, int64_t j) {
+  if (p.causal && j > i) return true;
+  for (const MaskLayout& mask : p.masks) {
+    const int64_t offset =
+        mask.batch_offset[n] + i * mask.query_stride + j * mask.key_stride;
+    if (mask.dtype == DType::kFloat32) {
+      if (static_cast<const float*>(mask.data)[offset] == kNegInf) return true;
+    } else if (static_cast<const uint8_t*>(mask.data)[offset] == 0) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// Whether some x[j] * multiplier is NaN. Only asked of rows whose maximum
+// is -inf, to tell a row of NaN logits (NaN) from a fully masked one
+// (zeros): the maxima ignore NaN.
+bool AnyNaN(const float* x, int64_t n, float multiplier) {
+  for (int64_t j = 0; j < n; ++j) {
+    if (std::isnan(x[j] * multiplier)) return true;
+  }
+  return false;
+}
+
 // Scales logits (n, i, j0 .. j0 + count) in `row`, applies the masks and
-// causality, and returns the row maximum (-inf if nothing is left).
+// causality, and returns the row maximum (-inf if nothing is left), NaN
+// ignored.
 float PrepareLogits(const AttentionProblem& p, const RowOps& ops, int64_t n,
                     int64_t i, int64_t j0, int64_t count, float* row) {
   float max_logit = ops.scale_max(row, count, p.logit_multiplier);
@@ -129,6 +163,9 @@ struct ThreadBuffers {
   std::unique_ptr<float[]> acc;            // kQueryBlock x value_dim
   std::unique_ptr<float[]> row_max;
   std::unique_ptr<float[]> row_sum;
+  // A value tile with its non-finite elements zeroed, made when first
+  // needed (ValueMode::kExcludeValues).
+  std::unique_ptr<char[]> finite_values;
 };
 
 // Keys a query block can see: all of them, or up to its last query when
@@ -180,21 +217,128 @@ absl::Status BlockLogits(const AttentionProblem& p, const Block& blk,
   return gemms.Run(qk, in.q, At(in.k, t, j0 * p.key_layout.row_stride), logits);
 }
 
+// acc += probabilities (rows `ld` apart, operand dtype) * the `cols` value
+// rows at `v` (`v_stride` apart).
+absl::Status MultiplyValues(const AttentionProblem& p, const Block& blk,
+                            const void* v, int64_t v_stride, int64_t cols,
+                            const void* probs, int64_t ld, float* acc,
+                            TileGemms& gemms) {
+  const TileGemmShape pv{blk.rows, p.value_dim, cols,
+                         ld,       v_stride,    p.value_dim,
+                         false,    true,        p.operand_dtype};
+  return gemms.Run(pv, probs, v, acc);
+}
+
+float OperandValue(const void* base, DType dtype, int64_t offset) {
+  return dtype == DType::kBFloat16
+             ? BFloat16ToFloat(static_cast<const uint16_t*>(base)[offset])
+             : static_cast<const float*>(base)[offset];
+}
+
+// How acc += P * V treats the value rows of excluded keys. The GEMM
+// multiplies every key of a tile, and an excluded key's probability 0 times
+// a NaN or Inf value is NaN; kGemm accepts that (exact for finite values,
+// and whenever no key is excluded), kExcludeValues does not read those rows.
+enum class ValueMode { kGemm, kExcludeValues };
+
+// acc += probabilities * the `cols` value rows at `v` (`stride` apart,
+// keys j0 .. j0 + cols), reading no value row of a key a row excludes: with
+// a non-finite element in the tile, the GEMM runs on a copy of the tile with
+// those elements 0, and each is then added, with its IEEE product, to the
+// rows that keep its key.
+absl::Status AccumulateKeptValues(const AttentionProblem& p, const Block& blk,
+                                  const void* v, int64_t stride, int64_t j0,
+                                  int64_t cols, const void* probs, int64_t ld,
+                                  float* acc, TileGemms& gemms,
+                                  ThreadBuffers& buf) {
+  const DType t = p.operand_dtype;
+  const int64_t dv = p.value_dim;
+  std::vector<int64_t> bad;  // tile rows holding a non-finite value
+  for (int64_t j = 0; j < cols; ++j) {
+    for (int64_t c = 0; c < dv; ++c) {
+      if (!std::isfinite(OperandValue(v, t, j * stride + c))) {
+        bad.push_back(j);
+        break;
+      }
+    }
+  }
+  if (bad.empty()) {
+    return MultiplyValues(p, blk, v, stride, cols, probs, ld, acc, gemms);
+  }
+  const size_t elem = DTypeSize(t);
+  if (!buf.finite_values) {
+    buf.finite_values.reset(new (std::nothrow) char[kKeyBlock * dv * elem]);
+    if (!buf.finite_values) {
+      return absl::ResourceExhaustedError(
+          "attention: out of memory for a value tile");
+    }
+  }
+  char* copy = buf.finite_values.get();
+  for (int64_t j = 0; j < cols; ++j) {
+    std::memcpy(copy + j * dv * elem, At(v, t, j * stride), dv * elem);
+  }
+  for (int64_t j : bad) {
+    for (int64_t c = 0; c < dv; ++c) {
+      const int64_t at = j * dv + c;
+      if (std::isfinite(OperandValue(copy, t, at))) continue;
+      if (t == DType::kBFloat16) {
+        reinterpret_cast<uint16_t*>(copy)[at] = 0;
+      } else {
+        reinterpret_cast<float*>(copy)[at] = 0.0f;
+      }
+    }
+  }
+  ATTN_RETURN_IF_ERROR(
+      MultiplyValues(p, blk, copy, dv, cols, probs, ld, acc, gemms));
+  for (int64_t r = 0; r < blk.rows; ++r) {
+    for (int64_t j : bad) {
+      if (Excluded(p, blk.n, blk.i0 + r, j0 + j)) continue;
+      const float prob = OperandValue(probs, t, r * ld + j);
+      for (int64_t c = 0; c < dv; ++c) {
+        const float x = OperandValue(v, t, j * stride + c);
+        if (!std::isfinite(x)) acc[r * dv + c] += prob * x;
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 // acc += probabilities (rows `ld` apart, operand dtype) * V for keys
 // j0 .. j0 + cols.
 absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
                               const BlockOperands& in, int64_t j0, int64_t cols,
                               const void* probs, int64_t ld, float* acc,
-                              TileGemms& gemms) {
-  const DType t = p.operand_dtype;
-  const TileGemmShape pv{
-      blk.rows,    p.value_dim, cols, ld, p.value_layout.row_stride,
-      p.value_dim, false,       true, t};
-  return gemms.Run(pv, probs, At(in.v, t, j0 * p.value_layout.row_stride), acc);
+                              TileGemms& gemms, ThreadBuffers& buf,
+                              ValueMode mode) {
+  const int64_t stride = p.value_layout.row_stride;
+  const void* v = At(in.v, p.operand_dtype, j0 * stride);
+  if (mode == ValueMode::kExcludeValues) {
+    return AccumulateKeptValues(p, blk, v, stride, j0, cols, probs, ld, acc,
+                                gemms, buf);
+  }
+  return MultiplyValues(p, blk, v, stride, cols, probs, ld, acc, gemms);
 }
 
-// out rows = acc rows * scale[r] (zero where scale is 0), in the output's
-// dtype.
+// Whether the kGemm pass may have let an excluded key's non-finite value
+// into the block's output: some row that kept keys (finite, nonzero
+// `row_scale`) has a non-finite sum, and some key may be excluded. The
+// check reads value_dim floats a row, not the values; only corrupt input
+// pays for the exact pass that follows.
+bool MayHaveReadExcludedValues(const AttentionProblem& p, const RowOps& ops,
+                               const Block& blk, const float* acc,
+                               const float* row_scale) {
+  if (p.masks.empty() && !p.causal) return false;
+  for (int64_t r = 0; r < blk.rows; ++r) {
+    if (std::isfinite(row_scale[r]) && row_scale[r] != 0.0f &&
+        !ops.all_finite(acc + r * p.value_dim, p.value_dim)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+// out rows = acc rows * scale[r], in the output's dtype; rows whose scale is
+// 0 (no key left) are zeros, whatever acc holds.
 void WriteOutput(const AttentionProblem& p, const RowOps& ops, const Block& blk,
                  const float* acc, const float* row_scale) {
   const int64_t dv = p.value_dim;
@@ -205,7 +349,15 @@ void WriteOutput(const AttentionProblem& p, const RowOps& ops, const Block& blk,
     const int64_t offset = first + r * p.output_layout.row_stride;
     const float* src = acc + r * dv;
     const float scale = row_scale[r];
-    if (p.output_dtype == DType::kBFloat16) {
+    if (scale == 0.0f) {
+      if (p.output_dtype == DType::kBFloat16) {
+        uint16_t* dst = static_cast<uint16_t*>(p.output) + offset;
+        std::fill(dst, dst + dv, 0);
+      } else {
+        float* dst = static_cast<float*>(p.output) + offset;
+        std::fill(dst, dst + dv, 0.0f);
+      }
+    } else if (p.output_dtype == DType::kBFloat16) {
       ops.scale_to_bf16(src, dv, scale,
                         static_cast<uint16_t*>(p.output) + offset);
     } else {
@@ -215,10 +367,12 @@ void WriteOutput(const AttentionProblem& p, const RowOps& ops, const Block& blk,
   }
 }
 
-// One query block without weights: online softmax over key blocks.
-absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
-                        const Block& blk, TileGemms& gemms,
-                        ThreadBuffers& buf) {
+// One query block without weights, up to the output: online softmax over
+// key blocks into acc, and each row's final scale (1 / sum; 0 for a row
+// with no key left, NaN for a row with a NaN or +inf logit) into row_sum.
+absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
+                             const Block& blk, TileGemms& gemms,
+                             ThreadBuffers& buf, ValueMode mode) {
   const BlockOperands in = OperandsOf(p, blk);
   const DType t = p.operand_dtype;
   const bool bf16 = t == DType::kBFloat16;
@@ -247,7 +401,11 @@ absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
       const float block_max =
           plain ? ops.max_scaled(row, cols, multiplier)
                 : PrepareLogits(p, ops, blk.n, blk.i0 + r, j0, cols, row);
-      const float new_max = std::max(row_max[r], block_max);
+      // The maxima ignore NaN; a NaN max (once set, std::max keeps it) makes
+      // every exp below NaN, and so the row. A NaN among finite logits gets
+      // there through exp_sum's sum.
+      float new_max = std::max(row_max[r], block_max);
+      if (new_max == kNegInf && AnyNaN(row, cols, multiplier)) new_max = kNaN;
       if (new_max == kNegInf) {
         // Nothing visible yet in this row: it adds zeros.
         if (bf16) {
@@ -268,14 +426,29 @@ absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
     }
     const void* probs = bf16 ? static_cast<const void*>(buf.probs_bf16.get())
                              : static_cast<const void*>(logits);
-    s = AccumulateValues(p, blk, in, j0, cols, probs, kKeyBlock, acc, gemms);
+    s = AccumulateValues(p, blk, in, j0, cols, probs, kKeyBlock, acc, gemms,
+                         buf, mode);
     if (!s.ok()) return s;
   }
-  // A row with no key left keeps its zeros.
+  // A row with no key left (sum 0) gets zeros; a NaN sum stays NaN.
   for (int64_t r = 0; r < blk.rows; ++r) {
-    row_sum[r] = row_sum[r] > 0.0f ? 1.0f / row_sum[r] : 0.0f;
+    row_sum[r] = row_sum[r] == 0.0f ? 0.0f : 1.0f / row_sum[r];
   }
-  WriteOutput(p, ops, blk, acc, row_sum);
+  return absl::OkStatus();
+}
+
+// One query block without weights.
+absl::Status FlashBlock(const AttentionProblem& p, const RowOps& ops,
+                        const Block& blk, TileGemms& gemms,
+                        ThreadBuffers& buf) {
+  ATTN_RETURN_IF_ERROR(
+      FlashAccumulate(p, ops, blk, gemms, buf, ValueMode::kGemm));
+  if (MayHaveReadExcludedValues(p, ops, blk, buf.acc.get(),
+                                buf.row_sum.get())) {
+    ATTN_RETURN_IF_ERROR(
+        FlashAccumulate(p, ops, blk, gemms, buf, ValueMode::kExcludeValues));
+  }
+  WriteOutput(p, ops, blk, buf.acc.get(), buf.row_sum.get());
   return absl::OkStatus();
 }
 
@@ -290,6 +463,8 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
   const int64_t lk = p.key_len;
   const int64_t dv = p.value_dim;
   float* weights = p.weights + (blk.n * p.query_len + blk.i0) * lk;
+  // Per row: 0 with no key left, NaN for a NaN row, else 1.
+  float* row_scale = buf.row_sum.get();
   const int64_t visible = VisibleKeys(p, blk);
   for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
     const int64_t cols = std::min(kKeyBlock, visible - j0);
@@ -298,16 +473,24 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
   }
   for (int64_t r = 0; r < blk.rows; ++r) {
     float* row = weights + r * lk;
-    // Keys past `visible` are causally hidden from every row of the block.
-    std::fill(row + visible, row + lk, 0.0f);
     const float max_logit =
         PrepareLogits(p, ops, blk.n, blk.i0 + r, 0, visible, row);
-    if (max_logit == kNegInf) {
-      std::fill(row, row + visible, 0.0f);
+    row_scale[r] = 1.0f;
+    if (max_logit == kNegInf && !AnyNaN(row, visible, 1.0f)) {
+      std::fill(row, row + lk, 0.0f);
+      row_scale[r] = 0.0f;
+    } else if (max_logit == kNegInf) {
+      std::fill(row, row + lk, kNaN);  // only NaN besides -inf
+      row_scale[r] = kNaN;
     } else {
+      // A NaN or +inf logit makes the sum NaN, and the whole row with it.
       const float sum = ops.exp_sum(row, visible, 1.0f, max_logit);
       ops.scale(row, visible, 1.0f / sum);
+      if (std::isnan(sum)) row_scale[r] = kNaN;
     }
+    // Keys past `visible` are causally hidden from every row of the block:
+    // probability 0, or NaN in a NaN row as everywhere else in it.
+    std::fill(row + visible, row + lk, std::isnan(row_scale[r]) ? kNaN : 0.0f);
     if (bf16) {
       ops.scale_to_bf16(row, visible, 1.0f, buf.probs_bf16.get() + r * lk);
     }
@@ -315,15 +498,17 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
   const void* probs = bf16 ? static_cast<const void*>(buf.probs_bf16.get())
                            : static_cast<const void*>(weights);
   float* acc = buf.acc.get();
-  std::fill(acc, acc + blk.rows * dv, 0.0f);
-  for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
-    const int64_t cols = std::min(kKeyBlock, visible - j0);
-    absl::Status s = AccumulateValues(p, blk, in, j0, cols, At(probs, t, j0),
-                                      lk, acc, gemms);
-    if (!s.ok()) return s;
+  for (ValueMode mode : {ValueMode::kGemm, ValueMode::kExcludeValues}) {
+    std::fill(acc, acc + blk.rows * dv, 0.0f);
+    for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
+      const int64_t cols = std::min(kKeyBlock, visible - j0);
+      absl::Status s = AccumulateValues(p, blk, in, j0, cols, At(probs, t, j0),
+                                        lk, acc, gemms, buf, mode);
+      if (!s.ok()) return s;
+    }
+    if (!MayHaveReadExcludedValues(p, ops, blk, acc, row_scale)) break;
   }
-  std::fill(buf.row_sum.get(), buf.row_sum.get() + blk.rows, 1.0f);
-  WriteOutput(p, ops, blk, acc, buf.row_sum.get());
+  WriteOutput(p, ops, blk, acc, row_scale);
   return absl::OkStatus();
 }
 

@@ -12,6 +12,7 @@
 #include <atomic>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "core/convert.h"
 
@@ -20,6 +21,8 @@ namespace {
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
+// std::max(m, x) keeps m when x is NaN: the scalar maxima ignore NaN, as the
+// vector ones do.
 float ScalarScaleMax(float* x, int64_t n, float multiplier) {
   float m = kNegInf;
   for (int64_t i = 0; i < n; ++i) {
@@ -69,11 +72,18 @@ void ScalarScaleToBFloat16(const float* x, int64_t n, float a, uint16_t* out) {
   for (int64_t i = 0; i < n; ++i) out[i] = FloatToBFloat16(x[i] * a);
 }
 
+bool ScalarAllFinite(const float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) return false;
+  }
+  return true;
+}
+
 #define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 // exp(x) for x <= 0 (the softmax only needs that range): 2^k * p(r) with
 // x = k*ln2 + r, |r| <= ln2/2, p Cephes' degree-7 polynomial (about 1 ulp).
-// exp(-inf) is exactly 0.
+// exp(-inf) is exactly 0 and NaN stays NaN.
 // kFull: float32 accuracy. Otherwise enough for values rounded to bfloat16
 // next (one-step ln2 and a degree-4 Taylor polynomial: relative error below
 // 5e-5, against bfloat16's 4e-3), at about two thirds of the cost.
@@ -82,7 +92,9 @@ ATTN_AVX512 inline __m512 Exp512(__m512 x) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f);
   // Below -110 the scaled result rounds to exactly 0, which is what -inf
   // (a masked logit) must give; between -87.3 and -110 it is a denormal.
-  x = _mm512_max_ps(x, _mm512_set1_ps(-110.0f));
+  // vmaxps returns its second operand when either is NaN: x goes second so
+  // that a NaN logit stays NaN rather than becoming exp(-110) = 0.
+  x = _mm512_max_ps(_mm512_set1_ps(-110.0f), x);
   const __m512 k =
       _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT);
   if constexpr (kFull) {
@@ -120,7 +132,7 @@ ATTN_AVX512 float Avx512ScaleMax(float* x, int64_t n, float multiplier) {
     const __mmask16 mask = TailMask(n - i);
     const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), mul);
     _mm512_mask_storeu_ps(x + i, mask, v);
-    m = _mm512_mask_max_ps(m, mask, m, v);
+    m = _mm512_mask_max_ps(m, mask, v, m);  // m when v is NaN
   }
   return _mm512_reduce_max_ps(m);
 }
@@ -129,7 +141,7 @@ ATTN_AVX512 float Avx512Max(const float* x, int64_t n) {
   __m512 m = _mm512_set1_ps(kNegInf);
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = TailMask(n - i);
-    m = _mm512_mask_max_ps(m, mask, m, _mm512_maskz_loadu_ps(mask, x + i));
+    m = _mm512_mask_max_ps(m, mask, _mm512_maskz_loadu_ps(mask, x + i), m);
   }
   return _mm512_reduce_max_ps(m);
 }
@@ -140,7 +152,7 @@ ATTN_AVX512 float Avx512MaxScaled(const float* x, int64_t n, float multiplier) {
   for (int64_t i = 0; i < n; i += 16) {
     const __mmask16 mask = TailMask(n - i);
     m = _mm512_mask_max_ps(
-        m, mask, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), mul));
+        m, mask, _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), mul), m);
   }
   return _mm512_reduce_max_ps(m);
 }
@@ -153,14 +165,19 @@ ATTN_AVX512 inline __m512 ShiftedExp512(const float* x, __mmask16 mask,
       _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x), mul, neg_shift));
 }
 
-// Float32 lanes rounded to bfloat16, nearest even (finite values).
+// Float32 lanes rounded to bfloat16, nearest even, as FloatToBFloat16: the
+// rounding add would carry a NaN's payload into the exponent or the sign
+// (0x7f800001 -> +Inf, 0x7fffffff -> -0), so NaN lanes are quieted instead.
 ATTN_AVX512 inline __m256i ToBFloat16x16(__m512 v) {
   const __m512i bits = _mm512_castps_si512(v);
+  const __m512i high = _mm512_srli_epi32(bits, 16);
   const __m512i rounding = _mm512_add_epi32(
-      _mm512_set1_epi32(0x7fff),
-      _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1)));
+      _mm512_set1_epi32(0x7fff), _mm512_and_si512(high, _mm512_set1_epi32(1)));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(
-      _mm512_srli_epi32(_mm512_add_epi32(bits, rounding), 16));
+      _mm512_mask_or_epi32(rounded, nan, high, _mm512_set1_epi32(0x40)));
 }
 
 ATTN_AVX512 float Avx512ExpSum(float* x, int64_t n, float multiplier,
@@ -212,6 +229,18 @@ ATTN_AVX512 void Avx512ScaleToBFloat16(const float* x, int64_t n, float a,
   }
 }
 
+ATTN_AVX512 bool Avx512AllFinite(const float* x, int64_t n) {
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000);
+  __mmask16 non_finite = 0;
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = TailMask(n - i);
+    const __m512i bits = _mm512_maskz_loadu_epi32(mask, x + i);
+    non_finite |= _mm512_mask_cmpeq_epi32_mask(
+        mask, _mm512_and_si512(bits, exponent), exponent);
+  }
+  return non_finite == 0;
+}
+
 // With AVX512_BF16 the rounding to bfloat16 is one instruction.
 #define ATTN_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -246,52 +275,61 @@ ATTN_AVX512_BF16 void Avx512Bf16ScaleToBFloat16(const float* x, int64_t n,
 }  // namespace
 
 const RowOps& ScalarRowOps() {
-  static const RowOps ops{ScalarScaleMax,
-                          ScalarMaxScaled,
-                          ScalarMax,
-                          ScalarExpSum,
-                          ScalarExpSumBFloat16,
-                          ScalarScale,
-                          ScalarScaleToBFloat16,
-                          "scalar"};
+  static const RowOps ops{
+      ScalarScaleMax,        ScalarMaxScaled,      ScalarMax,
+      ScalarExpSum,          ScalarExpSumBFloat16, ScalarScale,
+      ScalarScaleToBFloat16, ScalarAllFinite,      "scalar"};
   return ops;
 }
 
 namespace {
+
 std::atomic<const RowOps*> row_ops_for_testing{nullptr};
+
+bool CpuHasAvx512() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") &&
+         __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl");
+}
+
+bool CpuHasAvx512Bf16() {
+  return CpuHasAvx512() && __builtin_cpu_supports("avx512bf16");
+}
+
+const RowOps kAvx512Bf16RowOps{Avx512ScaleMax,
+                               Avx512MaxScaled,
+                               Avx512Max,
+                               Avx512ExpSum,
+                               Avx512Bf16ExpSumBFloat16,
+                               Avx512Scale,
+                               Avx512Bf16ScaleToBFloat16,
+                               Avx512AllFinite,
+                               "avx512_bf16"};
+const RowOps kAvx512RowOps{
+    Avx512ScaleMax,        Avx512MaxScaled,      Avx512Max,
+    Avx512ExpSum,          Avx512ExpSumBFloat16, Avx512Scale,
+    Avx512ScaleToBFloat16, Avx512AllFinite,      "avx512"};
+
 }  // namespace
 
 void SetRowOpsForTesting(const RowOps* ops) { row_ops_for_testing = ops; }
 
 const RowOps& GetRowOps() {
   if (const RowOps* forced = row_ops_for_testing.load()) return *forced;
-  static const RowOps ops = [] {
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") &&
-        __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl")) {
-      if (__builtin_cpu_supports("avx512bf16")) {
-        return RowOps{Avx512ScaleMax,
-                      Avx512MaxScaled,
-                      Avx512Max,
-                      Avx512ExpSum,
-                      Avx512Bf16ExpSumBFloat16,
-                      Avx512Scale,
-                      Avx512Bf16ScaleToBFloat16,
-                      "avx512_bf16"};
-      }
-      return RowOps{Avx512ScaleMax,
-                    Avx512MaxScaled,
-                    Avx512Max,
-                    Avx512ExpSum,
-                    Avx512ExpSumBFloat16,
-                    Avx512Scale,
-                    Avx512ScaleToBFloat16,
-                    "avx512"};
-    }
-    return ScalarRowOps();
-  }();
+  static const RowOps& ops = *SupportedRowOps().front();
   return ops;
+}
+
+const std::vector<const RowOps*>& SupportedRowOps() {
+  static const std::vector<const RowOps*> supported = [] {
+    std::vector<const RowOps*> all;
+    if (CpuHasAvx512Bf16()) all.push_back(&kAvx512Bf16RowOps);
+    if (CpuHasAvx512()) all.push_back(&kAvx512RowOps);
+    all.push_back(&ScalarRowOps());
+    return all;
+  }();
+  return supported;
 }
 
 }  // namespace attnserve

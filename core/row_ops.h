@@ -7,18 +7,27 @@
 #define ATTNSERVE_CORE_ROW_OPS_H_
 
 #include <cstdint>
+#include <vector>
 
 namespace attnserve {
 
+// Non-finite values: the max functions ignore NaN (a NaN lane never wins a
+// vector max, so that every implementation agrees), and exp_sum passes NaN
+// through, so a row holding a NaN ends with a NaN sum; the kernel relies on
+// that instead of testing every element. Conversions to bfloat16 keep NaN a
+// (quiet) NaN and +-Inf an infinity of the same sign.
 struct RowOps {
-  // Multiplies x[0..n) by `multiplier` in place and returns the maximum.
+  // Multiplies x[0..n) by `multiplier` in place and returns the maximum
+  // (-inf for n == 0), ignoring NaN.
   float (*scale_max)(float* x, int64_t n, float multiplier);
-  // Returns the maximum of x[i] * multiplier (-inf for n == 0), reading only.
+  // Returns the maximum of x[i] * multiplier (-inf for n == 0), reading only
+  // and ignoring NaN.
   float (*max_scaled)(const float* x, int64_t n, float multiplier);
-  // Returns the maximum of x[0..n) (-inf for n == 0).
+  // Returns the maximum of x[0..n) (-inf for n == 0), ignoring NaN.
   float (*max)(const float* x, int64_t n);
-  // x[i] = exp(x[i] * multiplier - shift) in place, with exp(-inf) exactly 0;
-  // returns the sum of the new values.
+  // x[i] = exp(x[i] * multiplier - shift) in place, for arguments <= 0 or
+  // NaN: exp(-inf) is exactly 0 and NaN stays NaN. Returns the sum of the
+  // new values.
   float (*exp_sum)(float* x, int64_t n, float multiplier, float shift);
   // As exp_sum, but writes the values rounded to bfloat16 into `out` and
   // leaves x alone.
@@ -26,8 +35,10 @@ struct RowOps {
                         float shift, uint16_t* out);
   // x[i] *= a.
   void (*scale)(float* x, int64_t n, float a);
-  // out[i] = bfloat16(x[i] * a), rounded to nearest even (finite x).
+  // out[i] = bfloat16(x[i] * a), rounded to nearest even.
   void (*scale_to_bf16)(const float* x, int64_t n, float a, uint16_t* out);
+  // Whether no x[0..n) is NaN or +-Inf.
+  bool (*all_finite)(const float* x, int64_t n);
   // Name of the implementation, e.g. "avx512".
   const char* name;
 };
@@ -39,6 +50,9 @@ const RowOps& GetRowOps();
 void SetRowOpsForTesting(const RowOps* ops);
 // The portable implementation (for tests that compare the two).
 const RowOps& ScalarRowOps();
+// Every implementation this CPU runs, fastest (GetRowOps' choice) first and
+// the portable one last, for tests that run them all.
+const std::vector<const RowOps*>& SupportedRowOps();
 
 }  // namespace attnserve
 

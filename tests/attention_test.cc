@@ -2,11 +2,14 @@
 // masks and options, and its input checks.
 #include "core/attention.h"
 
+#include <cmath>
+#include <cstring>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/convert.h"
 #include "core/primitives.h"
 #include "core/row_ops.h"
@@ -588,6 +591,417 @@ INSTANTIATE_TEST_SUITE_P(
                   DType::kFloat32,
                   "scale: must be finite, got nan"}),
     [](const auto& info) { return info.param.name; });
+
+// Non-finite inputs: NaN and +-Inf propagate as IEEE arithmetic does
+// (README, Semantics); masked positions are not read.
+
+void SetElement(Tensor& t, int64_t i, float value) {
+  switch (t.dtype()) {
+    case DType::kBFloat16:
+      t.data_as<uint16_t>()[i] = FloatToBFloat16(value);
+      break;
+    case DType::kFloat16:
+      t.data_as<uint16_t>()[i] = FloatToFloat16(value);
+      break;
+    default:
+      t.data_as<float>()[i] = value;
+  }
+}
+
+enum class Corrupt { kQuery, kKey, kValue };
+// kMask: a BOOL mask hides the corrupted key from every row but the last,
+// and hides every key from row 3 (which holds a corrupted query too).
+enum class Exclusion { kNone, kMask, kCausal };
+
+struct NonFiniteCase {
+  Corrupt where;
+  float value;
+  DType dtype;
+  Exclusion exclusion;
+  int row_ops;  // index into SupportedRowOps()
+};
+
+std::string NonFiniteName(const NonFiniteCase& c) {
+  const char* where[] = {"query", "key", "value"};
+  const char* exclusion[] = {"", "_masked", "_causal"};
+  std::string value = std::isnan(c.value) ? "NaN"
+                      : c.value > 0       ? "PlusInf"
+                                          : "MinusInf";
+  return absl::StrCat(where[static_cast<int>(c.where)], "_", value, "_",
+                      DTypeName(c.dtype),
+                      exclusion[static_cast<int>(c.exclusion)], "_",
+                      SupportedRowOps()[c.row_ops]->name);
+}
+
+class AttendNonFiniteTest : public ::testing::TestWithParam<NonFiniteCase> {
+ protected:
+  void SetUp() override {
+    SetRowOpsForTesting(SupportedRowOps()[GetParam().row_ops]);
+  }
+  void TearDown() override { SetRowOpsForTesting(nullptr); }
+};
+
+// Batch 2 (batch 1 corrupted, batch 0 clean), Lq 6, Lk 9, dk 8, dv 5.
+constexpr int64_t kLq = 6, kLk = 9, kDk = 8, kDv = 5;
+constexpr int64_t kBadKey = 4, kBadColumn = 2;
+
+TEST_P(AttendNonFiniteTest, PropagatesAsTheReferenceDoes) {
+  const NonFiniteCase& c = GetParam();
+  std::mt19937 rng(31);
+  Tensor q = RandomTensor(c.dtype, {2, kLq, kDk}, rng);
+  Tensor k = RandomTensor(c.dtype, {2, kLk, kDk}, rng);
+  Tensor v = RandomTensor(c.dtype, {2, kLk, kDv}, rng);
+  switch (c.where) {
+    case Corrupt::kQuery:  // rows 2 and 3
+      SetElement(q, (kLq + 2) * kDk + 1, c.value);
+      SetElement(q, (kLq + 3) * kDk + 5, c.value);
+      break;
+    case Corrupt::kKey:
+      SetElement(k, (kLk + kBadKey) * kDk + 1, c.value);
+      break;
+    case Corrupt::kValue:
+      SetElement(v, (kLk + kBadKey) * kDv + kBadColumn, c.value);
+      break;
+  }
+  std::optional<Tensor> mask;
+  if (c.exclusion == Exclusion::kMask) {
+    mask = *Tensor::Allocate(DType::kBool, {kLq, kLk});
+    for (int64_t i = 0; i < kLq; ++i) {
+      for (int64_t j = 0; j < kLk; ++j) {
+        const bool keep = i != 3 && (j != kBadKey || i == kLq - 1);
+        mask->data_as<uint8_t>()[i * kLk + j] = keep ? 1 : 0;
+      }
+    }
+  }
+  AttendInputs in{q.view(), k.view(), v.view(), std::nullopt};
+  if (mask) in.attn_mask = mask->view();
+  AttentionOptions options;
+  options.causal = c.exclusion == Exclusion::kCausal;
+  options.return_weights = true;
+  auto with_weights = Attend(in, options);
+  ASSERT_TRUE(with_weights.ok()) << with_weights.status();
+  options.return_weights = false;
+  auto without_weights = Attend(in, options);
+  ASSERT_TRUE(without_weights.ok()) << without_weights.status();
+
+  std::vector<RefTensor> masks;
+  if (mask) masks.push_back(ToRef(mask->view()));
+  const RefAttentionResult ref =
+      RefAttend(ToRef(q.view()), ToRef(k.view()), ToRef(v.view()), masks,
+                std::vector<bool>(masks.size(), true),
+                {options.causal, std::nullopt, std::nullopt});
+  const Tolerance tol = ToleranceFor(c.dtype);
+  EXPECT_TRUE(AllCloseNonFinite(with_weights->output.view(), ref.output,
+                                tol.atol, tol.rtol));
+  EXPECT_TRUE(AllCloseNonFinite(without_weights->output.view(), ref.output,
+                                tol.atol, tol.rtol));
+  EXPECT_TRUE(AllCloseNonFinite(with_weights->weights->view(), ref.weights,
+                                kFloat32Tolerance.atol,
+                                kFloat32Tolerance.rtol));
+
+  // The clean batch is finite; the rule's NaN cases, spelled out.
+  const RefTensor out = ToRef(without_weights->output.view());
+  const RefTensor weights = ToRef(with_weights->weights->view());
+  for (int64_t e = 0; e < kLq * kDv; ++e) {
+    ASSERT_TRUE(std::isfinite(out.values[e])) << e;
+  }
+  if (!std::isnan(c.value)) return;
+  for (int64_t i = 0; i < kLq; ++i) {
+    // Does row i of batch 1 keep the corrupted key?
+    bool keeps_key = true;
+    if (c.exclusion == Exclusion::kMask) keeps_key = i == kLq - 1;
+    if (c.exclusion == Exclusion::kCausal) keeps_key = i >= kBadKey;
+    const bool fully_masked = c.exclusion == Exclusion::kMask && i == 3;
+    bool nan_row = false;
+    if (c.where == Corrupt::kQuery) nan_row = (i == 2 || i == 3);
+    if (c.where == Corrupt::kKey) nan_row = keeps_key;
+    if (fully_masked) nan_row = false;
+    for (int64_t col = 0; col < kDv; ++col) {
+      const bool nan_value = c.where == Corrupt::kValue && keeps_key &&
+                             col == kBadColumn && !fully_masked;
+      const double got = out.values[(kLq + i) * kDv + col];
+      EXPECT_EQ(std::isnan(got), nan_row || nan_value) << i << "," << col;
+      if (fully_masked) {
+        EXPECT_EQ(got, 0.0) << i << "," << col;
+      }
+    }
+    for (int64_t j = 0; j < kLk; ++j) {
+      EXPECT_EQ(std::isnan(weights.values[(kLq + i) * kLk + j]), nan_row)
+          << i << "," << j;
+    }
+  }
+}
+
+std::vector<NonFiniteCase> NonFiniteCases() {
+  std::vector<NonFiniteCase> cases;
+  for (Corrupt where : {Corrupt::kQuery, Corrupt::kKey, Corrupt::kValue}) {
+    for (float value : {NAN, INFINITY, -INFINITY}) {
+      for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+        for (Exclusion exclusion :
+             {Exclusion::kNone, Exclusion::kMask, Exclusion::kCausal}) {
+          for (size_t ops = 0; ops < SupportedRowOps().size(); ++ops) {
+            cases.push_back(
+                {where, value, dtype, exclusion, static_cast<int>(ops)});
+          }
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+void PrintTo(const NonFiniteCase& c, std::ostream* os) {
+  *os << NonFiniteName(c);
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, AttendNonFiniteTest,
+                         ::testing::ValuesIn(NonFiniteCases()),
+                         [](const auto& info) {
+                           return NonFiniteName(info.param);
+                         });
+
+// Several key tiles, a padding mask and causality: the non-finite keys and
+// values all sit where the mask hides them, but for one key that some rows
+// see. Excluded value rows are not read even when their tile is multiplied.
+class AttendNonFiniteTilesTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { SetRowOpsForTesting(SupportedRowOps()[GetParam()]); }
+  void TearDown() override { SetRowOpsForTesting(nullptr); }
+};
+
+TEST_P(AttendNonFiniteTilesTest, MaskedGarbageIsNotRead) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    for (bool causal : {false, true}) {
+      SCOPED_TRACE(absl::StrCat(DTypeName(dtype), causal ? " causal" : ""));
+      constexpr int64_t lq = 150, lk = 600, d = 16;
+      std::mt19937 rng(17);
+      Tensor q = RandomTensor(dtype, {2, lq, d}, rng);
+      Tensor k = RandomTensor(dtype, {2, lk, d}, rng);
+      Tensor v = RandomTensor(dtype, {2, lk, d}, rng);
+      Tensor padding = *Tensor::Allocate(DType::kBool, {2, 1, lk});
+      for (int64_t b = 0; b < 2; ++b) {
+        for (int64_t j = 0; j < lk; ++j) {
+          // Padding: keys 100..139 and 520..599 of batch 1.
+          const bool pad = b == 1 && ((j >= 100 && j < 140) || j >= 520);
+          padding.data_as<uint8_t>()[b * lk + j] = pad ? 0 : 1;
+          if (pad) {
+            SetElement(k, (b * lk + j) * d + j % d, NAN);
+            SetElement(v, (b * lk + j) * d + (j + 3) % d,
+                       j % 2 ? NAN : -INFINITY);
+          }
+        }
+      }
+      // Key 130 of batch 0 is kept: its +Inf value reaches the rows that
+      // see it (all, or rows >= 130 when causal), in column 5.
+      SetElement(v, 130 * d + 5, INFINITY);
+      AttentionOptions options;
+      options.causal = causal;
+      AttendInputs in{q.view(), k.view(), v.view(), padding.view()};
+      const RefAttentionResult ref =
+          RefAttend(ToRef(q.view()), ToRef(k.view()), ToRef(v.view()),
+                    {ToRef(padding.view())}, {true},
+                    {causal, std::nullopt, std::nullopt});
+      for (bool weights : {false, true}) {
+        options.return_weights = weights;
+        auto r = Attend(in, options);
+        ASSERT_TRUE(r.ok()) << r.status();
+        const Tolerance tol = ToleranceFor(dtype);
+        EXPECT_TRUE(AllCloseNonFinite(r->output.view(), ref.output, tol.atol,
+                                      tol.rtol));
+        if (weights) {
+          EXPECT_TRUE(AllCloseNonFinite(r->weights->view(), ref.weights,
+                                        kFloat32Tolerance.atol,
+                                        kFloat32Tolerance.rtol));
+        }
+        // Batch 1 is entirely finite; batch 0 only has +Inf in column 5.
+        const RefTensor out = ToRef(r->output.view());
+        for (int64_t i = 0; i < lq; ++i) {
+          for (int64_t col = 0; col < d; ++col) {
+            const bool inf = col == 5 && (!causal || i >= 130);
+            ASSERT_EQ(out.values[i * d + col] == INFINITY, inf) << i;
+            ASSERT_TRUE(std::isfinite(out.values[(lq + i) * d + col])) << i;
+          }
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RowOps, AttendNonFiniteTilesTest,
+    ::testing::Range(0, static_cast<int>(SupportedRowOps().size())),
+    [](const auto& info) {
+      return std::string(SupportedRowOps()[info.param]->name);
+    });
+
+TEST(AttendTest, FullyMaskedRowIsZeroWhateverTheValues) {
+  // No key left: zeros, even with NaN and Inf in every value and key.
+  Tensor q = *Tensor::Zeros(DType::kFloat32, {2, 4});
+  Tensor k = *Tensor::Allocate(DType::kFloat32, {3, 4});
+  Tensor v = *Tensor::Allocate(DType::kFloat32, {3, 2});
+  for (int i = 0; i < 12; ++i) k.data_as<float>()[i] = NAN;
+  for (int i = 0; i < 6; ++i) v.data_as<float>()[i] = i % 2 ? NAN : INFINITY;
+  Tensor mask = *Tensor::Zeros(DType::kBool, {2, 3});
+  for (bool weights : {false, true}) {
+    AttentionOptions options;
+    options.return_weights = weights;
+    auto r = Attend({q.view(), k.view(), v.view(), mask.view()}, options);
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int i = 0; i < 4; ++i) EXPECT_EQ(r->output.data_as<float>()[i], 0.0f);
+    if (weights) {
+      for (int i = 0; i < 6; ++i)
+        EXPECT_EQ(r->weights->data_as<float>()[i], 0.0f);
+    }
+  }
+}
+
+TEST(AttendTest, AdditiveMinusInfExcludesANaNLogit) {
+  // A -inf in a FLOAT32 mask replaces the logit (NaN + -inf would be NaN).
+  Tensor q = *Tensor::Allocate(DType::kFloat32, {1, 2});
+  Tensor k = *Tensor::Allocate(DType::kFloat32, {2, 2});
+  Tensor v = *Tensor::Allocate(DType::kFloat32, {2, 1});
+  const float qv[] = {1, 1}, kv[] = {1, 0, NAN, 0}, vv[] = {3, NAN};
+  std::copy(qv, qv + 2, q.data_as<float>());
+  std::copy(kv, kv + 4, k.data_as<float>());
+  std::copy(vv, vv + 2, v.data_as<float>());
+  Tensor mask = *Tensor::Allocate(DType::kFloat32, {1, 2});
+  mask.data_as<float>()[0] = 0.5f;
+  mask.data_as<float>()[1] = -INFINITY;
+  AttentionOptions options;
+  options.return_weights = true;
+  auto r = Attend({q.view(), k.view(), v.view(), mask.view()}, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->output.data_as<float>()[0], 3.0f);
+  EXPECT_EQ(r->weights->data_as<float>()[0], 1.0f);
+  EXPECT_EQ(r->weights->data_as<float>()[1], 0.0f);
+}
+
+TEST(AttendTest, MaskRejectsNaNAndPlusInfNamingTheIndex) {
+  Tensor q = *Tensor::Zeros(DType::kFloat32, {4, 2});
+  Tensor k = *Tensor::Zeros(DType::kFloat32, {5, 2});
+  Tensor v = *Tensor::Zeros(DType::kFloat32, {5, 2});
+  const struct {
+    float value;
+    std::string message;
+  } cases[] = {
+      {NAN,
+       "attn_mask: FLOAT32 mask values must be finite or -inf, found nan at "
+       "flat index 12"},
+      {-NAN,
+       "attn_mask: FLOAT32 mask values must be finite or -inf, found nan at "
+       "flat index 12"},
+      {INFINITY,
+       "attn_mask: FLOAT32 mask values must be finite or -inf, found inf at "
+       "flat index 12"},
+  };
+  for (const auto& c : cases) {
+    Tensor mask = *Tensor::Zeros(DType::kFloat32, {4, 5});
+    mask.data_as<float>()[3] = -INFINITY;  // allowed
+    mask.data_as<float>()[12] = c.value;
+    mask.data_as<float>()[15] = NAN;  // only the first is named
+    auto r = Attend({q.view(), k.view(), v.view(), mask.view()}, {});
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(r.status().message(), c.message);
+  }
+}
+
+// Every row-ops implementation: maxima ignore NaN, exp passes it through,
+// and conversions to bfloat16 keep NaN a NaN and Inf an Inf of its sign.
+TEST(RowOpsTest, NonFiniteValues) {
+  const uint32_t nan_bits[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u,
+                               0x7fffffffu, 0xffffffffu, 0x7fbfffffu};
+  for (const RowOps* ops : SupportedRowOps()) {
+    SCOPED_TRACE(ops->name);
+    for (int64_t n : {1, 5, 16, 17, 40}) {
+      for (int64_t at = 0; at < n; at += 7) {
+        std::vector<float> x(n);
+        for (int64_t i = 0; i < n; ++i) x[i] = -0.25f * static_cast<float>(i);
+        x[at] = NAN;
+        const float expected_max = at == 0 ? (n > 1 ? -0.25f : -INFINITY) : 0;
+        EXPECT_EQ(ops->max(x.data(), n), expected_max) << n << " " << at;
+        EXPECT_EQ(ops->max_scaled(x.data(), n, 2.0f), 2 * expected_max);
+        std::vector<float> y = x;
+        EXPECT_EQ(ops->scale_max(y.data(), n, 2.0f), 2 * expected_max);
+        EXPECT_TRUE(std::isnan(y[at]));
+        EXPECT_FALSE(ops->all_finite(x.data(), n));
+        std::vector<uint16_t> bf16(n);
+        EXPECT_TRUE(std::isnan(
+            ops->exp_sum_bf16(x.data(), n, 1.0f, 0.0f, bf16.data())));
+        EXPECT_TRUE(std::isnan(BFloat16ToFloat(bf16[at])));
+        y = x;
+        EXPECT_TRUE(std::isnan(ops->exp_sum(y.data(), n, 1.0f, 0.0f)));
+        EXPECT_TRUE(std::isnan(y[at]));
+        if (n > 1) {
+          EXPECT_NEAR(y[at == 0 ? 1 : 0], at == 0 ? std::exp(-0.25f) : 1.0f,
+                      1e-6f);
+        }
+        x[at] = -INFINITY;
+        y = x;
+        EXPECT_FALSE(std::isnan(ops->exp_sum(y.data(), n, 1.0f, 0.0f)));
+        EXPECT_EQ(y[at], 0.0f);
+        x[at] = 1.0f;
+        EXPECT_TRUE(ops->all_finite(x.data(), n));
+        x[at] = -INFINITY;
+        EXPECT_FALSE(ops->all_finite(x.data(), n));
+      }
+    }
+    for (uint32_t bits : nan_bits) {
+      std::vector<float> x(20, 1.5f);
+      std::memcpy(&x[17], &bits, sizeof(float));
+      x[3] = INFINITY;
+      x[4] = -INFINITY;
+      x[5] = 3.4028235e38f;  // rounds up to +Inf
+      std::vector<uint16_t> out(20);
+      ops->scale_to_bf16(x.data(), 20, 1.0f, out.data());
+      EXPECT_TRUE(std::isnan(BFloat16ToFloat(out[17]))) << std::hex << bits;
+      EXPECT_EQ(out[17] & 0x8000u, (bits >> 16) & 0x8000u) << std::hex << bits;
+      EXPECT_EQ(BFloat16ToFloat(out[3]), INFINITY);
+      EXPECT_EQ(BFloat16ToFloat(out[4]), -INFINITY);
+      EXPECT_EQ(BFloat16ToFloat(out[5]), INFINITY);
+      EXPECT_EQ(BFloat16ToFloat(out[0]), 1.5f);
+    }
+  }
+}
+
+TEST(ConvertTest, NonFiniteValuesKeepTheirClass) {
+  const uint32_t nan_bits[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u,
+                               0x7fffffffu, 0xffffffffu, 0xff800001u};
+  for (uint32_t bits : nan_bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    const uint16_t bf16 = FloatToBFloat16(f);
+    const uint16_t f16 = FloatToFloat16(f);
+    EXPECT_TRUE(std::isnan(BFloat16ToFloat(bf16))) << std::hex << bits;
+    EXPECT_TRUE(std::isnan(Float16ToFloat(f16))) << std::hex << bits;
+    EXPECT_EQ(std::signbit(BFloat16ToFloat(bf16)), std::signbit(f));
+    EXPECT_EQ(std::signbit(Float16ToFloat(f16)), std::signbit(f));
+  }
+  for (float inf : {INFINITY, -INFINITY}) {
+    EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(inf)), inf);
+    EXPECT_EQ(Float16ToFloat(FloatToFloat16(inf)), inf);
+  }
+  // Finite values past the largest of the format round to Inf.
+  EXPECT_EQ(Float16ToFloat(FloatToFloat16(70000.0f)), INFINITY);
+  EXPECT_EQ(Float16ToFloat(FloatToFloat16(-70000.0f)), -INFINITY);
+  EXPECT_EQ(BFloat16ToFloat(FloatToBFloat16(-3.4028235e38f)), -INFINITY);
+  // Half NaN and Inf bit patterns widen to float NaN and Inf.
+  EXPECT_TRUE(std::isnan(Float16ToFloat(0x7c01)));
+  EXPECT_TRUE(std::isnan(Float16ToFloat(0xfe00)));
+  EXPECT_TRUE(std::signbit(Float16ToFloat(0xfe00)));
+  EXPECT_EQ(Float16ToFloat(0x7c00), INFINITY);
+  EXPECT_EQ(Float16ToFloat(0xfc00), -INFINITY);
+  // A whole tensor, through the copies the operations make.
+  Tensor t = *Tensor::Allocate(DType::kFloat16, {3});
+  t.data_as<uint16_t>()[0] = 0x7e00;
+  t.data_as<uint16_t>()[1] = 0xfc00;
+  t.data_as<uint16_t>()[2] = 0x3c00;
+  auto bf16 = OperandData::From(t.view(), DType::kBFloat16, "x");
+  ASSERT_TRUE(bf16.ok());
+  const uint16_t* b = static_cast<const uint16_t*>(bf16->data());
+  EXPECT_TRUE(std::isnan(BFloat16ToFloat(b[0])));
+  EXPECT_EQ(BFloat16ToFloat(b[1]), -INFINITY);
+  EXPECT_EQ(BFloat16ToFloat(b[2]), 1.0f);
+}
 
 }  // namespace
 }  // namespace attnserve::testing

@@ -1,8 +1,10 @@
 // The core's LayerNorm against the float64 reference, and its input checks.
+#include <cmath>
 #include <optional>
 #include <random>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/convert.h"
 #include "gtest/gtest.h"
@@ -127,6 +129,93 @@ TEST(LayerNormTest, RejectsBadInput) {
                        "input: dtype UINT8 not supported, expected FLOAT32 or "
                        "BFLOAT16 or FLOAT16");
 }
+
+// NaN or +-Inf in a row of the input makes that row NaN (its mean is NaN or
+// Inf, and x - mean NaN somewhere); in gamma or beta it reaches that column
+// of every row as IEEE arithmetic does. Against the float64 reference, over
+// widths with and without a vector tail.
+struct LayerNormNonFiniteCase {
+  const char* where;  // "input", "gamma" or "beta"
+  float value;
+  DType dtype;
+  int64_t cols;
+};
+
+std::string LayerNormNonFiniteName(const LayerNormNonFiniteCase& c) {
+  const std::string value = std::isnan(c.value) ? "NaN"
+                            : c.value > 0       ? "PlusInf"
+                                                : "MinusInf";
+  return absl::StrCat(c.where, "_", value, "_", DTypeName(c.dtype), "_",
+                      c.cols);
+}
+
+void PrintTo(const LayerNormNonFiniteCase& c, std::ostream* os) {
+  *os << LayerNormNonFiniteName(c);
+}
+
+class LayerNormNonFiniteTest
+    : public ::testing::TestWithParam<LayerNormNonFiniteCase> {};
+
+TEST_P(LayerNormNonFiniteTest, PropagatesAsTheReferenceDoes) {
+  const LayerNormNonFiniteCase& c = GetParam();
+  constexpr int64_t kRows = 4, kBadRow = 1;
+  const int64_t bad_col = c.cols - 2;
+  std::mt19937 rng(5);
+  Tensor input = RandomTensor(DType::kFloat32, {kRows, c.cols}, rng);
+  Tensor gamma = RandomTensor(DType::kFloat32, {c.cols}, rng);
+  Tensor beta = RandomTensor(DType::kFloat32, {c.cols}, rng);
+  const std::string where = c.where;
+  if (where == "input") input.data_as<float>()[kBadRow * c.cols + 3] = c.value;
+  if (where == "gamma") gamma.data_as<float>()[bad_col] = c.value;
+  if (where == "beta") beta.data_as<float>()[bad_col] = c.value;
+  input = *Float32ToTensor(input.data_as<float>(), input.shape(), c.dtype);
+  gamma = *Float32ToTensor(gamma.data_as<float>(), gamma.shape(), c.dtype);
+  beta = *Float32ToTensor(beta.data_as<float>(), beta.shape(), c.dtype);
+  auto out = LayerNorm(input.view(), gamma.view(), beta.view(), {});
+  ASSERT_TRUE(out.ok()) << out.status();
+  const RefTensor ref = RefLayerNorm(ToRef(input.view()), ToRef(gamma.view()),
+                                     ToRef(beta.view()), 1e-5, 1);
+  const Tolerance tol = ToleranceFor(c.dtype);
+  EXPECT_TRUE(AllCloseNonFinite(out->view(), ref, tol.atol, tol.rtol));
+  // The rule, spelled out.
+  const RefTensor got = ToRef(out->view());
+  for (int64_t r = 0; r < kRows; ++r) {
+    for (int64_t col = 0; col < c.cols; ++col) {
+      const double x = got.values[r * c.cols + col];
+      if (where == "input") {
+        EXPECT_EQ(std::isnan(x), r == kBadRow) << r << "," << col;
+      } else if (col != bad_col) {
+        EXPECT_TRUE(std::isfinite(x)) << r << "," << col;
+      } else if (std::isnan(c.value)) {
+        EXPECT_TRUE(std::isnan(x)) << r;
+      } else if (where == "beta") {
+        EXPECT_EQ(x, c.value) << r;
+      } else {
+        EXPECT_TRUE(std::isinf(x)) << r;  // gamma: +-Inf by the sign of x
+      }
+    }
+  }
+}
+
+std::vector<LayerNormNonFiniteCase> LayerNormNonFiniteCases() {
+  std::vector<LayerNormNonFiniteCase> cases;
+  for (const char* where : {"input", "gamma", "beta"}) {
+    for (float value : {NAN, INFINITY, -INFINITY}) {
+      for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+        for (int64_t cols : {7, 64, 768}) {
+          cases.push_back({where, value, dtype, cols});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, LayerNormNonFiniteTest,
+                         ::testing::ValuesIn(LayerNormNonFiniteCases()),
+                         [](const auto& info) {
+                           return LayerNormNonFiniteName(info.param);
+                         });
 
 }  // namespace
 }  // namespace attnserve::testing

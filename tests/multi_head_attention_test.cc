@@ -4,12 +4,16 @@
 #include "core/multi_head_attention.h"
 
 #include <cmath>
+#include <map>
 #include <optional>
 #include <random>
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "core/attention.h"
+#include "core/attention_weights.h"
+#include "core/convert.h"
 #include "gtest/gtest.h"
 #include "tests/core_test_util.h"
 
@@ -41,33 +45,6 @@ struct MhaCase {
 RefTensor Reshaped(RefTensor t, Shape shape) {
   t.shape = std::move(shape);
   return t;
-}
-
-// [B, L, H*d] -> [B, H, L, d].
-RefTensor RefSplitHeads(const RefTensor& x, int64_t heads) {
-  const int64_t b = x.shape[0], l = x.shape[1], d = x.shape[2] / heads;
-  RefTensor y{{b, heads, l, d}, std::vector<double>(x.values.size())};
-  for (int64_t i = 0; i < b; ++i)
-    for (int64_t t = 0; t < l; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t c = 0; c < d; ++c)
-          y.values[((i * heads + h) * l + t) * d + c] =
-              x.values[((i * l + t) * heads + h) * d + c];
-  return y;
-}
-
-// [B, H, L, d] -> [B, L, H*d].
-RefTensor RefMergeHeads(const RefTensor& x) {
-  const int64_t b = x.shape[0], heads = x.shape[1], l = x.shape[2],
-                d = x.shape[3];
-  RefTensor y{{b, l, heads * d}, std::vector<double>(x.values.size())};
-  for (int64_t i = 0; i < b; ++i)
-    for (int64_t t = 0; t < l; ++t)
-      for (int64_t h = 0; h < heads; ++h)
-        for (int64_t c = 0; c < d; ++c)
-          y.values[((i * l + t) * heads + h) * d + c] =
-              x.values[((i * heads + h) * l + t) * d + c];
-  return y;
 }
 
 std::optional<RefTensor> OptRef(const std::optional<Tensor>& t) {
@@ -168,31 +145,18 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
       key ? Reshaped(ToRef(key->view()), {b, lk, c.ek}) : q_ref;
   const RefTensor v_ref =
       value ? Reshaped(ToRef(value->view()), {b, lk, c.ev}) : k_ref;
-  RefTensor pq, pk, pv;
-  if (c.fused) {
-    const RefTensor all = ToRef(win->view());
-    const int64_t e = c.eq;
-    auto part = [&](int i, const RefTensor& src) {
-      RefTensor wpart{{e, e},
-                      {all.values.begin() + i * e * e,
-                       all.values.begin() + (i + 1) * e * e}};
-      std::optional<RefTensor> bpart;
-      if (bin) {
-        const RefTensor ball = ToRef(bin->view());
-        bpart = RefTensor{
-            {e},
-            {ball.values.begin() + i * e, ball.values.begin() + (i + 1) * e}};
-      }
-      return RefLinear(src, wpart, bpart);
-    };
-    pq = part(0, q_ref);
-    pk = part(1, k_ref);
-    pv = part(2, v_ref);
-  } else {
-    pq = RefLinear(q_ref, ToRef(wq->view()), OptRef(bq));
-    pk = RefLinear(k_ref, ToRef(wk->view()), OptRef(bk));
-    pv = RefLinear(v_ref, ToRef(wv->view()), OptRef(bv));
-  }
+  RefMultiHeadWeights ref_weights;
+  ref_weights.num_heads = c.heads;
+  ref_weights.q_proj_weight = OptRef(wq);
+  ref_weights.k_proj_weight = OptRef(wk);
+  ref_weights.v_proj_weight = OptRef(wv);
+  ref_weights.in_proj_weight = OptRef(win);
+  ref_weights.q_proj_bias = OptRef(bq);
+  ref_weights.k_proj_bias = OptRef(bk);
+  ref_weights.v_proj_bias = OptRef(bv);
+  ref_weights.in_proj_bias = OptRef(bin);
+  ref_weights.out_proj_weight = OptRef(wo);
+  ref_weights.out_proj_bias = OptRef(bo);
   std::vector<RefTensor> masks;
   std::vector<bool> keep;
   if (mask) {
@@ -205,11 +169,10 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
     masks.push_back(Reshaped(ToRef(padding->view()), {b, 1, 1, lk}));
     keep.push_back(true);
   }
-  const RefAttentionResult att = RefAttend(
-      RefSplitHeads(pq, h), RefSplitHeads(pk, h), RefSplitHeads(pv, h), masks,
-      keep, {c.causal, c.scale, c.temperature});
-  RefTensor out = RefMergeHeads(att.output);
-  if (wo) out = RefLinear(out, ToRef(wo->view()), OptRef(bo));
+  const RefAttentionResult att =
+      RefMultiHeadAttend(ref_weights, q_ref, k_ref, v_ref, masks, keep,
+                         {c.causal, c.scale, c.temperature});
+  RefTensor out = att.output;
   if (!batched) out.shape.erase(out.shape.begin());
   RefTensor weights = att.weights;
   if (c.average) {
@@ -605,6 +568,155 @@ TEST_F(MhaErrorTest, WeightDType) {
       "q_proj_weight: dtype UINT8 not supported, expected FLOAT32 or BFLOAT16 "
       "or FLOAT16");
 }
+
+// NaN or +-Inf in an input or in any weight flows through the projections
+// and the attention as IEEE arithmetic does (README, Semantics): against the
+// float64 reference, unpacked (inline weights) and packed (a served model).
+// With `padding`, key_padding_mask hides the corrupted key row: nothing of
+// it may reach the output.
+struct MhaNonFiniteCase {
+  std::string where;  // query, key, value or a weight field's name
+  float value;
+  DType dtype;
+  bool padding = false;
+};
+
+std::string MhaNonFiniteName(const MhaNonFiniteCase& c) {
+  const std::string value = std::isnan(c.value) ? "NaN"
+                            : c.value > 0       ? "PlusInf"
+                                                : "MinusInf";
+  return absl::StrCat(c.where, "_", value, "_", DTypeName(c.dtype),
+                      c.padding ? "_padded" : "");
+}
+
+void PrintTo(const MhaNonFiniteCase& c, std::ostream* os) {
+  *os << MhaNonFiniteName(c);
+}
+
+class MhaNonFiniteTest : public ::testing::TestWithParam<MhaNonFiniteCase> {};
+
+TEST_P(MhaNonFiniteTest, PropagatesAsTheReferenceDoes) {
+  const MhaNonFiniteCase& c = GetParam();
+  constexpr int64_t kB = 2, kLq = 5, kLk = 6, kE = 16, kBadKey = 4;
+  std::mt19937 rng(41);
+  std::map<std::string, Tensor> t;
+  t["query"] = RandomTensor(DType::kFloat32, {kB, kLq, kE}, rng);
+  t["key"] = RandomTensor(DType::kFloat32, {kB, kLk, kE}, rng);
+  t["value"] = RandomTensor(DType::kFloat32, {kB, kLk, kE}, rng);
+  if (c.where == "in_proj_weight" || c.where == "in_proj_bias") {
+    t["in_proj_weight"] = RandomWeight({3 * kE, kE}, rng);
+    t["in_proj_bias"] = RandomTensor(DType::kFloat32, {3 * kE}, rng);
+  } else {
+    for (const char* name : {"q_proj_weight", "k_proj_weight", "v_proj_weight"})
+      t[name] = RandomWeight({kE, kE}, rng);
+    for (const char* name : {"q_proj_bias", "k_proj_bias", "v_proj_bias"})
+      t[name] = RandomTensor(DType::kFloat32, {kE}, rng);
+  }
+  t["out_proj_weight"] = RandomWeight({kE, kE}, rng);
+  t["out_proj_bias"] = RandomTensor(DType::kFloat32, {kE}, rng);
+  // Batch 1's query row 2, key and value row 4; row 5, column 3 of a weight
+  // (the query's third of in_proj_weight); element 5 of a bias.
+  Tensor& bad = t.at(c.where);
+  int64_t at = bad.shape().size() == 1 ? 5 : 5 * kE + 3;
+  if (c.where == "query") at = (kLq + 2) * kE + 3;
+  if (c.where == "key") at = (kLk + kBadKey) * kE + 1;
+  if (c.where == "value") at = (kLk + kBadKey) * kE + 2;
+  bad.data_as<float>()[at] = c.value;
+  for (auto& [name, tensor] : t) {
+    tensor = *Float32ToTensor(tensor.data_as<float>(), tensor.shape(), c.dtype);
+  }
+  std::optional<Tensor> padding;
+  if (c.padding) {
+    padding = *Tensor::Allocate(DType::kBool, {kB, kLk});
+    for (int64_t i = 0; i < kB * kLk; ++i) {
+      padding->data_as<uint8_t>()[i] = i == kLk + kBadKey ? 0 : 1;
+    }
+  }
+
+  MultiHeadWeights w;
+  RefMultiHeadWeights ref_w;
+  w.num_heads = ref_w.num_heads = 4;
+  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+    auto it = t.find(std::string(field.name));
+    if (it == t.end()) continue;
+    w.*field.member = it->second.view();
+    *ref_w.Field(field.name) = ToRef(it->second.view());
+  }
+  MultiHeadInputs in{t.at("query").view(), t.at("key").view(),
+                     t.at("value").view(), std::nullopt, OptView(padding)};
+  MultiHeadOptions options;
+  options.attention.return_weights = true;
+  std::vector<RefTensor> masks;
+  if (padding) {
+    masks.push_back(Reshaped(ToRef(padding->view()), {kB, 1, 1, kLk}));
+  }
+  const RefAttentionResult ref = RefMultiHeadAttend(
+      ref_w, ToRef(t.at("query").view()), ToRef(t.at("key").view()),
+      ToRef(t.at("value").view()), masks, std::vector<bool>(masks.size(), true),
+      {false, std::nullopt, std::nullopt});
+  const Tolerance tol = ToleranceFor(c.dtype);
+
+  auto unpacked = MultiHeadAttend(w, in, options);
+  ASSERT_TRUE(unpacked.ok()) << unpacked.status();
+  EXPECT_TRUE(AllCloseNonFinite(unpacked->output.view(), ref.output, tol.atol,
+                                tol.rtol));
+  EXPECT_TRUE(AllCloseNonFinite(unpacked->weights->view(), ref.weights,
+                                tol.atol, tol.rtol));
+
+  MultiHeadLayer::Options layer_options;
+  layer_options.compute_dtype =
+      c.dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  auto layer = MultiHeadLayer::Create(w, layer_options);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+  TensorResults packed;
+  ASSERT_TRUE((*layer)->Run(in, {}, packed).ok());
+  EXPECT_TRUE(AllCloseNonFinite(packed.Take("output")->view(), ref.output,
+                                tol.atol, tol.rtol));
+
+  // Not vacuous: the corruption shows, unless the mask hides it; a
+  // corrupted input leaves the other batch finite.
+  const RefTensor out = ToRef(unpacked->output.view());
+  int64_t non_finite[kB] = {0, 0};
+  for (int64_t i = 0; i < kB * kLq * kE; ++i) {
+    if (!std::isfinite(out.values[i])) ++non_finite[i / (kLq * kE)];
+  }
+  if (c.padding) {
+    EXPECT_EQ(non_finite[0] + non_finite[1], 0);
+  } else if (!(c.where == "k_proj_bias" && c.value < 0)) {
+    // (-Inf in k_proj_bias adds the same -inf * q to every key's logit: a
+    // row of a head sees all -inf, zeros, or all +inf, NaN, by the sign of
+    // its query; with this seed no row of batch 1 is NaN.)
+    EXPECT_GT(non_finite[1], 0);
+  }
+  if (c.where == "query" || c.where == "key" || c.where == "value") {
+    EXPECT_EQ(non_finite[0], 0);
+  }
+}
+
+std::vector<MhaNonFiniteCase> MhaNonFiniteCases() {
+  std::vector<std::string> wheres = {"query", "key", "value"};
+  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+    wheres.emplace_back(field.name);
+  }
+  std::vector<MhaNonFiniteCase> cases;
+  for (const std::string& where : wheres) {
+    for (float value : {NAN, INFINITY, -INFINITY}) {
+      for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+        cases.push_back({where, value, dtype});
+        if (where == "key" || where == "value") {
+          cases.push_back({where, value, dtype, /*padding=*/true});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Table, MhaNonFiniteTest,
+                         ::testing::ValuesIn(MhaNonFiniteCases()),
+                         [](const auto& info) {
+                           return MhaNonFiniteName(info.param);
+                         });
 
 }  // namespace
 }  // namespace attnserve::testing

@@ -1,7 +1,9 @@
 #include "tests/reference.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <utility>
 
 #include "core/convert.h"
 
@@ -104,25 +106,137 @@ RefAttentionResult RefAttend(const RefTensor& q, const RefTensor& k,
         }
         if (options.causal && j > i) excluded[j] = true;
       }
+      // The maximum of the kept logits; a NaN among them makes the row NaN
+      // (exp(x - NaN) is NaN everywhere), as a +inf max does through
+      // exp(inf - inf).
+      bool has_nan = false;
       double max_logit = -std::numeric_limits<double>::infinity();
       for (int64_t j = 0; j < lk; ++j) {
-        if (!excluded[j]) max_logit = std::max(max_logit, logits[j]);
+        if (excluded[j]) continue;
+        if (std::isnan(logits[j])) {
+          has_nan = true;
+        } else {
+          max_logit = std::max(max_logit, logits[j]);
+        }
       }
-      if (std::isinf(max_logit)) continue;  // nothing left: zeros
+      if (!has_nan && max_logit == -std::numeric_limits<double>::infinity()) {
+        continue;  // nothing left: zeros
+      }
+      if (has_nan) max_logit = std::numeric_limits<double>::quiet_NaN();
       double sum = 0;
       for (int64_t j = 0; j < lk; ++j) {
         if (!excluded[j]) sum += std::exp(logits[j] - max_logit);
       }
       for (int64_t j = 0; j < lk; ++j) {
+        // 0 / sum: 0, or NaN in a NaN row.
         const double p =
-            excluded[j] ? 0.0 : std::exp(logits[j] - max_logit) / sum;
+            excluded[j] ? 0.0 / sum : std::exp(logits[j] - max_logit) / sum;
         r.weights.values[(n * lq + i) * lk + j] = p;
+        if (excluded[j]) continue;  // its value row is not read
         for (int64_t c = 0; c < dv; ++c) {
           r.output.values[(n * lq + i) * dv + c] +=
               p * v.values[(n * lk + j) * dv + c];
         }
       }
     }
+  }
+  return r;
+}
+
+namespace {
+
+// [B, L, H*d] -> [B, H, L, d].
+RefTensor SplitHeads(const RefTensor& x, int64_t heads) {
+  const int64_t b = x.shape[0], l = x.shape[1], d = x.shape[2] / heads;
+  RefTensor y{{b, heads, l, d}, std::vector<double>(x.values.size())};
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t t = 0; t < l; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < d; ++c)
+          y.values[((i * heads + h) * l + t) * d + c] =
+              x.values[((i * l + t) * heads + h) * d + c];
+  return y;
+}
+
+// [B, H, L, d] -> [B, L, H*d].
+RefTensor MergeHeads(const RefTensor& x) {
+  const int64_t b = x.shape[0], heads = x.shape[1], l = x.shape[2],
+                d = x.shape[3];
+  RefTensor y{{b, l, heads * d}, std::vector<double>(x.values.size())};
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t t = 0; t < l; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        for (int64_t c = 0; c < d; ++c)
+          y.values[((i * l + t) * heads + h) * d + c] =
+              x.values[((i * heads + h) * l + t) * d + c];
+  return y;
+}
+
+// Rows [i * rows, (i + 1) * rows) of a 2-D [k * rows, cols] tensor, or
+// elements [i * rows, (i + 1) * rows) of a 1-D one: a third of PyTorch's
+// fused in_proj_weight and in_proj_bias.
+RefTensor Part(const RefTensor& t, int i, int64_t rows) {
+  const int64_t cols = t.shape.size() == 2 ? t.shape[1] : 1;
+  RefTensor part;
+  part.shape = t.shape.size() == 2 ? Shape{rows, cols} : Shape{rows};
+  part.values.assign(t.values.begin() + i * rows * cols,
+                     t.values.begin() + (i + 1) * rows * cols);
+  return part;
+}
+
+}  // namespace
+
+std::optional<RefTensor>* RefMultiHeadWeights::Field(absl::string_view name) {
+  const std::pair<absl::string_view, std::optional<RefTensor>*> fields[] = {
+      {"q_proj_weight", &q_proj_weight},
+      {"k_proj_weight", &k_proj_weight},
+      {"v_proj_weight", &v_proj_weight},
+      {"in_proj_weight", &in_proj_weight},
+      {"q_proj_bias", &q_proj_bias},
+      {"k_proj_bias", &k_proj_bias},
+      {"v_proj_bias", &v_proj_bias},
+      {"in_proj_bias", &in_proj_bias},
+      {"out_proj_weight", &out_proj_weight},
+      {"out_proj_bias", &out_proj_bias}};
+  for (const auto& [field_name, field] : fields) {
+    if (field_name == name) return field;
+  }
+  return nullptr;
+}
+
+RefAttentionResult RefMultiHeadAttend(
+    const RefMultiHeadWeights& w, const RefTensor& query, const RefTensor& key,
+    const RefTensor& value, const std::vector<RefTensor>& masks,
+    const std::vector<bool>& mask_is_keep, const RefAttentionOptions& options) {
+  RefTensor pq, pk, pv;
+  if (w.in_proj_weight) {
+    const int64_t e = w.in_proj_weight->shape[1];
+    const RefTensor* inputs[] = {&query, &key, &value};
+    RefTensor* outputs[] = {&pq, &pk, &pv};
+    for (int i = 0; i < 3; ++i) {
+      std::optional<RefTensor> bias;
+      if (w.in_proj_bias) bias = Part(*w.in_proj_bias, i, e);
+      *outputs[i] = RefLinear(*inputs[i], Part(*w.in_proj_weight, i, e), bias);
+    }
+  } else {
+    std::optional<RefTensor> bq = w.q_proj_bias, bk = w.k_proj_bias,
+                             bv = w.v_proj_bias;
+    if (w.in_proj_bias) {  // one [3E] bias for separate weights
+      bq = Part(*w.in_proj_bias, 0, w.q_proj_weight->shape[0]);
+      bk = Part(*w.in_proj_bias, 1, w.k_proj_weight->shape[0]);
+      bv = Part(*w.in_proj_bias, 2, w.v_proj_weight->shape[0]);
+    }
+    pq = RefLinear(query, *w.q_proj_weight, bq);
+    pk = RefLinear(key, *w.k_proj_weight, bk);
+    pv = RefLinear(value, *w.v_proj_weight, bv);
+  }
+  const int64_t h = w.num_heads;
+  RefAttentionResult r =
+      RefAttend(SplitHeads(pq, h), SplitHeads(pk, h), SplitHeads(pv, h), masks,
+                mask_is_keep, options);
+  r.output = MergeHeads(r.output);
+  if (w.out_proj_weight) {
+    r.output = RefLinear(r.output, *w.out_proj_weight, w.out_proj_bias);
   }
   return r;
 }
@@ -174,6 +288,38 @@ RefTensor RefLayerNorm(const RefTensor& x,
     }
   }
   return y;
+}
+
+::testing::AssertionResult AllCloseNonFinite(const TensorView& got,
+                                             const RefTensor& expected,
+                                             double atol, double rtol) {
+  if (got.shape != expected.shape) {
+    return ::testing::AssertionFailure()
+           << "shape " << ShapeString(got.shape) << " != expected "
+           << ShapeString(expected.shape);
+  }
+  const RefTensor actual = ToRef(got);
+  int64_t bad = 0, first = -1;
+  for (size_t i = 0; i < actual.values.size(); ++i) {
+    const double a = actual.values[i], e = expected.values[i];
+    bool ok;
+    if (std::isnan(e)) {
+      ok = std::isnan(a);
+    } else if (std::isinf(e)) {
+      ok = a == e;
+    } else {
+      ok = std::abs(a - e) <= atol + rtol * std::abs(e);  // false for NaN
+    }
+    if (!ok) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++bad;
+    }
+  }
+  if (bad == 0) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure()
+         << bad << " of " << actual.values.size()
+         << " elements differ; first at flat index " << first << ": got "
+         << actual.values[first] << ", expected " << expected.values[first];
 }
 
 }  // namespace attnserve::testing

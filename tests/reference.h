@@ -1,5 +1,7 @@
 // Naive float64 references for the core's operations, written for clarity,
-// not speed: the tests hold the core to these.
+// not speed: the tests hold the core to these. NaN and +-Inf in the inputs
+// propagate as the README's Semantics say (IEEE arithmetic; masked positions
+// are not read; a query with no key left gets zeros).
 #ifndef ATTNSERVE_TESTS_REFERENCE_H_
 #define ATTNSERVE_TESTS_REFERENCE_H_
 
@@ -7,7 +9,9 @@
 #include <optional>
 #include <vector>
 
+#include "absl/strings/string_view.h"
 #include "core/tensor.h"
+#include "gtest/gtest.h"
 
 namespace attnserve::testing {
 
@@ -33,12 +37,35 @@ struct RefAttentionResult {
 
 // Attention over [..., L, d] inputs; `masks` broadcast right-aligned to
 // [..., Lq, Lk]; `mask_is_keep[i]` says whether masks[i] keeps nonzero
-// positions (BOOL/UINT8) or adds to the logits (FLOAT32).
+// positions (BOOL/UINT8) or adds to the logits (FLOAT32, -inf excludes).
+// A row with a NaN or +inf logit among the kept ones is NaN in the output
+// and the weights; a value row reaches the output rows that keep its key
+// (0 x NaN = NaN), never the rows that exclude it.
 RefAttentionResult RefAttend(const RefTensor& q, const RefTensor& k,
                              const RefTensor& v,
                              const std::vector<RefTensor>& masks,
                              const std::vector<bool>& mask_is_keep,
                              const RefAttentionOptions& options);
+
+// nn.MultiheadAttention's weights (see MultiHeadWeights in core/attention.h).
+struct RefMultiHeadWeights {
+  // The field named `name` (kMultiHeadWeightFields' names); null for none.
+  std::optional<RefTensor>* Field(absl::string_view name);
+
+  int num_heads = 0;
+  std::optional<RefTensor> q_proj_weight, k_proj_weight, v_proj_weight,
+      in_proj_weight, q_proj_bias, k_proj_bias, v_proj_bias, in_proj_bias,
+      out_proj_weight, out_proj_bias;
+};
+
+// Multi-head attention over batched [B, L, E] inputs: the projections,
+// RefAttend per head (`masks` broadcast over [B, H, Lq, Lk]), the heads
+// merged and the output projection. Output [B, Lq, Eo], weights per head
+// [B, H, Lq, Lk].
+RefAttentionResult RefMultiHeadAttend(
+    const RefMultiHeadWeights& w, const RefTensor& query, const RefTensor& key,
+    const RefTensor& value, const std::vector<RefTensor>& masks,
+    const std::vector<bool>& mask_is_keep, const RefAttentionOptions& options);
 
 // y = x * W^T + b over the last dim of x; W is [out, in].
 RefTensor RefLinear(const RefTensor& x, const RefTensor& w,
@@ -49,6 +76,14 @@ RefTensor RefLayerNorm(const RefTensor& x,
                        const std::optional<RefTensor>& gamma,
                        const std::optional<RefTensor>& beta, double eps,
                        int normalized_ndim);
+
+// Passes if shapes match, `got` is NaN exactly where `expected` is and has
+// the same infinity where `expected` has one, and every finite element is
+// within atol + rtol * |expected|; otherwise names the first element that
+// differs and counts them.
+::testing::AssertionResult AllCloseNonFinite(const TensorView& got,
+                                             const RefTensor& expected,
+                                             double atol, double rtol);
 
 }  // namespace attnserve::testing
 
