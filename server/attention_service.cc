@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/tensor.h"
+#include "grpcpp/impl/codegen/proto_utils.h"  // SerializationTraits<Message>
 #include "server/grpc_status.h"
 #include "server/handlers.h"
 
@@ -80,6 +81,39 @@ std::string RpcName(const google::protobuf::Message& request) {
   return rpc;
 }
 
+// Parses the bytes of a call's request into `request`. Bytes that are not
+// such a message: INVALID_ARGUMENT, and `request` is left empty (not
+// half-parsed, for the access log).
+absl::Status Parse(const grpc::ByteBuffer& raw,
+                   google::protobuf::Message* request) {
+  const size_t bytes = raw.Length();
+  // gRPC hands the request over as const but no longer needs it; parsing
+  // consumes it, freeing the received bytes at once.
+  auto* buffer = const_cast<grpc::ByteBuffer*>(&raw);
+  if (!grpc::SerializationTraits<google::protobuf::Message>::Deserialize(
+           buffer, request)
+           .ok()) {
+    request->Clear();
+    return absl::InvalidArgumentError(
+        absl::StrCat("request: could not parse ", bytes, " bytes as ",
+                     request->GetDescriptor()->full_name()));
+  }
+  return absl::OkStatus();
+}
+
+// Serializes `response` into `raw`, for gRPC to send.
+absl::Status Serialize(const google::protobuf::Message& response,
+                       grpc::ByteBuffer* raw) {
+  bool own_buffer = false;
+  if (!grpc::SerializationTraits<google::protobuf::Message>::Serialize(
+           response, raw, &own_buffer)
+           .ok()) {
+    return absl::InternalError(absl::StrCat("response: could not serialize ",
+                                            response.ByteSizeLong(), " bytes"));
+  }
+  return absl::OkStatus();
+}
+
 // Idle message pairs kept per RPC, and their capacity: enough for the calls
 // a busy server has in flight, small next to what those calls compute with.
 constexpr size_t kPooledMessages = 64;
@@ -91,46 +125,56 @@ struct AttentionServiceImpl::Call {
   grpc::CallbackServerContext* context;
   const google::protobuf::Message* request;
   google::protobuf::Message* response;
-  std::string rpc;  // for the metrics and the access log
+  grpc::ByteBuffer* raw_response;  // gRPC's, filled when the call succeeds
+  std::string rpc;                 // for the metrics and the access log
   RequestCost cost;
   absl::Time arrived;
+  // Owns `request` and `response`; null once they are back in their pool.
+  PooledMessagesPtr messages;
 };
 
 AttentionServiceImpl::AttentionServiceImpl(const ServiceConfig& config)
     : config_(config),
       attend_messages_(kPooledMessages, kPooledBytes),
       multi_head_messages_(kPooledMessages, kPooledBytes),
-      layer_norm_messages_(kPooledMessages, kPooledBytes) {
-  SetMessageAllocatorFor_Attend(&attend_messages_);
-  SetMessageAllocatorFor_MultiHeadAttend(&multi_head_messages_);
-  SetMessageAllocatorFor_LayerNorm(&layer_norm_messages_);
-}
+      layer_norm_messages_(kPooledMessages, kPooledBytes) {}
 
-template <typename Request, typename Response, typename Handler>
+template <typename Request, typename Response, typename Bind>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
-    grpc::CallbackServerContext* context, const Request* request,
-    Response* response, const RequestCost& cost, Handler handle) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
+    grpc::ByteBuffer* raw_response, MessagePool<Request, Response>* pool,
+    Bind bind) {
   const absl::Time arrived = absl::Now();
-  return Dispatch(
-      Call{context, request, response, RpcName(*request), cost, arrived},
-      [request, response,
-       handle = std::move(handle)](const CallControl& control) {
-        return handle(*request, response, control);
-      });
+  typename MessagePool<Request, Response>::Messages* messages =
+      pool->AllocateMessages();
+  Request* request = messages->request();
+  Response* response = messages->response();
+  Call call{.context = context,
+            .request = request,
+            .response = response,
+            .raw_response = raw_response,
+            .rpc = RpcName(*request),
+            .cost = {},  // known once the request is parsed
+            .arrived = arrived,
+            .messages = PooledMessagesPtr(messages)};
+  // Authenticated first: an unauthenticated client's bytes are not parsed.
+  absl::Status status = Authenticate(*context);
+  if (status.ok()) status = Parse(raw_request, request);
+  if (!status.ok()) return Refuse(call, status);
+  auto [cost, handle] = bind(std::as_const(*request));
+  call.cost = cost;
+  return Dispatch(std::move(call),
+                  [request, response,
+                   handle = std::move(handle)](const CallControl& control) {
+                    return handle(*request, response, control);
+                  });
 }
 
 template <typename BoundHandler>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call,
                                                          BoundHandler handle) {
-  absl::Status admitted = Authenticate(*call.context);
-  if (admitted.ok()) admitted = Admit(*call.context, call.cost);
-  if (!admitted.ok()) {
-    Record(call.rpc, *call.request, nullptr, admitted, call.arrived,
-           absl::ZeroDuration(), absl::ZeroDuration(), 0);
-    grpc::ServerUnaryReactor* reactor = call.context->DefaultReactor();
-    reactor->Finish(ToGrpcStatus(admitted));
-    return reactor;
-  }
+  const absl::Status admitted = Admit(*call.context, call.cost);
+  if (!admitted.ok()) return Refuse(call, admitted);
   // A tiny call computes in less time than a hand-over to a worker takes,
   // and on gRPC's default reactor: a reactor of our own that watches for
   // cancellation costs gRPC about 15 us of CPU per call, several times
@@ -146,7 +190,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call,
   }
   auto* reactor = new CallReactor();
   // Shared with the queued work, which the scheduler drops when it refuses.
-  auto queued_call = std::make_shared<const Call>(std::move(call));
+  auto queued_call = std::make_shared<Call>(std::move(call));
   const bool queued = config_.scheduler->Submit(
       [this, queued_call, handle = std::move(handle), reactor] {
         Compute(*queued_call, handle, reactor, reactor->cancelled());
@@ -164,8 +208,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call,
 }
 
 void AttentionServiceImpl::Compute(
-    const Call& call,
-    absl::FunctionRef<absl::Status(const CallControl&)> handle,
+    Call& call, absl::FunctionRef<absl::Status(const CallControl&)> handle,
     grpc::ServerUnaryReactor* reactor, const std::atomic<bool>* cancelled) {
   const absl::Time started = absl::Now();
   absl::Duration compute;
@@ -190,19 +233,43 @@ void AttentionServiceImpl::Compute(
         "attnserve-compute-us",
         std::to_string(absl::ToInt64Microseconds(compute)));
   }
-  if (!status.ok()) call.response->Clear();
+  if (status.ok()) status = Serialize(*call.response, call.raw_response);
   Record(call.rpc, *call.request, call.response, status, call.arrived,
          started - call.arrived, compute, call.cost.flops);
+  // Back to the pool first: once answered, the server may be destroyed.
+  call.messages.reset();
   reactor->Finish(ToGrpcStatus(status));
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::Refuse(
+    const Call& call, const absl::Status& status) const {
+  Record(call.rpc, *call.request, nullptr, status, call.arrived,
+         absl::ZeroDuration(), absl::ZeroDuration(), 0);
+  grpc::ServerUnaryReactor* reactor = call.context->DefaultReactor();
+  reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+template <typename Request, typename Response, typename Handler>
 grpc::ServerUnaryReactor* AttentionServiceImpl::ServeInline(
-    grpc::CallbackServerContext* context, google::protobuf::Message* response,
-    absl::FunctionRef<absl::Status()> handle) {
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
+    grpc::ByteBuffer* raw_response, Handler handle) const {
+  const absl::Time arrived = absl::Now();
+  Request request;
   absl::Status status = Authenticate(*context);
-  if (status.ok()) status = handle();
+  if (status.ok()) {
+    status = Parse(raw_request, &request);
+    if (!status.ok()) {
+      Record(RpcName(request), request, nullptr, status, arrived,
+             absl::ZeroDuration(), absl::ZeroDuration(), 0);
+    }
+  }
+  if (status.ok()) {
+    Response response;
+    status = handle(std::as_const(request), &response);
+    if (status.ok()) status = Serialize(response, raw_response);
+  }
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
-  if (!status.ok()) response->Clear();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
 }
@@ -262,75 +329,97 @@ void AttentionServiceImpl::Record(const std::string& rpc,
   config_.metrics->RecordCall(rpc, code, total, queue_wait, compute, flops,
                               bytes);
   if (config_.access_log) {
-    std::fprintf(stderr, "access rpc=%s %s status=%s us=%lld\n", rpc.c_str(),
-                 Describe(request).c_str(), code.c_str(),
+    std::string described = Describe(request);
+    if (!described.empty()) described += ' ';
+    std::fprintf(stderr, "access rpc=%s %sstatus=%s us=%lld\n", rpc.c_str(),
+                 described.c_str(), code.c_str(),
                  static_cast<long long>(absl::ToInt64Microseconds(total)));
   }
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(
-    grpc::CallbackServerContext* context, const v1::AttendRequest* request,
-    v1::AttendResponse* response) {
-  return Serve(context, request, response, CostOf(*request), &HandleAttend);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, &attend_messages_,
+               [](const v1::AttendRequest& request) {
+                 return std::pair(CostOf(request), &HandleAttend);
+               });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttend(
-    grpc::CallbackServerContext* context,
-    const v1::MultiHeadAttendRequest* request,
-    v1::MultiHeadAttendResponse* response) {
-  MultiHeadAttendHandler handle(*request, config_.models);
-  return Serve(context, request, response, CostOf(*request, handle.layer()),
-               std::move(handle));
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, &multi_head_messages_,
+               [this](const v1::MultiHeadAttendRequest& request) {
+                 MultiHeadAttendHandler handle(request, config_.models);
+                 const RequestCost cost = CostOf(request, handle.layer());
+                 return std::pair(cost, std::move(handle));
+               });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::LayerNorm(
-    grpc::CallbackServerContext* context, const v1::LayerNormRequest* request,
-    v1::LayerNormResponse* response) {
-  return Serve(context, request, response, CostOf(*request), &HandleLayerNorm);
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, &layer_norm_messages_,
+               [](const v1::LayerNormRequest& request) {
+                 return std::pair(CostOf(request), &HandleLayerNorm);
+               });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(
-    grpc::CallbackServerContext* context, const v1::ListModelsRequest*,
-    v1::ListModelsResponse* response) {
-  return ServeInline(context, response, [&] {
-    return HandleListModels(config_.models, response);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return ServeInline<v1::ListModelsRequest, v1::ListModelsResponse>(
+      context, *request, response,
+      [this](const v1::ListModelsRequest&, v1::ListModelsResponse* response) {
+        return HandleListModels(config_.models, response);
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::GetModelMetadata(
-    grpc::CallbackServerContext* context,
-    const v1::GetModelMetadataRequest* request,
-    v1::GetModelMetadataResponse* response) {
-  return ServeInline(context, response, [&] {
-    return HandleGetModelMetadata(*request, config_.models, response);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return ServeInline<v1::GetModelMetadataRequest, v1::GetModelMetadataResponse>(
+      context, *request, response,
+      [this](const v1::GetModelMetadataRequest& request,
+             v1::GetModelMetadataResponse* response) {
+        return HandleGetModelMetadata(request, config_.models, response);
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterSharedMemory(
-    grpc::CallbackServerContext* context,
-    const v1::RegisterSharedMemoryRequest* request,
-    v1::RegisterSharedMemoryResponse* response) {
-  return ServeInline(context, response, [&] {
-    return HandleRegisterSharedMemory(*request, config_.shared_memory);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return ServeInline<v1::RegisterSharedMemoryRequest,
+                     v1::RegisterSharedMemoryResponse>(
+      context, *request, response,
+      [this](const v1::RegisterSharedMemoryRequest& request,
+             v1::RegisterSharedMemoryResponse*) {
+        return HandleRegisterSharedMemory(request, config_.shared_memory);
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterSharedMemory(
-    grpc::CallbackServerContext* context,
-    const v1::UnregisterSharedMemoryRequest* request,
-    v1::UnregisterSharedMemoryResponse* response) {
-  return ServeInline(context, response, [&] {
-    return HandleUnregisterSharedMemory(*request, config_.shared_memory);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return ServeInline<v1::UnregisterSharedMemoryRequest,
+                     v1::UnregisterSharedMemoryResponse>(
+      context, *request, response,
+      [this](const v1::UnregisterSharedMemoryRequest& request,
+             v1::UnregisterSharedMemoryResponse*) {
+        return HandleUnregisterSharedMemory(request, config_.shared_memory);
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListSharedMemory(
-    grpc::CallbackServerContext* context,
-    const v1::ListSharedMemoryRequest* request,
-    v1::ListSharedMemoryResponse* response) {
-  return ServeInline(context, response, [&] {
-    return HandleListSharedMemory(*request, config_.shared_memory, response);
-  });
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return ServeInline<v1::ListSharedMemoryRequest, v1::ListSharedMemoryResponse>(
+      context, *request, response,
+      [this](const v1::ListSharedMemoryRequest& request,
+             v1::ListSharedMemoryResponse* response) {
+        return HandleListSharedMemory(request, config_.shared_memory, response);
+      });
 }
 
 }  // namespace attnserve

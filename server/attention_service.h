@@ -4,11 +4,18 @@
 // computed with its share of the cores, cancelled when the client goes,
 // counted in the metrics and written to the access log.
 //
+// The RPCs take their request's bytes unparsed (gRPC's raw callback
+// methods) and parse them here, after authentication: bytes that are not
+// the RPC's request message are answered INVALID_ARGUMENT "request: could
+// not parse N bytes as attnserve.v1.AttendRequest", counted and logged as a
+// call of that RPC, where gRPC's own parse would answer UNIMPLEMENTED with
+// no message, as if the method did not exist.
+//
 // Thread-safety: gRPC calls the RPC methods concurrently; the service's own
-// mutable state is its draining flag and refusal time, atomic (everything
-// ServiceConfig points to is thread-safe). Ownership: the server owns the
-// service; it must outlive the server, and everything ServiceConfig points
-// to must outlive the service.
+// mutable state is its draining flag and refusal time, atomic, and its
+// message pools, locked (everything ServiceConfig points to is
+// thread-safe). Ownership: the server owns the service; it must outlive the
+// server, and everything ServiceConfig points to must outlive the service.
 #ifndef ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 #define ATTNSERVE_SERVER_ATTENTION_SERVICE_H_
 
@@ -21,6 +28,7 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/thread_budget.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "server/auth.h"
 #include "server/message_pool.h"
 #include "server/metrics.h"
@@ -54,46 +62,56 @@ struct ServiceConfig {
   int64_t max_request_bytes = 0;
 };
 
+// Every RPC on gRPC's raw callback API: requests and responses as bytes.
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_Attend<
+    v1::AttentionService::WithRawCallbackMethod_MultiHeadAttend<
+        v1::AttentionService::WithRawCallbackMethod_LayerNorm<
+            v1::AttentionService::WithRawCallbackMethod_ListModels<
+                v1::AttentionService::WithRawCallbackMethod_GetModelMetadata<
+                    v1::AttentionService::
+                        WithRawCallbackMethod_RegisterSharedMemory<
+                            v1::AttentionService::
+                                WithRawCallbackMethod_UnregisterSharedMemory<
+                                    v1::AttentionService::
+                                        WithRawCallbackMethod_ListSharedMemory<
+                                            v1::AttentionService::
+                                                Service>>>>>>>>;
+
 // Each compute call: limits checked from the request's shapes, deadline
 // checked against the estimated compute time, then queued on the scheduler
 // (RESOURCE_EXHAUSTED when full); on a worker it computes with its share of
 // the cores, stops at the next block boundary if cancelled, and reports its
 // compute time in the trailer `attnserve-compute-us`.
-class AttentionServiceImpl final
-    : public v1::AttentionService::CallbackService {
+class AttentionServiceImpl final : public RawAttentionService {
  public:
   explicit AttentionServiceImpl(const ServiceConfig& config);
 
+  // Each takes the serialized request and fills `response` with the
+  // serialized answer when the call succeeds.
   grpc::ServerUnaryReactor* Attend(grpc::CallbackServerContext* context,
-                                   const v1::AttendRequest* request,
-                                   v1::AttendResponse* response) override;
+                                   const grpc::ByteBuffer* request,
+                                   grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* MultiHeadAttend(
-      grpc::CallbackServerContext* context,
-      const v1::MultiHeadAttendRequest* request,
-      v1::MultiHeadAttendResponse* response) override;
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* LayerNorm(grpc::CallbackServerContext* context,
-                                      const v1::LayerNormRequest* request,
-                                      v1::LayerNormResponse* response) override;
-  grpc::ServerUnaryReactor* ListModels(
-      grpc::CallbackServerContext* context,
-      const v1::ListModelsRequest* request,
-      v1::ListModelsResponse* response) override;
+                                      const grpc::ByteBuffer* request,
+                                      grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* ListModels(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* GetModelMetadata(
-      grpc::CallbackServerContext* context,
-      const v1::GetModelMetadataRequest* request,
-      v1::GetModelMetadataResponse* response) override;
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* RegisterSharedMemory(
-      grpc::CallbackServerContext* context,
-      const v1::RegisterSharedMemoryRequest* request,
-      v1::RegisterSharedMemoryResponse* response) override;
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* UnregisterSharedMemory(
-      grpc::CallbackServerContext* context,
-      const v1::UnregisterSharedMemoryRequest* request,
-      v1::UnregisterSharedMemoryResponse* response) override;
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response) override;
   grpc::ServerUnaryReactor* ListSharedMemory(
-      grpc::CallbackServerContext* context,
-      const v1::ListSharedMemoryRequest* request,
-      v1::ListSharedMemoryResponse* response) override;
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+      grpc::ByteBuffer* response) override;
 
   // From now on compute calls are refused with UNAVAILABLE "server is
   // shutting down; retry on another replica"; accepted calls finish, and
@@ -108,30 +126,45 @@ class AttentionServiceImpl final
   // A compute call from arrival to answer; defined in the .cc.
   struct Call;
 
-  // Compute RPCs: `handle(*request, response, control)` runs on a worker
-  // (or, when tiny, here) once the call is authenticated and admitted.
-  template <typename Request, typename Response, typename Handler>
+  // Compute RPCs: takes a request and response pair from `pool`,
+  // authenticates the call and parses `raw_request` into the request; then
+  // `bind(request)` gives the call's cost and its handler, run as
+  // `handle(request, response, control)` on a worker (or, when tiny, here)
+  // once the call is admitted. The response is serialized into
+  // `raw_response`.
+  template <typename Request, typename Response, typename Bind>
   grpc::ServerUnaryReactor* Serve(grpc::CallbackServerContext* context,
-                                  const Request* request, Response* response,
-                                  const RequestCost& cost, Handler handle);
-  // Authenticates and admits `call`, then computes it with `handle` (the
-  // RPC's handler bound to the request and the response) here if it is tiny
-  // and a worker is free, or queues it on the scheduler. A template so that
-  // the handler is not type-erased into an allocation on the tiny-call path.
+                                  const grpc::ByteBuffer& raw_request,
+                                  grpc::ByteBuffer* raw_response,
+                                  MessagePool<Request, Response>* pool,
+                                  Bind bind);
+  // Admits the authenticated, parsed `call`, then computes it with `handle`
+  // (the RPC's handler bound to the request and the response) here if it is
+  // tiny and a worker is free, or queues it on the scheduler. A template so
+  // that the handler is not type-erased into an allocation on the tiny-call
+  // path.
   template <typename BoundHandler>
   grpc::ServerUnaryReactor* Dispatch(Call call, BoundHandler handle);
-  // Computes an admitted call and answers it through `reactor`.
-  // `cancelled`: set when the client cancels or the deadline passes; null
-  // for calls too short to be worth stopping.
-  void Compute(const Call& call,
+  // Computes an admitted call and answers it through `reactor`, having
+  // returned its messages to their pool (once answered, the server and its
+  // pools may be destroyed). `cancelled`: set when the client cancels or the
+  // deadline passes; null for calls too short to be worth stopping.
+  void Compute(Call& call,
                absl::FunctionRef<absl::Status(const CallControl&)> handle,
                grpc::ServerUnaryReactor* reactor,
                const std::atomic<bool>* cancelled);
-  // RPCs that only read or register server state: authenticated, then
-  // answered on gRPC's thread, outside the scheduler and the metrics.
-  grpc::ServerUnaryReactor* ServeInline(
-      grpc::CallbackServerContext* context, google::protobuf::Message* response,
-      absl::FunctionRef<absl::Status()> handle);
+  // Answers `call` with `status` (not OK) before it computes.
+  grpc::ServerUnaryReactor* Refuse(const Call& call,
+                                   const absl::Status& status) const;
+  // RPCs that only read or register server state: authenticated, parsed,
+  // then answered by `handle(request, &response)` on gRPC's thread, outside
+  // the scheduler. Only the requests that do not parse are counted in the
+  // metrics and the access log: they mark a broken client.
+  template <typename Request, typename Response, typename Handler>
+  grpc::ServerUnaryReactor* ServeInline(grpc::CallbackServerContext* context,
+                                        const grpc::ByteBuffer& raw_request,
+                                        grpc::ByteBuffer* raw_response,
+                                        Handler handle) const;
   absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
   absl::Status Admit(const grpc::CallbackServerContext& context,
                      const RequestCost& cost) const;

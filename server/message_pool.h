@@ -1,15 +1,15 @@
-// Request and response messages recycled from call to call: gRPC's callback
-// API takes a MessageAllocator per method, and a cleared protobuf message
-// keeps the capacity of its byte fields, so a steady stream of calls of
-// similar sizes parses its tensors and writes its results without
-// allocating (or page-faulting in) new buffers.
+// Request and response messages recycled from call to call: a cleared
+// protobuf message keeps the capacity of its byte fields, so a steady stream
+// of calls of similar sizes parses its tensors and writes its results
+// without allocating (or page-faulting in) new buffers.
 //
 // Bounds: at most `max_pooled` idle pairs and `max_pooled_bytes` of their
-// capacity are kept; larger pairs are freed when their call ends.
+// capacity are kept; larger pairs are freed when they are released.
 //
-// Thread-safety: AllocateMessages and the holders' Release may be called
-// concurrently from any thread. Ownership: the pool owns the idle pairs and
-// must outlive the server that uses it (gRPC's contract for allocators).
+// Thread-safety: AllocateMessages and the pairs' Release may be called
+// concurrently from any thread. Ownership: the pool owns the idle pairs; a
+// pair taken is its taker's until Release, which must come before the pool
+// is destroyed.
 #ifndef ATTNSERVE_SERVER_MESSAGE_POOL_H_
 #define ATTNSERVE_SERVER_MESSAGE_POOL_H_
 
@@ -19,31 +19,62 @@
 
 #include "absl/base/thread_annotations.h"
 #include "core/mutex.h"
-#include "grpcpp/support/message_allocator.h"
 
 namespace attnserve {
 
-template <typename Request, typename Response>
-class MessagePool : public grpc::MessageAllocator<Request, Response> {
+// A pair taken from a MessagePool, whatever its message types: Release()
+// hands it back (its holder must not touch it afterwards).
+class PooledMessages {
  public:
+  virtual void Release() = 0;
+
+ protected:
+  ~PooledMessages() = default;
+};
+
+// A pair held until its owner goes.
+struct ReleaseMessages {
+  void operator()(PooledMessages* messages) const { messages->Release(); }
+};
+using PooledMessagesPtr = std::unique_ptr<PooledMessages, ReleaseMessages>;
+
+template <typename Request, typename Response>
+class MessagePool {
+ public:
+  class Messages final : public PooledMessages {
+   public:
+    Request* request() { return &request_; }
+    Response* response() { return &response_; }
+    void Release() override { pool_->Recycle(this); }
+
+   private:
+    friend class MessagePool;
+    explicit Messages(MessagePool* pool) : pool_(pool) {}
+    MessagePool* pool_;
+    Request request_;
+    Response response_;
+    // What the pair held in its last call: a bound on its idle capacity.
+    size_t bytes_ = 0;
+  };
+
   MessagePool(size_t max_pooled, size_t max_pooled_bytes)
       : max_pooled_(max_pooled), max_pooled_bytes_(max_pooled_bytes) {}
   MessagePool(const MessagePool&) = delete;
   MessagePool& operator=(const MessagePool&) = delete;
 
-  grpc::MessageHolder<Request, Response>* AllocateMessages() override
-      ABSL_LOCKS_EXCLUDED(mu_) {
+  // An idle pair, cleared, or a new one.
+  Messages* AllocateMessages() ABSL_LOCKS_EXCLUDED(mu_) {
     {
       MutexLock lock(&mu_);
       if (!idle_.empty()) {
-        std::unique_ptr<Holder> holder = std::move(idle_.back());
+        std::unique_ptr<Messages> messages = std::move(idle_.back());
         idle_.pop_back();
-        pooled_bytes_ -= holder->bytes;
+        pooled_bytes_ -= messages->bytes_;
         ++reused_;
-        return holder.release();
+        return messages.release();
       }
     }
-    return new Holder(this);
+    return new Messages(this);
   }
 
   // Calls that found an idle pair (for tests and metrics).
@@ -53,38 +84,24 @@ class MessagePool : public grpc::MessageAllocator<Request, Response> {
   }
 
  private:
-  struct Holder : grpc::MessageHolder<Request, Response> {
-    explicit Holder(MessagePool* pool) : pool(pool) {
-      this->set_request(&request);
-      this->set_response(&response);
-    }
-    void Release() override { pool->Recycle(this); }
-
-    MessagePool* pool;
-    Request request;
-    Response response;
-    // What the pair held in its last call: a bound on its idle capacity.
-    size_t bytes = 0;
-  };
-
-  void Recycle(Holder* released) ABSL_LOCKS_EXCLUDED(mu_) {
-    std::unique_ptr<Holder> holder(released);
-    holder->bytes =
-        holder->request.ByteSizeLong() + holder->response.ByteSizeLong();
-    holder->request.Clear();
-    holder->response.Clear();
+  void Recycle(Messages* released) ABSL_LOCKS_EXCLUDED(mu_) {
+    std::unique_ptr<Messages> messages(released);
+    messages->bytes_ =
+        messages->request_.ByteSizeLong() + messages->response_.ByteSizeLong();
+    messages->request_.Clear();
+    messages->response_.Clear();
     MutexLock lock(&mu_);
     if (idle_.size() < max_pooled_ &&
-        pooled_bytes_ + holder->bytes <= max_pooled_bytes_) {
-      pooled_bytes_ += holder->bytes;
-      idle_.push_back(std::move(holder));
+        pooled_bytes_ + messages->bytes_ <= max_pooled_bytes_) {
+      pooled_bytes_ += messages->bytes_;
+      idle_.push_back(std::move(messages));
     }
   }
 
   const size_t max_pooled_;
   const size_t max_pooled_bytes_;
   mutable Mutex mu_;
-  std::vector<std::unique_ptr<Holder>> idle_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<Messages>> idle_ ABSL_GUARDED_BY(mu_);
   size_t pooled_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t reused_ ABSL_GUARDED_BY(mu_) = 0;
 };

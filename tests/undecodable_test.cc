@@ -1,0 +1,292 @@
+// Requests whose bytes do not parse as their RPC's message, sent through a
+// live server as raw bytes: every RPC answers INVALID_ARGUMENT naming the
+// byte count and the message type, counts the call in the metrics, and
+// serves the next valid call; authentication still comes first.
+#include <unistd.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <future>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/shared_memory.h"
+#include "core/safetensors.h"
+#include "google/protobuf/descriptor.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
+#include "grpcpp/security/credentials.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "proto/tensor_codec.h"
+#include "tests/test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+// One RPC: a valid request, and the bytes inside it that the truncated
+// request cuts through (a tensor's raw_data, or a string).
+struct RpcCase {
+  std::string rpc;  // "Attend"
+  std::unique_ptr<google::protobuf::Message> request;
+  std::string payload;
+};
+
+v1::Tensor FloatTensor(Shape shape, std::mt19937& rng) {
+  v1::Tensor out;
+  EncodeTensor(RandomTensor(DType::kFloat32, shape, rng).view(), &out);
+  return out;
+}
+
+template <typename Request>
+RpcCase Case(const std::string& rpc, const Request& request,
+             const std::string& payload) {
+  return {rpc, std::make_unique<Request>(request), payload};
+}
+
+// A valid request of every RPC, in an order in which each succeeds on a
+// server that serves the model "mha" (E=16) and maps `shm` as the region
+// named "r" once RegisterSharedMemory ran.
+std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm) {
+  std::mt19937 rng(7);
+  std::vector<RpcCase> cases;
+  v1::AttendRequest attend;
+  *attend.mutable_query() = FloatTensor({2, 3, 8}, rng);
+  *attend.mutable_key() = FloatTensor({2, 5, 8}, rng);
+  *attend.mutable_value() = FloatTensor({2, 5, 4}, rng);
+  cases.push_back(Case("Attend", attend, attend.key().raw_data()));
+  v1::MultiHeadAttendRequest multi_head;
+  multi_head.set_model("mha");
+  *multi_head.mutable_query() = FloatTensor({2, 5, 16}, rng);
+  cases.push_back(
+      Case("MultiHeadAttend", multi_head, multi_head.query().raw_data()));
+  v1::LayerNormRequest layer_norm;
+  *layer_norm.mutable_input() = FloatTensor({4, 6}, rng);
+  cases.push_back(Case("LayerNorm", layer_norm, layer_norm.input().raw_data()));
+  // Its request has no field: an unknown one to cut through (a valid
+  // request keeps it as an unknown field).
+  v1::ListModelsRequest list_models;
+  list_models.GetReflection()
+      ->MutableUnknownFields(&list_models)
+      ->AddLengthDelimited(1, "future field");
+  cases.push_back(Case("ListModels", list_models, "future field"));
+  v1::GetModelMetadataRequest metadata;
+  metadata.set_name("mha");
+  cases.push_back(Case("GetModelMetadata", metadata, "mha"));
+  v1::RegisterSharedMemoryRequest register_region;
+  register_region.mutable_region()->set_name("r");
+  register_region.mutable_region()->set_key(shm.key());
+  register_region.mutable_region()->set_byte_size(shm.size());
+  cases.push_back(Case("RegisterSharedMemory", register_region, shm.key()));
+  v1::ListSharedMemoryRequest list_regions;
+  list_regions.set_name("r");
+  cases.push_back(Case("ListSharedMemory", list_regions, "r"));
+  v1::UnregisterSharedMemoryRequest unregister;
+  unregister.set_name("r");
+  cases.push_back(Case("UnregisterSharedMemory", unregister, "r"));
+  return cases;
+}
+
+// Bytes that do not parse as `c`'s request: garbage, the valid request cut
+// in the middle of its payload, and field 1 with a wire type that cannot
+// stand there.
+std::vector<std::string> Undecodable(const RpcCase& c) {
+  const std::string valid = c.request->SerializeAsString();
+  const size_t payload = valid.find(c.payload);
+  EXPECT_NE(payload, std::string::npos) << c.rpc;
+  return {
+      "\xff\xff\xff",
+      valid.substr(0, payload + c.payload.size() / 2),
+      // Wire type 4, the end of a group, outside any group.
+      valid + std::string("\x0c", 1),
+      // Wire type 7 does not exist.
+      std::string("\x0f\x01", 2) + valid,
+  };
+}
+
+// Calls the RPCs of attnserve.v1.AttentionService with any bytes as their
+// request.
+class RawClient {
+ public:
+  explicit RawClient(const std::string& target)
+      : stub_(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())) {
+  }
+
+  // `rpc` with `bytes` as its request, and `token` (if any) as its bearer
+  // token; `response` (if given) receives the response's bytes.
+  grpc::Status Call(const std::string& rpc, const std::string& bytes,
+                    const std::string& token = "",
+                    std::string* response = nullptr) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(60));
+    if (!token.empty()) {
+      context.AddMetadata("authorization", "Bearer " + token);
+    }
+    grpc::Slice slice(bytes);
+    const grpc::ByteBuffer request(&slice, 1);
+    grpc::ByteBuffer reply;
+    std::promise<grpc::Status> done;
+    stub_.UnaryCall(&context, "/attnserve.v1.AttentionService/" + rpc, {},
+                    &request, &reply,
+                    [&done](grpc::Status status) { done.set_value(status); });
+    const grpc::Status status = done.get_future().get();
+    if (response != nullptr && status.ok()) {
+      std::vector<grpc::Slice> slices;
+      EXPECT_TRUE(reply.Dump(&slices).ok());
+      response->clear();
+      for (const grpc::Slice& s : slices) {
+        response->append(reinterpret_cast<const char*>(s.begin()), s.size());
+      }
+    }
+    return status;
+  }
+
+ private:
+  grpc::GenericStub stub_;
+};
+
+std::string ParseError(const RpcCase& c, const std::string& bytes) {
+  return absl::StrCat("request: could not parse ", bytes.size(), " bytes as ",
+                      c.request->GetDescriptor()->full_name());
+}
+
+// A model repository holding "mha" (E=16, 4 heads), removed with the object.
+class TempRepository {
+ public:
+  TempRepository()
+      : root_((fs::temp_directory_path() /
+               absl::StrCat("attnserve_undecodable_", ::getpid()))
+                  .string()) {
+    fs::remove_all(root_);
+    fs::create_directories(fs::path(root_) / "mha");
+    std::ofstream(fs::path(root_) / "mha" / "config.pbtxt") << "num_heads: 4\n";
+    std::mt19937 rng(3);
+    NamedTensors state;
+    state.emplace("in_proj_weight",
+                  RandomTensor(DType::kFloat32, {48, 16}, rng));
+    state.emplace("in_proj_bias", RandomTensor(DType::kFloat32, {48}, rng));
+    state.emplace("out_proj.weight",
+                  RandomTensor(DType::kFloat32, {16, 16}, rng));
+    state.emplace("out_proj.bias", RandomTensor(DType::kFloat32, {16}, rng));
+    EXPECT_TRUE(WriteSafetensors(
+                    (fs::path(root_) / "mha" / "weights.safetensors").string(),
+                    ViewsOf(state), {})
+                    .ok());
+  }
+  ~TempRepository() { fs::remove_all(root_); }
+  const std::string& root() const { return root_; }
+
+ private:
+  std::string root_;
+};
+
+TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
+  TempRepository repo;
+  ServerOptions options;
+  options.model_repository = repo.root();
+  TestServer server(options);
+  ASSERT_GT(server.metrics_port(), 0);
+  auto shm =
+      SharedMemoryBuffer::Create(UniqueSharedMemoryKey("undecodable"), 4096);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+
+  const std::vector<RpcCase> cases = EveryRpc(**shm);
+  // Every RPC of the service, with its request type.
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::AttentionService::service_full_name());
+  ASSERT_NE(service, nullptr);
+  ASSERT_EQ(cases.size(), static_cast<size_t>(service->method_count()));
+  for (const RpcCase& c : cases) {
+    const google::protobuf::MethodDescriptor* method =
+        service->FindMethodByName(c.rpc);
+    ASSERT_NE(method, nullptr) << c.rpc;
+    EXPECT_EQ(method->input_type(), c.request->GetDescriptor()) << c.rpc;
+  }
+  RawClient client(server.target());
+  for (const RpcCase& c : cases) {
+    SCOPED_TRACE(c.rpc);
+    for (const std::string& bytes : Undecodable(c)) {
+      // The premise: these bytes are not such a message.
+      std::unique_ptr<google::protobuf::Message> parsed(c.request->New());
+      ASSERT_FALSE(parsed->ParseFromString(bytes));
+      const grpc::Status status = client.Call(c.rpc, bytes);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_EQ(status.error_message(), ParseError(c, bytes));
+    }
+    std::string reply;
+    const grpc::Status valid =
+        client.Call(c.rpc, c.request->SerializeAsString(), "", &reply);
+    EXPECT_TRUE(valid.ok()) << valid.error_message();
+  }
+
+  httplib::Client http("127.0.0.1", server.metrics_port());
+  auto page = http.Get("/metrics");
+  ASSERT_TRUE(page) << "GET /metrics failed";
+  for (const RpcCase& c : cases) {
+    const std::string line = absl::StrCat(
+        "attnserve_requests_total{rpc=\"", c.rpc,
+        "\",code=\"INVALID_ARGUMENT\"} ", Undecodable(c).size(), "\n");
+    EXPECT_NE(page->body.find(line), std::string::npos)
+        << "missing: " << line << page->body;
+  }
+  // The compute RPCs count their valid calls too.
+  for (const char* rpc : {"Attend", "MultiHeadAttend", "LayerNorm"}) {
+    const std::string line = absl::StrCat("attnserve_requests_total{rpc=\"",
+                                          rpc, "\",code=\"OK\"} 1\n");
+    EXPECT_NE(page->body.find(line), std::string::npos)
+        << "missing: " << line << page->body;
+  }
+}
+
+// A compute result over the raw path is the one the typed client gets.
+TEST(UndecodableTest, ValidBytesGetTheTypedClientsAnswer) {
+  TestServer server;
+  std::mt19937 rng(11);
+  v1::LayerNormRequest request;
+  *request.mutable_input() = FloatTensor({3, 10}, rng);
+  std::string bytes;
+  ASSERT_TRUE(RawClient(server.target())
+                  .Call("LayerNorm", request.SerializeAsString(), "", &bytes)
+                  .ok());
+  v1::LayerNormResponse raw;
+  ASSERT_TRUE(raw.ParseFromString(bytes));
+  auto typed = server.MakeClient().LayerNorm(request);
+  ASSERT_TRUE(typed.ok()) << typed.status();
+  EXPECT_EQ(raw.output().raw_data(), typed->output().raw_data());
+  EXPECT_EQ(raw.output().raw_data().size(), 30 * sizeof(float));
+}
+
+TEST(UndecodableTest, AuthenticationComesFirst) {
+  const std::string tokens = ::testing::TempDir() + "/undecodable_tokens";
+  std::ofstream(tokens) << "secret\n";
+  ServerOptions options;
+  options.auth_token_file = tokens;
+  TestServer server(options);
+  auto shm =
+      SharedMemoryBuffer::Create(UniqueSharedMemoryKey("undecodable"), 4096);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  RawClient client(server.target());
+  for (const RpcCase& c : EveryRpc(**shm)) {
+    SCOPED_TRACE(c.rpc);
+    const grpc::Status anonymous = client.Call(c.rpc, "\xff\xff");
+    EXPECT_EQ(anonymous.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    EXPECT_EQ(anonymous.error_message(),
+              "authorization: missing, expected 'Bearer <token>'");
+    const grpc::Status wrong = client.Call(c.rpc, "\xff\xff", "not-the-token");
+    EXPECT_EQ(wrong.error_code(), grpc::StatusCode::UNAUTHENTICATED);
+    const grpc::Status with_token = client.Call(c.rpc, "\xff\xff", "secret");
+    EXPECT_EQ(with_token.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    EXPECT_EQ(with_token.error_message(), ParseError(c, "\xff\xff"));
+  }
+}
+
+}  // namespace
+}  // namespace attnserve::testing
