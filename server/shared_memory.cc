@@ -167,9 +167,9 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(
   }
   if (info.offset > (uint64_t{1} << 62) ||
       info.byte_size > (uint64_t{1} << 62)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("offset ", info.offset, " + byte_size ", info.byte_size,
-                     ": too large"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        info.offset > (uint64_t{1} << 62) ? "offset" : "byte_size", ": offset ",
+        info.offset, " + byte_size ", info.byte_size, " is too large"));
   }
   const int fd = shm_open(info.key.c_str(), O_RDWR, 0);
   if (fd < 0) return OpenError(info.key, errno);
