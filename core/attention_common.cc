@@ -22,7 +22,15 @@ absl::StatusOr<float> LogitMultiplier(const AttentionOptions& options,
         VerifyPositiveFinite(*options.temperature, "temperature"));
     temperature = *options.temperature;
   }
-  return scale / temperature;
+  // Each is fine, their quotient may not be (1 / 1e-39): no logit would be
+  // finite. A vanishing one is fine: uniform attention, as with scale 0.
+  const float multiplier = scale / temperature;
+  if (!std::isfinite(multiplier)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("temperature: scale ", scale, " / temperature ",
+                     temperature, " overflows float32"));
+  }
+  return multiplier;
 }
 
 absl::Status VerifySameDType(const TensorView& t, absl::string_view field,

@@ -13,7 +13,8 @@
 
 namespace attnserve {
 
-// scale / temperature, after checking both; scale defaults to 1/sqrt(dk).
+// scale / temperature, after checking both (scale finite, temperature finite
+// and > 0) and that the quotient is finite; scale defaults to 1/sqrt(dk).
 absl::StatusOr<float> LogitMultiplier(const AttentionOptions& options,
                                       int64_t key_dim);
 

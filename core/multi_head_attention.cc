@@ -199,8 +199,11 @@ absl::Status MultiHeadLayer::ResolveFused(const MultiHeadWeights& w) {
   ATTN_RETURN_IF_ERROR(
       VerifyDim(in_proj, "in_proj_weight", 0, 3 * embed, "3 x dim 1 ="));
   if (w.q_proj_bias || w.k_proj_bias || w.v_proj_bias) {
-    return absl::InvalidArgumentError(
-        "q_proj_bias: with in_proj_weight, give the bias as in_proj_bias");
+    const absl::string_view given = w.q_proj_bias   ? "q_proj_bias"
+                                    : w.k_proj_bias ? "k_proj_bias"
+                                                    : "v_proj_bias";
+    return absl::InvalidArgumentError(absl::StrCat(
+        given, ": with in_proj_weight, give the bias as in_proj_bias"));
   }
   ATTN_RETURN_IF_ERROR(VerifyBias(w.in_proj_bias, "in_proj_bias", 3 * embed));
   if (embed % heads_ != 0) {

@@ -157,12 +157,18 @@ ATTN_AVX512 float Avx512MaxScaled(const float* x, int64_t n, float multiplier) {
   return _mm512_reduce_max_ps(m);
 }
 
-// exp(x * multiplier - shift) for 16 lanes.
+// exp(x * multiplier - shift) for 16 lanes. The product is rounded before
+// the shift, as in max_scaled: `shift` is the largest rounded product, and
+// a fused (exact) one differs from it by up to half an ulp, which for
+// logits above ~1e9 overflows exp (NaN rows) or underflows every term. An
+// explicitly rounded multiply, since GCC fuses a plain one with the add.
 template <bool kFull>
 ATTN_AVX512 inline __m512 ShiftedExp512(const float* x, __mmask16 mask,
                                         __m512 mul, __m512 neg_shift) {
-  return Exp512<kFull>(
-      _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mask, x), mul, neg_shift));
+  const __m512 product =
+      _mm512_mul_round_ps(_mm512_maskz_loadu_ps(mask, x), mul,
+                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  return Exp512<kFull>(_mm512_add_ps(product, neg_shift));
 }
 
 // Float32 lanes rounded to bfloat16, nearest even, as FloatToBFloat16: the

@@ -52,6 +52,12 @@ v1::DataType DTypeToProto(DType dtype) {
 
 namespace {
 
+// The most dims a wire tensor may have. Beyond it the shape is refused
+// before anything reads it: a message naming a million dims would not fit
+// in the status a client accepts (8 KiB of metadata), and no operation
+// needs more (numpy allows 64 too).
+constexpr int kMaxRank = 64;
+
 // The memory of a shared-memory reference `ref` that must hold `byte_size`
 // bytes of `dtype`: exactly (`exact`, inputs) or at least (results).
 absl::StatusOr<char*> ResolveRef(const v1::SharedMemoryRef& ref,
@@ -77,6 +83,11 @@ absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
                                         SharedMemoryResolver* shared_memory) {
   TensorView view;
   ATTN_ASSIGN_OR_RETURN(view.dtype, DTypeFromProto(tensor.dtype(), field));
+  if (tensor.shape_size() > kMaxRank) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": rank ", tensor.shape_size(),
+                     ", expected at most ", kMaxRank, " dims"));
+  }
   view.shape.assign(tensor.shape().begin(), tensor.shape().end());
   ATTN_ASSIGN_OR_RETURN(const int64_t count,
                         CheckedNumElements(view.shape, view.dtype, field));

@@ -36,10 +36,10 @@ class SharedMemoryResolver {
                                         absl::string_view field) = 0;
 };
 
-// A view of `tensor`'s values after checking its dtype, dims and that exactly
-// one of raw_data, float_data and shared_memory holds shape x dtype-size
-// bytes. Messages name `field`, e.g. "query: raw_data has 12 bytes, expected
-// 16 (...)". `shared_memory` null: references are refused.
+// A view of `tensor`'s values after checking its dtype, dims (at most 64)
+// and that exactly one of raw_data, float_data and shared_memory holds
+// shape x dtype-size bytes. Messages name `field`, e.g. "query: raw_data has 12
+// bytes, expected 16 (...)". `shared_memory` null: references are refused.
 absl::StatusOr<TensorView> DecodeTensor(
     const v1::Tensor& tensor, absl::string_view field,
     SharedMemoryResolver* shared_memory = nullptr);

@@ -74,6 +74,7 @@ absl::StatusOr<std::shared_ptr<const Model>> RequestedModel(
     const v1::MultiHeadAttendRequest& request, const ModelRepository* models) {
   switch (request.weights_source_case()) {
     case v1::MultiHeadAttendRequest::kModel:
+      ATTN_RETURN_IF_ERROR(VerifyModelName(request.model(), "model"));
       if (models == nullptr) {
         return absl::NotFoundError(absl::StrCat(
             "model: '", request.model(),
@@ -220,6 +221,7 @@ absl::Status HandleListModels(const ModelRepository* models,
 absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
                                     const ModelRepository* models,
                                     v1::GetModelMetadataResponse* response) {
+  ATTN_RETURN_IF_ERROR(VerifyModelName(request.name(), "name"));
   if (models == nullptr) {
     return absl::NotFoundError(
         absl::StrCat("name: model '", request.name(),

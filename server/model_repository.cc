@@ -6,6 +6,7 @@
 #include <fstream>
 #include <iterator>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/attention_weights.h"
@@ -98,6 +99,36 @@ absl::StatusOr<MultiHeadWeights> WeightsFrom(const SafetensorsFile& file,
 }
 
 }  // namespace
+
+absl::Status VerifyModelName(absl::string_view name, absl::string_view field) {
+  if (name.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": empty, expected the name of a loaded model (ListModels)"));
+  }
+  if (name.size() > kMaxModelNameBytes) {
+    // Not echoed: the status must stay small enough to reach the client.
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", name.size(), " bytes, longer than the ",
+                     kMaxModelNameBytes, " a model name may have"));
+  }
+  const std::string quoted = absl::StrCat("'", absl::CEscape(name), "'");
+  if (name.find('\0') != absl::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", quoted, " contains a NUL byte"));
+  }
+  if (name.find('/') != absl::string_view::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", quoted,
+                     " contains '/'; a model name is the name of a folder in "
+                     "the model repository"));
+  }
+  if (name == "." || name == "..") {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", quoted,
+                     " is not the name of a folder in the model repository"));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir) {
   auto model = std::make_shared<Model>();

@@ -12,6 +12,7 @@
 #ifndef ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
 #define ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
 
+#include <cstddef>
 #include <map>
 #include <memory>
 #include <string>
@@ -20,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/multi_head_attention.h"
 #include "core/mutex.h"
@@ -31,6 +33,16 @@ struct Model {
   v1::ModelConfig config;
   std::shared_ptr<const MultiHeadLayer> layer;
 };
+
+// The longest model name: a model is named after its folder, and Linux file
+// names have at most 255 bytes.
+inline constexpr size_t kMaxModelNameBytes = 255;
+
+// OK if `name` could name a model: 1 to 255 bytes, one folder name (no '/'
+// or NUL byte, not "." or ".."). Otherwise INVALID_ARGUMENT naming `field`
+// (the request field that carries the name): no repository holds such a
+// model, so NOT_FOUND would tell the caller to look elsewhere.
+absl::Status VerifyModelName(absl::string_view name, absl::string_view field);
 
 // Loads the model in `dir` (named after the folder). Errors name the file
 // and the problem.

@@ -1,16 +1,35 @@
 #include "server/request_cost.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "core/attention_weights.h"
+#include "proto/tensor_codec.h"
 
 namespace attnserve {
 namespace {
 
-// Elements of a wire tensor's shape, or -1 if a dim is negative or the
-// product overflows.
+// Elements of a wire tensor's shape, or -1 when decoding will refuse the
+// shape (as CheckedNumElements does): a negative dim, or elements or their
+// bytes beyond int64. Such a request is the operation's to refuse with
+// INVALID_ARGUMENT, not the limits' with RESOURCE_EXHAUSTED.
 int64_t Elements(const v1::Tensor& t) {
+  const int64_t size = t.dtype() == v1::DATA_TYPE_FLOAT32 ? 4
+                       : t.dtype() == v1::DATA_TYPE_BFLOAT16 ||
+                               t.dtype() == v1::DATA_TYPE_FLOAT16
+                           ? 2
+                           : 1;
+  for (int64_t d : t.shape()) {
+    if (d < 0) return -1;
+  }
+  for (int64_t d : t.shape()) {
+    if (d == 0) return 0;
+  }
+  const int64_t limit = std::numeric_limits<int64_t>::max() / size;
   int64_t n = 1;
   for (int64_t d : t.shape()) {
-    if (d < 0 || (d > 0 && n > (int64_t{1} << 62) / d)) return -1;
+    if (n > limit / d) return -1;
     n *= d;
   }
   return n;
@@ -65,6 +84,12 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
                  &r.key_padding_mask()})) {
     return cost;
   }
+  if (layer == nullptr && r.has_weights()) {
+    for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+      const v1::Tensor* t = FindWeightTensor(r.weights(), field);
+      if (t != nullptr && Elements(*t) < 0) return cost;
+    }
+  }
   const v1::Tensor& key = r.has_key() ? r.key() : r.query();
   const double batch = r.query().shape_size() == 3 ? Dim(r.query(), 0) : 1;
   const double lq = Dim(r.query(), -2), lk = Dim(key, -2);
@@ -76,11 +101,17 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
     e_out = layer->output_dim();
   } else if (r.has_weights()) {
     const v1::AttentionWeights& w = r.weights();
-    heads = std::max(1, w.num_heads());
     hdk = w.has_in_proj_weight() ? Dim(w.in_proj_weight(), 1)
                                  : Dim(w.q_proj_weight(), 0);
     hdv = w.has_in_proj_weight() ? hdk : Dim(w.v_proj_weight(), 0);
     e_out = w.has_out_proj_weight() ? Dim(w.out_proj_weight(), 0) : hdv;
+    // Heads that do not split the projections fail the call: 2^31 of them
+    // must not price it (per-head weights) out of the memory limit first.
+    if (w.num_heads() <= 0 || std::fmod(hdk, w.num_heads()) != 0 ||
+        std::fmod(hdv, w.num_heads()) != 0) {
+      return cost;
+    }
+    heads = w.num_heads();
   }
   const double projections =
       2.0 * batch *

@@ -104,16 +104,19 @@ void ReleaseGuardSlot(int index) {
   guard_slots[index].begin.store(0, std::memory_order_release);
 }
 
-absl::Status VerifyRegionName(absl::string_view name) {
+// Also checked where a name is looked up: a name no region can have is a
+// malformed request, and is not echoed (a long one would not fit in the
+// status a client accepts).
+absl::Status VerifyRegionName(absl::string_view name, absl::string_view field) {
   if (name.empty() || name.size() > 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("name: must be 1 to 128 characters, got ", name.size()));
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": must be 1 to 128 characters, got ", name.size()));
   }
   for (char c : name) {
     if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '_' &&
         c != '-' && c != '.') {
-      return absl::InvalidArgumentError(
-          "name: only letters, digits, '_', '-' and '.' are allowed");
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": only letters, digits, '_', '-' and '.' are allowed"));
     }
   }
   return absl::OkStatus();
@@ -164,9 +167,9 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(
   }
   if (info.offset > (uint64_t{1} << 62) ||
       info.byte_size > (uint64_t{1} << 62)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("offset ", info.offset, " + byte_size ", info.byte_size,
-                     ": too large"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        info.offset > (uint64_t{1} << 62) ? "offset" : "byte_size", ": offset ",
+        info.offset, " + byte_size ", info.byte_size, " is too large"));
   }
   const int fd = shm_open(info.key.c_str(), O_RDWR, 0);
   if (fd < 0) return OpenError(info.key, errno);
@@ -265,7 +268,7 @@ absl::Status SharedMemoryRegistry::VerifyRoomFor(
 
 absl::Status SharedMemoryRegistry::Register(
     const SharedMemoryRegionInfo& info) {
-  if (absl::Status valid = VerifyRegionName(info.name); !valid.ok()) {
+  if (absl::Status valid = VerifyRegionName(info.name, "name"); !valid.ok()) {
     return valid;
   }
   {
@@ -286,6 +289,7 @@ absl::Status SharedMemoryRegistry::Register(
 absl::Status SharedMemoryRegistry::Unregister(absl::string_view name) {
   // Regions are released outside the lock: unmapping takes a while, and
   // calls may still hold them (then they go when those calls finish).
+  if (!name.empty()) ATTN_RETURN_IF_ERROR(VerifyRegionName(name, "name"));
   std::vector<std::shared_ptr<const SharedMemoryRegion>> released;
   MutexLock lock(&mu_);
   if (name.empty()) {
@@ -308,6 +312,7 @@ absl::Status SharedMemoryRegistry::Unregister(absl::string_view name) {
 absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>>
 SharedMemoryRegistry::Find(absl::string_view name,
                            absl::string_view field) const {
+  ATTN_RETURN_IF_ERROR(VerifyRegionName(name, absl::StrCat(field, ".region")));
   MutexLock lock(&mu_);
   auto it = regions_.find(name);
   if (it == regions_.end()) {
@@ -320,6 +325,7 @@ SharedMemoryRegistry::Find(absl::string_view name,
 
 absl::StatusOr<std::vector<SharedMemoryRegionInfo>> SharedMemoryRegistry::List(
     absl::string_view name) const {
+  if (!name.empty()) ATTN_RETURN_IF_ERROR(VerifyRegionName(name, "name"));
   MutexLock lock(&mu_);
   std::vector<SharedMemoryRegionInfo> infos;
   for (const auto& [region_name, region] : regions_) {

@@ -89,14 +89,15 @@ class SharedMemoryRegistry {
   absl::Status Register(const SharedMemoryRegionInfo& info)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Unregisters `name`, or every region when it is empty; NOT_FOUND for an
-  // unknown name.
+  // unknown name, INVALID_ARGUMENT for one no region can have.
   absl::Status Unregister(absl::string_view name) ABSL_LOCKS_EXCLUDED(mu_);
-  // The region registered as `name`, or NOT_FOUND naming `field`.
+  // The region registered as `name`, or NOT_FOUND naming `field`
+  // (INVALID_ARGUMENT naming `field`.region for a name no region can have).
   absl::StatusOr<std::shared_ptr<const SharedMemoryRegion>> Find(
       absl::string_view name, absl::string_view field) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // Every region, sorted by name; only `name` when it is not empty
-  // (NOT_FOUND if unknown).
+  // (NOT_FOUND if unknown, INVALID_ARGUMENT if malformed).
   absl::StatusOr<std::vector<SharedMemoryRegionInfo>> List(
       absl::string_view name) const ABSL_LOCKS_EXCLUDED(mu_);
   uint64_t registered_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
