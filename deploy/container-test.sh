@@ -107,6 +107,9 @@ cleanup() {
     fi
     if [[ ${KEEP_TMP:-0} == 1 ]]; then
       log "kept $tmp"
+      if [[ -n $dockerd_pid ]]; then
+        log "dockerd (pid $dockerd_pid) still runs: docker --host unix://$docker_socket ..."
+      fi
     else
       if [[ $engine == podman ]]; then
         "${engine_cmd[@]}" system reset --force >/dev/null 2>&1
