@@ -192,9 +192,11 @@ path-exclude /usr/share/lintian/overrides/*
 path-exclude /usr/share/locale/*
 path-exclude /usr/share/man/*
 EOF
-tar -C "$rootfs" -c . | "${engine_cmd[@]}" import - debian:bookworm-slim >/dev/null
 if [[ $engine == podman ]]; then
+  tar -C "$rootfs" -c . | "${engine_cmd[@]}" import --quiet - debian:bookworm-slim >/dev/null
   "${engine_cmd[@]}" tag debian:bookworm-slim docker.io/library/debian:bookworm-slim
+else
+  tar -C "$rootfs" -c . | "${engine_cmd[@]}" import - debian:bookworm-slim >/dev/null
 fi
 rm -rf "$rootfs"
 base_bytes=$("${engine_cmd[@]}" image inspect --format '{{.Size}}' debian:bookworm-slim)
@@ -259,7 +261,7 @@ if [[ $engine == podman ]]; then
   while [[ $metrics_port == "$grpc_port" ]]; do metrics_port=$(free_port); done
   network=(--network slirp4netns
     --publish "127.0.0.1:$grpc_port:50051" --publish "127.0.0.1:$metrics_port:9090")
-  where="host"
+  where="the host"
 else
   grpc_port=50051
   metrics_port=9090
