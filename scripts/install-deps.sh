@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Installs the Debian bookworm packages that attnserve builds and tests with.
 # Safe to run again: apt-get skips what is already installed. The Python
-# packages serve the Python client's tests (PyTorch is their reference) and
-# the manifest checks of deploy/. clang (with its OpenMP runtime, which
-# CMake's FindOpenMP needs to configure a clang build) and ninja run the
-# thread-safety analysis of scripts/check-thread-safety.sh.
+# packages serve the Python client's tests (PyTorch is their reference), its
+# pip install into a venv (README) and the manifest checks of deploy/;
+# prometheus brings promtool for the checks of deploy/prometheus. clang
+# (with its OpenMP runtime, which CMake's FindOpenMP needs to configure a
+# clang build) and ninja run the thread-safety analysis of
+# scripts/check-thread-safety.sh.
 set -euo pipefail
 
 # libdnnl-dev's CMake package looks for OpenCL (Debian builds oneDNN with its
@@ -17,11 +19,21 @@ packages=(
   libgtest-dev libgmock-dev googletest libbenchmark-dev libgoogle-perftools-dev
   clang libomp-dev ninja-build
   python3-grpcio python3-protobuf python3-yaml python3-torch python3-numpy
+  python3-venv python3-setuptools
+  prometheus
 )
 
 sudo=""
 if [[ $(id -u) -ne 0 ]]; then sudo="sudo"; fi
 export DEBIAN_FRONTEND=noninteractive
+# prometheus brings promtool (the checks of deploy/prometheus) and a server
+# whose service would listen on :9090, attnserve's default metrics port: on
+# a machine where it is not installed yet, the service is masked first, so
+# that systemd neither starts nor enables it.
+if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q 'ok installed'; then
+  $sudo mkdir -p /etc/systemd/system
+  $sudo ln -sf /dev/null /etc/systemd/system/prometheus.service
+fi
 $sudo apt-get update -qq
 $sudo apt-get install -y -qq --no-install-recommends "${packages[@]}" >/dev/null
 # The Node client's tests need node and npm; machines that already have a

@@ -25,6 +25,14 @@ echo "== Release build and tests"
 "$root/scripts/build.sh" Release -DATTNSERVE_BUILD_TESTS=ON "${extra[@]}"
 (cd "$root/build" && ctest --output-on-failure -j"$jobs" --timeout 300)
 
+# The README's Python commands as a new user runs them: in a copy of the
+# tracked files, after the quick start's scripts/run-server.sh (a Release
+# build of its own).
+if [[ $quick -eq 0 ]]; then
+  echo "== README Python commands against the quick start's server"
+  "$root/scripts/readme-python-check.sh"
+fi
+
 if [[ $quick -eq 0 ]]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
   cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \

@@ -2,8 +2,8 @@
 """Tests of the Python client against a live attnserve, PyTorch as reference.
 
 Usage: test_client.py [ATTNSERVE_BINARY] [unittest args], or the binary in
-the environment variable ATTNSERVE_BIN. The attnserve.v1 stubs must be on
-PYTHONPATH.
+the environment variable ATTNSERVE_BIN. The attnserve.v1 stubs are the
+committed ones next to this file.
 """
 import os
 import subprocess
@@ -25,6 +25,7 @@ from attnserve_client import (MESSAGE_SIZE_OPTIONS,  # noqa
                               pb, save_model, save_safetensors, to_numpy,
                               to_tensor, to_torch)
 from attnserve_client import shared_memory  # noqa
+import attnserve_client  # noqa
 
 SERVER_BIN = os.environ.get("ATTNSERVE_BIN", "")
 TOL = dict(rtol=1e-4, atol=1e-4)  # the README's float32 contract
@@ -250,12 +251,14 @@ class ClientTest(unittest.TestCase):
         self.stub.LayerNorm(pb.LayerNormRequest(input=to_tensor(q)))
 
     def test_example_runs(self):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [HERE, os.environ.get("PYTHONPATH", "")]))
+        # As the README runs it: clients/python alone on the path, from a
+        # directory other than the checkout.
+        env = dict(os.environ, PYTHONPATH=HERE)
         result = subprocess.run(
             [sys.executable, os.path.join(HERE, "example.py"),
              f"--target={self.server.target}", "--model=mha64"],
-            env=env, capture_output=True, text=True, timeout=60)
+            env=env, cwd=self.workdir.name, capture_output=True, text=True,
+            timeout=60)
         self.assertEqual(result.returncode, 0, result.stderr)
         self.assertIn("MultiHeadAttend (mha64, 4 heads): output (2, 10, 64)",
                       result.stdout)
@@ -393,12 +396,12 @@ class ClientTest(unittest.TestCase):
             region.tensor(x)
 
     def test_example_shared_memory_runs(self):
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [HERE, os.environ.get("PYTHONPATH", "")]))
+        env = dict(os.environ, PYTHONPATH=HERE)
         result = subprocess.run(
             [sys.executable, os.path.join(HERE, "example_shared_memory.py"),
              f"--target={self.server.target}"],
-            env=env, capture_output=True, text=True, timeout=60)
+            env=env, cwd=self.workdir.name, capture_output=True, text=True,
+            timeout=60)
         self.assertEqual(result.returncode, 0, result.stderr)
         lines = result.stdout.splitlines()
         self.assertEqual(len(lines), 3, result.stdout)
@@ -409,6 +412,14 @@ class ClientTest(unittest.TestCase):
 
 class HelpersTest(unittest.TestCase):
     """The conversions and the safetensors writer, without a server."""
+
+    def test_stubs_are_the_committed_ones(self):
+        # Nothing else on the path (a build folder's copy) stands in for
+        # clients/python/attnserve/v1, which PythonStubsCurrent checks.
+        committed = os.path.join(HERE, "attnserve", "v1")
+        for module in (pb, attnserve_client.pb_grpc):
+            self.assertEqual(os.path.dirname(os.path.abspath(module.__file__)),
+                             committed)
 
     def test_dtypes_round_trip(self):
         for array in (np.arange(6, dtype=np.float32).reshape(2, 3),

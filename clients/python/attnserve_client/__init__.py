@@ -1,17 +1,19 @@
 """Python client helpers for attnserve's gRPC API (package attnserve.v1).
 
-The message and stub modules are generated from proto/ at build time
-(`attnserve.v1.attention_pb2`, `attnserve.v1.attention_pb2_grpc`); put the
-folder holding them on PYTHONPATH, e.g. build/clients/python_gen.
+The message and stub modules (`attnserve.v1.attention_pb2`,
+`attnserve.v1.attention_pb2_grpc`) are generated from proto/ and committed
+next to this package (clients/python/attnserve/v1; generate_stubs.sh makes
+them again), so putting clients/python on PYTHONPATH, or installing it with
+pip, is all the setup there is.
 """
 try:
     from attnserve.v1 import attention_pb2 as pb
     from attnserve.v1 import attention_pb2_grpc as pb_grpc
 except ImportError as error:  # pragma: no cover - depends on the setup
     raise ImportError(
-        "attnserve.v1 stubs not found: build the project (target "
-        "attnserve_python_stubs) and add build/clients/python_gen to "
-        "PYTHONPATH") from error
+        f"{error}: attnserve_client needs grpcio and protobuf >= 3.20 (on "
+        "Debian: apt-get install python3-grpcio python3-protobuf "
+        "python3-numpy)") from error
 
 from attnserve_client.channel import MESSAGE_SIZE_OPTIONS, connect
 from attnserve_client.memory import keep_large_buffers
