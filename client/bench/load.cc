@@ -208,7 +208,13 @@ class LoadRun {
   Mutex mu_;
   CondVar done_;  // active_ went down
   int active_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<int, std::string> first_messages_ ABSL_GUARDED_BY(mu_);
+  // The first failed call of each code.
+  struct FirstError {
+    std::string message;
+    int64_t at = 0;  // NowNanos() when it ended
+    std::string peer;
+  };
+  std::map<int, FirstError> first_errors_ ABSL_GUARDED_BY(mu_);
 
   LatencyHistogram latency_;
   LatencyHistogram compute_;
@@ -249,7 +255,7 @@ void LoadRun::Finish(const grpc::ClientContext& context,
     const int code = CodeSlot(FromGrpcStatus(status).code());
     if (errors_[code].fetch_add(1) == 0) {
       MutexLock lock(&mu_);
-      first_messages_[code] = status.error_message();
+      first_errors_[code] = {status.error_message(), now, context.peer()};
     }
     failed_.fetch_add(1, std::memory_order_relaxed);
   }
@@ -430,7 +436,10 @@ BenchReport LoadRun::MakeReport() {
         absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
     report.errors[name] = errors_[code].load();
     MutexLock lock(&mu_);  // uncontended: every caller is done
-    report.error_messages[name] = first_messages_[code];
+    const FirstError& first = first_errors_[code];
+    report.error_messages[name] = first.message;
+    report.error_first_at_s[name] = (first.at - start_) / 1e9;
+    report.error_first_peer[name] = first.peer;
   }
   const int64_t end = std::max(last_completion_.load(), measure_start_);
   report.duration_s = (end - measure_start_) / 1e9;

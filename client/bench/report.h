@@ -55,8 +55,13 @@ struct BenchReport {
   int64_t ok = 0;
   // Failed calls by status code name ("UNAVAILABLE").
   std::map<std::string, int64_t> errors;
-  // The first message seen for each failing code.
+  // For each failing code, its first failed call: the message, when it
+  // ended (seconds from the start of the run, warm-up included: to line up
+  // with events outside the client) and the address it last went to (empty
+  // when it never reached one).
   std::map<std::string, std::string> error_messages;
+  std::map<std::string, double> error_first_at_s;
+  std::map<std::string, std::string> error_first_peer;
   // From the end of the warm-up to the last counted completion.
   double duration_s = 0;
   // Completed calls (ok or not) per second.
