@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "client/bench/arrivals.h"
 #include "client/bench/command.h"
 #include "client/bench/histogram.h"
@@ -175,6 +176,7 @@ BenchReport SampleReport(const std::string& step, double qps, double p50_ms) {
   r.ok = 990;
   r.errors = {{"UNAVAILABLE", 10}};
   r.error_messages = {{"UNAVAILABLE", "connection refused"}};
+  r.start_unix_s = 1.7e9;
   r.error_first_at_s = {{"UNAVAILABLE", 7.25}};
   r.error_first_peer = {{"UNAVAILABLE", "ipv4:127.0.0.1:50051"}};
   r.duration_s = 1000 / qps;
@@ -203,6 +205,7 @@ TEST(BenchReportTest, JsonHasEveryFigure) {
   EXPECT_EQ(json["ok"], 990);
   EXPECT_EQ(json["errors"]["UNAVAILABLE"], 10);
   EXPECT_EQ(json["error_messages"]["UNAVAILABLE"], "connection refused");
+  EXPECT_EQ(json["start_unix_s"], 1.7e9);
   EXPECT_EQ(json["error_first_at_s"]["UNAVAILABLE"], 7.25);
   EXPECT_EQ(json["error_first_peer"]["UNAVAILABLE"], "ipv4:127.0.0.1:50051");
   EXPECT_EQ(json["qps"], 5000);
@@ -480,7 +483,9 @@ TEST(LoadTest, FailedCallsAreCountedByCodeWithTheirMessage) {
   EXPECT_EQ(report->errors.at("INVALID_ARGUMENT"), 200);
   EXPECT_THAT(report->error_messages.at("INVALID_ARGUMENT"),
               HasSubstr("gamma"));
-  // The first failure: after the start, and from the server's address.
+  // The run started now, on the wall clock; its first failure after that,
+  // from the server's address.
+  EXPECT_NEAR(report->start_unix_s, absl::ToUnixSeconds(absl::Now()), 60);
   EXPECT_GT(report->error_first_at_s.at("INVALID_ARGUMENT"), 0);
   EXPECT_THAT(report->error_first_peer.at("INVALID_ARGUMENT"),
               HasSubstr(absl::StrCat(":", server.port())));

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/mutex.h"
 #include "grpcpp/completion_queue.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -200,6 +201,7 @@ class LoadRun {
   std::vector<std::unique_ptr<grpc::CompletionQueue>> queues_;
 
   int64_t start_ = 0;
+  double start_unix_s_ = 0;  // start_ on the wall clock
   int64_t measure_start_ = 0;
   int64_t measure_end_ = kNever;
   std::atomic<bool> stopping_{false};
@@ -427,6 +429,7 @@ BenchReport LoadRun::MakeReport() {
   report.target_rate = options_.rate;
   if (options_.rate > 0)
     report.arrival = std::string(ArrivalName(options_.arrival));
+  report.start_unix_s = start_unix_s_;
   report.warmup_s = absl::ToDoubleSeconds(options_.warmup);
   report.ok = ok_.load();
   report.requests = Completed();
@@ -455,6 +458,7 @@ BenchReport LoadRun::MakeReport() {
 BenchReport LoadRun::Run(
     const std::function<void(const LoadProgress&)>& progress) {
   start_ = NowNanos();
+  start_unix_s_ = absl::ToUnixMicros(absl::Now()) / 1e6;
   measure_start_ = start_ + absl::ToInt64Nanoseconds(options_.warmup);
   if (options_.requests == 0) {
     measure_end_ = measure_start_ + absl::ToInt64Nanoseconds(options_.duration);

@@ -41,6 +41,7 @@ nlohmann::json ReportJson(const BenchReport& r) {
       {"concurrency", r.concurrency},
       {"connections", r.connections},
       {"warmup_s", r.warmup_s},
+      {"start_unix_s", r.start_unix_s},
       {"requests", r.requests},
       {"ok", r.ok},
       {"errors", r.errors},

@@ -50,6 +50,8 @@ struct BenchReport {
   double target_rate = 0;
   std::string arrival;
   double warmup_s = 0;
+  // When the run started (warm-up included), Unix time in seconds.
+  double start_unix_s = 0;
   // Counted calls: started after the warm-up.
   int64_t requests = 0;
   int64_t ok = 0;
