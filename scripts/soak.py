@@ -452,6 +452,8 @@ class Soak:
 
     def run(self):
         args = self.args
+        # The run's clock starts here, after the requests were built.
+        self.start = self.stats.start = time.monotonic()
         self.raw_attend_method = self.stub.channel.unary_unary(
             "/attnserve.v1.AttentionService/Attend")
         workers = [
