@@ -12,20 +12,31 @@
 # request bodies, so a call a replica dropped midway comes back to the client
 # as UNAVAILABLE and the client retries it).
 #
-# The retry policy retries UNAVAILABLE only: a replica died, or is draining
-# (on SIGTERM attnserve reports NOT_SERVING for --lame_duck_seconds while
-# still serving, then refuses new calls with UNAVAILABLE, and stops
-# listening once they stop coming, or after 1 s). Passes when no call failed
-# and every replica served calls, the restarted one after its restart too
-# (counted from each replica's /metrics before the kill and after the
-# restart, since a restarted replica's counters start at 0).
+# On SIGTERM attnserve reports NOT_SERVING for --lame_duck_seconds while
+# still serving, then refuses new calls with UNAVAILABLE, and stops listening
+# once they stop coming, or after 1 s; a call that arrives as it stops, not
+# yet handed to a handler, ends CANCELLED (gRPC 1.51's server shutdown). So:
+#  - the round_robin client checks health (healthCheckConfig) and leaves a
+#    replica while it reports NOT_SERVING: it sends it nothing to refuse;
+#  - the retry policy retries UNAVAILABLE (a replica died or refused the
+#    call) and CANCELLED (the calls are idempotent; gRPC never retries a
+#    client's own cancellation), with backoff from 0.5 s doubling to 2 s:
+#    nginx, which checks no health, keeps passing calls to a draining
+#    replica for its refusal second, and shorter backoff (0.05-0.5 s) let a
+#    call spend all five attempts there when the machine was busy.
+# Passes when no call failed and every replica served calls, the restarted
+# one after its restart too (counted from each replica's /metrics before the
+# kill and after the restart, since a restarted replica's counters start at
+# 0). Each run's line names, for every failing code, the first failed call:
+# when it ended against when the stop came, where it went, its message.
 #
 #   deploy/lb-test.sh
 #
 # The load is `attnctl bench` (closed loop, JSON report).
 # Environment: ATTNSERVE, ATTNCTL (default build/bin/...), LB_TEST_DURATION_S,
 # LB_TEST_CONCURRENCY (8), LB_TEST_KILL_AT_S (6), LB_TEST_RETRY_CODES
-# (UNAVAILABLE).
+# (UNAVAILABLE,CANCELLED), LB_TEST_CPU_HOG (0): that many busy loops run
+# beside the test at normal priority, as on a machine busy with other work.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -34,7 +45,8 @@ attnctl=${ATTNCTL:-$root/build/bin/attnctl}
 duration=${LB_TEST_DURATION_S:-20}
 concurrency=${LB_TEST_CONCURRENCY:-8}
 kill_at=${LB_TEST_KILL_AT_S:-6}
-retry_codes=${LB_TEST_RETRY_CODES:-UNAVAILABLE}
+retry_codes=${LB_TEST_RETRY_CODES:-UNAVAILABLE,CANCELLED}
+cpu_hog=${LB_TEST_CPU_HOG:-0}
 python=/usr/bin/python3
 # The request: LayerNorm over [4, 16, 256] float32 (64 KiB, under gRPC's
 # 256 KiB retry buffer, so every attempt can be retried).
@@ -59,8 +71,8 @@ else
 fi
 log "installing nginx-light, curl, python3 (apt-get)"
 export DEBIAN_FRONTEND=noninteractive
-"${sudo[@]}" apt-get update -qq
-"${sudo[@]}" apt-get install -y -qq --no-install-recommends \
+"${sudo[@]}" apt-get -o DPkg::Lock::Timeout=300 update -qq
+"${sudo[@]}" apt-get -o DPkg::Lock::Timeout=300 install -y -qq --no-install-recommends \
   nginx-light curl python3 >/dev/null
 nginx_bin=$(command -v nginx || echo /usr/sbin/nginx)
 
@@ -68,11 +80,13 @@ tmp=$(mktemp -d /tmp/attnserve-lb-test.XXXXXX)
 declare -a replica_pid=(0 0 0 0)
 nginx_pid=0
 load_pid=0
+hog_pids=()
 
 cleanup() {
   local status=$?
   set +e
   local pid
+  for pid in "${hog_pids[@]}"; do kill -KILL "$pid" 2>/dev/null; done
   for pid in "$load_pid" "${replica_pid[@]}" "$nginx_pid"; do
     if ((pid > 0)) && kill -0 "$pid" 2>/dev/null; then
       kill -TERM "$pid" 2>/dev/null
@@ -165,17 +179,23 @@ curl -fsS --http2-prior-knowledge "http://127.0.0.1:$nginx_port/nginx-health" >/
   fail "nginx /nginx-health did not answer"
 log "nginx $("$nginx_bin" -v 2>&1 | sed 's|.*/||') on 127.0.0.1:$nginx_port"
 
-# Service configs: the retry policy; round_robin over the replicas for the
-# client-side path.
+# Service configs: the retry policy; for the client-side path round_robin
+# over the replicas that report SERVING.
 codes_json="\"${retry_codes//,/\", \"}\""
 retry_policy='"methodConfig": [{
     "name": [{"service": "attnserve.v1.AttentionService"}],
-    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.05s", "maxBackoff": "0.5s",
+    "retryPolicy": {"maxAttempts": 5, "initialBackoff": "0.5s", "maxBackoff": "2s",
                     "backoffMultiplier": 2, "retryableStatusCodes": ['"$codes_json"']}}]'
 printf '{%s}\n' "$retry_policy" >"$tmp/proxy.json"
-printf '{"loadBalancingConfig": [{"round_robin": {}}], %s}\n' "$retry_policy" >"$tmp/round_robin.json"
+health_check='"healthCheckConfig": {"serviceName": "attnserve.v1.AttentionService"}'
+printf '{"loadBalancingConfig": [{"round_robin": {}}], %s, %s}\n' "$health_check" "$retry_policy" >"$tmp/round_robin.json"
 
 load_cmd=("$attnctl" bench)
+for _ in $(seq 1 "$cpu_hog"); do
+  bash -c 'while :; do :; done' &
+  hog_pids+=($!)
+done
+((cpu_hog == 0)) || log "$cpu_hog busy loops running beside the test"
 log "load: ${load_cmd[*]} ${load_args[*]} --concurrency=$concurrency, ${duration} s per run, retrying $retry_codes"
 
 results=()
@@ -195,8 +215,10 @@ for path in nginx round_robin; do
     declare -a before=(0) count=(0)
     for i in 1 2 3; do before[i]=$(served "$i"); done
     nginx_lines_before=$(wc -l <"$tmp/nginx/access.log")
+    victim_lines_before=$(wc -l <"$tmp/replica$victim.err")
 
     report=$tmp/run$run.json
+    load_start=$(date +%s.%N)
     "${load_cmd[@]}" --target="$target" "${load_args[@]}" \
       --concurrency="$concurrency" --connections=2 --duration_s="$duration" \
       --timeout_s=10 --service_config="$config" --format=json >"$report" 2>"$tmp/run$run.err" &
@@ -235,26 +257,39 @@ EOF
       # Calls nginx sent to more than one replica ("upstream=a, b").
       retried=" nginx_retried=$(tail -n +"$((nginx_lines_before + 1))" "$tmp/nginx/access.log" | grep -c 'upstream=[^ ]*, ' || true)"
     fi
+    # Each failing code's first call: when it ended and when the stop came
+    # (seconds from the start of the load), where it went, and its message.
+    failures=$("$python" - "$report" "$load_start" "$kill_time" <<'EOF'
+import json, sys
+r = json.load(open(sys.argv[1]))
+stop_s = float(sys.argv[3]) - r.get("start_unix_s", float(sys.argv[2]))
+for code, n in sorted(r.get("errors", {}).items()):
+    at = r.get("error_first_at_s", {}).get(code)
+    when = f"first at {at:.2f} s (stop at {stop_s:.2f} s)" if at is not None else "first"
+    peer = r.get("error_first_peer", {}).get(code) or "no peer"
+    print(f"{code} x{n}, {when} from {peer}: {r.get('error_messages', {}).get(code, '')!r}")
+EOF
+)
+    # Calls the stopped replica refused while draining (its access log).
+    refused=$(tail -n +"$((victim_lines_before + 1))" "$tmp/replica$victim.err" | grep -c 'status=UNAVAILABLE' || true)
     drain=$(awk -v a="$kill_time" -v b="$down_time" 'BEGIN { printf "%.2f", b - a }')
     restart=$(awk -v a="$down_time" -v b="$up_time" 'BEGIN { printf "%.2f", b - a }')
-    line=$(printf '%-11s SIG%-4s replica %d stopped in %ss, back in %ss | requests=%s ok=%s failed=%s qps=%s p50=%sus p99=%sus | served r1=%s r2=%s r3=%s (r%d after restart: %s)%s' \
-      "$path" "$signal" "$victim" "$drain" "$restart" "$requests" "$ok" "$errors" "$qps" "$p50" "$p99" \
+    line=$(printf '%-11s SIG%-4s replica %d stopped in %ss (refused %s), back in %ss | requests=%s ok=%s failed=%s qps=%s p50=%sus p99=%sus | served r1=%s r2=%s r3=%s (r%d after restart: %s)%s' \
+      "$path" "$signal" "$victim" "$drain" "$refused" "$restart" "$requests" "$ok" "$errors" "$qps" "$p50" "$p99" \
       "${count[1]}" "${count[2]}" "${count[3]}" "$victim" "$after_restart" "$retried")
     verdict=ok
     if [[ $errors != none || $ok != "$requests" || $requests == 0 ]]; then verdict=FAIL; fi
     for i in 1 2 3; do ((count[i] > 0)) || verdict=FAIL; done
     ((after_restart > 0)) || verdict=FAIL
     [[ $verdict == ok ]] || failed_runs=$((failed_runs + 1))
+    if [[ -n $failures ]]; then line+=$'\n'$(sed 's/^/      failed: /' <<<"$failures"); fi
     results+=("$verdict $line")
     log "run $run: $verdict $line"
-    if [[ $verdict != ok ]]; then
-      "$python" -c 'import json, sys; print(json.load(open(sys.argv[1])).get("error_messages", {}))' "$report" >&2 || true
-    fi
   done
 done
 
 echo
-log "summary (${duration} s per run, concurrency $concurrency, LayerNorm [4, 16, 256]):"
+log "summary (${duration} s per run, concurrency $concurrency, LayerNorm [4, 16, 256], $cpu_hog busy loops beside):"
 printf '  %s\n' "${results[@]}"
 ((failed_runs == 0)) || fail "$failed_runs of $run runs failed"
 log "PASS"

@@ -33,6 +33,13 @@ if [[ $quick -eq 0 ]]; then
   "$root/scripts/readme-python-check.sh"
 fi
 
+# Soak: a minute of mixed load with faults and model reloads against the
+# Release server (scripts/soak.sh; 30 minutes when run by hand).
+if [[ "${CI:-}" == "true" ]]; then
+  echo "== Soak test (60 s)"
+  "$root/scripts/soak.sh" 60
+fi
+
 if [[ $quick -eq 0 ]]; then
   echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
   cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \

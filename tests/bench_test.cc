@@ -16,6 +16,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "absl/time/clock.h"
 #include "client/bench/arrivals.h"
 #include "client/bench/command.h"
 #include "client/bench/histogram.h"
@@ -175,6 +176,9 @@ BenchReport SampleReport(const std::string& step, double qps, double p50_ms) {
   r.ok = 990;
   r.errors = {{"UNAVAILABLE", 10}};
   r.error_messages = {{"UNAVAILABLE", "connection refused"}};
+  r.start_unix_s = 1.7e9;
+  r.error_first_at_s = {{"UNAVAILABLE", 7.25}};
+  r.error_first_peer = {{"UNAVAILABLE", "ipv4:127.0.0.1:50051"}};
   r.duration_s = 1000 / qps;
   r.qps = qps;
   r.latency.count = 1000;
@@ -201,6 +205,9 @@ TEST(BenchReportTest, JsonHasEveryFigure) {
   EXPECT_EQ(json["ok"], 990);
   EXPECT_EQ(json["errors"]["UNAVAILABLE"], 10);
   EXPECT_EQ(json["error_messages"]["UNAVAILABLE"], "connection refused");
+  EXPECT_EQ(json["start_unix_s"], 1.7e9);
+  EXPECT_EQ(json["error_first_at_s"]["UNAVAILABLE"], 7.25);
+  EXPECT_EQ(json["error_first_peer"]["UNAVAILABLE"], "ipv4:127.0.0.1:50051");
   EXPECT_EQ(json["qps"], 5000);
   EXPECT_EQ(json["latency_us"]["p50"], 500);
   EXPECT_EQ(json["latency_us"]["p999"], 2000);
@@ -238,6 +245,7 @@ TEST(BenchReportTest, TextWarnsWhenTheClientIsTheLimit) {
   std::string text = FormatText(report);
   EXPECT_THAT(text, HasSubstr("throughput  5000.0 req/s"));
   EXPECT_THAT(text, HasSubstr("UNAVAILABLE"));
+  EXPECT_THAT(text, HasSubstr("first at 7.250 s from ipv4:127.0.0.1:50051\n"));
   EXPECT_THAT(text, HasSubstr("p50 0.500 ms"));
   EXPECT_THAT(text, ::testing::Not(HasSubstr("WARNING")));
   report.client_saturated = true;
@@ -475,6 +483,12 @@ TEST(LoadTest, FailedCallsAreCountedByCodeWithTheirMessage) {
   EXPECT_EQ(report->errors.at("INVALID_ARGUMENT"), 200);
   EXPECT_THAT(report->error_messages.at("INVALID_ARGUMENT"),
               HasSubstr("gamma"));
+  // The run started now, on the wall clock; its first failure after that,
+  // from the server's address.
+  EXPECT_NEAR(report->start_unix_s, absl::ToUnixSeconds(absl::Now()), 60);
+  EXPECT_GT(report->error_first_at_s.at("INVALID_ARGUMENT"), 0);
+  EXPECT_THAT(report->error_first_peer.at("INVALID_ARGUMENT"),
+              HasSubstr(absl::StrCat(":", server.port())));
 }
 
 TEST(LoadTest, UnreachableServerFailsFastWithUnavailable) {

@@ -20,6 +20,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/mutex.h"
 #include "grpcpp/completion_queue.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -200,6 +201,7 @@ class LoadRun {
   std::vector<std::unique_ptr<grpc::CompletionQueue>> queues_;
 
   int64_t start_ = 0;
+  double start_unix_s_ = 0;  // start_ on the wall clock
   int64_t measure_start_ = 0;
   int64_t measure_end_ = kNever;
   std::atomic<bool> stopping_{false};
@@ -208,7 +210,13 @@ class LoadRun {
   Mutex mu_;
   CondVar done_;  // active_ went down
   int active_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<int, std::string> first_messages_ ABSL_GUARDED_BY(mu_);
+  // The first failed call of each code.
+  struct FirstError {
+    std::string message;
+    int64_t at = 0;  // NowNanos() when it ended
+    std::string peer;
+  };
+  std::map<int, FirstError> first_errors_ ABSL_GUARDED_BY(mu_);
 
   LatencyHistogram latency_;
   LatencyHistogram compute_;
@@ -249,7 +257,7 @@ void LoadRun::Finish(const grpc::ClientContext& context,
     const int code = CodeSlot(FromGrpcStatus(status).code());
     if (errors_[code].fetch_add(1) == 0) {
       MutexLock lock(&mu_);
-      first_messages_[code] = status.error_message();
+      first_errors_[code] = {status.error_message(), now, context.peer()};
     }
     failed_.fetch_add(1, std::memory_order_relaxed);
   }
@@ -421,6 +429,7 @@ BenchReport LoadRun::MakeReport() {
   report.target_rate = options_.rate;
   if (options_.rate > 0)
     report.arrival = std::string(ArrivalName(options_.arrival));
+  report.start_unix_s = start_unix_s_;
   report.warmup_s = absl::ToDoubleSeconds(options_.warmup);
   report.ok = ok_.load();
   report.requests = Completed();
@@ -430,7 +439,10 @@ BenchReport LoadRun::MakeReport() {
         absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
     report.errors[name] = errors_[code].load();
     MutexLock lock(&mu_);  // uncontended: every caller is done
-    report.error_messages[name] = first_messages_[code];
+    const FirstError& first = first_errors_[code];
+    report.error_messages[name] = first.message;
+    report.error_first_at_s[name] = (first.at - start_) / 1e9;
+    report.error_first_peer[name] = first.peer;
   }
   const int64_t end = std::max(last_completion_.load(), measure_start_);
   report.duration_s = (end - measure_start_) / 1e9;
@@ -446,6 +458,7 @@ BenchReport LoadRun::MakeReport() {
 BenchReport LoadRun::Run(
     const std::function<void(const LoadProgress&)>& progress) {
   start_ = NowNanos();
+  start_unix_s_ = absl::ToUnixMicros(absl::Now()) / 1e6;
   measure_start_ = start_ + absl::ToInt64Nanoseconds(options_.warmup);
   if (options_.requests == 0) {
     measure_end_ = measure_start_ + absl::ToInt64Nanoseconds(options_.duration);

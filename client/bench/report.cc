@@ -41,10 +41,13 @@ nlohmann::json ReportJson(const BenchReport& r) {
       {"concurrency", r.concurrency},
       {"connections", r.connections},
       {"warmup_s", r.warmup_s},
+      {"start_unix_s", r.start_unix_s},
       {"requests", r.requests},
       {"ok", r.ok},
       {"errors", r.errors},
       {"error_messages", r.error_messages},
+      {"error_first_at_s", r.error_first_at_s},
+      {"error_first_peer", r.error_first_peer},
       {"duration_s", r.duration_s},
       {"qps", r.qps},
       {"latency_us", LatencyJson(r.latency)},
@@ -151,6 +154,15 @@ std::string FormatText(const BenchReport& r) {
     absl::StrAppendFormat(
         &out, "  %-22s %d  %s\n", code, count,
         message != r.error_messages.end() ? message->second : "");
+    const auto at = r.error_first_at_s.find(code);
+    if (at == r.error_first_at_s.end()) continue;
+    const auto peer = r.error_first_peer.find(code);
+    const std::string from =
+        peer != r.error_first_peer.end() && !peer->second.empty()
+            ? absl::StrCat(" from ", peer->second)
+            : "";
+    absl::StrAppendFormat(&out, "  %-22s first at %.3f s%s\n", "", at->second,
+                          from);
   }
   absl::StrAppendFormat(&out, "throughput  %.1f req/s\n", r.qps);
   const LatencySummary& l = r.latency;

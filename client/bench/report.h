@@ -50,13 +50,20 @@ struct BenchReport {
   double target_rate = 0;
   std::string arrival;
   double warmup_s = 0;
+  // When the run started (warm-up included), Unix time in seconds.
+  double start_unix_s = 0;
   // Counted calls: started after the warm-up.
   int64_t requests = 0;
   int64_t ok = 0;
   // Failed calls by status code name ("UNAVAILABLE").
   std::map<std::string, int64_t> errors;
-  // The first message seen for each failing code.
+  // For each failing code, its first failed call: the message, when it
+  // ended (seconds from the start of the run, warm-up included: to line up
+  // with events outside the client) and the address it last went to (empty
+  // when it never reached one).
   std::map<std::string, std::string> error_messages;
+  std::map<std::string, double> error_first_at_s;
+  std::map<std::string, std::string> error_first_peer;
   // From the end of the warm-up to the last counted completion.
   double duration_s = 0;
   // Completed calls (ok or not) per second.
