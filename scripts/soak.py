@@ -75,9 +75,7 @@ EXPECTED = {
     "cancelled_midway": {"CANCELLED", OK},
     "deadline_expired": {"DEADLINE_EXCEEDED", OK},
     "invalid_tensor": {"INVALID_ARGUMENT"},
-    # INVALID_ARGUMENT is the documented answer; servers that predate it
-    # answer UNIMPLEMENTED (gRPC's own reply to a request it cannot parse).
-    "unparsable_bytes": {"INVALID_ARGUMENT", "UNIMPLEMENTED"},
+    "unparsable_bytes": {"INVALID_ARGUMENT"},
     "unknown_model": {"NOT_FOUND"},
     "unknown_model_metadata": {"NOT_FOUND"},
     "unknown_shm_region": {"NOT_FOUND"},
@@ -553,9 +551,6 @@ class Soak:
                         f"{stats.messages[(kind, code)]!r}")
         print(f"{'all':24} {'':28} {total:8}  "
               f"({total / wall:.0f} calls/s)")
-        if "UNIMPLEMENTED" in stats.codes.get("unparsable_bytes", {}):
-            print("note: unparsable_bytes answered UNIMPLEMENTED (accepted "
-                  "until the server answers INVALID_ARGUMENT)")
         bad_server = {k: n for k, n in server_codes.items()
                       if k[1] in ("INTERNAL", "UNKNOWN", "DATA_LOSS")}
         shown = ", ".join(f"{rpc} {code}={n}" for (rpc, code), n in
