@@ -20,6 +20,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/multi_head_attention.h"
 #include "core/mutex.h"
@@ -35,6 +36,13 @@ struct Model {
 // Loads the model in `dir` (named after the folder). Errors name the file
 // and the problem.
 absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir);
+// LoadModel on the contents of `dir`'s two files, already in memory:
+// `config_text` (config.pbtxt) and `weights_bytes` (weights.safetensors).
+// `dir` names the model and, with the file names, the errors; nothing is
+// read from disk.
+absl::StatusOr<std::shared_ptr<const Model>> ParseModel(
+    const std::string& dir, absl::string_view config_text,
+    absl::string_view weights_bytes);
 
 class ModelRepository {
  public:
