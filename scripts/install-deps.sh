@@ -4,7 +4,9 @@
 # packages serve the Python client's tests (PyTorch is their reference) and
 # the manifest checks of deploy/. clang (with its OpenMP runtime, which
 # CMake's FindOpenMP needs to configure a clang build) and ninja run the
-# thread-safety analysis of scripts/check-thread-safety.sh.
+# thread-safety analysis of scripts/check-thread-safety.sh; clang's runtime
+# libraries (libFuzzer, the sanitizers) build the fuzz targets of
+# scripts/fuzz.sh.
 set -euo pipefail
 
 # libdnnl-dev's CMake package looks for OpenCL (Debian builds oneDNN with its
@@ -15,7 +17,7 @@ packages=(
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev openssl
   libgtest-dev libgmock-dev googletest libbenchmark-dev libgoogle-perftools-dev
-  clang libomp-dev ninja-build
+  clang libomp-dev ninja-build libclang-rt-14-dev
   python3-grpcio python3-protobuf python3-yaml python3-torch python3-numpy
 )
 
