@@ -63,19 +63,23 @@ absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape,
                        ") in shape ", ShapeString(shape)));
     }
   }
-  for (int64_t d : shape) {
-    if (d == 0) return 0;
-  }
+  // The nonzero dims must not overflow even when a zero dim empties the
+  // tensor: the operations multiply subsets of the dims (rows, batches).
   const int64_t limit = std::numeric_limits<int64_t>::max() /
                         static_cast<int64_t>(DTypeSize(dtype));
+  bool empty = false;
   for (int64_t d : shape) {
+    if (d == 0) {
+      empty = true;
+      continue;
+    }
     if (count > limit / d) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ": shape ", ShapeString(shape), " overflows 64-bit size"));
     }
     count *= d;
   }
-  return count;
+  return empty ? 0 : count;
 }
 
 int64_t NumElements(absl::Span<const int64_t> shape) {

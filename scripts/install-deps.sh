@@ -6,7 +6,8 @@
 # prometheus brings promtool for the checks of deploy/prometheus. clang
 # (with its OpenMP runtime, which CMake's FindOpenMP needs to configure a
 # clang build) and ninja run the thread-safety analysis of
-# scripts/check-thread-safety.sh.
+# scripts/check-thread-safety.sh; clang's runtime libraries (libFuzzer, the
+# sanitizers) build the fuzz targets of scripts/fuzz.sh.
 set -euo pipefail
 
 # libdnnl-dev's CMake package looks for OpenCL (Debian builds oneDNN with its
@@ -17,7 +18,7 @@ packages=(
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev openssl
   libgtest-dev libgmock-dev googletest libbenchmark-dev libgoogle-perftools-dev
-  clang libomp-dev ninja-build
+  clang libomp-dev ninja-build libclang-rt-14-dev
   python3-grpcio python3-protobuf python3-yaml python3-torch python3-numpy
   python3-venv python3-setuptools
   prometheus

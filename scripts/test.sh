@@ -3,7 +3,8 @@
 # -Wthread-safety, builds attnserve with its tests and runs them all: a
 # Release build, then the same suite built with AddressSanitizer and
 # UndefinedBehaviorSanitizer, then the concurrency tests built with
-# ThreadSanitizer (skip the sanitizer builds with --quick).
+# ThreadSanitizer (skip the sanitizer builds with --quick). With CI=true it
+# also runs the fuzz targets, ATTNSERVE_CI_FUZZ_SECONDS (45) each.
 # The golden vectors are read from ../shared/goldens (override with
 # ATTNSERVE_GOLDENS_DIR=/path/to/goldens).
 set -euo pipefail
@@ -66,4 +67,10 @@ if [[ $quick -eq 0 ]]; then
     OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
     ctest --output-on-failure -j"$jobs" --timeout 600 \
       -R '^(ConcurrencyTest|ThreadBudgetTest)\.')
+fi
+
+# About 8 minutes with the build: 7 targets of 45 s, one after the other.
+if [[ "${CI:-}" == "true" ]]; then
+  echo "== Fuzzing (libFuzzer with ASan + UBSan, ${ATTNSERVE_CI_FUZZ_SECONDS:-45} s per target)"
+  "$root/scripts/fuzz.sh" "${ATTNSERVE_CI_FUZZ_SECONDS:-45}"
 fi

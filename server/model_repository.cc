@@ -36,13 +36,13 @@ class FirstError : public google::protobuf::io::ErrorCollector {
   std::string error_;
 };
 
-absl::StatusOr<v1::ModelConfig> ReadConfig(const std::string& path) {
-  ATTN_ASSIGN_OR_RETURN(const std::string text, ReadFileToString(path, path));
+absl::StatusOr<v1::ModelConfig> ParseConfig(absl::string_view text,
+                                            const std::string& path) {
   v1::ModelConfig config;
   google::protobuf::TextFormat::Parser parser;
   FirstError errors;
   parser.RecordErrorsTo(&errors);
-  if (!parser.ParseFromString(text, &config)) {
+  if (!parser.ParseFromString(std::string(text), &config)) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": ", errors.error()));
   }
   if (config.num_heads() <= 0) {
@@ -98,6 +98,14 @@ absl::StatusOr<MultiHeadWeights> WeightsFrom(const SafetensorsFile& file,
   return w;
 }
 
+std::string ConfigPath(const std::string& dir) {
+  return (fs::path(dir) / "config.pbtxt").string();
+}
+
+std::string WeightsPath(const std::string& dir) {
+  return (fs::path(dir) / "weights.safetensors").string();
+}
+
 }  // namespace
 
 absl::Status VerifyModelName(absl::string_view name, absl::string_view field) {
@@ -131,13 +139,25 @@ absl::Status VerifyModelName(absl::string_view name, absl::string_view field) {
 }
 
 absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir) {
+  const std::string config_path = ConfigPath(dir);
+  const std::string weights_path = WeightsPath(dir);
+  ATTN_ASSIGN_OR_RETURN(const std::string config_text,
+                        ReadFileToString(config_path, config_path));
+  ATTN_ASSIGN_OR_RETURN(const std::string weights_bytes,
+                        ReadFileToString(weights_path, weights_path));
+  return ParseModel(dir, config_text, weights_bytes);
+}
+
+absl::StatusOr<std::shared_ptr<const Model>> ParseModel(
+    const std::string& dir, absl::string_view config_text,
+    absl::string_view weights_bytes) {
   auto model = std::make_shared<Model>();
   model->name = fs::path(dir).filename().string();
-  const std::string config_path = (fs::path(dir) / "config.pbtxt").string();
-  const std::string weights_path =
-      (fs::path(dir) / "weights.safetensors").string();
-  ATTN_ASSIGN_OR_RETURN(model->config, ReadConfig(config_path));
-  ATTN_ASSIGN_OR_RETURN(SafetensorsFile file, ReadSafetensors(weights_path));
+  const std::string config_path = ConfigPath(dir);
+  const std::string weights_path = WeightsPath(dir);
+  ATTN_ASSIGN_OR_RETURN(model->config, ParseConfig(config_text, config_path));
+  ATTN_ASSIGN_OR_RETURN(SafetensorsFile file,
+                        ParseSafetensors(weights_bytes, weights_path));
   ATTN_ASSIGN_OR_RETURN(
       MultiHeadWeights weights,
       WeightsFrom(file, model->config.num_heads(), weights_path));

@@ -47,6 +47,13 @@ absl::Status VerifyModelName(absl::string_view name, absl::string_view field);
 // Loads the model in `dir` (named after the folder). Errors name the file
 // and the problem.
 absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir);
+// LoadModel on the contents of `dir`'s two files, already in memory:
+// `config_text` (config.pbtxt) and `weights_bytes` (weights.safetensors).
+// `dir` names the model and, with the file names, the errors; nothing is
+// read from disk.
+absl::StatusOr<std::shared_ptr<const Model>> ParseModel(
+    const std::string& dir, absl::string_view config_text,
+    absl::string_view weights_bytes);
 
 class ModelRepository {
  public:

@@ -133,7 +133,7 @@ RequestCost CostOf(const v1::LayerNormRequest& r) {
   RequestCost cost;
   const int64_t n = std::max<int64_t>(Elements(r.input()), 0);
   cost.flops = 8.0 * n;
-  cost.bytes = n * 4;
+  cost.bytes = static_cast<int64_t>(std::min(4.0 * n, 9e18));
   cost.largest_tensor = n;
   return cost;
 }

@@ -166,6 +166,41 @@ TEST(ModelRepositoryTest, BrokenModelsNameTheFileAndTheProblem) {
                   "out_proj_bias (out_proj.bias))");
 }
 
+TEST(ModelRepositoryTest, ParsesAModelFromMemoryAsFromItsFolder) {
+  TempRepository repo;
+  const NamedTensors state = StateDict(5);
+  repo.Write("mha", kConfig, state);
+  const std::string dir = repo.root() + "/mha";
+  auto from_files = LoadModel(dir);
+  auto weights = SerializeSafetensors(ViewsOf(state), {});
+  ASSERT_TRUE(from_files.ok() && weights.ok());
+  auto from_memory = ParseModel(dir, kConfig, *weights);
+  ASSERT_TRUE(from_memory.ok()) << from_memory.status();
+  EXPECT_EQ((*from_memory)->name, "mha");
+  EXPECT_EQ((*from_memory)->layer->num_heads(), 4);
+  EXPECT_EQ((*from_memory)->layer->query_dim(), 16);
+
+  v1::MultiHeadAttendRequest request = QueryRequest(6);
+  v1::MultiHeadAttendResponse a, b;
+  MultiHeadInputs inputs;
+  inputs.query = *DecodeTensor(request.query(), "query");
+  WireResults results_a(a.mutable_output(), nullptr);
+  WireResults results_b(b.mutable_output(), nullptr);
+  ASSERT_TRUE((*from_files)->layer->Run(inputs, {}, results_a).ok());
+  ASSERT_TRUE((*from_memory)->layer->Run(inputs, {}, results_b).ok());
+  EXPECT_EQ(a.output().raw_data(), b.output().raw_data());
+
+  const absl::Status bad = ParseModel(dir, "num_heads: 0\n", *weights).status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.message(), dir + "/config.pbtxt: num_heads must be > 0, got 0");
+  const absl::Status short_weights = ParseModel(dir, kConfig, "1234").status();
+  EXPECT_EQ(short_weights.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(short_weights.message(),
+            dir +
+                "/weights.safetensors: 4 bytes is too short for a "
+                "safetensors file");
+}
+
 TEST(ModelRepositoryTest, FailedReloadKeepsTheLoadedModels) {
   TempRepository repo;
   repo.Write("a", kConfig, StateDict(1));

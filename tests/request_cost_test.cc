@@ -165,6 +165,14 @@ TEST(RequestCostTest, LayerNorm) {
   ExpectCost(CostOf(r), 8.0 * 105, 105 * 4, 105);
 }
 
+TEST(RequestCostTest, LayerNormBytesSaturateInsteadOfOverflowing) {
+  v1::LayerNormRequest r;
+  *r.mutable_input() = Shaped({int64_t{1} << 31, int64_t{1} << 31});
+  const RequestCost cost = CostOf(r);
+  EXPECT_EQ(cost.largest_tensor, int64_t{1} << 62);
+  EXPECT_EQ(cost.bytes, int64_t{9'000'000'000'000'000'000});  // not 2^64
+}
+
 TEST(CostModelTest, EstimatesFromTheInitialRateUntilCallsAreMeasured) {
   CostModel model(1e9);
   EXPECT_EQ(model.Estimate(2e9), absl::Seconds(2));

@@ -244,6 +244,15 @@ TEST(TensorCodecTest, ShapeErrors) {
   ExpectError(
       DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {big, big, 2}, ""), "key"),
       kInvalid, "key: shape [2147483648, 2147483648, 2] overflows 64-bit size");
+  // Also when a zero dim makes the tensor empty: the operations multiply
+  // the other dims among themselves.
+  ExpectError(
+      DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {0, big, big, 2}, ""), "input"),
+      kInvalid,
+      "input: shape [0, 2147483648, 2147483648, 2] overflows 64-bit size");
+  auto empty = DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {big, 0, 2}, ""), "x");
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_EQ(empty->num_elements(), 0);
 }
 
 TEST(TensorCodecTest, SharedMemoryReferences) {

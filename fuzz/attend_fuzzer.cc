@@ -1,0 +1,15 @@
+// Fuzz target: any bytes that parse as an AttendRequest, served as the
+// service serves Attend: cost estimate, limits, then the handler for tiny
+// calls, with shared memory off.
+#include <cstddef>
+#include <cstdint>
+
+#include "attnserve/v1/attention.pb.h"
+#include "fuzz/fuzz_support.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  attnserve::v1::AttendRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  attnserve::fuzz::ServeAttend(request, /*registry=*/nullptr);
+  return 0;
+}

@@ -1,0 +1,307 @@
+#include "fuzz/fuzz_support.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <random>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "core/safetensors.h"
+#include "core/thread_budget.h"
+#include "google/protobuf/stubs/logging.h"
+#include "proto/tensor_codec.h"
+#include "server/handlers.h"
+
+namespace attnserve::fuzz {
+namespace {
+
+namespace fs = std::filesystem;
+
+// Protobuf logs every string field with invalid UTF-8 it parses, which
+// fuzzed requests are full of: silenced, for speed and readable logs.
+[[maybe_unused]] const bool kQuietProtobuf = [] {
+  google::protobuf::SetLogHandler(nullptr);
+  return true;
+}();
+
+[[noreturn]] void Die(absl::string_view what, absl::string_view problem) {
+  std::fprintf(stderr, "fuzz: %.*s: %.*s\n", static_cast<int>(what.size()),
+               what.data(), static_cast<int>(problem.size()), problem.data());
+  std::abort();
+}
+
+// An OK answer's result must be a tensor a client can read.
+void CheckResult(absl::string_view rpc, absl::string_view name,
+                 const v1::Tensor& tensor, SharedMemoryResolver* resolver) {
+  const absl::StatusOr<TensorView> view = DecodeTensor(tensor, name, resolver);
+  if (!view.ok()) {
+    Die(rpc, absl::StrCat("OK answer with an unreadable ", name, ": ",
+                          view.status().ToString()));
+  }
+}
+
+// The service's steps for one compute call (see ServeAttend).
+template <typename Request, typename Response, typename Handler>
+void Serve(absl::string_view rpc, const Request& request,
+           const RequestCost& cost, const SharedMemoryRegistry* registry,
+           Handler handle) {
+  if (!CheckLimits(cost, FuzzServerOptions()).ok() || !IsTiny(cost)) return;
+  // The service leases a tiny call one thread (UsefulThreads).
+  static ThreadBudget budget(1);
+  ThreadBudget::Lease lease = budget.Acquire(1);
+  std::atomic<bool> cancelled{false};
+  CallSharedMemory shared_memory(registry);
+  Response response;
+  const absl::Status status =
+      handle(request, &response, CallControl{&cancelled, &shared_memory});
+  CheckStatus(rpc, status);
+  if (!status.ok()) return;
+  CheckResult(rpc, "output", response.output(), &shared_memory);
+  if constexpr (!std::is_same_v<Response, v1::LayerNormResponse>) {
+    if (request.return_weights()) {
+      CheckResult(rpc, "weights", response.weights(), &shared_memory);
+    }
+  }
+}
+
+// Uniform in [-1, 1), from a seeded generator: the same models every run.
+Tensor Random(Shape shape, std::mt19937& rng) {
+  Tensor t = *Tensor::Allocate(DType::kFloat32, std::move(shape));
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    t.data_as<float>()[i] = uniform(rng);
+  }
+  return t;
+}
+
+void WriteModel(const fs::path& dir, const std::string& config,
+                const std::map<std::string, Tensor>& weights) {
+  fs::create_directories(dir);
+  std::ofstream(dir / "config.pbtxt") << config;
+  std::map<std::string, TensorView> views;
+  for (const auto& [name, tensor] : weights) views.emplace(name, tensor.view());
+  const absl::Status written =
+      WriteSafetensors((dir / "weights.safetensors").string(), views, {});
+  if (!written.ok()) Die("TinyModels", written.ToString());
+}
+
+// The process's shared-memory objects (see SharedMemoryKey).
+struct SharedMemoryObjects {
+  std::array<std::string, kSharedMemoryObjects> keys;
+  std::array<char*, kSharedMemoryObjects> data{};
+};
+
+constexpr char kKeyPrefix[] = "attnserve-fuzz-";
+
+// Objects of earlier fuzz processes that are gone: a crash skips the
+// removal at exit.
+void RemoveStaleObjects() {
+  DIR* dir = opendir("/dev/shm");
+  if (dir == nullptr) return;
+  while (const dirent* entry = readdir(dir)) {
+    const absl::string_view name = entry->d_name;
+    if (name.substr(0, sizeof(kKeyPrefix) - 1) != kKeyPrefix) continue;
+    const absl::string_view rest = name.substr(sizeof(kKeyPrefix) - 1);
+    int pid = 0;
+    if (!absl::SimpleAtoi(rest.substr(0, rest.find('-')), &pid) || pid <= 0) {
+      continue;
+    }
+    if (kill(pid, 0) != 0 && errno == ESRCH) {
+      shm_unlink(absl::StrCat("/", name).c_str());
+    }
+  }
+  closedir(dir);
+}
+
+void RemoveObjects();
+
+SharedMemoryObjects& Objects() {
+  static SharedMemoryObjects* const objects = [] {
+    RemoveStaleObjects();
+    auto* created = new SharedMemoryObjects();
+    for (int i = 0; i < kSharedMemoryObjects; ++i) {
+      const std::string key = absl::StrCat("/", kKeyPrefix, getpid(), "-", i);
+      shm_unlink(key.c_str());
+      const int fd = shm_open(key.c_str(), O_RDWR | O_CREAT | O_EXCL, 0600);
+      if (fd < 0) Die(key, std::strerror(errno));
+      if (ftruncate(fd, kSharedMemoryObjectBytes) != 0) {
+        Die(key, std::strerror(errno));
+      }
+      void* data = mmap(nullptr, kSharedMemoryObjectBytes,
+                        PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+      close(fd);
+      if (data == MAP_FAILED) Die(key, std::strerror(errno));
+      created->keys[i] = key;
+      created->data[i] = static_cast<char*>(data);
+    }
+    std::atexit(&RemoveObjects);
+    return created;
+  }();
+  return *objects;
+}
+
+void RemoveObjects() {
+  for (const std::string& key : Objects().keys) shm_unlink(key.c_str());
+}
+
+}  // namespace
+
+const ServerOptions& FuzzServerOptions() {
+  static const ServerOptions* const options = [] {
+    auto* o = new ServerOptions();
+    o->max_tensor_elements = int64_t{1} << 20;
+    o->max_request_memory_mb = 64;
+    o->max_shared_memory_mb = 1;
+    return o;
+  }();
+  return *options;
+}
+
+absl::Status CheckLimits(const RequestCost& cost,
+                         const ServerOptions& options) {
+  if (cost.largest_tensor > options.max_tensor_elements) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("request: a tensor of ", cost.largest_tensor,
+                     " elements exceeds --max_tensor_elements ",
+                     options.max_tensor_elements));
+  }
+  if (cost.bytes > options.max_request_memory_mb << 20) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: needs about ", cost.bytes >> 20,
+        " MiB, above --max_request_memory_mb ", options.max_request_memory_mb));
+  }
+  return absl::OkStatus();
+}
+
+bool IsTiny(const RequestCost& cost) {
+  return cost.largest_tensor <= 100000 && cost.bytes <= 4 * 100000 &&
+         cost.flops <= 1e6;
+}
+
+void CheckStatus(absl::string_view what, const absl::Status& status) {
+  if (status.code() == absl::StatusCode::kInternal ||
+      status.code() == absl::StatusCode::kUnknown) {
+    Die(what, absl::StrCat("unclear error: ", status.ToString()));
+  }
+  if (!status.ok() && status.message().empty()) {
+    Die(what, absl::StrCat("error without a message: ", status.ToString()));
+  }
+}
+
+const ModelRepository& TinyModels() {
+  static const ModelRepository* const models = [] {
+    char pattern[] = "/tmp/attnserve-fuzz-models-XXXXXX";
+    if (mkdtemp(pattern) == nullptr) Die("TinyModels", std::strerror(errno));
+    const fs::path root = pattern;
+    std::mt19937 rng(20261121);
+    std::map<std::string, Tensor> tiny;
+    tiny.emplace("in_proj_weight", Random({24, 8}, rng));
+    tiny.emplace("in_proj_bias", Random({24}, rng));
+    tiny.emplace("out_proj.weight", Random({8, 8}, rng));
+    tiny.emplace("out_proj.bias", Random({8}, rng));
+    WriteModel(root / "tiny", "num_heads: 2\n", tiny);
+    std::map<std::string, Tensor> cross;
+    cross.emplace("q_proj_weight", Random({8, 8}, rng));
+    cross.emplace("k_proj_weight", Random({8, 4}, rng));
+    cross.emplace("v_proj_weight", Random({4, 6}, rng));
+    cross.emplace("q_proj_bias", Random({8}, rng));
+    cross.emplace("out_proj_weight", Random({5, 4}, rng));
+    WriteModel(root / "tiny_cross",
+               "num_heads: 2\ncompute_dtype: DATA_TYPE_BFLOAT16\n"
+               "default_scale: 0.5\ndefault_causal: true\n",
+               cross);
+    auto* repository = new ModelRepository(root.string());
+    const absl::Status loaded = repository->Reload();
+    std::error_code ignored;
+    fs::remove_all(root, ignored);
+    if (!loaded.ok()) Die("TinyModels", loaded.ToString());
+    return repository;
+  }();
+  return *models;
+}
+
+void ServeAttend(const v1::AttendRequest& request,
+                 const SharedMemoryRegistry* registry) {
+  Serve<v1::AttendRequest, v1::AttendResponse>(
+      "Attend", request, CostOf(request), registry, &HandleAttend);
+}
+
+void ServeMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                          const SharedMemoryRegistry* registry) {
+  // As the service: the model is looked up once, for the cost and the call.
+  const MultiHeadAttendHandler handle(request, &TinyModels());
+  Serve<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>(
+      "MultiHeadAttend", request, CostOf(request, handle.layer()), registry,
+      handle);
+}
+
+void ServeLayerNorm(const v1::LayerNormRequest& request,
+                    const SharedMemoryRegistry* registry) {
+  Serve<v1::LayerNormRequest, v1::LayerNormResponse>(
+      "LayerNorm", request, CostOf(request), registry, &HandleLayerNorm);
+}
+
+const std::string& SharedMemoryKey(int index) { return Objects().keys[index]; }
+
+void RefillSharedMemory() {
+  for (char* data : Objects().data) {
+    std::memset(data, kSharedMemoryFill, kSharedMemoryObjectBytes);
+  }
+}
+
+const SharedMemoryRegistry& ComputeRegistry() {
+  static const SharedMemoryRegistry* const registry = [] {
+    auto* r = new SharedMemoryRegistry(uint64_t{1} << 20);
+    const SharedMemoryRegionInfo regions[] = {
+        {kSeedRegion, SharedMemoryKey(0), 0, kSeedRegionBytes},
+        {"fuzz_odd", SharedMemoryKey(1), 2, kSharedMemoryObjectBytes - 2},
+        {"fuzz_small", SharedMemoryKey(1), 0, 64},
+    };
+    for (const SharedMemoryRegionInfo& info : regions) {
+      const absl::Status registered = r->Register(info);
+      if (!registered.ok()) Die("ComputeRegistry", registered.ToString());
+    }
+    return r;
+  }();
+  return *registry;
+}
+
+bool Records::Next(uint8_t* tag, absl::string_view* payload) {
+  if (size_ == 0) return false;
+  *tag = static_cast<uint8_t>(data_[0]);
+  size_t length = 0;
+  if (size_ >= 3) {
+    length = static_cast<uint8_t>(data_[1]) |
+             static_cast<size_t>(static_cast<uint8_t>(data_[2])) << 8;
+  }
+  const size_t header = std::min<size_t>(size_, 3);
+  length = std::min(length, size_ - header);
+  *payload = absl::string_view(data_ + header, length);
+  data_ += header + length;
+  size_ -= header + length;
+  return true;
+}
+
+std::string Record(uint8_t tag, absl::string_view payload) {
+  std::string out;
+  out.push_back(static_cast<char>(tag));
+  out.push_back(static_cast<char>(payload.size() & 0xff));
+  out.push_back(static_cast<char>((payload.size() >> 8) & 0xff));
+  out.append(payload.data(), payload.size());
+  return out;
+}
+
+}  // namespace attnserve::fuzz

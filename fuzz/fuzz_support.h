@@ -1,0 +1,108 @@
+// What the fuzz targets share: the server's limits lowered for fuzzing, the
+// service's admission steps without gRPC (cost estimate, limits, the
+// handler), the check that turns an unclear error into a crash the fuzzer
+// reports, and the small models and shared-memory objects the targets run
+// against.
+//
+// The promise checked: every request gets an answer or a clear error. A
+// crash, a sanitizer report, a hang, an INTERNAL or UNKNOWN status, an error
+// without a message, or an OK answer whose results do not decode is a bug;
+// the checks abort so that the fuzzer (or the replay test) reports the input.
+//
+// Ownership: the fixtures (TinyModels, the shared-memory objects) live until
+// the process exits, which removes the objects. Thread-safety: one input at
+// a time, as libFuzzer runs them.
+#ifndef ATTNSERVE_FUZZ_FUZZ_SUPPORT_H_
+#define ATTNSERVE_FUZZ_FUZZ_SUPPORT_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "attnserve/v1/attention.pb.h"
+#include "server/model_repository.h"
+#include "server/options.h"
+#include "server/request_cost.h"
+#include "server/shared_memory.h"
+
+namespace attnserve::fuzz {
+
+// The server's default options with the limits lowered, so that no input
+// makes a target allocate more than tens of MiB.
+const ServerOptions& FuzzServerOptions();
+
+// The limit checks of the service's admission (AttentionServiceImpl::Admit,
+// which is private to the service): RESOURCE_EXHAUSTED when the request's
+// largest tensor or its estimated memory exceeds `options`' limits.
+absl::Status CheckLimits(const RequestCost& cost, const ServerOptions& options);
+
+// Calls the targets compute: at most 1e5 elements moved and 1e6 FLOPs, so
+// that the fuzzer keeps a high execution rate. Larger (admitted) calls are
+// not run.
+bool IsTiny(const RequestCost& cost);
+
+// Aborts, printing `what` and the status, when `status` is INTERNAL or
+// UNKNOWN or an error with an empty message.
+void CheckStatus(absl::string_view what, const absl::Status& status);
+
+// Models "tiny" (E=8, H=2, PyTorch's fused in_proj_weight with biases) and
+// "tiny_cross" (separate q/k/v weights with key dim 4 and value dim 6,
+// BFLOAT16 compute, a default scale and default causal), loaded once.
+const ModelRepository& TinyModels();
+
+// The compute RPCs as the service runs them, minus gRPC: cost estimate,
+// limits, then, for tiny calls, the handler under a one-thread lease with a
+// CallControl whose shared memory is `registry` (null: shared memory off).
+// An OK answer's results must decode (through the call's shared memory).
+void ServeAttend(const v1::AttendRequest& request,
+                 const SharedMemoryRegistry* registry);
+void ServeMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                          const SharedMemoryRegistry* registry);
+void ServeLayerNorm(const v1::LayerNormRequest& request,
+                    const SharedMemoryRegistry* registry);
+
+// Shared-memory objects this process creates, fills with kSharedMemoryFill
+// and removes at exit: kSharedMemoryObjects of kSharedMemoryObjectBytes
+// each. Objects left by processes that died (a crash) are removed first.
+inline constexpr int kSharedMemoryObjects = 2;
+inline constexpr size_t kSharedMemoryObjectBytes = 64 << 10;
+// Every byte of the objects: a valid value of every dtype (FLOAT32 0.0115,
+// FLOAT16 1.06, a BOOL/UINT8 "keep").
+inline constexpr uint8_t kSharedMemoryFill = 0x3c;
+// The shm_open key of object `index`, e.g. "/attnserve-fuzz-123-0"; creates
+// the objects on first use.
+const std::string& SharedMemoryKey(int index);
+// Sets every byte of the objects back to kSharedMemoryFill.
+void RefillSharedMemory();
+
+// A registry holding the regions the seed requests of the
+// shared_memory_compute target refer to: "fuzz" (all of object 0, where the
+// seeds place their tensors and results), "fuzz_odd" (object 1 from byte
+// 2: no 4-byte aligned offset 0) and "fuzz_small" (the first 64 bytes of
+// object 1).
+const SharedMemoryRegistry& ComputeRegistry();
+inline constexpr char kSeedRegion[] = "fuzz";
+inline constexpr size_t kSeedRegionBytes = kSharedMemoryObjectBytes;
+
+// Splits an input into records: a tag byte, a little-endian 16-bit length,
+// then that many payload bytes (fewer when the input ends first).
+class Records {
+ public:
+  Records(const uint8_t* data, size_t size)
+      : data_(reinterpret_cast<const char*>(data)), size_(size) {}
+  // False at the end of the input.
+  bool Next(uint8_t* tag, absl::string_view* payload);
+
+ private:
+  const char* data_;
+  size_t size_;
+};
+
+// The record Records reads back as (tag, payload).
+std::string Record(uint8_t tag, absl::string_view payload);
+
+}  // namespace attnserve::fuzz
+
+#endif  // ATTNSERVE_FUZZ_FUZZ_SUPPORT_H_

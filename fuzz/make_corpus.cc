@@ -1,0 +1,506 @@
+// attnserve_fuzz_corpus: the seed inputs of the fuzz targets, small valid
+// requests of every kind built with the client's request builders
+// (client/requests.h), valid safetensors files and model folders, so that
+// they follow the wire format when it changes. Every compute seed is checked
+// to succeed through its handler before it is written.
+//
+//   attnserve_fuzz_corpus --out=DIR     writes DIR/TARGET/SEED
+//   attnserve_fuzz_corpus --check=DIR   exit 1 when DIR (fuzz/corpus) is not
+//                                       exactly what --out would write
+//
+// The seeds are deterministic (seeded values), so fuzz/corpus is the output
+// of --out=fuzz/corpus.
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <limits>
+#include <map>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "attnserve/v1/attention.pb.h"
+#include "client/requests.h"
+#include "client/shared_memory.h"
+#include "core/convert.h"
+#include "core/safetensors.h"
+#include "fuzz/fuzz_support.h"
+#include "proto/tensor_codec.h"
+#include "server/handlers.h"
+
+namespace attnserve::fuzz {
+namespace {
+
+namespace fs = std::filesystem;
+
+// "TARGET/SEED" -> the seed's bytes.
+using Seeds = std::map<std::string, std::string>;
+
+[[noreturn]] void Die(const std::string& what, const absl::Status& status) {
+  std::fprintf(stderr, "attnserve_fuzz_corpus: %s: %s\n", what.c_str(),
+               status.ToString().c_str());
+  std::exit(1);
+}
+
+template <typename T>
+T Must(const std::string& what, absl::StatusOr<T> value) {
+  if (!value.ok()) Die(what, value.status());
+  return *std::move(value);
+}
+
+// Values uniform in [-1, 1) of a floating dtype.
+Tensor Values(DType dtype, Shape shape, std::mt19937& rng) {
+  std::vector<float> values(NumElements(shape));
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  for (float& v : values) v = uniform(rng);
+  return Must("values",
+              Float32ToTensor(values.data(), std::move(shape), dtype));
+}
+
+// A BOOL or UINT8 mask keeping about 3 positions in 4 and the first of
+// each row, or a FLOAT32 one of 0 and -inf.
+Tensor Mask(DType dtype, Shape shape, std::mt19937& rng) {
+  Tensor t = Must("mask", Tensor::Allocate(dtype, shape));
+  const int64_t row = shape.empty() ? 1 : shape.back();
+  for (int64_t i = 0; i < t.num_elements(); ++i) {
+    const bool keep = i % row == 0 || rng() % 4 != 0;
+    if (dtype == DType::kFloat32) {
+      t.data_as<float>()[i] =
+          keep ? 0.0f : -std::numeric_limits<float>::infinity();
+    } else {
+      t.data_as<uint8_t>()[i] = keep ? 1 : 0;
+    }
+  }
+  return t;
+}
+
+std::string Bytes(const google::protobuf::Message& message) {
+  std::string out;
+  if (!message.SerializeToString(&out)) {
+    Die("serialize", absl::InternalError(message.GetTypeName()));
+  }
+  return out;
+}
+
+void Expect(const std::string& what, const absl::Status& status) {
+  if (!status.ok()) Die(absl::StrCat(what, " does not succeed"), status);
+}
+
+// Seeds of the three compute targets, each also placed in shared memory
+// for the shared_memory_compute target (with its RPC's tag byte).
+class ComputeSeeds {
+ public:
+  explicit ComputeSeeds(Seeds* seeds) : seeds_(seeds) {}
+
+  void Attend(const std::string& name, const NamedTensors& tensors,
+              const OpParams& params) {
+    v1::AttendRequest request =
+        Must(name, BuildAttendRequest(ViewsOf(tensors), params));
+    v1::AttendResponse response;
+    Expect(name, HandleAttend(request, &response));
+    (*seeds_)["attend/" + name] = Bytes(request);
+    Share(name, 0, &request, nullptr, [&](CallControl control) {
+      v1::AttendResponse shared;
+      return HandleAttend(request, &shared, control);
+    });
+  }
+
+  void MultiHeadAttend(const std::string& name, const NamedTensors& tensors,
+                       const OpParams& params) {
+    v1::MultiHeadAttendRequest request =
+        Must(name, BuildMultiHeadAttendRequest(ViewsOf(tensors), params));
+    v1::MultiHeadAttendResponse response;
+    Expect(name, HandleMultiHeadAttend(request, &TinyModels(), &response));
+    (*seeds_)["multi_head_attend/" + name] = Bytes(request);
+    v1::GetModelMetadataResponse metadata;
+    if (!params.model.empty()) {
+      v1::GetModelMetadataRequest lookup;
+      lookup.set_name(params.model);
+      Expect(name, HandleGetModelMetadata(lookup, &TinyModels(), &metadata));
+    }
+    Share(name, 1, &request, params.model.empty() ? nullptr : &metadata,
+          [&](CallControl control) {
+            v1::MultiHeadAttendResponse shared;
+            return HandleMultiHeadAttend(request, &TinyModels(), &shared,
+                                         control);
+          });
+  }
+
+  void LayerNorm(const std::string& name, const NamedTensors& tensors,
+                 const OpParams& params) {
+    v1::LayerNormRequest request =
+        Must(name, BuildLayerNormRequest(ViewsOf(tensors), params));
+    v1::LayerNormResponse response;
+    Expect(name, HandleLayerNorm(request, &response));
+    (*seeds_)["layer_norm/" + name] = Bytes(request);
+    Share(name, 2, &request, nullptr, [&](CallControl control) {
+      v1::LayerNormResponse shared;
+      return HandleLayerNorm(request, &shared, control);
+    });
+  }
+
+  // A shared_memory_compute seed written as it is (tag byte + request).
+  template <typename Request, typename Run>
+  void SharedAsIs(const std::string& name, uint8_t tag, const Request& request,
+                  Run run) {
+    CallSharedMemory shared_memory(&ComputeRegistry());
+    Expect(name, run(CallControl{nullptr, &shared_memory}));
+    (*seeds_)["shared_memory_compute/" + name] =
+        std::string(1, static_cast<char>(tag)) + Bytes(request);
+  }
+
+ private:
+  // Moves `request`'s tensors and results into the seed region, as a client
+  // placing them in its own buffer would, and checks the call succeeds
+  // against ComputeRegistry.
+  template <typename Request, typename Run>
+  void Share(const std::string& name, uint8_t tag, Request* request,
+             const v1::GetModelMetadataResponse* model, Run run) {
+    const SharedMemoryPlan plan = Must(name, PlanSharedMemory(*request, model));
+    auto buffer =
+        Must(name, SharedMemoryBuffer::Create(
+                       UniqueSharedMemoryKey("fuzz-corpus"), kSeedRegionBytes));
+    SharedMemoryPlacer placer(buffer.get(), kSeedRegion);
+    Expect(name, PlaceRequest(plan, placer, request));
+    SharedAsIs(name, tag, *request, run);
+  }
+
+  Seeds* seeds_;
+};
+
+void AddComputeSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261122);
+  const auto f32 = DType::kFloat32;
+  ComputeSeeds add(seeds);
+
+  NamedTensors t;
+  auto reset = [&] { t.clear(); };
+  OpParams p;
+
+  // Attend.
+  t.emplace("query", Values(f32, {1, 3, 4}, rng));
+  t.emplace("key", Values(f32, {1, 5, 4}, rng));
+  t.emplace("value", Values(f32, {1, 5, 6}, rng));
+  add.Attend("basic", t, p);
+  reset();
+  t.emplace("query", Values(f32, {2, 4}, rng));
+  t.emplace("key", Values(f32, {3, 4}, rng));
+  t.emplace("value", Values(f32, {3, 2}, rng));
+  add.Attend("unbatched", t, p);
+  reset();
+  t.emplace("query", Values(f32, {2, 2, 3, 4}, rng));
+  t.emplace("key", Values(f32, {2, 2, 5, 4}, rng));
+  t.emplace("value", Values(f32, {2, 2, 5, 4}, rng));
+  t.emplace("attn_mask", Mask(DType::kBool, {3, 5}, rng));
+  p = OpParams{};
+  p.causal = true;
+  p.return_weights = true;
+  add.Attend("heads_bool_mask_causal_weights", t, p);
+  reset();
+  t.emplace("query", Values(DType::kBFloat16, {1, 2, 8}, rng));
+  t.emplace("key", Values(DType::kBFloat16, {1, 4, 8}, rng));
+  t.emplace("value", Values(DType::kBFloat16, {1, 4, 8}, rng));
+  p = OpParams{};
+  p.return_weights = true;
+  add.Attend("bf16_weights", t, p);
+  reset();
+  t.emplace("query", Values(DType::kFloat16, {1, 2, 4}, rng));
+  t.emplace("key", Values(DType::kFloat16, {1, 3, 4}, rng));
+  t.emplace("value", Values(DType::kFloat16, {1, 3, 4}, rng));
+  t.emplace("attn_mask", Mask(f32, {1, 2, 3}, rng));
+  p = OpParams{};
+  p.scale = 0.25f;
+  p.temperature = 2.0f;
+  add.Attend("f16_float_mask_scale_temperature", t, p);
+  reset();
+  t.emplace("query", Values(f32, {2, 1, 8}, rng));
+  t.emplace("key", Values(f32, {2, 6, 8}, rng));
+  t.emplace("value", Values(f32, {2, 6, 8}, rng));
+  t.emplace("attn_mask", Mask(DType::kUInt8, {2, 1, 6}, rng));
+  p = OpParams{};
+  p.compute_bf16 = true;
+  add.Attend("one_token_u8_mask_compute_bf16", t, p);
+  reset();
+
+  // MultiHeadAttend by model.
+  p = OpParams{};
+  p.model = "tiny";
+  t.emplace("query", Values(f32, {1, 3, 8}, rng));
+  add.MultiHeadAttend("model_self", t, p);
+  reset();
+  t.emplace("query", Values(f32, {3, 8}, rng));
+  add.MultiHeadAttend("model_unbatched", t, p);
+  reset();
+  t.emplace("query", Values(f32, {2, 3, 8}, rng));
+  t.emplace("key", Values(f32, {2, 4, 8}, rng));
+  t.emplace("value", Values(f32, {2, 4, 8}, rng));
+  t.emplace("key_padding_mask", Mask(DType::kBool, {2, 4}, rng));
+  p.return_weights = true;
+  p.average_weights = true;
+  add.MultiHeadAttend("model_padding_mask_average_weights", t, p);
+  reset();
+  p = OpParams{};
+  p.model = "tiny_cross";
+  p.return_weights = true;
+  t.emplace("query", Values(f32, {1, 2, 8}, rng));
+  t.emplace("key", Values(f32, {1, 3, 4}, rng));
+  t.emplace("value", Values(f32, {1, 3, 6}, rng));
+  t.emplace("attn_mask", Mask(DType::kBool, {1, 2, 2, 3}, rng));
+  add.MultiHeadAttend("model_cross_head_mask", t, p);
+  reset();
+
+  // MultiHeadAttend with inline weights.
+  p = OpParams{};
+  p.num_heads = 2;
+  p.causal = true;
+  t.emplace("query", Values(f32, {1, 3, 8}, rng));
+  t.emplace("in_proj_weight", Values(f32, {24, 8}, rng));
+  t.emplace("in_proj_bias", Values(f32, {24}, rng));
+  t.emplace("out_proj_weight", Values(f32, {8, 8}, rng));
+  t.emplace("out_proj_bias", Values(f32, {8}, rng));
+  add.MultiHeadAttend("inline_fused_causal", t, p);
+  reset();
+  p = OpParams{};
+  p.num_heads = 2;
+  p.scale = 0.5f;
+  p.return_weights = true;
+  t.emplace("query", Values(f32, {1, 2, 6}, rng));
+  t.emplace("key", Values(f32, {1, 3, 4}, rng));
+  t.emplace("value", Values(f32, {1, 3, 2}, rng));
+  t.emplace("q_proj_weight", Values(f32, {4, 6}, rng));
+  t.emplace("k_proj_weight", Values(f32, {4, 4}, rng));
+  t.emplace("v_proj_weight", Values(f32, {6, 2}, rng));
+  t.emplace("q_proj_bias", Values(f32, {4}, rng));
+  t.emplace("k_proj_bias", Values(f32, {4}, rng));
+  t.emplace("v_proj_bias", Values(f32, {6}, rng));
+  add.MultiHeadAttend("inline_separate_no_out_proj", t, p);
+  reset();
+  p = OpParams{};
+  p.num_heads = 1;
+  p.compute_bf16 = true;
+  t.emplace("query", Values(DType::kBFloat16, {1, 2, 4}, rng));
+  t.emplace("in_proj_weight", Values(DType::kBFloat16, {12, 4}, rng));
+  t.emplace("out_proj_weight", Values(DType::kBFloat16, {4, 4}, rng));
+  add.MultiHeadAttend("inline_bf16", t, p);
+  reset();
+
+  // LayerNorm.
+  p = OpParams{};
+  t.emplace("input", Values(f32, {2, 8}, rng));
+  t.emplace("gamma", Values(f32, {8}, rng));
+  t.emplace("beta", Values(f32, {8}, rng));
+  add.LayerNorm("affine", t, p);
+  reset();
+  p.normalized_ndim = 2;
+  p.eps = 1e-3f;
+  t.emplace("input", Values(f32, {2, 3, 4}, rng));
+  t.emplace("gamma", Values(f32, {3, 4}, rng));
+  add.LayerNorm("two_dims_eps_gamma", t, p);
+  reset();
+  p = OpParams{};
+  t.emplace("input", Values(DType::kBFloat16, {3, 4}, rng));
+  add.LayerNorm("bf16_plain", t, p);
+  reset();
+  t.emplace("input", Values(DType::kFloat16, {5}, rng));
+  add.LayerNorm("f16_vector", t, p);
+  reset();
+
+  // Tensors in the regions whose windows start off the page ("fuzz_odd")
+  // or are tiny ("fuzz_small").
+  v1::LayerNormRequest small;
+  v1::Tensor* input = small.mutable_input();
+  input->set_dtype(v1::DATA_TYPE_FLOAT32);
+  input->add_shape(2);
+  input->add_shape(8);
+  input->mutable_shared_memory()->set_region("fuzz_small");
+  input->mutable_shared_memory()->set_byte_size(64);
+  v1::SharedMemoryRef* output =
+      small.mutable_result_regions()->mutable_output();
+  output->set_region("fuzz_odd");
+  output->set_offset(2);
+  output->set_byte_size(64);
+  add.SharedAsIs("layer_norm_small_and_odd_regions", 2, small,
+                 [&](CallControl control) {
+                   v1::LayerNormResponse response;
+                   return HandleLayerNorm(small, &response, control);
+                 });
+}
+
+void AddMetadataSeeds(Seeds* seeds) {
+  auto get_metadata = [](const std::string& name) {
+    v1::GetModelMetadataRequest r;
+    r.set_name(name);
+    return Record(1, Bytes(r));
+  };
+  auto register_region = [](const std::string& name, const std::string& key,
+                            uint64_t offset, uint64_t byte_size) {
+    v1::RegisterSharedMemoryRequest r;
+    r.mutable_region()->set_name(name);
+    r.mutable_region()->set_key(key);
+    r.mutable_region()->set_offset(offset);
+    r.mutable_region()->set_byte_size(byte_size);
+    return Record(2, Bytes(r));
+  };
+  auto unregister = [](const std::string& name) {
+    v1::UnregisterSharedMemoryRequest r;
+    r.set_name(name);
+    return Record(3, Bytes(r));
+  };
+  auto list = [](const std::string& name) {
+    v1::ListSharedMemoryRequest r;
+    r.set_name(name);
+    return Record(4, Bytes(r));
+  };
+  const std::string list_models = Record(0, "");
+  (*seeds)["metadata_rpcs/models"] = list_models + get_metadata("tiny") +
+                                     get_metadata("tiny_cross") +
+                                     get_metadata("missing");
+  (*seeds)["metadata_rpcs/register_list_unregister"] =
+      register_region("a", "@0", 0, 4096) + list("") + list("a") +
+      unregister("a") + list("");
+  (*seeds)["metadata_rpcs/register_twice_over_limit_unregister_all"] =
+      register_region("b", "@1", 100, 1000) + register_region("b", "@1", 0, 8) +
+      register_region("c", "@0", 0, uint64_t{2} << 20) +
+      register_region("d", "@0", 60000, 10000) + unregister("");
+  (*seeds)["metadata_rpcs/bad_names_and_keys"] =
+      register_region("", "@0", 0, 8) + register_region("x", "/../etc", 0, 8) +
+      register_region("y", "attnserve-fuzz-no-such-object", 0, 8) +
+      register_region("z", "@0", 0, 0) + unregister("nothing") + list("nil");
+  (*seeds)["metadata_rpcs/server_without_models_or_shared_memory"] =
+      Record(0x80, "") + get_metadata("tiny").replace(0, 1, "\x81") +
+      register_region("a", "@0", 0, 8).replace(0, 1, "\x82") +
+      Record(0x83, "") + Record(0x84, "");
+}
+
+void AddSafetensorsAndModelSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261123);
+  const auto f32 = DType::kFloat32;
+  auto serialize = [](const NamedTensors& t,
+                      const std::map<std::string, std::string>& metadata) {
+    return Must("safetensors", SerializeSafetensors(ViewsOf(t), metadata));
+  };
+  NamedTensors all;
+  all.emplace("f32", Values(f32, {2, 3}, rng));
+  all.emplace("bf16", Values(DType::kBFloat16, {4}, rng));
+  all.emplace("f16", Values(DType::kFloat16, {1, 2, 2}, rng));
+  all.emplace("bool", Mask(DType::kBool, {3}, rng));
+  all.emplace("u8", Mask(DType::kUInt8, {2, 2}, rng));
+  all.emplace("scalar", Values(f32, {}, rng));
+  all.emplace("empty", Values(f32, {0, 3}, rng));
+  (*seeds)["safetensors/every_dtype"] =
+      serialize(all, {{"format", "pt"}, {"op", "attend"}});
+  (*seeds)["safetensors/no_tensors"] = serialize({}, {});
+
+  // Model folders: config.pbtxt and weights.safetensors in one input.
+  auto model = [&](const std::string& name, const std::string& config,
+                   const NamedTensors& weights) {
+    const std::string bytes = serialize(weights, {});
+    Must(name, ParseModel("/models/" + name, config, bytes));
+    std::string input;
+    input.push_back(static_cast<char>(config.size() & 0xff));
+    input.push_back(static_cast<char>(config.size() >> 8));
+    (*seeds)["model_loader/" + name] = input + config + bytes;
+    (*seeds)["safetensors/" + name] = bytes;
+  };
+  NamedTensors fused;
+  fused.emplace("in_proj_weight", Values(f32, {24, 8}, rng));
+  fused.emplace("in_proj_bias", Values(f32, {24}, rng));
+  fused.emplace("out_proj.weight", Values(f32, {8, 8}, rng));
+  fused.emplace("out_proj.bias", Values(f32, {8}, rng));
+  model("state_dict", "num_heads: 2\n", fused);
+  NamedTensors separate;
+  separate.emplace("q_proj_weight", Values(f32, {8, 8}, rng));
+  separate.emplace("k_proj_weight", Values(f32, {8, 4}, rng));
+  separate.emplace("v_proj_weight", Values(f32, {4, 6}, rng));
+  separate.emplace("in_proj_bias", Values(f32, {20}, rng));
+  separate.emplace("out_proj_weight", Values(f32, {5, 4}, rng));
+  model("separate_bf16_defaults",
+        "# kdim 4, vdim 6\nnum_heads: 2\ncompute_dtype: DATA_TYPE_BFLOAT16\n"
+        "default_scale: 0.5\ndefault_causal: true\n"
+        "description: \"cross-attention\"\n",
+        separate);
+  NamedTensors bf16;
+  bf16.emplace("in_proj_weight", Values(DType::kBFloat16, {12, 4}, rng));
+  bf16.emplace("out_proj_bias", Values(f32, {4}, rng));
+  bf16.emplace("out_proj_weight", Values(DType::kFloat16, {4, 4}, rng));
+  model("mixed_dtypes", "num_heads: 4 compute_dtype: DATA_TYPE_FLOAT32", bf16);
+}
+
+Seeds AllSeeds() {
+  Seeds seeds;
+  AddComputeSeeds(&seeds);
+  AddMetadataSeeds(&seeds);
+  AddSafetensorsAndModelSeeds(&seeds);
+  return seeds;
+}
+
+std::string ReadFile(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+
+int Write(const fs::path& out, const Seeds& seeds) {
+  for (const auto& [name, bytes] : seeds) {
+    fs::create_directories((out / name).parent_path());
+    std::ofstream(out / name, std::ios::binary | std::ios::trunc) << bytes;
+  }
+  std::printf("attnserve_fuzz_corpus: %zu seeds written to %s\n", seeds.size(),
+              out.c_str());
+  return 0;
+}
+
+int Check(const fs::path& dir, const Seeds& seeds) {
+  int problems = 0;
+  std::set<std::string> present;
+  for (const auto& entry : fs::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) {
+      present.insert(fs::relative(entry.path(), dir).generic_string());
+    }
+  }
+  for (const auto& [name, bytes] : seeds) {
+    if (present.count(name) == 0) {
+      std::fprintf(stderr, "missing: %s\n", name.c_str());
+      ++problems;
+    } else if (ReadFile(dir / name) != bytes) {
+      std::fprintf(stderr, "stale: %s\n", name.c_str());
+      ++problems;
+    }
+  }
+  for (const std::string& name : present) {
+    if (seeds.count(name) == 0) {
+      std::fprintf(stderr, "not generated: %s\n", name.c_str());
+      ++problems;
+    }
+  }
+  if (problems > 0) {
+    std::fprintf(stderr,
+                 "attnserve_fuzz_corpus: %s differs from the generated seeds; "
+                 "regenerate with attnserve_fuzz_corpus --out=%s\n",
+                 dir.c_str(), dir.c_str());
+    return 1;
+  }
+  std::printf("attnserve_fuzz_corpus: %zu seeds up to date in %s\n",
+              seeds.size(), dir.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace attnserve::fuzz
+
+int main(int argc, char** argv) {
+  const std::string arg = argc == 2 ? argv[1] : "";
+  if (absl::StartsWith(arg, "--out=")) {
+    return attnserve::fuzz::Write(arg.substr(6), attnserve::fuzz::AllSeeds());
+  }
+  if (absl::StartsWith(arg, "--check=")) {
+    return attnserve::fuzz::Check(arg.substr(8), attnserve::fuzz::AllSeeds());
+  }
+  std::fprintf(stderr,
+               "usage: attnserve_fuzz_corpus --out=DIR | --check=DIR\n");
+  return 2;
+}

@@ -1,0 +1,15 @@
+// Fuzz target: any bytes that parse as a MultiHeadAttendRequest, served as
+// the service serves MultiHeadAttend: model lookup (TinyModels), cost
+// estimate, limits, then the handler for tiny calls, with shared memory off.
+#include <cstddef>
+#include <cstdint>
+
+#include "attnserve/v1/attention.pb.h"
+#include "fuzz/fuzz_support.h"
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  attnserve::v1::MultiHeadAttendRequest request;
+  if (!request.ParseFromArray(data, static_cast<int>(size))) return 0;
+  attnserve::fuzz::ServeMultiHeadAttend(request, /*registry=*/nullptr);
+  return 0;
+}
