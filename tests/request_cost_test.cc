@@ -167,10 +167,17 @@ TEST(RequestCostTest, LayerNorm) {
 
 TEST(RequestCostTest, LayerNormBytesSaturateInsteadOfOverflowing) {
   v1::LayerNormRequest r;
+  // 9.2e18 bytes: decodable (under 2^63), above the 9e18 saturation.
+  const int64_t elements = 2'300'000'000'000'000'000;
+  *r.mutable_input() = Shaped({elements});
+  RequestCost cost = CostOf(r);
+  EXPECT_EQ(cost.largest_tensor, elements);
+  EXPECT_EQ(cost.bytes, int64_t{9'000'000'000'000'000'000});
+  // 2^64 bytes cannot decode: no cost, the decoder's INVALID_ARGUMENT.
   *r.mutable_input() = Shaped({int64_t{1} << 31, int64_t{1} << 31});
-  const RequestCost cost = CostOf(r);
-  EXPECT_EQ(cost.largest_tensor, int64_t{1} << 62);
-  EXPECT_EQ(cost.bytes, int64_t{9'000'000'000'000'000'000});  // not 2^64
+  cost = CostOf(r);
+  EXPECT_EQ(cost.largest_tensor, 0);
+  EXPECT_EQ(cost.bytes, 0);
 }
 
 TEST(CostModelTest, EstimatesFromTheInitialRateUntilCallsAreMeasured) {
