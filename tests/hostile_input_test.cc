@@ -602,7 +602,7 @@ std::vector<Mutation> Corruptions(const std::string& field,
        absl::StrCat(field, ": dim 0 is negative (-1) in shape ",
                     ShapeText(negative))},
       {"elements_overflow_int64",
-       [big](v1::Tensor* x) {
+       [](v1::Tensor* x) {
          SetShape(x, {big, big, 16});
        },
        Code::kInvalidArgument,
@@ -654,7 +654,7 @@ std::vector<Mutation> Corruptions(const std::string& field,
   };
   if (floating) {
     m.push_back({"dim_2_62_bytes_overflow",
-                 [near_max](v1::Tensor* x) { SetShape(x, {near_max}); },
+                 [](v1::Tensor* x) { SetShape(x, {near_max}); },
                  Code::kInvalidArgument,
                  absl::StrCat(field,
                               ": shape [4611686018427387904] overflows "
@@ -676,7 +676,7 @@ std::vector<Mutation> Corruptions(const std::string& field,
   } else {
     // A BOOL mask of 2^62 elements is a valid shape, far above the limit.
     m.push_back({"dim_2_62_elements",
-                 [near_max](v1::Tensor* x) { SetShape(x, {near_max}); },
+                 [](v1::Tensor* x) { SetShape(x, {near_max}); },
                  Code::kResourceExhausted,
                  absl::StrCat("request: a tensor of 4611686018427387904 "
                               "elements exceeds --max_tensor_elements ",
