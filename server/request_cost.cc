@@ -2,37 +2,25 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
 #include "core/attention_weights.h"
+#include "core/tensor.h"
 #include "proto/tensor_codec.h"
 
 namespace attnserve {
 namespace {
 
 // Elements of a wire tensor's shape, or -1 when decoding will refuse the
-// shape (as CheckedNumElements does): a negative dim, or elements or their
-// bytes beyond int64. Such a request is the operation's to refuse with
-// INVALID_ARGUMENT, not the limits' with RESOURCE_EXHAUSTED.
+// shape (CheckedNumElements, as the decoder calls it): a negative dim, or
+// elements or their bytes beyond int64. Such a request is the operation's to
+// refuse with INVALID_ARGUMENT, not the limits' with RESOURCE_EXHAUSTED. An
+// unknown dtype, which the decoder refuses too, counts one byte an element.
 int64_t Elements(const v1::Tensor& t) {
-  const int64_t size = t.dtype() == v1::DATA_TYPE_FLOAT32 ? 4
-                       : t.dtype() == v1::DATA_TYPE_BFLOAT16 ||
-                               t.dtype() == v1::DATA_TYPE_FLOAT16
-                           ? 2
-                           : 1;
-  for (int64_t d : t.shape()) {
-    if (d < 0) return -1;
-  }
-  for (int64_t d : t.shape()) {
-    if (d == 0) return 0;
-  }
-  const int64_t limit = std::numeric_limits<int64_t>::max() / size;
-  int64_t n = 1;
-  for (int64_t d : t.shape()) {
-    if (n > limit / d) return -1;
-    n *= d;
-  }
-  return n;
+  const DType dtype =
+      DTypeFromProto(t.dtype(), "dtype").value_or(DType::kUInt8);
+  const absl::StatusOr<int64_t> n =
+      CheckedNumElements(t.shape(), dtype, "shape");
+  return n.ok() ? *n : -1;
 }
 
 // Costs are only estimated for shapes that validate: the operation reports
