@@ -58,7 +58,13 @@ template <typename Request, typename Response, typename Handler>
 void Serve(absl::string_view rpc, const Request& request,
            const RequestCost& cost, const SharedMemoryRegistry* registry,
            Handler handle) {
-  if (!CheckLimits(cost, FuzzServerOptions()).ok() || !IsTiny(cost)) return;
+  const ServerOptions& limits = FuzzServerOptions();
+  if (!VerifyWithinLimits(cost, limits.max_tensor_elements,
+                          limits.max_request_memory_mb << 20)
+           .ok() ||
+      !IsTiny(cost)) {
+    return;
+  }
   // The service leases a tiny call one thread (UsefulThreads).
   static ThreadBudget budget(1);
   ThreadBudget::Lease lease = budget.Acquire(1);
@@ -168,22 +174,6 @@ const ServerOptions& FuzzServerOptions() {
     return o;
   }();
   return *options;
-}
-
-absl::Status CheckLimits(const RequestCost& cost,
-                         const ServerOptions& options) {
-  if (cost.largest_tensor > options.max_tensor_elements) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("request: a tensor of ", cost.largest_tensor,
-                     " elements exceeds --max_tensor_elements ",
-                     options.max_tensor_elements));
-  }
-  if (cost.bytes > options.max_request_memory_mb << 20) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request: needs about ", cost.bytes >> 20,
-        " MiB, above --max_request_memory_mb ", options.max_request_memory_mb));
-  }
-  return absl::OkStatus();
 }
 
 bool IsTiny(const RequestCost& cost) {

@@ -33,11 +33,6 @@ namespace attnserve::fuzz {
 // makes a target allocate more than tens of MiB.
 const ServerOptions& FuzzServerOptions();
 
-// The limit checks of the service's admission (AttentionServiceImpl::Admit,
-// which is private to the service): RESOURCE_EXHAUSTED when the request's
-// largest tensor or its estimated memory exceeds `options`' limits.
-absl::Status CheckLimits(const RequestCost& cost, const ServerOptions& options);
-
 // Calls the targets compute: at most 1e5 elements moved and 1e6 FLOPs, so
 // that the fuzzer keeps a high execution rate. Larger (admitted) calls are
 // not run.

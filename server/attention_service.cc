@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
 #include "core/tensor.h"
 #include "grpcpp/impl/codegen/proto_utils.h"  // SerializationTraits<Message>
 #include "server/grpc_status.h"
@@ -287,18 +288,8 @@ absl::Status AttentionServiceImpl::Admit(
     return absl::UnavailableError(
         "server is shutting down; retry on another replica");
   }
-  if (cost.largest_tensor > config_.max_tensor_elements) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("request: a tensor of ", cost.largest_tensor,
-                     " elements exceeds --max_tensor_elements ",
-                     config_.max_tensor_elements));
-  }
-  if (cost.bytes > config_.max_request_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "request: needs about ", cost.bytes >> 20,
-        " MiB for results and intermediates, above --max_request_memory_mb ",
-        config_.max_request_bytes >> 20));
-  }
+  ATTN_RETURN_IF_ERROR(VerifyWithinLimits(cost, config_.max_tensor_elements,
+                                          config_.max_request_bytes));
   const absl::Duration remaining = UntilDeadline(context);
   if (remaining <= absl::ZeroDuration()) {
     return absl::DeadlineExceededError(

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "absl/strings/str_cat.h"
 #include "core/attention_weights.h"
 #include "core/tensor.h"
 #include "proto/tensor_codec.h"
@@ -124,6 +125,23 @@ RequestCost CostOf(const v1::LayerNormRequest& r) {
   cost.bytes = static_cast<int64_t>(std::min(4.0 * n, 9e18));
   cost.largest_tensor = n;
   return cost;
+}
+
+absl::Status VerifyWithinLimits(const RequestCost& cost,
+                                int64_t max_tensor_elements,
+                                int64_t max_request_bytes) {
+  if (cost.largest_tensor > max_tensor_elements) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: a tensor of ", cost.largest_tensor,
+        " elements exceeds --max_tensor_elements ", max_tensor_elements));
+  }
+  if (cost.bytes > max_request_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "request: needs about ", cost.bytes >> 20,
+        " MiB for results and intermediates, above --max_request_memory_mb ",
+        max_request_bytes >> 20));
+  }
+  return absl::OkStatus();
 }
 
 CostModel::CostModel(double initial_flops_per_second)

@@ -10,6 +10,7 @@
 #include <atomic>
 #include <cstdint>
 
+#include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/multi_head_attention.h"
@@ -29,6 +30,13 @@ RequestCost CostOf(const v1::AttendRequest& request);
 RequestCost CostOf(const v1::MultiHeadAttendRequest& request,
                    const MultiHeadLayer* layer);
 RequestCost CostOf(const v1::LayerNormRequest& request);
+
+// RESOURCE_EXHAUSTED when `cost` exceeds the server's limits on the
+// elements of one tensor or the bytes a call allocates; checked before
+// anything is decoded or allocated.
+absl::Status VerifyWithinLimits(const RequestCost& cost,
+                                int64_t max_tensor_elements,
+                                int64_t max_request_bytes);
 
 // The server's compute rate, learned from the calls it served, to estimate
 // how long a call will take.
