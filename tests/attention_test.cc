@@ -691,13 +691,10 @@ TEST_P(AttendNonFiniteTest, PropagatesAsTheReferenceDoes) {
                 std::vector<bool>(masks.size(), true),
                 {options.causal, std::nullopt, std::nullopt});
   const Tolerance tol = ToleranceFor(c.dtype);
-  EXPECT_TRUE(AllCloseNonFinite(with_weights->output.view(), ref.output,
-                                tol.atol, tol.rtol));
-  EXPECT_TRUE(AllCloseNonFinite(without_weights->output.view(), ref.output,
-                                tol.atol, tol.rtol));
-  EXPECT_TRUE(AllCloseNonFinite(with_weights->weights->view(), ref.weights,
-                                kFloat32Tolerance.atol,
-                                kFloat32Tolerance.rtol));
+  EXPECT_TRUE(AllClose(with_weights->output.view(), ref.output, tol));
+  EXPECT_TRUE(AllClose(without_weights->output.view(), ref.output, tol));
+  EXPECT_TRUE(
+      AllClose(with_weights->weights->view(), ref.weights, kFloat32Tolerance));
 
   // The clean batch is finite; the rule's NaN cases, spelled out.
   const RefTensor out = ToRef(without_weights->output.view());
@@ -806,12 +803,10 @@ TEST_P(AttendNonFiniteTilesTest, MaskedGarbageIsNotRead) {
         auto r = Attend(in, options);
         ASSERT_TRUE(r.ok()) << r.status();
         const Tolerance tol = ToleranceFor(dtype);
-        EXPECT_TRUE(AllCloseNonFinite(r->output.view(), ref.output, tol.atol,
-                                      tol.rtol));
+        EXPECT_TRUE(AllClose(r->output.view(), ref.output, tol));
         if (weights) {
-          EXPECT_TRUE(AllCloseNonFinite(r->weights->view(), ref.weights,
-                                        kFloat32Tolerance.atol,
-                                        kFloat32Tolerance.rtol));
+          EXPECT_TRUE(
+              AllClose(r->weights->view(), ref.weights, kFloat32Tolerance));
         }
         // Batch 1 is entirely finite; batch 0 only has +Inf in column 5.
         const RefTensor out = ToRef(r->output.view());

@@ -46,8 +46,11 @@ Tolerance ToleranceFor(DType dtype) {
   double worst_excess = 0;
   for (size_t i = 0; i < actual.values.size(); ++i) {
     const double a = actual.values[i], e = expected.values[i];
-    const double allowed = tol.atol + tol.rtol * std::abs(e);
-    const double diff = std::abs(a - e);
+    // An expected NaN or infinity is matched exactly (the non-finite rule).
+    const bool finite = std::isfinite(e);
+    const bool same = std::isnan(e) ? std::isnan(a) : a == e;
+    const double allowed = finite ? tol.atol + tol.rtol * std::abs(e) : 0;
+    const double diff = finite ? std::abs(a - e) : (same ? 0 : NAN);
     if (!(diff <= allowed)) {  // NaN fails too
       ++bad;
       const double excess = std::isnan(diff) ? INFINITY : diff - allowed;

@@ -28,8 +28,10 @@ inline constexpr Tolerance kBFloat16Tolerance{2e-2, 2e-2};
 inline constexpr Tolerance kFloat16Tolerance{5e-3, 5e-3};
 Tolerance ToleranceFor(DType dtype);
 
-// Passes if shapes match and every |got - expected| <= atol + rtol*|expected|;
-// otherwise says how many elements differ and where the worst one is.
+// Passes if shapes match, every |got - expected| <= atol + rtol*|expected|,
+// and `got` is NaN exactly where `expected` is and has the same infinity
+// where `expected` has one; otherwise says how many elements differ and
+// where the worst one is.
 ::testing::AssertionResult AllClose(const TensorView& got,
                                     const RefTensor& expected, Tolerance tol);
 

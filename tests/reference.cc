@@ -290,36 +290,4 @@ RefTensor RefLayerNorm(const RefTensor& x,
   return y;
 }
 
-::testing::AssertionResult AllCloseNonFinite(const TensorView& got,
-                                             const RefTensor& expected,
-                                             double atol, double rtol) {
-  if (got.shape != expected.shape) {
-    return ::testing::AssertionFailure()
-           << "shape " << ShapeString(got.shape) << " != expected "
-           << ShapeString(expected.shape);
-  }
-  const RefTensor actual = ToRef(got);
-  int64_t bad = 0, first = -1;
-  for (size_t i = 0; i < actual.values.size(); ++i) {
-    const double a = actual.values[i], e = expected.values[i];
-    bool ok;
-    if (std::isnan(e)) {
-      ok = std::isnan(a);
-    } else if (std::isinf(e)) {
-      ok = a == e;
-    } else {
-      ok = std::abs(a - e) <= atol + rtol * std::abs(e);  // false for NaN
-    }
-    if (!ok) {
-      if (first < 0) first = static_cast<int64_t>(i);
-      ++bad;
-    }
-  }
-  if (bad == 0) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure()
-         << bad << " of " << actual.values.size()
-         << " elements differ; first at flat index " << first << ": got "
-         << actual.values[first] << ", expected " << expected.values[first];
-}
-
 }  // namespace attnserve::testing

@@ -77,14 +77,6 @@ RefTensor RefLayerNorm(const RefTensor& x,
                        const std::optional<RefTensor>& beta, double eps,
                        int normalized_ndim);
 
-// Passes if shapes match, `got` is NaN exactly where `expected` is and has
-// the same infinity where `expected` has one, and every finite element is
-// within atol + rtol * |expected|; otherwise names the first element that
-// differs and counts them.
-::testing::AssertionResult AllCloseNonFinite(const TensorView& got,
-                                             const RefTensor& expected,
-                                             double atol, double rtol);
-
 }  // namespace attnserve::testing
 
 #endif  // ATTNSERVE_TESTS_REFERENCE_H_
