@@ -112,7 +112,7 @@ func startServer(name string, flags ...string) (*server, error) {
 		return nil, err
 	}
 	defer stderr.Close()
-	args := append([]string{"--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+	args := append([]string{"--host=127.0.0.1", "--port=0", "--metrics_port=-1", "--http_port=-1",
 		"--threads=2", "--lame_duck_seconds=0", "--drain_seconds=5"}, flags...)
 	s.cmd = exec.Command(serverBin, args...)
 	s.cmd.Stderr = stderr
