@@ -206,6 +206,20 @@ void BM_LayerNorm(benchmark::State& state) {
   SetRate(state, 0, 2.0 * rows * cols * 4);
 }
 
+// Args: rows, cols. RMSNorm with gamma: reads x, writes y.
+void BM_RmsNorm(benchmark::State& state) {
+  const int64_t rows = state.range(0), cols = state.range(1);
+  Tensor x = Random(DType::kFloat32, {rows, cols}, 1);
+  Tensor gamma = Random(DType::kFloat32, {cols}, 2);
+  LayerNormOptions options;
+  options.rms_norm = true;
+  for (auto _ : state) {
+    auto r = LayerNorm(x.view(), gamma.view(), std::nullopt, options);
+    benchmark::DoNotOptimize(r);
+  }
+  SetRate(state, 0, 2.0 * rows * cols * 4);
+}
+
 // clang-format off
 BENCHMARK(BM_Sdpa)->ArgNames({"B", "H", "Lq", "Lk", "d", "causal", "bf16"})
     ->Args({8, 8, 512, 512, 64, 0, 0})
@@ -240,6 +254,10 @@ BENCHMARK(BM_MultiHeadServedShape)->ArgNames({"L", "E", "H"})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_LayerNorm)->ArgNames({"rows", "cols"})
     ->Args({32 * 128, 768})
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RmsNorm)->ArgNames({"rows", "cols"})
+    ->Args({32 * 128, 768})
+    ->Args({8, 4096})
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 // clang-format on
 

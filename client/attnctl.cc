@@ -21,11 +21,11 @@
 //
 // Operation flags: --causal, --scale, --temperature, --return_weights and
 // --compute_bf16 (attend, mha); --num_heads, --average_weights and --model
-// (mha); --eps and --normalized_ndim (layernorm). bench takes them too,
-// but its synthetic mha requests take the head count from --heads.
+// (mha); --eps, --normalized_ndim and --rms_norm (layernorm). bench takes them
+// too, but its synthetic mha requests take the head count from --heads.
 // Operation parameters come from the flags, else from the input file's
 // __metadata__ (causal, scale, temperature, num_heads, eps,
-// normalized_ndim), else the server's defaults.
+// normalized_ndim, rms_norm), else the server's defaults.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -82,6 +82,8 @@ ABSL_FLAG(std::optional<float>, eps, std::nullopt,
           "layernorm: epsilon (default 1e-5).");
 ABSL_FLAG(std::optional<int>, normalized_ndim, std::nullopt,
           "layernorm: trailing dims normalized (default 1).");
+ABSL_FLAG(bool, rms_norm, false,
+          "layernorm: RMSNorm (torch.nn.RMSNorm) instead of LayerNorm.");
 ABSL_FLAG(std::string, service, "",
           "health: service to check (empty: the whole server).");
 ABSL_FLAG(std::string, service_config, "",
@@ -152,6 +154,7 @@ struct AttnctlOptions {
   std::optional<int> num_heads;
   std::optional<float> eps;
   std::optional<int> normalized_ndim;
+  bool rms_norm = false;
   bool return_weights = false;
   bool average_weights = false;
   bool compute_bf16 = false;
@@ -204,6 +207,7 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.num_heads = absl::GetFlag(FLAGS_num_heads);
   options.eps = absl::GetFlag(FLAGS_eps);
   options.normalized_ndim = absl::GetFlag(FLAGS_normalized_ndim);
+  options.rms_norm = absl::GetFlag(FLAGS_rms_norm);
   options.return_weights = absl::GetFlag(FLAGS_return_weights);
   options.average_weights = absl::GetFlag(FLAGS_average_weights);
   options.compute_bf16 = absl::GetFlag(FLAGS_compute_bf16);
@@ -281,6 +285,7 @@ absl::StatusOr<OpParams> Params(const AttnctlOptions& options,
   if (options.eps) params.eps = options.eps;
   if (options.normalized_ndim)
     params.normalized_ndim = *options.normalized_ndim;
+  if (options.rms_norm) params.rms_norm = true;
   params.return_weights = options.return_weights;
   params.average_weights = options.average_weights;
   params.compute_bf16 = options.compute_bf16;

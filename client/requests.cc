@@ -80,6 +80,11 @@ absl::Status ApplyMetadata(const std::map<std::string, std::string>& metadata,
       ATTN_RETURN_IF_ERROR(ParseInt(key, text, &params->num_heads));
     } else if (key == "normalized_ndim") {
       ATTN_RETURN_IF_ERROR(ParseInt(key, text, &params->normalized_ndim));
+    } else if (key == "rms_norm") {
+      if (!absl::SimpleAtob(text, &params->rms_norm)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "metadata 'rms_norm': '", text, "' is not true or false"));
+      }
     }
   }
   return absl::OkStatus();
@@ -136,6 +141,7 @@ absl::StatusOr<v1::LayerNormRequest> BuildLayerNormRequest(
   Encode(tensors, "beta", &R::mutable_beta, &request);
   if (params.eps.has_value()) request.set_eps(*params.eps);
   request.set_normalized_ndim(params.normalized_ndim);
+  request.set_rms_norm(params.rms_norm);
   return request;
 }
 

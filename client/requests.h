@@ -31,6 +31,7 @@ struct OpParams {
   std::string model;
   std::optional<float> eps;
   int normalized_ndim = 0;
+  bool rms_norm = false;
 };
 
 using NamedViews = std::map<std::string, TensorView>;
@@ -40,8 +41,8 @@ using NamedTensors = std::map<std::string, Tensor>;
 NamedViews ViewsOf(const NamedTensors& tensors);
 
 // Applies the safetensors metadata keys causal, scale, temperature,
-// num_heads, eps and normalized_ndim to `params`; INVALID_ARGUMENT naming a
-// key whose value does not parse.
+// num_heads, eps, normalized_ndim and rms_norm to `params`; INVALID_ARGUMENT
+// naming a key whose value does not parse.
 absl::Status ApplyMetadata(const std::map<std::string, std::string>& metadata,
                            OpParams* params);
 

@@ -106,15 +106,23 @@ absl::StatusOr<AttentionResult> MultiHeadAttend(
     const MultiHeadOptions& options);
 
 struct LayerNormOptions {
-  // Added to the variance; must be > 0.
+  // Added to the variance (to the mean square with rms_norm); must be > 0.
   float eps = 1e-5f;
   // Trailing dims normalized together; at least 1, at most the rank.
   int normalized_ndim = 1;
+  // RMSNorm (torch.nn.RMSNorm): x / sqrt(mean(x^2) + eps) * gamma; beta
+  // must be absent.
+  bool rms_norm = false;
 };
 
+// torch.nn.RMSNorm's eps when none is given: the machine epsilon of the
+// input's dtype (float32 2^-23, bfloat16 2^-7, float16 2^-10).
+float DefaultRmsNormEps(DType dtype);
+
 // (x - mean) / sqrt(var + eps) * gamma + beta over the trailing dims, with
-// the biased variance. gamma and beta have the shape of those dims. Result
-// "output" has the input's shape and dtype.
+// the biased variance, or RMSNorm (options.rms_norm). gamma and beta have
+// the shape of those dims. Result "output" has the input's shape and
+// dtype.
 absl::Status LayerNorm(const TensorView& input,
                        const std::optional<TensorView>& gamma,
                        const std::optional<TensorView>& beta,

@@ -193,7 +193,12 @@ absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
   ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
   ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, control, &beta));
   LayerNormOptions options;
-  if (request.has_eps()) options.eps = request.eps();
+  options.rms_norm = request.rms_norm();
+  if (request.has_eps()) {
+    options.eps = request.eps();
+  } else if (options.rms_norm) {
+    options.eps = DefaultRmsNormEps(input.dtype);
+  }
   if (request.normalized_ndim() < 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("normalized_ndim: must be >= 0 (0 means 1), got ",

@@ -511,6 +511,16 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
                                    std::make_unique<v1::LayerNormResponse>()));
   } else {
     ATTN_RETURN_IF_ERROR(VerifyModelName(model, "model_name"));
+    if (model != kMultiHeadAttendModel) {
+      // An unknown model is NOT_FOUND whatever its inputs.
+      if (models == nullptr) {
+        return absl::NotFoundError(absl::StrCat(
+            "model_name: '", model,
+            "' not found: this server has no model repository; the built-in "
+            "models are attend, multi_head_attend and layer_norm"));
+      }
+      ATTN_RETURN_IF_ERROR(models->Find(model).status());
+    }
     auto native = std::make_unique<v1::MultiHeadAttendRequest>();
     if (model == kMultiHeadAttendModel) {
       native->mutable_weights();

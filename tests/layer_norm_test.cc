@@ -3,6 +3,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
@@ -88,6 +89,105 @@ INSTANTIATE_TEST_SUITE_P(
       }
       return name;
     });
+
+struct RmsNormCase {
+  std::string name;
+  Shape shape;
+  int normalized_ndim = 1;
+  bool gamma = true;
+  std::optional<float> eps =
+      std::nullopt;  // unset: DefaultRmsNormEps of the dtype
+  DType dtype = DType::kFloat32;
+  float offset = 0.0f;  // added to every input value
+};
+
+void PrintTo(const RmsNormCase& c, std::ostream* os) { *os << c.name; }
+
+class RmsNormTableTest : public ::testing::TestWithParam<RmsNormCase> {};
+
+TEST_P(RmsNormTableTest, MatchesFloat64Reference) {
+  const RmsNormCase& c = GetParam();
+  std::mt19937 rng(23);
+  Tensor input = RandomTensor(DType::kFloat32, c.shape, rng);
+  for (int64_t i = 0; i < input.num_elements(); ++i) {
+    input.data_as<float>()[i] = input.data_as<float>()[i] * 3.0f + c.offset;
+  }
+  if (c.dtype != DType::kFloat32) {
+    input = *Float32ToTensor(input.data_as<float>(), input.shape(), c.dtype);
+  }
+  const Shape normalized(c.shape.end() - c.normalized_ndim, c.shape.end());
+  std::optional<Tensor> gamma;
+  std::optional<TensorView> gamma_view;
+  std::optional<RefTensor> gamma_ref;
+  if (c.gamma) {
+    gamma = RandomTensor(DType::kFloat32, normalized, rng);
+    gamma_view = gamma->view();
+    gamma_ref = ToRef(gamma->view());
+  }
+  LayerNormOptions options;
+  options.rms_norm = true;
+  options.normalized_ndim = c.normalized_ndim;
+  options.eps = c.eps.value_or(DefaultRmsNormEps(c.dtype));
+  auto out = LayerNorm(input.view(), gamma_view, std::nullopt, options);
+  ASSERT_TRUE(out.ok()) << out.status();
+  const RefTensor ref = RefRmsNorm(ToRef(input.view()), gamma_ref, options.eps,
+                                   c.normalized_ndim);
+  EXPECT_EQ(out->dtype(), c.dtype);
+  EXPECT_EQ(out->shape(), c.shape);
+  EXPECT_TRUE(AllClose(out->view(), ref, ToleranceFor(c.dtype)));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, RmsNormTableTest,
+    ::testing::Values(
+        RmsNormCase{"gamma", {2, 10, 512}},
+        RmsNormCase{"no_gamma", {5, 33}, 1, false},
+        RmsNormCase{"two_trailing_dims", {4, 3, 5, 6}, 2},
+        RmsNormCase{"rank1", {17}},
+        RmsNormCase{"eps_1e_5", {2, 64}, 1, true, 1e-5f},
+        RmsNormCase{"large_eps", {2, 64}, 1, true, 0.5f},
+        RmsNormCase{"single_column", {6, 1}},
+        RmsNormCase{"llama_row", {3, 4096}},
+        RmsNormCase{"many_rows_threaded", {512, 512}},
+        RmsNormCase{"large_offset",
+                    {4, 256},
+                    1,
+                    true,
+                    std::nullopt,
+                    DType::kFloat32,
+                    1000.0f},
+        RmsNormCase{"bf16", {4, 128}, 1, true, std::nullopt, DType::kBFloat16},
+        RmsNormCase{"f16", {4, 128}, 1, true, std::nullopt, DType::kFloat16}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(RmsNormTest, DefaultEpsIsTheDtypesMachineEpsilon) {
+  // torch.finfo(dtype).eps, which torch.nn.RMSNorm(eps=None) uses.
+  EXPECT_EQ(DefaultRmsNormEps(DType::kFloat32), 1.1920928955078125e-07f);
+  EXPECT_EQ(DefaultRmsNormEps(DType::kBFloat16), 0.0078125f);
+  EXPECT_EQ(DefaultRmsNormEps(DType::kFloat16), 0.0009765625f);
+}
+
+TEST(RmsNormTest, RefusesBetaAndPropagatesNaN) {
+  Tensor x = *Float32ToTensor(std::vector<float>{1, 2, 3, 4}.data(), {2, 2},
+                              DType::kFloat32);
+  Tensor beta =
+      *Float32ToTensor(std::vector<float>{0, 0}.data(), {2}, DType::kFloat32);
+  LayerNormOptions options;
+  options.rms_norm = true;
+  auto refused = LayerNorm(x.view(), std::nullopt, beta.view(), options);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "beta: RMSNorm has no shift (torch.nn.RMSNorm); leave beta unset");
+  // A NaN spoils its own row only, as in PyTorch; zeros stay zeros.
+  Tensor y = *Float32ToTensor(std::vector<float>{NAN, 1, 0, 0}.data(), {2, 2},
+                              DType::kFloat32);
+  auto out = LayerNorm(y.view(), std::nullopt, std::nullopt, options);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_TRUE(std::isnan(out->data_as<float>()[0]));
+  EXPECT_TRUE(std::isnan(out->data_as<float>()[1]));
+  EXPECT_EQ(out->data_as<float>()[2], 0.0f);
+  EXPECT_EQ(out->data_as<float>()[3], 0.0f);
+}
 
 TEST(LayerNormTest, ConstantRowGivesBeta) {
   Tensor input = *Tensor::Allocate(DType::kFloat32, {2, 4});

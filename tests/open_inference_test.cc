@@ -270,6 +270,41 @@ TEST_F(OpenInferenceTest, LayerNormAndMultiHeadEqualTheNativeRpcs) {
   }
 }
 
+TEST_F(OpenInferenceTest, RmsNormThroughBothApisMatchesTheReference) {
+  v1::LayerNormRequest native;
+  *native.mutable_input() = Wire(DType::kFloat32, {3, 4096}, rng_);
+  *native.mutable_gamma() = Wire(DType::kFloat32, {4096}, rng_);
+  native.set_rms_norm(true);
+  v1::LayerNormResponse expected;
+  ASSERT_TRUE(native_->LayerNorm(Context().get(), native, &expected).ok());
+  auto output = CopyTensor(expected.output(), "output");
+  auto input = CopyTensor(native.input(), "input");
+  auto gamma = CopyTensor(native.gamma(), "gamma");
+  ASSERT_TRUE(output.ok() && input.ok() && gamma.ok());
+  // eps unset: float32's machine epsilon, as torch.nn.RMSNorm(eps=None).
+  EXPECT_TRUE(AllClose(
+      output->view(),
+      RefRmsNorm(ToRef(input->view()), ToRef(gamma->view()), 0x1p-23, 1),
+      ToleranceFor(DType::kFloat32)));
+
+  ModelInferRequest request;
+  request.set_model_name("layer_norm");
+  AddRaw("input", native.input(), &request);
+  AddRaw("gamma", native.gamma(), &request);
+  (*request.mutable_parameters())["rms_norm"].set_bool_param(true);
+  ModelInferResponse response;
+  ASSERT_TRUE(Infer(request, &response).ok());
+  EXPECT_EQ(RawOutput(response, "output"), expected.output().raw_data());
+
+  // A shift is refused, naming it.
+  *native.mutable_beta() = native.gamma();
+  const grpc::Status refused =
+      native_->LayerNorm(Context().get(), native, &expected);
+  EXPECT_EQ(refused.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(refused.error_message(),
+            "beta: RMSNorm has no shift (torch.nn.RMSNorm); leave beta unset");
+}
+
 TEST_F(OpenInferenceTest, TypedContentsAndHalfPrecisionEqualRaw) {
   const v1::Tensor q = Wire(DType::kFloat32, {4, 8}, rng_);
   const v1::Tensor mask = Mask({4, 4}, rng_);
@@ -412,6 +447,12 @@ TEST_F(OpenInferenceTest, BadRequestsNameTheField) {
   };
   const std::vector<Case> cases = {
       {"unknown model", [](auto* r) { r->set_model_name("nope"); },
+       grpc::StatusCode::NOT_FOUND, "model: 'nope' not found"},
+      {"unknown model, before its inputs are checked",
+       [](auto* r) {
+         r->set_model_name("nope");
+         r->mutable_inputs(0)->set_name("input");
+       },
        grpc::StatusCode::NOT_FOUND, "model: 'nope' not found"},
       {"no model", [](auto* r) { r->clear_model_name(); },
        grpc::StatusCode::INVALID_ARGUMENT, "model_name: missing"},

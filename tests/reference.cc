@@ -290,4 +290,28 @@ RefTensor RefLayerNorm(const RefTensor& x,
   return y;
 }
 
+RefTensor RefRmsNorm(const RefTensor& x, const std::optional<RefTensor>& gamma,
+                     double eps, int normalized_ndim) {
+  int64_t cols = 1;
+  for (size_t d = x.shape.size() - normalized_ndim; d < x.shape.size(); ++d) {
+    cols *= x.shape[d];
+  }
+  const int64_t rows =
+      cols == 0 ? 0 : static_cast<int64_t>(x.values.size()) / cols;
+  RefTensor y = x;
+  for (int64_t r = 0; r < rows; ++r) {
+    double mean_square = 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      mean_square += x.values[r * cols + c] * x.values[r * cols + c];
+    }
+    mean_square /= cols;
+    for (int64_t c = 0; c < cols; ++c) {
+      double v = x.values[r * cols + c] / std::sqrt(mean_square + eps);
+      if (gamma) v *= gamma->values[c];
+      y.values[r * cols + c] = v;
+    }
+  }
+  return y;
+}
+
 }  // namespace attnserve::testing

@@ -77,6 +77,11 @@ RefTensor RefLayerNorm(const RefTensor& x,
                        const std::optional<RefTensor>& beta, double eps,
                        int normalized_ndim);
 
+// RMSNorm (torch.nn.RMSNorm) over the trailing `normalized_ndim` dims:
+// x / sqrt(mean(x^2) + eps) * gamma.
+RefTensor RefRmsNorm(const RefTensor& x, const std::optional<RefTensor>& gamma,
+                     double eps, int normalized_ndim);
+
 }  // namespace attnserve::testing
 
 #endif  // ATTNSERVE_TESTS_REFERENCE_H_
