@@ -27,14 +27,18 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from attnserve_client import (ServerProcess, attention_weights,  # noqa
-                              connect, pb, save_model, to_numpy, to_tensor)
+from attnserve_client import (ServerProcess, SharedMemoryRegion,  # noqa
+                              attention_weights, connect, pb, save_model,
+                              to_numpy, to_tensor)
 from inference import grpc_service_pb2 as oip_pb  # noqa
 from inference import grpc_service_pb2_grpc as oip_pb_grpc  # noqa
 from open_inference import (GrpcClient, HttpClient,  # noqa
-                            InferenceServerError)
-from open_inference.grpc_client import build_infer_request  # noqa
-from open_inference.http_client import build_infer_body  # noqa
+                            InferenceServerError, SharedMemoryInput,
+                            shared_memory_parameters)
+from open_inference.grpc_client import (build_infer_request,  # noqa
+                                        decode_infer_response)
+from open_inference.http_client import (build_infer_body,  # noqa
+                                        decode_infer_body)
 from open_inference.tensors import (from_json_data, from_raw,  # noqa
                                     input_array, to_json_data)
 
@@ -657,6 +661,46 @@ class OpenInferenceTest(ProtocolTestCase):
                     self.assertEqual(raw.datatypes[name],
                                      typed.datatypes[name])
 
+    def test_shared_memory(self):
+        q, k, v = self.randn(2, 4, 8), self.randn(2, 6, 8), \
+            self.randn(2, 6, 8)
+        native = self.native_attend(q, k, v, return_weights=True)
+        output = native["output"][1]
+        for transport, client in self.transports():
+            with self.subTest(transport=transport), SharedMemoryRegion(
+                    self.native, f"oip-{transport}", 1 << 16) as region:
+                inputs = {}
+                for name, value in dict(query=q, key=k, value=v).items():
+                    ref = region.tensor(value).shared_memory
+                    inputs[name] = SharedMemoryInput(
+                        "FP32", value.shape, ref.region, ref.byte_size,
+                        ref.offset)
+                # Inputs by reference, results by value.
+                result = client.infer("attend", inputs,
+                                      parameters=dict(return_weights=True))
+                self.assert_matches(result, native)
+                # The output placed in the region, the weights by value.
+                room = region.result(output.nbytes)
+                result = client.infer("attend", inputs, outputs=[
+                    ("output", shared_memory_parameters(
+                        room.region, room.byte_size, room.offset)),
+                    "weights"])
+                self.assertEqual(sorted(result), ["output", "weights"])
+                self.assertIsNone(result["output"])
+                self.assertEqual(result.datatypes["output"], "FP32")
+                self.assertEqual(result.shapes["output"], list(output.shape))
+                np.testing.assert_array_equal(result["weights"],
+                                              native["weights"][1])
+                placed = region.to_numpy(pb.Tensor(
+                    dtype=pb.DATA_TYPE_FLOAT32, shape=output.shape,
+                    shared_memory=room))
+                np.testing.assert_array_equal(placed, output)
+                # An unknown region: NOT_FOUND, as natively.
+                inputs["query"] = SharedMemoryInput(
+                    "FP32", q.shape, "no-such-region", q.nbytes)
+                self.assert_error(client, grpc.StatusCode.NOT_FOUND,
+                                  client.infer, "attend", inputs)
+
     def test_outputs_in_raw_output_contents(self):
         x = self.randn(2, 8)
         result = self.grpc.infer("layer_norm", dict(input=x))
@@ -1101,6 +1145,46 @@ class ClientHelpersTest(unittest.TestCase):
             "inputs": [{"name": "query", "shape": [2, 3], "datatype": "FP32",
                         "data": [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]}],
             "outputs": [{"name": "weights"}]})
+
+    def test_shared_memory_encodings(self):
+        x = np.ones(3, np.float32)
+        inputs = dict(query=SharedMemoryInput("FP32", [2, 4], "r1", 32, 64),
+                      key=x)
+        request = build_infer_request("attend", inputs, outputs=[
+            ("output", shared_memory_parameters("r1", 16, 128))])
+        self.assertEqual(list(request.raw_input_contents), [x.tobytes()])
+        query = request.inputs[0]
+        self.assertEqual((query.datatype, list(query.shape)), ("FP32", [2, 4]))
+        self.assertEqual(
+            {k: (p.WhichOneof("parameter_choice"), getattr(
+                p, p.WhichOneof("parameter_choice")))
+             for k, p in query.parameters.items()},
+            {"shared_memory_region": ("string_param", "r1"),
+             "shared_memory_byte_size": ("int64_param", 32),
+             "shared_memory_offset": ("int64_param", 64)})
+        self.assertIn("shared_memory_region", request.outputs[0].parameters)
+        body = build_infer_body(inputs)
+        self.assertEqual(body["inputs"][0], {
+            "name": "query", "shape": [2, 4], "datatype": "FP32",
+            "parameters": {"shared_memory_region": "r1",
+                           "shared_memory_byte_size": 32,
+                           "shared_memory_offset": 64}})
+        # A result in shared memory has no contents, with or without an
+        # empty raw entry standing for it.
+        response = oip_pb.ModelInferResponse()
+        response.outputs.add(name="output", datatype="FP32", shape=[4])
+        response.outputs.add(name="weights", datatype="FP32", shape=[1])
+        weights = np.array([0.5], np.float32).tobytes()
+        for raw in ([weights], [b"", weights]):
+            del response.raw_output_contents[:]
+            response.raw_output_contents.extend(raw)
+            result = decode_infer_response(response, {"output"})
+            self.assertIsNone(result["output"])
+            np.testing.assert_array_equal(result["weights"], [0.5])
+        json_result = decode_infer_body({"outputs": [
+            {"name": "output", "datatype": "FP32", "shape": [4],
+             "parameters": shared_memory_parameters("r1", 16)}]})
+        self.assertEqual(dict(json_result), {"output": None})
 
 
 if __name__ == "__main__":

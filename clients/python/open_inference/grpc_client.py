@@ -5,7 +5,8 @@ import numpy as np
 from inference import grpc_service_pb2 as pb
 from inference import grpc_service_pb2_grpc as pb_grpc
 from open_inference.tensors import (WIRE_DTYPES, InferenceServerError,
-                                    InferResult, from_raw, input_array)
+                                    InferResult, SharedMemoryInput,
+                                    from_raw, input_array)
 
 # Typed contents fields by datatype; FP16 and BF16 have none.
 _CONTENTS_FIELDS = {
@@ -52,6 +53,12 @@ def build_infer_request(model, inputs, parameters=None, outputs=None,
     for key, value in (parameters or {}).items():
         set_parameter(request.parameters[key], value)
     for name, value in inputs.items():
+        if isinstance(value, SharedMemoryInput):
+            tensor = request.inputs.add(name=name, datatype=value.datatype,
+                                        shape=value.shape)
+            for key, parameter in value.parameters.items():
+                set_parameter(tensor.parameters[key], parameter)
+            continue
         datatype, array = input_array(value)
         tensor = request.inputs.add(name=name, datatype=datatype,
                                     shape=array.shape)
@@ -71,19 +78,39 @@ def build_infer_request(model, inputs, parameters=None, outputs=None,
     return request
 
 
-def decode_infer_response(response):
-    """InferResult of a ModelInferResponse, raw or typed contents."""
-    raw = response.raw_output_contents
-    if raw and len(raw) != len(response.outputs):
+def decode_infer_response(response, shared_memory_outputs=()):
+    """InferResult of a ModelInferResponse, raw or typed contents.
+
+    Outputs named in `shared_memory_outputs` (or whose parameters place
+    them in shared memory) have no contents and map to None; the raw
+    contents belong to the other outputs, in order (an empty entry for
+    each output in shared memory is accepted too).
+    """
+    in_memory = {t.name for t in response.outputs
+                 if t.name in shared_memory_outputs
+                 or "shared_memory_region" in t.parameters}
+    raw = list(response.raw_output_contents)
+    if len(raw) == len(response.outputs) and in_memory:
+        for i, tensor in enumerate(response.outputs):
+            if tensor.name in in_memory and raw[i]:
+                raise ValueError(f"{tensor.name}: in shared memory and in "
+                                 "raw_output_contents")
+        raw = [data for tensor, data in zip(response.outputs, raw)
+               if tensor.name not in in_memory]
+    by_value = [t for t in response.outputs if t.name not in in_memory]
+    if raw and len(raw) != len(by_value):
         raise ValueError(f"{len(raw)} raw_output_contents for "
-                         f"{len(response.outputs)} outputs")
+                         f"{len(by_value)} outputs")
+    raw = dict(zip((t.name for t in by_value), raw))
     outputs, datatypes, shapes = {}, {}, {}
-    for i, tensor in enumerate(response.outputs):
+    for tensor in response.outputs:
         datatypes[tensor.name] = tensor.datatype
         shapes[tensor.name] = list(tensor.shape)
-        if raw:
+        if tensor.name in in_memory:
+            outputs[tensor.name] = None
+        elif raw:
             outputs[tensor.name] = from_raw(tensor.datatype, tensor.shape,
-                                            raw[i])
+                                            raw[tensor.name])
         elif tensor.datatype in _CONTENTS_FIELDS:
             values = getattr(tensor.contents,
                              _CONTENTS_FIELDS[tensor.datatype])
@@ -170,9 +197,15 @@ class GrpcClient:
         `outputs`: names (or (name, parameters) pairs) of the outputs wanted;
         None for all. `use_raw` (default True): tensors in
         raw_input_contents, else in typed contents (FP32, BOOL, UINT8).
+        A SharedMemoryInput in `inputs` is sent by reference, and an output
+        with shared_memory_parameters() is placed in the region (None in
+        the result).
         """
         request = build_infer_request(
             model, inputs, parameters, outputs,
             use_raw=True if use_raw is None else use_raw,
             request_id=request_id, version=version)
-        return decode_infer_response(self.call("ModelInfer", request))
+        return decode_infer_response(
+            self.call("ModelInfer", request),
+            {o.name for o in request.outputs
+             if "shared_memory_region" in o.parameters})

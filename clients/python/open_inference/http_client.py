@@ -7,7 +7,8 @@ import urllib.request
 import numpy as np
 
 from open_inference.tensors import (InferenceServerError, InferResult,
-                                    from_json_data, input_array,
+                                    SharedMemoryInput, from_json_data,
+                                    in_shared_memory, input_array,
                                     to_json_data)
 
 
@@ -31,6 +32,13 @@ def build_infer_body(inputs, parameters=None, outputs=None, request_id=""):
                               for k, v in parameters.items()}
     body["inputs"] = []
     for name, value in inputs.items():
+        if isinstance(value, SharedMemoryInput):
+            body["inputs"].append({
+                "name": name, "shape": value.shape,
+                "datatype": value.datatype,
+                "parameters": {k: _json_value(v)
+                               for k, v in value.parameters.items()}})
+            continue
         datatype, array = input_array(value)
         body["inputs"].append({"name": name, "shape": list(array.shape),
                                "datatype": datatype,
@@ -49,13 +57,21 @@ def build_infer_body(inputs, parameters=None, outputs=None, request_id=""):
     return body
 
 
-def decode_infer_body(body):
-    """InferResult of a JSON inference response."""
+def decode_infer_body(body, shared_memory_outputs=()):
+    """InferResult of a JSON inference response; outputs placed in shared
+    memory (named in `shared_memory_outputs` or by their parameters) have
+    no data and map to None."""
     outputs, datatypes, shapes = {}, {}, {}
     for tensor in body["outputs"]:
         name = tensor["name"]
         datatypes[name] = tensor["datatype"]
         shapes[name] = list(tensor["shape"])
+        if (name in shared_memory_outputs
+                or in_shared_memory(tensor.get("parameters"))):
+            if "data" in tensor:
+                raise ValueError(f"{name}: in shared memory and in data")
+            outputs[name] = None
+            continue
         outputs[name] = from_json_data(tensor["datatype"], tensor["shape"],
                                        tensor["data"])
     return InferResult(outputs, body.get("model_name", ""),
@@ -157,4 +173,6 @@ class HttpClient:
             raise ValueError("HTTP/JSON carries tensors as JSON data only")
         body = build_infer_body(inputs, parameters, outputs, request_id)
         return decode_infer_body(
-            self._ok("POST", _model_path(model, version) + "/infer", body))
+            self._ok("POST", _model_path(model, version) + "/infer", body),
+            {o["name"] for o in body.get("outputs", ())
+             if in_shared_memory(o.get("parameters"))})

@@ -31,6 +31,29 @@ _NUMPY_DATATYPES = {
 }
 
 
+class SharedMemoryInput:
+    """An input whose elements are in a shared-memory region registered
+    with the server, named by the protocol's (Triton's) input parameters
+    instead of being sent."""
+
+    def __init__(self, datatype, shape, region, byte_size, offset=0):
+        self.datatype = datatype
+        self.shape = [int(d) for d in shape]
+        self.parameters = shared_memory_parameters(region, byte_size, offset)
+
+
+def shared_memory_parameters(region, byte_size, offset=0):
+    """The parameters that place a tensor in shared memory, for
+    SharedMemoryInput or a requested output's (name, parameters)."""
+    return {"shared_memory_region": region,
+            "shared_memory_byte_size": int(byte_size),
+            "shared_memory_offset": int(offset)}
+
+
+def in_shared_memory(parameters):
+    return "shared_memory_region" in (parameters or {})
+
+
 def input_array(value):
     """(datatype, array in the wire layout) of a numpy array or torch tensor.
 
@@ -113,7 +136,8 @@ def from_json_data(datatype, shape, data):
 
 
 class InferResult(dict):
-    """Output name -> numpy array, with the response's other fields.
+    """Output name -> numpy array (None for an output placed in shared
+    memory), with the response's other fields.
 
     `datatypes` and `shapes` map output names to what the server declared;
     `response` is the response as received (protobuf message or JSON).
