@@ -1,6 +1,6 @@
 # attnserve container image.
 #   docker build -t attnserve .
-#   docker run --rm --cpus=2 -p 50051:50051 -p 9090:9090 attnserve
+#   docker run --rm --cpus=2 -p 50051:50051 -p 9090:9090 -p 8000:8000 attnserve
 # (podman: `podman build --format docker` keeps the HEALTHCHECK; see
 # deploy/README.md and deploy/container-test.sh.)
 #
@@ -36,7 +36,7 @@ COPY --from=build /src/build/bin/attnserve /src/build/bin/attnctl /usr/local/bin
 COPY --from=build /src/build/models /models
 COPY deploy/entrypoint.sh /usr/local/bin/attnserve-entrypoint
 USER 10001:10001
-EXPOSE 50051 9090
+EXPOSE 50051 9090 8000
 # Compute threads: with the default --threads=0 the server counts the cores
 # it may use (CPU affinity, OMP_NUM_THREADS, and its cgroup's CPU quota:
 # cgroup v2 cpu.max or v1 cpu.cfs_quota_us), so `--cpus=N` sizes it on

@@ -104,7 +104,7 @@ class Bench:
     def attnserve(self):
         return self.start(self.pinned(self.args.server_cpus, [
             os.path.join(self.bin, "attnserve"), "--host=127.0.0.1",
-            "--port=0", "--metrics_port=-1", "--log_level=warning",
+            "--port=0", "--metrics_port=-1", "--http_port=-1", "--log_level=warning",
             f"--model_repository={self.models}"]),
             r"listening on 127\.0\.0\.1:(\d+)")
 
@@ -255,7 +255,7 @@ def size_sweep(args, bench):
     """Prints the sweep's table; returns (figures, rows of targets)."""
     server, port = bench.start([
         os.path.join(bench.bin, "attnserve"), "--host=127.0.0.1",
-        "--port=0", "--metrics_port=-1", "--log_level=warning",
+        "--port=0", "--metrics_port=-1", "--http_port=-1", "--log_level=warning",
         f"--model_repository={bench.models}"],
         r"listening on 127\.0\.0\.1:(\d+)")
     figures, lines, targets = [], [], []

@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/convert.h"
+#include "core/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -50,6 +51,54 @@ void Execute(const CachedPrimitive& cached,
 memory::data_type ToDnnl(DType dtype) {
   return dtype == DType::kBFloat16 ? memory::data_type::bf16
                                    : memory::data_type::f32;
+}
+
+// Whether this CPU's oneDNN runs bf16 matmuls: it needs AVX-512 (with
+// AVX2 alone their creation fails). Where it cannot, bf16 operands are
+// widened to float32, exactly, and the product computed in float32: the
+// same products, accumulated in float32 as oneDNN's bf16 kernels do.
+bool NativeBf16Matmul() {
+  static const bool native = [] {
+    try {
+      const memory::desc ab({2, 2}, memory::data_type::bf16,
+                            memory::format_tag::ab);
+      const memory::desc c({2, 2}, memory::data_type::f32,
+                           memory::format_tag::ab);
+      dnnl::matmul::primitive_desc(dnnl::matmul::desc(ab, ab, c), CpuEngine());
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return native;
+}
+
+// The float32 compute dtype for `dtype` where bf16 must be widened.
+DType ComputeDType(DType dtype) {
+  return dtype == DType::kBFloat16 && !NativeBf16Matmul() ? DType::kFloat32
+                                                          : dtype;
+}
+
+// `rows` rows of `cols` bf16 values, `stride` elements apart, widened into
+// `out` (rows x cols, packed).
+void WidenBf16(const void* src, int64_t rows, int64_t cols, int64_t stride,
+               float* out) {
+  const auto* bits = static_cast<const uint16_t*>(src);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      out[r * cols + c] = BFloat16ToFloat(bits[r * stride + c]);
+    }
+  }
+}
+
+// Float32 values of an operand of `dtype`: its own when FLOAT32, else
+// widened into `storage`.
+const float* AsFloat32(const void* values, DType dtype, int64_t count,
+                       std::vector<float>* storage) {
+  if (dtype == DType::kFloat32) return static_cast<const float*>(values);
+  storage->resize(count);
+  WidenBf16(values, 1, count, count, storage->data());
+  return storage->data();
 }
 
 dnnl::primitive_attr UserScratchpadAttr() {
@@ -118,6 +167,29 @@ int64_t PrimitiveCache::creations() const {
   return creations_;
 }
 
+namespace {
+
+// Matmul in float32 for CPUs without bf16 matmuls (see NativeBf16Matmul).
+absl::Status WidenedMatmul(const MatmulShape& s, const void* a, const void* b,
+                           const float* bias, void* c) {
+  MatmulShape wide = s;
+  wide.a_dtype = wide.b_dtype = wide.c_dtype = DType::kFloat32;
+  std::vector<float> a32, b32, c32;
+  const float* a_values = AsFloat32(a, s.a_dtype, s.batch * s.m * s.k, &a32);
+  const float* b_values =
+      AsFloat32(b, s.b_dtype, (s.b_shared ? 1 : s.batch) * s.k * s.n, &b32);
+  const int64_t c_count = s.batch * s.m * s.n;
+  if (s.c_dtype == DType::kFloat32) {
+    return Matmul(wide, a_values, b_values, bias, c);
+  }
+  c32.resize(c_count);
+  ATTN_RETURN_IF_ERROR(Matmul(wide, a_values, b_values, bias, c32.data()));
+  StoreFloat32(c32.data(), c_count, s.c_dtype, c);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status Matmul(const MatmulShape& s, const void* a, const void* b,
                     const float* bias, void* c) {
   if (s.batch == 0 || s.m == 0 || s.n == 0) return absl::OkStatus();
@@ -131,6 +203,11 @@ absl::Status Matmul(const MatmulShape& s, const void* a, const void* b,
                    static_cast<char*>(c) + r * row_bytes);
     }
     return absl::OkStatus();
+  }
+  if (ComputeDType(s.a_dtype) != s.a_dtype ||
+      ComputeDType(s.b_dtype) != s.b_dtype ||
+      ComputeDType(s.c_dtype) != s.c_dtype) {
+    return WidenedMatmul(s, a, b, bias, c);
   }
   const std::string key = absl::StrCat(
       "matmul|", s.batch, "x", s.m, "x", s.k, "x", s.n, "|bt=", s.b_transposed,
@@ -197,14 +274,20 @@ absl::StatusOr<std::shared_ptr<const PackedLinear>> PackedLinear::Create(
   packed->in_ = in;
   packed->dtype_ = dtype;
   if (bias != nullptr) packed->bias_.assign(bias, bias + out);
+  packed->packed_dtype_ = ComputeDType(dtype);
   if (out == 0 || in == 0) return packed;
+  std::vector<float> widened;
+  if (packed->packed_dtype_ != dtype) {
+    weight = AsFloat32(weight, dtype, out * in, &widened);
+  }
+  const DType packed_dtype = packed->packed_dtype_;
   absl::Status status = GuardDnnl("pack linear weight", [&] {
     // W^T as the matmul's [in, out] weights: W's rows are its columns.
-    const memory::desc plain_md({in, out}, ToDnnl(dtype), Dims{1, in});
-    const memory::desc any_md({in, out}, ToDnnl(dtype),
+    const memory::desc plain_md({in, out}, ToDnnl(packed_dtype), Dims{1, in});
+    const memory::desc any_md({in, out}, ToDnnl(packed_dtype),
                               memory::format_tag::any);
-    const auto pd = LinearDesc(kPackingRows, in, out, dtype, any_md,
-                               bias != nullptr, dtype);
+    const auto pd = LinearDesc(kPackingRows, in, out, packed_dtype, any_md,
+                               bias != nullptr, packed_dtype);
     packed->packed_md_ = pd.weights_desc();
     packed->packed_.resize(packed->packed_md_.get_size());
     memory src(plain_md, CpuEngine(), const_cast<void*>(weight));
@@ -230,30 +313,51 @@ absl::Status PackedLinear::Run(int64_t rows, const void* x, void* y,
     }
     return absl::OkStatus();
   }
+  // Without bf16 matmuls (NativeBf16Matmul): x widened to float32 like the
+  // packed weight, y computed in float32 and rounded.
+  std::vector<float> x32, y32;
+  if (packed_dtype_ != dtype_) x = AsFloat32(x, dtype_, rows * in_, &x32);
+  const DType compute_y = ComputeDType(y_dtype);
+  void* y_compute = y;
+  if (compute_y != y_dtype) {
+    y32.resize(rows * out_);
+    y_compute = y32.data();
+  }
   const std::string key = absl::StrCat(
       "packed_linear|", rows, "x", in_, "x", out_, "|bias=", has_bias,
-      "|dt=", DTypeName(dtype_), ",", DTypeName(y_dtype));
+      "|dt=", DTypeName(packed_dtype_), ",", DTypeName(compute_y));
   auto cached = PrimitiveCache::Global().GetOrCreate(key, [&] {
-    const auto pd =
-        LinearDesc(rows, in_, out_, dtype_, packed_md_, has_bias, y_dtype);
+    const auto pd = LinearDesc(rows, in_, out_, packed_dtype_, packed_md_,
+                               has_bias, compute_y);
     return CachedPrimitive{pd, dnnl::matmul(pd)};
   });
   if (!cached.ok()) return cached.status();
-  return GuardDnnl(key, [&] {
+  ATTN_RETURN_IF_ERROR(GuardDnnl(key, [&] {
     if (has_bias) {
       Execute(**cached, {{DNNL_ARG_SRC, x},
                          {DNNL_ARG_WEIGHTS, packed_.data()},
                          {DNNL_ARG_BIAS, bias_.data()},
-                         {DNNL_ARG_DST, y}});
+                         {DNNL_ARG_DST, y_compute}});
     } else {
       Execute(**cached, {{DNNL_ARG_SRC, x},
                          {DNNL_ARG_WEIGHTS, packed_.data()},
-                         {DNNL_ARG_DST, y}});
+                         {DNNL_ARG_DST, y_compute}});
     }
-  });
+  }));
+  if (compute_y != y_dtype) StoreFloat32(y32.data(), rows * out_, y_dtype, y);
+  return absl::OkStatus();
 }
 
-absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& s) {
+absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& shape) {
+  // Without bf16 matmuls (NativeBf16Matmul), each tile's operands are
+  // widened into packed float32 buffers: the primitive reads those.
+  const bool widen = ComputeDType(shape.ab_dtype) != shape.ab_dtype;
+  TileGemmShape s = shape;
+  if (widen) {
+    s.ab_dtype = DType::kFloat32;
+    s.lda = s.k;
+    s.ldb = s.b_transposed ? s.k : s.n;
+  }
   const std::string key =
       absl::StrCat("tile_gemm|", s.m, "x", s.n, "x", s.k, "|ld=", s.lda, ",",
                    s.ldb, ",", s.ldc, "|bt=", s.b_transposed,
@@ -278,7 +382,11 @@ absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& s) {
       /*threads=*/1);
   if (!cached.ok()) return cached.status();
   TileGemm gemm;
-  gemm.shape_ = s;
+  gemm.shape_ = shape;
+  if (widen) {
+    gemm.a_widened_.resize(s.m * s.k);
+    gemm.b_widened_.resize(s.k * s.n);
+  }
   gemm.cached_ = *std::move(cached);
   absl::Status status = GuardDnnl(key, [&] {
     gemm.a_ = memory(a_md, CpuEngine(), DNNL_MEMORY_NONE);
@@ -299,6 +407,17 @@ absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& s) {
 }
 
 void TileGemm::Run(const void* a, const void* b, float* c) {
+  if (!a_widened_.empty() || !b_widened_.empty()) {
+    const TileGemmShape& s = shape_;
+    WidenBf16(a, s.m, s.k, s.lda, a_widened_.data());
+    if (s.b_transposed) {
+      WidenBf16(b, s.n, s.k, s.ldb, b_widened_.data());
+    } else {
+      WidenBf16(b, s.k, s.n, s.ldb, b_widened_.data());
+    }
+    a = a_widened_.data();
+    b = b_widened_.data();
+  }
   a_.set_data_handle(const_cast<void*>(a));
   b_.set_data_handle(const_cast<void*>(b));
   c_.set_data_handle(c);

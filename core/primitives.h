@@ -72,7 +72,10 @@ class PrimitiveCache {
 };
 
 // Shape of C[b] = A[b] * op(B[b]) + bias, row-major; A, B and C are FLOAT32
-// or BFLOAT16 (products accumulate in float32), bias is FLOAT32.
+// or BFLOAT16 (products accumulate in float32), bias is FLOAT32. On CPUs
+// whose oneDNN has no bf16 matmul (no AVX-512), BFLOAT16 operands are
+// widened to float32 and computed in float32: the same products, the same
+// float32 accumulation.
 // A is [batch, m, k]; B is [batch, k, n], or [batch, n, k] when
 // `b_transposed` (the nn.Linear weight layout, or keys for Q*K^T); a
 // `b_batch` of 1 shares B across the batch; bias is [n]; C is [batch, m, n].
@@ -117,6 +120,9 @@ class PackedLinear {
   int64_t out_ = 0;
   int64_t in_ = 0;
   DType dtype_ = DType::kFloat32;
+  // The packed weight's dtype: dtype_, or FLOAT32 where this CPU has no
+  // bf16 matmul (the weight is widened once).
+  DType packed_dtype_ = DType::kFloat32;
   dnnl::memory::desc packed_md_;
   std::vector<std::byte> packed_;
   std::vector<float> bias_;
@@ -162,6 +168,10 @@ class TileGemm {
   dnnl::memory a_, b_, c_;
   std::vector<std::byte> scratchpad_;
   std::unordered_map<int, dnnl::memory> args_;
+  // Where this CPU has no bf16 matmul: each tile's A and B widened to
+  // float32 (empty otherwise).
+  std::vector<float> a_widened_;
+  std::vector<float> b_widened_;
 };
 
 // Converts the exceptions oneDNN and the allocator throw into a status, so

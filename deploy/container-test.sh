@@ -312,7 +312,7 @@ server_env=$("${engine_cmd[@]}" exec "$name" /bin/sh -c 'tr "\0" "\n" </proc/1/e
 # shellcheck disable=SC2016 # expanded by the container's shell
 own_threads=$("${engine_cmd[@]}" run --rm --pull=never "${ulimits[@]}" --cpus=1 --network none \
   --entrypoint /bin/sh "$image" -c \
-  'env -u OMP_NUM_THREADS /usr/local/bin/attnserve --host=127.0.0.1 --port=0 --metrics_port=-1 --lame_duck_seconds=0 & pid=$!; sleep 2; kill $pid; wait $pid' \
+  'env -u OMP_NUM_THREADS /usr/local/bin/attnserve --host=127.0.0.1 --port=0 --metrics_port=-1 --http_port=-1 --lame_duck_seconds=0 & pid=$!; sleep 2; kill $pid; wait $pid' \
   2>/dev/null | sed -n 's/.*(\([0-9]*\) compute threads.*/\1/p' || true)
 log "attnserve without the entry point or OMP_NUM_THREADS under --cpus=1: ${own_threads:-?} compute threads"
 [[ $own_threads == 1 ]] ||

@@ -134,7 +134,7 @@ wait_healthy() {
 start_replica() {
   local i=$1
   "$attnserve" --host=127.0.0.1 --port="${grpc_port[$i]}" \
-    --metrics_port="${metrics_port[$i]}" --threads=1 --drain_seconds=5 \
+    --metrics_port="${metrics_port[$i]}" --http_port=-1 --threads=1 --drain_seconds=5 \
     --log_level=info \
     >>"$tmp/replica$i.out" 2>>"$tmp/replica$i.err" &
   replica_pid[i]=$!

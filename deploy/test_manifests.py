@@ -395,7 +395,8 @@ class DeployFilesTest(unittest.TestCase):
         self.assertRegex(self.dockerfile, r"(?m)^FROM debian:bookworm-slim AS build$")
         self.assertRegex(self.dockerfile, r"(?m)^FROM debian:bookworm-slim$")
         expose = re.search(r"(?m)^EXPOSE (.*)$", self.dockerfile).group(1).split()
-        self.assertEqual(sorted(expose), sorted([self.flags["port"], self.flags["metrics_port"]]))
+        self.assertEqual(sorted(expose), sorted([self.flags["port"], self.flags["metrics_port"],
+                                                self.flags["http_port"]]))
         self.assertRegex(self.dockerfile, r"(?m)^USER 10001")
         health = re.search(r"(?ms)^HEALTHCHECK .*?CMD (\[.*?\])$", self.dockerfile)
         self.assertIsNotNone(health)

@@ -80,7 +80,7 @@ class ObservabilityTest(unittest.TestCase):
             raise unittest.SkipTest("promtool not found")
         cls.workdir = tempfile.TemporaryDirectory()
         cls.server = ServerProcess(
-            [SERVER_BIN, "--host=127.0.0.1", "--port=0", "--metrics_port=0",
+            [SERVER_BIN, "--host=127.0.0.1", "--port=0", "--metrics_port=0", "--http_port=-1",
              "--threads=1", "--log_level=error"],
             "attnserve listening on ", cls.workdir.name, "server")
         with open(cls.server.stdout) as f:

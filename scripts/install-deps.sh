@@ -7,7 +7,11 @@
 # (with its OpenMP runtime, which CMake's FindOpenMP needs to configure a
 # clang build) and ninja run the thread-safety analysis of
 # scripts/check-thread-safety.sh; clang's runtime libraries (libFuzzer, the
-# sanitizers) build the fuzz targets of scripts/fuzz.sh.
+# sanitizers) build the fuzz targets of scripts/fuzz.sh. The Go packages
+# build the Go client (clients/go) offline: the compiler, gRPC and protobuf
+# sources for GOPATH mode, and the protoc plugins (protoc-gen-go 1.28:
+# golang-goprotobuf-dev's 1.3 plugin, which conflicts with it, refuses the
+# proto's optional fields).
 set -euo pipefail
 
 # libdnnl-dev's CMake package looks for OpenCL (Debian builds oneDNN with its
@@ -21,6 +25,8 @@ packages=(
   clang libomp-dev ninja-build libclang-rt-14-dev
   python3-grpcio python3-protobuf python3-yaml python3-torch python3-numpy
   python3-venv python3-setuptools
+  golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev
+  golang-google-protobuf-dev protoc-gen-go protoc-gen-go-grpc
   prometheus
 )
 

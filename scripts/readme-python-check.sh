@@ -59,9 +59,9 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 
 port=$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-log "scripts/run-server.sh --port=$port --metrics_port=0 in $src (installs, builds Release, starts)"
+log "scripts/run-server.sh --port=$port --metrics_port=0 --http_port=0 in $src (installs, builds Release, starts)"
 start=$(date +%s)
-"$src/scripts/run-server.sh" --port="$port" --metrics_port=0 \
+"$src/scripts/run-server.sh" --port="$port" --metrics_port=0 --http_port=0 \
   >"$work/server.log" 2>&1 &
 server_pid=$!
 until grep -q '^attnserve listening on ' "$work/server.log"; do

@@ -61,7 +61,7 @@ mkdir -p "$tmp/models" "$tmp/scratch"
 cp -r "$demo" "$tmp/models/demo"
 
 # --log_level=warning: no access-log line per call (hundreds a second).
-"$attnserve" --host=127.0.0.1 --port=0 --metrics_port=0 \
+"$attnserve" --host=127.0.0.1 --port=0 --metrics_port=0 --http_port=-1 \
   --model_repository="$tmp/models" --log_level=warning \
   >"$tmp/server.out" 2>"$tmp/server.err" &
 server_pid=$!
@@ -73,9 +73,9 @@ for _ in $(seq 1 200); do
   sleep 0.1
 done
 [[ -n $banner ]] || fail "attnserve did not start within 20 s"
-# "attnserve listening on 127.0.0.1:PORT (N compute threads, metrics port M)"
+# "attnserve listening on 127.0.0.1:PORT (N compute threads, metrics port M, http port H)"
 target=$(awk '{ print $4 }' <<<"$banner")
-metrics_port=$(sed -n 's/.*metrics port \([0-9]*\)).*/\1/p' <<<"$banner")
+metrics_port=$(sed -n 's/.*metrics port \([0-9]*\),.*/\1/p' <<<"$banner")
 log "$banner"
 
 status=0

@@ -16,6 +16,7 @@
 #include "grpcpp/impl/codegen/proto_utils.h"  // SerializationTraits<Message>
 #include "server/grpc_status.h"
 #include "server/handlers.h"
+#include "server/open_inference.h"
 
 namespace attnserve {
 namespace {
@@ -60,7 +61,7 @@ std::string Describe(const google::protobuf::Message& request) {
   std::vector<const google::protobuf::FieldDescriptor*> fields;
   reflection->ListFields(request, &fields);
   for (const google::protobuf::FieldDescriptor* field : fields) {
-    if (field->name() == "model") {
+    if (field->name() == "model" || field->name() == "model_name") {
       absl::StrAppend(&out, out.empty() ? "" : " ",
                       "model=", reflection->GetString(request, field));
     } else if (field->message_type() == v1::Tensor::descriptor() &&
@@ -115,6 +116,13 @@ absl::Status Serialize(const google::protobuf::Message& response,
   return absl::OkStatus();
 }
 
+// What a Serve bind returns for a call it accepts: its cost and handler.
+template <typename Handler>
+absl::StatusOr<std::pair<RequestCost, Handler>> Bound(RequestCost cost,
+                                                      Handler handle) {
+  return std::pair(cost, std::move(handle));
+}
+
 // Idle message pairs kept per RPC, and their capacity: enough for the calls
 // a busy server has in flight, small next to what those calls compute with.
 constexpr size_t kPooledMessages = 64;
@@ -138,7 +146,8 @@ AttentionServiceImpl::AttentionServiceImpl(const ServiceConfig& config)
     : config_(config),
       attend_messages_(kPooledMessages, kPooledBytes),
       multi_head_messages_(kPooledMessages, kPooledBytes),
-      layer_norm_messages_(kPooledMessages, kPooledBytes) {}
+      layer_norm_messages_(kPooledMessages, kPooledBytes),
+      model_infer_messages_(kPooledMessages, kPooledBytes) {}
 
 template <typename Request, typename Response, typename Bind>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
@@ -162,7 +171,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
   absl::Status status = Authenticate(*context);
   if (status.ok()) status = Parse(raw_request, request);
   if (!status.ok()) return Refuse(call, status);
-  auto [cost, handle] = bind(std::as_const(*request));
+  auto bound = bind(*request);
+  if (!bound.ok()) return Refuse(call, bound.status());
+  auto& [cost, handle] = *bound;
   call.cost = cost;
   return Dispatch(std::move(call),
                   [request, response,
@@ -255,21 +266,31 @@ template <typename Request, typename Response, typename Handler>
 grpc::ServerUnaryReactor* AttentionServiceImpl::ServeInline(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
     grpc::ByteBuffer* raw_response, Handler handle) const {
-  const absl::Time arrived = absl::Now();
   Request request;
-  absl::Status status = Authenticate(*context);
+  Response response;
+  return ServeStateCall(context, raw_request, raw_response,
+                        /*authenticate=*/true, &request, &response, [&] {
+                          return handle(std::as_const(request), &response);
+                        });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ServeStateCall(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
+    grpc::ByteBuffer* raw_response, bool authenticate,
+    google::protobuf::Message* request, google::protobuf::Message* response,
+    absl::FunctionRef<absl::Status()> handle) const {
+  const absl::Time arrived = absl::Now();
+  absl::Status status =
+      authenticate ? Authenticate(*context) : absl::OkStatus();
   if (status.ok()) {
-    status = Parse(raw_request, &request);
+    status = Parse(raw_request, request);
     if (!status.ok()) {
-      Record(RpcName(request), request, nullptr, status, arrived,
+      Record(RpcName(*request), *request, nullptr, status, arrived,
              absl::ZeroDuration(), absl::ZeroDuration(), 0);
     }
   }
-  if (status.ok()) {
-    Response response;
-    status = handle(std::as_const(request), &response);
-    if (status.ok()) status = Serialize(response, raw_response);
-  }
+  if (status.ok()) status = handle();
+  if (status.ok()) status = Serialize(*response, raw_response);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -333,7 +354,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(
     grpc::ByteBuffer* response) {
   return Serve(context, *request, response, &attend_messages_,
                [](const v1::AttendRequest& request) {
-                 return std::pair(CostOf(request), &HandleAttend);
+                 return Bound(CostOf(request), &HandleAttend);
                });
 }
 
@@ -344,7 +365,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::MultiHeadAttend(
                [this](const v1::MultiHeadAttendRequest& request) {
                  MultiHeadAttendHandler handle(request, config_.models);
                  const RequestCost cost = CostOf(request, handle.layer());
-                 return std::pair(cost, std::move(handle));
+                 return Bound(cost, std::move(handle));
                });
 }
 
@@ -353,8 +374,33 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::LayerNorm(
     grpc::ByteBuffer* response) {
   return Serve(context, *request, response, &layer_norm_messages_,
                [](const v1::LayerNormRequest& request) {
-                 return std::pair(CostOf(request), &HandleLayerNorm);
+                 return Bound(CostOf(request), &HandleLayerNorm);
                });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ModelInfer(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  using Handle = std::function<absl::Status(const inference::ModelInferRequest&,
+                                            inference::ModelInferResponse*,
+                                            const CallControl&)>;
+  return Serve(
+      context, *request, response, &model_infer_messages_,
+      [this](inference::ModelInferRequest& request)
+          -> absl::StatusOr<std::pair<RequestCost, Handle>> {
+        ATTN_ASSIGN_OR_RETURN(
+            std::shared_ptr<NativeInferCall> native,
+            NativeInferCall::FromRequest(&request, config_.models));
+        const RequestCost cost = native->cost();
+        return Bound(
+            cost, Handle([native](const inference::ModelInferRequest& request,
+                                  inference::ModelInferResponse* response,
+                                  const CallControl& control) {
+              ATTN_RETURN_IF_ERROR(native->Run(control));
+              native->ToResponse(request, response);
+              return absl::OkStatus();
+            }));
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::ListModels(

@@ -29,6 +29,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/thread_budget.h"
 #include "grpcpp/support/byte_buffer.h"
+#include "inference/grpc_service.pb.h"
 #include "server/auth.h"
 #include "server/message_pool.h"
 #include "server/metrics.h"
@@ -113,6 +114,30 @@ class AttentionServiceImpl final : public RawAttentionService {
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
       grpc::ByteBuffer* response) override;
 
+  // The Open Inference Protocol's ModelInfer (server/open_inference.h):
+  // authenticated, parsed, translated to the native call of its model,
+  // then admitted, queued, computed and recorded as the native RPCs are.
+  grpc::ServerUnaryReactor* ModelInfer(grpc::CallbackServerContext* context,
+                                       const grpc::ByteBuffer* request,
+                                       grpc::ByteBuffer* response);
+
+  // For the other services of the server: an RPC that only reads or
+  // registers server state. Authenticated (when `authenticate`), parsed
+  // into `request`, then answered by `handle()` filling `response`, on
+  // gRPC's thread. Only requests that do not parse are recorded.
+  // `request` and `response` need to live only until this returns.
+  grpc::ServerUnaryReactor* ServeStateCall(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
+      grpc::ByteBuffer* raw_response, bool authenticate,
+      google::protobuf::Message* request, google::protobuf::Message* response,
+      absl::FunctionRef<absl::Status()> handle) const;
+
+  // Whether the server takes compute calls and wants more: false from
+  // MarkNotReady (the drain's lame duck) or StopAcceptingCalls on.
+  bool ready() const { return !not_ready_.load() && !draining_.load(); }
+  void MarkNotReady() { not_ready_.store(true); }
+  const ServiceConfig& config() const { return config_; }
+
   // From now on compute calls are refused with UNAVAILABLE "server is
   // shutting down; retry on another replica"; accepted calls finish, and
   // ListModels and GetModelMetadata still answer.
@@ -128,7 +153,8 @@ class AttentionServiceImpl final : public RawAttentionService {
 
   // Compute RPCs: takes a request and response pair from `pool`,
   // authenticates the call and parses `raw_request` into the request; then
-  // `bind(request)` gives the call's cost and its handler, run as
+  // `bind(request)` gives the call's cost and its handler (or an error that
+  // refuses the call; bind may take the request's contents), run as
   // `handle(request, response, control)` on a worker (or, when tiny, here)
   // once the call is admitted. The response is serialized into
   // `raw_response`.
@@ -177,12 +203,15 @@ class AttentionServiceImpl final : public RawAttentionService {
 
   ServiceConfig config_;
   std::atomic<bool> draining_{false};
+  std::atomic<bool> not_ready_{false};
   mutable std::atomic<int64_t> last_refused_ns_{0};
   // Messages of the compute RPCs, reused across calls.
   MessagePool<v1::AttendRequest, v1::AttendResponse> attend_messages_;
   MessagePool<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>
       multi_head_messages_;
   MessagePool<v1::LayerNormRequest, v1::LayerNormResponse> layer_norm_messages_;
+  MessagePool<inference::ModelInferRequest, inference::ModelInferResponse>
+      model_infer_messages_;
 };
 
 }  // namespace attnserve

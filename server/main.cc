@@ -22,6 +22,9 @@ ABSL_FLAG(int, max_message_mb, attnserve::ServerOptions().max_message_mb,
           "Largest request and response message, in MiB.");
 ABSL_FLAG(int, metrics_port, attnserve::ServerOptions().metrics_port,
           "Port of the Prometheus page GET /metrics (0: any free, -1: off).");
+ABSL_FLAG(int, http_port, attnserve::ServerOptions().http_port,
+          "Port of the Open Inference Protocol over HTTP/JSON, /v2/... (0: any "
+          "free, -1: off).");
 ABSL_FLAG(std::string, log_level, attnserve::ServerOptions().log_level,
           "info (warnings and one access-log line per call), warning "
           "(problems such as a failed reload) or error (neither).");
@@ -83,6 +86,7 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.threads = absl::GetFlag(FLAGS_threads);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
+  options.http_port = absl::GetFlag(FLAGS_http_port);
   options.log_level = absl::GetFlag(FLAGS_log_level);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);
@@ -122,9 +126,11 @@ int main(int argc, char** argv) {
     return EXIT_FAILURE;
   }
   std::printf(
-      "attnserve listening on %s (%d compute threads, metrics port %d)\n",
+      "attnserve listening on %s (%d compute threads, metrics port %d, http "
+      "port %d)\n",
       attnserve::ListenAddress(options.host, (*server)->port()).c_str(),
-      attnserve::ThreadBudget::Global().total(), (*server)->metrics_port());
+      attnserve::ThreadBudget::Global().total(), (*server)->metrics_port(),
+      (*server)->http_port());
   std::fflush(stdout);
 
   int signal_number = 0;

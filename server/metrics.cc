@@ -122,40 +122,15 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+absl::StatusOr<std::unique_ptr<HttpListener>> StartMetricsServer(
     const std::string& host, int port, std::function<std::string()> render) {
-  std::unique_ptr<MetricsServer> server(new MetricsServer());
-  server->http_ = std::make_unique<httplib::Server>();
-  server->http_->Get("/metrics", [render](const httplib::Request&,
-                                          httplib::Response& response) {
-    response.set_content(render(), "text/plain; version=0.0.4");
-  });
-  const int bound = port == 0
-                        ? server->http_->bind_to_any_port(host)
-                        : (server->http_->bind_to_port(host, port) ? port : -1);
-  if (bound <= 0) {
-    return absl::UnavailableError(
-        absl::StrCat("--metrics_port: cannot listen on ", host, ":", port));
-  }
-  server->port_ = bound;
-  httplib::Server* http = server->http_.get();
-  std::atomic<bool>* ended = &server->listen_ended_;
-  server->thread_ = std::thread([http, ended] {
-    http->listen_after_bind();
-    ended->store(true);
-  });
-  // httplib's stop() does nothing until the listening loop has started, so
-  // a server stopped right after Start (a failed start-up further on) would
-  // never end its thread: return only once it runs (or has given up).
-  while (!http->is_running() && !ended->load()) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  }
-  return server;
-}
-
-MetricsServer::~MetricsServer() {
-  if (http_ != nullptr) http_->stop();
-  if (thread_.joinable()) thread_.join();
+  auto http = std::make_unique<httplib::Server>();
+  http->Get("/metrics",
+            [render = std::move(render)](const httplib::Request&,
+                                         httplib::Response& response) {
+              response.set_content(render(), "text/plain; version=0.0.4");
+            });
+  return HttpListener::Start(std::move(http), host, port, "--metrics_port");
 }
 
 }  // namespace attnserve

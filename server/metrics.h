@@ -2,27 +2,22 @@
 // exposes them (GET /metrics).
 //
 // Thread-safety: Metrics may be recorded into and rendered from any thread.
-// MetricsServer is started and stopped by one owner.
+// The metrics page is an HttpListener, stopped by its owner.
 #ifndef ATTNSERVE_SERVER_METRICS_H_
 #define ATTNSERVE_SERVER_METRICS_H_
 
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/mutex.h"
-
-namespace httplib {
-class Server;
-}
+#include "server/http_listener.h"
 
 namespace attnserve {
 
@@ -71,23 +66,9 @@ class Metrics {
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Serves GET /metrics from `render` on its own thread.
-class MetricsServer {
- public:
-  // Binds host:port (0: a free port) and starts serving.
-  static absl::StatusOr<std::unique_ptr<MetricsServer>> Start(
-      const std::string& host, int port, std::function<std::string()> render);
-  ~MetricsServer();
-  int port() const { return port_; }
-
- private:
-  MetricsServer() = default;
-  std::unique_ptr<httplib::Server> http_;
-  std::thread thread_;
-  // Set by thread_ when httplib's listening loop returns.
-  std::atomic<bool> listen_ended_{false};
-  int port_ = 0;
-};
+// Serves GET /metrics from `render` on host:port (0: a free port).
+absl::StatusOr<std::unique_ptr<HttpListener>> StartMetricsServer(
+    const std::string& host, int port, std::function<std::string()> render);
 
 }  // namespace attnserve
 

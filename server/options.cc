@@ -50,6 +50,11 @@ absl::Status VerifyMetricsAndLogs(const ServerOptions& options) {
         absl::StrCat("--metrics_port: ", options.metrics_port,
                      " is not in [-1, 65535] (-1: off, 0: any free port)"));
   }
+  if (options.http_port < -1 || options.http_port > 65535) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--http_port: ", options.http_port,
+                     " is not in [-1, 65535] (-1: off, 0: any free port)"));
+  }
   if (options.log_level != "info" && options.log_level != "warning" &&
       options.log_level != "error") {
     return absl::InvalidArgumentError(

@@ -50,6 +50,10 @@ struct ServerOptions {
   // Port of the Prometheus metrics page (GET /metrics) on `host`; 0 picks a
   // free port, -1 turns it off.
   int metrics_port = 9090;
+  // Port of the Open Inference Protocol over HTTP/JSON (/v2/...) on `host`;
+  // 0 picks a free port, -1 turns it off. Bodies are limited to
+  // max_message_mb, like gRPC messages.
+  int http_port = 8000;
   // The least serious log lines written (ShouldLog): "info" adds one
   // access-log line per call on stderr to the warnings; "warning": problems
   // the server works around (a failed reload, which keeps the loaded

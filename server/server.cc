@@ -15,6 +15,7 @@
 #include "grpcpp/impl/server_builder_plugin.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_builder.h"
+#include "server/http_inference.h"
 
 namespace attnserve {
 
@@ -109,6 +110,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   builder.AddListeningPort(address, credentials, &server->port_);
   ConfigureBuilder(options, &builder);
   builder.RegisterService(server->service_.get());
+  server->open_inference_service_ =
+      std::make_unique<OpenInferenceService>(server->service_.get());
+  builder.RegisterService(server->open_inference_service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
     return absl::UnavailableError(
@@ -119,8 +123,19 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     AttnServer* self = server.get();
     ATTN_ASSIGN_OR_RETURN(
         server->metrics_server_,
-        MetricsServer::Start(options.host, options.metrics_port,
-                             [self] { return self->RenderMetrics(); }));
+        StartMetricsServer(options.host, options.metrics_port,
+                           [self] { return self->RenderMetrics(); }));
+  }
+  if (options.http_port >= 0) {
+    grpc::ChannelArguments arguments;
+    arguments.SetMaxReceiveMessageSize(-1);
+    arguments.SetMaxSendMessageSize(-1);
+    HttpInferenceConfig http;
+    http.host = options.host;
+    http.port = options.http_port;
+    http.max_body_bytes = static_cast<size_t>(options.max_message_mb) << 20;
+    http.channel = server->server_->InProcessChannel(arguments);
+    ATTN_ASSIGN_OR_RETURN(server->http_server_, StartHttpInference(http));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(
       v1::AttentionService::service_full_name(), true);
@@ -155,6 +170,7 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   // Load balancers and health-checking clients stop sending calls here
   // when they see NOT_SERVING; until they do, calls are served.
   server_->GetHealthCheckService()->SetServingStatus(false);
+  service_->MarkNotReady();
   absl::SleepFor(std::min(lame_duck, grace));
   // Calls that still come get a status that clients' retry policies retry.
   service_->StopAcceptingCalls();
@@ -176,6 +192,8 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   }
   server_->GetHealthCheckService()->Shutdown();
   server_->Shutdown(absl::ToChronoTime(deadline));
+  // HTTP calls go through the gRPC server, which now answers none.
+  http_server_.reset();
 }
 
 void AttnServer::Wait() {

@@ -1,5 +1,6 @@
-// A running attnserve gRPC server: AttentionService, the grpc.health.v1
-// health service and server reflection, on one listening port.
+// A running attnserve gRPC server: AttentionService, the Open Inference
+// Protocol's GRPCInferenceService, the grpc.health.v1 health service and
+// server reflection, on one listening port.
 //
 // Ownership: AttnServer owns the gRPC server and the service. Thread-safety:
 // Drain(), Shutdown() and Wait() may be called from any thread; Drain() and
@@ -15,6 +16,7 @@
 #include "server/attention_service.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
+#include "server/open_inference_service.h"
 #include "server/options.h"
 
 namespace attnserve {
@@ -31,6 +33,10 @@ class AttnServer {
   // The metrics page's port, or -1 when it is off.
   int metrics_port() const {
     return metrics_server_ != nullptr ? metrics_server_->port() : -1;
+  }
+  // The HTTP/JSON inference port, or -1 when it is off.
+  int http_port() const {
+    return http_server_ != nullptr ? http_server_->port() : -1;
   }
   // The metrics page's text.
   std::string RenderMetrics() const;
@@ -68,8 +74,11 @@ class AttnServer {
   // gRPC server, so that it is destroyed (its regions unmapped) after them.
   std::unique_ptr<SharedMemoryRegistry> shared_memory_;
   std::unique_ptr<AttentionServiceImpl> service_;
+  std::unique_ptr<OpenInferenceService> open_inference_service_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<MetricsServer> metrics_server_;
+  std::unique_ptr<HttpListener> metrics_server_;
+  // Calls the gRPC server in-process: stopped before it.
+  std::unique_ptr<HttpListener> http_server_;
   int port_ = 0;
 };
 

@@ -2052,6 +2052,7 @@ class HostileInputTest : public ::testing::TestWithParam<HostileCase> {
     options.max_tensor_elements = kMaxTensorElements;
     options.max_request_memory_mb = kMaxRequestMemoryMb;
     options.metrics_port = -1;
+    options.http_port = -1;
     options.log_level = "error";
     server_ = new TestServer(options);
     auto buffer = SharedMemoryBuffer::Create(RegionKey(), kRegionBytes);

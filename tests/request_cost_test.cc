@@ -212,6 +212,7 @@ ServerOptions MemoryLimit1MiB() {
   ServerOptions options;
   options.max_request_memory_mb = 1;
   options.metrics_port = -1;
+  options.http_port = -1;
   return options;
 }
 
@@ -269,6 +270,7 @@ TEST(RequestLimitsTest, LargestTensorOfEachRpc) {
   ServerOptions options;
   options.max_tensor_elements = 1000;
   options.metrics_port = -1;
+  options.http_port = -1;
   TestServer server(options);
   AttnClient client = server.MakeClient();
   constexpr char kTooLarge[] =

@@ -1,8 +1,15 @@
 #include "tests/test_util.h"
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/status_macros.h"
+#include "gtest/gtest.h"
 
 namespace attnserve::testing {
 
@@ -92,6 +99,7 @@ TestServer::TestServer(ServerOptions options) {
   options.host = "127.0.0.1";
   // A free metrics port (tests run side by side), or off.
   if (options.metrics_port > 0) options.metrics_port = 0;
+  if (options.http_port > 0) options.http_port = 0;
   options.port = 0;
   auto server = AttnServer::Start(options);
   EXPECT_TRUE(server.ok()) << server.status();
@@ -107,6 +115,31 @@ AttnClient TestServer::MakeClient() const {
   options.target = target();
   options.timeout = absl::Seconds(60);
   return AttnClient(options);
+}
+
+TempModelRepository::TempModelRepository(const std::string& tag)
+    : root_((std::filesystem::temp_directory_path() /
+             absl::StrCat("attnserve_", tag, "_", ::getpid()))
+                .string()) {
+  namespace fs = std::filesystem;
+  fs::remove_all(root_);
+  fs::create_directories(fs::path(root_) / "mha");
+  std::ofstream(fs::path(root_) / "mha" / "config.pbtxt") << "num_heads: 4\n";
+  std::mt19937 rng(3);
+  NamedTensors state;
+  state.emplace("in_proj_weight", RandomTensor(DType::kFloat32, {48, 16}, rng));
+  state.emplace("in_proj_bias", RandomTensor(DType::kFloat32, {48}, rng));
+  state.emplace("out_proj.weight",
+                RandomTensor(DType::kFloat32, {16, 16}, rng));
+  state.emplace("out_proj.bias", RandomTensor(DType::kFloat32, {16}, rng));
+  EXPECT_TRUE(WriteSafetensors(
+                  (fs::path(root_) / "mha" / "weights.safetensors").string(),
+                  ViewsOf(state), {})
+                  .ok());
+}
+
+TempModelRepository::~TempModelRepository() {
+  std::filesystem::remove_all(root_);
 }
 
 }  // namespace attnserve::testing

@@ -32,6 +32,7 @@ class TestServer {
   explicit TestServer(ServerOptions options = {});
   int port() const { return server_->port(); }
   int metrics_port() const { return server_->metrics_port(); }
+  int http_port() const { return server_->http_port(); }
   absl::Status ReloadModels() { return server_->ReloadModels(); }
   AttnServer& server() { return *server_; }
   std::string target() const;
@@ -39,6 +40,19 @@ class TestServer {
 
  private:
   std::unique_ptr<AttnServer> server_;
+};
+
+// A model repository folder holding "mha" (E=16, 4 heads, in_proj and
+// out_proj weights from a fixed seed), removed with the object. `tag` keeps
+// the folders of different suites apart.
+class TempModelRepository {
+ public:
+  explicit TempModelRepository(const std::string& tag);
+  ~TempModelRepository();
+  const std::string& root() const { return root_; }
+
+ private:
+  std::string root_;
 };
 
 }  // namespace attnserve::testing

@@ -157,38 +157,8 @@ std::string ParseError(const RpcCase& c, const std::string& bytes) {
                       c.request->GetDescriptor()->full_name());
 }
 
-// A model repository holding "mha" (E=16, 4 heads), removed with the object.
-class TempRepository {
- public:
-  TempRepository()
-      : root_((fs::temp_directory_path() /
-               absl::StrCat("attnserve_undecodable_", ::getpid()))
-                  .string()) {
-    fs::remove_all(root_);
-    fs::create_directories(fs::path(root_) / "mha");
-    std::ofstream(fs::path(root_) / "mha" / "config.pbtxt") << "num_heads: 4\n";
-    std::mt19937 rng(3);
-    NamedTensors state;
-    state.emplace("in_proj_weight",
-                  RandomTensor(DType::kFloat32, {48, 16}, rng));
-    state.emplace("in_proj_bias", RandomTensor(DType::kFloat32, {48}, rng));
-    state.emplace("out_proj.weight",
-                  RandomTensor(DType::kFloat32, {16, 16}, rng));
-    state.emplace("out_proj.bias", RandomTensor(DType::kFloat32, {16}, rng));
-    EXPECT_TRUE(WriteSafetensors(
-                    (fs::path(root_) / "mha" / "weights.safetensors").string(),
-                    ViewsOf(state), {})
-                    .ok());
-  }
-  ~TempRepository() { fs::remove_all(root_); }
-  const std::string& root() const { return root_; }
-
- private:
-  std::string root_;
-};
-
 TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
-  TempRepository repo;
+  TempModelRepository repo("undecodable");
   ServerOptions options;
   options.model_repository = repo.root();
   TestServer server(options);

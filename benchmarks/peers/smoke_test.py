@@ -37,7 +37,7 @@ class PeerSmokeTest(unittest.TestCase):
                    num_heads=4, compute_dtype=pb.DATA_TYPE_BFLOAT16)
         cls.servers = [
             ServerProcess([SERVER_BIN, "--host=127.0.0.1", "--port=0",
-                     "--metrics_port=-1", f"--model_repository={repository}"],
+                     "--metrics_port=-1", "--http_port=-1", f"--model_repository={repository}"],
                     "attnserve listening on ", cls.workdir.name, "attnserve"),
             ServerProcess([sys.executable, os.path.join(HERE, "torch_peer.py"),
                      "--port=0", "--torch_threads=1",

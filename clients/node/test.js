@@ -24,7 +24,7 @@ let client;
 function startServer() {
   return new Promise((resolve, reject) => {
     const child = spawn(SERVER_BIN, [
-      '--host=127.0.0.1', '--port=0', '--metrics_port=-1',
+      '--host=127.0.0.1', '--port=0', '--metrics_port=-1', '--http_port=-1',
       `--model_repository=${MODELS}`,
     ], { stdio: ['ignore', 'pipe', 'pipe'] });
     // Drained so that the access log never blocks the server.

@@ -69,7 +69,7 @@ class ClientTest(unittest.TestCase):
         save_model(repository, "mha64", torch_state(cls.mha), num_heads=4,
                    description="test model, E=64, H=4")
         cls.server = ServerProcess(
-            [SERVER_BIN, "--host=127.0.0.1", "--port=0", "--metrics_port=-1",
+            [SERVER_BIN, "--host=127.0.0.1", "--port=0", "--metrics_port=-1", "--http_port=-1",
              f"--model_repository={repository}", "--threads=2"],
             "attnserve listening on ", cls.workdir.name, "server")
         cls.stub = connect(cls.server.target)

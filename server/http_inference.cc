@@ -1,0 +1,216 @@
+#include "server/http_inference.h"
+
+#include <optional>
+#include <utility>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "grpcpp/client_context.h"
+#include "httplib.h"
+#include "inference/grpc_service.grpc.pb.h"
+#include "server/open_inference_json.h"
+
+namespace attnserve {
+namespace {
+
+using Stub = inference::GRPCInferenceService::Stub;
+
+constexpr char kJson[] = "application/json";
+// Triton's binary tensor extension: the length of the JSON part of a body
+// that continues with binary tensors.
+constexpr char kHeaderLength[] = "Inference-Header-Content-Length";
+// Model name and optional version: /v2/models/{name}[/versions/{version}].
+constexpr char kModelPath[] = "/v2/models/([^/]+)(?:/versions/([^/]+))?";
+
+void SendError(httplib::Response& response, int status,
+               absl::string_view message) {
+  response.status = status;
+  response.set_content(ErrorJson(message), kJson);
+}
+
+void SendStatus(httplib::Response& response, const grpc::Status& status) {
+  SendError(response, HttpStatusOf(status.error_code()),
+            status.error_message());
+}
+
+// A gRPC call's context carrying the HTTP request's credentials.
+std::unique_ptr<grpc::ClientContext> ContextFor(
+    const httplib::Request& request) {
+  auto context = std::make_unique<grpc::ClientContext>();
+  const std::string authorization = request.get_header_value("Authorization");
+  if (!authorization.empty()) {
+    context->AddMetadata("authorization", authorization);
+  }
+  return context;
+}
+
+// GET /v2/health/{live,ready}: 200 when true, else 503; no token needed.
+void AddHealth(httplib::Server* http, std::shared_ptr<Stub> stub) {
+  http->Get("/v2/health/live", [stub](const httplib::Request& request,
+                                      httplib::Response& response) {
+    inference::ServerLiveResponse live;
+    const grpc::Status status =
+        stub->ServerLive(ContextFor(request).get(), {}, &live);
+    if (!status.ok()) return SendStatus(response, status);
+    response.status = live.live() ? 200 : 503;
+    response.set_content(live.live() ? R"({"live":true})" : R"({"live":false})",
+                         kJson);
+  });
+  http->Get("/v2/health/ready", [stub](const httplib::Request& request,
+                                       httplib::Response& response) {
+    inference::ServerReadyResponse ready;
+    const grpc::Status status =
+        stub->ServerReady(ContextFor(request).get(), {}, &ready);
+    if (!status.ok()) return SendStatus(response, status);
+    response.status = ready.ready() ? 200 : 503;
+    response.set_content(
+        ready.ready() ? R"({"ready":true})" : R"({"ready":false})", kJson);
+  });
+}
+
+// GET /v2, /v2/models/{name}, /v2/models/{name}/ready.
+void AddMetadata(httplib::Server* http, std::shared_ptr<Stub> stub) {
+  http->Get("/v2", [stub](const httplib::Request& request,
+                          httplib::Response& response) {
+    inference::ServerMetadataResponse metadata;
+    const grpc::Status status =
+        stub->ServerMetadata(ContextFor(request).get(), {}, &metadata);
+    if (!status.ok()) return SendStatus(response, status);
+    response.set_content(ServerMetadataToJson(metadata), kJson);
+  });
+  http->Get(kModelPath, [stub](const httplib::Request& request,
+                               httplib::Response& response) {
+    inference::ModelMetadataRequest query;
+    query.set_name(request.matches[1]);
+    query.set_version(request.matches[2]);
+    inference::ModelMetadataResponse metadata;
+    const grpc::Status status =
+        stub->ModelMetadata(ContextFor(request).get(), query, &metadata);
+    if (!status.ok()) return SendStatus(response, status);
+    response.set_content(ModelMetadataToJson(metadata), kJson);
+  });
+  http->Get(
+      absl::StrCat(kModelPath, "/ready"),
+      [stub](const httplib::Request& request, httplib::Response& response) {
+        inference::ModelReadyRequest query;
+        query.set_name(request.matches[1]);
+        query.set_version(request.matches[2]);
+        inference::ModelReadyResponse ready;
+        const grpc::Status status =
+            stub->ModelReady(ContextFor(request).get(), query, &ready);
+        if (!status.ok()) return SendStatus(response, status);
+        response.status = ready.ready() ? 200 : 503;
+        response.set_content(ModelReadyToJson(query.name(), ready.ready()),
+                             kJson);
+      });
+}
+
+// POST /v2/models/{name}/infer.
+void AddInfer(httplib::Server* http, std::shared_ptr<Stub> stub) {
+  http->Post(
+      absl::StrCat(kModelPath, "/infer"),
+      [stub](const httplib::Request& request, httplib::Response& response) {
+        std::optional<size_t> json_length;
+        if (request.has_header(kHeaderLength)) {
+          size_t length = 0;
+          if (!absl::SimpleAtoi(request.get_header_value(kHeaderLength),
+                                &length)) {
+            return SendError(
+                response, 400,
+                absl::StrCat(kHeaderLength, ": expected a byte count"));
+          }
+          json_length = length;
+        }
+        inference::ModelInferRequest infer;
+        infer.set_model_name(request.matches[1]);
+        infer.set_model_version(request.matches[2]);
+        JsonOutputOptions output_options;
+        if (const absl::Status parsed = InferRequestFromJson(
+                request.body, json_length, &infer, &output_options);
+            !parsed.ok()) {
+          return SendError(response, 400, parsed.message());
+        }
+        inference::ModelInferResponse result;
+        const grpc::Status status =
+            stub->ModelInfer(ContextFor(request).get(), infer, &result);
+        if (!status.ok()) return SendStatus(response, status);
+        HttpBody body = InferResponseToJson(&result, output_options);
+        if (body.json_length.has_value()) {
+          response.set_header(kHeaderLength, std::to_string(*body.json_length));
+          response.set_content(std::move(body.body),
+                               "application/octet-stream");
+        } else {
+          response.set_content(std::move(body.body), kJson);
+        }
+      });
+}
+
+}  // namespace
+
+int HttpStatusOf(grpc::StatusCode code) {
+  switch (code) {
+    case grpc::StatusCode::OK:
+      return 200;
+    case grpc::StatusCode::INVALID_ARGUMENT:
+    case grpc::StatusCode::FAILED_PRECONDITION:
+    case grpc::StatusCode::OUT_OF_RANGE:
+    case grpc::StatusCode::ALREADY_EXISTS:
+      return 400;
+    case grpc::StatusCode::UNAUTHENTICATED:
+      return 401;
+    case grpc::StatusCode::PERMISSION_DENIED:
+      return 403;
+    case grpc::StatusCode::NOT_FOUND:
+      return 404;
+    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+      return 429;
+    case grpc::StatusCode::CANCELLED:
+      return 499;
+    case grpc::StatusCode::UNAVAILABLE:
+      return 503;
+    case grpc::StatusCode::DEADLINE_EXCEEDED:
+      return 504;
+    default:
+      return 500;
+  }
+}
+
+absl::StatusOr<std::unique_ptr<HttpListener>> StartHttpInference(
+    const HttpInferenceConfig& config) {
+  auto http = std::make_unique<httplib::Server>();
+  auto stub = std::shared_ptr<Stub>(
+      inference::GRPCInferenceService::NewStub(config.channel));
+  http->set_payload_max_length(config.max_body_bytes);
+  // Errors httplib answers itself (no route, a body over the limit) get a
+  // JSON body too; those of the routes already have one.
+  http->set_error_handler(httplib::Server::HandlerWithResponse(
+      [max = config.max_body_bytes](const httplib::Request& request,
+                                    httplib::Response& response) {
+        if (!response.body.empty())
+          return httplib::Server::HandlerResponse::Unhandled;
+        if (response.status == 413) {
+          response.set_content(
+              ErrorJson(absl::StrCat(
+                  "body: ", request.get_header_value("Content-Length"),
+                  " bytes exceed the server's limit of ", max,
+                  " (--max_message_mb)")),
+              kJson);
+        } else if (response.status == 404) {
+          response.set_content(
+              ErrorJson(absl::StrCat("no such endpoint: ", request.method, " ",
+                                     request.path)),
+              kJson);
+        } else {
+          response.set_content(
+              ErrorJson(absl::StrCat("HTTP ", response.status)), kJson);
+        }
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  AddHealth(http.get(), stub);
+  AddMetadata(http.get(), stub);
+  AddInfer(http.get(), stub);
+  return HttpListener::Start(std::move(http), config.host, config.port,
+                             "--http_port");
+}
+
+}  // namespace attnserve

@@ -1,0 +1,653 @@
+#include "server/open_inference.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/attention_weights.h"
+#include "core/status_macros.h"
+
+#ifndef ATTNSERVE_VERSION
+#define ATTNSERVE_VERSION "unknown"
+#endif
+
+namespace attnserve {
+namespace {
+
+using google::protobuf::Descriptor;
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
+using inference::InferParameter;
+using inference::ModelInferRequest;
+using inference::ModelInferResponse;
+using ParameterMap = google::protobuf::Map<std::string, InferParameter>;
+
+// Triton's names for a tensor in shared memory.
+constexpr absl::string_view kRegionParameter = "shared_memory_region";
+constexpr absl::string_view kOffsetParameter = "shared_memory_offset";
+constexpr absl::string_view kByteSizeParameter = "shared_memory_byte_size";
+
+constexpr absl::string_view kOnlyVersion = "1";
+
+struct DatatypeName {
+  v1::DataType dtype;
+  absl::string_view name;
+};
+constexpr DatatypeName kDatatypes[] = {
+    {v1::DATA_TYPE_FLOAT32, "FP32"}, {v1::DATA_TYPE_BFLOAT16, "BF16"},
+    {v1::DATA_TYPE_FLOAT16, "FP16"}, {v1::DATA_TYPE_BOOL, "BOOL"},
+    {v1::DATA_TYPE_UINT8, "UINT8"},
+};
+
+absl::Status VerifyVersion(absl::string_view model, absl::string_view version,
+                           absl::string_view field) {
+  if (version.empty() || version == kOnlyVersion) return absl::OkStatus();
+  return absl::NotFoundError(absl::StrCat(
+      field, ": model '", model, "' has only version 1, not '", version, "'"));
+}
+
+bool IsBuiltIn(absl::string_view model) {
+  return model == kAttendModel || model == kMultiHeadAttendModel ||
+         model == kLayerNormModel;
+}
+
+// The fields of `message` that the protocol reaches by name: its tensors
+// (inputs and outputs) or its scalar options (parameters).
+bool IsTensorField(const FieldDescriptor& field) {
+  return !field.is_repeated() &&
+         field.message_type() == v1::Tensor::descriptor();
+}
+bool IsOptionField(const FieldDescriptor& field) {
+  return !field.is_repeated() && (field.type() == FieldDescriptor::TYPE_BOOL ||
+                                  field.type() == FieldDescriptor::TYPE_FLOAT ||
+                                  field.type() == FieldDescriptor::TYPE_INT32);
+}
+
+// The messages whose fields a request's names may reach: the native request
+// and, for multi_head_attend, its inline weights.
+std::vector<Message*> Targets(Message* native) {
+  std::vector<Message*> targets = {native};
+  if (auto* multi_head = dynamic_cast<v1::MultiHeadAttendRequest*>(native);
+      multi_head != nullptr && multi_head->has_weights()) {
+    targets.push_back(multi_head->mutable_weights());
+  }
+  return targets;
+}
+
+// The field called `name` that `accept` takes in one of `targets`, with the
+// message holding it; or an error listing the names `accept` takes.
+template <typename Accept>
+absl::StatusOr<std::pair<Message*, const FieldDescriptor*>> FindField(
+    const std::vector<Message*>& targets, absl::string_view name, Accept accept,
+    absl::string_view what, absl::string_view model) {
+  std::vector<std::string> expected;
+  for (Message* target : targets) {
+    const Descriptor* descriptor = target->GetDescriptor();
+    for (int i = 0; i < descriptor->field_count(); ++i) {
+      const FieldDescriptor* field = descriptor->field(i);
+      if (!accept(*field)) continue;
+      if (field->name() == name) return std::pair(target, field);
+      expected.push_back(field->name());
+    }
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      what, "s: unknown ", what, " '", name, "' for model '", model,
+      "'; expected one of ", absl::StrJoin(expected, ", ")));
+}
+
+absl::string_view ParameterKind(const InferParameter& parameter) {
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kBoolParam:
+      return "bool";
+    case InferParameter::kInt64Param:
+      return "int64";
+    case InferParameter::kStringParam:
+      return "string";
+    case InferParameter::kDoubleParam:
+      return "double";
+    case InferParameter::kUint64Param:
+      return "uint64";
+    default:
+      return "empty";
+  }
+}
+
+// A numeric parameter as a double; nullopt for bools, strings and empties.
+std::optional<double> NumericValue(const InferParameter& parameter) {
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kInt64Param:
+      return static_cast<double>(parameter.int64_param());
+    case InferParameter::kDoubleParam:
+      return parameter.double_param();
+    case InferParameter::kUint64Param:
+      return static_cast<double>(parameter.uint64_param());
+    default:
+      return std::nullopt;
+  }
+}
+
+// Sets the option `field` of `target` from `parameter`, which must be of
+// the field's kind.
+absl::Status SetOption(const InferParameter& parameter, const std::string& name,
+                       const FieldDescriptor& field, Message* target) {
+  const Reflection* reflection = target->GetReflection();
+  const std::string where = absl::StrCat("parameters: ", name);
+  if (field.type() == FieldDescriptor::TYPE_BOOL) {
+    if (parameter.parameter_choice_case() != InferParameter::kBoolParam) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, " must be a bool, got ", ParameterKind(parameter)));
+    }
+    reflection->SetBool(target, &field, parameter.bool_param());
+    return absl::OkStatus();
+  }
+  const std::optional<double> value = NumericValue(parameter);
+  if (!value.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        where, " must be a number, got ", ParameterKind(parameter)));
+  }
+  if (field.type() == FieldDescriptor::TYPE_FLOAT) {
+    if (!std::isfinite(*value) ||
+        std::abs(*value) > std::numeric_limits<float>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, " = ", *value, " is not a finite float32 value"));
+    }
+    reflection->SetFloat(target, &field, static_cast<float>(*value));
+    return absl::OkStatus();
+  }
+  // INT32: an integer sent as any number kind, within range.
+  if (*value != std::floor(*value) ||
+      *value < std::numeric_limits<int32_t>::min() ||
+      *value > std::numeric_limits<int32_t>::max()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(where, " = ", *value, " is not a 32-bit integer"));
+  }
+  reflection->SetInt32(target, &field, static_cast<int32_t>(*value));
+  return absl::OkStatus();
+}
+
+// The request's parameters, in name order so that the first error reported
+// does not depend on the map's order.
+absl::Status ApplyParameters(const ParameterMap& parameters,
+                             absl::string_view model, Message* native) {
+  std::vector<const ParameterMap::value_type*> sorted;
+  for (const auto& entry : parameters) sorted.push_back(&entry);
+  std::sort(sorted.begin(), sorted.end(),
+            [](const auto* a, const auto* b) { return a->first < b->first; });
+  for (const auto* entry : sorted) {
+    ATTN_ASSIGN_OR_RETURN(
+        auto target, FindField(Targets(native), entry->first, IsOptionField,
+                               "parameter", model));
+    ATTN_RETURN_IF_ERROR(
+        SetOption(entry->second, entry->first, *target.second, target.first));
+  }
+  return absl::OkStatus();
+}
+
+// A non-negative integer parameter of a tensor.
+absl::StatusOr<uint64_t> Unsigned(const InferParameter& parameter,
+                                  absl::string_view field) {
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kUint64Param:
+      return parameter.uint64_param();
+    case InferParameter::kInt64Param:
+      if (parameter.int64_param() >= 0) return parameter.int64_param();
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " must not be negative, got ", parameter.int64_param()));
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, " must be an integer, got ", ParameterKind(parameter)));
+  }
+}
+
+// The shared-memory reference of a tensor's parameters (Triton's names);
+// nullopt when they name no region. Other parameters are refused.
+absl::StatusOr<std::optional<v1::SharedMemoryRef>> SharedMemoryOf(
+    const ParameterMap& parameters, absl::string_view tensor) {
+  std::optional<v1::SharedMemoryRef> ref;
+  bool has_byte_size = false;
+  for (const auto& [name, parameter] : parameters) {
+    const std::string field = absl::StrCat(tensor, ": parameter ", name);
+    if (!ref.has_value()) ref.emplace();
+    if (name == kRegionParameter) {
+      if (parameter.parameter_choice_case() != InferParameter::kStringParam) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            field, " must be a string, got ", ParameterKind(parameter)));
+      }
+      ref->set_region(parameter.string_param());
+    } else if (name == kOffsetParameter) {
+      ATTN_ASSIGN_OR_RETURN(uint64_t offset, Unsigned(parameter, field));
+      ref->set_offset(offset);
+    } else if (name == kByteSizeParameter) {
+      ATTN_ASSIGN_OR_RETURN(uint64_t byte_size, Unsigned(parameter, field));
+      ref->set_byte_size(byte_size);
+      has_byte_size = true;
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat(tensor, ": unknown parameter '", name, "'; expected ",
+                       kRegionParameter, ", ", kOffsetParameter, " or ",
+                       kByteSizeParameter));
+    }
+  }
+  if (!ref.has_value()) return ref;
+  if (ref->region().empty() || !has_byte_size) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(tensor, ": shared memory needs both ", kRegionParameter,
+                     " and ", kByteSizeParameter));
+  }
+  return ref;
+}
+
+// The names of the contents fields that hold values, e.g. "fp32_contents".
+std::vector<std::string> FilledContents(
+    const inference::InferTensorContents& contents) {
+  std::vector<std::string> filled;
+  const Reflection* reflection = contents.GetReflection();
+  const Descriptor* descriptor = contents.GetDescriptor();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    if (reflection->FieldSize(contents, descriptor->field(i)) > 0) {
+      filled.push_back(descriptor->field(i)->name());
+    }
+  }
+  return filled;
+}
+
+// Moves an input's typed contents into `tensor`: FP32 as float_data, BOOL
+// and UINT8 as raw bytes. FP16 and BF16 have no contents field.
+absl::Status TakeContents(inference::InferTensorContents* contents,
+                          const std::string& name, v1::Tensor* tensor) {
+  const std::vector<std::string> filled = FilledContents(*contents);
+  const absl::string_view datatype = ProtocolDatatype(tensor->dtype());
+  absl::string_view expected;
+  switch (tensor->dtype()) {
+    case v1::DATA_TYPE_FLOAT32:
+      expected = "fp32_contents";
+      break;
+    case v1::DATA_TYPE_BOOL:
+      expected = "bool_contents";
+      break;
+    case v1::DATA_TYPE_UINT8:
+      expected = "uint_contents";
+      break;
+    default:
+      if (filled.empty()) break;
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": ", datatype,
+          " values travel only in raw_input_contents (the protocol has no ",
+          datatype, " contents field)"));
+  }
+  if (filled.empty()) return absl::OkStatus();
+  if (filled.size() > 1 || filled[0] != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": datatype ", datatype, " takes ", expected,
+                     ", got ", absl::StrJoin(filled, ", ")));
+  }
+  if (tensor->dtype() == v1::DATA_TYPE_FLOAT32) {
+    tensor->mutable_float_data()->Swap(contents->mutable_fp32_contents());
+    return absl::OkStatus();
+  }
+  std::string* bytes = tensor->mutable_raw_data();
+  if (tensor->dtype() == v1::DATA_TYPE_BOOL) {
+    bytes->assign(contents->bool_contents().begin(),
+                  contents->bool_contents().end());
+    return absl::OkStatus();
+  }
+  const auto& values = contents->uint_contents();
+  bytes->resize(values.size());
+  for (int i = 0; i < values.size(); ++i) {
+    if (values[i] > 255) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ": uint_contents[",
+                                                     i, "] = ", values[i],
+                                                     " is out of UINT8 range"));
+    }
+    (*bytes)[i] = static_cast<char>(values[i]);
+  }
+  return absl::OkStatus();
+}
+
+// Fills the native tensor fields from the request's inputs.
+absl::Status ApplyInputs(ModelInferRequest* request, Message* native) {
+  const bool raw = request->raw_input_contents_size() > 0;
+  int raw_used = 0;
+  for (ModelInferRequest::InferInputTensor& input :
+       *request->mutable_inputs()) {
+    const std::string& name = input.name();
+    ATTN_ASSIGN_OR_RETURN(
+        auto target, FindField(Targets(native), name, IsTensorField, "input",
+                               request->model_name()));
+    auto [message, field] = target;
+    if (message->GetReflection()->HasField(*message, field)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("inputs: '", name, "' given more than once"));
+    }
+    auto* tensor = static_cast<v1::Tensor*>(
+        message->GetReflection()->MutableMessage(message, field));
+    ATTN_ASSIGN_OR_RETURN(v1::DataType dtype,
+                          NativeDatatype(input.datatype(), name));
+    tensor->set_dtype(dtype);
+    tensor->mutable_shape()->Assign(input.shape().begin(), input.shape().end());
+    ATTN_ASSIGN_OR_RETURN(std::optional<v1::SharedMemoryRef> shared,
+                          SharedMemoryOf(input.parameters(), name));
+    const bool has_contents = !FilledContents(input.contents()).empty();
+    if (shared.has_value()) {
+      if (has_contents) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, ": values both in shared memory and in contents"));
+      }
+      *tensor->mutable_shared_memory() = *std::move(shared);
+    } else if (raw) {
+      if (has_contents) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name,
+            ": typed contents in a request with raw_input_contents; send "
+            "every input one way"));
+      }
+      if (raw_used == request->raw_input_contents_size()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "raw_input_contents: ", raw_used, " entries, fewer than the ",
+            "inputs not in shared memory (none left for '", name, "')"));
+      }
+      tensor->mutable_raw_data()->swap(
+          *request->mutable_raw_input_contents(raw_used++));
+    } else {
+      ATTN_RETURN_IF_ERROR(
+          TakeContents(input.mutable_contents(), name, tensor));
+    }
+  }
+  if (raw && raw_used != request->raw_input_contents_size()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "raw_input_contents: ", request->raw_input_contents_size(),
+        " entries, more than the ", raw_used, " inputs not in shared memory"));
+  }
+  return absl::OkStatus();
+}
+
+// Result names are the native response's tensor fields.
+bool IsResultField(const FieldDescriptor& field) {
+  return IsTensorField(field);
+}
+
+// The requested outputs: names checked, "weights" turns return_weights on,
+// shared-memory parameters become result regions.
+absl::Status ApplyOutputs(const ModelInferRequest& request,
+                          const Descriptor& response_type, Message* native,
+                          std::vector<std::string>* requested) {
+  std::unique_ptr<Message> response_fields(
+      google::protobuf::MessageFactory::generated_factory()
+          ->GetPrototype(&response_type)
+          ->New());
+  for (const auto& output : request.outputs()) {
+    ATTN_RETURN_IF_ERROR(FindField({response_fields.get()}, output.name(),
+                                   IsResultField, "output",
+                                   request.model_name())
+                             .status());
+    requested->push_back(output.name());
+    const Descriptor* descriptor = native->GetDescriptor();
+    if (const FieldDescriptor* return_weights =
+            descriptor->FindFieldByName("return_weights");
+        output.name() == "weights" && return_weights != nullptr) {
+      native->GetReflection()->SetBool(native, return_weights, true);
+    }
+    ATTN_ASSIGN_OR_RETURN(std::optional<v1::SharedMemoryRef> shared,
+                          SharedMemoryOf(output.parameters(), output.name()));
+    if (!shared.has_value()) continue;
+    const FieldDescriptor* regions_field =
+        descriptor->FindFieldByName("result_regions");
+    auto* regions = static_cast<v1::ResultRegions*>(
+        native->GetReflection()->MutableMessage(native, regions_field));
+    const FieldDescriptor* region_field =
+        regions->GetDescriptor()->FindFieldByName(output.name());
+    *static_cast<v1::SharedMemoryRef*>(regions->GetReflection()->MutableMessage(
+        regions, region_field)) = *std::move(shared);
+  }
+  return absl::OkStatus();
+}
+
+// A native result tensor's values as raw little-endian bytes (float_data,
+// which the handlers do not write, converted for completeness).
+void TakeRawBytes(v1::Tensor* tensor, std::string* out) {
+  if (tensor->float_data_size() > 0) {
+    out->resize(tensor->float_data_size() * sizeof(float));
+    std::memcpy(out->data(), tensor->float_data().data(), out->size());
+    return;
+  }
+  out->swap(*tensor->mutable_raw_data());
+}
+
+void SetParameter(ParameterMap* parameters, absl::string_view name,
+                  uint64_t value) {
+  (*parameters)[std::string(name)].set_uint64_param(value);
+}
+
+using TensorMetadata = inference::ModelMetadataResponse::TensorMetadata;
+
+void AddMetadata(google::protobuf::RepeatedPtrField<TensorMetadata>* list,
+                 absl::string_view name, v1::DataType dtype,
+                 std::vector<int64_t> shape) {
+  TensorMetadata* tensor = list->Add();
+  tensor->set_name(std::string(name));
+  tensor->set_datatype(std::string(ProtocolDatatype(dtype)));
+  tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+}
+
+// The built-in models' inputs and outputs: any float dtype for values, any
+// mask dtype for masks; -1 for dimensions of any size.
+void BuiltInMetadata(absl::string_view model,
+                     inference::ModelMetadataResponse* response) {
+  const auto f32 = v1::DATA_TYPE_FLOAT32;
+  auto* inputs = response->mutable_inputs();
+  auto* outputs = response->mutable_outputs();
+  if (model == kLayerNormModel) {
+    AddMetadata(inputs, "input", f32, {-1, -1});
+    AddMetadata(inputs, "gamma", f32, {-1});
+    AddMetadata(inputs, "beta", f32, {-1});
+    AddMetadata(outputs, "output", f32, {-1, -1});
+    return;
+  }
+  for (const char* name : {"query", "key", "value"}) {
+    AddMetadata(inputs, name, f32, {-1, -1, -1});
+  }
+  AddMetadata(inputs, "attn_mask", v1::DATA_TYPE_BOOL, {-1, -1});
+  AddMetadata(outputs, "output", f32, {-1, -1, -1});
+  AddMetadata(outputs, "weights", f32, {-1, -1, -1});
+  if (model != kMultiHeadAttendModel) return;
+  AddMetadata(inputs, "key_padding_mask", v1::DATA_TYPE_BOOL, {-1, -1});
+  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+    const bool matrix = absl::EndsWith(field.name, "_weight");
+    AddMetadata(
+        inputs, field.name, f32,
+        matrix ? std::vector<int64_t>{-1, -1} : std::vector<int64_t>{-1});
+  }
+}
+
+}  // namespace
+
+absl::string_view ProtocolDatatype(v1::DataType dtype) {
+  for (const DatatypeName& entry : kDatatypes) {
+    if (entry.dtype == dtype) return entry.name;
+  }
+  return "INVALID";
+}
+
+absl::StatusOr<v1::DataType> NativeDatatype(absl::string_view datatype,
+                                            absl::string_view field) {
+  for (const DatatypeName& entry : kDatatypes) {
+    if (entry.name == datatype) return entry.dtype;
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": datatype '", datatype,
+                   "' is not supported; expected FP32, BF16, FP16, BOOL or "
+                   "UINT8"));
+}
+
+NativeInferCall::NativeInferCall(Kind kind, std::unique_ptr<Message> request,
+                                 std::unique_ptr<Message> response)
+    : kind_(kind),
+      request_(std::move(request)),
+      response_(std::move(response)) {}
+
+absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
+    ModelInferRequest* request, const ModelRepository* models) {
+  const std::string& model = request->model_name();
+  if (model.empty()) {
+    return absl::InvalidArgumentError("model_name: missing");
+  }
+  ATTN_RETURN_IF_ERROR(
+      VerifyVersion(model, request->model_version(), "model_version"));
+  std::unique_ptr<NativeInferCall> call;
+  if (model == kAttendModel) {
+    call.reset(new NativeInferCall(Kind::kAttend,
+                                   std::make_unique<v1::AttendRequest>(),
+                                   std::make_unique<v1::AttendResponse>()));
+  } else if (model == kLayerNormModel) {
+    call.reset(new NativeInferCall(Kind::kLayerNorm,
+                                   std::make_unique<v1::LayerNormRequest>(),
+                                   std::make_unique<v1::LayerNormResponse>()));
+  } else {
+    ATTN_RETURN_IF_ERROR(VerifyModelName(model, "model_name"));
+    auto native = std::make_unique<v1::MultiHeadAttendRequest>();
+    if (model == kMultiHeadAttendModel) {
+      native->mutable_weights();
+    } else {
+      native->set_model(model);
+    }
+    call.reset(
+        new NativeInferCall(Kind::kMultiHeadAttend, std::move(native),
+                            std::make_unique<v1::MultiHeadAttendResponse>()));
+  }
+  Message* native = call->request_.get();
+  ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, native));
+  ATTN_RETURN_IF_ERROR(ApplyInputs(request, native));
+  ATTN_RETURN_IF_ERROR(ApplyOutputs(*request, *call->response_->GetDescriptor(),
+                                    native, &call->requested_outputs_));
+  if (call->kind_ == Kind::kMultiHeadAttend) {
+    call->multi_head_.emplace(
+        static_cast<const v1::MultiHeadAttendRequest&>(*native), models);
+  }
+  return call;
+}
+
+RequestCost NativeInferCall::cost() const {
+  switch (kind_) {
+    case Kind::kAttend:
+      return CostOf(static_cast<const v1::AttendRequest&>(*request_));
+    case Kind::kMultiHeadAttend:
+      return CostOf(static_cast<const v1::MultiHeadAttendRequest&>(*request_),
+                    multi_head_->layer());
+    case Kind::kLayerNorm:
+      return CostOf(static_cast<const v1::LayerNormRequest&>(*request_));
+  }
+  return {};
+}
+
+absl::Status NativeInferCall::Run(const CallControl& control) {
+  switch (kind_) {
+    case Kind::kAttend:
+      return HandleAttend(static_cast<const v1::AttendRequest&>(*request_),
+                          static_cast<v1::AttendResponse*>(response_.get()),
+                          control);
+    case Kind::kMultiHeadAttend:
+      return (*multi_head_)(
+          static_cast<const v1::MultiHeadAttendRequest&>(*request_),
+          static_cast<v1::MultiHeadAttendResponse*>(response_.get()), control);
+    case Kind::kLayerNorm:
+      return HandleLayerNorm(
+          static_cast<const v1::LayerNormRequest&>(*request_),
+          static_cast<v1::LayerNormResponse*>(response_.get()), control);
+  }
+  return absl::InternalError("unknown native call kind");
+}
+
+void NativeInferCall::ToResponse(const ModelInferRequest& request,
+                                 ModelInferResponse* response) {
+  response->set_model_name(request.model_name());
+  response->set_model_version(std::string(kOnlyVersion));
+  response->set_id(request.id());
+  const Descriptor* descriptor = response_->GetDescriptor();
+  const Reflection* reflection = response_->GetReflection();
+  for (int i = 0; i < descriptor->field_count(); ++i) {
+    const FieldDescriptor* field = descriptor->field(i);
+    if (!IsTensorField(*field) || !reflection->HasField(*response_, field)) {
+      continue;
+    }
+    if (!requested_outputs_.empty() &&
+        std::find(requested_outputs_.begin(), requested_outputs_.end(),
+                  field->name()) == requested_outputs_.end()) {
+      continue;
+    }
+    auto* tensor = static_cast<v1::Tensor*>(
+        reflection->MutableMessage(response_.get(), field));
+    ModelInferResponse::InferOutputTensor* output = response->add_outputs();
+    output->set_name(field->name());
+    output->set_datatype(std::string(ProtocolDatatype(tensor->dtype())));
+    output->mutable_shape()->Swap(tensor->mutable_shape());
+    std::string* raw = response->add_raw_output_contents();
+    if (tensor->has_shared_memory()) {
+      const v1::SharedMemoryRef& ref = tensor->shared_memory();
+      auto* parameters = output->mutable_parameters();
+      (*parameters)[std::string(kRegionParameter)].set_string_param(
+          ref.region());
+      SetParameter(parameters, kOffsetParameter, ref.offset());
+      SetParameter(parameters, kByteSizeParameter, ref.byte_size());
+    } else {
+      TakeRawBytes(tensor, raw);
+    }
+  }
+}
+
+absl::Status HandleModelMetadata(const inference::ModelMetadataRequest& request,
+                                 const ModelRepository* models,
+                                 inference::ModelMetadataResponse* response) {
+  ATTN_RETURN_IF_ERROR(
+      VerifyVersion(request.name(), request.version(), "version"));
+  response->add_versions(std::string(kOnlyVersion));
+  if (IsBuiltIn(request.name())) {
+    response->set_name(request.name());
+    response->set_platform("attnserve_builtin");
+    BuiltInMetadata(request.name(), response);
+    return absl::OkStatus();
+  }
+  v1::GetModelMetadataRequest native_request;
+  native_request.set_name(request.name());
+  v1::GetModelMetadataResponse native;
+  ATTN_RETURN_IF_ERROR(HandleGetModelMetadata(native_request, models, &native));
+  response->set_name(native.name());
+  response->set_platform(native.platform());
+  for (const v1::TensorMetadata& input : native.inputs()) {
+    AddMetadata(response->mutable_inputs(), input.name(), input.datatype(),
+                {input.shape().begin(), input.shape().end()});
+  }
+  for (const v1::TensorMetadata& output : native.outputs()) {
+    AddMetadata(response->mutable_outputs(), output.name(), output.datatype(),
+                {output.shape().begin(), output.shape().end()});
+  }
+  return absl::OkStatus();
+}
+
+absl::Status HandleModelReady(const inference::ModelReadyRequest& request,
+                              const ModelRepository* models,
+                              inference::ModelReadyResponse* response) {
+  inference::ModelMetadataRequest metadata_request;
+  metadata_request.set_name(request.name());
+  metadata_request.set_version(request.version());
+  inference::ModelMetadataResponse metadata;
+  ATTN_RETURN_IF_ERROR(
+      HandleModelMetadata(metadata_request, models, &metadata));
+  response->set_ready(true);
+  return absl::OkStatus();
+}
+
+void HandleServerMetadata(inference::ServerMetadataResponse* response) {
+  response->set_name("attnserve");
+  response->set_version(ATTNSERVE_VERSION);
+  response->add_extensions("parameters");
+  response->add_extensions("binary_tensor_data");
+}
+
+}  // namespace attnserve

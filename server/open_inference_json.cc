@@ -1,0 +1,457 @@
+#include "server/open_inference_json.h"
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/convert.h"
+#include "core/status_macros.h"
+#include "nlohmann/json.hpp"
+
+namespace attnserve {
+namespace {
+
+using inference::InferParameter;
+using inference::ModelInferRequest;
+using json = nlohmann::json;
+using ParameterMap = google::protobuf::Map<std::string, InferParameter>;
+
+// Deeper nesting than a tensor of 64 dims in an object needs is refused
+// before parsing: the parser recurses once per level.
+constexpr int kMaxJsonDepth = 80;
+
+absl::Status VerifyDepth(absl::string_view text) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxJsonDepth) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
+      }
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<json> ParseJson(absl::string_view text) {
+  ATTN_RETURN_IF_ERROR(VerifyDepth(text));
+  json parsed;
+  try {
+    parsed = json::parse(text.begin(), text.end());
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("body: not valid JSON: ", e.what()));
+  }
+  if (!parsed.is_object()) {
+    return absl::InvalidArgumentError("body: expected a JSON object");
+  }
+  return parsed;
+}
+
+absl::Status FieldError(absl::string_view field, absl::string_view expected,
+                        const json& got) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": expected ", expected, ", got ", got.type_name()));
+}
+
+// A JSON value as a protocol parameter.
+absl::Status ToParameter(const json& value, absl::string_view field,
+                         InferParameter* parameter) {
+  if (value.is_boolean()) {
+    parameter->set_bool_param(value.get<bool>());
+  } else if (value.is_number_unsigned()) {
+    const uint64_t number = value.get<uint64_t>();
+    if (number <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+      parameter->set_int64_param(static_cast<int64_t>(number));
+    } else {
+      parameter->set_uint64_param(number);
+    }
+  } else if (value.is_number_integer()) {
+    parameter->set_int64_param(value.get<int64_t>());
+  } else if (value.is_number_float()) {
+    parameter->set_double_param(value.get<double>());
+  } else if (value.is_string()) {
+    parameter->set_string_param(value.get<std::string>());
+  } else {
+    return FieldError(field, "a bool, number or string", value);
+  }
+  return absl::OkStatus();
+}
+
+// A "parameters" object into `out`, except the names in `take`, whose
+// values are returned through their pointers (HTTP-only parameters).
+absl::Status ToParameters(
+    const json& object, absl::string_view field, ParameterMap* out,
+    std::vector<std::pair<absl::string_view, const json**>> take = {}) {
+  if (object.is_null()) return absl::OkStatus();
+  if (!object.is_object()) return FieldError(field, "an object", object);
+  for (const auto& [name, value] : object.items()) {
+    bool taken = false;
+    for (auto& [taken_name, where] : take) {
+      if (name == taken_name) {
+        *where = &value;
+        taken = true;
+      }
+    }
+    if (taken) continue;
+    ATTN_RETURN_IF_ERROR(
+        ToParameter(value, absl::StrCat(field, ".", name), &(*out)[name]));
+  }
+  return absl::OkStatus();
+}
+
+// The member `name` of `object`, or null.
+const json& Member(const json& object, const char* name) {
+  static const json* const kNull = new json();
+  const auto it = object.find(name);
+  return it == object.end() ? *kNull : *it;
+}
+
+// Appends the leaves of a (possibly nested) array, row-major.
+void Flatten(const json& data, std::vector<const json*>* out) {
+  if (!data.is_array()) {
+    out->push_back(&data);
+    return;
+  }
+  for (const json& item : data) Flatten(item, out);
+}
+
+// Appends one element of `datatype` to `bytes`.
+absl::Status AppendValue(const json& value, const std::string& datatype,
+                         absl::string_view field, std::string* bytes) {
+  const auto append = [bytes](const auto& element) {
+    bytes->append(reinterpret_cast<const char*>(&element), sizeof(element));
+  };
+  if (datatype == "BOOL") {
+    if (!value.is_boolean()) return FieldError(field, "true or false", value);
+    bytes->push_back(value.get<bool>() ? 1 : 0);
+  } else if (datatype == "UINT8") {
+    if (!value.is_number_unsigned() || value.get<uint64_t>() > 255) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": expected an integer 0..255, got ", value.dump()));
+    }
+    bytes->push_back(static_cast<char>(value.get<uint64_t>()));
+  } else {
+    if (!value.is_number()) return FieldError(field, "a number", value);
+    const float number = value.get<float>();
+    if (datatype == "FP32") {
+      append(number);
+    } else if (datatype == "BF16") {
+      append(FloatToBFloat16(number));
+    } else {
+      append(FloatToFloat16(number));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Bytes per element of the datatypes attnserve takes (0 for others, which
+// translation refuses by name).
+int ElementSize(const std::string& datatype) {
+  if (datatype == "FP32") return 4;
+  if (datatype == "BF16" || datatype == "FP16") return 2;
+  if (datatype == "BOOL" || datatype == "UINT8") return 1;
+  return 0;
+}
+
+// One input's JSON "data" as raw bytes, checked against its shape.
+absl::Status DataToRaw(const json& data,
+                       const ModelInferRequest::InferInputTensor& input,
+                       absl::string_view field, std::string* raw) {
+  int64_t expected = 1;
+  for (int64_t dim : input.shape()) {
+    if (dim < 0 || (dim > 0 && expected > (int64_t{1} << 40) / dim)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field, ": shape [", absl::StrJoin(input.shape(), ", "),
+                       "] is not a valid tensor shape"));
+    }
+    expected *= dim;
+  }
+  std::vector<const json*> values;
+  Flatten(data, &values);
+  if (static_cast<int64_t>(values.size()) != expected) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": ", values.size(), " values, shape [",
+                     absl::StrJoin(input.shape(), ", "), "] needs ", expected));
+  }
+  if (ElementSize(input.datatype()) == 0) return absl::OkStatus();
+  raw->reserve(values.size() * ElementSize(input.datatype()));
+  for (size_t i = 0; i < values.size(); ++i) {
+    ATTN_RETURN_IF_ERROR(AppendValue(*values[i], input.datatype(),
+                                     absl::StrCat(field, ": data[", i, "]"),
+                                     raw));
+  }
+  return absl::OkStatus();
+}
+
+// Reads one element of the "inputs" array into `request`.
+absl::Status InputFromJson(const json& item, size_t index,
+                           absl::string_view* binary,
+                           ModelInferRequest* request) {
+  std::string field = absl::StrCat("inputs[", index, "]");
+  if (!item.is_object()) return FieldError(field, "an object", item);
+  ModelInferRequest::InferInputTensor* input = request->add_inputs();
+  const json& name = Member(item, "name");
+  const json& datatype = Member(item, "datatype");
+  const json& shape = Member(item, "shape");
+  if (!name.is_string()) return FieldError(field + ".name", "a string", name);
+  input->set_name(name.get<std::string>());
+  field = absl::StrCat(field, " (", input->name(), ")");
+  if (!datatype.is_string()) {
+    return FieldError(field + ".datatype", "a string", datatype);
+  }
+  input->set_datatype(datatype.get<std::string>());
+  if (!shape.is_array()) return FieldError(field + ".shape", "an array", shape);
+  for (const json& dim : shape) {
+    if (!dim.is_number_integer()) {
+      return FieldError(field + ".shape", "integers", dim);
+    }
+    input->add_shape(dim.get<int64_t>());
+  }
+  const json* binary_size = nullptr;
+  ATTN_RETURN_IF_ERROR(ToParameters(
+      Member(item, "parameters"), field + ".parameters",
+      input->mutable_parameters(), {{"binary_data_size", &binary_size}}));
+  if (input->parameters().contains("shared_memory_region")) {
+    return absl::OkStatus();  // no data: translation reads the region
+  }
+  std::string* raw = request->add_raw_input_contents();
+  if (binary_size != nullptr) {
+    if (!binary_size->is_number_unsigned() ||
+        binary_size->get<uint64_t>() > binary->size()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field, ": binary_data_size ", binary_size->dump(), " exceeds the ",
+          binary->size(), " binary bytes left in the body"));
+    }
+    const size_t size = binary_size->get<size_t>();
+    raw->assign(binary->data(), size);
+    binary->remove_prefix(size);
+    return absl::OkStatus();
+  }
+  const json& data = Member(item, "data");
+  if (data.is_null())
+    return absl::InvalidArgumentError(field + ": missing data");
+  return DataToRaw(data, *input, field, raw);
+}
+
+absl::Status OutputsFromJson(const json& outputs, ModelInferRequest* request,
+                             JsonOutputOptions* options) {
+  if (outputs.is_null()) return absl::OkStatus();
+  if (!outputs.is_array()) return FieldError("outputs", "an array", outputs);
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    const json& item = outputs[i];
+    const std::string field = absl::StrCat("outputs[", i, "]");
+    if (!item.is_object()) return FieldError(field, "an object", item);
+    const json& name = Member(item, "name");
+    if (!name.is_string()) return FieldError(field + ".name", "a string", name);
+    auto* output = request->add_outputs();
+    output->set_name(name.get<std::string>());
+    const json* binary = nullptr;
+    ATTN_RETURN_IF_ERROR(
+        ToParameters(Member(item, "parameters"), field + ".parameters",
+                     output->mutable_parameters(), {{"binary_data", &binary}}));
+    if (binary != nullptr && binary->is_boolean() && binary->get<bool>()) {
+      options->binary.insert(output->name());
+    }
+  }
+  return absl::OkStatus();
+}
+
+// One output's raw bytes as JSON values.
+json RawToData(const std::string& datatype, const std::string& raw) {
+  json data = json::array();
+  const auto read = [&raw](size_t i, auto element) {
+    std::memcpy(&element, raw.data() + i * sizeof(element), sizeof(element));
+    return element;
+  };
+  const auto number = [](float value) {
+    return std::isfinite(value) ? json(value) : json(nullptr);
+  };
+  if (datatype == "FP32") {
+    for (size_t i = 0; i < raw.size() / 4; ++i) {
+      data.push_back(number(read(i, float{})));
+    }
+  } else if (datatype == "BF16" || datatype == "FP16") {
+    for (size_t i = 0; i < raw.size() / 2; ++i) {
+      const uint16_t bits = read(i, uint16_t{});
+      data.push_back(number(datatype == "BF16" ? BFloat16ToFloat(bits)
+                                               : Float16ToFloat(bits)));
+    }
+  } else if (datatype == "BOOL") {
+    for (char c : raw) data.push_back(c != 0);
+  } else {
+    for (char c : raw) data.push_back(static_cast<uint8_t>(c));
+  }
+  return data;
+}
+
+json ParameterToJson(const InferParameter& parameter) {
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kBoolParam:
+      return parameter.bool_param();
+    case InferParameter::kInt64Param:
+      return parameter.int64_param();
+    case InferParameter::kStringParam:
+      return parameter.string_param();
+    case InferParameter::kDoubleParam:
+      return parameter.double_param();
+    case InferParameter::kUint64Param:
+      return parameter.uint64_param();
+    default:
+      return nullptr;
+  }
+}
+
+json TensorMetadataToJson(
+    const google::protobuf::RepeatedPtrField<
+        inference::ModelMetadataResponse::TensorMetadata>& tensors) {
+  json list = json::array();
+  for (const auto& tensor : tensors) {
+    list.push_back({{"name", tensor.name()},
+                    {"datatype", tensor.datatype()},
+                    {"shape", std::vector<int64_t>(tensor.shape().begin(),
+                                                   tensor.shape().end())}});
+  }
+  return list;
+}
+
+// JSON text; bytes that are not UTF-8 (none expected) become U+FFFD
+// rather than an exception.
+std::string Dump(const json& value) {
+  return value.dump(-1, ' ', false, json::error_handler_t::replace);
+}
+
+}  // namespace
+
+absl::Status InferRequestFromJson(absl::string_view body,
+                                  std::optional<size_t> json_length,
+                                  ModelInferRequest* request,
+                                  JsonOutputOptions* output_options) {
+  if (json_length.has_value() && *json_length > body.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Inference-Header-Content-Length: ", *json_length,
+                     " exceeds the body's ", body.size(), " bytes"));
+  }
+  absl::string_view binary;
+  if (json_length.has_value()) {
+    binary = body.substr(*json_length);
+    body = body.substr(0, *json_length);
+  }
+  ATTN_ASSIGN_OR_RETURN(json parsed, ParseJson(body));
+  const json& id = Member(parsed, "id");
+  if (id.is_string()) {
+    request->set_id(id.get<std::string>());
+  } else if (!id.is_null()) {
+    return FieldError("id", "a string", id);
+  }
+  const json* binary_output = nullptr;
+  ATTN_RETURN_IF_ERROR(ToParameters(Member(parsed, "parameters"), "parameters",
+                                    request->mutable_parameters(),
+                                    {{"binary_data_output", &binary_output}}));
+  output_options->all_binary = binary_output != nullptr &&
+                               binary_output->is_boolean() &&
+                               binary_output->get<bool>();
+  const json& inputs = Member(parsed, "inputs");
+  if (!inputs.is_array()) return FieldError("inputs", "an array", inputs);
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    ATTN_RETURN_IF_ERROR(InputFromJson(inputs[i], i, &binary, request));
+  }
+  if (!binary.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("body: ", binary.size(),
+                     " binary bytes left over after the inputs' "
+                     "binary_data_size"));
+  }
+  return OutputsFromJson(Member(parsed, "outputs"), request, output_options);
+}
+
+HttpBody InferResponseToJson(inference::ModelInferResponse* response,
+                             const JsonOutputOptions& output_options) {
+  json body = {{"model_name", response->model_name()},
+               {"model_version", response->model_version()}};
+  if (!response->id().empty()) body["id"] = response->id();
+  json outputs = json::array();
+  std::string binary;
+  bool any_binary = false;
+  for (int i = 0; i < response->outputs_size(); ++i) {
+    const auto& output = response->outputs(i);
+    json item = {{"name", output.name()},
+                 {"datatype", output.datatype()},
+                 {"shape", std::vector<int64_t>(output.shape().begin(),
+                                                output.shape().end())}};
+    json parameters = json::object();
+    for (const auto& [name, value] : output.parameters()) {
+      parameters[name] = ParameterToJson(value);
+    }
+    const std::string* raw = i < response->raw_output_contents_size()
+                                 ? response->mutable_raw_output_contents(i)
+                                 : nullptr;
+    if (output.parameters().contains("shared_memory_region") ||
+        raw == nullptr) {
+      // The result is in shared memory: no data.
+    } else if (output_options.all_binary ||
+               output_options.binary.count(output.name()) > 0) {
+      parameters["binary_data_size"] = raw->size();
+      binary += *raw;
+      any_binary = true;
+    } else {
+      item["data"] = RawToData(output.datatype(), *raw);
+    }
+    if (!parameters.empty()) item["parameters"] = std::move(parameters);
+    outputs.push_back(std::move(item));
+  }
+  body["outputs"] = std::move(outputs);
+  HttpBody out{Dump(body), std::nullopt};
+  if (any_binary) {
+    out.json_length = out.body.size();
+    out.body += binary;
+  }
+  return out;
+}
+
+std::string ModelMetadataToJson(
+    const inference::ModelMetadataResponse& metadata) {
+  return Dump(
+      {{"name", metadata.name()},
+       {"versions", std::vector<std::string>(metadata.versions().begin(),
+                                             metadata.versions().end())},
+       {"platform", metadata.platform()},
+       {"inputs", TensorMetadataToJson(metadata.inputs())},
+       {"outputs", TensorMetadataToJson(metadata.outputs())}});
+}
+
+std::string ServerMetadataToJson(
+    const inference::ServerMetadataResponse& metadata) {
+  return Dump(
+      {{"name", metadata.name()},
+       {"version", metadata.version()},
+       {"extensions", std::vector<std::string>(metadata.extensions().begin(),
+                                               metadata.extensions().end())}});
+}
+
+std::string ModelReadyToJson(absl::string_view name, bool ready) {
+  return Dump({{"name", std::string(name)}, {"ready", ready}});
+}
+
+std::string ErrorJson(absl::string_view message) {
+  return Dump({{"error", std::string(message)}});
+}
+
+}  // namespace attnserve
