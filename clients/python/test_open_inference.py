@@ -798,12 +798,15 @@ class OpenInferenceTest(ProtocolTestCase):
     # Errors.
 
     def test_unknown_model(self):
+        # Whatever the inputs: a model that does not exist has none.
         for transport, client in self.transports():
-            with self.subTest(transport=transport):
-                message = self.assert_error(
-                    client, grpc.StatusCode.NOT_FOUND, client.infer,
-                    "no_such_model", dict(input=self.randn(2, 3)))
-                self.assertIn("no_such_model", message)
+            for inputs in (dict(query=self.randn(1, 2, 64)),
+                           dict(input=self.randn(2, 3))):
+                with self.subTest(transport=transport, inputs=list(inputs)):
+                    message = self.assert_error(
+                        client, grpc.StatusCode.NOT_FOUND, client.infer,
+                        "no_such_model", inputs)
+                    self.assertIn("no_such_model", message)
 
     def test_unknown_input_name(self):
         q = self.randn(2, 4, 8)
