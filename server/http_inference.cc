@@ -181,6 +181,13 @@ absl::StatusOr<std::unique_ptr<HttpListener>> StartHttpInference(
   auto stub = std::shared_ptr<Stub>(
       inference::GRPCInferenceService::NewStub(config.channel));
   http->set_payload_max_length(config.max_body_bytes);
+  // Without TCP_NODELAY a small response waits ~40 ms for the client's
+  // delayed ACK (Nagle); clients keep their connection for many calls.
+  http->set_tcp_nodelay(true);
+  // Keep-alive connections serve any number of calls; an idle one closes
+  // after 5 s (also what a stop may wait for it).
+  http->set_keep_alive_max_count(1 << 30);
+  http->set_keep_alive_timeout(5);
   // Errors httplib answers itself (no route, a body over the limit) get a
   // JSON body too; those of the routes already have one.
   http->set_error_handler(httplib::Server::HandlerWithResponse(
@@ -188,7 +195,17 @@ absl::StatusOr<std::unique_ptr<HttpListener>> StartHttpInference(
                                     httplib::Response& response) {
         if (!response.body.empty())
           return httplib::Server::HandlerResponse::Unhandled;
-        if (response.status == 413) {
+        const std::string type = request.get_header_value("Content-Type");
+        if (response.status == 413 &&
+            type.rfind("application/x-www-form-urlencoded", 0) == 0) {
+          // httplib caps form bodies (curl -d's default type) at 8 KiB.
+          response.set_content(
+              ErrorJson("body: a form-encoded body (Content-Type "
+                        "application/x-www-form-urlencoded, curl -d's "
+                        "default) is limited to 8192 bytes; send "
+                        "Content-Type: application/json"),
+              kJson);
+        } else if (response.status == 413) {
           response.set_content(
               ErrorJson(absl::StrCat(
                   "body: ", request.get_header_value("Content-Length"),

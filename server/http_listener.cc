@@ -35,6 +35,10 @@ absl::StatusOr<std::unique_ptr<HttpListener>> HttpListener::Start(
   return listener;
 }
 
+void HttpListener::StopListening() {
+  if (http_ != nullptr) http_->stop();
+}
+
 HttpListener::~HttpListener() {
   if (http_ != nullptr) http_->stop();
   if (thread_.joinable()) thread_.join();

@@ -29,7 +29,10 @@ class HttpListener {
   static absl::StatusOr<std::unique_ptr<HttpListener>> Start(
       std::unique_ptr<httplib::Server> routes, const std::string& host,
       int port, absl::string_view flag);
-  // Stops listening and waits for the routes running to return.
+  // Stops taking connections, at once; requests being served finish.
+  void StopListening();
+  // Stops listening and waits for the routes running to return (and for
+  // idle keep-alive connections to time out).
   ~HttpListener();
 
   int port() const { return port_; }

@@ -133,23 +133,26 @@ void Flatten(const json& data, std::vector<const json*>* out) {
   for (const json& item : data) Flatten(item, out);
 }
 
-// Appends one element of `datatype` to `bytes`.
+// Appends element `index` of input `field` (named in errors only, as
+// "field: data[index]") in `datatype` to `bytes`.
 absl::Status AppendValue(const json& value, const std::string& datatype,
-                         absl::string_view field, std::string* bytes) {
+                         absl::string_view input, size_t index,
+                         std::string* bytes) {
+  const auto field = [&] { return absl::StrCat(input, ": data[", index, "]"); };
   const auto append = [bytes](const auto& element) {
     bytes->append(reinterpret_cast<const char*>(&element), sizeof(element));
   };
   if (datatype == "BOOL") {
-    if (!value.is_boolean()) return FieldError(field, "true or false", value);
+    if (!value.is_boolean()) return FieldError(field(), "true or false", value);
     bytes->push_back(value.get<bool>() ? 1 : 0);
   } else if (datatype == "UINT8") {
     if (!value.is_number_unsigned() || value.get<uint64_t>() > 255) {
       return absl::InvalidArgumentError(absl::StrCat(
-          field, ": expected an integer 0..255, got ", value.dump()));
+          field(), ": expected an integer 0..255, got ", value.dump()));
     }
     bytes->push_back(static_cast<char>(value.get<uint64_t>()));
   } else {
-    if (!value.is_number()) return FieldError(field, "a number", value);
+    if (!value.is_number()) return FieldError(field(), "a number", value);
     const float number = value.get<float>();
     if (datatype == "FP32") {
       append(number);
@@ -194,9 +197,8 @@ absl::Status DataToRaw(const json& data,
   if (ElementSize(input.datatype()) == 0) return absl::OkStatus();
   raw->reserve(values.size() * ElementSize(input.datatype()));
   for (size_t i = 0; i < values.size(); ++i) {
-    ATTN_RETURN_IF_ERROR(AppendValue(*values[i], input.datatype(),
-                                     absl::StrCat(field, ": data[", i, "]"),
-                                     raw));
+    ATTN_RETURN_IF_ERROR(
+        AppendValue(*values[i], input.datatype(), field, i, raw));
   }
   return absl::OkStatus();
 }

@@ -191,6 +191,7 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   server_->GetHealthCheckService()->Shutdown();
+  if (http_server_ != nullptr) http_server_->StopListening();
   server_->Shutdown(absl::ToChronoTime(deadline));
   // HTTP calls go through the gRPC server, which now answers none.
   http_server_.reset();

@@ -707,6 +707,13 @@ TEST(OpenInferenceLimitsTest, OversizedBodyIs413AndCallsAreCounted) {
   EXPECT_EQ(answer->status, 413);
   EXPECT_THAT(json::parse(answer->body)["error"].get<std::string>(),
               HasSubstr("exceed the server's limit of 1048576"));
+  // curl -d's form type has httplib's own 8 KiB cap: the message says so.
+  auto form = http.Post("/v2/models/attend/infer", std::string(9000, ' '),
+                        "application/x-www-form-urlencoded");
+  ASSERT_TRUE(form);
+  EXPECT_EQ(form->status, 413);
+  EXPECT_THAT(json::parse(form->body)["error"].get<std::string>(),
+              HasSubstr("send Content-Type: application/json"));
   // An HTTP call runs as a ModelInfer call: counted in the metrics.
   auto ok = http.Post(
       "/v2/models/layer_norm/infer",
