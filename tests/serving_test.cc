@@ -72,7 +72,9 @@ AttnClient ClientWithTimeout(const TestServer& server, absl::Duration timeout) {
 
 TEST(ServingTest, FullQueueIsRefusedAtOnce) {
   TestServer server(OneWorker(/*max_queue=*/1));
-  AttnClient client = server.MakeClient();
+  // The two long calls take ~0.2 s each with AVX-512 and ~5 s on an AVX2
+  // core; more when other tests share the cores: no deadline in the way.
+  AttnClient client = ClientWithTimeout(server, absl::Seconds(240));
   const v1::AttendRequest slow = LongCheapRequest();
   std::vector<absl::Status> results(2);
   std::vector<std::thread> calls;
