@@ -75,6 +75,27 @@ void BM_Sdpa(benchmark::State& state) {
           double(q.num_bytes() + k.num_bytes() + v.num_bytes()));
 }
 
+// Grouped-query attention. Args: B, H (query heads), Hkv (key/value heads),
+// Lq, Lk, d. Hkv == H is the same call with key and value repeated to every
+// query head, the baseline GQA is held against.
+void BM_Gqa(benchmark::State& state) {
+  const int64_t b = state.range(0), h = state.range(1), hkv = state.range(2),
+                lq = state.range(3), lk = state.range(4), d = state.range(5);
+  Tensor q = Random(DType::kFloat32, {b, h, lq, d}, 1);
+  Tensor k = Random(DType::kFloat32, {b, hkv, lk, d}, 2);
+  Tensor v = Random(DType::kFloat32, {b, hkv, lk, d}, 3);
+  AttentionOptions options;
+  options.enable_gqa = true;
+  AttendInputs in{q.view(), k.view(), v.view(), std::nullopt};
+  for (auto _ : state) {
+    auto r = Attend(in, options);
+    if (!r.ok()) state.SkipWithError(std::string(r.status().message()).c_str());
+    benchmark::DoNotOptimize(r);
+  }
+  SetRate(state, 4.0 * b * h * lq * lk * d,
+          double(q.num_bytes() + k.num_bytes() + v.num_bytes()));
+}
+
 // The two raw GEMMs of the same attention as plain batched oneDNN matmuls:
 // [b*h] x (Lq x d) * (d x Lk), then [b*h] x (Lq x Lk) * (Lk x d).
 void BM_RawAttentionGemms(benchmark::State& state) {
@@ -228,6 +249,12 @@ BENCHMARK(BM_Sdpa)->ArgNames({"B", "H", "Lq", "Lk", "d", "causal", "bf16"})
     ->Args({1, 8, 2048, 2048, 64, 1, 0})
     ->Args({1, 8, 1, 4096, 64, 0, 0})
     ->Args({8, 8, 512, 512, 64, 0, 1})
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Gqa)->ArgNames({"B", "H", "Hkv", "Lq", "Lk", "d"})
+    ->Args({1, 32, 8, 1, 4096, 128})
+    ->Args({1, 32, 32, 1, 4096, 128})
+    ->Args({1, 32, 8, 512, 512, 128})
+    ->Args({1, 32, 32, 512, 512, 128})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_RawAttentionGemms)->ArgNames({"B", "H", "Lq", "Lk", "d"})
     ->Args({8, 8, 512, 512, 64})

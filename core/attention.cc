@@ -68,6 +68,28 @@ absl::StatusOr<MaskLayout> BroadcastMask(
   return layout;
 }
 
+// How many query heads share each key/value head: 1 unless enable_gqa and
+// key and value have fewer heads (dim -3) than the query, which they must
+// divide.
+absl::StatusOr<int64_t> QueryHeadsPerKeyHead(const AttendInputs& in,
+                                             const AttentionOptions& options) {
+  const int64_t rank = in.query.rank();
+  if (!options.enable_gqa || rank < 3 || in.key.dim(-3) == in.query.dim(-3)) {
+    return 1;
+  }
+  const int64_t query_heads = in.query.dim(-3);
+  const int64_t key_heads = in.key.dim(-3);
+  if (key_heads <= 0 || query_heads % key_heads != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "key: ", key_heads, " heads (dim ", rank - 3,
+        ") do not divide the query's ", query_heads, " (enable_gqa)"));
+  }
+  ATTN_RETURN_IF_ERROR(
+      VerifyDim(in.value, "value", -3, key_heads,
+                absl::StrCat("key heads (dim ", rank - 3, ")")));
+  return query_heads / key_heads;
+}
+
 }  // namespace
 
 absl::StatusOr<AttentionResult> Attend(const AttendInputs& inputs,
@@ -86,7 +108,9 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
   ATTN_RETURN_IF_ERROR(VerifySameRank(in.key, "key", in.query, "query"));
   ATTN_RETURN_IF_ERROR(VerifySameRank(in.value, "value", in.query, "query"));
   const int64_t rank = in.query.rank();
+  ATTN_ASSIGN_OR_RETURN(const int64_t group, QueryHeadsPerKeyHead(in, options));
   for (int64_t d = 0; d < rank - 2; ++d) {
+    if (group > 1 && d == rank - 3) continue;  // checked by the above
     const std::string what = absl::StrCat("query dim ", d);
     ATTN_RETURN_IF_ERROR(VerifyDim(in.key, "key", d, in.query.dim(d), what));
     ATTN_RETURN_IF_ERROR(
@@ -99,7 +123,11 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
 
   const Shape batch_dims(in.query.shape.begin(), in.query.shape.end() - 2);
   AttentionProblem p;
-  p.batch = NumElements(batch_dims);
+  // Each group of query heads is one batch entry whose `group` heads read
+  // the same key and value head (head stride 0).
+  p.batch =
+      group > 1 ? NumElements(batch_dims) / group : NumElements(batch_dims);
+  p.heads = group;
   p.query_len = in.query.dim(-2);
   p.key_len = in.key.dim(-2);
   p.key_dim = in.query.dim(-1);
@@ -132,10 +160,10 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
   p.query = query.data();
   p.key = key.data();
   p.value = value.data();
-  p.query_layout = DenseLayout(1, p.query_len, p.key_dim);
-  p.key_layout = DenseLayout(1, p.key_len, p.key_dim);
-  p.value_layout = DenseLayout(1, p.key_len, p.value_dim);
-  p.output_layout = DenseLayout(1, p.query_len, p.value_dim);
+  p.query_layout = DenseLayout(group, p.query_len, p.key_dim);
+  p.key_layout = {p.key_len * p.key_dim, 0, p.key_dim};
+  p.value_layout = {p.key_len * p.value_dim, 0, p.value_dim};
+  p.output_layout = DenseLayout(group, p.query_len, p.value_dim);
 
   Shape output_shape = batch_dims;
   output_shape.push_back(p.query_len);
@@ -151,6 +179,16 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
         void* weights,
         results.Allocate("weights", DType::kFloat32, logits_shape));
     p.weights = static_cast<float*>(weights);
+  }
+  if (group > 1 && !options.causal && p.masks.empty()) {
+    // Nothing tells a group's query heads apart: they are one key/value
+    // head's rows ([B, Hkv, group * Lq, d] is the same memory as the query,
+    // the output and the weights), so its keys and values are read once
+    // for all of them and the GEMMs get `group` times the rows.
+    p.query_len *= group;
+    p.heads = 1;
+    p.query_layout = DenseLayout(1, p.query_len, p.key_dim);
+    p.output_layout = DenseLayout(1, p.query_len, p.value_dim);
   }
   ATTN_RETURN_IF_ERROR(RunAttention(p));
   output.Finish();

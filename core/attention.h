@@ -37,6 +37,11 @@ struct AttentionOptions {
   // rounded to bfloat16, float32 accumulation): faster, less exact.
   // BFLOAT16 inputs always run there.
   bool compute_bf16 = false;
+  // Attend only: grouped-query attention (PyTorch's enable_gqa). Key and
+  // value may have fewer heads (dim -3) than the query, dividing its head
+  // count; each key/value head serves query.dim(-3) / key.dim(-3)
+  // consecutive query heads, read once for all of them.
+  bool enable_gqa = false;
   // Not owned; when set and it turns true (the caller gave up), the
   // operation stops at its next block boundary with CANCELLED and frees
   // what it allocated.

@@ -154,6 +154,7 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
   ATTN_RETURN_IF_ERROR(
       ATTN_OPTIONAL_TENSOR(request, attn_mask, control, &inputs.attn_mask));
   AttentionOptions options = AttentionOptionsOf(request);
+  options.enable_gqa = request.enable_gqa();
   options.cancelled = control.cancelled;
   WireResults results =
       ResultsOf(request, response, response->mutable_weights(), control);

@@ -1000,3 +1000,120 @@ TEST(ConvertTest, NonFiniteValuesKeepTheirClass) {
 
 }  // namespace
 }  // namespace attnserve::testing
+
+namespace attnserve::testing {
+namespace {
+
+// `t` ([..., Hkv, L, d]) with each head repeated `group` times along dim -3,
+// as torch.repeat_interleave: the reference for grouped-query attention.
+RefTensor RepeatHeads(const RefTensor& t, int64_t group) {
+  RefTensor out;
+  out.shape = t.shape;
+  const size_t rank = t.shape.size();
+  out.shape[rank - 3] *= group;
+  const int64_t head = t.shape[rank - 2] * t.shape[rank - 1];
+  const int64_t heads = static_cast<int64_t>(t.values.size()) / head;
+  for (int64_t h = 0; h < heads; ++h) {
+    for (int64_t g = 0; g < group; ++g) {
+      out.values.insert(out.values.end(), t.values.begin() + h * head,
+                        t.values.begin() + (h + 1) * head);
+    }
+  }
+  return out;
+}
+
+struct GqaCase {
+  std::string name;
+  int64_t query_heads = 8;
+  int64_t key_heads = 2;
+  int64_t query_len = 5;
+  int64_t key_len = 7;
+  bool causal = false;
+  bool mask = false;  // a boolean mask over [B, Hq, Lq, Lk]
+  bool return_weights = false;
+  DType dtype = DType::kFloat32;
+};
+
+void PrintTo(const GqaCase& c, std::ostream* os) { *os << c.name; }
+
+class AttendGqaTest : public ::testing::TestWithParam<GqaCase> {};
+
+TEST_P(AttendGqaTest, MatchesTheReferenceWithRepeatedHeads) {
+  const GqaCase& c = GetParam();
+  std::mt19937 rng(29);
+  const int64_t batch = 2, dk = 16, dv = 8;
+  Tensor q =
+      RandomTensor(c.dtype, {batch, c.query_heads, c.query_len, dk}, rng);
+  Tensor k = RandomTensor(c.dtype, {batch, c.key_heads, c.key_len, dk}, rng);
+  Tensor v = RandomTensor(c.dtype, {batch, c.key_heads, c.key_len, dv}, rng);
+  AttendInputs inputs{q.view(), k.view(), v.view(), std::nullopt};
+  std::optional<Tensor> mask;
+  std::vector<RefTensor> ref_masks;
+  if (c.mask) {
+    mask = *Tensor::Zeros(DType::kBool,
+                          {batch, c.query_heads, c.query_len, c.key_len});
+    for (int64_t i = 0; i < mask->num_elements(); ++i) {
+      mask->data_as<uint8_t>()[i] = (i % 3 != 0) ? 1 : 0;
+    }
+    inputs.attn_mask = mask->view();
+    ref_masks.push_back(ToRef(mask->view()));
+  }
+  AttentionOptions options;
+  options.enable_gqa = true;
+  options.causal = c.causal;
+  options.return_weights = c.return_weights;
+  auto result = Attend(inputs, options);
+  ASSERT_TRUE(result.ok()) << result.status();
+  const int64_t group = c.query_heads / c.key_heads;
+  RefAttentionOptions ref_options;
+  ref_options.causal = c.causal;
+  const RefAttentionResult ref =
+      RefAttend(ToRef(q.view()), RepeatHeads(ToRef(k.view()), group),
+                RepeatHeads(ToRef(v.view()), group), ref_masks,
+                std::vector<bool>(ref_masks.size(), true), ref_options);
+  EXPECT_EQ(result->output.shape(),
+            (Shape{batch, c.query_heads, c.query_len, dv}));
+  EXPECT_TRUE(
+      AllClose(result->output.view(), ref.output, ToleranceFor(c.dtype)));
+  if (c.return_weights) {
+    ASSERT_TRUE(result->weights.has_value());
+    EXPECT_TRUE(
+        AllClose(result->weights->view(), ref.weights, ToleranceFor(c.dtype)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Table, AttendGqaTest,
+    ::testing::Values(
+        GqaCase{"gqa"}, GqaCase{"mqa", 8, 1},
+        GqaCase{"causal", 8, 2, 7, 7, true},
+        GqaCase{"mask_and_weights", 6, 3, 5, 7, false, true, true},
+        GqaCase{"decode", 32, 8, 1, 300},
+        GqaCase{"long_keys_causal", 4, 2, 70, 300, true},
+        GqaCase{"bf16", 8, 2, 5, 7, false, false, false, DType::kBFloat16}),
+    [](const auto& info) { return info.param.name; });
+
+TEST(AttendGqaTest, HeadsThatDoNotDivideAreRefusedNamingThem) {
+  std::mt19937 rng(31);
+  Tensor q = RandomTensor(DType::kFloat32, {1, 8, 2, 4}, rng);
+  Tensor k = RandomTensor(DType::kFloat32, {1, 3, 2, 4}, rng);
+  Tensor v2 = RandomTensor(DType::kFloat32, {1, 2, 2, 4}, rng);
+  Tensor k2 = RandomTensor(DType::kFloat32, {1, 2, 2, 4}, rng);
+  AttentionOptions options;
+  options.enable_gqa = true;
+  auto bad = Attend({q.view(), k.view(), k.view(), std::nullopt}, options);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(bad.status().message(),
+            "key: 3 heads (dim 1) do not divide the query's 8 (enable_gqa)");
+  auto value_heads =
+      Attend({q.view(), k2.view(), k.view(), std::nullopt}, options);
+  EXPECT_EQ(value_heads.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(value_heads.status().message().find("value"), std::string::npos)
+      << value_heads.status();
+  // Without enable_gqa, fewer key heads are the shape error they always were.
+  auto off = Attend({q.view(), k2.view(), v2.view(), std::nullopt}, {});
+  EXPECT_EQ(off.status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace attnserve::testing

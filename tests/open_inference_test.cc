@@ -305,6 +305,61 @@ TEST_F(OpenInferenceTest, RmsNormThroughBothApisMatchesTheReference) {
             "beta: RMSNorm has no shift (torch.nn.RMSNorm); leave beta unset");
 }
 
+TEST_F(OpenInferenceTest, GroupedQueryAttendEqualsRepeatedHeads) {
+  // 8 query heads over 2 key/value heads, against the same call with each
+  // key/value head repeated 4 times (torch.repeat_interleave).
+  const v1::Tensor q = Wire(DType::kFloat32, {1, 8, 3, 16}, rng_);
+  const v1::Tensor k = Wire(DType::kFloat32, {1, 2, 5, 16}, rng_);
+  const v1::Tensor v = Wire(DType::kFloat32, {1, 2, 5, 16}, rng_);
+  const auto repeat = [](const v1::Tensor& t) {
+    v1::Tensor out = t;
+    out.set_shape(1, 8);
+    out.clear_raw_data();
+    const size_t head = t.raw_data().size() / 2;
+    for (int h = 0; h < 8; ++h) {
+      out.mutable_raw_data()->append(t.raw_data(), (h / 4) * head, head);
+    }
+    return out;
+  };
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal ? "causal" : "not causal");
+    v1::AttendRequest repeated;
+    *repeated.mutable_query() = q;
+    *repeated.mutable_key() = repeat(k);
+    *repeated.mutable_value() = repeat(v);
+    repeated.set_causal(causal);
+    v1::AttendResponse expected;
+    ASSERT_TRUE(native_->Attend(Context().get(), repeated, &expected).ok());
+    auto expected_output = CopyTensor(expected.output(), "output");
+    ASSERT_TRUE(expected_output.ok());
+    const RefTensor expected_ref = ToRef(expected_output->view());
+
+    v1::AttendRequest grouped = repeated;
+    *grouped.mutable_key() = k;
+    *grouped.mutable_value() = v;
+    grouped.set_enable_gqa(true);
+    v1::AttendResponse native_answer;
+    const grpc::Status status =
+        native_->Attend(Context().get(), grouped, &native_answer);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    auto native_output = CopyTensor(native_answer.output(), "output");
+    ASSERT_TRUE(native_output.ok());
+    EXPECT_TRUE(AllClose(native_output->view(), expected_ref,
+                         ToleranceFor(DType::kFloat32)));
+
+    ModelInferRequest request;
+    request.set_model_name("attend");
+    AddRaw("query", q, &request);
+    AddRaw("key", k, &request);
+    AddRaw("value", v, &request);
+    (*request.mutable_parameters())["enable_gqa"].set_bool_param(true);
+    (*request.mutable_parameters())["causal"].set_bool_param(causal);
+    ModelInferResponse response;
+    ASSERT_TRUE(Infer(request, &response).ok());
+    EXPECT_EQ(RawOutput(response, "output"), native_answer.output().raw_data());
+  }
+}
+
 TEST_F(OpenInferenceTest, TypedContentsAndHalfPrecisionEqualRaw) {
   const v1::Tensor q = Wire(DType::kFloat32, {4, 8}, rng_);
   const v1::Tensor mask = Mask({4, 4}, rng_);
