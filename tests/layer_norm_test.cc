@@ -14,6 +14,17 @@
 namespace attnserve::testing {
 namespace {
 
+// Random values times 3 plus `offset`, in `dtype`: a normalization's input.
+Tensor NormInput(const Shape& shape, float offset, DType dtype,
+                 std::mt19937& rng) {
+  Tensor input = RandomTensor(DType::kFloat32, shape, rng);
+  for (int64_t i = 0; i < input.num_elements(); ++i) {
+    input.data_as<float>()[i] = input.data_as<float>()[i] * 3.0f + offset;
+  }
+  if (dtype == DType::kFloat32) return input;
+  return *Float32ToTensor(input.data_as<float>(), input.shape(), dtype);
+}
+
 struct LayerNormCase {
   std::string name;
   Shape shape;
@@ -32,13 +43,7 @@ class LayerNormTableTest : public ::testing::TestWithParam<LayerNormCase> {};
 TEST_P(LayerNormTableTest, MatchesFloat64Reference) {
   const LayerNormCase& c = GetParam();
   std::mt19937 rng(21);
-  Tensor input = RandomTensor(DType::kFloat32, c.shape, rng);
-  for (int64_t i = 0; i < input.num_elements(); ++i) {
-    input.data_as<float>()[i] = input.data_as<float>()[i] * 3.0f + c.offset;
-  }
-  if (c.dtype != DType::kFloat32) {
-    input = *Float32ToTensor(input.data_as<float>(), input.shape(), c.dtype);
-  }
+  const Tensor input = NormInput(c.shape, c.offset, c.dtype, rng);
   const Shape normalized(c.shape.end() - c.normalized_ndim, c.shape.end());
   std::optional<Tensor> gamma, beta;
   if (c.gamma) gamma = RandomTensor(DType::kFloat32, normalized, rng);
@@ -108,13 +113,7 @@ class RmsNormTableTest : public ::testing::TestWithParam<RmsNormCase> {};
 TEST_P(RmsNormTableTest, MatchesFloat64Reference) {
   const RmsNormCase& c = GetParam();
   std::mt19937 rng(23);
-  Tensor input = RandomTensor(DType::kFloat32, c.shape, rng);
-  for (int64_t i = 0; i < input.num_elements(); ++i) {
-    input.data_as<float>()[i] = input.data_as<float>()[i] * 3.0f + c.offset;
-  }
-  if (c.dtype != DType::kFloat32) {
-    input = *Float32ToTensor(input.data_as<float>(), input.shape(), c.dtype);
-  }
+  const Tensor input = NormInput(c.shape, c.offset, c.dtype, rng);
   const Shape normalized(c.shape.end() - c.normalized_ndim, c.shape.end());
   std::optional<Tensor> gamma;
   std::optional<TensorView> gamma_view;

@@ -1,6 +1,8 @@
 // The Open Inference Protocol (KServe v2) through a live server, over gRPC
 // (inference.GRPCInferenceService) and HTTP/JSON: results equal the native
 // RPCs' bit for bit, errors carry the native codes and name the field.
+#include "server/open_inference.h"
+
 #include <unistd.h>
 
 #include <chrono>
@@ -56,19 +58,8 @@ v1::Tensor Mask(Shape shape, std::mt19937& rng) {
   return wire;
 }
 
-const char* Datatype(v1::DataType dtype) {
-  switch (dtype) {
-    case v1::DATA_TYPE_BFLOAT16:
-      return "BF16";
-    case v1::DATA_TYPE_FLOAT16:
-      return "FP16";
-    case v1::DATA_TYPE_BOOL:
-      return "BOOL";
-    case v1::DATA_TYPE_UINT8:
-      return "UINT8";
-    default:
-      return "FP32";
-  }
+std::string Datatype(v1::DataType dtype) {
+  return std::string(ProtocolDatatype(dtype));
 }
 
 // Adds `tensor` as input `name` in raw_input_contents.

@@ -260,16 +260,28 @@ RefTensor RefLinear(const RefTensor& x, const RefTensor& w,
   return y;
 }
 
-RefTensor RefLayerNorm(const RefTensor& x,
-                       const std::optional<RefTensor>& gamma,
-                       const std::optional<RefTensor>& beta, double eps,
-                       int normalized_ndim) {
+namespace {
+
+// A normalization's rows and the elements of each (the trailing
+// `normalized_ndim` dims).
+std::pair<int64_t, int64_t> RowsAndCols(const RefTensor& x,
+                                        int normalized_ndim) {
   int64_t cols = 1;
   for (size_t d = x.shape.size() - normalized_ndim; d < x.shape.size(); ++d) {
     cols *= x.shape[d];
   }
   const int64_t rows =
       cols == 0 ? 0 : static_cast<int64_t>(x.values.size()) / cols;
+  return {rows, cols};
+}
+
+}  // namespace
+
+RefTensor RefLayerNorm(const RefTensor& x,
+                       const std::optional<RefTensor>& gamma,
+                       const std::optional<RefTensor>& beta, double eps,
+                       int normalized_ndim) {
+  const auto [rows, cols] = RowsAndCols(x, normalized_ndim);
   RefTensor y = x;
   for (int64_t r = 0; r < rows; ++r) {
     double mean = 0, var = 0;
@@ -292,12 +304,7 @@ RefTensor RefLayerNorm(const RefTensor& x,
 
 RefTensor RefRmsNorm(const RefTensor& x, const std::optional<RefTensor>& gamma,
                      double eps, int normalized_ndim) {
-  int64_t cols = 1;
-  for (size_t d = x.shape.size() - normalized_ndim; d < x.shape.size(); ++d) {
-    cols *= x.shape[d];
-  }
-  const int64_t rows =
-      cols == 0 ? 0 : static_cast<int64_t>(x.values.size()) / cols;
+  const auto [rows, cols] = RowsAndCols(x, normalized_ndim);
   RefTensor y = x;
   for (int64_t r = 0; r < rows; ++r) {
     double mean_square = 0;
