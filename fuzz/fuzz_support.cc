@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <random>
 
 #include "absl/strings/numbers.h"
@@ -24,6 +25,7 @@
 #include "google/protobuf/stubs/logging.h"
 #include "proto/tensor_codec.h"
 #include "server/handlers.h"
+#include "server/open_inference.h"
 
 namespace attnserve::fuzz {
 namespace {
@@ -53,21 +55,29 @@ void CheckResult(absl::string_view rpc, absl::string_view name,
   }
 }
 
+// Whether the harness computes a call of `cost`: the service admits it
+// (the limits) and it is tiny.
+bool Admitted(const RequestCost& cost) {
+  const ServerOptions& limits = FuzzServerOptions();
+  return VerifyWithinLimits(cost, limits.max_tensor_elements,
+                            limits.max_request_memory_mb << 20)
+             .ok() &&
+         IsTiny(cost);
+}
+
+// The service leases a tiny call one thread (UsefulThreads).
+ThreadBudget::Lease LeaseOneThread() {
+  static ThreadBudget budget(1);
+  return budget.Acquire(1);
+}
+
 // The service's steps for one compute call (see ServeAttend).
 template <typename Request, typename Response, typename Handler>
 void Serve(absl::string_view rpc, const Request& request,
            const RequestCost& cost, const SharedMemoryRegistry* registry,
            Handler handle) {
-  const ServerOptions& limits = FuzzServerOptions();
-  if (!VerifyWithinLimits(cost, limits.max_tensor_elements,
-                          limits.max_request_memory_mb << 20)
-           .ok() ||
-      !IsTiny(cost)) {
-    return;
-  }
-  // The service leases a tiny call one thread (UsefulThreads).
-  static ThreadBudget budget(1);
-  ThreadBudget::Lease lease = budget.Acquire(1);
+  if (!Admitted(cost)) return;
+  ThreadBudget::Lease lease = LeaseOneThread();
   std::atomic<bool> cancelled{false};
   CallSharedMemory shared_memory(registry);
   Response response;
@@ -80,6 +90,46 @@ void Serve(absl::string_view rpc, const Request& request,
     if (request.return_weights()) {
       CheckResult(rpc, "weights", response.weights(), &shared_memory);
     }
+  }
+}
+
+// An OK ModelInfer answer's outputs must be tensors a client can read: the
+// protocol's datatype, and shape x datatype bytes in raw_output_contents
+// or the shared-memory reference of its parameters.
+void CheckInferResponse(const inference::ModelInferResponse& response,
+                        SharedMemoryResolver* resolver) {
+  constexpr absl::string_view kRpc = "ModelInfer";
+  if (response.outputs_size() == 0 ||
+      response.raw_output_contents_size() != response.outputs_size()) {
+    Die(kRpc, absl::StrCat("OK answer with ", response.outputs_size(),
+                           " outputs and ", response.raw_output_contents_size(),
+                           " raw_output_contents"));
+  }
+  for (int i = 0; i < response.outputs_size(); ++i) {
+    const auto& output = response.outputs(i);
+    const absl::StatusOr<v1::DataType> dtype =
+        NativeDatatype(output.datatype(), output.name());
+    if (!dtype.ok()) Die(kRpc, dtype.status().ToString());
+    v1::Tensor tensor;
+    tensor.set_dtype(*dtype);
+    tensor.mutable_shape()->CopyFrom(output.shape());
+    const auto& parameters = output.parameters();
+    if (const auto region = parameters.find("shared_memory_region");
+        region != parameters.end()) {
+      v1::SharedMemoryRef* ref = tensor.mutable_shared_memory();
+      ref->set_region(region->second.string_param());
+      if (const auto it = parameters.find("shared_memory_offset");
+          it != parameters.end()) {
+        ref->set_offset(it->second.uint64_param());
+      }
+      if (const auto it = parameters.find("shared_memory_byte_size");
+          it != parameters.end()) {
+        ref->set_byte_size(it->second.uint64_param());
+      }
+    } else {
+      tensor.set_raw_data(response.raw_output_contents(i));
+    }
+    CheckResult(kRpc, output.name(), tensor, resolver);
   }
 }
 
@@ -244,6 +294,48 @@ void ServeLayerNorm(const v1::LayerNormRequest& request,
       "LayerNorm", request, CostOf(request), registry, &HandleLayerNorm);
 }
 
+bool ServeModelInfer(inference::ModelInferRequest* request,
+                     const SharedMemoryRegistry* registry,
+                     inference::ModelInferResponse* response) {
+  absl::StatusOr<std::unique_ptr<NativeInferCall>> call =
+      NativeInferCall::FromRequest(request, &TinyModels());
+  CheckStatus("ModelInfer", call.status());
+  if (!call.ok() || !Admitted((*call)->cost())) return false;
+  ThreadBudget::Lease lease = LeaseOneThread();
+  std::atomic<bool> cancelled{false};
+  CallSharedMemory shared_memory(registry);
+  const absl::Status status =
+      (*call)->Run(CallControl{&cancelled, &shared_memory});
+  CheckStatus("ModelInfer", status);
+  if (!status.ok()) return false;
+  (*call)->ToResponse(*request, response);
+  CheckInferResponse(*response, &shared_memory);
+  return true;
+}
+
+bool ServeModelMetadata(const std::string& name, const std::string& version,
+                        inference::ModelMetadataResponse* metadata) {
+  inference::ModelMetadataRequest metadata_request;
+  metadata_request.set_name(name);
+  metadata_request.set_version(version);
+  const absl::Status found =
+      HandleModelMetadata(metadata_request, &TinyModels(), metadata);
+  CheckStatus("ModelMetadata", found);
+  inference::ModelReadyRequest ready_request;
+  ready_request.set_name(name);
+  ready_request.set_version(version);
+  inference::ModelReadyResponse ready;
+  const absl::Status answered =
+      HandleModelReady(ready_request, &TinyModels(), &ready);
+  CheckStatus("ModelReady", answered);
+  if (found.ok() != (answered.ok() && ready.ready())) {
+    Die("ModelReady",
+        absl::StrCat("ready ", ready.ready() ? "true" : "false", " (",
+                     answered.ToString(), ") but metadata ", found.ToString()));
+  }
+  return found.ok();
+}
+
 const std::string& SharedMemoryKey(int index) { return Objects().keys[index]; }
 
 void RefillSharedMemory() {
@@ -291,6 +383,30 @@ std::string Record(uint8_t tag, absl::string_view payload) {
   out.push_back(static_cast<char>(payload.size() & 0xff));
   out.push_back(static_cast<char>((payload.size() >> 8) & 0xff));
   out.append(payload.data(), payload.size());
+  return out;
+}
+
+std::optional<HttpInferCall> ReadHttpInferCall(const uint8_t* data,
+                                               size_t size) {
+  if (size < 3) return std::nullopt;
+  constexpr int kModels = sizeof(kHttpInferModels) / sizeof(*kHttpInferModels);
+  HttpInferCall call;
+  call.model = kHttpInferModels[data[0] % kModels];
+  const uint16_t length = static_cast<uint16_t>(data[1] | data[2] << 8);
+  if (length != kNoJsonLength) call.json_length = length;
+  call.body =
+      absl::string_view(reinterpret_cast<const char*>(data) + 3, size - 3);
+  return call;
+}
+
+std::string HttpInferInput(int model, std::optional<uint16_t> json_length,
+                           absl::string_view body) {
+  const uint16_t length = json_length.value_or(kNoJsonLength);
+  std::string out;
+  out.push_back(static_cast<char>(model));
+  out.push_back(static_cast<char>(length & 0xff));
+  out.push_back(static_cast<char>(length >> 8));
+  out.append(body.data(), body.size());
   return out;
 }
 

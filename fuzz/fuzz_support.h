@@ -4,6 +4,10 @@
 // reports, and the small models and shared-memory objects the targets run
 // against.
 //
+// The Open Inference Protocol (KServe v2) is served the same way: its
+// ModelInfer translated to the native call (ServeModelInfer), its metadata
+// and readiness (ServeModelMetadata).
+//
 // The promise checked: every request gets an answer or a clear error. A
 // crash, a sanitizer report, a hang, an INTERNAL or UNKNOWN status, an error
 // without a message, or an OK answer whose results do not decode is a bug;
@@ -17,11 +21,13 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
 #include "attnserve/v1/attention.pb.h"
+#include "inference/grpc_service.pb.h"
 #include "server/model_repository.h"
 #include "server/options.h"
 #include "server/request_cost.h"
@@ -57,6 +63,22 @@ void ServeMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                           const SharedMemoryRegistry* registry);
 void ServeLayerNorm(const v1::LayerNormRequest& request,
                     const SharedMemoryRegistry* registry);
+
+// ModelInfer as the service runs it, minus gRPC: translation
+// (NativeInferCall::FromRequest against TinyModels, taking `request`'s
+// raw_input_contents), cost estimate, limits, then, for tiny calls, the
+// native handler with shared memory `registry` (null: off) and the protocol
+// response. True when `response` holds an OK answer, whose outputs must
+// decode (shape x datatype bytes, or a readable shared-memory reference).
+bool ServeModelInfer(inference::ModelInferRequest* request,
+                     const SharedMemoryRegistry* registry,
+                     inference::ModelInferResponse* response);
+
+// ModelMetadata and ModelReady for `name` and `version` against
+// TinyModels, which must agree: ready exactly when the metadata is found.
+// True when found (`metadata` then holds it).
+bool ServeModelMetadata(const std::string& name, const std::string& version,
+                        inference::ModelMetadataResponse* metadata);
 
 // Shared-memory objects this process creates, fills with kSharedMemoryFill
 // and removes at exit: kSharedMemoryObjects of kSharedMemoryObjectBytes
@@ -97,6 +119,28 @@ class Records {
 
 // The record Records reads back as (tag, payload).
 std::string Record(uint8_t tag, absl::string_view payload);
+
+// An HTTP infer call of the open_inference_json target: the model of the
+// URL, the Inference-Header-Content-Length header (none, or the length of
+// the JSON part) and the body. As bytes: the model's index in
+// kHttpInferModels (byte 0, modulo their count), the header as a
+// little-endian 16-bit length (bytes 1-2; kNoJsonLength: no header), then
+// the body.
+inline constexpr const char* kHttpInferModels[] = {
+    "attend", "multi_head_attend", "layer_norm",
+    "tiny",   "tiny_cross",        "missing"};
+inline constexpr uint16_t kNoJsonLength = 0xffff;
+struct HttpInferCall {
+  std::string model;
+  std::optional<size_t> json_length;
+  absl::string_view body;
+};
+// Inputs shorter than the 3-byte header are nullopt.
+std::optional<HttpInferCall> ReadHttpInferCall(const uint8_t* data,
+                                               size_t size);
+// The bytes ReadHttpInferCall reads back as the call (model by index).
+std::string HttpInferInput(int model, std::optional<uint16_t> json_length,
+                           absl::string_view body);
 
 }  // namespace attnserve::fuzz
 

@@ -1,8 +1,10 @@
 // attnserve_fuzz_corpus: the seed inputs of the fuzz targets, small valid
 // requests of every kind built with the client's request builders
-// (client/requests.h), valid safetensors files and model folders, so that
-// they follow the wire format when it changes. Every compute seed is checked
-// to succeed through its handler before it is written.
+// (client/requests.h) or the Open Inference Protocol's messages and JSON,
+// valid safetensors files and model folders, so that they follow the wire
+// format when it changes. Every compute seed is checked to succeed through
+// its handler before it is written (the deliberately bad JSON bodies, to
+// fail).
 //
 //   attnserve_fuzz_corpus --out=DIR     writes DIR/TARGET/SEED
 //   attnserve_fuzz_corpus --check=DIR   exit 1 when DIR (fuzz/corpus) is not
@@ -17,6 +19,8 @@
 #include <iterator>
 #include <limits>
 #include <map>
+#include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <string>
@@ -29,9 +33,16 @@
 #include "client/shared_memory.h"
 #include "core/convert.h"
 #include "core/safetensors.h"
+#include "core/status_macros.h"
 #include "fuzz/fuzz_support.h"
+#include "google/protobuf/io/coded_stream.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "inference/grpc_service.pb.h"
+#include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 #include "server/handlers.h"
+#include "server/open_inference.h"
+#include "server/open_inference_json.h"
 
 namespace attnserve::fuzz {
 namespace {
@@ -79,10 +90,17 @@ Tensor Mask(DType dtype, Shape shape, std::mt19937& rng) {
   return t;
 }
 
+// Deterministic: maps (the protocol's parameters) in key order, so that
+// the seeds are the same every run.
 std::string Bytes(const google::protobuf::Message& message) {
   std::string out;
-  if (!message.SerializeToString(&out)) {
-    Die("serialize", absl::InternalError(message.GetTypeName()));
+  {
+    google::protobuf::io::StringOutputStream stream(&out);
+    google::protobuf::io::CodedOutputStream coded(&stream);
+    coded.SetSerializationDeterministic(true);
+    if (!message.SerializeToCodedStream(&coded)) {
+      Die("serialize", absl::InternalError(message.GetTypeName()));
+    }
   }
   return out;
 }
@@ -431,11 +449,407 @@ void AddSafetensorsAndModelSeeds(Seeds* seeds) {
   model("mixed_dtypes", "num_heads: 4 compute_dtype: DATA_TYPE_FLOAT32", bf16);
 }
 
+using inference::ModelInferRequest;
+
+// Adds input `name` with `tensor`'s values in raw_input_contents.
+void AddRawInput(const std::string& name, const Tensor& tensor,
+                 ModelInferRequest* request) {
+  v1::Tensor wire;
+  EncodeTensor(tensor.view(), &wire);
+  auto* input = request->add_inputs();
+  input->set_name(name);
+  input->set_datatype(std::string(ProtocolDatatype(wire.dtype())));
+  input->mutable_shape()->CopyFrom(wire.shape());
+  request->add_raw_input_contents(wire.raw_data());
+}
+
+// Adds input `name` with `tensor`'s values in the typed contents: FP32 as
+// fp32_contents, BOOL as bool_contents, UINT8 as uint_contents.
+void AddTypedInput(const std::string& name, const Tensor& tensor,
+                   ModelInferRequest* request) {
+  auto* input = request->add_inputs();
+  input->set_name(name);
+  input->set_datatype(
+      std::string(ProtocolDatatype(DTypeToProto(tensor.dtype()))));
+  input->mutable_shape()->Assign(tensor.shape().begin(), tensor.shape().end());
+  auto* contents = input->mutable_contents();
+  for (int64_t i = 0; i < tensor.num_elements(); ++i) {
+    switch (tensor.dtype()) {
+      case DType::kFloat32:
+        contents->add_fp32_contents(tensor.data_as<float>()[i]);
+        break;
+      case DType::kBool:
+        contents->add_bool_contents(tensor.data_as<uint8_t>()[i] != 0);
+        break;
+      default:
+        contents->add_uint_contents(tensor.data_as<uint8_t>()[i]);
+        break;
+    }
+  }
+}
+
+// Adds input `name` of `shape` read from `region` at `offset`.
+void AddSharedInput(const std::string& name, const std::string& datatype,
+                    const Shape& shape, const std::string& region,
+                    int64_t offset, int64_t byte_size,
+                    ModelInferRequest* request) {
+  auto* input = request->add_inputs();
+  input->set_name(name);
+  input->set_datatype(datatype);
+  input->mutable_shape()->Assign(shape.begin(), shape.end());
+  auto* parameters = input->mutable_parameters();
+  (*parameters)["shared_memory_region"].set_string_param(region);
+  (*parameters)["shared_memory_offset"].set_int64_param(offset);
+  (*parameters)["shared_memory_byte_size"].set_int64_param(byte_size);
+}
+
+// Asks for output `name`, written to `region` at `offset` unless empty.
+void AddOutput(const std::string& name, ModelInferRequest* request,
+               const std::string& region = "", uint64_t offset = 0,
+               uint64_t byte_size = 0) {
+  auto* output = request->add_outputs();
+  output->set_name(name);
+  if (region.empty()) return;
+  auto* parameters = output->mutable_parameters();
+  (*parameters)["shared_memory_region"].set_string_param(region);
+  (*parameters)["shared_memory_offset"].set_uint64_param(offset);
+  (*parameters)["shared_memory_byte_size"].set_uint64_param(byte_size);
+}
+
+// The status of `request` through translation and the native handler, with
+// ComputeRegistry's regions; an error for calls the targets would not run
+// (beyond the limits or not tiny).
+absl::Status InferStatus(ModelInferRequest request) {
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<NativeInferCall> call,
+                        NativeInferCall::FromRequest(&request, &TinyModels()));
+  const ServerOptions& limits = FuzzServerOptions();
+  ATTN_RETURN_IF_ERROR(VerifyWithinLimits(call->cost(),
+                                          limits.max_tensor_elements,
+                                          limits.max_request_memory_mb << 20));
+  if (!IsTiny(call->cost())) return absl::OutOfRangeError("not tiny");
+  RefillSharedMemory();
+  CallSharedMemory shared_memory(&ComputeRegistry());
+  return call->Run(CallControl{nullptr, &shared_memory});
+}
+
+void AddOpenInferenceSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261124);
+  const auto f32 = DType::kFloat32;
+  auto add = [&](const std::string& name, const ModelInferRequest& request) {
+    Expect(name, InferStatus(request));
+    (*seeds)["open_inference/" + name] = Bytes(request);
+  };
+  auto set_bool = [](ModelInferRequest* r, const std::string& name, bool v) {
+    (*r->mutable_parameters())[name].set_bool_param(v);
+  };
+  auto set_double = [](ModelInferRequest* r, const std::string& name,
+                       double v) {
+    (*r->mutable_parameters())[name].set_double_param(v);
+  };
+  auto set_int = [](ModelInferRequest* r, const std::string& name, int64_t v) {
+    (*r->mutable_parameters())[name].set_int64_param(v);
+  };
+
+  ModelInferRequest r;
+  r.set_model_name("attend");
+  AddRawInput("query", Values(f32, {1, 3, 4}, rng), &r);
+  AddRawInput("key", Values(f32, {1, 5, 4}, rng), &r);
+  AddRawInput("value", Values(f32, {1, 5, 6}, rng), &r);
+  add("attend_raw", r);
+
+  r = ModelInferRequest();
+  r.set_model_name("attend");
+  r.set_id("typed");
+  AddTypedInput("query", Values(f32, {2, 3, 4}, rng), &r);
+  AddTypedInput("key", Values(f32, {2, 5, 4}, rng), &r);
+  AddTypedInput("value", Values(f32, {2, 5, 4}, rng), &r);
+  AddTypedInput("attn_mask", Mask(DType::kBool, {3, 5}, rng), &r);
+  set_double(&r, "scale", 0.5);
+  AddOutput("output", &r);
+  AddOutput("weights", &r);
+  add("attend_typed_fp32_bool_mask_weights", r);
+
+  r = ModelInferRequest();
+  r.set_model_name("attend");
+  r.set_model_version("1");
+  AddTypedInput("query", Values(f32, {1, 1, 8}, rng), &r);
+  AddTypedInput("key", Values(f32, {1, 6, 8}, rng), &r);
+  AddTypedInput("value", Values(f32, {1, 6, 8}, rng), &r);
+  AddTypedInput("attn_mask", Mask(DType::kUInt8, {1, 1, 6}, rng), &r);
+  set_bool(&r, "return_weights", true);
+  set_double(&r, "temperature", 2.0);
+  set_bool(&r, "compute_bf16", true);
+  add("attend_typed_uint8_mask_temperature", r);
+
+  r = ModelInferRequest();
+  r.set_model_name("attend");
+  AddRawInput("query", Values(DType::kFloat16, {2, 2, 4}, rng), &r);
+  AddRawInput("key", Values(DType::kFloat16, {2, 3, 4}, rng), &r);
+  AddRawInput("value", Values(DType::kFloat16, {2, 3, 4}, rng), &r);
+  AddRawInput("attn_mask", Mask(DType::kBool, {2, 2, 3}, rng), &r);
+  set_bool(&r, "causal", false);
+  add("attend_raw_fp16_bool_mask", r);
+
+  r = ModelInferRequest();
+  r.set_model_name("layer_norm");
+  AddRawInput("input", Values(f32, {2, 3, 4}, rng), &r);
+  AddRawInput("gamma", Values(f32, {3, 4}, rng), &r);
+  AddRawInput("beta", Values(f32, {3, 4}, rng), &r);
+  set_double(&r, "eps", 1e-3);
+  set_int(&r, "normalized_ndim", 2);
+  add("layer_norm_params", r);
+
+  r = ModelInferRequest();
+  r.set_model_name("layer_norm");
+  AddRawInput("input", Values(DType::kBFloat16, {3, 8}, rng), &r);
+  add("layer_norm_bf16", r);
+
+  r = ModelInferRequest();
+  r.set_model_name("multi_head_attend");
+  AddRawInput("query", Values(f32, {1, 3, 8}, rng), &r);
+  AddRawInput("in_proj_weight", Values(f32, {24, 8}, rng), &r);
+  AddRawInput("in_proj_bias", Values(f32, {24}, rng), &r);
+  AddRawInput("out_proj_weight", Values(f32, {8, 8}, rng), &r);
+  AddRawInput("out_proj_bias", Values(f32, {8}, rng), &r);
+  set_int(&r, "num_heads", 2);
+  set_bool(&r, "causal", true);
+  add("multi_head_attend_inline_num_heads", r);
+
+  r = ModelInferRequest();
+  r.set_model_name("tiny");
+  r.set_model_version("1");
+  r.set_id("served");
+  AddRawInput("query", Values(f32, {2, 3, 8}, rng), &r);
+  AddRawInput("key", Values(f32, {2, 4, 8}, rng), &r);
+  AddRawInput("value", Values(f32, {2, 4, 8}, rng), &r);
+  AddRawInput("key_padding_mask", Mask(DType::kBool, {2, 4}, rng), &r);
+  set_bool(&r, "average_weights", true);
+  AddOutput("weights", &r);
+  add("served_model_padding_mask_weights", r);
+
+  r = ModelInferRequest();
+  r.set_model_name("tiny_cross");
+  AddRawInput("query", Values(DType::kBFloat16, {1, 2, 8}, rng), &r);
+  AddRawInput("key", Values(DType::kBFloat16, {1, 3, 4}, rng), &r);
+  AddRawInput("value", Values(DType::kBFloat16, {1, 3, 6}, rng), &r);
+  add("served_model_cross_bf16", r);
+
+  // Values read from and results written to ComputeRegistry's regions.
+  r = ModelInferRequest();
+  r.set_model_name("attend");
+  AddSharedInput("query", "FP32", {1, 2, 4}, kSeedRegion, 0, 32, &r);
+  AddSharedInput("key", "FP32", {1, 3, 4}, kSeedRegion, 64, 48, &r);
+  AddSharedInput("value", "FP32", {1, 3, 4}, kSeedRegion, 128, 48, &r);
+  AddOutput("output", &r, kSeedRegion, 256, 32);
+  AddOutput("weights", &r, "fuzz_odd", 2, 24);
+  add("shared_memory_inputs_and_outputs", r);
+}
+
+using json = nlohmann::json;
+
+// `count` values that are multiples of 0.01 in [-1, 1], short in JSON.
+std::vector<double> JsonValues(int64_t count, std::mt19937& rng) {
+  std::vector<double> values(count);
+  std::uniform_int_distribution<int> hundredths(-100, 100);
+  for (double& v : values) v = hundredths(rng) / 100.0;
+  return values;
+}
+
+// A JSON input with flat data.
+json JsonInput(const std::string& name, const std::string& datatype,
+               const Shape& shape, json data) {
+  return {{"name", name},
+          {"datatype", datatype},
+          {"shape", shape},
+          {"data", std::move(data)}};
+}
+
+json FlatFloats(const std::string& name, const std::string& datatype,
+                const Shape& shape, std::mt19937& rng) {
+  return JsonInput(name, datatype, shape, JsonValues(NumElements(shape), rng));
+}
+
+// Row-major nested arrays of `shape`, e.g. [[1, 2], [3, 4]].
+json Nest(const std::vector<json>& flat, const Shape& shape, size_t dim,
+          size_t* next) {
+  if (dim == shape.size()) return flat[(*next)++];
+  json array = json::array();
+  for (int64_t i = 0; i < shape[dim]; ++i) {
+    array.push_back(Nest(flat, shape, dim + 1, next));
+  }
+  return array;
+}
+
+json NestedFloats(const std::string& name, const Shape& shape,
+                  std::mt19937& rng) {
+  const std::vector<double> values = JsonValues(NumElements(shape), rng);
+  size_t next = 0;
+  return JsonInput(name, "FP32", shape,
+                   Nest({values.begin(), values.end()}, shape, 0, &next));
+}
+
+json NestedMask(const std::string& name, const Shape& shape,
+                std::mt19937& rng) {
+  std::vector<json> flat;
+  for (int64_t i = 0; i < NumElements(shape); ++i) {
+    flat.push_back(i % shape.back() == 0 || rng() % 4 != 0);
+  }
+  size_t next = 0;
+  return JsonInput(name, "BOOL", shape, Nest(flat, shape, 0, &next));
+}
+
+// An input whose values follow the JSON part (binary tensor extension).
+json BinaryInput(const std::string& name, const Shape& shape, size_t bytes) {
+  return {{"name", name},
+          {"datatype", "FP32"},
+          {"shape", shape},
+          {"parameters", {{"binary_data_size", bytes}}}};
+}
+
+std::string RawFloats(const Shape& shape, std::mt19937& rng) {
+  const std::vector<double> values = JsonValues(NumElements(shape), rng);
+  std::string raw;
+  for (double v : values) {
+    const float f = static_cast<float>(v);
+    raw.append(reinterpret_cast<const char*>(&f), sizeof(f));
+  }
+  return raw;
+}
+
+// The index of `model` in kHttpInferModels.
+int ModelIndex(const std::string& model) {
+  int index = 0;
+  while (kHttpInferModels[index] != model) ++index;
+  return index;
+}
+
+// The status of an HTTP infer call: InferRequestFromJson, then as
+// InferStatus.
+absl::Status HttpInferStatus(const std::string& input) {
+  const std::optional<HttpInferCall> call = ReadHttpInferCall(
+      reinterpret_cast<const uint8_t*>(input.data()), input.size());
+  ModelInferRequest request;
+  request.set_model_name(call->model);
+  JsonOutputOptions options;
+  ATTN_RETURN_IF_ERROR(
+      InferRequestFromJson(call->body, call->json_length, &request, &options));
+  return InferStatus(std::move(request));
+}
+
+void AddOpenInferenceJsonSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261125);
+  // Valid calls (`ok`) must succeed, the others fail.
+  auto add = [&](const std::string& name, bool ok, const std::string& model,
+                 const std::string& body,
+                 std::optional<uint16_t> json_length = std::nullopt) {
+    const std::string input =
+        HttpInferInput(ModelIndex(model), json_length, body);
+    const absl::Status status = HttpInferStatus(input);
+    if (ok) Expect(name, status);
+    if (!ok && status.ok()) {
+      Die(name, absl::InternalError("a bad seed that succeeds"));
+    }
+    (*seeds)["open_inference_json/" + name] = input;
+  };
+  auto text = [](const json& body) { return body.dump(); };
+
+  add("attend_plain", true, "attend",
+      text({{"inputs",
+             {FlatFloats("query", "FP32", {1, 2, 4}, rng),
+              FlatFloats("key", "FP32", {1, 3, 4}, rng),
+              FlatFloats("value", "FP32", {1, 3, 4}, rng)}}}));
+  add("attend_nested_mask_binary_weights", true, "attend",
+      text({{"id", "nested"},
+            {"parameters", {{"scale", 0.5}, {"causal", false}}},
+            {"inputs",
+             {NestedFloats("query", {2, 2, 4}, rng),
+              NestedFloats("key", {2, 3, 4}, rng),
+              NestedFloats("value", {2, 3, 2}, rng),
+              NestedMask("attn_mask", {2, 3}, rng)}},
+            {"outputs",
+             {{{"name", "output"}},
+              {{"name", "weights"},
+               {"parameters", {{"binary_data", true}}}}}}}));
+  add("layer_norm_half_params_binary_output", true, "layer_norm",
+      text({{"parameters",
+             {{"eps", 1e-5},
+              {"normalized_ndim", 1},
+              {"binary_data_output", true}}},
+            {"inputs",
+             {FlatFloats("input", "FP16", {2, 4}, rng),
+              FlatFloats("gamma", "FP32", {4}, rng),
+              FlatFloats("beta", "BF16", {4}, rng)}}}));
+  {
+    const std::string query = RawFloats({1, 2, 8}, rng);
+    const std::string key = RawFloats({1, 3, 8}, rng);
+    const std::string json_part =
+        text({{"inputs",
+               {BinaryInput("query", {1, 2, 8}, query.size()),
+                BinaryInput("key", {1, 3, 8}, key.size()),
+                FlatFloats("value", "FP32", {1, 3, 8}, rng)}},
+              {"outputs", {{{"name", "output"}}}}});
+    add("served_model_binary_inputs", true, "tiny", json_part + query + key,
+        json_part.size());
+  }
+  add("served_model_cross_bf16", true, "tiny_cross",
+      text({{"inputs",
+             {FlatFloats("query", "BF16", {1, 2, 8}, rng),
+              FlatFloats("key", "BF16", {1, 3, 4}, rng),
+              FlatFloats("value", "BF16", {1, 3, 6}, rng)}}}));
+  add("multi_head_attend_inline_uint8_mask", true, "multi_head_attend",
+      text({{"parameters", {{"num_heads", 1}, {"compute_bf16", true}}},
+            {"inputs",
+             {FlatFloats("query", "FP32", {1, 2, 4}, rng),
+              FlatFloats("in_proj_weight", "FP32", {12, 4}, rng),
+              FlatFloats("out_proj_weight", "FP32", {4, 4}, rng),
+              JsonInput("attn_mask", "UINT8", {2, 2}, {1, 0, 1, 1})}}}));
+  add("shared_memory", true, "attend",
+      text({{"inputs",
+             {{{"name", "query"},
+               {"datatype", "FP32"},
+               {"shape", {1, 2, 4}},
+               {"parameters",
+                {{"shared_memory_region", kSeedRegion},
+                 {"shared_memory_byte_size", 32}}}},
+              FlatFloats("key", "FP32", {1, 3, 4}, rng),
+              FlatFloats("value", "FP32", {1, 3, 4}, rng)}},
+            {"outputs",
+             {{{"name", "output"},
+               {"parameters",
+                {{"shared_memory_region", kSeedRegion},
+                 {"shared_memory_offset", 128},
+                 {"shared_memory_byte_size", 32}}}}}}}));
+
+  // Bad calls, each refused at a different step.
+  add("bad_truncated_json", false, "attend",
+      R"({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1)");
+  add("bad_count_for_shape", false, "attend",
+      text(
+          {{"inputs", {JsonInput("query", "FP32", {2, 3}, {1, 2, 3, 4, 5})}}}));
+  {
+    const std::string json_part =
+        text({{"inputs", {BinaryInput("query", {1, 1, 8}, 32)}}});
+    add("bad_binary_size_beyond_body", false, "tiny",
+        json_part + RawFloats({1, 1, 4}, rng), json_part.size());
+    add("bad_binary_left_over", false, "tiny",
+        json_part + RawFloats({1, 1, 8}, rng) + "tail", json_part.size());
+  }
+  add("bad_nesting", false, "attend",
+      R"({"inputs": )" + std::string(100, '[') + std::string(100, ']') + "}");
+  add("bad_datatype", false, "layer_norm",
+      text({{"inputs", {JsonInput("input", "INT64", {2}, {1, 2})}}}));
+  add("bad_utf8", false, "layer_norm", "{\"id\": \"caf\xe9\"}");
+  add("bad_unknown_model", false, "missing",
+      text({{"inputs", {FlatFloats("query", "FP32", {1, 2, 8}, rng)}}}));
+}
+
 Seeds AllSeeds() {
   Seeds seeds;
   AddComputeSeeds(&seeds);
   AddMetadataSeeds(&seeds);
   AddSafetensorsAndModelSeeds(&seeds);
+  AddOpenInferenceSeeds(&seeds);
+  AddOpenInferenceJsonSeeds(&seeds);
   return seeds;
 }
 
