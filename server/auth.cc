@@ -71,11 +71,18 @@ absl::Status TokenAuthenticator::Check(
     const grpc::ServerContextBase& context) const {
   const auto& metadata = context.client_metadata();
   auto it = metadata.find("authorization");
-  if (it == metadata.end()) {
+  if (it == metadata.end()) return CheckAuthorization(std::nullopt);
+  return CheckAuthorization(
+      absl::string_view(it->second.data(), it->second.size()));
+}
+
+absl::Status TokenAuthenticator::CheckAuthorization(
+    std::optional<absl::string_view> authorization) const {
+  if (!authorization.has_value()) {
     return absl::UnauthenticatedError(
         "authorization: missing, expected 'Bearer <token>'");
   }
-  absl::string_view value(it->second.data(), it->second.size());
+  absl::string_view value = *authorization;
   if (!absl::ConsumePrefix(&value, "Bearer ")) {
     return absl::UnauthenticatedError(
         "authorization: expected 'Bearer <token>'");

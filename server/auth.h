@@ -6,6 +6,7 @@
 #define ATTNSERVE_SERVER_AUTH_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -31,6 +32,10 @@ class TokenAuthenticator {
   // OK if the call carries `authorization: Bearer <token>` with an accepted
   // token, else UNAUTHENTICATED. Tokens are compared in constant time.
   absl::Status Check(const grpc::ServerContextBase& context) const;
+  // The same for the value of an `authorization` header (nullopt: none),
+  // as HTTP requests carry it.
+  absl::Status CheckAuthorization(
+      std::optional<absl::string_view> authorization) const;
 
  private:
   std::vector<std::string> tokens_;

@@ -3,6 +3,7 @@
 #include <optional>
 #include <utility>
 
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "grpcpp/client_context.h"
@@ -106,43 +107,95 @@ void AddMetadata(httplib::Server* http, std::shared_ptr<Stub> stub) {
 }
 
 // POST /v2/models/{name}/infer.
-void AddInfer(httplib::Server* http, std::shared_ptr<Stub> stub) {
-  http->Post(
-      absl::StrCat(kModelPath, "/infer"),
-      [stub](const httplib::Request& request, httplib::Response& response) {
-        std::optional<size_t> json_length;
-        if (request.has_header(kHeaderLength)) {
-          size_t length = 0;
-          if (!absl::SimpleAtoi(request.get_header_value(kHeaderLength),
-                                &length)) {
-            return SendError(
-                response, 400,
-                absl::StrCat(kHeaderLength, ": expected a byte count"));
-          }
-          json_length = length;
-        }
-        inference::ModelInferRequest infer;
-        infer.set_model_name(request.matches[1]);
-        infer.set_model_version(request.matches[2]);
-        JsonOutputOptions output_options;
-        if (const absl::Status parsed = InferRequestFromJson(
-                request.body, json_length, &infer, &output_options);
-            !parsed.ok()) {
-          return SendError(response, 400, parsed.message());
-        }
-        inference::ModelInferResponse result;
-        const grpc::Status status =
-            stub->ModelInfer(ContextFor(request).get(), infer, &result);
-        if (!status.ok()) return SendStatus(response, status);
-        HttpBody body = InferResponseToJson(&result, output_options);
-        if (body.json_length.has_value()) {
-          response.set_header(kHeaderLength, std::to_string(*body.json_length));
-          response.set_content(std::move(body.body),
-                               "application/octet-stream");
-        } else {
-          response.set_content(std::move(body.body), kJson);
-        }
-      });
+void AddInfer(httplib::Server* http, std::shared_ptr<Stub> stub,
+              size_t max_body_bytes) {
+  http->Post(absl::StrCat(kModelPath, "/infer"),
+             [stub, max_body_bytes](const httplib::Request& request,
+                                    httplib::Response& response) {
+               std::optional<size_t> json_length;
+               if (request.has_header(kHeaderLength)) {
+                 size_t length = 0;
+                 if (!absl::SimpleAtoi(request.get_header_value(kHeaderLength),
+                                       &length)) {
+                   return SendError(
+                       response, 400,
+                       absl::StrCat(kHeaderLength, ": expected a byte count"));
+                 }
+                 json_length = length;
+               }
+               inference::ModelInferRequest infer;
+               infer.set_model_name(request.matches[1]);
+               infer.set_model_version(request.matches[2]);
+               JsonOutputOptions output_options;
+               if (const absl::Status parsed = InferRequestFromJson(
+                       request.body, json_length, &infer, &output_options);
+                   !parsed.ok()) {
+                 return SendError(response, 400, parsed.message());
+               }
+               // JSON numbers can be shorter than the float32s they become.
+               if (infer.ByteSizeLong() > max_body_bytes) {
+                 return SendError(
+                     response, 413,
+                     absl::StrCat("request: ", infer.ByteSizeLong(),
+                                  " bytes once converted from JSON exceed the "
+                                  "server's limit of ",
+                                  max_body_bytes, " (--max_message_mb)"));
+               }
+               inference::ModelInferResponse result;
+               const grpc::Status status =
+                   stub->ModelInfer(ContextFor(request).get(), infer, &result);
+               if (!status.ok()) return SendStatus(response, status);
+               HttpBody body = InferResponseToJson(&result, output_options);
+               if (body.json_length.has_value()) {
+                 response.set_header(kHeaderLength,
+                                     std::to_string(*body.json_length));
+                 response.set_content(std::move(body.body),
+                                      "application/octet-stream");
+               } else {
+                 response.set_content(std::move(body.body), kJson);
+               }
+             });
+}
+
+bool IsPrintableAscii(absl::string_view text) {
+  for (char c : text) {
+    if (c < 0x20 || c > 0x7e) return false;
+  }
+  return true;
+}
+
+// What is checked before a request's body is read; nullopt: go on.
+std::optional<std::pair<int, std::string>> Refusal(
+    const httplib::Request& request, const TokenAuthenticator* auth) {
+  const bool has_authorization = request.has_header("Authorization");
+  const std::string authorization = request.get_header_value("Authorization");
+  // gRPC metadata takes printable ASCII only (and aborts on anything else).
+  if (!IsPrintableAscii(authorization)) {
+    return std::pair(400,
+                     "Authorization: holds bytes that are not printable "
+                     "ASCII; expected 'Bearer <token>'");
+  }
+  if (request.method == "POST") {
+    if (request.has_header("Transfer-Encoding") ||
+        !request.has_header("Content-Length")) {
+      return std::pair(411,
+                       "body: send it with a Content-Length (chunked "
+                       "bodies are not accepted)");
+    }
+    const std::string encoding = request.get_header_value("Content-Encoding");
+    if (!encoding.empty() && encoding != "identity") {
+      return std::pair(415, absl::StrCat("Content-Encoding: '", encoding,
+                                         "' is not accepted; send the body "
+                                         "uncompressed"));
+    }
+  }
+  if (auth != nullptr && !absl::StartsWith(request.path, "/v2/health/")) {
+    const absl::Status status = auth->CheckAuthorization(
+        has_authorization ? std::optional<absl::string_view>(authorization)
+                          : std::nullopt);
+    if (!status.ok()) return std::pair(401, std::string(status.message()));
+  }
+  return std::nullopt;
 }
 
 }  // namespace
@@ -181,12 +234,25 @@ absl::StatusOr<std::unique_ptr<HttpListener>> StartHttpInference(
   auto stub = std::shared_ptr<Stub>(
       inference::GRPCInferenceService::NewStub(config.channel));
   http->set_payload_max_length(config.max_body_bytes);
+  http->set_pre_routing_handler(httplib::Server::HandlerWithResponse(
+      [auth = config.auth](const httplib::Request& request,
+                           httplib::Response& response) {
+        const auto refusal = Refusal(request, auth);
+        if (!refusal.has_value()) {
+          return httplib::Server::HandlerResponse::Unhandled;
+        }
+        SendError(response, refusal->first, refusal->second);
+        return httplib::Server::HandlerResponse::Handled;
+      }));
+  // A keep-alive connection holds a worker while it lasts: enough workers
+  // for many clients, and connections rotated after 100 calls.
+  http->new_task_queue = [] { return new httplib::ThreadPool(64); };
   // Without TCP_NODELAY a small response waits ~40 ms for the client's
   // delayed ACK (Nagle); clients keep their connection for many calls.
   http->set_tcp_nodelay(true);
-  // Keep-alive connections serve any number of calls; an idle one closes
-  // after 5 s (also what a stop may wait for it).
-  http->set_keep_alive_max_count(1 << 30);
+  // An idle keep-alive connection closes after 5 s (also what a stop may
+  // wait for it).
+  http->set_keep_alive_max_count(100);
   http->set_keep_alive_timeout(5);
   // Errors httplib answers itself (no route, a body over the limit) get a
   // JSON body too; those of the routes already have one.
@@ -225,7 +291,7 @@ absl::StatusOr<std::unique_ptr<HttpListener>> StartHttpInference(
       }));
   AddHealth(http.get(), stub);
   AddMetadata(http.get(), stub);
-  AddInfer(http.get(), stub);
+  AddInfer(http.get(), stub, config.max_body_bytes);
   return HttpListener::Start(std::move(http), config.host, config.port,
                              "--http_port");
 }

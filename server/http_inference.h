@@ -7,7 +7,11 @@
 // Each request becomes the protocol's gRPC call on the server's own
 // in-process channel, so HTTP calls get the same authentication (the
 // Authorization header), admission, queue, limits, metrics and access log as
-// gRPC ones. Errors: {"error": message} with the HTTP status of the gRPC
+// gRPC ones. Before a body is read, requests are refused that carry a token
+// the server does not accept (401), an Authorization header that is not
+// printable ASCII (400), no Content-Length (411: chunked bodies could grow
+// past the limit) or a Content-Encoding (415: a compressed body could).
+// Errors: {"error": message} with the HTTP status of the gRPC
 // code (400 INVALID_ARGUMENT, 401, 403, 404, 413 for a body over the limit,
 // 429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, 504 DEADLINE_EXCEEDED, 500).
 //
@@ -23,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "grpcpp/channel.h"
+#include "server/auth.h"
 #include "server/http_listener.h"
 
 namespace attnserve {
@@ -34,6 +39,9 @@ struct HttpInferenceConfig {
   size_t max_body_bytes = 0;
   // The gRPC server's in-process channel.
   std::shared_ptr<grpc::Channel> channel;
+  // Checks the Authorization header before a body is read (the gRPC call
+  // checks it again); null: no authentication.
+  const TokenAuthenticator* auth = nullptr;
 };
 
 // Starts serving; UNAVAILABLE naming --http_port when the port is taken.

@@ -181,6 +181,9 @@ absl::Status ApplyParameters(const ParameterMap& parameters,
   std::sort(sorted.begin(), sorted.end(),
             [](const auto* a, const auto* b) { return a->first < b->first; });
   for (const auto* entry : sorted) {
+    // Triton clients' scheduling hints: accepted and ignored (calls are
+    // served in arrival order; the gRPC deadline bounds their time).
+    if (entry->first == "priority" || entry->first == "timeout") continue;
     ATTN_ASSIGN_OR_RETURN(
         auto target, FindField(Targets(native), entry->first, IsOptionField,
                                "parameter", model));

@@ -153,7 +153,12 @@ absl::Status AppendValue(const json& value, const std::string& datatype,
     bytes->push_back(static_cast<char>(value.get<uint64_t>()));
   } else {
     if (!value.is_number()) return FieldError(field(), "a number", value);
-    const float number = value.get<float>();
+    const double wide = value.get<double>();
+    if (std::abs(wide) > std::numeric_limits<float>::max()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          field(), ": ", value.dump(), " is beyond float32's range"));
+    }
+    const float number = static_cast<float>(wide);
     if (datatype == "FP32") {
       append(number);
     } else if (datatype == "BF16") {
@@ -269,8 +274,8 @@ absl::Status OutputsFromJson(const json& outputs, ModelInferRequest* request,
     ATTN_RETURN_IF_ERROR(
         ToParameters(Member(item, "parameters"), field + ".parameters",
                      output->mutable_parameters(), {{"binary_data", &binary}}));
-    if (binary != nullptr && binary->is_boolean() && binary->get<bool>()) {
-      options->binary.insert(output->name());
+    if (binary != nullptr && binary->is_boolean()) {
+      options->binary[output->name()] = binary->get<bool>();
     }
   }
   return absl::OkStatus();
@@ -408,8 +413,10 @@ HttpBody InferResponseToJson(inference::ModelInferResponse* response,
     if (output.parameters().contains("shared_memory_region") ||
         raw == nullptr) {
       // The result is in shared memory: no data.
-    } else if (output_options.all_binary ||
-               output_options.binary.count(output.name()) > 0) {
+    } else if (const auto chosen = output_options.binary.find(output.name());
+               chosen != output_options.binary.end()
+                   ? chosen->second
+                   : output_options.all_binary) {
       parameters["binary_data_size"] = raw->size();
       binary += *raw;
       any_binary = true;

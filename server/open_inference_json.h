@@ -16,8 +16,8 @@
 #define ATTNSERVE_SERVER_OPEN_INFERENCE_JSON_H_
 
 #include <cstddef>
+#include <map>
 #include <optional>
-#include <set>
 #include <string>
 
 #include "absl/status/status.h"
@@ -30,8 +30,9 @@ namespace attnserve {
 struct JsonOutputOptions {
   // Every output as binary (request parameter "binary_data_output").
   bool all_binary = false;
-  // Outputs asked for as binary by name (their parameter "binary_data").
-  std::set<std::string> binary;
+  // Outputs whose parameter "binary_data" says true or false: it wins over
+  // all_binary, as in Triton.
+  std::map<std::string, bool> binary;
 };
 
 // Parses an infer request body into `request` (model name and version come

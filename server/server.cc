@@ -135,6 +135,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     http.port = options.http_port;
     http.max_body_bytes = static_cast<size_t>(options.max_message_mb) << 20;
     http.channel = server->server_->InProcessChannel(arguments);
+    http.auth = server->auth_.get();
     ATTN_ASSIGN_OR_RETURN(server->http_server_, StartHttpInference(http));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(

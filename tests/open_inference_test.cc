@@ -3,6 +3,9 @@
 // RPCs' bit for bit, errors carry the native codes and name the field.
 #include "server/open_inference.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -658,6 +661,30 @@ std::vector<float> JsonOutput(const json& body, const std::string& name) {
   return {};
 }
 
+// Sends `request` on a new connection and returns everything the server
+// writes back until it closes the connection (or 10 s pass).
+std::string RawHttp(int port, const std::string& request) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_port = htons(port);
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  timeval timeout{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  std::string reply;
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) ==
+          0 &&
+      send(fd, request.data(), request.size(), 0) ==
+          static_cast<ssize_t>(request.size())) {
+    char buffer[4096];
+    ssize_t n;
+    while ((n = recv(fd, buffer, sizeof(buffer), 0)) > 0)
+      reply.append(buffer, n);
+  }
+  close(fd);
+  return reply;
+}
+
 std::vector<float> Floats(const std::string& raw) {
   std::vector<float> values(raw.size() / sizeof(float));
   std::memcpy(values.data(), raw.data(), raw.size());
@@ -775,6 +802,34 @@ TEST_F(OpenInferenceTest, HttpErrorsAreJsonWithTheMatchingStatus) {
     EXPECT_THAT(json::parse(answer->body)["error"].get<std::string>(),
                 HasSubstr(c.message));
   }
+  // Refused before the body is read: an Authorization header gRPC could not
+  // carry (httplib decodes %01 into a control byte), a chunked body, a
+  // compressed one. The server serves on afterwards.
+  auto control =
+      http_.Get("/v2/health/live", {{"Authorization", "Bearer a%01"}});
+  ASSERT_TRUE(control);
+  EXPECT_EQ(control->status, 400);
+  EXPECT_THAT(json::parse(control->body)["error"].get<std::string>(),
+              HasSubstr("not printable ASCII"));
+  // Written whole before the answer is read: the server may close the
+  // connection as soon as it has answered.
+  EXPECT_THAT(RawHttp(server_.http_port(),
+                      "POST /v2/models/attend/infer HTTP/1.1\r\n"
+                      "Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"),
+              ::testing::StartsWith("HTTP/1.1 411 "));
+  auto gzip =
+      http_.Post("/v2/models/attend/infer", {{"Content-Encoding", "gzip"}},
+                 "xx", "application/json");
+  ASSERT_TRUE(gzip);
+  EXPECT_EQ(gzip->status, 415);
+  EXPECT_EQ(http_.Get("/v2/health/live")->status, 200);
+  // Triton clients' priority and timeout are accepted.
+  auto hinted = Post("layer_norm",
+                     R"({"parameters": {"priority": 1, "timeout": 100},
+                         "inputs": [{"name": "input", "datatype": "FP32",
+                                     "shape": [1, 2], "data": [1, 2]}]})");
+  EXPECT_EQ(hinted->status, 200) << hinted->body;
   auto unknown_model = Post("nope", R"({"inputs": []})");
   EXPECT_EQ(unknown_model->status, 404);
   auto no_route = http_.Get("/v2/nothing/here");
@@ -801,6 +856,18 @@ TEST(OpenInferenceLimitsTest, OversizedBodyIs413AndCallsAreCounted) {
   EXPECT_EQ(form->status, 413);
   EXPECT_THAT(json::parse(form->body)["error"].get<std::string>(),
               HasSubstr("send Content-Type: application/json"));
+  // JSON numbers shorter than the float32s they become: 600 KB of "0,"
+  // is 1.2 MB of tensor.
+  std::string zeros = R"({"inputs": [{"name": "input", "datatype": "FP32", )"
+                      R"("shape": [300000], "data": [0)";
+  for (int i = 1; i < 300000; ++i) zeros += ",0";
+  zeros += "]}]}";
+  auto converted =
+      http.Post("/v2/models/layer_norm/infer", zeros, "application/json");
+  ASSERT_TRUE(converted);
+  EXPECT_EQ(converted->status, 413);
+  EXPECT_THAT(json::parse(converted->body)["error"].get<std::string>(),
+              HasSubstr("once converted from JSON exceed"));
   // An HTTP call runs as a ModelInfer call: counted in the metrics.
   auto ok = http.Post(
       "/v2/models/layer_norm/infer",
