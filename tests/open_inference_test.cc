@@ -815,7 +815,8 @@ TEST_F(OpenInferenceTest, HttpErrorsAreJsonWithTheMatchingStatus) {
   // connection as soon as it has answered.
   EXPECT_THAT(RawHttp(server_.http_port(),
                       "POST /v2/models/attend/infer HTTP/1.1\r\n"
-                      "Host: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                      "Host: 127.0.0.1\r\nConnection: close\r\n"
+                      "Content-Type: application/json\r\n"
                       "Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n"),
               ::testing::StartsWith("HTTP/1.1 411 "));
   auto gzip =
