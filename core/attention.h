@@ -71,13 +71,17 @@ absl::StatusOr<AttentionResult> Attend(const AttendInputs& inputs,
 // Either q/k/v_proj_weight or in_proj_weight ([3E, E]) is set.
 struct MultiHeadWeights {
   int num_heads = 0;
+  // Key/value heads (grouped-query attention, as LLaMA's num_key_value_heads):
+  // a divisor of num_heads; k/v_proj_weight then have num_kv_heads * d
+  // rows. 0 means num_heads.
+  int num_kv_heads = 0;
   std::optional<TensorView> q_proj_weight;    // [H*dk, Eq]
-  std::optional<TensorView> k_proj_weight;    // [H*dk, Ek]
-  std::optional<TensorView> v_proj_weight;    // [H*dv, Ev]
+  std::optional<TensorView> k_proj_weight;    // [Hkv*dk, Ek]
+  std::optional<TensorView> v_proj_weight;    // [Hkv*dv, Ev]
   std::optional<TensorView> in_proj_weight;   // [3E, E]
   std::optional<TensorView> q_proj_bias;      // [H*dk]
-  std::optional<TensorView> k_proj_bias;      // [H*dk]
-  std::optional<TensorView> v_proj_bias;      // [H*dv]
+  std::optional<TensorView> k_proj_bias;      // [Hkv*dk]
+  std::optional<TensorView> v_proj_bias;      // [Hkv*dv]
   std::optional<TensorView> in_proj_bias;     // [3E]
   std::optional<TensorView> out_proj_weight;  // [Eo, H*dv]
   std::optional<TensorView> out_proj_bias;    // [Eo]

@@ -58,7 +58,7 @@ void ApplyMask(const MaskLayout& mask, int64_t n, int64_t i, int64_t j0,
 // Whether key j is excluded from query i of (batch, head) n by causality or
 // a mask (not merely given a -inf logit by the data).
 bool Excluded(const AttentionProblem& p, int64_t n, int64_t i, int64_t j) {
-  if (p.causal && j > i) return true;
+  if (p.causal && j > i + p.causal_offset) return true;
   for (const MaskLayout& mask : p.masks) {
     const int64_t offset =
         mask.batch_offset[n] + i * mask.query_stride + j * mask.key_stride;
@@ -87,11 +87,13 @@ bool AnyNaN(const float* x, int64_t n, float multiplier) {
 float PrepareLogits(const AttentionProblem& p, const RowOps& ops, int64_t n,
                     int64_t i, int64_t j0, int64_t count, float* row) {
   float max_logit = ops.scale_max(row, count, p.logit_multiplier);
-  const bool causal_cut = p.causal && j0 + count - 1 > i;
+  const int64_t last_visible = i + p.causal_offset;
+  const bool causal_cut = p.causal && j0 + count - 1 > last_visible;
   if (p.masks.empty() && !causal_cut) return max_logit;
   for (const MaskLayout& mask : p.masks) ApplyMask(mask, n, i, j0, count, row);
   if (causal_cut) {
-    for (int64_t j = std::max<int64_t>(i + 1 - j0, 0); j < count; ++j) {
+    for (int64_t j = std::max<int64_t>(last_visible + 1 - j0, 0); j < count;
+         ++j) {
       row[j] = kNegInf;
     }
   }
@@ -171,7 +173,9 @@ struct ThreadBuffers {
 // Keys a query block can see: all of them, or up to its last query when
 // causal.
 int64_t VisibleKeys(const AttentionProblem& p, const Block& blk) {
-  return p.causal ? std::min(p.key_len, blk.i0 + blk.rows) : p.key_len;
+  return p.causal ? std::clamp<int64_t>(blk.i0 + blk.rows + p.causal_offset, 0,
+                                        p.key_len)
+                  : p.key_len;
 }
 
 // Pointers into operands of either dtype.
@@ -187,16 +191,16 @@ struct BlockOperands {
 
 BlockOperands OperandsOf(const AttentionProblem& p, const Block& blk) {
   const DType t = p.operand_dtype;
-  return {
-      At(p.query, t,
-         blk.b * p.query_layout.batch_stride +
-             blk.h * p.query_layout.head_stride +
-             blk.i0 * p.query_layout.row_stride),
-      At(p.key, t,
-         blk.b * p.key_layout.batch_stride + blk.h * p.key_layout.head_stride),
-      At(p.value, t,
-         blk.b * p.value_layout.batch_stride +
-             blk.h * p.value_layout.head_stride)};
+  return {At(p.query, t,
+             blk.b * p.query_layout.batch_stride +
+                 blk.h * p.query_layout.head_stride +
+                 blk.i0 * p.query_layout.row_stride),
+          At(p.key, t,
+             blk.b * p.key_layout.batch_stride +
+                 (blk.h / p.kv_group) * p.key_layout.head_stride),
+          At(p.value, t,
+             blk.b * p.value_layout.batch_stride +
+                 (blk.h / p.kv_group) * p.value_layout.head_stride)};
 }
 
 // The block's raw Q*K^T for keys j0 .. j0 + cols, into `logits` (rows
@@ -392,7 +396,8 @@ absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
     if (!s.ok()) return s;
     // Without masks or a causal cut in this block, the multiplier is folded
     // into the exponent: the row is read once for its max and once for exp.
-    const bool plain = p.masks.empty() && !(p.causal && j0 + cols - 1 > blk.i0);
+    const bool plain = p.masks.empty() &&
+                       !(p.causal && j0 + cols - 1 > blk.i0 + p.causal_offset);
     for (int64_t r = 0; r < blk.rows; ++r) {
       float* row = logits + r * kKeyBlock;
       uint16_t* row_bf16 =

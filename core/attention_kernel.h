@@ -75,7 +75,13 @@ struct AttentionProblem {
   // Dense [batch, heads, query_len, key_len], or null.
   float* weights = nullptr;
   float logit_multiplier = 1.0f;  // scale / temperature
-  bool causal = false;            // query i sees keys j <= i
+  bool causal = false;            // query i sees keys j <= i + causal_offset
+  // Where the queries stand among the keys: a decode step's queries follow
+  // the `causal_offset` keys already cached.
+  int64_t causal_offset = 0;
+  // Query heads per key/value head (grouped-query attention): query head h
+  // reads key and value head h / kv_group of the key and value layouts.
+  int64_t kv_group = 1;
   std::vector<MaskLayout> masks;
   // When set and true, the computation stops at the next block boundary
   // with CANCELLED.

@@ -26,11 +26,12 @@ absl::Status VerifyBias(const std::optional<TensorView>& bias,
 }
 
 absl::Status VerifyHeadsDivide(const TensorView& weight,
-                               absl::string_view field, int num_heads) {
+                               absl::string_view field, int num_heads,
+                               absl::string_view heads_field) {
   if (weight.dim(0) % num_heads == 0) return absl::OkStatus();
   return absl::InvalidArgumentError(
-      absl::StrCat(field, ": dim 0 (", weight.dim(0),
-                   ") is not divisible by num_heads ", num_heads));
+      absl::StrCat(field, ": dim 0 (", weight.dim(0), ") is not divisible by ",
+                   heads_field, " ", num_heads));
 }
 
 // Reads a multi-head attn_mask: [Lq, Lk], [B, Lq, Lk] shared by all heads,
@@ -144,6 +145,9 @@ absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> MultiHeadLayer::Create(
   std::shared_ptr<MultiHeadLayer> layer(new MultiHeadLayer());
   layer->compute_ = options.compute_dtype;
   ATTN_RETURN_IF_ERROR(layer->Resolve(weights));
+  ATTN_RETURN_IF_ERROR(
+      VerifyRotary(options.rotary, layer->key_dim_, "rotary_dims"));
+  layer->rotary_ = options.rotary;
   if (options.pack) ATTN_RETURN_IF_ERROR(layer->Pack());
   return layer;
 }
@@ -172,6 +176,12 @@ absl::Status MultiHeadLayer::Resolve(const MultiHeadWeights& w) {
         absl::StrCat("num_heads: must be > 0, got ", w.num_heads));
   }
   heads_ = w.num_heads;
+  kv_heads_ = w.num_kv_heads == 0 ? heads_ : w.num_kv_heads;
+  if (kv_heads_ < 0 || heads_ % kv_heads_ != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_kv_heads: ", w.num_kv_heads,
+                     " does not divide num_heads ", heads_));
+  }
   const bool separate = w.q_proj_weight.has_value() ||
                         w.k_proj_weight.has_value() ||
                         w.v_proj_weight.has_value();
@@ -185,7 +195,7 @@ absl::Status MultiHeadLayer::Resolve(const MultiHeadWeights& w) {
   ATTN_RETURN_IF_ERROR(w.in_proj_weight.has_value() ? ResolveFused(w)
                                                     : ResolveSeparate(w));
   key_dim_ = q_.out / heads_;
-  value_dim_ = v_.out / heads_;
+  value_dim_ = v_.out / kv_heads_;
   return ResolveOutput(w);
 }
 
@@ -193,6 +203,12 @@ absl::Status MultiHeadLayer::Resolve(const MultiHeadWeights& w) {
 // in_proj_bias's) in place.
 absl::Status MultiHeadLayer::ResolveFused(const MultiHeadWeights& w) {
   const TensorView& in_proj = *w.in_proj_weight;
+  if (kv_heads_ != heads_) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "in_proj_weight: the fused projection has num_heads key/value heads; "
+        "with num_kv_heads ",
+        kv_heads_, " give k_proj_weight and v_proj_weight"));
+  }
   ATTN_RETURN_IF_ERROR(VerifyFloating(in_proj, "in_proj_weight"));
   ATTN_RETURN_IF_ERROR(VerifyRank(in_proj, "in_proj_weight", 2, 2));
   const int64_t embed = in_proj.dim(1);
@@ -243,11 +259,15 @@ absl::Status MultiHeadLayer::ResolveSeparate(const MultiHeadWeights& w) {
     Field weight;
     Field bias;
     Projection* proj;
+    int heads;
   };
   const Part parts[] = {
-      {&MultiHeadWeights::q_proj_weight, &MultiHeadWeights::q_proj_bias, &q_},
-      {&MultiHeadWeights::k_proj_weight, &MultiHeadWeights::k_proj_bias, &k_},
-      {&MultiHeadWeights::v_proj_weight, &MultiHeadWeights::v_proj_bias, &v_},
+      {&MultiHeadWeights::q_proj_weight, &MultiHeadWeights::q_proj_bias, &q_,
+       heads_},
+      {&MultiHeadWeights::k_proj_weight, &MultiHeadWeights::k_proj_bias, &k_,
+       kv_heads_},
+      {&MultiHeadWeights::v_proj_weight, &MultiHeadWeights::v_proj_bias, &v_,
+       kv_heads_},
   };
   for (const Part& part : parts) {
     const std::optional<TensorView>& weight = w.*part.weight;
@@ -263,7 +283,9 @@ absl::Status MultiHeadLayer::ResolveSeparate(const MultiHeadWeights& w) {
     }
     ATTN_RETURN_IF_ERROR(VerifyFloating(*weight, weight_field));
     ATTN_RETURN_IF_ERROR(VerifyRank(*weight, weight_field, 2, 2));
-    ATTN_RETURN_IF_ERROR(VerifyHeadsDivide(*weight, weight_field, heads_));
+    ATTN_RETURN_IF_ERROR(
+        VerifyHeadsDivide(*weight, weight_field, part.heads,
+                          part.heads == heads_ ? "num_heads" : "num_kv_heads"));
     ATTN_RETURN_IF_ERROR(VerifyBias(bias, bias_field, weight->dim(0)));
     ATTN_ASSIGN_OR_RETURN(part.proj->weight,
                           Converted(weight, compute_, weight_field));
@@ -271,8 +293,15 @@ absl::Status MultiHeadLayer::ResolveSeparate(const MultiHeadWeights& w) {
     part.proj->out = weight->dim(0);
     part.proj->in = weight->dim(1);
   }
-  ATTN_RETURN_IF_ERROR(VerifyDim(*w.k_proj_weight, "k_proj_weight", 0, q_.out,
-                                 "q_proj_weight dim 0"));
+  if (kv_heads_ == heads_) {
+    ATTN_RETURN_IF_ERROR(VerifyDim(*w.k_proj_weight, "k_proj_weight", 0, q_.out,
+                                   "q_proj_weight dim 0"));
+  } else {
+    ATTN_RETURN_IF_ERROR(VerifyDim(
+        *w.k_proj_weight, "k_proj_weight", 0, kv_heads_ * (q_.out / heads_),
+        absl::StrCat("num_kv_heads x head dim (q_proj_weight dim 0 / "
+                     "num_heads) =")));
+  }
   // PyTorch keeps one in_proj_bias also when the q/k/v weights are
   // separate (kdim/vdim != embed_dim): its thirds bias q, k and v.
   if (w.in_proj_bias.has_value()) {
@@ -300,8 +329,11 @@ absl::Status MultiHeadLayer::ResolveOutput(const MultiHeadWeights& w) {
   const TensorView& out = *w.out_proj_weight;
   ATTN_RETURN_IF_ERROR(VerifyFloating(out, "out_proj_weight"));
   ATTN_RETURN_IF_ERROR(VerifyRank(out, "out_proj_weight", 2, 2));
-  ATTN_RETURN_IF_ERROR(VerifyDim(out, "out_proj_weight", 1, v_.out,
-                                 absl::StrCat(v_name_, " rows (H*dv) =")));
+  ATTN_RETURN_IF_ERROR(VerifyDim(
+      out, "out_proj_weight", 1, heads_ * value_dim_,
+      kv_heads_ == heads_
+          ? absl::StrCat(v_name_, " rows (H*dv) =")
+          : absl::StrCat("num_heads x ", v_name_, " rows / num_kv_heads =")));
   ATTN_RETURN_IF_ERROR(
       VerifyBias(w.out_proj_bias, "out_proj_bias", out.dim(0)));
   Projection proj;
@@ -350,6 +382,24 @@ absl::Status MultiHeadLayer::Project(const Projection& proj, int64_t rows,
   s.a_dtype = s.b_dtype = compute_;
   s.c_dtype = y_dtype;
   return Matmul(s, x, proj.weight, proj.bias, y);
+}
+
+absl::Status MultiHeadLayer::ProjectPart(Part part, int64_t rows, const void* x,
+                                         void* y, DType y_dtype) const {
+  switch (part) {
+    case Part::kQuery:
+      return Project(q_, rows, x, y, y_dtype);
+    case Part::kKey:
+      return Project(k_, rows, x, y, y_dtype);
+    case Part::kValue:
+      return Project(v_, rows, x, y, y_dtype);
+    case Part::kOutput:
+      if (!out_.has_value()) {
+        return absl::FailedPreconditionError("layer has no output projection");
+      }
+      return Project(*out_, rows, x, y, y_dtype);
+  }
+  return absl::InternalError("unknown projection");
 }
 
 absl::Status MultiHeadAttend(const MultiHeadWeights& weights,
@@ -449,6 +499,7 @@ absl::StatusOr<AttentionProblem> MultiHeadLayer::Problem(
   p.key_dim = key_dim_;
   p.value_dim = value_dim_;
   p.causal = options.causal;
+  p.kv_group = heads_ / kv_heads_;
   p.cancelled = options.cancelled;
   ATTN_ASSIGN_OR_RETURN(p.logit_multiplier, LogitMultiplier(options, key_dim_));
   const Shape per_head_weights = {dims.batch, heads_, dims.query_len,
@@ -497,6 +548,10 @@ absl::Status MultiHeadLayer::ProjectInputs(
     p.key = qkv + e * elem;
     p.value = qkv + 2 * e * elem;
     p.query_layout = p.key_layout = p.value_layout = layout;
+    ApplyRotary(rotary_, compute, qkv, layout, batch, heads_, dims.query_len,
+                0);
+    ApplyRotary(rotary_, compute, qkv + e * elem, layout, batch, heads_,
+                dims.query_len, 0);
     return absl::OkStatus();
   }
   ATTN_ASSIGN_OR_RETURN(OperandData key_data,
@@ -520,8 +575,12 @@ absl::Status MultiHeadLayer::ProjectInputs(
   p.key = buffers.k_proj.data();
   p.value = buffers.v_proj.data();
   p.query_layout = InterleavedHeadsLayout(heads_, dims.query_len, key_dim_);
-  p.key_layout = InterleavedHeadsLayout(heads_, dims.key_len, key_dim_);
-  p.value_layout = InterleavedHeadsLayout(heads_, dims.key_len, value_dim_);
+  p.key_layout = InterleavedHeadsLayout(kv_heads_, dims.key_len, key_dim_);
+  p.value_layout = InterleavedHeadsLayout(kv_heads_, dims.key_len, value_dim_);
+  ApplyRotary(rotary_, compute, buffers.q_proj.data(), p.query_layout, batch,
+              heads_, dims.query_len, 0);
+  ApplyRotary(rotary_, compute, buffers.k_proj.data(), p.key_layout, batch,
+              kv_heads_, dims.key_len, 0);
   return absl::OkStatus();
 }
 

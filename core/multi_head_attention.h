@@ -25,6 +25,7 @@
 #include "core/convert.h"
 #include "core/primitives.h"
 #include "core/results.h"
+#include "core/rotary.h"
 #include "core/tensor.h"
 
 namespace attnserve {
@@ -36,6 +37,9 @@ class MultiHeadLayer {
     DType compute_dtype = DType::kFloat32;
     // Reorder (and copy) the weights for oneDNN once.
     bool pack = true;
+    // Rotary position embeddings applied to the projected queries and keys
+    // (positions 0, 1, ... of each sequence in Run).
+    RotaryOptions rotary;
   };
 
   static absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> Create(
@@ -49,6 +53,9 @@ class MultiHeadLayer {
                    ResultAllocator& results) const;
 
   int num_heads() const { return heads_; }
+  // Key/value heads: num_heads, or fewer for grouped-query attention.
+  int num_kv_heads() const { return kv_heads_; }
+  const RotaryOptions& rotary() const { return rotary_; }
   DType compute_dtype() const { return compute_; }
   int64_t query_dim() const { return q_.in; }
   int64_t key_input_dim() const { return k_.in; }
@@ -57,6 +64,15 @@ class MultiHeadLayer {
   int64_t head_value_dim() const { return value_dim_; }
   // The output's last dim: out_proj_weight's rows, or H * dv without it.
   int64_t output_dim() const;
+  bool has_output_projection() const { return out_.has_value(); }
+
+  // One projection alone, for callers that run attention themselves (decode
+  // sessions): y = x * W^T + b for `rows` rows; x in the compute dtype, y in
+  // `y_dtype` (the compute dtype or FLOAT32). kOutput without an output
+  // projection fails with FAILED_PRECONDITION.
+  enum class Part { kQuery, kKey, kValue, kOutput };
+  absl::Status ProjectPart(Part part, int64_t rows, const void* x, void* y,
+                           DType y_dtype) const;
 
  private:
   // One projection y = x * W^T + b: packed, or read in place (the fused
@@ -109,6 +125,8 @@ class MultiHeadLayer {
                        void* y, DType y_dtype) const;
 
   int heads_ = 0;
+  int kv_heads_ = 0;
+  RotaryOptions rotary_;
   DType compute_ = DType::kFloat32;
   std::vector<OperandData> owned_;  // converted copies
   Projection q_, k_, v_;

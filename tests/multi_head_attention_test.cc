@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
+#include "core/attention_common.h"
 #include "core/attention_weights.h"
 #include "core/convert.h"
 #include "gtest/gtest.h"
@@ -26,6 +27,8 @@ struct MhaCase {
   int64_t lq = 5, lk = 5;
   int64_t eq = 16, ek = 16, ev = 16;
   int heads = 4;
+  int kv_heads = 0;  // grouped-query attention; 0: heads
+  int64_t rotary_dims = 0;
   int64_t head_dk = 4, head_dv = 4;
   bool fused = false;  // in_proj_weight (requires eq = ek = ev = heads*dk)
   bool bias = true;
@@ -76,6 +79,7 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
   const bool batched = c.batch > 0;
   const int64_t b = batched ? c.batch : 1;
   const int64_t h = c.heads;
+  const int64_t kvh = c.kv_heads == 0 ? h : c.kv_heads;
   auto shaped = [&](int64_t len, int64_t dim) {
     return batched ? Shape{b, len, dim} : Shape{len, dim};
   };
@@ -92,12 +96,12 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
     if (c.bias) bin = RandomTensor(DType::kFloat32, {3 * c.eq}, rng);
   } else {
     wq = RandomWeight({h * c.head_dk, c.eq}, rng);
-    wk = RandomWeight({h * c.head_dk, c.cross ? c.ek : c.eq}, rng);
-    wv = RandomWeight({h * c.head_dv, c.cross ? c.ev : c.eq}, rng);
+    wk = RandomWeight({kvh * c.head_dk, c.cross ? c.ek : c.eq}, rng);
+    wv = RandomWeight({kvh * c.head_dv, c.cross ? c.ev : c.eq}, rng);
     if (c.bias) {
       bq = RandomTensor(DType::kFloat32, {h * c.head_dk}, rng);
-      bk = RandomTensor(DType::kFloat32, {h * c.head_dk}, rng);
-      bv = RandomTensor(DType::kFloat32, {h * c.head_dv}, rng);
+      bk = RandomTensor(DType::kFloat32, {kvh * c.head_dk}, rng);
+      bv = RandomTensor(DType::kFloat32, {kvh * c.head_dv}, rng);
     }
   }
   const int64_t dv_total = c.fused ? c.eq : h * c.head_dv;
@@ -118,6 +122,7 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
 
   MultiHeadWeights w;
   w.num_heads = c.heads;
+  w.num_kv_heads = c.kv_heads;
   w.q_proj_weight = OptView(wq);
   w.k_proj_weight = OptView(wk);
   w.v_proj_weight = OptView(wv);
@@ -136,8 +141,13 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
   options.attention.temperature = c.temperature;
   options.attention.return_weights = true;
   options.average_weights = c.average;
-  auto result = MultiHeadAttend(w, in, options);
-  ASSERT_TRUE(result.ok()) << result.status();
+  // Rotary embeddings are a prepared layer's option: the table checks them
+  // through MultiHeadLayer below.
+  TensorResults free_results;
+  const absl::Status free_status =
+      c.rotary_dims == 0 ? MultiHeadAttend(w, in, options, free_results)
+                         : absl::OkStatus();
+  ASSERT_TRUE(free_status.ok()) << free_status;
 
   // Reference: project, split heads, attend, merge, project.
   const RefTensor q_ref = Reshaped(ToRef(query.view()), {b, c.lq, c.eq});
@@ -147,6 +157,8 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
       value ? Reshaped(ToRef(value->view()), {b, lk, c.ev}) : k_ref;
   RefMultiHeadWeights ref_weights;
   ref_weights.num_heads = c.heads;
+  ref_weights.num_kv_heads = c.kv_heads;
+  ref_weights.rotary_dims = c.rotary_dims;
   ref_weights.q_proj_weight = OptRef(wq);
   ref_weights.k_proj_weight = OptRef(wk);
   ref_weights.v_proj_weight = OptRef(wv);
@@ -187,17 +199,21 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
   }
   if (!batched) weights.shape.erase(weights.shape.begin());
 
-  EXPECT_EQ(result->output.dtype(), c.dtype);
-  EXPECT_TRUE(AllClose(result->output.view(), out, ToleranceFor(c.dtype)));
-  ASSERT_TRUE(result->weights.has_value());
-  EXPECT_TRUE(AllClose(
-      result->weights->view(), weights,
-      c.dtype == DType::kFloat32 ? kFloat32Tolerance : ToleranceFor(c.dtype)));
+  if (c.rotary_dims == 0) {
+    const AttentionResult result = TakeResult(free_results);
+    EXPECT_EQ(result.output.dtype(), c.dtype);
+    EXPECT_TRUE(AllClose(result.output.view(), out, ToleranceFor(c.dtype)));
+    ASSERT_TRUE(result.weights.has_value());
+    EXPECT_TRUE(AllClose(result.weights->view(), weights,
+                         c.dtype == DType::kFloat32 ? kFloat32Tolerance
+                                                    : ToleranceFor(c.dtype)));
+  }
 
   // The same layer prepared once with packed weights, as a served model is.
   MultiHeadLayer::Options layer_options;
   layer_options.compute_dtype =
       c.dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+  layer_options.rotary.dims = c.rotary_dims;
   auto layer = MultiHeadLayer::Create(w, layer_options);
   ASSERT_TRUE(layer.ok()) << layer.status();
   TensorResults packed_results;
@@ -209,7 +225,9 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
   // A float32 model sent a lower-precision query computes in float32 and
   // answers in the query's dtype.
   if (c.dtype != DType::kFloat32) {
-    auto f32_layer = MultiHeadLayer::Create(w, MultiHeadLayer::Options{});
+    MultiHeadLayer::Options f32_options;
+    f32_options.rotary.dims = c.rotary_dims;
+    auto f32_layer = MultiHeadLayer::Create(w, f32_options);
     ASSERT_TRUE(f32_layer.ok()) << f32_layer.status();
     TensorResults f32_results;
     const absl::Status run = (*f32_layer)->Run(in, options, f32_results);
@@ -362,6 +380,66 @@ const MhaCase kMhaCases[] = {
            c.mask_rank = 4;
            c.key_padding = true;
          }),
+    Case("gqa",
+         [](MhaCase& c) {
+           c.heads = 4;
+           c.kv_heads = 2;
+           c.mask_rank = 4;
+           c.key_padding = true;
+         }),
+    Case("mqa_causal",
+         [](MhaCase& c) {
+           c.heads = 4;
+           c.kv_heads = 1;
+           c.causal = true;
+           c.lq = 9;
+         }),
+    Case("gqa_cross_dk_ne_dv",
+         [](MhaCase& c) {
+           c.kv_heads = 2;
+           c.cross = true;
+           c.lq = 3;
+           c.lk = 7;
+           c.ek = 12;
+           c.ev = 20;
+           c.head_dk = 6;
+           c.head_dv = 2;
+         }),
+    Case("gqa_bf16",
+         [](MhaCase& c) {
+           c.kv_heads = 2;
+           c.dtype = DType::kBFloat16;
+         }),
+    Case("rotary",
+         [](MhaCase& c) {
+           c.head_dk = 8;
+           c.rotary_dims = 8;
+           c.lq = 12;
+         }),
+    Case("rotary_partial_gqa_causal",
+         [](MhaCase& c) {
+           c.heads = 4;
+           c.kv_heads = 2;
+           c.head_dk = 8;
+           c.rotary_dims = 4;
+           c.causal = true;
+           c.lq = 11;
+         }),
+    Case("rotary_fused_bf16",
+         [](MhaCase& c) {
+           c.fused = true;
+           c.rotary_dims = 4;
+           c.dtype = DType::kBFloat16;
+         }),
+    Case("rotary_cross",
+         [](MhaCase& c) {
+           c.cross = true;
+           c.lq = 4;
+           c.lk = 9;
+           c.ek = 12;
+           c.ev = 20;
+           c.rotary_dims = 2;
+         }),
 };
 
 INSTANTIATE_TEST_SUITE_P(Table, MhaTableTest, ::testing::ValuesIn(kMhaCases),
@@ -468,6 +546,43 @@ TEST_F(MhaErrorTest, UnbatchedQueryTakesAPerHeadMaskAsPyTorchDoes) {
 TEST_F(MhaErrorTest, HeadsMustDivide) {
   weights_.num_heads = 3;
   ExpectError("q_proj_weight: dim 0 (16) is not divisible by num_heads 3");
+}
+
+TEST_F(MhaErrorTest, KvHeadsMustDivideHeads) {
+  weights_.num_kv_heads = 3;
+  ExpectError("num_kv_heads: 3 does not divide num_heads 4");
+}
+
+TEST_F(MhaErrorTest, KvProjectionsHaveKvHeads) {
+  weights_.num_kv_heads = 2;  // k/v_proj_weight keep 4 heads' rows
+  ExpectError(
+      "k_proj_weight: dim 0 16 != num_kv_heads x head dim (q_proj_weight dim "
+      "0 / num_heads) = 8");
+}
+
+TEST_F(MhaErrorTest, FusedProjectionHasNoKvHeads) {
+  Tensor in_proj = Random(DType::kFloat32, {48, 16});
+  weights_ = MultiHeadWeights{};
+  weights_.num_heads = 4;
+  weights_.num_kv_heads = 2;
+  weights_.in_proj_weight = in_proj.view();
+  ExpectError(
+      "in_proj_weight: the fused projection has num_heads key/value heads; "
+      "with num_kv_heads 2 give k_proj_weight and v_proj_weight");
+}
+
+TEST_F(MhaErrorTest, RotaryDimsAreCheckedAtCreation) {
+  MultiHeadLayer::Options options;
+  options.rotary.dims = 6;  // head dim 4
+  auto layer = MultiHeadLayer::Create(weights_, options);
+  ASSERT_FALSE(layer.ok());
+  EXPECT_EQ(layer.status().message(), "rotary_dims: 6 > head dim 4");
+  options.rotary.dims = 3;
+  layer = MultiHeadLayer::Create(weights_, options);
+  ASSERT_FALSE(layer.ok());
+  EXPECT_EQ(layer.status().message(),
+            "rotary_dims: must be even and >= 0 (the halves rotate in pairs), "
+            "got 3");
 }
 
 TEST_F(MhaErrorTest, HeadsMustBePositive) {

@@ -231,14 +231,54 @@ RefAttentionResult RefMultiHeadAttend(
     pv = RefLinear(value, *w.v_proj_weight, bv);
   }
   const int64_t h = w.num_heads;
+  const int64_t kv_heads = w.num_kv_heads == 0 ? h : w.num_kv_heads;
+  RefTensor q = SplitHeads(pq, h), k = SplitHeads(pk, kv_heads);
+  if (w.rotary_dims > 0) {
+    q = RefRotary(q, w.rotary_dims, w.rotary_base, 0);
+    k = RefRotary(k, w.rotary_dims, w.rotary_base, 0);
+  }
   RefAttentionResult r =
-      RefAttend(SplitHeads(pq, h), SplitHeads(pk, h), SplitHeads(pv, h), masks,
+      RefAttend(q, RefRepeatHeads(k, h / kv_heads),
+                RefRepeatHeads(SplitHeads(pv, kv_heads), h / kv_heads), masks,
                 mask_is_keep, options);
   r.output = MergeHeads(r.output);
   if (w.out_proj_weight) {
     r.output = RefLinear(r.output, *w.out_proj_weight, w.out_proj_bias);
   }
   return r;
+}
+
+RefTensor RefRotary(const RefTensor& x, int64_t dims, double base,
+                    int64_t first_position) {
+  RefTensor y = x;
+  const int64_t d = x.shape.back();
+  const int64_t len = x.shape[x.shape.size() - 2];
+  const int64_t rows = static_cast<int64_t>(x.values.size()) / d;
+  const int64_t half = dims / 2;
+  for (int64_t r = 0; r < rows; ++r) {
+    const double pos = static_cast<double>(first_position + r % len);
+    for (int64_t i = 0; i < half; ++i) {
+      const double angle = pos * std::pow(base, -2.0 * i / dims);
+      const double x1 = x.values[r * d + i], x2 = x.values[r * d + half + i];
+      y.values[r * d + i] = x1 * std::cos(angle) - x2 * std::sin(angle);
+      y.values[r * d + half + i] = x2 * std::cos(angle) + x1 * std::sin(angle);
+    }
+  }
+  return y;
+}
+
+RefTensor RefRepeatHeads(const RefTensor& x, int64_t group) {
+  const int64_t b = x.shape[0], heads = x.shape[1];
+  const int64_t plane = x.shape[2] * x.shape[3];
+  RefTensor y{{b, heads * group, x.shape[2], x.shape[3]}, {}};
+  y.values.reserve(x.values.size() * group);
+  for (int64_t i = 0; i < b; ++i)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t g = 0; g < group; ++g)
+        y.values.insert(y.values.end(),
+                        x.values.begin() + (i * heads + h) * plane,
+                        x.values.begin() + (i * heads + h + 1) * plane);
+  return y;
 }
 
 RefTensor RefLinear(const RefTensor& x, const RefTensor& w,

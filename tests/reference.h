@@ -53,6 +53,13 @@ struct RefMultiHeadWeights {
   std::optional<RefTensor>* Field(absl::string_view name);
 
   int num_heads = 0;
+  // Grouped-query attention: k/v projections of this many heads (0: num_heads),
+  // each serving num_heads / num_kv_heads query heads (repeat_interleave).
+  int num_kv_heads = 0;
+  // Rotary embeddings on the projected queries and keys (RefRotary, from
+  // position 0); 0: none.
+  int64_t rotary_dims = 0;
+  double rotary_base = 10000.0;
   std::optional<RefTensor> q_proj_weight, k_proj_weight, v_proj_weight,
       in_proj_weight, q_proj_bias, k_proj_bias, v_proj_bias, in_proj_bias,
       out_proj_weight, out_proj_bias;
@@ -66,6 +73,18 @@ RefAttentionResult RefMultiHeadAttend(
     const RefMultiHeadWeights& w, const RefTensor& query, const RefTensor& key,
     const RefTensor& value, const std::vector<RefTensor>& masks,
     const std::vector<bool>& mask_is_keep, const RefAttentionOptions& options);
+
+// Rotary position embeddings, half-rotation layout (GPT-NeoX, Hugging Face
+// LLaMA), written out in float64: for x [..., L, d], row t at position
+// first_position + t, pair i < dims/2 with angle pos * base^(-2i/dims):
+// x[i] <- x[i] cos - x[i + dims/2] sin, x[i + dims/2] <- x[i + dims/2] cos +
+// x[i] sin; features from `dims` on unchanged.
+RefTensor RefRotary(const RefTensor& x, int64_t dims, double base,
+                    int64_t first_position);
+
+// [B, Hkv, L, d] -> [B, Hkv * group, L, d], each head repeated `group` times
+// in place (torch.repeat_interleave(x, group, dim=1)).
+RefTensor RefRepeatHeads(const RefTensor& x, int64_t group);
 
 // y = x * W^T + b over the last dim of x; W is [out, in].
 RefTensor RefLinear(const RefTensor& x, const RefTensor& w,
