@@ -1,0 +1,387 @@
+#include "core/decode_session.h"
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "core/attention_common.h"
+#include "core/attention_kernel.h"
+#include "core/convert.h"
+#include "core/status_macros.h"
+#include "core/verify.h"
+
+namespace attnserve {
+namespace {
+
+absl::Status VerifyPositive(int64_t value, absl::string_view field) {
+  if (value > 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": must be > 0, got ", value));
+}
+
+// The plain session's head counts and dims, checked.
+absl::Status VerifyAttentionConfig(const DecodeSessionConfig& c) {
+  ATTN_RETURN_IF_ERROR(VerifyPositive(c.num_heads, "num_heads"));
+  const int kv_heads = c.num_kv_heads == 0 ? c.num_heads : c.num_kv_heads;
+  if (kv_heads < 0 || c.num_heads % kv_heads != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_kv_heads: ", c.num_kv_heads,
+                     " does not divide num_heads ", c.num_heads));
+  }
+  ATTN_RETURN_IF_ERROR(VerifyPositive(c.key_dim, "head_dim"));
+  if (c.value_dim < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("value_head_dim: must be >= 0, got ", c.value_dim));
+  }
+  if (c.dtype != DType::kFloat32 && c.dtype != DType::kBFloat16) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("dtype: ", DTypeName(c.dtype),
+                     " not supported for a session cache, expected FLOAT32 or "
+                     "BFLOAT16"));
+  }
+  return VerifyRotary(c.rotary, c.key_dim, "rotary_dims");
+}
+
+// A model session's layer: self-attention over one hidden state.
+absl::Status VerifyModelLayer(const MultiHeadLayer& layer) {
+  if (layer.key_input_dim() != layer.query_dim() ||
+      layer.value_input_dim() != layer.query_dim()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "model: key/value input widths ", layer.key_input_dim(), "/",
+        layer.value_input_dim(), " differ from the query's ", layer.query_dim(),
+        "; a session projects one hidden state (self-attention)"));
+  }
+  return absl::OkStatus();
+}
+
+// Rank `full` with the batch dim, or `full - 1` without it for a batch of
+// one.
+absl::Status VerifyBatchedRank(const TensorView& t, absl::string_view field,
+                               int64_t full, int64_t batch) {
+  if (t.rank() == full || (batch == 1 && t.rank() == full - 1)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      field, ": rank ", t.rank(), ", expected ", full,
+      batch == 1 ? absl::StrCat(" (or ", full - 1, " without the batch dim)")
+                 : ""));
+}
+
+// Copies `rows` rows of `row_elems` elements from a dense [B, heads, n, d]
+// source into cache rows (b, first + t, h, :).
+void ScatterIntoCache(const void* src, DType dtype, int64_t batch,
+                      int64_t heads, int64_t n, int64_t d, KvCache& cache,
+                      bool keys, int64_t first) {
+  const size_t row_bytes = d * DTypeSize(dtype);
+  const char* from = static_cast<const char*>(src);
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      for (int64_t t = 0; t < n; ++t) {
+        char* to = static_cast<char*>(keys ? cache.key_row(b, first + t)
+                                           : cache.value_row(b, first + t)) +
+                   h * row_bytes;
+        std::memcpy(to, from + ((b * heads + h) * n + t) * row_bytes,
+                    row_bytes);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
+    const DecodeSessionConfig& config) {
+  std::unique_ptr<DecodeSession> s(new DecodeSession());
+  s->config_ = config;
+  ATTN_RETURN_IF_ERROR(VerifyPositive(config.batch, "batch"));
+  ATTN_RETURN_IF_ERROR(VerifyPositive(config.max_length, "max_length"));
+  if (config.layer != nullptr) {
+    const MultiHeadLayer& layer = *config.layer;
+    ATTN_RETURN_IF_ERROR(VerifyModelLayer(layer));
+    s->layer_ = config.layer;
+    s->heads_ = layer.num_heads();
+    s->kv_heads_ = layer.num_kv_heads();
+    s->key_dim_ = layer.head_key_dim();
+    s->value_dim_ = layer.head_value_dim();
+    s->dtype_ = layer.compute_dtype();
+    s->rotary_ = layer.rotary();
+  } else {
+    ATTN_RETURN_IF_ERROR(VerifyAttentionConfig(config));
+    s->heads_ = config.num_heads;
+    s->kv_heads_ =
+        config.num_kv_heads == 0 ? config.num_heads : config.num_kv_heads;
+    s->key_dim_ = config.key_dim;
+    s->value_dim_ = config.value_dim == 0 ? config.key_dim : config.value_dim;
+    s->dtype_ = config.dtype;
+    s->rotary_ = config.rotary;
+  }
+  KvCache::Dims dims;
+  dims.batch = config.batch;
+  dims.kv_heads = s->kv_heads_;
+  dims.key_dim = s->key_dim_;
+  dims.value_dim = s->value_dim_;
+  dims.max_length = config.max_length;
+  dims.dtype = s->dtype_;
+  // The reservation must fit the address space's arithmetic: refuse sizes
+  // whose bytes overflow, as tensors do.
+  const Shape reserved = {dims.batch, dims.max_length, dims.kv_heads,
+                          dims.key_dim + dims.value_dim};
+  ATTN_RETURN_IF_ERROR(
+      CheckedNumElements(reserved, dims.dtype, "max_length").status());
+  ATTN_ASSIGN_OR_RETURN(s->cache_, KvCache::Create(dims));
+  return s;
+}
+
+size_t DecodeSession::BytesAfter(int64_t new_tokens) const {
+  return cache_->BytesFor(std::min(length() + new_tokens, config_.max_length));
+}
+
+double DecodeSession::StepFlops(int64_t new_tokens) const {
+  const double b = static_cast<double>(config_.batch);
+  const double n = static_cast<double>(new_tokens);
+  const double keys = static_cast<double>(length()) + n;
+  double flops = 2.0 * b * heads_ * n * keys * (key_dim_ + value_dim_);
+  if (layer_ != nullptr) {
+    const double e = static_cast<double>(layer_->query_dim());
+    flops += 2.0 * b * n * e *
+             (heads_ * key_dim_ + kv_heads_ * (key_dim_ + value_dim_));
+    if (layer_->has_output_projection()) {
+      flops += 2.0 * b * n * heads_ * value_dim_ * layer_->output_dim();
+    }
+  }
+  return flops;
+}
+
+absl::StatusOr<int64_t> DecodeSession::NewTokens(
+    const DecodeStepInputs& in) const {
+  const int64_t batch = config_.batch;
+  if (layer_ != nullptr) {
+    if (!in.input.has_value()) {
+      return absl::InvalidArgumentError(
+          "input: missing (a model session takes hidden states [B, n, E])");
+    }
+    if (in.query || in.key || in.value) {
+      return absl::InvalidArgumentError(
+          "query: a model session takes `input` (hidden states), not "
+          "query/key/value");
+    }
+    ATTN_RETURN_IF_ERROR(VerifyBatchedRank(*in.input, "input", 3, batch));
+    return in.input->dim(-2);
+  }
+  if (in.input.has_value()) {
+    return absl::InvalidArgumentError(
+        "input: an attention session takes query, key and value, not hidden "
+        "states");
+  }
+  const std::pair<const std::optional<TensorView>*, absl::string_view>
+      operands[] = {
+          {&in.query, "query"}, {&in.key, "key"}, {&in.value, "value"}};
+  for (const auto& [operand, field] : operands) {
+    if (!operand->has_value()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(field,
+                       ": missing (an attention session takes query, "
+                       "key and value)"));
+    }
+    ATTN_RETURN_IF_ERROR(VerifyBatchedRank(**operand, field, 4, batch));
+  }
+  return in.query->dim(-2);
+}
+
+absl::Status DecodeSession::VerifyRoom(int64_t new_tokens) const {
+  if (new_tokens <= config_.max_length - length()) return absl::OkStatus();
+  return absl::OutOfRangeError(
+      absl::StrCat("session: ", length(), " cached + ", new_tokens,
+                   " new tokens exceed its max_length ", config_.max_length));
+}
+
+absl::Status DecodeSession::Step(const DecodeStepInputs& inputs,
+                                 const DecodeStepOptions& options,
+                                 ResultAllocator& results) {
+  MutexLock lock(&mu_);
+  ATTN_ASSIGN_OR_RETURN(const int64_t n, NewTokens(inputs));
+  ATTN_RETURN_IF_ERROR(VerifyRoom(n));
+  absl::Status status = layer_ != nullptr
+                            ? ModelStep(*inputs.input, options, results)
+                            : AttentionStep(inputs, options, results);
+  if (!status.ok()) return status;
+  cache_->set_length(length() + n);
+  length_.store(cache_->length(), std::memory_order_release);
+  return absl::OkStatus();
+}
+
+absl::Status DecodeSession::AttentionStep(const DecodeStepInputs& in,
+                                          const DecodeStepOptions& options,
+                                          ResultAllocator& results) {
+  const TensorView& query = *in.query;
+  const TensorView& key = *in.key;
+  const TensorView& value = *in.value;
+  const bool batched = query.rank() == 4;
+  const int64_t batch = config_.batch;
+  const int64_t n = query.dim(-2);
+  ATTN_RETURN_IF_ERROR(VerifyFloating(query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameDType(key, "key", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameDType(value, "value", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameRank(key, "key", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameRank(value, "value", query, "query"));
+  const auto expect = [&](int64_t heads, int64_t d) {
+    return batched ? Shape{batch, heads, n, d} : Shape{heads, n, d};
+  };
+  ATTN_RETURN_IF_ERROR(VerifyShape(query, "query", expect(heads_, key_dim_)));
+  ATTN_RETURN_IF_ERROR(VerifyShape(key, "key", expect(kv_heads_, key_dim_)));
+  ATTN_RETURN_IF_ERROR(
+      VerifyShape(value, "value", expect(kv_heads_, value_dim_)));
+
+  const int64_t first = length();
+  ATTN_ASSIGN_OR_RETURN(OperandData key_data,
+                        OperandData::From(key, dtype_, "key"));
+  ATTN_ASSIGN_OR_RETURN(OperandData value_data,
+                        OperandData::From(value, dtype_, "value"));
+  ScatterIntoCache(key_data.data(), dtype_, batch, kv_heads_, n, key_dim_,
+                   *cache_, /*keys=*/true, first);
+  ScatterIntoCache(value_data.data(), dtype_, batch, kv_heads_, n, value_dim_,
+                   *cache_, /*keys=*/false, first);
+  ApplyRotary(rotary_, dtype_, cache_->key_row(0, first), cache_->key_layout(),
+              batch, kv_heads_, n, first);
+
+  ATTN_ASSIGN_OR_RETURN(OperandData query_data,
+                        OperandData::From(query, dtype_, "query"));
+  const void* q = query_data.data();
+  Tensor rotated;
+  if (rotary_.dims > 0) {
+    ATTN_ASSIGN_OR_RETURN(
+        rotated, Tensor::Allocate(dtype_, {batch, heads_, n, key_dim_}));
+    std::memcpy(rotated.data(), q, rotated.num_bytes());
+    ApplyRotary(rotary_, dtype_, rotated.data(),
+                DenseLayout(heads_, n, key_dim_), batch, heads_, n, first);
+    q = rotated.data();
+  }
+  ATTN_ASSIGN_OR_RETURN(
+      ResultBuffer output,
+      ResultBuffer::Allocate(results, "output", query.dtype,
+                             expect(heads_, value_dim_),
+                             /*bf16_ok=*/dtype_ == DType::kBFloat16));
+  ATTN_RETURN_IF_ERROR(Attend(q, DenseLayout(heads_, n, key_dim_), n,
+                              output.data(), output.dtype(),
+                              DenseLayout(heads_, n, value_dim_), options));
+  output.Finish();
+  return absl::OkStatus();
+}
+
+absl::Status DecodeSession::ModelStep(const TensorView& input,
+                                      const DecodeStepOptions& options,
+                                      ResultAllocator& results) {
+  const MultiHeadLayer& layer = *layer_;
+  ATTN_RETURN_IF_ERROR(VerifyFloating(input, "input"));
+  if (input.dim(-1) != layer.query_dim()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("input: last dim ", input.dim(-1), " != the model's ",
+                     layer.query_dim()));
+  }
+  const bool batched = input.rank() == 3;
+  const int64_t batch = config_.batch;
+  if (batched && input.dim(0) != batch) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "input: dim 0 ", input.dim(0), " != the session's batch ", batch));
+  }
+  const int64_t n = input.dim(-2);
+  const int64_t first = length();
+  const int64_t e = layer.query_dim();
+  const Shape output_shape = batched ? Shape{batch, n, layer.output_dim()}
+                                     : Shape{n, layer.output_dim()};
+  ATTN_ASSIGN_OR_RETURN(
+      ResultBuffer output,
+      ResultBuffer::Allocate(results, "output", input.dtype, output_shape,
+                             /*bf16_ok=*/dtype_ == DType::kBFloat16));
+  if (n == 0) return absl::OkStatus();
+  const size_t elem = DTypeSize(dtype_);
+  ATTN_ASSIGN_OR_RETURN(OperandData x,
+                        OperandData::From(input, dtype_, "input"));
+
+  // Keys and values are projected straight into the cache, one sequence's
+  // rows at a time (each sequence's rows are contiguous there).
+  for (int64_t b = 0; b < batch; ++b) {
+    const void* xb = static_cast<const char*>(x.data()) + b * n * e * elem;
+    ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kKey, n, xb,
+                                           cache_->key_row(b, first), dtype_));
+    ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kValue, n, xb,
+                                           cache_->value_row(b, first),
+                                           dtype_));
+  }
+  ApplyRotary(rotary_, dtype_, cache_->key_row(0, first), cache_->key_layout(),
+              batch, kv_heads_, n, first);
+  ATTN_ASSIGN_OR_RETURN(
+      Tensor q, Tensor::Allocate(dtype_, {batch, n, heads_ * key_dim_}));
+  ATTN_RETURN_IF_ERROR(layer.ProjectPart(
+      MultiHeadLayer::Part::kQuery, batch * n, x.data(), q.data(), dtype_));
+  const OperandLayout q_layout = InterleavedHeadsLayout(heads_, n, key_dim_);
+  ApplyRotary(rotary_, dtype_, q.data(), q_layout, batch, heads_, n, first);
+
+  const int64_t concat_dim = heads_ * value_dim_;
+  const OperandLayout out_layout =
+      InterleavedHeadsLayout(heads_, n, value_dim_);
+  if (!layer.has_output_projection()) {
+    ATTN_RETURN_IF_ERROR(Attend(q.data(), q_layout, n, output.data(),
+                                output.dtype(), out_layout, options));
+  } else {
+    ATTN_ASSIGN_OR_RETURN(Tensor concat,
+                          Tensor::Allocate(dtype_, {batch, n, concat_dim}));
+    ATTN_RETURN_IF_ERROR(Attend(q.data(), q_layout, n, concat.data(), dtype_,
+                                out_layout, options));
+    ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kOutput,
+                                           batch * n, concat.data(),
+                                           output.data(), output.dtype()));
+  }
+  output.Finish();
+  return absl::OkStatus();
+}
+
+absl::Status DecodeSession::Attend(const void* query,
+                                   const OperandLayout& query_layout, int64_t n,
+                                   void* output, DType output_dtype,
+                                   const OperandLayout& output_layout,
+                                   const DecodeStepOptions& options) {
+  AttentionOptions attention;
+  attention.scale = options.scale;
+  attention.temperature = options.temperature;
+  AttentionProblem p;
+  p.batch = config_.batch;
+  p.heads = heads_;
+  p.query_len = n;
+  p.key_len = length() + n;
+  p.key_dim = key_dim_;
+  p.value_dim = value_dim_;
+  p.operand_dtype = dtype_;
+  p.query = query;
+  p.query_layout = query_layout;
+  p.key = cache_->keys();
+  p.key_layout = cache_->key_layout();
+  p.value = cache_->values();
+  p.value_layout = cache_->value_layout();
+  p.output = output;
+  p.output_dtype = output_dtype;
+  p.output_layout = output_layout;
+  ATTN_ASSIGN_OR_RETURN(p.logit_multiplier,
+                        LogitMultiplier(attention, key_dim_));
+  p.cancelled = options.cancelled;
+  const int64_t group = heads_ / kv_heads_;
+  if (n == 1) {
+    // One new token sees every cached key: no causal cut, and a group's
+    // query heads are one key/value head's rows. A [B, 1, H*d] or
+    // [B, H, 1, d] operand is the same memory as [B, Hkv, group, d], so the
+    // cache is read once per key/value head.
+    p.heads = kv_heads_;
+    p.query_len = group;
+    p.query_layout = {query_layout.batch_stride, group * key_dim_, key_dim_};
+    p.output_layout = {output_layout.batch_stride, group * value_dim_,
+                       value_dim_};
+    return RunAttention(p);
+  }
+  p.kv_group = group;
+  p.causal = true;
+  p.causal_offset = length();
+  return RunAttention(p);
+}
+
+}  // namespace attnserve

@@ -1,0 +1,160 @@
+// A decode session: one or more sequences generated token by token, whose
+// keys and values stay on this side (KvCache) so that each step sends only
+// its new tokens.
+//
+// Two kinds:
+//  - attention sessions take each step's new queries, keys and values,
+//    already projected ([B, H, n, dk], [B, Hkv, n, dk], [B, Hkv, n, dv]),
+//    and answer the attention output [B, H, n, dv];
+//  - model sessions take hidden states [B, n, E] and run a served
+//    MultiHeadLayer: project, rotate (the layer's rotary settings), append,
+//    attend, project out: [B, n, Eo].
+// A step appends its n keys and values after the `length` cached ones and
+// attends its queries to everything cached, causally within the step: new
+// token i (position length + i) sees positions <= length + i. A long prompt
+// is one step (prefill), then one token a step. A step that fails leaves
+// the session as it was.
+//
+// Ownership: owns its cache; a model session shares its layer. Thread-safety:
+// Step and the accessors may be called from any thread; steps on one
+// session run one at a time, in the order they take its lock.
+#ifndef ATTNSERVE_CORE_DECODE_SESSION_H_
+#define ATTNSERVE_CORE_DECODE_SESSION_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "core/kv_cache.h"
+#include "core/multi_head_attention.h"
+#include "core/mutex.h"
+#include "core/results.h"
+#include "core/rotary.h"
+#include "core/tensor.h"
+
+namespace attnserve {
+
+struct DecodeSessionConfig {
+  // Model sessions: the layer that projects hidden states (self-attention:
+  // its key and value inputs must be as wide as its query's). Its heads,
+  // dims, compute dtype and rotary settings apply; the fields below up to
+  // `rotary` are ignored.
+  std::shared_ptr<const MultiHeadLayer> layer;
+  // Attention sessions: heads of the queries and of the keys/values (0:
+  // num_heads; must divide num_heads), per-head dims (value_dim 0: key_dim).
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int64_t key_dim = 0;
+  int64_t value_dim = 0;
+  // FLOAT32 or BFLOAT16: the dtype the cache stores and attention runs in.
+  DType dtype = DType::kFloat32;
+  // Applied to each step's queries and keys at their positions.
+  RotaryOptions rotary;
+  // Sequences decoded together, each with its own cache.
+  int64_t batch = 1;
+  // Tokens a sequence may hold; steps past it fail with OUT_OF_RANGE.
+  int64_t max_length = 0;
+};
+
+struct DecodeStepInputs {
+  // Model sessions: hidden states [B, n, E], or [n, E] for a batch of 1.
+  std::optional<TensorView> input;
+  // Attention sessions: [B, H, n, dk], [B, Hkv, n, dk], [B, Hkv, n, dv]
+  // (without B for a batch of 1).
+  std::optional<TensorView> query;
+  std::optional<TensorView> key;
+  std::optional<TensorView> value;
+};
+
+struct DecodeStepOptions {
+  // Multiplies Q*K^T; default 1/sqrt(dk).
+  std::optional<float> scale;
+  // Divides the scaled logits; default 1, must be > 0.
+  std::optional<float> temperature;
+  // When set and it turns true, the step stops with CANCELLED and the
+  // session stays as it was.
+  const std::atomic<bool>* cancelled = nullptr;
+};
+
+class DecodeSession {
+ public:
+  // INVALID_ARGUMENT naming the config field at fault; RESOURCE_EXHAUSTED
+  // when the cache's address space cannot be reserved.
+  static absl::StatusOr<std::unique_ptr<DecodeSession>> Create(
+      const DecodeSessionConfig& config);
+
+  // Result "output": [B, H, n, dv] in the query's dtype (attention
+  // sessions) or [B, n, Eo] in the input's dtype (model sessions), without
+  // B when the inputs have none.
+  absl::Status Step(const DecodeStepInputs& inputs,
+                    const DecodeStepOptions& options, ResultAllocator& results)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The new tokens a step with these inputs would append (validated by
+  // Step itself), or INVALID_ARGUMENT when the inputs of this session's
+  // kind are missing or of the wrong rank.
+  absl::StatusOr<int64_t> NewTokens(const DecodeStepInputs& inputs) const;
+
+  bool is_model_session() const { return layer_ != nullptr; }
+  const DecodeSessionConfig& config() const { return config_; }
+  int num_heads() const { return heads_; }
+  int num_kv_heads() const { return kv_heads_; }
+  int64_t key_dim() const { return key_dim_; }
+  int64_t value_dim() const { return value_dim_; }
+  DType dtype() const { return dtype_; }
+  int64_t batch() const { return config_.batch; }
+  int64_t max_length() const { return config_.max_length; }
+  // Tokens cached per sequence.
+  int64_t length() const { return length_.load(std::memory_order_acquire); }
+  // Memory the cache commits now, and after `new_tokens` more.
+  size_t cache_bytes() const { return BytesAfter(0); }
+  size_t BytesAfter(int64_t new_tokens) const;
+  // Floating-point operations of a step of `new_tokens` at the current
+  // length (cost estimates).
+  double StepFlops(int64_t new_tokens) const;
+
+ private:
+  DecodeSession() = default;
+  absl::Status VerifyRoom(int64_t new_tokens) const;
+  absl::Status AttentionStep(const DecodeStepInputs& in,
+                             const DecodeStepOptions& options,
+                             ResultAllocator& results)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status ModelStep(const TensorView& input,
+                         const DecodeStepOptions& options,
+                         ResultAllocator& results)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Attends `n` queries (layout `query_layout` at `query`) to the cache's
+  // first length + n tokens, writing [B, H, n, dv] at `output` by
+  // `output_layout`.
+  absl::Status Attend(const void* query, const OperandLayout& query_layout,
+                      int64_t n, void* output, DType output_dtype,
+                      const OperandLayout& output_layout,
+                      const DecodeStepOptions& options)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  DecodeSessionConfig config_;
+  std::shared_ptr<const MultiHeadLayer> layer_;
+  int heads_ = 0;
+  int kv_heads_ = 0;
+  int64_t key_dim_ = 0;
+  int64_t value_dim_ = 0;
+  DType dtype_ = DType::kFloat32;
+  RotaryOptions rotary_;
+  // Serializes steps: a step writes the cache past its length, then moves
+  // the length.
+  Mutex mu_;
+  // Set once by Create; its dims never change, its contents are written
+  // under mu_.
+  std::unique_ptr<KvCache> cache_;
+  // The cache's length, readable without the lock.
+  std::atomic<int64_t> length_{0};
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CORE_DECODE_SESSION_H_

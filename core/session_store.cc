@@ -1,0 +1,255 @@
+#include "core/session_store.h"
+
+#include <algorithm>
+#include <chrono>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "core/status_macros.h"
+
+namespace attnserve {
+namespace {
+
+// How many gone ids keep their reason for the NOT_FOUND message.
+constexpr size_t kRememberedGoneIds = 4096;
+
+absl::Duration ReaperPeriod(absl::Duration idle_timeout) {
+  return std::clamp(idle_timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
+}
+
+}  // namespace
+
+SessionStore::SessionStore(const Options& options)
+    : options_(options), id_bits_(std::random_device{}()) {
+  if (options_.idle_timeout != absl::InfiniteDuration()) {
+    reaper_ = std::thread([this] { ReaperLoop(); });
+  }
+}
+
+SessionStore::~SessionStore() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  reaper_wake_.SignalAll();
+  if (reaper_.joinable()) reaper_.join();
+  Clear();
+}
+
+void SessionStore::ReaperLoop() {
+  const auto period =
+      absl::ToChronoMilliseconds(ReaperPeriod(options_.idle_timeout));
+  while (true) {
+    {
+      MutexLock lock(&mu_);
+      if (stopping_) return;
+      reaper_wake_.WaitFor(&mu_, period);
+      if (stopping_) return;
+    }
+    ExpireIdle(absl::Now());
+  }
+}
+
+std::string SessionStore::Add(std::unique_ptr<DecodeSession> session) {
+  auto slot = std::make_shared<Slot>();
+  slot->session = std::move(session);
+  std::vector<std::shared_ptr<Slot>> freed;
+  MutexLock lock(&mu_);
+  while (options_.max_sessions > 0 &&
+         static_cast<int64_t>(sessions_.size()) >= options_.max_sessions &&
+         !lru_.empty()) {
+    Remove(lru_.back(), GoneReason::kEvicted, freed);
+  }
+  std::string id;
+  do {
+    id = absl::StrFormat("%016x%016x", id_bits_(), id_bits_());
+  } while (sessions_.contains(id) || gone_.contains(id));
+  lru_.push_front(id);
+  Entry& entry = sessions_[id];
+  entry.slot = std::move(slot);
+  entry.last_used = absl::Now();
+  entry.lru = lru_.begin();
+  ++counts_.created;
+  return id;
+}
+
+absl::Status SessionStore::NotFound(absl::string_view id) const {
+  const auto gone = gone_.find(id);
+  const std::string what = absl::StrCat("session_id: session \"", id, "\"");
+  const absl::string_view advice = "; create a new one and prefill it";
+  if (gone == gone_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "session_id: no session \"", id,
+        "\" (expired, evicted, deleted, or opened on another replica)",
+        advice));
+  }
+  switch (gone->second) {
+    case GoneReason::kExpired:
+      return absl::NotFoundError(absl::StrCat(
+          what, " expired after ", absl::FormatDuration(options_.idle_timeout),
+          " idle", advice));
+    case GoneReason::kEvicted:
+      return absl::NotFoundError(
+          absl::StrCat(what,
+                       " was evicted (least recently used) to make room for "
+                       "other sessions",
+                       advice));
+    case GoneReason::kDeleted:
+      break;
+  }
+  return absl::NotFoundError(absl::StrCat(what, " was deleted"));
+}
+
+absl::StatusOr<SessionStore::Entry*> SessionStore::Lookup(
+    absl::string_view id) {
+  const auto it = sessions_.find(id);
+  if (it == sessions_.end()) return NotFound(id);
+  Entry& entry = it->second;
+  entry.last_used = absl::Now();
+  lru_.splice(lru_.begin(), lru_, entry.lru);
+  return &entry;
+}
+
+void SessionStore::Remove(std::string id, GoneReason reason,
+                          std::vector<std::shared_ptr<Slot>>& freed) {
+  const auto it = sessions_.find(id);
+  if (it == sessions_.end()) return;
+  bytes_ -= it->second.accounted_bytes;
+  lru_.erase(it->second.lru);
+  freed.push_back(std::move(it->second.slot));
+  sessions_.erase(it);
+  switch (reason) {
+    case GoneReason::kExpired:
+      ++counts_.expired;
+      break;
+    case GoneReason::kEvicted:
+      ++counts_.evicted;
+      break;
+    case GoneReason::kDeleted:
+      ++counts_.deleted;
+      break;
+  }
+  if (gone_.size() >= kRememberedGoneIds) {
+    gone_.erase(gone_order_.front());
+    gone_order_.pop_front();
+  }
+  gone_[id] = reason;
+  gone_order_.push_back(std::move(id));
+}
+
+absl::Status SessionStore::Reserve(const std::string& id, size_t bytes,
+                                   std::vector<std::shared_ptr<Slot>>& freed) {
+  Entry* entry = &sessions_.at(id);
+  if (bytes <= entry->accounted_bytes) return absl::OkStatus();
+  const size_t extra = bytes - entry->accounted_bytes;
+  if (options_.max_bytes > 0 && bytes > options_.max_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session_id: session \"", id, "\" would need ", bytes,
+        " bytes of cache, more than the server's session memory limit of ",
+        options_.max_bytes, " bytes"));
+  }
+  while (options_.max_bytes > 0 && bytes_ + extra > options_.max_bytes) {
+    // The least recently used other session goes (this one is at the front).
+    const std::string victim = lru_.back();
+    if (victim == id) break;
+    Remove(victim, GoneReason::kEvicted, freed);
+  }
+  entry = &sessions_.at(id);  // Remove may rehash
+  bytes_ += extra;
+  entry->accounted_bytes = bytes;
+  return absl::OkStatus();
+}
+
+void SessionStore::Settle(const std::string& id,
+                          const std::shared_ptr<Slot>& slot) {
+  const auto it = sessions_.find(id);
+  if (it == sessions_.end() || it->second.slot != slot) return;  // gone
+  Entry& entry = it->second;
+  --entry.active_steps;
+  const size_t now_bytes = slot->session->cache_bytes();
+  bytes_ = bytes_ - entry.accounted_bytes + now_bytes;
+  entry.accounted_bytes = now_bytes;
+  entry.last_used = absl::Now();
+}
+
+absl::Status SessionStore::Step(absl::string_view id,
+                                const DecodeStepInputs& inputs,
+                                const DecodeStepOptions& options,
+                                ResultAllocator& results, int64_t* length) {
+  std::shared_ptr<Slot> slot;
+  {
+    MutexLock lock(&mu_);
+    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
+    slot = entry->slot;
+  }
+  DecodeSession& session = *slot->session;
+  ATTN_ASSIGN_OR_RETURN(const int64_t new_tokens, session.NewTokens(inputs));
+  const std::string key(id);
+  MutexLock step_lock(&slot->step_mu);
+  std::vector<std::shared_ptr<Slot>> freed;
+  {
+    MutexLock lock(&mu_);
+    if (!sessions_.contains(key)) return NotFound(key);  // gone meanwhile
+    ATTN_RETURN_IF_ERROR(Reserve(key, session.BytesAfter(new_tokens), freed));
+    ++sessions_.at(key).active_steps;
+  }
+  freed.clear();  // evicted sessions' memory goes back before computing
+  const absl::Status status = session.Step(inputs, options, results);
+  {
+    MutexLock lock(&mu_);
+    Settle(key, slot);
+  }
+  if (length != nullptr) *length = session.length();
+  return status;
+}
+
+absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
+    absl::string_view id) {
+  MutexLock lock(&mu_);
+  ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
+  // Shares the slot's ownership: the session lives while the caller holds it.
+  std::shared_ptr<Slot> slot = entry->slot;
+  return std::shared_ptr<const DecodeSession>(slot, slot->session.get());
+}
+
+absl::Status SessionStore::Delete(absl::string_view id) {
+  std::vector<std::shared_ptr<Slot>> freed;
+  MutexLock lock(&mu_);
+  if (!sessions_.contains(id)) return NotFound(id);
+  Remove(std::string(id), GoneReason::kDeleted, freed);
+  return absl::OkStatus();
+}
+
+void SessionStore::Clear() {
+  std::vector<std::shared_ptr<Slot>> freed;
+  MutexLock lock(&mu_);
+  while (!lru_.empty()) Remove(lru_.back(), GoneReason::kDeleted, freed);
+}
+
+void SessionStore::ExpireIdle(absl::Time now) {
+  if (options_.idle_timeout == absl::InfiniteDuration()) return;
+  std::vector<std::shared_ptr<Slot>> freed;
+  MutexLock lock(&mu_);
+  // Least recently used last: stop at the first one still fresh.
+  std::vector<std::string> expired;
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    const Entry& entry = sessions_.at(*it);
+    if (entry.active_steps > 0) continue;
+    if (now - entry.last_used < options_.idle_timeout) break;
+    expired.push_back(*it);
+  }
+  for (std::string& id : expired) {
+    Remove(std::move(id), GoneReason::kExpired, freed);
+  }
+}
+
+SessionStore::Stats SessionStore::stats() const {
+  MutexLock lock(&mu_);
+  Stats s = counts_;
+  s.open = static_cast<int64_t>(sessions_.size());
+  s.cache_bytes = bytes_;
+  return s;
+}
+
+}  // namespace attnserve

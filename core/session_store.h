@@ -1,0 +1,147 @@
+// The open decode sessions of a server, by id, within a memory budget.
+//
+// Each session gets a random id at Add. A session idle for longer than
+// `idle_timeout` expires; when a step needs cache memory past `max_bytes`,
+// or an Add finds `max_sessions` open, the least recently used other
+// sessions are evicted until it fits. A step on a session that is gone is
+// NOT_FOUND with a message that says why (expired, evicted, deleted) and
+// what to do: create a new session and prefill it. Sessions hold memory
+// until deleted, expired, evicted or the store is destroyed; a session
+// evicted while one of its steps runs is freed when that step returns (the
+// step still answers).
+//
+// Ownership: owns its sessions. Thread-safety: every method may be called
+// concurrently; steps on one session run one at a time, steps on different
+// sessions in parallel. A background thread expires idle sessions.
+#ifndef ATTNSERVE_CORE_SESSION_STORE_H_
+#define ATTNSERVE_CORE_SESSION_STORE_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <list>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "core/decode_session.h"
+#include "core/mutex.h"
+#include "core/results.h"
+
+namespace attnserve {
+
+class SessionStore {
+ public:
+  struct Options {
+    // Cache memory of all sessions together; 0: no limit.
+    size_t max_bytes = 0;
+    // Sessions idle this long are freed; absl::InfiniteDuration(): never.
+    absl::Duration idle_timeout = absl::Minutes(10);
+    // Open sessions at most; 0: no limit.
+    int64_t max_sessions = 0;
+  };
+
+  struct Stats {
+    int64_t open = 0;
+    size_t cache_bytes = 0;
+    int64_t created = 0;
+    int64_t deleted = 0;
+    int64_t expired = 0;
+    int64_t evicted = 0;  // least recently used, to make room
+  };
+
+  explicit SessionStore(const Options& options);
+  ~SessionStore();
+  SessionStore(const SessionStore&) = delete;
+  SessionStore& operator=(const SessionStore&) = delete;
+
+  // Opens `session` under a new id, evicting the least recently used
+  // session first if max_sessions are open.
+  std::string Add(std::unique_ptr<DecodeSession> session)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Runs one step of session `id` (see DecodeSession::Step), having made
+  // room for the cache memory it adds: NOT_FOUND if the session is gone,
+  // RESOURCE_EXHAUSTED if it alone would pass max_bytes. `length` gets the
+  // session's length after the step.
+  absl::Status Step(absl::string_view id, const DecodeStepInputs& inputs,
+                    const DecodeStepOptions& options, ResultAllocator& results,
+                    int64_t* length) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The session, for cost estimates and metadata; NOT_FOUND as Step.
+  absl::StatusOr<std::shared_ptr<const DecodeSession>> Find(
+      absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Frees session `id`; NOT_FOUND as Step.
+  absl::Status Delete(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Frees every session (shutdown).
+  void Clear() ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Frees the sessions idle past the timeout as of `now`; the background
+  // thread calls it, tests may too.
+  void ExpireIdle(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
+
+  Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
+  const Options& options() const { return options_; }
+
+ private:
+  // A session and the lock that runs its steps one at a time.
+  struct Slot {
+    Mutex step_mu;
+    std::unique_ptr<DecodeSession> session;
+  };
+  struct Entry {
+    std::shared_ptr<Slot> slot;
+    size_t accounted_bytes = 0;  // counted in bytes_
+    absl::Time last_used;
+    int active_steps = 0;                  // running steps never expire
+    std::list<std::string>::iterator lru;  // in lru_
+  };
+  enum class GoneReason { kExpired, kEvicted, kDeleted };
+
+  absl::StatusOr<Entry*> Lookup(absl::string_view id)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status NotFound(absl::string_view id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Removes `id`, remembering why; its slot is appended to `freed` so that
+  // the memory is released after the lock.
+  void Remove(std::string id, GoneReason reason,
+              std::vector<std::shared_ptr<Slot>>& freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Accounts `bytes` for `id`'s entry, evicting least recently used others
+  // as needed; RESOURCE_EXHAUSTED if they cannot make room.
+  absl::Status Reserve(const std::string& id, size_t bytes,
+                       std::vector<std::shared_ptr<Slot>>& freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Settle(const std::string& id, const std::shared_ptr<Slot>& slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReaperLoop() ABSL_LOCKS_EXCLUDED(mu_);
+
+  const Options options_;
+  mutable Mutex mu_;
+  CondVar reaper_wake_;
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_map<std::string, Entry> sessions_ ABSL_GUARDED_BY(mu_);
+  // Ids, most recently used first.
+  std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
+  size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  Stats counts_ ABSL_GUARDED_BY(mu_);
+  // Why recent sessions are gone, for the NOT_FOUND message (bounded).
+  absl::flat_hash_map<std::string, GoneReason> gone_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> gone_order_ ABSL_GUARDED_BY(mu_);
+  std::mt19937_64 id_bits_ ABSL_GUARDED_BY(mu_);
+  std::thread reaper_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CORE_SESSION_STORE_H_

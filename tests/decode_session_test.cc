@@ -1,0 +1,428 @@
+// Decode sessions (core/decode_session.h) against float64 references: each
+// step of an attention session equals attention over the whole history
+// (rotated, repeated for grouped heads, causal at the step's positions), and
+// each step of a model session equals the matching rows of the stateless
+// causal multi-head attention over the whole sequence. Also the session's
+// input checks, its length limit and its cache's size.
+#include "core/decode_session.h"
+
+#include <atomic>
+#include <cmath>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/multi_head_attention.h"
+#include "gtest/gtest.h"
+#include "tests/core_test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+// Rows [first, first + n) of dim -2 of a [..., L, d] reference.
+RefTensor RowsOf(const RefTensor& t, int64_t first, int64_t n) {
+  const int64_t len = t.shape[t.shape.size() - 2];
+  const int64_t d = t.shape.back();
+  RefTensor out{t.shape, {}};
+  out.shape[out.shape.size() - 2] = n;
+  const int64_t planes = static_cast<int64_t>(t.values.size()) / (len * d);
+  for (int64_t p = 0; p < planes; ++p) {
+    const auto begin = t.values.begin() + (p * len + first) * d;
+    out.values.insert(out.values.end(), begin, begin + n * d);
+  }
+  return out;
+}
+
+// [..., L1, d] and [..., L2, d] joined along dim -2.
+RefTensor Concat(const RefTensor& a, const RefTensor& b) {
+  if (a.values.empty()) return b;
+  const int64_t la = a.shape[a.shape.size() - 2];
+  const int64_t lb = b.shape[b.shape.size() - 2];
+  const int64_t d = a.shape.back();
+  RefTensor out{a.shape, {}};
+  out.shape[out.shape.size() - 2] = la + lb;
+  const int64_t planes = static_cast<int64_t>(a.values.size()) / (la * d);
+  for (int64_t p = 0; p < planes; ++p) {
+    out.values.insert(out.values.end(), a.values.begin() + p * la * d,
+                      a.values.begin() + (p + 1) * la * d);
+    out.values.insert(out.values.end(), b.values.begin() + p * lb * d,
+                      b.values.begin() + (p + 1) * lb * d);
+  }
+  return out;
+}
+
+// Keeps key j for new query i when j <= first + i: [n, first + n].
+RefTensor CausalKeep(int64_t first, int64_t n) {
+  RefTensor keep{{n, first + n}, {}};
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < first + n; ++j)
+      keep.values.push_back(j <= first + i ? 1.0 : 0.0);
+  return keep;
+}
+
+struct SessionCase {
+  std::string name;
+  int64_t batch = 1;
+  int heads = 4;
+  int kv_heads = 4;
+  int64_t dk = 8, dv = 8;
+  DType dtype = DType::kFloat32;  // the session's
+  DType input_dtype = DType::kFloat32;
+  int64_t rotary_dims = 0;
+  std::vector<int64_t> steps = {5, 1, 1, 3, 1};  // new tokens per step
+  bool batched_inputs = true;
+};
+
+void PrintTo(const SessionCase& c, std::ostream* os) { *os << c.name; }
+
+class AttentionSessionTest : public ::testing::TestWithParam<SessionCase> {};
+
+TEST_P(AttentionSessionTest, EveryStepMatchesAttentionOverTheHistory) {
+  const SessionCase& c = GetParam();
+  std::mt19937 rng(5);
+  DecodeSessionConfig config;
+  config.num_heads = c.heads;
+  config.num_kv_heads = c.kv_heads;
+  config.key_dim = c.dk;
+  config.value_dim = c.dv;
+  config.dtype = c.dtype;
+  config.rotary.dims = c.rotary_dims;
+  config.batch = c.batch;
+  config.max_length = 512;
+  auto session = DecodeSession::Create(config);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const int64_t b = c.batch;
+  RefTensor keys, values;  // the history, unrotated
+  int64_t first = 0;
+  for (int64_t n : c.steps) {
+    auto shape = [&](int64_t heads, int64_t d) {
+      return c.batched_inputs ? Shape{b, heads, n, d} : Shape{heads, n, d};
+    };
+    Tensor q = RandomTensor(c.input_dtype, shape(c.heads, c.dk), rng);
+    Tensor k = RandomTensor(c.input_dtype, shape(c.kv_heads, c.dk), rng);
+    Tensor v = RandomTensor(c.input_dtype, shape(c.kv_heads, c.dv), rng);
+    DecodeStepInputs in;
+    in.query = q.view();
+    in.key = k.view();
+    in.value = v.view();
+    TensorResults results;
+    const absl::Status status = (*session)->Step(in, {}, results);
+    ASSERT_TRUE(status.ok()) << status;
+    std::optional<Tensor> out = results.Take("output");
+    ASSERT_TRUE(out.has_value());
+    EXPECT_EQ(out->dtype(), c.input_dtype);
+
+    auto ref4 = [&](const Tensor& t, int64_t heads, int64_t d) {
+      RefTensor r = ToRef(t.view());
+      r.shape = {b, heads, n, d};
+      return r;
+    };
+    keys = Concat(keys, ref4(k, c.kv_heads, c.dk));
+    values = Concat(values, ref4(v, c.kv_heads, c.dv));
+    const int64_t group = c.heads / c.kv_heads;
+    RefTensor rq = ref4(q, c.heads, c.dk);
+    RefTensor rk = keys;
+    if (c.rotary_dims > 0) {
+      rq = RefRotary(rq, c.rotary_dims, 10000.0, first);
+      rk = RefRotary(rk, c.rotary_dims, 10000.0, 0);
+    }
+    RefAttentionResult ref =
+        RefAttend(rq, RefRepeatHeads(rk, group), RefRepeatHeads(values, group),
+                  {CausalKeep(first, n)}, {true}, {});
+    if (!c.batched_inputs) ref.output.shape.erase(ref.output.shape.begin());
+    EXPECT_TRUE(
+        AllClose(out->view(), ref.output,
+                 ToleranceFor(c.dtype == DType::kBFloat16 ? DType::kBFloat16
+                                                          : c.input_dtype)))
+        << "step at position " << first;
+    first += n;
+    EXPECT_EQ((*session)->length(), first);
+  }
+}
+
+SessionCase Case(std::string name, auto&& edit) {
+  SessionCase c;
+  c.name = std::move(name);
+  edit(c);
+  return c;
+}
+
+const SessionCase kSessionCases[] = {
+    Case("mha", [](SessionCase&) {}),
+    Case("gqa", [](SessionCase& c) { c.kv_heads = 2; }),
+    Case("mqa_batch3",
+         [](SessionCase& c) {
+           c.kv_heads = 1;
+           c.batch = 3;
+         }),
+    Case("rotary", [](SessionCase& c) { c.rotary_dims = 8; }),
+    Case("rotary_partial_gqa_dk_ne_dv",
+         [](SessionCase& c) {
+           c.kv_heads = 2;
+           c.rotary_dims = 4;
+           c.dv = 5;
+           c.batch = 2;
+         }),
+    Case("bf16_cache",
+         [](SessionCase& c) {
+           c.dtype = DType::kBFloat16;
+           c.kv_heads = 2;
+           c.rotary_dims = 8;
+         }),
+    Case("bf16_inputs",
+         [](SessionCase& c) {
+           c.dtype = DType::kBFloat16;
+           c.input_dtype = DType::kBFloat16;
+         }),
+    Case("f16_inputs_f32_cache",
+         [](SessionCase& c) { c.input_dtype = DType::kFloat16; }),
+    Case("unbatched_inputs", [](SessionCase& c) { c.batched_inputs = false; }),
+    // Past the kernel's 128-query and key blocks, one token at a time after.
+    Case("long_prefill",
+         [](SessionCase& c) {
+           c.kv_heads = 2;
+           c.steps = {300, 1, 1, 130, 1};
+         }),
+    Case("tokens_one_at_a_time",
+         [](SessionCase& c) {
+           c.kv_heads = 2;
+           c.rotary_dims = 8;
+           c.steps = std::vector<int64_t>(12, 1);
+         }),
+    Case("empty_step",
+         [](SessionCase& c) {
+           c.steps = {3, 0, 1};
+         }),
+};
+
+INSTANTIATE_TEST_SUITE_P(Table, AttentionSessionTest,
+                         ::testing::ValuesIn(kSessionCases),
+                         [](const auto& info) { return info.param.name; });
+
+class SessionFixture : public ::testing::Test {
+ protected:
+  Tensor Random(DType dtype, Shape shape) {
+    return RandomTensor(dtype, shape, rng_);
+  }
+  std::mt19937 rng_{17};
+};
+
+struct ModelCase {
+  std::string name;
+  int heads = 4;
+  int kv_heads = 2;
+  int64_t rotary_dims = 4;
+  DType compute = DType::kFloat32;
+  int64_t batch = 2;
+  bool out_proj = true;
+};
+
+void PrintTo(const ModelCase& c, std::ostream* os) { *os << c.name; }
+
+class ModelSessionTest : public ::testing::TestWithParam<ModelCase> {};
+
+TEST_P(ModelSessionTest, EveryStepMatchesCausalAttentionOverTheSequence) {
+  const ModelCase& m = GetParam();
+  std::mt19937 rng(23);
+  const int64_t e = 16, dk = 8, dv = 6, eo = 12, b = m.batch;
+  auto weight = [&](Shape shape) {
+    Tensor w = RandomTensor(DType::kFloat32, shape, rng);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(shape.back()));
+    for (int64_t i = 0; i < w.num_elements(); ++i) {
+      w.data_as<float>()[i] *= scale;
+    }
+    return w;
+  };
+  Tensor wq = weight({m.heads * dk, e}), wk = weight({m.kv_heads * dk, e}),
+         wv = weight({m.kv_heads * dv, e}), wo = weight({eo, m.heads * dv});
+  Tensor bq = RandomTensor(DType::kFloat32, {m.heads * dk}, rng);
+  Tensor bk = RandomTensor(DType::kFloat32, {m.kv_heads * dk}, rng);
+  Tensor bv = RandomTensor(DType::kFloat32, {m.kv_heads * dv}, rng);
+  MultiHeadWeights w;
+  w.num_heads = m.heads;
+  w.num_kv_heads = m.kv_heads;
+  w.q_proj_weight = wq.view();
+  w.k_proj_weight = wk.view();
+  w.v_proj_weight = wv.view();
+  w.q_proj_bias = bq.view();
+  w.k_proj_bias = bk.view();
+  w.v_proj_bias = bv.view();
+  if (m.out_proj) w.out_proj_weight = wo.view();
+  MultiHeadLayer::Options layer_options;
+  layer_options.compute_dtype = m.compute;
+  layer_options.rotary.dims = m.rotary_dims;
+  auto layer = MultiHeadLayer::Create(w, layer_options);
+  ASSERT_TRUE(layer.ok()) << layer.status();
+
+  DecodeSessionConfig config;
+  config.layer = *layer;
+  config.batch = b;
+  config.max_length = 40;
+  auto session = DecodeSession::Create(config);
+  ASSERT_TRUE(session.ok()) << session.status();
+
+  const std::vector<int64_t> steps = {7, 1, 1, 4, 1, 1};
+  int64_t total = 0;
+  for (int64_t n : steps) total += n;
+  Tensor x = RandomTensor(DType::kFloat32, {b, total, e}, rng);
+  RefMultiHeadWeights ref_w;
+  ref_w.num_heads = m.heads;
+  ref_w.num_kv_heads = m.kv_heads;
+  ref_w.rotary_dims = m.rotary_dims;
+  ref_w.q_proj_weight = ToRef(wq.view());
+  ref_w.k_proj_weight = ToRef(wk.view());
+  ref_w.v_proj_weight = ToRef(wv.view());
+  ref_w.q_proj_bias = ToRef(bq.view());
+  ref_w.k_proj_bias = ToRef(bk.view());
+  ref_w.v_proj_bias = ToRef(bv.view());
+  if (m.out_proj) ref_w.out_proj_weight = ToRef(wo.view());
+  const RefTensor all = ToRef(x.view());
+  const RefAttentionResult ref =
+      RefMultiHeadAttend(ref_w, all, all, all, {}, {}, {true, {}, {}});
+
+  int64_t first = 0;
+  for (int64_t n : steps) {
+    // This step's hidden states: rows [first, first + n) of each sequence.
+    Tensor step = RandomTensor(DType::kFloat32, {b, n, e}, rng);
+    const RefTensor rows = RowsOf(all, first, n);
+    for (size_t i = 0; i < rows.values.size(); ++i) {
+      step.data_as<float>()[i] = static_cast<float>(rows.values[i]);
+    }
+    DecodeStepInputs in;
+    in.input = step.view();
+    TensorResults results;
+    const absl::Status status = (*session)->Step(in, {}, results);
+    ASSERT_TRUE(status.ok()) << status;
+    std::optional<Tensor> out = results.Take("output");
+    ASSERT_TRUE(out.has_value());
+    EXPECT_TRUE(AllClose(out->view(), RowsOf(ref.output, first, n),
+                         ToleranceFor(m.compute)))
+        << "step at position " << first;
+    first += n;
+  }
+  EXPECT_EQ((*session)->length(), total);
+}
+
+const ModelCase kModelCases[] = {
+    {"gqa_rotary"},
+    {"mha_no_rotary", 4, 4, 0},
+    {"mqa_full_rotary_no_out_proj", 2, 1, 8, DType::kFloat32, 1, false},
+    {"bf16", 4, 2, 4, DType::kBFloat16},
+};
+
+INSTANTIATE_TEST_SUITE_P(Table, ModelSessionTest,
+                         ::testing::ValuesIn(kModelCases),
+                         [](const auto& info) { return info.param.name; });
+
+class SessionCheckTest : public SessionFixture {
+ protected:
+  SessionCheckTest() {
+    config_.num_heads = 4;
+    config_.num_kv_heads = 2;
+    config_.key_dim = 8;
+    config_.max_length = 10;
+  }
+  std::unique_ptr<DecodeSession> Make() {
+    auto s = DecodeSession::Create(config_);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? std::move(*s) : nullptr;
+  }
+  absl::Status Step(DecodeSession& s, int64_t n, int q_heads = 4,
+                    int kv_heads = 2,
+                    const std::atomic<bool>* cancel = nullptr) {
+    q_ = Random(DType::kFloat32, {1, q_heads, n, 8});
+    k_ = Random(DType::kFloat32, {1, kv_heads, n, 8});
+    v_ = Random(DType::kFloat32, {1, kv_heads, n, 8});
+    DecodeStepInputs in;
+    in.query = q_.view();
+    in.key = k_.view();
+    in.value = v_.view();
+    DecodeStepOptions options;
+    options.cancelled = cancel;
+    TensorResults results;
+    return s.Step(in, options, results);
+  }
+  absl::Status CreateError() { return DecodeSession::Create(config_).status(); }
+
+  DecodeSessionConfig config_;
+  Tensor q_, k_, v_;
+};
+
+TEST_F(SessionCheckTest, ConfigIsChecked) {
+  config_.num_kv_heads = 3;
+  EXPECT_EQ(CreateError().message(),
+            "num_kv_heads: 3 does not divide num_heads 4");
+  config_.num_kv_heads = 2;
+  config_.max_length = 0;
+  EXPECT_EQ(CreateError().message(), "max_length: must be > 0, got 0");
+  config_.max_length = 10;
+  config_.rotary.dims = 10;
+  EXPECT_EQ(CreateError().message(), "rotary_dims: 10 > head dim 8");
+  config_.rotary.dims = 0;
+  config_.dtype = DType::kFloat16;
+  EXPECT_EQ(CreateError().message(),
+            "dtype: FLOAT16 not supported for a session cache, expected "
+            "FLOAT32 or BFLOAT16");
+  config_.dtype = DType::kFloat32;
+  config_.max_length = int64_t{1} << 60;
+  EXPECT_EQ(CreateError().code(), absl::StatusCode::kInvalidArgument);
+}
+
+TEST_F(SessionCheckTest, StepShapesAreChecked) {
+  auto s = Make();
+  absl::Status status = Step(*s, 2, /*q_heads=*/2);
+  EXPECT_EQ(status.message(),
+            "query: shape [1, 2, 2, 8], expected [1, 4, 2, 8]");
+  status = Step(*s, 2, 4, /*kv_heads=*/4);
+  EXPECT_EQ(status.message(), "key: shape [1, 4, 2, 8], expected [1, 2, 2, 8]");
+  Tensor hidden = Random(DType::kFloat32, {1, 2, 32});
+  DecodeStepInputs in;
+  in.input = hidden.view();
+  TensorResults results;
+  EXPECT_EQ(s->Step(in, {}, results).message(),
+            "input: an attention session takes query, key and value, not "
+            "hidden states");
+  EXPECT_EQ(s->length(), 0);
+}
+
+TEST_F(SessionCheckTest, MaxLengthIsOutOfRangeAndLeavesTheSessionAsItWas) {
+  auto s = Make();
+  ASSERT_TRUE(Step(*s, 8).ok());
+  const absl::Status status = Step(*s, 3);
+  EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(status.message(),
+            "session: 8 cached + 3 new tokens exceed its max_length 10");
+  EXPECT_EQ(s->length(), 8);
+  EXPECT_TRUE(Step(*s, 2).ok());
+  EXPECT_EQ(s->length(), 10);
+}
+
+TEST_F(SessionCheckTest, CancelledStepLeavesTheSessionAsItWas) {
+  auto s = Make();
+  ASSERT_TRUE(Step(*s, 3).ok());
+  std::atomic<bool> cancelled{true};
+  const absl::Status status = Step(*s, 2, 4, 2, &cancelled);
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled);
+  EXPECT_EQ(s->length(), 3);
+}
+
+TEST_F(SessionCheckTest, CacheHoldsWhatItsTokensNeed) {
+  config_.num_heads = 8;
+  config_.num_kv_heads = 8;
+  config_.key_dim = 64;
+  config_.max_length = 8192;
+  auto s = Make();
+  EXPECT_EQ(s->cache_bytes(), 0u);
+  // 4096 tokens x 8 heads x 64 x 4 bytes, for keys and for values.
+  const size_t needed = size_t{4096} * 8 * 64 * 4 * 2;
+  EXPECT_EQ(s->BytesAfter(4096), needed);
+  // One token commits a page per operand, however long max_length is.
+  EXPECT_LE(s->BytesAfter(1), size_t{2} * 65536);
+  EXPECT_LE(s->BytesAfter(4097), needed + size_t{2} * 65536);
+}
+
+}  // namespace
+}  // namespace attnserve::testing
