@@ -1,0 +1,249 @@
+// SessionStore (core/session_store.h): ids, deletion, idle expiry, the
+// memory budget's least-recently-used eviction, the NOT_FOUND messages that
+// say why a session is gone, concurrent sessions, and memory going back to
+// the system when sessions are freed.
+#include "core/session_store.h"
+
+#include <unistd.h>
+
+#include <atomic>
+#include <fstream>
+#include <memory>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/time/clock.h"
+#include "core/decode_session.h"
+#include "gtest/gtest.h"
+#include "tests/core_test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+constexpr int kHeads = 2;
+constexpr int64_t kDim = 64;
+
+std::unique_ptr<DecodeSession> NewSession(int64_t max_length = 4096) {
+  DecodeSessionConfig config;
+  config.num_heads = kHeads;
+  config.key_dim = kDim;
+  config.max_length = max_length;
+  auto session = DecodeSession::Create(config);
+  EXPECT_TRUE(session.ok()) << session.status();
+  return std::move(*session);
+}
+
+// One step of `n` tokens with inputs drawn from `rng`; the output in `out`.
+absl::Status StepTokens(SessionStore& store, const std::string& id, int64_t n,
+                        std::mt19937& rng, std::optional<Tensor>* out = nullptr,
+                        int64_t* length = nullptr) {
+  Tensor q = RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng);
+  Tensor k = RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng);
+  Tensor v = RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng);
+  DecodeStepInputs in;
+  in.query = q.view();
+  in.key = k.view();
+  in.value = v.view();
+  TensorResults results;
+  absl::Status status = store.Step(id, in, {}, results, length);
+  if (out != nullptr) *out = results.Take("output");
+  return status;
+}
+
+// The bytes of one session of kHeads x kDim holding `tokens` tokens.
+size_t CacheBytes(int64_t tokens) {
+  return NewSession(/*max_length=*/tokens)->BytesAfter(tokens);
+}
+
+TEST(SessionStoreTest, StepsDeleteAndSayWhySessionsAreGone) {
+  SessionStore store({});
+  std::mt19937 rng(1);
+  const std::string id = store.Add(NewSession());
+  EXPECT_EQ(id.size(), 32u);
+  int64_t length = 0;
+  ASSERT_TRUE(StepTokens(store, id, 5, rng, nullptr, &length).ok());
+  EXPECT_EQ(length, 5);
+  ASSERT_TRUE(StepTokens(store, id, 1, rng, nullptr, &length).ok());
+  EXPECT_EQ(length, 6);
+  EXPECT_EQ(store.stats().cache_bytes, CacheBytes(6));
+  ASSERT_TRUE(store.Delete(id).ok());
+  EXPECT_EQ(store.stats().cache_bytes, 0u);
+  EXPECT_EQ(store.stats().open, 0);
+
+  absl::Status status = StepTokens(store, id, 1, rng);
+  EXPECT_EQ(status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(status.message(), "session_id: session \"" + id + "\" was deleted");
+  EXPECT_EQ(store.Delete(id).code(), absl::StatusCode::kNotFound);
+  status = StepTokens(store, "0123", 1, rng);
+  EXPECT_EQ(status.message(),
+            "session_id: no session \"0123\" (expired, evicted, deleted, or "
+            "opened on another replica); create a new one and prefill it");
+  EXPECT_NE(store.Add(NewSession()), store.Add(NewSession()));
+}
+
+TEST(SessionStoreTest, IdleSessionsExpire) {
+  SessionStore::Options options;
+  options.idle_timeout = absl::Seconds(30);
+  SessionStore store(options);
+  std::mt19937 rng(2);
+  const std::string idle = store.Add(NewSession());
+  const std::string busy = store.Add(NewSession());
+  ASSERT_TRUE(StepTokens(store, idle, 3, rng).ok());
+  store.ExpireIdle(absl::Now() + absl::Seconds(10));
+  EXPECT_EQ(store.stats().open, 2);
+  store.ExpireIdle(absl::Now() + absl::Seconds(31));
+  EXPECT_EQ(store.stats().open, 0);
+  EXPECT_EQ(store.stats().expired, 2);
+  EXPECT_EQ(store.stats().cache_bytes, 0u);
+  EXPECT_EQ(StepTokens(store, busy, 1, rng).message(),
+            "session_id: session \"" + busy +
+                "\" expired after 30s idle; create a new one and prefill it");
+}
+
+TEST(SessionStoreTest, BackgroundThreadExpiresIdleSessions) {
+  SessionStore::Options options;
+  options.idle_timeout = absl::Milliseconds(50);
+  SessionStore store(options);
+  store.Add(NewSession());
+  const absl::Time give_up = absl::Now() + absl::Seconds(20);
+  while (store.stats().open > 0 && absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(store.stats().open, 0);
+  EXPECT_EQ(store.stats().expired, 1);
+}
+
+TEST(SessionStoreTest, MemoryBudgetEvictsTheLeastRecentlyUsed) {
+  const int64_t tokens = 512;
+  SessionStore::Options options;
+  options.max_bytes = 2 * CacheBytes(tokens) + CacheBytes(tokens) / 2;
+  SessionStore store(options);
+  std::mt19937 rng(3);
+  const std::string a = store.Add(NewSession());
+  const std::string b = store.Add(NewSession());
+  const std::string c = store.Add(NewSession());
+  ASSERT_TRUE(StepTokens(store, a, tokens, rng).ok());
+  ASSERT_TRUE(StepTokens(store, b, tokens, rng).ok());
+  ASSERT_TRUE(StepTokens(store, a, 1, rng).ok());  // b is now the oldest
+  ASSERT_TRUE(StepTokens(store, c, tokens, rng).ok());
+  const SessionStore::Stats stats = store.stats();
+  EXPECT_EQ(stats.evicted, 1);
+  EXPECT_EQ(stats.open, 2);
+  EXPECT_LE(stats.cache_bytes, options.max_bytes);
+  EXPECT_EQ(StepTokens(store, b, 1, rng).message(),
+            "session_id: session \"" + b +
+                "\" was evicted (least recently used) to make room for other "
+                "sessions; create a new one and prefill it");
+  EXPECT_TRUE(StepTokens(store, a, 1, rng).ok());
+  EXPECT_TRUE(StepTokens(store, c, 1, rng).ok());
+}
+
+TEST(SessionStoreTest, SessionLargerThanTheBudgetIsRefusedAndKept) {
+  SessionStore::Options options;
+  options.max_bytes = CacheBytes(100);
+  SessionStore store(options);
+  std::mt19937 rng(4);
+  const std::string id = store.Add(NewSession());
+  ASSERT_TRUE(StepTokens(store, id, 50, rng).ok());
+  const absl::Status status = StepTokens(store, id, 200, rng);
+  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(status.message().find("more than the server's session memory "
+                                  "limit"),
+            absl::string_view::npos)
+      << status;
+  int64_t length = 0;
+  ASSERT_TRUE(StepTokens(store, id, 1, rng, nullptr, &length).ok());
+  EXPECT_EQ(length, 51);
+}
+
+TEST(SessionStoreTest, MaxSessionsEvictsTheLeastRecentlyUsed) {
+  SessionStore::Options options;
+  options.max_sessions = 2;
+  SessionStore store(options);
+  std::mt19937 rng(5);
+  const std::string a = store.Add(NewSession());
+  const std::string b = store.Add(NewSession());
+  ASSERT_TRUE(StepTokens(store, a, 1, rng).ok());
+  const std::string c = store.Add(NewSession());
+  EXPECT_EQ(store.stats().open, 2);
+  EXPECT_EQ(StepTokens(store, b, 1, rng).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(StepTokens(store, a, 1, rng).ok());
+  EXPECT_TRUE(StepTokens(store, c, 1, rng).ok());
+}
+
+// Sessions stepped from several threads at once answer what each answers
+// alone.
+TEST(SessionStoreTest, ConcurrentSessionsMatchSerialRuns) {
+  constexpr int kSessions = 4;
+  constexpr int kSteps = 12;
+  auto run = [](SessionStore& store, const std::string& id, int seed) {
+    std::mt19937 rng(seed);
+    std::vector<Tensor> outputs;
+    for (int s = 0; s < kSteps; ++s) {
+      std::optional<Tensor> out;
+      EXPECT_TRUE(StepTokens(store, id, s == 0 ? 20 : 1, rng, &out).ok());
+      outputs.push_back(std::move(*out));
+    }
+    return outputs;
+  };
+  SessionStore serial_store({});
+  std::vector<std::vector<Tensor>> serial;
+  for (int i = 0; i < kSessions; ++i) {
+    serial.push_back(run(serial_store, serial_store.Add(NewSession()), i));
+  }
+  SessionStore store({});
+  std::vector<std::string> ids;
+  for (int i = 0; i < kSessions; ++i) ids.push_back(store.Add(NewSession()));
+  std::vector<std::vector<Tensor>> parallel(kSessions);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kSessions; ++i) {
+    threads.emplace_back([&, i] { parallel[i] = run(store, ids[i], i); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int i = 0; i < kSessions; ++i) {
+    for (int s = 0; s < kSteps; ++s) {
+      ASSERT_EQ(parallel[i][s].num_bytes(), serial[i][s].num_bytes());
+      EXPECT_EQ(0, std::memcmp(parallel[i][s].data(), serial[i][s].data(),
+                               serial[i][s].num_bytes()))
+          << "session " << i << " step " << s;
+    }
+  }
+}
+
+// Resident set size of this process, from /proc/self/statm.
+size_t ResidentBytes() {
+  std::ifstream statm("/proc/self/statm");
+  size_t pages_total = 0, pages_resident = 0;
+  statm >> pages_total >> pages_resident;
+  return pages_resident * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+}
+
+TEST(SessionStoreTest, FreedSessionsGiveTheirMemoryBack) {
+  SessionStore store({});
+  std::mt19937 rng(6);
+  // Four sessions of 8192 tokens x 2 heads x 64 x 4 bytes x (K and V) =
+  // 8 MiB each, filled and deleted; the first round also warms the buffer
+  // pool that the steps' inputs and outputs come from, which keeps its
+  // buffers.
+  size_t before = 0, full = 0;
+  for (int round = 0; round < 2; ++round) {
+    if (round == 1) before = ResidentBytes();
+    std::vector<std::string> ids;
+    for (int i = 0; i < 4; ++i) {
+      ids.push_back(store.Add(NewSession(/*max_length=*/32768)));
+      ASSERT_TRUE(StepTokens(store, ids.back(), 8192, rng).ok());
+    }
+    full = ResidentBytes();
+    EXPECT_EQ(store.stats().cache_bytes, 4 * CacheBytes(8192));
+    for (const std::string& id : ids) ASSERT_TRUE(store.Delete(id).ok());
+  }
+  const size_t after = ResidentBytes();
+  EXPECT_GE(full, before + size_t{30} * 1024 * 1024);
+  EXPECT_LE(after, before + size_t{2} * 1024 * 1024)
+      << "before " << before << " full " << full << " after " << after;
+}
+
+}  // namespace
+}  // namespace attnserve::testing
