@@ -68,21 +68,27 @@ absl::Status VerifyBatchedRank(const TensorView& t, absl::string_view field,
                  : ""));
 }
 
-// Copies `rows` rows of `row_elems` elements from a dense [B, heads, n, d]
-// source into cache rows (b, first + t, h, :).
-void ScatterIntoCache(const void* src, DType dtype, int64_t batch,
-                      int64_t heads, int64_t n, int64_t d, KvCache& cache,
-                      bool keys, int64_t first) {
-  const size_t row_bytes = d * DTypeSize(dtype);
+// Copies the n new tokens of `src`, a [B, heads, n, d] operand laid out as
+// `layout`, into the cache's rows first .. first + n - 1 of each (batch,
+// head): of its keys, or of its values.
+void AppendToCache(const void* src, const OperandLayout& layout, int64_t batch,
+                   int64_t heads, int64_t n, int64_t d, bool keys,
+                   int64_t first, KvCache& cache) {
+  const size_t elem = DTypeSize(cache.dims().dtype);
   const char* from = static_cast<const char*>(src);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
+      char* to = static_cast<char*>(keys ? cache.key_row(b, h, first)
+                                         : cache.value_row(b, h, first));
+      const char* head =
+          from + (b * layout.batch_stride + h * layout.head_stride) * elem;
+      if (layout.row_stride == d) {  // the head's rows are contiguous
+        std::memcpy(to, head, n * d * elem);
+        continue;
+      }
       for (int64_t t = 0; t < n; ++t) {
-        char* to = static_cast<char*>(keys ? cache.key_row(b, first + t)
-                                           : cache.value_row(b, first + t)) +
-                   h * row_bytes;
-        std::memcpy(to, from + ((b * heads + h) * n + t) * row_bytes,
-                    row_bytes);
+        std::memcpy(to + t * d * elem, head + t * layout.row_stride * elem,
+                    d * elem);
       }
     }
   }
@@ -133,8 +139,8 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
   return s;
 }
 
-size_t DecodeSession::BytesAfter(int64_t new_tokens) const {
-  return cache_->BytesFor(std::min(length() + new_tokens, config_.max_length));
+size_t DecodeSession::BytesAt(int64_t tokens) const {
+  return cache_->BytesFor(std::clamp<int64_t>(tokens, 0, config_.max_length));
 }
 
 double DecodeSession::StepFlops(int64_t new_tokens) const {
@@ -189,10 +195,16 @@ absl::StatusOr<int64_t> DecodeSession::NewTokens(
   return in.query->dim(-2);
 }
 
-absl::Status DecodeSession::VerifyRoom(int64_t new_tokens) const {
-  if (new_tokens <= config_.max_length - length()) return absl::OkStatus();
+absl::Status DecodeSession::VerifyRoom(int64_t start,
+                                       int64_t new_tokens) const {
+  if (start < 0 || start > length()) {
+    return absl::InvalidArgumentError(absl::StrCat("position: ", start,
+                                                   " is not in [0, ", length(),
+                                                   "] (the tokens cached)"));
+  }
+  if (new_tokens <= config_.max_length - start) return absl::OkStatus();
   return absl::OutOfRangeError(
-      absl::StrCat("session: ", length(), " cached + ", new_tokens,
+      absl::StrCat("session: ", start, " cached + ", new_tokens,
                    " new tokens exceed its max_length ", config_.max_length));
 }
 
@@ -201,7 +213,12 @@ absl::Status DecodeSession::Step(const DecodeStepInputs& inputs,
                                  ResultAllocator& results) {
   MutexLock lock(&mu_);
   ATTN_ASSIGN_OR_RETURN(const int64_t n, NewTokens(inputs));
-  ATTN_RETURN_IF_ERROR(VerifyRoom(n));
+  const int64_t start = inputs.position.value_or(length());
+  ATTN_RETURN_IF_ERROR(VerifyRoom(start, n));
+  if (start < length()) {
+    cache_->Truncate(start);
+    length_.store(start, std::memory_order_release);
+  }
   absl::Status status = layer_ != nullptr
                             ? ModelStep(*inputs.input, options, results)
                             : AttentionStep(inputs, options, results);
@@ -238,12 +255,12 @@ absl::Status DecodeSession::AttentionStep(const DecodeStepInputs& in,
                         OperandData::From(key, dtype_, "key"));
   ATTN_ASSIGN_OR_RETURN(OperandData value_data,
                         OperandData::From(value, dtype_, "value"));
-  ScatterIntoCache(key_data.data(), dtype_, batch, kv_heads_, n, key_dim_,
-                   *cache_, /*keys=*/true, first);
-  ScatterIntoCache(value_data.data(), dtype_, batch, kv_heads_, n, value_dim_,
-                   *cache_, /*keys=*/false, first);
-  ApplyRotary(rotary_, dtype_, cache_->key_row(0, first), cache_->key_layout(),
-              batch, kv_heads_, n, first);
+  AppendToCache(key_data.data(), DenseLayout(kv_heads_, n, key_dim_), batch,
+                kv_heads_, n, key_dim_, /*keys=*/true, first, *cache_);
+  AppendToCache(value_data.data(), DenseLayout(kv_heads_, n, value_dim_), batch,
+                kv_heads_, n, value_dim_, /*keys=*/false, first, *cache_);
+  ApplyRotary(rotary_, dtype_, cache_->key_row(0, 0, first),
+              cache_->key_layout(), batch, kv_heads_, n, first);
 
   ATTN_ASSIGN_OR_RETURN(OperandData query_data,
                         OperandData::From(query, dtype_, "query"));
@@ -287,7 +304,6 @@ absl::Status DecodeSession::ModelStep(const TensorView& input,
   }
   const int64_t n = input.dim(-2);
   const int64_t first = length();
-  const int64_t e = layer.query_dim();
   const Shape output_shape = batched ? Shape{batch, n, layer.output_dim()}
                                      : Shape{n, layer.output_dim()};
   ATTN_ASSIGN_OR_RETURN(
@@ -295,22 +311,26 @@ absl::Status DecodeSession::ModelStep(const TensorView& input,
       ResultBuffer::Allocate(results, "output", input.dtype, output_shape,
                              /*bf16_ok=*/dtype_ == DType::kBFloat16));
   if (n == 0) return absl::OkStatus();
-  const size_t elem = DTypeSize(dtype_);
   ATTN_ASSIGN_OR_RETURN(OperandData x,
                         OperandData::From(input, dtype_, "input"));
 
-  // Keys and values are projected straight into the cache, one sequence's
-  // rows at a time (each sequence's rows are contiguous there).
-  for (int64_t b = 0; b < batch; ++b) {
-    const void* xb = static_cast<const char*>(x.data()) + b * n * e * elem;
-    ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kKey, n, xb,
-                                           cache_->key_row(b, first), dtype_));
-    ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kValue, n, xb,
-                                           cache_->value_row(b, first),
-                                           dtype_));
-  }
-  ApplyRotary(rotary_, dtype_, cache_->key_row(0, first), cache_->key_layout(),
-              batch, kv_heads_, n, first);
+  // Keys and values: projected for every sequence at once, [B, n, Hkv*d],
+  // then each head's rows appended to its plane of the cache.
+  ATTN_ASSIGN_OR_RETURN(
+      Tensor k, Tensor::Allocate(dtype_, {batch, n, kv_heads_ * key_dim_}));
+  ATTN_ASSIGN_OR_RETURN(
+      Tensor v, Tensor::Allocate(dtype_, {batch, n, kv_heads_ * value_dim_}));
+  ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kKey, batch * n,
+                                         x.data(), k.data(), dtype_));
+  ATTN_RETURN_IF_ERROR(layer.ProjectPart(
+      MultiHeadLayer::Part::kValue, batch * n, x.data(), v.data(), dtype_));
+  AppendToCache(k.data(), InterleavedHeadsLayout(kv_heads_, n, key_dim_), batch,
+                kv_heads_, n, key_dim_, /*keys=*/true, first, *cache_);
+  AppendToCache(v.data(), InterleavedHeadsLayout(kv_heads_, n, value_dim_),
+                batch, kv_heads_, n, value_dim_, /*keys=*/false, first,
+                *cache_);
+  ApplyRotary(rotary_, dtype_, cache_->key_row(0, 0, first),
+              cache_->key_layout(), batch, kv_heads_, n, first);
   ATTN_ASSIGN_OR_RETURN(
       Tensor q, Tensor::Allocate(dtype_, {batch, n, heads_ * key_dim_}));
   ATTN_RETURN_IF_ERROR(layer.ProjectPart(
@@ -343,7 +363,8 @@ absl::Status DecodeSession::Attend(const void* query,
                                    const OperandLayout& output_layout,
                                    const DecodeStepOptions& options) {
   AttentionOptions attention;
-  attention.scale = options.scale;
+  attention.scale =
+      options.scale.has_value() ? options.scale : config_.default_scale;
   attention.temperature = options.temperature;
   AttentionProblem p;
   p.batch = config_.batch;

@@ -58,6 +58,9 @@ struct DecodeSessionConfig {
   int64_t batch = 1;
   // Tokens a sequence may hold; steps past it fail with OUT_OF_RANGE.
   int64_t max_length = 0;
+  // The scale of steps that give none (a model's default_scale); unset:
+  // 1/sqrt(dk).
+  std::optional<float> default_scale;
 };
 
 struct DecodeStepInputs {
@@ -68,6 +71,11 @@ struct DecodeStepInputs {
   std::optional<TensorView> query;
   std::optional<TensorView> key;
   std::optional<TensorView> value;
+  // Where the step's tokens start: unset, after every cached token; a
+  // smaller position first drops the cached tokens from there on (a
+  // speculative draft that was rejected, a regenerated answer). A step that
+  // fails after dropping leaves the session at `position` tokens.
+  std::optional<int64_t> position;
 };
 
 struct DecodeStepOptions {
@@ -110,16 +118,21 @@ class DecodeSession {
   int64_t max_length() const { return config_.max_length; }
   // Tokens cached per sequence.
   int64_t length() const { return length_.load(std::memory_order_acquire); }
-  // Memory the cache commits now, and after `new_tokens` more.
-  size_t cache_bytes() const { return BytesAfter(0); }
-  size_t BytesAfter(int64_t new_tokens) const;
+  // Memory the cache commits now, and when holding `tokens` tokens.
+  size_t cache_bytes() const { return BytesAt(length()); }
+  size_t BytesAt(int64_t tokens) const;
+  // The length a step with these inputs ends at (checked by Step).
+  int64_t LengthAfter(const DecodeStepInputs& inputs,
+                      int64_t new_tokens) const {
+    return inputs.position.value_or(length()) + new_tokens;
+  }
   // Floating-point operations of a step of `new_tokens` at the current
   // length (cost estimates).
   double StepFlops(int64_t new_tokens) const;
 
  private:
   DecodeSession() = default;
-  absl::Status VerifyRoom(int64_t new_tokens) const;
+  absl::Status VerifyRoom(int64_t start, int64_t new_tokens) const;
   absl::Status AttentionStep(const DecodeStepInputs& in,
                              const DecodeStepOptions& options,
                              ResultAllocator& results)

@@ -16,6 +16,9 @@ size_t PageSize() {
   return page;
 }
 
+// A rewind gives pages back when it drops at least this much of a plane.
+constexpr size_t kReleaseBytes = size_t{256} << 10;
+
 size_t RoundUpToPage(size_t bytes) {
   const size_t page = PageSize();
   return (bytes + page - 1) / page * page;
@@ -31,6 +34,10 @@ absl::StatusOr<void*> Reserve(size_t bytes, absl::string_view what) {
         absl::StrCat("session cache: cannot reserve ", bytes, " bytes for ",
                      what, ": ", std::strerror(errno)));
   }
+  // Small pages: a cache then commits what its tokens fill, not 2 MiB
+  // huge pages on the first token, and a rewind releases pages without
+  // splitting a huge one (which costs more than the step).
+  madvise(p, bytes, MADV_NOHUGEPAGE);
   return p;
 }
 
@@ -39,59 +46,80 @@ absl::StatusOr<void*> Reserve(size_t bytes, absl::string_view what) {
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Dims& dims) {
   std::unique_ptr<KvCache> cache(new KvCache());
   cache->dims_ = dims;
-  cache->key_region_ = cache->RegionBytes(dims.key_dim);
-  cache->value_region_ = cache->RegionBytes(dims.value_dim);
-  auto keys = Reserve(cache->key_region_ * dims.batch, "keys");
+  cache->key_plane_ = cache->PlaneBytes(dims.key_dim);
+  cache->value_plane_ = cache->PlaneBytes(dims.value_dim);
+  const size_t planes = static_cast<size_t>(dims.batch * dims.kv_heads);
+  auto keys = Reserve(cache->key_plane_ * planes, "keys");
   if (!keys.ok()) return keys.status();
   cache->keys_ = *keys;
-  auto values = Reserve(cache->value_region_ * dims.batch, "values");
+  auto values = Reserve(cache->value_plane_ * planes, "values");
   if (!values.ok()) return values.status();
   cache->values_ = *values;
   return cache;
 }
 
 KvCache::~KvCache() {
-  if (keys_ != nullptr) munmap(keys_, key_region_ * dims_.batch);
-  if (values_ != nullptr) munmap(values_, value_region_ * dims_.batch);
+  const size_t planes = static_cast<size_t>(dims_.batch * dims_.kv_heads);
+  if (keys_ != nullptr) munmap(keys_, key_plane_ * planes);
+  if (values_ != nullptr) munmap(values_, value_plane_ * planes);
 }
 
-size_t KvCache::RegionBytes(int64_t dim) const {
-  return RoundUpToPage(
-      static_cast<size_t>(dims_.max_length * dims_.kv_heads * dim) *
-      DTypeSize(dims_.dtype));
+size_t KvCache::PlaneBytes(int64_t dim) const {
+  return RoundUpToPage(static_cast<size_t>(dims_.max_length * dim) *
+                       DTypeSize(dims_.dtype));
 }
 
 size_t KvCache::BytesFor(int64_t tokens) const {
   const size_t elem = DTypeSize(dims_.dtype);
-  const size_t per_entry =
-      RoundUpToPage(
-          static_cast<size_t>(tokens * dims_.kv_heads * dims_.key_dim) * elem) +
-      RoundUpToPage(
-          static_cast<size_t>(tokens * dims_.kv_heads * dims_.value_dim) *
-          elem);
-  return per_entry * dims_.batch;
+  tokens = std::max(tokens, written_);
+  const size_t per_plane =
+      RoundUpToPage(static_cast<size_t>(tokens * dims_.key_dim) * elem) +
+      RoundUpToPage(static_cast<size_t>(tokens * dims_.value_dim) * elem);
+  return per_plane * static_cast<size_t>(dims_.batch * dims_.kv_heads);
+}
+
+void KvCache::Truncate(int64_t new_length) {
+  length_ = new_length;
+  const size_t elem = DTypeSize(dims_.dtype);
+  const size_t dropped = static_cast<size_t>(written_ - new_length) *
+                         std::max(dims_.key_dim, dims_.value_dim) * elem;
+  if (dropped < kReleaseBytes) return;
+  const size_t planes = static_cast<size_t>(dims_.batch * dims_.kv_heads);
+  const auto release = [&](void* base, size_t plane, int64_t dim) {
+    const size_t keep =
+        RoundUpToPage(static_cast<size_t>(new_length * dim) * elem);
+    if (keep >= plane) return;
+    for (size_t i = 0; i < planes; ++i) {
+      // Anonymous private pages read back as zeros once released.
+      madvise(static_cast<char*>(base) + i * plane + keep, plane - keep,
+              MADV_DONTNEED);
+    }
+  };
+  release(keys_, key_plane_, dims_.key_dim);
+  release(values_, value_plane_, dims_.value_dim);
+  written_ = new_length;
 }
 
 OperandLayout KvCache::key_layout() const {
-  const int64_t elem = static_cast<int64_t>(DTypeSize(dims_.dtype));
-  return {static_cast<int64_t>(key_region_) / elem, dims_.key_dim,
-          dims_.kv_heads * dims_.key_dim};
+  const int64_t plane =
+      static_cast<int64_t>(key_plane_ / DTypeSize(dims_.dtype));
+  return {dims_.kv_heads * plane, plane, dims_.key_dim};
 }
 
 OperandLayout KvCache::value_layout() const {
-  const int64_t elem = static_cast<int64_t>(DTypeSize(dims_.dtype));
-  return {static_cast<int64_t>(value_region_) / elem, dims_.value_dim,
-          dims_.kv_heads * dims_.value_dim};
+  const int64_t plane =
+      static_cast<int64_t>(value_plane_ / DTypeSize(dims_.dtype));
+  return {dims_.kv_heads * plane, plane, dims_.value_dim};
 }
 
-void* KvCache::key_row(int64_t b, int64_t token) {
-  return static_cast<char*>(keys_) + b * key_region_ +
-         token * dims_.kv_heads * dims_.key_dim * DTypeSize(dims_.dtype);
+void* KvCache::key_row(int64_t b, int64_t h, int64_t token) {
+  return static_cast<char*>(keys_) + (b * dims_.kv_heads + h) * key_plane_ +
+         token * dims_.key_dim * DTypeSize(dims_.dtype);
 }
 
-void* KvCache::value_row(int64_t b, int64_t token) {
-  return static_cast<char*>(values_) + b * value_region_ +
-         token * dims_.kv_heads * dims_.value_dim * DTypeSize(dims_.dtype);
+void* KvCache::value_row(int64_t b, int64_t h, int64_t token) {
+  return static_cast<char*>(values_) + (b * dims_.kv_heads + h) * value_plane_ +
+         token * dims_.value_dim * DTypeSize(dims_.dtype);
 }
 
 }  // namespace attnserve

@@ -1,18 +1,21 @@
-// The keys and values a decode session has seen, token-major:
-// keys [batch, max_length, kv_heads, key_dim] and values
-// [batch, max_length, kv_heads, value_dim] in FLOAT32 or BFLOAT16.
+// The keys and values a decode session has seen, head-major as attention
+// reads them: keys [batch, kv_heads, max_length, key_dim] and values
+// [batch, kv_heads, max_length, value_dim] in FLOAT32 or BFLOAT16, each
+// (batch, head) plane starting on a page.
 //
 // The whole max_length is reserved as address space once (an anonymous
 // mapping that commits no memory); the kernel commits pages as tokens are
 // written into them, so the cache grows a page at a time, never moves, and
-// holds within one page per batch entry of the bytes its tokens need. The
-// destructor unmaps it: the memory goes back to the system at once.
+// holds within one page per (batch, head) plane of the bytes its tokens
+// need. The destructor unmaps it: the memory goes back to the system at
+// once.
 //
 // Ownership: owns its mapping. Thread-safety: none; its session serializes
 // access.
 #ifndef ATTNSERVE_CORE_KV_CACHE_H_
 #define ATTNSERVE_CORE_KV_CACHE_H_
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -45,8 +48,17 @@ class KvCache {
   int64_t length() const { return length_; }
   // Makes tokens [length, new_length) part of the cache: they must have
   // been written.
-  void set_length(int64_t new_length) { length_ = new_length; }
-  // The memory the cache commits when holding `tokens` tokens (whole pages).
+  void set_length(int64_t new_length) {
+    length_ = new_length;
+    written_ = std::max(written_, new_length);
+  }
+  // Drops the tokens from `new_length` on (<= length()). Their pages go
+  // back to the system when they are many (kReleaseBytes a plane): giving
+  // back pages costs a TLB shootdown of every thread, more than a decode
+  // step, so a rewind by a few tokens keeps them for the tokens that follow.
+  void Truncate(int64_t new_length);
+  // The memory the cache commits when holding `tokens` tokens (whole
+  // pages), counting the pages a rewind kept.
   size_t BytesFor(int64_t tokens) const;
   size_t bytes() const { return BytesFor(length_); }
 
@@ -56,20 +68,24 @@ class KvCache {
   OperandLayout value_layout() const;
   void* keys() { return keys_; }
   void* values() { return values_; }
-  // Where token `token` of batch entry `b` starts: kv_heads * dim elements.
-  void* key_row(int64_t b, int64_t token);
-  void* value_row(int64_t b, int64_t token);
+  // Where token `token` of (batch entry `b`, head `h`) starts: dim
+  // elements, followed by the head's next tokens.
+  void* key_row(int64_t b, int64_t h, int64_t token);
+  void* value_row(int64_t b, int64_t h, int64_t token);
 
  private:
   KvCache() = default;
-  size_t RegionBytes(int64_t dim) const;  // one batch entry's, page-rounded
+  // One (batch, head) plane's bytes for max_length tokens, page-rounded.
+  size_t PlaneBytes(int64_t dim) const;
 
   Dims dims_;
   int64_t length_ = 0;
+  // Tokens whose pages are committed: length_, or more after a rewind.
+  int64_t written_ = 0;
   void* keys_ = nullptr;
   void* values_ = nullptr;
-  size_t key_region_ = 0;    // bytes per batch entry
-  size_t value_region_ = 0;  // bytes per batch entry
+  size_t key_plane_ = 0;
+  size_t value_plane_ = 0;
 };
 
 }  // namespace attnserve

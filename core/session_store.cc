@@ -14,6 +14,23 @@ namespace {
 // How many gone ids keep their reason for the NOT_FOUND message.
 constexpr size_t kRememberedGoneIds = 4096;
 
+// Ids are 32 hex digits; anything much longer is no id, and is not echoed
+// (the status must stay small enough to reach the client).
+constexpr size_t kMaxIdBytes = 128;
+
+absl::Status VerifySessionId(absl::string_view id) {
+  if (id.empty()) {
+    return absl::InvalidArgumentError(
+        "session_id: empty, expected the id CreateSession returned");
+  }
+  if (id.size() > kMaxIdBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_id: ", id.size(),
+                     " bytes, longer than any session id (32 hex digits)"));
+  }
+  return absl::OkStatus();
+}
+
 absl::Duration ReaperPeriod(absl::Duration idle_timeout) {
   return std::clamp(idle_timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
 }
@@ -103,6 +120,7 @@ absl::Status SessionStore::NotFound(absl::string_view id) const {
 
 absl::StatusOr<SessionStore::Entry*> SessionStore::Lookup(
     absl::string_view id) {
+  ATTN_RETURN_IF_ERROR(VerifySessionId(id));
   const auto it = sessions_.find(id);
   if (it == sessions_.end()) return NotFound(id);
   Entry& entry = it->second;
@@ -191,7 +209,8 @@ absl::Status SessionStore::Step(absl::string_view id,
   {
     MutexLock lock(&mu_);
     if (!sessions_.contains(key)) return NotFound(key);  // gone meanwhile
-    ATTN_RETURN_IF_ERROR(Reserve(key, session.BytesAfter(new_tokens), freed));
+    ATTN_RETURN_IF_ERROR(Reserve(
+        key, session.BytesAt(session.LengthAfter(inputs, new_tokens)), freed));
     ++sessions_.at(key).active_steps;
   }
   freed.clear();  // evicted sessions' memory goes back before computing
@@ -216,6 +235,7 @@ absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
 absl::Status SessionStore::Delete(absl::string_view id) {
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
+  ATTN_RETURN_IF_ERROR(VerifySessionId(id));
   if (!sessions_.contains(id)) return NotFound(id);
   Remove(std::string(id), GoneReason::kDeleted, freed);
   return absl::OkStatus();

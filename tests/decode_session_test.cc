@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <random>
@@ -409,6 +410,78 @@ TEST_F(SessionCheckTest, CancelledStepLeavesTheSessionAsItWas) {
   EXPECT_EQ(s->length(), 3);
 }
 
+TEST_F(SessionCheckTest, PositionDropsTheTailFirst) {
+  // Tokens 0-5, then a step at position 4: the same as tokens 0-3 then that
+  // step.
+  std::mt19937 rng(8);
+  const auto random = [&](int heads, int64_t n) {
+    return RandomTensor(DType::kFloat32, {1, heads, n, 8}, rng);
+  };
+  Tensor q6 = random(4, 6), k6 = random(2, 6), v6 = random(2, 6);
+  Tensor q2 = random(4, 2), k2 = random(2, 2), v2 = random(2, 2);
+  // The first four tokens of k6/v6/q6, as their own tensors.
+  const auto first4 = [](const Tensor& t) {
+    const int64_t heads = t.shape()[1];
+    Tensor out = *Tensor::Allocate(DType::kFloat32, {1, heads, 4, 8});
+    for (int64_t h = 0; h < heads; ++h) {
+      std::memcpy(out.data_as<float>() + h * 32, t.data_as<float>() + h * 48,
+                  32 * sizeof(float));
+    }
+    return out;
+  };
+  Tensor q4 = first4(q6), k4 = first4(k6), v4 = first4(v6);
+  const auto step = [](DecodeSession& s, const Tensor& q, const Tensor& k,
+                       const Tensor& v, std::optional<int64_t> position) {
+    DecodeStepInputs in{std::nullopt, q.view(), k.view(), v.view(), position};
+    TensorResults results;
+    const absl::Status status = s.Step(in, {}, results);
+    EXPECT_TRUE(status.ok()) << status;
+    return results.Take("output");
+  };
+  auto rewound = Make();
+  auto fresh = Make();
+  step(*rewound, q6, k6, v6, std::nullopt);
+  step(*fresh, q4, k4, v4, std::nullopt);
+  std::optional<Tensor> a = step(*rewound, q2, k2, v2, 4);
+  std::optional<Tensor> b = step(*fresh, q2, k2, v2, std::nullopt);
+  ASSERT_TRUE(a.has_value() && b.has_value());
+  EXPECT_EQ(rewound->length(), 6);
+  EXPECT_EQ(0, std::memcmp(a->data(), b->data(), a->num_bytes()));
+
+  DecodeStepInputs in{std::nullopt, q2.view(), k2.view(), v2.view(), 7};
+  TensorResults results;
+  EXPECT_EQ(rewound->Step(in, {}, results).message(),
+            "position: 7 is not in [0, 6] (the tokens cached)");
+  EXPECT_EQ(rewound->length(), 6);
+}
+
+TEST_F(SessionCheckTest, LongRewindsGiveMemoryBackShortOnesKeepIt) {
+  config_.num_heads = 2;
+  config_.num_kv_heads = 2;
+  config_.key_dim = 64;
+  config_.max_length = 8192;
+  auto s = Make();
+  const auto step = [&](int64_t n, std::optional<int64_t> position) {
+    Tensor q = Random(DType::kFloat32, {2, n, 64});
+    Tensor k = Random(DType::kFloat32, {2, n, 64});
+    Tensor v = Random(DType::kFloat32, {2, n, 64});
+    DecodeStepInputs in{std::nullopt, q.view(), k.view(), v.view(), position};
+    TensorResults results;
+    EXPECT_TRUE(s->Step(in, {}, results).ok());
+  };
+  step(4096, std::nullopt);
+  const size_t full = s->cache_bytes();
+  EXPECT_EQ(full, s->BytesAt(4096));
+  // Back one token: the pages stay committed (and counted).
+  step(1, 4095);
+  EXPECT_EQ(s->length(), 4096);
+  EXPECT_EQ(s->cache_bytes(), full);
+  // Back to the start: 1 MiB a plane dropped, given back.
+  step(1, 0);
+  EXPECT_EQ(s->length(), 1);
+  EXPECT_LT(s->cache_bytes(), full / 64);
+}
+
 TEST_F(SessionCheckTest, CacheHoldsWhatItsTokensNeed) {
   config_.num_heads = 8;
   config_.num_kv_heads = 8;
@@ -418,10 +491,10 @@ TEST_F(SessionCheckTest, CacheHoldsWhatItsTokensNeed) {
   EXPECT_EQ(s->cache_bytes(), 0u);
   // 4096 tokens x 8 heads x 64 x 4 bytes, for keys and for values.
   const size_t needed = size_t{4096} * 8 * 64 * 4 * 2;
-  EXPECT_EQ(s->BytesAfter(4096), needed);
+  EXPECT_EQ(s->BytesAt(4096), needed);
   // One token commits a page per operand, however long max_length is.
-  EXPECT_LE(s->BytesAfter(1), size_t{2} * 65536);
-  EXPECT_LE(s->BytesAfter(4097), needed + size_t{2} * 65536);
+  EXPECT_LE(s->BytesAt(1), size_t{2} * 65536);
+  EXPECT_LE(s->BytesAt(4097), needed + size_t{2} * 65536);
 }
 
 }  // namespace

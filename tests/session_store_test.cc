@@ -54,7 +54,7 @@ absl::Status StepTokens(SessionStore& store, const std::string& id, int64_t n,
 
 // The bytes of one session of kHeads x kDim holding `tokens` tokens.
 size_t CacheBytes(int64_t tokens) {
-  return NewSession(/*max_length=*/tokens)->BytesAfter(tokens);
+  return NewSession(/*max_length=*/tokens)->BytesAt(tokens);
 }
 
 TEST(SessionStoreTest, StepsDeleteAndSayWhySessionsAreGone) {
