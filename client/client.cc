@@ -90,6 +90,23 @@ absl::StatusOr<v1::LayerNormResponse> AttnClient::LayerNorm(
   return Call(stub_.get(), &v1::AttentionService::Stub::LayerNorm, request);
 }
 
+absl::StatusOr<v1::CreateSessionResponse> AttnClient::CreateSession(
+    const v1::CreateSessionRequest& request) {
+  return Call(stub_.get(), &v1::AttentionService::Stub::CreateSession, request);
+}
+
+absl::StatusOr<v1::SessionStepResponse> AttnClient::SessionStep(
+    const v1::SessionStepRequest& request) {
+  return Call(stub_.get(), &v1::AttentionService::Stub::SessionStep, request);
+}
+
+absl::Status AttnClient::DeleteSession(const std::string& session_id) {
+  v1::DeleteSessionRequest request;
+  request.set_session_id(session_id);
+  return Call(stub_.get(), &v1::AttentionService::Stub::DeleteSession, request)
+      .status();
+}
+
 absl::StatusOr<v1::ListModelsResponse> AttnClient::ListModels() {
   return Call(stub_.get(), &v1::AttentionService::Stub::ListModels,
               v1::ListModelsRequest());

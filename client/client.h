@@ -115,6 +115,13 @@ class AttnClient {
                                    const OpParams& params,
                                    bool shared_memory = false);
 
+  // Decode sessions: keys and values stay on the server between steps.
+  absl::StatusOr<v1::CreateSessionResponse> CreateSession(
+      const v1::CreateSessionRequest& request);
+  absl::StatusOr<v1::SessionStepResponse> SessionStep(
+      const v1::SessionStepRequest& request);
+  absl::Status DeleteSession(const std::string& session_id);
+
   // The server's health for `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
       const std::string& service);

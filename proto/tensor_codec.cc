@@ -238,6 +238,7 @@ absl::StatusOr<MultiHeadWeights> DecodeAttentionWeights(
     const v1::AttentionWeights& weights, SharedMemoryResolver* shared_memory) {
   MultiHeadWeights decoded;
   decoded.num_heads = weights.num_heads();
+  decoded.num_kv_heads = weights.num_kv_heads();
   for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
     const v1::Tensor* tensor = FindWeightTensor(weights, field);
     if (tensor == nullptr) continue;

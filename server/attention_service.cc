@@ -64,6 +64,9 @@ std::string Describe(const google::protobuf::Message& request) {
     if (field->name() == "model" || field->name() == "model_name") {
       absl::StrAppend(&out, out.empty() ? "" : " ",
                       "model=", reflection->GetString(request, field));
+    } else if (field->name() == "session_id") {
+      absl::StrAppend(&out, out.empty() ? "" : " ",
+                      "session=", reflection->GetString(request, field));
     } else if (field->message_type() == v1::Tensor::descriptor() &&
                !field->is_repeated()) {
       const auto& tensor = static_cast<const v1::Tensor&>(
@@ -147,6 +150,7 @@ AttentionServiceImpl::AttentionServiceImpl(const ServiceConfig& config)
       attend_messages_(kPooledMessages, kPooledBytes),
       multi_head_messages_(kPooledMessages, kPooledBytes),
       layer_norm_messages_(kPooledMessages, kPooledBytes),
+      session_step_messages_(kPooledMessages, kPooledBytes),
       model_infer_messages_(kPooledMessages, kPooledBytes) {}
 
 template <typename Request, typename Response, typename Bind>
@@ -456,6 +460,45 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ListSharedMemory(
       [this](const v1::ListSharedMemoryRequest& request,
              v1::ListSharedMemoryResponse* response) {
         return HandleListSharedMemory(request, config_.shared_memory, response);
+      });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CreateSession(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return ServeInline<v1::CreateSessionRequest, v1::CreateSessionResponse>(
+      context, *request, response,
+      [this](const v1::CreateSessionRequest& request,
+             v1::CreateSessionResponse* response) {
+        if (draining_.load()) {
+          return absl::UnavailableError(
+              "server is shutting down; create the session on another "
+              "replica");
+        }
+        return HandleCreateSession(request, config_.models, config_.sessions,
+                                   config_.max_session_length, response);
+      });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::SessionStep(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return Serve(context, *request, response, &session_step_messages_,
+               [this](const v1::SessionStepRequest& request) {
+                 SessionStepHandler handle(request, config_.sessions);
+                 const RequestCost cost = CostOf(request, handle.session());
+                 return Bound(cost, std::move(handle));
+               });
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteSession(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
+    grpc::ByteBuffer* response) {
+  return ServeInline<v1::DeleteSessionRequest, v1::DeleteSessionResponse>(
+      context, *request, response,
+      [this](const v1::DeleteSessionRequest& request,
+             v1::DeleteSessionResponse*) {
+        return HandleDeleteSession(request, config_.sessions);
       });
 }
 

@@ -54,6 +54,10 @@ struct ServiceConfig {
   // Required: the cores compute calls share. Each call leases its share
   // (no more threads than its size keeps busy) while it computes.
   ThreadBudget* thread_budget = nullptr;
+  // Null: decode sessions are off (their RPCs answer FAILED_PRECONDITION).
+  SessionStore* sessions = nullptr;
+  // The longest session, and the length of sessions created without one.
+  int64_t max_session_length = 0;
   // Null: no authentication.
   const TokenAuthenticator* auth = nullptr;
   // Write one access-log line per call to stderr.
@@ -64,19 +68,23 @@ struct ServiceConfig {
 };
 
 // Every RPC on gRPC's raw callback API: requests and responses as bytes.
-using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_Attend<
-    v1::AttentionService::WithRawCallbackMethod_MultiHeadAttend<
-        v1::AttentionService::WithRawCallbackMethod_LayerNorm<
-            v1::AttentionService::WithRawCallbackMethod_ListModels<
-                v1::AttentionService::WithRawCallbackMethod_GetModelMetadata<
-                    v1::AttentionService::
-                        WithRawCallbackMethod_RegisterSharedMemory<
-                            v1::AttentionService::
-                                WithRawCallbackMethod_UnregisterSharedMemory<
-                                    v1::AttentionService::
-                                        WithRawCallbackMethod_ListSharedMemory<
-                                            v1::AttentionService::
-                                                Service>>>>>>>>;
+using v1::AttentionService;
+using RawAttentionService = AttentionService::WithRawCallbackMethod_Attend<
+    AttentionService::WithRawCallbackMethod_MultiHeadAttend<
+        AttentionService::WithRawCallbackMethod_LayerNorm<
+            AttentionService::WithRawCallbackMethod_ListModels<
+                AttentionService::WithRawCallbackMethod_GetModelMetadata<
+                    AttentionService::WithRawCallbackMethod_RegisterSharedMemory<
+                        AttentionService::WithRawCallbackMethod_UnregisterSharedMemory<
+                            AttentionService::WithRawCallbackMethod_ListSharedMemory<
+                                AttentionService::
+                                    WithRawCallbackMethod_CreateSession<
+                                        AttentionService::
+                                            WithRawCallbackMethod_SessionStep<
+                                                AttentionService::
+                                                    WithRawCallbackMethod_DeleteSession<
+                                                        AttentionService::
+                                                            Service>>>>>>>>>>>;
 
 // Each compute call: limits checked from the request's shapes, deadline
 // checked against the estimated compute time, then queued on the scheduler
@@ -113,6 +121,18 @@ class AttentionServiceImpl final : public RawAttentionService {
   grpc::ServerUnaryReactor* ListSharedMemory(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer* request,
       grpc::ByteBuffer* response) override;
+  // Decode sessions: CreateSession and DeleteSession answer on gRPC's
+  // thread (refused while draining: a new session would die with the
+  // server); SessionStep is a compute call.
+  grpc::ServerUnaryReactor* CreateSession(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* SessionStep(grpc::CallbackServerContext* context,
+                                        const grpc::ByteBuffer* request,
+                                        grpc::ByteBuffer* response) override;
+  grpc::ServerUnaryReactor* DeleteSession(grpc::CallbackServerContext* context,
+                                          const grpc::ByteBuffer* request,
+                                          grpc::ByteBuffer* response) override;
 
   // The Open Inference Protocol's ModelInfer (server/open_inference.h):
   // authenticated, parsed, translated to the native call of its model,
@@ -210,6 +230,8 @@ class AttentionServiceImpl final : public RawAttentionService {
   MessagePool<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>
       multi_head_messages_;
   MessagePool<v1::LayerNormRequest, v1::LayerNormResponse> layer_norm_messages_;
+  MessagePool<v1::SessionStepRequest, v1::SessionStepResponse>
+      session_step_messages_;
   MessagePool<inference::ModelInferRequest, inference::ModelInferResponse>
       model_infer_messages_;
 };

@@ -69,19 +69,27 @@ AttentionOptions AttentionOptionsOf(const Request& request) {
   return options;
 }
 
+// The served model `name` (request field `model`); `without_repository`
+// says what to do instead on a server that has none.
+absl::StatusOr<std::shared_ptr<const Model>> FindModel(
+    absl::string_view name, const ModelRepository* models,
+    absl::string_view without_repository) {
+  ATTN_RETURN_IF_ERROR(VerifyModelName(name, "model"));
+  if (models == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "model: '", name, "' not found: this server has no model repository; ",
+        without_repository));
+  }
+  return models->Find(name);
+}
+
 // The served model a request names; null when it sends its weights inline.
 absl::StatusOr<std::shared_ptr<const Model>> RequestedModel(
     const v1::MultiHeadAttendRequest& request, const ModelRepository* models) {
   switch (request.weights_source_case()) {
     case v1::MultiHeadAttendRequest::kModel:
-      ATTN_RETURN_IF_ERROR(VerifyModelName(request.model(), "model"));
-      if (models == nullptr) {
-        return absl::NotFoundError(absl::StrCat(
-            "model: '", request.model(),
-            "' not found: this server has no model repository; send the "
-            "weights inline in `weights`"));
-      }
-      return models->Find(request.model());
+      return FindModel(request.model(), models,
+                       "send the weights inline in `weights`");
     case v1::MultiHeadAttendRequest::kWeights:
       return nullptr;
     default:
@@ -137,6 +145,53 @@ absl::Status RunMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
 absl::Status NoSharedMemory() {
   return absl::FailedPreconditionError(
       "shared memory is off on this server (--max_shared_memory_mb=0)");
+}
+
+absl::Status NoSessions() {
+  return absl::FailedPreconditionError(
+      "decode sessions are off on this server (--max_session_memory_mb=0)");
+}
+
+// A CreateSession request as the core's session config.
+absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
+    const v1::CreateSessionRequest& request, const ModelRepository* models,
+    int64_t max_length) {
+  DecodeSessionConfig config;
+  if (request.max_length() < 0 || request.max_length() > max_length) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_length: ", request.max_length(), " is not in [0, ", max_length,
+        "] (0: the server's --max_session_length ", max_length, ")"));
+  }
+  config.max_length =
+      request.max_length() == 0 ? max_length : request.max_length();
+  if (request.batch() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("batch: must be >= 0 (0 means 1), got ", request.batch()));
+  }
+  config.batch = request.batch() == 0 ? 1 : request.batch();
+  if (!request.model().empty()) {
+    ATTN_ASSIGN_OR_RETURN(
+        std::shared_ptr<const Model> model,
+        FindModel(request.model(), models,
+                  "give num_heads and head_dim for an attention session"));
+    config.layer =
+        std::shared_ptr<const MultiHeadLayer>(model, model->layer.get());
+    if (model->config.has_default_scale()) {
+      config.default_scale = model->config.default_scale();
+    }
+    return config;
+  }
+  config.num_heads = request.num_heads();
+  config.num_kv_heads = request.num_kv_heads();
+  config.key_dim = request.head_dim();
+  config.value_dim = request.value_head_dim();
+  if (request.dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+    ATTN_ASSIGN_OR_RETURN(config.dtype,
+                          DTypeFromProto(request.dtype(), "dtype"));
+  }
+  config.rotary.dims = request.rotary_dims();
+  if (request.has_rotary_base()) config.rotary.base = request.rotary_base();
+  return config;
 }
 
 }  // namespace
@@ -212,6 +267,69 @@ absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
   return VerifySharedMemoryIntact(control);
 }
 
+absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
+                                 const ModelRepository* models,
+                                 SessionStore* sessions, int64_t max_length,
+                                 v1::CreateSessionResponse* response) {
+  if (sessions == nullptr) return NoSessions();
+  ATTN_ASSIGN_OR_RETURN(const DecodeSessionConfig config,
+                        SessionConfigOf(request, models, max_length));
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
+                        DecodeSession::Create(config));
+  response->set_max_length(session->max_length());
+  response->set_num_heads(session->num_heads());
+  response->set_num_kv_heads(session->num_kv_heads());
+  response->set_head_dim(session->key_dim());
+  response->set_value_head_dim(session->value_dim());
+  response->set_batch(session->batch());
+  response->set_session_id(sessions->Add(std::move(session)));
+  return absl::OkStatus();
+}
+
+absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
+                                 SessionStore* sessions) {
+  if (sessions == nullptr) return NoSessions();
+  return sessions->Delete(request.session_id());
+}
+
+SessionStepHandler::SessionStepHandler(const v1::SessionStepRequest& request,
+                                       SessionStore* sessions)
+    : sessions_(sessions) {
+  if (sessions == nullptr) return;
+  auto found = sessions->Find(request.session_id());
+  if (found.ok()) session_ = *std::move(found);
+}
+
+const DecodeSession* SessionStepHandler::session() const {
+  return session_.get();
+}
+
+absl::Status SessionStepHandler::operator()(
+    const v1::SessionStepRequest& request, v1::SessionStepResponse* response,
+    const CallControl& control) const {
+  if (sessions_ == nullptr) return NoSessions();
+  DecodeStepInputs inputs;
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, input, control, &inputs.input));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, query, control, &inputs.query));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, key, control, &inputs.key));
+  ATTN_RETURN_IF_ERROR(
+      ATTN_OPTIONAL_TENSOR(request, value, control, &inputs.value));
+  DecodeStepOptions options;
+  if (request.has_scale()) options.scale = request.scale();
+  if (request.has_temperature()) options.temperature = request.temperature();
+  if (request.has_position()) inputs.position = request.position();
+  options.cancelled = control.cancelled;
+  WireResults results = ResultsOf(request, response, nullptr, control);
+  int64_t length = 0;
+  ATTN_RETURN_IF_ERROR(
+      sessions_->Step(request.session_id(), inputs, options, results, &length));
+  response->set_length(length);
+  return VerifySharedMemoryIntact(control);
+}
+
 absl::Status HandleListModels(const ModelRepository* models,
                               v1::ListModelsResponse* response) {
   if (models == nullptr) return absl::OkStatus();
@@ -247,6 +365,9 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   response->set_output_dim(layer.output_dim());
   response->set_compute_dtype(DTypeToProto(layer.compute_dtype()));
   response->set_description(model->config.description());
+  response->set_num_kv_heads(layer.num_kv_heads());
+  response->set_rotary_dims(static_cast<int32_t>(layer.rotary().dims));
+  if (layer.rotary().dims > 0) response->set_rotary_base(layer.rotary().base);
   const auto add = [](auto* list, const char* name, v1::DataType dtype,
                       std::initializer_list<int64_t> shape) {
     v1::TensorMetadata* t = list->Add();

@@ -19,6 +19,7 @@
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/multi_head_attention.h"
+#include "core/session_store.h"
 #include "server/model_repository.h"
 #include "server/shared_memory.h"
 
@@ -70,6 +71,35 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
 absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
                              v1::LayerNormResponse* response,
                              const CallControl& control = {});
+
+// Decode sessions. `sessions` null means sessions are off
+// (FAILED_PRECONDITION); `models` may be null (no repository).
+// `max_length` is the server's limit, and the length of sessions created
+// without one.
+absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
+                                 const ModelRepository* models,
+                                 SessionStore* sessions, int64_t max_length,
+                                 v1::CreateSessionResponse* response);
+absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
+                                 SessionStore* sessions);
+
+// SessionStep with the session looked up when the call arrives, for its
+// cost estimate; the step itself looks it up again (it may be gone by
+// then). Copyable.
+class SessionStepHandler {
+ public:
+  SessionStepHandler(const v1::SessionStepRequest& request,
+                     SessionStore* sessions);
+  // Null when the session was not found (the step will say why).
+  const DecodeSession* session() const;
+  absl::Status operator()(const v1::SessionStepRequest& request,
+                          v1::SessionStepResponse* response,
+                          const CallControl& control) const;
+
+ private:
+  SessionStore* sessions_;
+  std::shared_ptr<const DecodeSession> session_;
+};
 
 // `models` may be null (no repository).
 absl::Status HandleListModels(const ModelRepository* models,

@@ -63,6 +63,21 @@ ABSL_FLAG(int64_t, max_shared_memory_mb,
           attnserve::ServerOptions().max_shared_memory_mb,
           "Most shared memory clients on this host may register at once, MiB "
           "(0: shared memory off).");
+ABSL_FLAG(int64_t, max_session_memory_mb,
+          attnserve::ServerOptions().max_session_memory_mb,
+          "Key/value cache memory of all decode sessions together, MiB; past "
+          "it the least recently used sessions are evicted (0: sessions "
+          "off).");
+ABSL_FLAG(int, session_idle_timeout_s,
+          attnserve::ServerOptions().session_idle_timeout_s,
+          "Seconds a decode session may sit idle before it is freed.");
+ABSL_FLAG(int, max_sessions, attnserve::ServerOptions().max_sessions,
+          "Open decode sessions at most; one more evicts the least recently "
+          "used.");
+ABSL_FLAG(int64_t, max_session_length,
+          attnserve::ServerOptions().max_session_length,
+          "Tokens a decode session may hold, and the length of sessions "
+          "created without max_length.");
 ABSL_FLAG(int64_t, max_request_memory_mb,
           attnserve::ServerOptions().max_request_memory_mb,
           "Largest memory a call may need for results and intermediates, MiB.");
@@ -83,6 +98,10 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.max_tensor_elements = absl::GetFlag(FLAGS_max_tensor_elements);
   options.max_request_memory_mb = absl::GetFlag(FLAGS_max_request_memory_mb);
   options.max_shared_memory_mb = absl::GetFlag(FLAGS_max_shared_memory_mb);
+  options.max_session_memory_mb = absl::GetFlag(FLAGS_max_session_memory_mb);
+  options.session_idle_timeout_s = absl::GetFlag(FLAGS_session_idle_timeout_s);
+  options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.max_session_length = absl::GetFlag(FLAGS_max_session_length);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);

@@ -111,6 +111,27 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
       "\n# HELP attnserve_models_loaded Models in the repository.\n"
       "# TYPE attnserve_models_loaded gauge\nattnserve_models_loaded ",
       gauges.models_loaded,
+      "\n# HELP attnserve_sessions_open Decode sessions open.\n"
+      "# TYPE attnserve_sessions_open gauge\nattnserve_sessions_open ",
+      gauges.sessions.open,
+      "\n# HELP attnserve_session_cache_bytes Key/value cache memory of the "
+      "open decode sessions.\n"
+      "# TYPE attnserve_session_cache_bytes gauge\n"
+      "attnserve_session_cache_bytes ",
+      gauges.sessions.cache_bytes,
+      "\n# HELP attnserve_sessions_closed_total Decode sessions freed, by "
+      "why.\n"
+      "# TYPE attnserve_sessions_closed_total counter\n"
+      "attnserve_sessions_closed_total{reason=\"deleted\"} ",
+      gauges.sessions.deleted,
+      "\nattnserve_sessions_closed_total{reason=\"expired\"} ",
+      gauges.sessions.expired,
+      "\nattnserve_sessions_closed_total{reason=\"evicted\"} ",
+      gauges.sessions.evicted,
+      "\n# HELP attnserve_sessions_created_total Decode sessions created.\n"
+      "# TYPE attnserve_sessions_created_total counter\n"
+      "attnserve_sessions_created_total ",
+      gauges.sessions.created,
       "\n# HELP attnserve_build_info Build information.\n"
       "# TYPE attnserve_build_info gauge\n"
       "attnserve_build_info{version=\"" ATTNSERVE_VERSION

@@ -17,6 +17,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/mutex.h"
+#include "core/session_store.h"
 #include "server/http_listener.h"
 
 namespace attnserve {
@@ -26,6 +27,7 @@ struct ServingGauges {
   int inflight = 0;
   int queued = 0;
   int models_loaded = 0;
+  SessionStore::Stats sessions;
 };
 
 class Metrics {

@@ -56,6 +56,24 @@ absl::StatusOr<v1::ModelConfig> ParseConfig(absl::string_view text,
         path,
         ": compute_dtype must be DATA_TYPE_FLOAT32 or DATA_TYPE_BFLOAT16"));
   }
+  if (config.num_kv_heads() < 0 ||
+      (config.num_kv_heads() > 0 &&
+       config.num_heads() % config.num_kv_heads() != 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": num_kv_heads ", config.num_kv_heads(),
+                     " does not divide num_heads ", config.num_heads()));
+  }
+  if (config.rotary_dims() < 0 || config.rotary_dims() % 2 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": rotary_dims must be even and >= 0, got ",
+                     config.rotary_dims()));
+  }
+  if (config.has_rotary_base() &&
+      !(std::isfinite(config.rotary_base()) && config.rotary_base() > 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": rotary_base must be finite and > 1, got ",
+                     config.rotary_base()));
+  }
   if (config.has_default_scale() && !std::isfinite(config.default_scale())) {
     return absl::InvalidArgumentError(
         absl::StrCat(path, ": default_scale must be finite"));
@@ -161,11 +179,16 @@ absl::StatusOr<std::shared_ptr<const Model>> ParseModel(
   ATTN_ASSIGN_OR_RETURN(
       MultiHeadWeights weights,
       WeightsFrom(file, model->config.num_heads(), weights_path));
+  weights.num_kv_heads = model->config.num_kv_heads();
   MultiHeadLayer::Options options;
   options.compute_dtype =
       model->config.compute_dtype() == v1::DATA_TYPE_BFLOAT16 ? DType::kBFloat16
                                                               : DType::kFloat32;
   options.pack = true;  // copies and packs: `file` may go
+  options.rotary.dims = model->config.rotary_dims();
+  if (model->config.has_rotary_base()) {
+    options.rotary.base = model->config.rotary_base();
+  }
   auto layer = MultiHeadLayer::Create(weights, options);
   if (!layer.ok()) {
     return absl::Status(

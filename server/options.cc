@@ -111,6 +111,27 @@ absl::Status VerifyLimits(const ServerOptions& options) {
         absl::StrCat("--max_shared_memory_mb: ", options.max_shared_memory_mb,
                      " is out of range, expected 0 (off) to 2^40"));
   }
+  if (options.max_session_memory_mb < 0 ||
+      options.max_session_memory_mb > (int64_t{1} << 40)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_session_memory_mb: ", options.max_session_memory_mb,
+                     " is out of range, expected 0 (sessions off) to 2^40"));
+  }
+  if (options.session_idle_timeout_s <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--session_idle_timeout_s: ", options.session_idle_timeout_s,
+        " must be > 0"));
+  }
+  if (options.max_sessions <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_sessions: ", options.max_sessions, " must be > 0"));
+  }
+  if (options.max_session_length <= 0 ||
+      options.max_session_length > (int64_t{1} << 30)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_session_length: ", options.max_session_length,
+                     " is out of range, expected 1 to 2^30"));
+  }
   if (options.max_request_memory_mb <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_request_memory_mb: ", options.max_request_memory_mb,

@@ -47,6 +47,17 @@ struct ServerOptions {
   // Most shared memory clients on this host may register at once, MiB
   // (RegisterSharedMemory); 0 turns shared memory off.
   int64_t max_shared_memory_mb = 4096;
+  // Decode sessions (CreateSession): the key/value cache memory of all
+  // sessions together, MiB. A step that needs more evicts the least
+  // recently used other sessions; 0 turns sessions off.
+  int64_t max_session_memory_mb = 4096;
+  // Seconds a session may sit idle (no step) before it is freed.
+  int session_idle_timeout_s = 600;
+  // Open sessions at most; creating one more evicts the least recently used.
+  int max_sessions = 10000;
+  // Tokens a session's sequence may hold at most, and the length of
+  // sessions created without max_length.
+  int64_t max_session_length = 32768;
   // Port of the Prometheus metrics page (GET /metrics) on `host`; 0 picks a
   // free port, -1 turns it off.
   int metrics_port = 9090;

@@ -96,8 +96,10 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
     e_out = w.has_out_proj_weight() ? Dim(w.out_proj_weight(), 0) : hdv;
     // Heads that do not split the projections fail the call: 2^31 of them
     // must not price it (per-head weights) out of the memory limit first.
+    const int kv_heads =
+        w.num_kv_heads() > 0 ? w.num_kv_heads() : w.num_heads();
     if (w.num_heads() <= 0 || std::fmod(hdk, w.num_heads()) != 0 ||
-        std::fmod(hdv, w.num_heads()) != 0) {
+        std::fmod(hdv, kv_heads) != 0) {
       return cost;
     }
     heads = w.num_heads();
@@ -115,6 +117,29 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
   cost.largest_tensor =
       std::max({Elements(r.query()), Elements(r.key()), Elements(r.value()),
                 Elements(r.attn_mask()), Elements(r.key_padding_mask())});
+  return cost;
+}
+
+RequestCost CostOf(const v1::SessionStepRequest& r,
+                   const DecodeSession* session) {
+  RequestCost cost;
+  if (session == nullptr ||
+      !AllValid({&r.input(), &r.query(), &r.key(), &r.value()})) {
+    return cost;
+  }
+  const bool model = session->is_model_session();
+  const v1::Tensor& leading = model ? r.input() : r.query();
+  if (leading.shape_size() < 2) return cost;
+  const double n = Dim(leading, -2);
+  const double batch = static_cast<double>(session->batch());
+  cost.flops = session->StepFlops(static_cast<int64_t>(n));
+  // The step's projections or converted operands and its output; the
+  // cache's growth is the session store's to limit.
+  const double width =
+      session->num_heads() * (session->key_dim() + 2.0 * session->value_dim());
+  cost.bytes = static_cast<int64_t>(std::min(batch * n * width * 4, 9e18));
+  cost.largest_tensor = std::max({Elements(r.input()), Elements(r.query()),
+                                  Elements(r.key()), Elements(r.value())});
   return cost;
 }
 

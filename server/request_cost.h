@@ -13,6 +13,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
+#include "core/decode_session.h"
 #include "core/multi_head_attention.h"
 
 namespace attnserve {
@@ -30,6 +31,9 @@ RequestCost CostOf(const v1::AttendRequest& request);
 RequestCost CostOf(const v1::MultiHeadAttendRequest& request,
                    const MultiHeadLayer* layer);
 RequestCost CostOf(const v1::LayerNormRequest& request);
+// `session`: the one the request names (null when it was not found).
+RequestCost CostOf(const v1::SessionStepRequest& request,
+                   const DecodeSession* session);
 
 // RESOURCE_EXHAUSTED when `cost` exceeds the server's limits on the
 // elements of one tensor or the bytes a call allocates; checked before

@@ -93,8 +93,18 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     server->shared_memory_ = std::make_unique<SharedMemoryRegistry>(
         static_cast<uint64_t>(options.max_shared_memory_mb) << 20);
   }
+  if (options.max_session_memory_mb > 0) {
+    SessionStore::Options sessions;
+    sessions.max_bytes = static_cast<size_t>(options.max_session_memory_mb)
+                         << 20;
+    sessions.idle_timeout = absl::Seconds(options.session_idle_timeout_s);
+    sessions.max_sessions = options.max_sessions;
+    server->sessions_ = std::make_unique<SessionStore>(sessions);
+  }
   ServiceConfig config;
   config.shared_memory = server->shared_memory_.get();
+  config.sessions = server->sessions_.get();
+  config.max_session_length = options.max_session_length;
   config.auth = server->auth_.get();
   config.metrics = server->metrics_.get();
   config.access_log = ShouldLog(options, LogSeverity::kInfo);
@@ -149,6 +159,7 @@ std::string AttnServer::RenderMetrics() const {
   gauges.queued = scheduler_->queued();
   gauges.models_loaded =
       models_ != nullptr ? static_cast<int>(models_->List().size()) : 0;
+  if (sessions_ != nullptr) gauges.sessions = sessions_->stats();
   return metrics_->Render(gauges);
 }
 

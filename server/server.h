@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/session_store.h"
 #include "grpcpp/server.h"
 #include "server/attention_service.h"
 #include "server/metrics.h"
@@ -73,6 +74,9 @@ class AttnServer {
   // Null when shared memory is off. Declared before the service and the
   // gRPC server, so that it is destroyed (its regions unmapped) after them.
   std::unique_ptr<SharedMemoryRegistry> shared_memory_;
+  // Null when sessions are off; destroyed after the service, freeing every
+  // session's cache.
+  std::unique_ptr<SessionStore> sessions_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<OpenInferenceService> open_inference_service_;
   std::unique_ptr<grpc::Server> server_;

@@ -35,6 +35,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/shared_memory.h"
@@ -73,6 +74,15 @@ constexpr int64_t kMaxRequestMemoryMb = 64;
 constexpr char kRegion[] = "hostile";
 constexpr uint64_t kRegionBytes = 4096;
 constexpr char kModel[] = "demo";
+// Stand-ins for the ids of the decode sessions the suite opens, replaced
+// in each request's bytes before it is sent (ids and stand-ins are 32
+// bytes, so the message stays well formed): an attention session (2 query
+// heads, 1 key/value head, head dim 8), a session of the model, and one
+// to delete.
+constexpr char kAttentionSession[] = "attention-session-placeholder-01";
+constexpr char kModelSession[] = "model-session-placeholder-000001";
+constexpr char kDeleteSession[] = "delete-session-placeholder-00001";
+constexpr int64_t kSessionMaxLength = 4096;
 
 // ---------------------------------------------------------------------------
 // Cases.
@@ -255,6 +265,27 @@ v1::MultiHeadAttendRequest MhaModelBase() {
   v1::MultiHeadAttendRequest r;
   r.set_model(kModel);
   *r.mutable_query() = Floats({2, 3, 8}, 41);
+  return r;
+}
+
+// A step of the attention session: 3 tokens at position 0 (each case
+// starts the session over, so cases do not see each other's tokens).
+v1::SessionStepRequest SessionStepBase() {
+  v1::SessionStepRequest r;
+  r.set_session_id(kAttentionSession);
+  r.set_position(0);
+  *r.mutable_query() = Floats({2, 3, 8}, 31);
+  *r.mutable_key() = Floats({1, 3, 8}, 32);
+  *r.mutable_value() = Floats({1, 3, 8}, 33);
+  return r;
+}
+
+// A step of the model session: hidden states [3, 8] at position 0.
+v1::SessionStepRequest SessionModelStepBase() {
+  v1::SessionStepRequest r;
+  r.set_session_id(kModelSession);
+  r.set_position(0);
+  *r.mutable_input() = Floats({3, 8}, 34);
   return r;
 }
 
@@ -518,6 +549,10 @@ std::vector<TensorField> TensorFields() {
   for (const char* name : {"input", "gamma", "beta"}) {
     fields.push_back({Factory(&LayerNormBase), {name}});
   }
+  fields.push_back({Factory(&SessionModelStepBase), {"input"}});
+  for (const char* name : {"query", "key", "value"}) {
+    fields.push_back({Factory(&SessionStepBase), {name}});
+  }
   return fields;
 }
 
@@ -715,7 +750,13 @@ void AddNonFiniteValues(std::vector<HostileCase>& cases) {
     // Data fields whose element 0 feeds batch 0 only; weights feed all.
     const bool per_batch = field.path.size() == 1 && field.name() != "gamma" &&
                            field.name() != "beta";
-    if (rpc == "Attend") {
+    if (rpc == "SessionStep") {
+      // A query's NaN stays in its head's row; a key's, value's or hidden
+      // state's reaches every row (each sees token 0).
+      check = field.name() == "query"
+                  ? ExpectFirstHalfNotFinite<v1::SessionStepResponse>()
+                  : ExpectNanInEveryRow<v1::SessionStepResponse>();
+    } else if (rpc == "Attend") {
       check = ExpectFirstHalfNotFinite<v1::AttendResponse>();
     } else if (rpc == "LayerNorm") {
       check = per_batch ? ExpectFirstHalfNotFinite<v1::LayerNormResponse>()
@@ -1960,6 +2001,169 @@ void AddSharedMemoryRpcCases(std::vector<HostileCase>& cases,
   cases.push_back(Pending(ls_garbage, kPendingParseErrors));
 }
 
+void AddSessionCases(std::vector<HostileCase>& cases) {
+  const auto attention = [] {
+    v1::CreateSessionRequest r;
+    r.set_num_heads(2);
+    r.set_head_dim(8);
+    return r;
+  };
+  cases.push_back(Ok(attention(), "valid_attention", ""));
+  v1::CreateSessionRequest create = attention();
+  create.set_model(kModel);
+  cases.push_back(Ok(create, "valid_model", "model"));
+  create.set_model("nope");
+  cases.push_back(Case(create, "model_unknown", "model", Code::kNotFound,
+                       "model: 'nope' not found; loaded models: demo"));
+  create.set_model("../x");
+  cases.push_back(Invalid(create, "model_slash", "model",
+                          "model: '../x' contains '/'; a model name is the "
+                          "name of a folder in the model repository"));
+  const auto invalid = [&](const char* name, const char* field, auto&& edit,
+                           std::string message) {
+    v1::CreateSessionRequest r = attention();
+    edit(r);
+    cases.push_back(Invalid(r, name, field, std::move(message)));
+  };
+  invalid(
+      "num_heads_0", "num_heads", [](auto& r) { r.set_num_heads(0); },
+      "num_heads: must be > 0, got 0");
+  invalid(
+      "num_kv_heads_3_of_2", "num_kv_heads",
+      [](auto& r) { r.set_num_kv_heads(3); },
+      "num_kv_heads: 3 does not divide num_heads 2");
+  invalid(
+      "head_dim_0", "head_dim", [](auto& r) { r.set_head_dim(0); },
+      "head_dim: must be > 0, got 0");
+  invalid(
+      "value_head_dim_negative", "value_head_dim",
+      [](auto& r) { r.set_value_head_dim(-1); },
+      "value_head_dim: must be >= 0, got -1");
+  invalid(
+      "dtype_float16", "dtype",
+      [](auto& r) { r.set_dtype(v1::DATA_TYPE_FLOAT16); },
+      "dtype: FLOAT16 not supported for a session cache, expected "
+      "FLOAT32 or BFLOAT16");
+  invalid(
+      "rotary_dims_odd", "rotary_dims", [](auto& r) { r.set_rotary_dims(3); },
+      "rotary_dims: must be even and >= 0 (the halves rotate in pairs), "
+      "got 3");
+  invalid(
+      "rotary_dims_past_head_dim", "rotary_dims",
+      [](auto& r) { r.set_rotary_dims(16); }, "rotary_dims: 16 > head dim 8");
+  invalid(
+      "rotary_base_below_1", "rotary_base",
+      [](auto& r) {
+        r.set_rotary_dims(2);
+        r.set_rotary_base(0.5f);
+      },
+      "rotary_dims: base must be finite and > 1, got 0.5");
+  invalid(
+      "max_length_negative", "max_length",
+      [](auto& r) { r.set_max_length(-1); },
+      "max_length: -1 is not in [0, 32768] (0: the server's "
+      "--max_session_length 32768)");
+  invalid(
+      "max_length_2_40", "max_length",
+      [](auto& r) { r.set_max_length(int64_t{1} << 40); },
+      "max_length: 1099511627776 is not in [0, 32768] (0: the server's "
+      "--max_session_length 32768)");
+  invalid(
+      "batch_negative", "batch", [](auto& r) { r.set_batch(-1); },
+      "batch: must be >= 0 (0 means 1), got -1");
+  v1::CreateSessionRequest huge = attention();
+  huge.set_head_dim(int64_t{1} << 50);
+  huge.set_batch(int64_t{1} << 20);
+  cases.push_back(Glob(Invalid(huge, "cache_bytes_overflow", "max_length",
+                               "max_length: shape * overflows 64-bit size")));
+
+  cases.push_back(Ok(SessionStepBase(), "valid_attention", "",
+                     ExpectShape<v1::SessionStepResponse>({2, 3, 8})));
+  cases.push_back(Ok(SessionModelStepBase(), "valid_model", "input",
+                     ExpectShape<v1::SessionStepResponse>({3, 8})));
+  v1::SessionStepRequest step = SessionStepBase();
+  step.set_session_id("nope");
+  cases.push_back(Case(step, "session_unknown", "session_id", Code::kNotFound,
+                       "session_id: no session \"nope\" (expired, evicted, "
+                       "deleted, or opened on another replica); create a new "
+                       "one and prefill it"));
+  step.set_session_id("");
+  cases.push_back(Invalid(step, "session_id_empty", "session_id",
+                          "session_id: empty, expected the id CreateSession "
+                          "returned"));
+  step.set_session_id(std::string(10240, 'x'));
+  cases.push_back(Invalid(step, "session_id_10_kb", "session_id",
+                          "session_id: 10240 bytes, longer than any session "
+                          "id (32 hex digits)"));
+  step = SessionStepBase();
+  step.clear_key();
+  cases.push_back(Invalid(step, "key_missing", "key",
+                          "key: missing (an attention session takes query, "
+                          "key and value)"));
+  step = SessionStepBase();
+  *step.mutable_input() = Floats({3, 8}, 35);
+  cases.push_back(Invalid(step, "input_on_attention_session", "input",
+                          "input: an attention session takes query, key and "
+                          "value, not hidden states"));
+  step = SessionModelStepBase();
+  *step.mutable_query() = Floats({2, 3, 8}, 36);
+  cases.push_back(Invalid(step, "query_on_model_session", "query",
+                          "query: a model session takes `input` (hidden "
+                          "states), not query/key/value"));
+  step = SessionModelStepBase();
+  *step.mutable_input() = Floats({3, 5}, 37);
+  cases.push_back(Invalid(step, "input_width", "input",
+                          "input: last dim 5 != the model's 8"));
+  step = SessionStepBase();
+  *step.mutable_query() = Floats({3, 3, 8}, 38);
+  cases.push_back(Invalid(step, "query_heads", "query",
+                          "query: shape [3, 3, 8], expected [2, 3, 8]"));
+  step = SessionStepBase();
+  *step.mutable_key() = Floats({1, 2, 8}, 39);
+  cases.push_back(Invalid(step, "key_tokens", "key",
+                          "key: shape [1, 2, 8], expected [1, 3, 8]"));
+  step = SessionStepBase();
+  *step.mutable_query() = Floats({6, 8}, 40);
+  cases.push_back(Invalid(step, "query_rank_2", "query",
+                          "query: rank 2, expected 4 (or 3 without the batch "
+                          "dim)"));
+  step = SessionStepBase();
+  *step.mutable_value() = Floats({1, 3, 8}, 41, DType::kBFloat16);
+  cases.push_back(Glob(Invalid(step, "value_dtype", "value", "value: *")));
+  step = SessionStepBase();
+  step.set_position(-1);
+  cases.push_back(Glob(Invalid(step, "position_negative", "position",
+                               "position: -1 is not in [0, *] (the tokens "
+                               "cached)")));
+  step = SessionStepBase();
+  *step.mutable_query() = Floats({2, 5000, 8}, 42);
+  *step.mutable_key() = Floats({1, 5000, 8}, 43);
+  *step.mutable_value() = Floats({1, 5000, 8}, 44);
+  cases.push_back(Case(step, "past_max_length", "query", Code::kOutOfRange,
+                       "session: 0 cached + 5000 new tokens exceed its "
+                       "max_length 4096"));
+  step = SessionStepBase();
+  step.set_temperature(0);
+  cases.push_back(
+      Glob(Invalid(step, "temperature_0", "temperature", "temperature: *")));
+  step = SessionStepBase();
+  step.set_scale(std::numeric_limits<float>::infinity());
+  cases.push_back(Glob(Invalid(step, "scale_inf", "scale", "scale: *")));
+
+  v1::DeleteSessionRequest remove;
+  remove.set_session_id("nope");
+  cases.push_back(Case(remove, "session_unknown", "session_id", Code::kNotFound,
+                       "session_id: no session \"nope\" (expired, evicted, "
+                       "deleted, or opened on another replica); create a new "
+                       "one and prefill it"));
+  remove.set_session_id("");
+  cases.push_back(Invalid(remove, "session_id_empty", "session_id",
+                          "session_id: empty, expected the id CreateSession "
+                          "returned"));
+  remove.set_session_id(kDeleteSession);
+  cases.push_back(Ok(remove, "valid", "session_id"));
+}
+
 std::string RegionKey() {
   static const std::string key = UniqueSharedMemoryKey("hostile");
   return key;
@@ -1976,6 +2180,7 @@ const std::vector<HostileCase>& Table() {
     AddEmptyDimCases(*cases);
     AddModelRpcCases(*cases);
     AddSharedMemoryRpcCases(*cases, RegionKey());
+    AddSessionCases(*cases);
     return cases;
   }();
   return *table;
@@ -2064,6 +2269,24 @@ class HostileInputTest : public ::testing::TestWithParam<HostileCase> {
     region.set_key(RegionKey());
     region.set_byte_size(kRegionBytes);
     ASSERT_TRUE(client.RegisterSharedMemory(region).ok());
+    v1::CreateSessionRequest attention;
+    attention.set_num_heads(2);
+    attention.set_num_kv_heads(1);
+    attention.set_head_dim(8);
+    attention.set_max_length(kSessionMaxLength);
+    v1::CreateSessionRequest model;
+    model.set_model(kModel);
+    model.set_max_length(kSessionMaxLength);
+    session_ids_ = new std::map<std::string, std::string>();
+    for (const auto& [placeholder, request] :
+         {std::pair{kAttentionSession, attention},
+          std::pair{kModelSession, model},
+          std::pair{kDeleteSession, attention}}) {
+      auto created = client.CreateSession(request);
+      ASSERT_TRUE(created.ok()) << created.status();
+      ASSERT_EQ(created->session_id().size(), std::string(placeholder).size());
+      (*session_ids_)[placeholder] = created->session_id();
+    }
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(-1);
     args.SetMaxSendMessageSize(-1);
@@ -2076,6 +2299,7 @@ class HostileInputTest : public ::testing::TestWithParam<HostileCase> {
       EXPECT_TRUE(client.UnregisterSharedMemory("").ok());
     }
     delete channel_;
+    delete session_ids_;
     delete server_;
     delete buffer_;
     delete repository_;
@@ -2109,11 +2333,14 @@ class HostileInputTest : public ::testing::TestWithParam<HostileCase> {
   static TestServer* server_;
   static SharedMemoryBuffer* buffer_;
   static std::shared_ptr<grpc::Channel>* channel_;
+  // Stand-in -> the id of the session opened for it.
+  static std::map<std::string, std::string>* session_ids_;
 };
 DemoRepository* HostileInputTest::repository_ = nullptr;
 TestServer* HostileInputTest::server_ = nullptr;
 SharedMemoryBuffer* HostileInputTest::buffer_ = nullptr;
 std::shared_ptr<grpc::Channel>* HostileInputTest::channel_ = nullptr;
+std::map<std::string, std::string>* HostileInputTest::session_ids_ = nullptr;
 
 TEST_P(HostileInputTest, AnswersWithCodeAndMessage) {
   const HostileCase& c = GetParam();
@@ -2122,7 +2349,8 @@ TEST_P(HostileInputTest, AnswersWithCodeAndMessage) {
     std::printf("(follows \"%s\", implemented on another branch)\n", c.pending);
   }
   std::string response;
-  const grpc::Status status = Call(c.rpc, c.request, &response);
+  const grpc::Status status =
+      Call(c.rpc, absl::StrReplaceAll(c.request, *session_ids_), &response);
   const auto code = static_cast<Code>(status.error_code());
   const std::string& message = status.error_message();
   EXPECT_NE(code, Code::kInternal) << message;

@@ -51,9 +51,11 @@ RpcCase Case(const std::string& rpc, const Request& request,
 }
 
 // A valid request of every RPC, in an order in which each succeeds on a
-// server that serves the model "mha" (E=16) and maps `shm` as the region
-// named "r" once RegisterSharedMemory ran.
-std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm) {
+// server that serves the model "mha" (E=16), maps `shm` as the region named
+// "r" once RegisterSharedMemory ran, and holds the decode session
+// `session_id` of the model "mha".
+std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
+                              const std::string& session_id = "s") {
   std::mt19937 rng(7);
   std::vector<RpcCase> cases;
   v1::AttendRequest attend;
@@ -90,6 +92,16 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm) {
   v1::UnregisterSharedMemoryRequest unregister;
   unregister.set_name("r");
   cases.push_back(Case("UnregisterSharedMemory", unregister, "r"));
+  v1::CreateSessionRequest create_session;
+  create_session.set_model("mha");
+  cases.push_back(Case("CreateSession", create_session, "mha"));
+  v1::SessionStepRequest step;
+  step.set_session_id(session_id);
+  *step.mutable_input() = FloatTensor({1, 3, 16}, rng);
+  cases.push_back(Case("SessionStep", step, step.input().raw_data()));
+  v1::DeleteSessionRequest delete_session;
+  delete_session.set_session_id(session_id);
+  cases.push_back(Case("DeleteSession", delete_session, session_id));
   return cases;
 }
 
@@ -167,7 +179,11 @@ TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
       SharedMemoryBuffer::Create(UniqueSharedMemoryKey("undecodable"), 4096);
   ASSERT_TRUE(shm.ok()) << shm.status();
 
-  const std::vector<RpcCase> cases = EveryRpc(**shm);
+  v1::CreateSessionRequest create_session;
+  create_session.set_model("mha");
+  auto session = server.MakeClient().CreateSession(create_session);
+  ASSERT_TRUE(session.ok()) << session.status();
+  const std::vector<RpcCase> cases = EveryRpc(**shm, session->session_id());
   // Every RPC of the service, with its request type.
   const google::protobuf::ServiceDescriptor* service =
       google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
@@ -208,7 +224,8 @@ TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
         << "missing: " << line << page->body;
   }
   // The compute RPCs count their valid calls too.
-  for (const char* rpc : {"Attend", "MultiHeadAttend", "LayerNorm"}) {
+  for (const char* rpc :
+       {"Attend", "MultiHeadAttend", "LayerNorm", "SessionStep"}) {
     const std::string line = absl::StrCat("attnserve_requests_total{rpc=\"",
                                           rpc, "\",code=\"OK\"} 1\n");
     EXPECT_NE(page->body.find(line), std::string::npos)

@@ -54,6 +54,21 @@ class AttentionServiceStub(object):
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.ListSharedMemoryRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_attention__pb2.ListSharedMemoryResponse.FromString,
                 )
+        self.CreateSession = channel.unary_unary(
+                '/attnserve.v1.AttentionService/CreateSession',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.CreateSessionRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.CreateSessionResponse.FromString,
+                )
+        self.SessionStep = channel.unary_unary(
+                '/attnserve.v1.AttentionService/SessionStep',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.SessionStepResponse.FromString,
+                )
+        self.DeleteSession = channel.unary_unary(
+                '/attnserve.v1.AttentionService/DeleteSession',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionResponse.FromString,
+                )
 
 
 class AttentionServiceServicer(object):
@@ -109,6 +124,28 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateSession(self, request, context):
+        """Decode sessions with a server-side key/value cache. A session lives on
+        the replica that created it, until deleted, idle past the server's
+        --session_idle_timeout_s, evicted to make room (least recently used) or
+        the server stops; steps on a session that is gone are NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SessionStep(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -151,6 +188,21 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.ListSharedMemory,
                     request_deserializer=attnserve_dot_v1_dot_attention__pb2.ListSharedMemoryRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_attention__pb2.ListSharedMemoryResponse.SerializeToString,
+            ),
+            'CreateSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateSession,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.CreateSessionRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.CreateSessionResponse.SerializeToString,
+            ),
+            'SessionStep': grpc.unary_unary_rpc_method_handler(
+                    servicer.SessionStep,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.SessionStepRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.SessionStepResponse.SerializeToString,
+            ),
+            'DeleteSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteSession,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -295,5 +347,56 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/ListSharedMemory',
             attnserve_dot_v1_dot_attention__pb2.ListSharedMemoryRequest.SerializeToString,
             attnserve_dot_v1_dot_attention__pb2.ListSharedMemoryResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CreateSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/CreateSession',
+            attnserve_dot_v1_dot_attention__pb2.CreateSessionRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.CreateSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SessionStep(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/SessionStep',
+            attnserve_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.SessionStepResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def DeleteSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/DeleteSession',
+            attnserve_dot_v1_dot_attention__pb2.DeleteSessionRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.DeleteSessionResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

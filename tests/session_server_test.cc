@@ -1,0 +1,487 @@
+// Decode sessions, grouped-query attention and rotary embeddings through a
+// live server: every step against a float64 reference over the whole
+// history, the NOT_FOUND / INVALID_ARGUMENT / OUT_OF_RANGE /
+// FAILED_PRECONDITION answers with their messages, eviction under
+// --max_session_memory_mb, idle expiry, concurrent sessions and the
+// metrics.
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "gtest/gtest.h"
+#include "httplib.h"
+#include "proto/tensor_codec.h"
+#include "tests/test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kEmbed = 16;
+constexpr int kHeads = 4;
+constexpr int kKvHeads = 2;
+constexpr int64_t kHeadDim = 4;
+constexpr int kRotaryDims = 4;
+
+// A repository with "llama_block": grouped-query attention (4 query heads,
+// 2 key/value heads), rotary embeddings on all of each head's 4 features,
+// biases on q/k/v and an output projection. Removed with the object.
+class GqaModelRepository {
+ public:
+  GqaModelRepository()
+      : root_((fs::temp_directory_path() /
+               absl::StrCat("attnserve_sessions_", ::getpid()))
+                  .string()) {
+    fs::remove_all(root_);
+    fs::create_directories(fs::path(root_) / "llama_block");
+    std::ofstream(fs::path(root_) / "llama_block" / "config.pbtxt")
+        << "num_heads: " << kHeads << "\nnum_kv_heads: " << kKvHeads
+        << "\nrotary_dims: " << kRotaryDims << "\n";
+    std::mt19937 rng(3);
+    const auto weight = [&](Shape shape) {
+      Tensor w = RandomTensor(DType::kFloat32, shape, rng);
+      for (int64_t i = 0; i < w.num_elements(); ++i) {
+        w.data_as<float>()[i] *= 0.25f;
+      }
+      return w;
+    };
+    weights_.emplace("q_proj_weight", weight({kHeads * kHeadDim, kEmbed}));
+    weights_.emplace("k_proj_weight", weight({kKvHeads * kHeadDim, kEmbed}));
+    weights_.emplace("v_proj_weight", weight({kKvHeads * kHeadDim, kEmbed}));
+    weights_.emplace("q_proj_bias", weight({kHeads * kHeadDim}));
+    weights_.emplace("k_proj_bias", weight({kKvHeads * kHeadDim}));
+    weights_.emplace("v_proj_bias", weight({kKvHeads * kHeadDim}));
+    weights_.emplace("out_proj_weight", weight({kEmbed, kHeads * kHeadDim}));
+    EXPECT_TRUE(
+        WriteSafetensors(
+            (fs::path(root_) / "llama_block" / "weights.safetensors").string(),
+            ViewsOf(weights_), {})
+            .ok());
+  }
+  ~GqaModelRepository() { fs::remove_all(root_); }
+  const std::string& root() const { return root_; }
+
+  RefMultiHeadWeights Reference() const {
+    RefMultiHeadWeights w;
+    w.num_heads = kHeads;
+    w.num_kv_heads = kKvHeads;
+    w.rotary_dims = kRotaryDims;
+    for (const auto& [name, tensor] : weights_) {
+      *w.Field(name) = ToRef(tensor.view());
+    }
+    return w;
+  }
+
+ private:
+  std::string root_;
+  NamedTensors weights_;
+};
+
+v1::Tensor Wire(const Tensor& t) {
+  v1::Tensor wire;
+  EncodeTensor(t.view(), &wire);
+  return wire;
+}
+
+Tensor FromWire(const v1::Tensor& wire) {
+  auto t = CopyTensor(wire, "output");
+  EXPECT_TRUE(t.ok()) << t.status();
+  return t.ok() ? *std::move(t) : Tensor();
+}
+
+// Rows [first, first + n) of dim -2 of a [..., L, d] reference.
+RefTensor RowsOf(const RefTensor& t, int64_t first, int64_t n) {
+  const int64_t len = t.shape[t.shape.size() - 2];
+  const int64_t d = t.shape.back();
+  RefTensor out{t.shape, {}};
+  out.shape[out.shape.size() - 2] = n;
+  const int64_t planes = static_cast<int64_t>(t.values.size()) / (len * d);
+  for (int64_t p = 0; p < planes; ++p) {
+    const auto begin = t.values.begin() + (p * len + first) * d;
+    out.values.insert(out.values.end(), begin, begin + n * d);
+  }
+  return out;
+}
+
+// [..., L1, d] and [..., L2, d] joined along dim -2.
+RefTensor Concat(const RefTensor& a, const RefTensor& b) {
+  if (a.values.empty()) return b;
+  const int64_t la = a.shape[a.shape.size() - 2];
+  const int64_t lb = b.shape[b.shape.size() - 2];
+  const int64_t d = a.shape.back();
+  RefTensor out{a.shape, {}};
+  out.shape[out.shape.size() - 2] = la + lb;
+  const int64_t planes = static_cast<int64_t>(a.values.size()) / (la * d);
+  for (int64_t p = 0; p < planes; ++p) {
+    out.values.insert(out.values.end(), a.values.begin() + p * la * d,
+                      a.values.begin() + (p + 1) * la * d);
+    out.values.insert(out.values.end(), b.values.begin() + p * lb * d,
+                      b.values.begin() + (p + 1) * lb * d);
+  }
+  return out;
+}
+
+// Keeps key j for new query i when j <= first + i: [n, first + n].
+RefTensor CausalKeep(int64_t first, int64_t n) {
+  RefTensor keep{{n, first + n}, {}};
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < first + n; ++j)
+      keep.values.push_back(j <= first + i ? 1.0 : 0.0);
+  return keep;
+}
+
+class SessionServerTest : public ::testing::Test {
+ protected:
+  static ServerOptions Options() {
+    ServerOptions options;
+    options.model_repository = repository_->root();
+    return options;
+  }
+  static void SetUpTestSuite() { repository_ = new GqaModelRepository(); }
+  static void TearDownTestSuite() {
+    delete repository_;
+    repository_ = nullptr;
+  }
+
+  // An attention session of 4 query heads, 2 key/value heads, head dim 8,
+  // rotary on all 8 features.
+  v1::CreateSessionRequest AttentionSession() {
+    v1::CreateSessionRequest request;
+    request.set_num_heads(4);
+    request.set_num_kv_heads(2);
+    request.set_head_dim(8);
+    request.set_rotary_dims(8);
+    request.set_max_length(64);
+    return request;
+  }
+
+  // One attention step of `n` random tokens (batch 1, no batch dim).
+  v1::SessionStepRequest AttentionStep(const std::string& id, int64_t n,
+                                       Tensor* q, Tensor* k, Tensor* v) {
+    *q = RandomTensor(DType::kFloat32, {4, n, 8}, rng_);
+    *k = RandomTensor(DType::kFloat32, {2, n, 8}, rng_);
+    *v = RandomTensor(DType::kFloat32, {2, n, 8}, rng_);
+    v1::SessionStepRequest request;
+    request.set_session_id(id);
+    *request.mutable_query() = Wire(*q);
+    *request.mutable_key() = Wire(*k);
+    *request.mutable_value() = Wire(*v);
+    return request;
+  }
+
+  static GqaModelRepository* repository_;
+  std::mt19937 rng_{41};
+};
+
+GqaModelRepository* SessionServerTest::repository_ = nullptr;
+
+TEST_F(SessionServerTest, AttentionSessionStepsMatchTheReference) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  auto created = client.CreateSession(AttentionSession());
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->max_length(), 64);
+  EXPECT_EQ(created->num_kv_heads(), 2);
+  EXPECT_EQ(created->head_dim(), 8);
+  EXPECT_EQ(created->value_head_dim(), 8);
+  RefTensor keys, values;
+  int64_t first = 0;
+  for (int64_t n : {9, 1, 1, 4, 1}) {
+    Tensor q, k, v;
+    auto step =
+        client.SessionStep(AttentionStep(created->session_id(), n, &q, &k, &v));
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(step->length(), first + n);
+    const auto batched = [&](const Tensor& t) {
+      RefTensor r = ToRef(t.view());
+      r.shape.insert(r.shape.begin(), 1);
+      return r;
+    };
+    keys = Concat(keys, batched(k));
+    values = Concat(values, batched(v));
+    RefAttentionResult ref = RefAttend(
+        RefRotary(batched(q), 8, 10000.0, first),
+        RefRepeatHeads(RefRotary(keys, 8, 10000.0, 0), 2),
+        RefRepeatHeads(values, 2), {CausalKeep(first, n)}, {true}, {});
+    ref.output.shape.erase(ref.output.shape.begin());
+    EXPECT_TRUE(AllClose(FromWire(step->output()).view(), ref.output,
+                         kFloat32Tolerance))
+        << "step at " << first;
+    first += n;
+  }
+  ASSERT_TRUE(client.DeleteSession(created->session_id()).ok());
+}
+
+TEST_F(SessionServerTest,
+       ModelSessionStepsMatchCausalAttentionOverTheSequence) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest create;
+  create.set_model("llama_block");
+  create.set_batch(2);
+  auto created = client.CreateSession(create);
+  ASSERT_TRUE(created.ok()) << created.status();
+  EXPECT_EQ(created->num_heads(), kHeads);
+  EXPECT_EQ(created->num_kv_heads(), kKvHeads);
+  EXPECT_EQ(created->max_length(), ServerOptions().max_session_length);
+
+  const std::vector<int64_t> steps = {6, 1, 1, 3, 1};
+  int64_t total = 0;
+  for (int64_t n : steps) total += n;
+  Tensor x = RandomTensor(DType::kFloat32, {2, total, kEmbed}, rng_);
+  const RefTensor all = ToRef(x.view());
+  const RefAttentionResult ref = RefMultiHeadAttend(
+      repository_->Reference(), all, all, all, {}, {}, {true, {}, {}});
+  // The stateless call by model agrees (positions from 0, causal).
+  v1::MultiHeadAttendRequest stateless;
+  stateless.set_model("llama_block");
+  stateless.set_causal(true);
+  *stateless.mutable_query() = Wire(x);
+  auto whole = client.MultiHeadAttend(stateless);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  EXPECT_TRUE(AllClose(FromWire(whole->output()).view(), ref.output,
+                       kFloat32Tolerance));
+
+  int64_t first = 0;
+  for (int64_t n : steps) {
+    const RefTensor rows = RowsOf(all, first, n);
+    Tensor input = *Tensor::Allocate(DType::kFloat32, {2, n, kEmbed});
+    for (size_t i = 0; i < rows.values.size(); ++i) {
+      input.data_as<float>()[i] = static_cast<float>(rows.values[i]);
+    }
+    v1::SessionStepRequest request;
+    request.set_session_id(created->session_id());
+    *request.mutable_input() = Wire(input);
+    auto step = client.SessionStep(request);
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_TRUE(AllClose(FromWire(step->output()).view(),
+                         RowsOf(ref.output, first, n), kFloat32Tolerance))
+        << "step at " << first;
+    first += n;
+  }
+}
+
+TEST_F(SessionServerTest, InlineGroupedQueryWeightsMatchTheReference) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  Tensor x = RandomTensor(DType::kFloat32, {2, 5, kEmbed}, rng_);
+  Tensor wq = RandomTensor(DType::kFloat32, {16, kEmbed}, rng_);
+  Tensor wk = RandomTensor(DType::kFloat32, {4, kEmbed}, rng_);
+  Tensor wv = RandomTensor(DType::kFloat32, {4, kEmbed}, rng_);
+  v1::MultiHeadAttendRequest request;
+  request.mutable_weights()->set_num_heads(4);
+  request.mutable_weights()->set_num_kv_heads(1);
+  *request.mutable_weights()->mutable_q_proj_weight() = Wire(wq);
+  *request.mutable_weights()->mutable_k_proj_weight() = Wire(wk);
+  *request.mutable_weights()->mutable_v_proj_weight() = Wire(wv);
+  *request.mutable_query() = Wire(x);
+  auto response = client.MultiHeadAttend(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  RefMultiHeadWeights w;
+  w.num_heads = 4;
+  w.num_kv_heads = 1;
+  w.q_proj_weight = ToRef(wq.view());
+  w.k_proj_weight = ToRef(wk.view());
+  w.v_proj_weight = ToRef(wv.view());
+  const RefTensor rx = ToRef(x.view());
+  EXPECT_TRUE(AllClose(FromWire(response->output()).view(),
+                       RefMultiHeadAttend(w, rx, rx, rx, {}, {}, {}).output,
+                       kFloat32Tolerance));
+  request.mutable_weights()->set_num_kv_heads(3);
+  response = client.MultiHeadAttend(request);
+  EXPECT_EQ(response.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(response.status().message(),
+            "num_kv_heads: 3 does not divide num_heads 4");
+}
+
+TEST_F(SessionServerTest, BadRequestsGetCodesAndMessagesThatNameTheField) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest create = AttentionSession();
+  create.set_num_kv_heads(3);
+  auto created = client.CreateSession(create);
+  EXPECT_EQ(created.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(created.status().message(),
+            "num_kv_heads: 3 does not divide num_heads 4");
+  create = AttentionSession();
+  create.set_max_length(1 << 20);
+  EXPECT_EQ(client.CreateSession(create).status().message(),
+            "max_length: 1048576 is not in [0, 32768] (0: the server's "
+            "--max_session_length 32768)");
+  create.set_max_length(0);
+  create.set_model("no_such_model");
+  EXPECT_EQ(client.CreateSession(create).status().code(),
+            absl::StatusCode::kNotFound);
+
+  created = client.CreateSession(AttentionSession());
+  ASSERT_TRUE(created.ok());
+  const std::string id = created->session_id();
+  Tensor q, k, v;
+  v1::SessionStepRequest step = AttentionStep(id, 60, &q, &k, &v);
+  ASSERT_TRUE(client.SessionStep(step).ok());
+  step = AttentionStep(id, 5, &q, &k, &v);
+  auto answer = client.SessionStep(step);
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(answer.status().message(),
+            "session: 60 cached + 5 new tokens exceed its max_length 64");
+  step.clear_key();
+  EXPECT_EQ(client.SessionStep(step).status().message(),
+            "key: missing (an attention session takes query, key and value)");
+  step = AttentionStep(id, 1, &q, &k, &v);
+  *step.mutable_input() = Wire(q);
+  EXPECT_EQ(client.SessionStep(step).status().message(),
+            "input: an attention session takes query, key and value, not "
+            "hidden states");
+
+  ASSERT_TRUE(client.DeleteSession(id).ok());
+  answer = client.SessionStep(AttentionStep(id, 1, &q, &k, &v));
+  EXPECT_EQ(answer.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(answer.status().message(),
+            "session_id: session \"" + id + "\" was deleted");
+  EXPECT_EQ(client.DeleteSession(id).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionServerTest, SessionsOffAnswerFailedPrecondition) {
+  ServerOptions options = Options();
+  options.max_session_memory_mb = 0;
+  TestServer server(options);
+  AttnClient client = server.MakeClient();
+  const absl::Status status = client.CreateSession(AttentionSession()).status();
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(status.message(),
+            "decode sessions are off on this server "
+            "(--max_session_memory_mb=0)");
+}
+
+std::string MetricsPage(const TestServer& server) {
+  httplib::Client http("127.0.0.1", server.metrics_port());
+  auto page = http.Get("/metrics");
+  return page ? page->body : "";
+}
+
+TEST_F(SessionServerTest, MemoryLimitEvictsTheLeastRecentlyUsedSession) {
+  ServerOptions options = Options();
+  options.max_session_memory_mb = 1;
+  TestServer server(options);
+  AttnClient client = server.MakeClient();
+  // 2 key/value heads x 8 x 4 bytes = 64 bytes a token for K and for V:
+  // 2000 tokens (and 2001) commit 128 KiB of each, so four sessions of them
+  // fill the 1 MiB.
+  std::vector<std::string> ids;
+  for (int i = 0; i < 5; ++i) {
+    v1::CreateSessionRequest create = AttentionSession();
+    create.set_max_length(4096);
+    auto created = client.CreateSession(create);
+    ASSERT_TRUE(created.ok());
+    ids.push_back(created->session_id());
+    Tensor q, k, v;
+    ASSERT_TRUE(
+        client.SessionStep(AttentionStep(ids.back(), 2000, &q, &k, &v)).ok());
+  }
+  Tensor q, k, v;
+  auto gone = client.SessionStep(AttentionStep(ids[0], 1, &q, &k, &v));
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(gone.status().message(),
+            "session_id: session \"" + ids[0] +
+                "\" was evicted (least recently used) to make room for other "
+                "sessions; create a new one and prefill it");
+  for (int i = 1; i < 5; ++i) {
+    EXPECT_TRUE(client.SessionStep(AttentionStep(ids[i], 1, &q, &k, &v)).ok())
+        << i;
+  }
+  const std::string page = MetricsPage(server);
+  EXPECT_NE(page.find("attnserve_sessions_open 4\n"), std::string::npos)
+      << page;
+  EXPECT_NE(
+      page.find("attnserve_sessions_closed_total{reason=\"evicted\"} 1\n"),
+      std::string::npos);
+  EXPECT_NE(page.find("attnserve_sessions_created_total 5\n"),
+            std::string::npos);
+  EXPECT_NE(page.find("attnserve_requests_total{rpc=\"SessionStep\",code="
+                      "\"NOT_FOUND\"} 1\n"),
+            std::string::npos);
+}
+
+TEST_F(SessionServerTest, IdleSessionsExpire) {
+  ServerOptions options = Options();
+  options.session_idle_timeout_s = 1;
+  TestServer server(options);
+  AttnClient client = server.MakeClient();
+  auto created = client.CreateSession(AttentionSession());
+  ASSERT_TRUE(created.ok());
+  Tensor q, k, v;
+  ASSERT_TRUE(
+      client.SessionStep(AttentionStep(created->session_id(), 3, &q, &k, &v))
+          .ok());
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  while (MetricsPage(server).find("attnserve_sessions_open 0\n") ==
+             std::string::npos &&
+         absl::Now() < give_up) {
+    absl::SleepFor(absl::Milliseconds(100));
+  }
+  auto gone =
+      client.SessionStep(AttentionStep(created->session_id(), 1, &q, &k, &v));
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(gone.status().message(),
+            "session_id: session \"" + created->session_id() +
+                "\" expired after 1s idle; create a new one and prefill it");
+  EXPECT_NE(MetricsPage(server).find(
+                "attnserve_sessions_closed_total{reason=\"expired\"} 1\n"),
+            std::string::npos);
+}
+
+TEST_F(SessionServerTest, ConcurrentSessionsEachMatchTheReference) {
+  TestServer server(Options());
+  constexpr int kClients = 4;
+  std::vector<std::thread> threads;
+  std::vector<int> failures(kClients, 0);
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      std::mt19937 rng(100 + c);
+      AttnClient client = server.MakeClient();
+      v1::CreateSessionRequest create;
+      create.set_num_heads(2);
+      create.set_head_dim(8);
+      auto created = client.CreateSession(create);
+      if (!created.ok()) {
+        ++failures[c];
+        return;
+      }
+      RefTensor keys, values;
+      for (int64_t first = 0; first < 24; ++first) {
+        const int64_t n = 1;
+        Tensor q = RandomTensor(DType::kFloat32, {1, 2, n, 8}, rng);
+        Tensor k = RandomTensor(DType::kFloat32, {1, 2, n, 8}, rng);
+        Tensor v = RandomTensor(DType::kFloat32, {1, 2, n, 8}, rng);
+        v1::SessionStepRequest request;
+        request.set_session_id(created->session_id());
+        *request.mutable_query() = Wire(q);
+        *request.mutable_key() = Wire(k);
+        *request.mutable_value() = Wire(v);
+        auto step = client.SessionStep(request);
+        keys = Concat(keys, ToRef(k.view()));
+        values = Concat(values, ToRef(v.view()));
+        const RefAttentionResult ref =
+            RefAttend(ToRef(q.view()), keys, values, {}, {}, {});
+        if (!step.ok() || !AllClose(FromWire(step->output()).view(), ref.output,
+                                    kFloat32Tolerance)) {
+          ++failures[c];
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int c = 0; c < kClients; ++c)
+    EXPECT_EQ(failures[c], 0) << "client " << c;
+}
+
+}  // namespace
+}  // namespace attnserve::testing
