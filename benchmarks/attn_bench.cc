@@ -8,15 +8,18 @@
 // non-causal rates compare as speedups) and GB/s (bytes that must move).
 #include <sys/resource.h>
 
+#include <array>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <vector>
 
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
 #include "core/convert.h"
+#include "core/decode_session.h"
 #include "core/multi_head_attention.h"
 #include "core/primitives.h"
 #include "core/thread_budget.h"
@@ -94,6 +97,49 @@ void BM_Gqa(benchmark::State& state) {
   }
   SetRate(state, 4.0 * b * h * lq * lk * d,
           double(q.num_bytes() + k.num_bytes() + v.num_bytes()));
+}
+
+// One decode step of an attention session holding Lk tokens: one new token
+// of H query heads over Hkv key/value heads of dim d (each step rewinds to
+// Lk, so the cache stays at Lk + 1). Args: H, Hkv, d, Lk. Hkv == H is the
+// same step with keys and values repeated to every query head.
+void BM_DecodeStep(benchmark::State& state) {
+  const int64_t h = state.range(0), hkv = state.range(1), d = state.range(2),
+                lk = state.range(3);
+  DecodeSessionConfig config;
+  config.num_heads = static_cast<int>(h);
+  config.num_kv_heads = static_cast<int>(hkv);
+  config.key_dim = d;
+  config.max_length = lk + 1;
+  auto session = DecodeSession::Create(config);
+  if (!session.ok()) {
+    state.SkipWithError(std::string(session.status().message()).c_str());
+    return;
+  }
+  const auto operands = [&](int64_t n, uint32_t seed) {
+    Tensor q = Random(DType::kFloat32, {h, n, d}, seed);
+    Tensor k = Random(DType::kFloat32, {hkv, n, d}, seed + 1);
+    Tensor v = Random(DType::kFloat32, {hkv, n, d}, seed + 2);
+    return std::array<Tensor, 3>{std::move(q), std::move(k), std::move(v)};
+  };
+  const auto prefill = operands(lk, 1);
+  TensorResults results;
+  DecodeStepInputs in{std::nullopt, prefill[0].view(), prefill[1].view(),
+                      prefill[2].view(), std::nullopt};
+  if (!(*session)->Step(in, {}, results).ok()) {
+    state.SkipWithError("prefill failed");
+    return;
+  }
+  const auto token = operands(1, 4);
+  in = {std::nullopt, token[0].view(), token[1].view(), token[2].view(), lk};
+  for (auto _ : state) {
+    TensorResults out;
+    const absl::Status s = (*session)->Step(in, {}, out);
+    if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
+    benchmark::DoNotOptimize(out);
+  }
+  SetRate(state, 4.0 * h * (lk + 1) * d,
+          double((lk + 1) * hkv * d * 2 * sizeof(float)));
 }
 
 // The two raw GEMMs of the same attention as plain batched oneDNN matmuls:
@@ -256,6 +302,11 @@ BENCHMARK(BM_Gqa)->ArgNames({"B", "H", "Hkv", "Lq", "Lk", "d"})
     ->Args({1, 32, 8, 512, 512, 128})
     ->Args({1, 32, 32, 512, 512, 128})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_DecodeStep)->ArgNames({"H", "Hkv", "d", "Lk"})
+    ->Args({8, 8, 64, 4096})
+    ->Args({32, 8, 128, 4096})
+    ->Args({32, 32, 128, 4096})
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RawAttentionGemms)->ArgNames({"B", "H", "Lq", "Lk", "d"})
     ->Args({8, 8, 512, 512, 64})
     ->Args({1, 8, 4096, 4096, 64})

@@ -6,7 +6,7 @@
 //           [--out=RESULT.safetensors] [--shared_memory] [operation flags]
 //   attnctl health --target=HOST:PORT [--service=NAME]
 //   attnctl models --target=HOST:PORT [--model=NAME]
-//   attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|health
+//   attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|decode|health
 //           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
 //           [--model=NAME] [--shared_memory] [--concurrency=N]
 //           [--connections=M] [--client_threads=T]
@@ -40,6 +40,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "client/bench/command.h"
+#include "client/bench/decode.h"
 #include "client/bench/load.h"
 #include "client/bench/workload.h"
 #include "client/client.h"
@@ -90,8 +91,11 @@ ABSL_FLAG(std::string, service_config, "",
           "JSON file with a gRPC service config (load balancing policy, "
           "retry policy), e.g. round_robin over an ipv4:A,B,C target.");
 ABSL_FLAG(std::string, rpc, "",
-          "bench: attend, mha, layernorm, or health (an empty gRPC health "
-          "Check, the baseline of a call that computes nothing).");
+          "bench: attend, mha, layernorm, decode (steps of decode sessions "
+          "holding --kv_seq tokens, --seq new tokens a step, one session per "
+          "connection; --model or --heads/--kv_heads/--dim), or health (an "
+          "empty gRPC health Check, the baseline of a call that computes "
+          "nothing).");
 ABSL_FLAG(int64_t, batch, 1, "bench: batch size of synthetic requests.");
 ABSL_FLAG(int64_t, seq, 128,
           "bench: query length (layernorm: rows per batch entry; 0 sends "
@@ -100,7 +104,10 @@ ABSL_FLAG(int64_t, kv_seq, 0, "bench: key/value length (0: --seq).");
 ABSL_FLAG(int64_t, dim, 0,
           "bench: attend head dim (default 64), mha embedding dim (default "
           "512), layernorm normalized dim (default 512).");
-ABSL_FLAG(int64_t, heads, 8, "bench: attend and mha heads.");
+ABSL_FLAG(int64_t, heads, 8, "bench: attend, mha and decode heads.");
+ABSL_FLAG(int64_t, kv_heads, 0,
+          "bench: decode key/value heads (grouped-query attention; 0: "
+          "--heads).");
 ABSL_FLAG(std::string, dtype, "f32",
           "bench: element type of synthetic inputs: f32, bf16 or f16.");
 ABSL_FLAG(int, concurrency, 1,
@@ -168,6 +175,8 @@ struct AttnctlOptions {
   // bench: the operation (--rpc), synthetic shapes and the load test.
   std::string rpc;
   SyntheticShape shape;
+  // bench --rpc=decode: key/value heads (0: shape.heads).
+  int64_t kv_heads = 0;
   BenchCommandOptions bench;
 };
 
@@ -223,6 +232,7 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.shape.kv_seq = absl::GetFlag(FLAGS_kv_seq);
   options.shape.dim = absl::GetFlag(FLAGS_dim);
   options.shape.heads = absl::GetFlag(FLAGS_heads);
+  options.kv_heads = absl::GetFlag(FLAGS_kv_heads);
   ATTN_ASSIGN_OR_RETURN(options.shape.dtype,
                         ParseDtypeFlag(absl::GetFlag(FLAGS_dtype)));
   LoadOptions& load = options.bench.load;
@@ -264,7 +274,15 @@ absl::Status VerifyOptions(const AttnctlOptions& options) {
   }
   if (options.command == "bench" && options.rpc.empty()) {
     return absl::InvalidArgumentError(
-        "--rpc: missing (attend, mha, layernorm or health)");
+        "--rpc: missing (attend, mha, layernorm, decode or health)");
+  }
+  if (options.rpc == "decode" &&
+      options.bench.load.concurrency > options.bench.load.connections) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--concurrency: ", options.bench.load.concurrency, " > --connections ",
+        options.bench.load.connections,
+        "; --rpc=decode steps one session per connection, and steps of one "
+        "session run one after another"));
   }
   if (options.command != "health" && options.command != "models" &&
       options.command != "bench" && options.in_path.empty()) {
@@ -375,9 +393,24 @@ absl::Status RunModels(const AttnctlOptions& options) {
 // for as long as `*session` lives.
 absl::StatusOr<Workload> BenchWorkload(
     const AttnctlOptions& options, AttnClient& client,
-    std::unique_ptr<SharedMemorySession>* session) {
+    std::unique_ptr<SharedMemorySession>* session,
+    std::unique_ptr<DecodeSessions>* decode) {
   // The cheapest call the server answers: a baseline for the others.
   if (options.rpc == "health") return HealthCheckWorkload();
+  if (options.rpc == "decode") {
+    DecodeBenchOptions decode_options;
+    decode_options.model = options.model;
+    decode_options.kv_seq = options.shape.kv_seq;
+    decode_options.step_tokens = options.shape.seq;
+    decode_options.heads = options.shape.heads;
+    decode_options.kv_heads = options.kv_heads;
+    decode_options.head_dim = options.shape.dim > 0 ? options.shape.dim : 64;
+    decode_options.dtype = options.shape.dtype;
+    decode_options.sessions = options.bench.load.connections;
+    ATTN_ASSIGN_OR_RETURN(*decode,
+                          DecodeSessions::Open(client, decode_options));
+    return (*decode)->workload();
+  }
   ATTN_ASSIGN_OR_RETURN(Operation op, ParseOperation(options.rpc));
   RequestTransform transform;
   if (options.shared_memory) {
@@ -412,8 +445,9 @@ absl::StatusOr<Workload> BenchWorkload(
 absl::Status RunBench(const AttnctlOptions& options) {
   AttnClient client(options.client);
   std::unique_ptr<SharedMemorySession> session;
+  std::unique_ptr<DecodeSessions> decode;
   ATTN_ASSIGN_OR_RETURN(const Workload workload,
-                        BenchWorkload(options, client, &session));
+                        BenchWorkload(options, client, &session, &decode));
   BenchCommandOptions bench = options.bench;
   bench.load.client = options.client;
   return RunBenchCommand(workload, bench, stdout, stderr);
@@ -439,8 +473,9 @@ int main(int argc, char** argv) {
       "[operation flags]\n"
       "attnctl health --target=HOST:PORT [--service=NAME]\n"
       "attnctl models --target=HOST:PORT [--model=NAME]\n"
-      "attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|health "
-      "[--batch --seq --kv_seq --dim --heads --dtype | --in=FILE] "
+      "attnctl bench --target=HOST:PORT "
+      "--rpc=attend|mha|layernorm|decode|health "
+      "[--batch --seq --kv_seq --dim --heads --kv_heads --dtype | --in=FILE] "
       "[--model=NAME] [--shared_memory] [--concurrency=N --connections=M "
       "--client_threads=T | --rate=R --arrival=constant|poisson "
       "--late_ms=MS] [--duration_s=S | --requests=N] [--warmup_s=S] "

@@ -129,6 +129,10 @@ class LoadRun {
       : workload_(workload), options_(options) {
     grpc::Slice slice(workload.request);
     request_ = grpc::ByteBuffer(&slice, 1);
+    for (const std::string& bytes : workload.per_connection) {
+      grpc::Slice own(bytes);
+      channel_requests_.emplace_back(&own, 1);
+    }
     for (int i = 0; i < options.connections; ++i) {
       channels_.push_back(CreateChannel(options.client, true));
       stubs_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
@@ -196,6 +200,8 @@ class LoadRun {
   const Workload& workload_;
   const LoadOptions& options_;
   grpc::ByteBuffer request_;
+  // Workload::per_connection, when given.
+  std::vector<grpc::ByteBuffer> channel_requests_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
   std::vector<std::unique_ptr<grpc::CompletionQueue>> queues_;
@@ -282,7 +288,11 @@ void LoadRun::Start(int channel, int64_t intended, bool closed) {
   call->closed = closed;
   PrepareContext(options_.client, &call->context);
   call->reader = stubs_[channel]->PrepareUnaryCall(
-      &call->context, workload_.method, request_, QueueOf(channel));
+      &call->context, workload_.method,
+      channel_requests_.empty()
+          ? request_
+          : channel_requests_[channel % channel_requests_.size()],
+      QueueOf(channel));
   call->reader->StartCall();
   call->reader->Finish(&call->response, &call->status, call);
 }

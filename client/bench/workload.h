@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/requests.h"
@@ -25,6 +26,9 @@ struct Workload {
   std::string request;
   // "input=[1, 64] FLOAT32".
   std::string description;
+  // When not empty: connection i sends per_connection[i % size] instead of
+  // `request` (decode steps, each connection on its own session).
+  std::vector<std::string> per_connection;
 };
 
 // Shapes of synthetic requests.
