@@ -16,9 +16,17 @@ Scheduler::~Scheduler() {
   {
     MutexLock lock(&mu_);
     stopping_ = true;
+    while (!idle_.empty()) WakeIdleWorker();
   }
-  work_ready_.SignalAll();
   for (std::thread& worker : workers_) worker.join();
+}
+
+void Scheduler::WakeIdleWorker() {
+  if (idle_.empty()) return;
+  IdleWorker* worker = idle_.back();
+  idle_.pop_back();
+  worker->woken = true;
+  worker->wake.Signal();
 }
 
 bool Scheduler::Submit(std::function<void()> work) {
@@ -30,8 +38,8 @@ bool Scheduler::Submit(std::function<void()> work) {
       return false;
     }
     queue_.push_back(std::move(work));
+    WakeIdleWorker();
   }
-  work_ready_.Signal();
   return true;
 }
 
@@ -47,15 +55,11 @@ bool Scheduler::RunHereIfIdle(absl::FunctionRef<void()> work) {
 }
 
 void Scheduler::ReleaseSlot() {
-  bool waiting;
-  {
-    MutexLock lock(&mu_);
-    --inflight_;
-    waiting = !queue_.empty();
-  }
+  MutexLock lock(&mu_);
+  --inflight_;
   // Only a queued call needs a worker woken: waking one for nothing costs
   // two context switches per call.
-  if (waiting) work_ready_.Signal();
+  if (!queue_.empty()) WakeIdleWorker();
 }
 
 int Scheduler::inflight() const {
@@ -69,13 +73,16 @@ int Scheduler::queued() const {
 }
 
 void Scheduler::WorkerLoop() {
+  IdleWorker self;
   while (true) {
     std::function<void()> work;
     {
       MutexLock lock(&mu_);
       // Calls run here (RunHereIfIdle) count against max_inflight too.
       while (!stopping_ && (queue_.empty() || inflight_ >= max_inflight_)) {
-        work_ready_.Wait(&mu_);
+        self.woken = false;
+        idle_.push_back(&self);
+        while (!self.woken) self.wake.Wait(&mu_);
       }
       if (queue_.empty()) return;  // stopping, nothing left to run
       work = std::move(queue_.front());

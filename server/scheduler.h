@@ -3,6 +3,12 @@
 // that Submit refuses at once, so the server never builds an unbounded
 // queue or stalls.
 //
+// A call goes to the worker that went idle last: a stream of calls stays on
+// one worker, whose OpenMP team (each thread that starts parallel regions
+// has its own) and caches are still warm, instead of waking a team that
+// has gone to sleep (measured: a decode step computed in 0.47 ms on the
+// warm team, 0.6 ms round robin over two).
+//
 // Thread-safety: Submit and the counters may be called from any thread.
 // Ownership: the scheduler owns its workers; destruction runs what is queued,
 // then joins them.
@@ -40,16 +46,24 @@ class Scheduler {
   int max_queue() const { return max_queue_; }
 
  private:
+  // An idle worker's wake-up: set and signalled by WakeIdleWorker.
+  struct IdleWorker {
+    CondVar wake;
+    bool woken = false;
+  };
+
   void WorkerLoop() ABSL_LOCKS_EXCLUDED(mu_);
   // Ends a call's hold on an in-flight slot and wakes a worker if calls
   // are queued.
   void ReleaseSlot() ABSL_LOCKS_EXCLUDED(mu_);
+  // Wakes the worker that went idle last, if any is idle.
+  void WakeIdleWorker() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int max_inflight_;
   const int max_queue_;
   mutable Mutex mu_;
-  // queue_ gained work, a call finished, or stopping_.
-  CondVar work_ready_;
+  // Idle workers, the most recently idle last.
+  std::vector<IdleWorker*> idle_ ABSL_GUARDED_BY(mu_);
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
