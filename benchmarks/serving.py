@@ -13,6 +13,13 @@ Starts attnserve (demo model) and measures with `attnctl bench`:
      with as many calls in flight.
 and prints every figure with its ratio and target.
 
+Decode sessions (--part=decode; also in --part=all) time a decode step at
+4096 cached tokens (8 heads, d64) through a session (attnctl bench
+--rpc=decode) against the same step as a stateless Attend carrying the
+cache, with GQA and model-session steps for information, and measure the
+server's resident memory as 16 sessions of 4096 tokens fill and are
+deleted.
+
 The size sweep (--part=sizes; --part=all runs both) measures what a user
 sees end to end as messages grow: LayerNorm [rows, 512] moving 0.25 MB to
 128 MB (input plus output) and the large cases of the serving targets,
@@ -52,7 +59,8 @@ def parse_args():
     parser.add_argument("--client_cpus", default="0")
     parser.add_argument("--no_pin", action="store_true")
     parser.add_argument("--json", help="also write the figures here")
-    parser.add_argument("--part", choices=("all", "baselines", "sizes"),
+    parser.add_argument("--part",
+                        choices=("all", "baselines", "sizes", "decode"),
                         default="all")
     parser.add_argument("--sweep_duration_s", type=float, default=3,
                         help="measured seconds per size-sweep case")
@@ -86,6 +94,7 @@ class Bench:
                 break
             match = re.search(ready_pattern, line)
             if match:
+                self.last_match = match
                 return process, int(match.group(1))
         raise RuntimeError(f"{command[0]} did not start: {' '.join(command)}")
 
@@ -304,6 +313,144 @@ def size_sweep(args, bench):
     return figures, targets
 
 
+def resident_mb(process):
+    with open(f"/proc/{process.pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def metric(port, name):
+    from urllib.request import urlopen
+    page = urlopen(f"http://127.0.0.1:{port}/metrics").read().decode()
+    match = re.search(rf"^{name} (\S+)$", page, re.MULTILINE)
+    return float(match.group(1)) if match else None
+
+
+def session_memory(bench, server, port, metrics_port, sessions=16,
+                   tokens=4096):
+    """Resident memory as `sessions` attention sessions of `tokens` tokens
+    (8 heads, d64, float32) fill and are deleted; figures in MiB."""
+    sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
+    import numpy as np
+    from attnserve_client import connect, pb, to_tensor
+    stub = connect(f"127.0.0.1:{port}")
+    rng = np.random.default_rng(0)
+    q, k, v = (to_tensor(rng.standard_normal((8, tokens, 64),
+                                             dtype=np.float32))
+               for _ in range(3))
+    create = pb.CreateSessionRequest(num_heads=8, head_dim=64,
+                                     max_length=tokens + 1)
+
+    def fill(count):
+        ids = []
+        for _ in range(count):
+            session = stub.CreateSession(create)
+            stub.SessionStep(pb.SessionStepRequest(
+                session_id=session.session_id, query=q, key=k, value=v))
+            ids.append(session.session_id)
+        return ids
+
+    def delete(ids):
+        for session_id in ids:
+            stub.DeleteSession(pb.DeleteSessionRequest(session_id=session_id))
+
+    delete(fill(2))  # warms the server's request and response buffers
+    time.sleep(0.5)
+    before = resident_mb(server)
+    ids = fill(sessions)
+    full = resident_mb(server)
+    cache = metric(metrics_port, "attnserve_session_cache_bytes") / 2**20
+    delete(ids)
+    time.sleep(0.5)
+    after = resident_mb(server)
+    needed = sessions * tokens * 8 * 64 * 4 * 2 / 2**20
+    return {"needed_mb": needed, "cache_mb": cache, "rss_before_mb": before,
+            "rss_full_mb": full, "rss_after_mb": after}
+
+
+def decode_part(args, bench):
+    """Prints the decode table; returns (figures, rows of targets)."""
+    server, port = bench.start([
+        os.path.join(bench.bin, "attnserve"), "--host=127.0.0.1",
+        "--port=0", "--metrics_port=0", "--http_port=-1",
+        "--log_level=warning", f"--model_repository={bench.models}"],
+        r"listening on 127\.0\.0\.1:(\d+) .*metrics port (\d+)")
+    metrics_port = int(bench.last_match.group(2))
+    shapes = ["--seq=1", "--kv_seq=4096", "--heads=8", "--dim=64",
+              "--concurrency=1", f"--duration_s={args.sweep_duration_s}",
+              "--warmup_s=1"]
+    cases = [
+        ("stateless Attend Lq1 Lk4096 H8 d64", ["attend", *shapes]),
+        ("session step at 4096, H8 d64", ["decode", *shapes]),
+        ("session step at 4096, H32 Hkv8 d128",
+         ["decode", "--seq=1", "--kv_seq=4096", "--heads=32", "--kv_heads=8",
+          "--dim=128", "--concurrency=1",
+          f"--duration_s={args.sweep_duration_s}", "--warmup_s=1"]),
+        ("session step at 4096, H32 Hkv32 d128",
+         ["decode", "--seq=1", "--kv_seq=4096", "--heads=32", "--kv_heads=32",
+          "--dim=128", "--concurrency=1",
+          f"--duration_s={args.sweep_duration_s}", "--warmup_s=1"]),
+        ("model session step at 4096, demo E512 H8",
+         ["decode", "--model=demo", "--seq=1", "--kv_seq=4096",
+          "--concurrency=1", f"--duration_s={args.sweep_duration_s}",
+          "--warmup_s=1"]),
+    ]
+    figures, lines = {}, []
+    try:
+        for name, flags in cases:
+            report = bench.load(port, *flags)
+            e2e = report["latency_us"]["p50"] / 1e3
+            compute = report["server_compute_us"]["p50"] / 1e3
+            figures[name] = {"e2e_ms": e2e, "compute_ms": compute,
+                             "request_bytes": report["request_bytes"]}
+            lines.append((name, f"{report['request_bytes'] / 1e6:.3f}",
+                          f"{e2e:.3f}", f"{compute:.3f}",
+                          f"{e2e / compute:.2f}"))
+        memory = session_memory(bench, server, port, metrics_port)
+        figures["memory"] = memory
+    finally:
+        bench.stop(server)
+    header = ("case", "MB sent", "e2e p50 ms", "compute p50 ms", "e2e/compute")
+    widths = [max(len(str(r[i])) for r in lines + [header])
+              for i in range(len(header))]
+    print("\nDecode steps (p50, one call in flight, unpinned)\n")
+    for r in [header] + lines:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print(f"\n16 sessions x 4096 tokens (8 heads, d64, float32): needed "
+          f"{memory['needed_mb']:.1f} MiB, cache {memory['cache_mb']:.1f} "
+          f"MiB; resident {memory['rss_before_mb']:.1f} -> "
+          f"{memory['rss_full_mb']:.1f} -> {memory['rss_after_mb']:.1f} MiB "
+          "after deleting them")
+    step = figures["session step at 4096, H8 d64"]
+    stateless = figures["stateless Attend Lq1 Lk4096 H8 d64"]
+    gqa = figures["session step at 4096, H32 Hkv8 d128"]
+    repeated = figures["session step at 4096, H32 Hkv32 d128"]
+    growth = memory["rss_full_mb"] - memory["rss_before_mb"]
+    targets = [
+        ("decode step e2e vs its server compute",
+         f"{step['e2e_ms'] / step['compute_ms']:.2f}x", "<= 2x",
+         step["e2e_ms"] <= 2 * step["compute_ms"]),
+        ("decode step vs stateless call carrying the cache",
+         f"{stateless['e2e_ms'] / step['e2e_ms']:.1f}x faster", ">= 10x",
+         stateless["e2e_ms"] >= 10 * step["e2e_ms"]),
+        ("GQA H32/Hkv8 step vs H32/Hkv32 (server compute)",
+         f"{repeated['compute_ms'] / gqa['compute_ms']:.2f}x faster", ">= 2x",
+         repeated["compute_ms"] >= 2 * gqa["compute_ms"]),
+        ("session cache bytes vs bytes the K/V need",
+         f"{memory['cache_mb'] / memory['needed_mb']:.3f}x", "<= 1.10x",
+         memory["cache_mb"] <= 1.1 * memory["needed_mb"]),
+        ("resident growth vs bytes the K/V need",
+         f"{growth / memory['needed_mb']:.3f}x", "<= 1.10x",
+         growth <= 1.1 * memory["needed_mb"]),
+        ("resident after deleting vs before",
+         f"{memory['rss_after_mb'] - memory['rss_before_mb']:+.1f} MiB",
+         "<= +5%", memory["rss_after_mb"] <= 1.05 * memory["rss_before_mb"]),
+    ]
+    return figures, targets
+
+
 def sweep_targets(figures):
     """The issue's size targets from the sweep's figures."""
     rows = []
@@ -330,6 +477,18 @@ def main():
     bench = Bench(args)
     rows = []
     figures = {}
+    if args.part in ("all", "decode"):
+        decode, targets = decode_part(args, bench)
+        figures["decode"] = decode
+        print("\nDecode targets\n")
+        for case, got, want, met in targets:
+            print(f"{case}: {got} (target {want}) "
+                  f"{'met' if met else 'MISSED'}")
+        if args.part == "decode":
+            if args.json:
+                with open(args.json, "w") as out:
+                    json.dump(figures, out, indent=2)
+            return 0 if all(t[3] for t in targets) else 1
     if args.part in ("all", "sizes"):
         sweep, targets = size_sweep(args, bench)
         figures["size_sweep"] = sweep

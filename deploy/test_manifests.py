@@ -367,6 +367,14 @@ class DeployFilesTest(unittest.TestCase):
         # nginx's own failures reach clients as gRPC UNAVAILABLE.
         self.assertRegex(self.nginx, r"error_page 502 503 504 = @grpc_unavailable;")
         self.assertRegex(self.nginx, r"add_header grpc-status 14 always;")
+        # Decode sessions: one replica per x-session-key, the same replicas.
+        sessions = re.search(r"upstream attnserve_sessions \{(.*?)\}", self.nginx, re.DOTALL)
+        self.assertIsNotNone(sessions)
+        self.assertIn("hash $http_x_session_key consistent;", sessions.group(1))
+        self.assertEqual(dict(re.findall(r"^\s*server ([\w.-]+):(\d+)\b", sessions.group(1),
+                                         re.MULTILINE)), expected)
+        self.assertRegex(self.nginx, r"\(CreateSession\|SessionStep\|DeleteSession\)\$ \{\s*"
+                                     r"grpc_pass grpc://attnserve_sessions;")
         body = re.search(r"client_max_body_size (\d+)m;", self.nginx)
         self.assertGreaterEqual(int(body.group(1)), int(self.flags["max_message_mb"]))
 

@@ -250,6 +250,69 @@ class ClientTest(unittest.TestCase):
         # The server keeps serving.
         self.stub.LayerNorm(pb.LayerNormRequest(input=to_tensor(q)))
 
+    def test_decode_session_matches_torch(self):
+        # Grouped-query attention, 8 query heads over 2 key/value heads:
+        # the reference repeats keys and values with repeat_interleave.
+        session = self.stub.CreateSession(pb.CreateSessionRequest(
+            num_heads=8, num_kv_heads=2, head_dim=16, max_length=32))
+        keys = torch.zeros(2, 0, 16, dtype=torch.float64)
+        values = torch.zeros(2, 0, 16, dtype=torch.float64)
+        for n in (7, 1, 1, 3, 1):
+            q, k, v = self.randn(8, n, 16), self.randn(2, n, 16), \
+                self.randn(2, n, 16)
+            reply = self.stub.SessionStep(pb.SessionStepRequest(
+                session_id=session.session_id, query=to_tensor(q),
+                key=to_tensor(k), value=to_tensor(v)))
+            first = keys.shape[1]
+            keys = torch.cat([keys, torch.from_numpy(k).double()], 1)
+            values = torch.cat([values, torch.from_numpy(v).double()], 1)
+            keep = (torch.arange(first + n)[None, :] <=
+                    first + torch.arange(n)[:, None])
+            expected, _ = sdpa_reference(
+                q, keys.repeat_interleave(4, dim=0),
+                values.repeat_interleave(4, dim=0), mask=keep)
+            self.assertEqual(reply.length, first + n)
+            np.testing.assert_allclose(to_numpy(reply.output), expected,
+                                       **TOL)
+        self.stub.DeleteSession(
+            pb.DeleteSessionRequest(session_id=session.session_id))
+        with self.assertRaises(grpc.RpcError) as gone:
+            self.stub.SessionStep(pb.SessionStepRequest(
+                session_id=session.session_id, query=to_tensor(q),
+                key=to_tensor(k), value=to_tensor(v)))
+        self.assertEqual(gone.exception.code(), grpc.StatusCode.NOT_FOUND)
+        self.assertIn("was deleted", gone.exception.details())
+
+    def test_model_session_matches_torch_module(self):
+        # Steps of hidden states through the served nn.MultiheadAttention
+        # equal the module's causal self-attention over the whole sequence.
+        x = self.randn(2, 9, 64)
+        causal = torch.full((9, 9), float("-inf")).triu(1).double()
+        expected, _ = self.torch_mha(self.mha, x, x, x, attn_mask=causal)
+        session = self.stub.CreateSession(
+            pb.CreateSessionRequest(model="mha64", batch=2))
+        first = 0
+        for n in (5, 1, 2, 1):
+            reply = self.stub.SessionStep(pb.SessionStepRequest(
+                session_id=session.session_id,
+                input=to_tensor(np.ascontiguousarray(x[:, first:first + n]))))
+            np.testing.assert_allclose(to_numpy(reply.output),
+                                       expected[:, first:first + n], **TOL)
+            first += n
+        self.stub.DeleteSession(
+            pb.DeleteSessionRequest(session_id=session.session_id))
+
+    def test_example_decode_runs(self):
+        env = dict(os.environ, PYTHONPATH=HERE)
+        result = subprocess.run(
+            [sys.executable, os.path.join(HERE, "example_decode.py"),
+             f"--target={self.server.target}"],
+            env=env, cwd=self.workdir.name, capture_output=True, text=True,
+            timeout=60)
+        self.assertEqual(result.returncode, 0, result.stderr)
+        self.assertIn("decode: 4 steps of 1 token, length 16", result.stdout)
+        self.assertIn("after DeleteSession: NOT_FOUND", result.stdout)
+
     def test_example_runs(self):
         # As the README runs it: clients/python alone on the path, from a
         # directory other than the checkout.
