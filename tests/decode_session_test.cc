@@ -23,47 +23,6 @@
 namespace attnserve::testing {
 namespace {
 
-// Rows [first, first + n) of dim -2 of a [..., L, d] reference.
-RefTensor RowsOf(const RefTensor& t, int64_t first, int64_t n) {
-  const int64_t len = t.shape[t.shape.size() - 2];
-  const int64_t d = t.shape.back();
-  RefTensor out{t.shape, {}};
-  out.shape[out.shape.size() - 2] = n;
-  const int64_t planes = static_cast<int64_t>(t.values.size()) / (len * d);
-  for (int64_t p = 0; p < planes; ++p) {
-    const auto begin = t.values.begin() + (p * len + first) * d;
-    out.values.insert(out.values.end(), begin, begin + n * d);
-  }
-  return out;
-}
-
-// [..., L1, d] and [..., L2, d] joined along dim -2.
-RefTensor Concat(const RefTensor& a, const RefTensor& b) {
-  if (a.values.empty()) return b;
-  const int64_t la = a.shape[a.shape.size() - 2];
-  const int64_t lb = b.shape[b.shape.size() - 2];
-  const int64_t d = a.shape.back();
-  RefTensor out{a.shape, {}};
-  out.shape[out.shape.size() - 2] = la + lb;
-  const int64_t planes = static_cast<int64_t>(a.values.size()) / (la * d);
-  for (int64_t p = 0; p < planes; ++p) {
-    out.values.insert(out.values.end(), a.values.begin() + p * la * d,
-                      a.values.begin() + (p + 1) * la * d);
-    out.values.insert(out.values.end(), b.values.begin() + p * lb * d,
-                      b.values.begin() + (p + 1) * lb * d);
-  }
-  return out;
-}
-
-// Keeps key j for new query i when j <= first + i: [n, first + n].
-RefTensor CausalKeep(int64_t first, int64_t n) {
-  RefTensor keep{{n, first + n}, {}};
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < first + n; ++j)
-      keep.values.push_back(j <= first + i ? 1.0 : 0.0);
-  return keep;
-}
-
 struct SessionCase {
   std::string name;
   int64_t batch = 1;
@@ -121,8 +80,8 @@ TEST_P(AttentionSessionTest, EveryStepMatchesAttentionOverTheHistory) {
       r.shape = {b, heads, n, d};
       return r;
     };
-    keys = Concat(keys, ref4(k, c.kv_heads, c.dk));
-    values = Concat(values, ref4(v, c.kv_heads, c.dv));
+    keys = RefConcatRows(keys, ref4(k, c.kv_heads, c.dk));
+    values = RefConcatRows(values, ref4(v, c.kv_heads, c.dv));
     const int64_t group = c.heads / c.kv_heads;
     RefTensor rq = ref4(q, c.heads, c.dk);
     RefTensor rk = keys;
@@ -132,7 +91,7 @@ TEST_P(AttentionSessionTest, EveryStepMatchesAttentionOverTheHistory) {
     }
     RefAttentionResult ref =
         RefAttend(rq, RefRepeatHeads(rk, group), RefRepeatHeads(values, group),
-                  {CausalKeep(first, n)}, {true}, {});
+                  {RefCausalKeep(first, n)}, {true}, {});
     if (!c.batched_inputs) ref.output.shape.erase(ref.output.shape.begin());
     EXPECT_TRUE(
         AllClose(out->view(), ref.output,
@@ -288,7 +247,7 @@ TEST_P(ModelSessionTest, EveryStepMatchesCausalAttentionOverTheSequence) {
   for (int64_t n : steps) {
     // This step's hidden states: rows [first, first + n) of each sequence.
     Tensor step = RandomTensor(DType::kFloat32, {b, n, e}, rng);
-    const RefTensor rows = RowsOf(all, first, n);
+    const RefTensor rows = RefRows(all, first, n);
     for (size_t i = 0; i < rows.values.size(); ++i) {
       step.data_as<float>()[i] = static_cast<float>(rows.values[i]);
     }
@@ -299,7 +258,7 @@ TEST_P(ModelSessionTest, EveryStepMatchesCausalAttentionOverTheSequence) {
     ASSERT_TRUE(status.ok()) << status;
     std::optional<Tensor> out = results.Take("output");
     ASSERT_TRUE(out.has_value());
-    EXPECT_TRUE(AllClose(out->view(), RowsOf(ref.output, first, n),
+    EXPECT_TRUE(AllClose(out->view(), RefRows(ref.output, first, n),
                          ToleranceFor(m.compute)))
         << "step at position " << first;
     first += n;

@@ -281,6 +281,44 @@ RefTensor RefRepeatHeads(const RefTensor& x, int64_t group) {
   return y;
 }
 
+RefTensor RefRows(const RefTensor& t, int64_t first, int64_t n) {
+  const int64_t len = t.shape[t.shape.size() - 2];
+  const int64_t d = t.shape.back();
+  RefTensor out{t.shape, {}};
+  out.shape[out.shape.size() - 2] = n;
+  const int64_t planes = static_cast<int64_t>(t.values.size()) / (len * d);
+  for (int64_t p = 0; p < planes; ++p) {
+    const auto begin = t.values.begin() + (p * len + first) * d;
+    out.values.insert(out.values.end(), begin, begin + n * d);
+  }
+  return out;
+}
+
+RefTensor RefConcatRows(const RefTensor& a, const RefTensor& b) {
+  if (a.values.empty()) return b;
+  const int64_t la = a.shape[a.shape.size() - 2];
+  const int64_t lb = b.shape[b.shape.size() - 2];
+  const int64_t d = a.shape.back();
+  RefTensor out{a.shape, {}};
+  out.shape[out.shape.size() - 2] = la + lb;
+  const int64_t planes = static_cast<int64_t>(a.values.size()) / (la * d);
+  for (int64_t p = 0; p < planes; ++p) {
+    out.values.insert(out.values.end(), a.values.begin() + p * la * d,
+                      a.values.begin() + (p + 1) * la * d);
+    out.values.insert(out.values.end(), b.values.begin() + p * lb * d,
+                      b.values.begin() + (p + 1) * lb * d);
+  }
+  return out;
+}
+
+RefTensor RefCausalKeep(int64_t first, int64_t n) {
+  RefTensor keep{{n, first + n}, {}};
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < first + n; ++j)
+      keep.values.push_back(j <= first + i ? 1.0 : 0.0);
+  return keep;
+}
+
 RefTensor RefLinear(const RefTensor& x, const RefTensor& w,
                     const std::optional<RefTensor>& b) {
   const int64_t out = w.shape[0], in = w.shape[1];

@@ -86,6 +86,17 @@ RefTensor RefRotary(const RefTensor& x, int64_t dims, double base,
 // in place (torch.repeat_interleave(x, group, dim=1)).
 RefTensor RefRepeatHeads(const RefTensor& x, int64_t group);
 
+// Rows [first, first + n) of dim -2 of a [..., L, d] tensor.
+RefTensor RefRows(const RefTensor& t, int64_t first, int64_t n);
+
+// [..., L1, d] and [..., L2, d] joined along dim -2 (an empty `a`: `b`).
+RefTensor RefConcatRows(const RefTensor& a, const RefTensor& b);
+
+// The keep mask [n, first + n] of n new queries at positions first ..
+// first + n - 1 over every key up to them: key j for query i when
+// j <= first + i (causal attention of a decode step).
+RefTensor RefCausalKeep(int64_t first, int64_t n);
+
 // y = x * W^T + b over the last dim of x; W is [out, in].
 RefTensor RefLinear(const RefTensor& x, const RefTensor& w,
                     const std::optional<RefTensor>& b);

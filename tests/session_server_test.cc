@@ -97,47 +97,6 @@ Tensor FromWire(const v1::Tensor& wire) {
   return t.ok() ? *std::move(t) : Tensor();
 }
 
-// Rows [first, first + n) of dim -2 of a [..., L, d] reference.
-RefTensor RowsOf(const RefTensor& t, int64_t first, int64_t n) {
-  const int64_t len = t.shape[t.shape.size() - 2];
-  const int64_t d = t.shape.back();
-  RefTensor out{t.shape, {}};
-  out.shape[out.shape.size() - 2] = n;
-  const int64_t planes = static_cast<int64_t>(t.values.size()) / (len * d);
-  for (int64_t p = 0; p < planes; ++p) {
-    const auto begin = t.values.begin() + (p * len + first) * d;
-    out.values.insert(out.values.end(), begin, begin + n * d);
-  }
-  return out;
-}
-
-// [..., L1, d] and [..., L2, d] joined along dim -2.
-RefTensor Concat(const RefTensor& a, const RefTensor& b) {
-  if (a.values.empty()) return b;
-  const int64_t la = a.shape[a.shape.size() - 2];
-  const int64_t lb = b.shape[b.shape.size() - 2];
-  const int64_t d = a.shape.back();
-  RefTensor out{a.shape, {}};
-  out.shape[out.shape.size() - 2] = la + lb;
-  const int64_t planes = static_cast<int64_t>(a.values.size()) / (la * d);
-  for (int64_t p = 0; p < planes; ++p) {
-    out.values.insert(out.values.end(), a.values.begin() + p * la * d,
-                      a.values.begin() + (p + 1) * la * d);
-    out.values.insert(out.values.end(), b.values.begin() + p * lb * d,
-                      b.values.begin() + (p + 1) * lb * d);
-  }
-  return out;
-}
-
-// Keeps key j for new query i when j <= first + i: [n, first + n].
-RefTensor CausalKeep(int64_t first, int64_t n) {
-  RefTensor keep{{n, first + n}, {}};
-  for (int64_t i = 0; i < n; ++i)
-    for (int64_t j = 0; j < first + n; ++j)
-      keep.values.push_back(j <= first + i ? 1.0 : 0.0);
-  return keep;
-}
-
 class SessionServerTest : public ::testing::Test {
  protected:
   static ServerOptions Options() {
@@ -205,12 +164,12 @@ TEST_F(SessionServerTest, AttentionSessionStepsMatchTheReference) {
       r.shape.insert(r.shape.begin(), 1);
       return r;
     };
-    keys = Concat(keys, batched(k));
-    values = Concat(values, batched(v));
+    keys = RefConcatRows(keys, batched(k));
+    values = RefConcatRows(values, batched(v));
     RefAttentionResult ref = RefAttend(
         RefRotary(batched(q), 8, 10000.0, first),
         RefRepeatHeads(RefRotary(keys, 8, 10000.0, 0), 2),
-        RefRepeatHeads(values, 2), {CausalKeep(first, n)}, {true}, {});
+        RefRepeatHeads(values, 2), {RefCausalKeep(first, n)}, {true}, {});
     ref.output.shape.erase(ref.output.shape.begin());
     EXPECT_TRUE(AllClose(FromWire(step->output()).view(), ref.output,
                          kFloat32Tolerance))
@@ -252,7 +211,7 @@ TEST_F(SessionServerTest,
 
   int64_t first = 0;
   for (int64_t n : steps) {
-    const RefTensor rows = RowsOf(all, first, n);
+    const RefTensor rows = RefRows(all, first, n);
     Tensor input = *Tensor::Allocate(DType::kFloat32, {2, n, kEmbed});
     for (size_t i = 0; i < rows.values.size(); ++i) {
       input.data_as<float>()[i] = static_cast<float>(rows.values[i]);
@@ -263,7 +222,7 @@ TEST_F(SessionServerTest,
     auto step = client.SessionStep(request);
     ASSERT_TRUE(step.ok()) << step.status();
     EXPECT_TRUE(AllClose(FromWire(step->output()).view(),
-                         RowsOf(ref.output, first, n), kFloat32Tolerance))
+                         RefRows(ref.output, first, n), kFloat32Tolerance))
         << "step at " << first;
     first += n;
   }
@@ -467,8 +426,8 @@ TEST_F(SessionServerTest, ConcurrentSessionsEachMatchTheReference) {
         *request.mutable_key() = Wire(k);
         *request.mutable_value() = Wire(v);
         auto step = client.SessionStep(request);
-        keys = Concat(keys, ToRef(k.view()));
-        values = Concat(values, ToRef(v.view()));
+        keys = RefConcatRows(keys, ToRef(k.view()));
+        values = RefConcatRows(values, ToRef(v.view()));
         const RefAttentionResult ref =
             RefAttend(ToRef(q.view()), keys, values, {}, {}, {});
         if (!step.ok() || !AllClose(FromWire(step->output()).view(), ref.output,

@@ -12,12 +12,6 @@
 namespace attnserve {
 namespace {
 
-absl::Status RequirePositive(int64_t value, absl::string_view flag) {
-  if (value > 0) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat(flag, ": must be > 0, got ", value));
-}
-
 // Seeded uniform values in [-1, 1) as a wire tensor.
 absl::Status RandomWire(Shape shape, DType dtype, std::mt19937& random,
                         v1::Tensor* out) {

@@ -12,14 +12,6 @@
 namespace attnserve {
 namespace {
 
-absl::Status RequirePositive(int64_t value, absl::string_view flag) {
-  if (value <= 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, ": must be > 0, got ", value));
-  }
-  return absl::OkStatus();
-}
-
 // Seeded uniform values in [-scale, scale).
 absl::StatusOr<Tensor> Random(Shape shape, DType dtype, std::mt19937* random,
                               float scale = 1) {
@@ -55,6 +47,14 @@ std::string Describe(Operation op, const NamedViews& tensors) {
 }
 
 }  // namespace
+
+absl::Status RequirePositive(int64_t value, absl::string_view flag) {
+  if (value <= 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, ": must be > 0, got ", value));
+  }
+  return absl::OkStatus();
+}
 
 absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
                                               const SyntheticShape& shape,

@@ -47,6 +47,9 @@ struct SyntheticShape {
   DType dtype = DType::kFloat32;
 };
 
+// OK if `value` > 0; INVALID_ARGUMENT "FLAG: must be > 0, got V" otherwise.
+absl::Status RequirePositive(int64_t value, absl::string_view flag);
+
 // Tensors of the shapes `shape` describes for `op`, filled with seeded
 // uniform values in [-1, 1): query/key/value for attend; query (key/value
 // when kv_seq differs) and, without a model, projection weights for mha;
