@@ -4,7 +4,8 @@
 For --duration_s seconds, worker threads keep a mixed load on the server:
 every RPC (Attend, MultiHeadAttend with a served model and with inline
 weights, LayerNorm, ListModels, GetModelMetadata, the shared-memory RPCs and
-compute through shared memory), tiny to a few MB; calls cancelled midway and
+compute through shared memory, decode sessions: created, prefilled, stepped,
+deleted or left to be evicted and to expire), tiny to a few MB; calls cancelled midway and
 deadlines that expire; malformed requests (invalid tensors, bytes that do
 not parse, unknown models and regions). The main thread edits the model
 repository and sends the server SIGHUP every --reload_every_s seconds, and
@@ -79,7 +80,24 @@ EXPECTED = {
     "unknown_model": {"NOT_FOUND"},
     "unknown_model_metadata": {"NOT_FOUND"},
     "unknown_shm_region": {"NOT_FOUND"},
+    # Decode sessions. The server's session memory holds a few of them, so
+    # creating more evicts the least recently used (sessions left behind
+    # first, then live ones): a step may find its session evicted, with
+    # the documented message.
+    "session_create": {OK},
+    "session_step": {OK, "NOT_FOUND"},
+    "session_delete": {OK, "NOT_FOUND"},
+    "session_step_deleted": {"NOT_FOUND"},
 }
+SESSION_GONE = {"NOT_FOUND": r'session_id: session "[0-9a-f]{32}" (was '
+                r'evicted \(least recently used\) to make room for other '
+                r'sessions|expired after \S+ idle); create a new one and '
+                r'prefill it'}
+SESSION_DELETED = {"NOT_FOUND": r'session_id: session "[0-9a-f]{32}" was '
+                   r'deleted'}
+# Attention sessions of the soak: 8 query heads over 2 key/value heads,
+# d64, a 1024-token prompt (1 MiB of cache).
+SESSION_HEADS, SESSION_KV_HEADS, SESSION_DIM, SESSION_PROMPT = 8, 2, 64, 1024
 # Small calls whose latency is compared between the first and the last
 # window: their latency is the server's per-call overhead plus waiting for
 # the compute threads, not the size mix of the long calls.
@@ -208,6 +226,60 @@ class Soak:
         if kind == "attend_tiny":
             check = self.check_attend_tiny
         self.call(kind, method, request, check)
+
+    def session_worker(self):
+        """Create, prefill, step (the first step checked against numpy),
+        then delete, or leave the session behind every third time."""
+        q, k, v = (self.randn(h, SESSION_PROMPT, SESSION_DIM) for h in
+                   (SESSION_HEADS, SESSION_KV_HEADS, SESSION_KV_HEADS))
+        tq, tk, tv = (self.randn(h, 1, SESSION_DIM) for h in
+                      (SESSION_HEADS, SESSION_KV_HEADS, SESSION_KV_HEADS))
+        group = SESSION_HEADS // SESSION_KV_HEADS
+        keys = np.repeat(np.concatenate([k, tk], 1).astype(np.float64),
+                         group, 0)
+        values = np.repeat(np.concatenate([v, tv], 1).astype(np.float64),
+                           group, 0)
+        logits = tq.astype(np.float64) @ keys.transpose(0, 2, 1) / 8.0
+        p = np.exp(logits - logits.max(-1, keepdims=True))
+        expected = (p / p.sum(-1, keepdims=True)) @ values
+
+        def check(reply):
+            diff = float(np.abs(to_numpy(reply.output) - expected).max())
+            return None if diff <= 1e-4 else f"max |diff| {diff:.2e}"
+
+        def step(session_id, query, key, value):
+            return pb.SessionStepRequest(
+                session_id=session_id, query=to_tensor(query),
+                key=to_tensor(key), value=to_tensor(value))
+
+        cycle = 0
+        while not self.stop.is_set():
+            cycle += 1
+            created = self.call("session_create", self.stub.CreateSession,
+                                pb.CreateSessionRequest(
+                                    num_heads=SESSION_HEADS,
+                                    num_kv_heads=SESSION_KV_HEADS,
+                                    head_dim=SESSION_DIM, max_length=2048))
+            if created is None:
+                self.stop.wait(1)
+                continue
+            sid = created.session_id
+            if self.call("session_step", self.stub.SessionStep,
+                         step(sid, q, k, v),
+                         shape_check(q.shape), expect_message=SESSION_GONE):
+                for i in range(3):
+                    self.call("session_step", self.stub.SessionStep,
+                              step(sid, tq, tk, tv),
+                              check if i == 0 else shape_check(tq.shape),
+                              expect_message=SESSION_GONE)
+            if cycle % 3 != 0:
+                self.call("session_delete", self.stub.DeleteSession,
+                          pb.DeleteSessionRequest(session_id=sid),
+                          expect_message=SESSION_GONE)
+                self.call("session_step_deleted", self.stub.SessionStep,
+                          step(sid, tq, tk, tv),
+                          expect_message=SESSION_DELETED)
+            self.stop.wait(0.1)
 
     def check_attend_tiny(self, reply):
         q, k, v = self.tiny_qkv
@@ -464,6 +536,8 @@ class Soak:
         threads = [threading.Thread(target=self.worker, args=w, name=w[0])
                    for w in workers]
         threads.append(threading.Thread(target=self.shm_worker, name="shm"))
+        threads.append(threading.Thread(target=self.session_worker,
+                                        name="sessions"))
         # Priming, early in the warm-up: four more threads send large calls
         # at once, more than the steady mix ever overlaps. tcmalloc keeps
         # what it once took from the kernel for reuse, so unprimed its heap

@@ -63,6 +63,7 @@ cp -r "$demo" "$tmp/models/demo"
 # --log_level=warning: no access-log line per call (hundreds a second).
 "$attnserve" --host=127.0.0.1 --port=0 --metrics_port=0 --http_port=-1 \
   --model_repository="$tmp/models" --log_level=warning \
+  --max_session_memory_mb=4 --session_idle_timeout_s=5 \
   >"$tmp/server.out" 2>"$tmp/server.err" &
 server_pid=$!
 banner=""
