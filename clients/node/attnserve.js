@@ -35,11 +35,15 @@ const METHODS = {
   layerNorm: 'LayerNorm',
   listModels: 'ListModels',
   getModelMetadata: 'GetModelMetadata',
+  createSession: 'CreateSession',
+  sessionStep: 'SessionStep',
+  deleteSession: 'DeleteSession',
 };
 
 /**
  * A client for `target` ("host:port") whose methods (attend,
- * multiHeadAttend, layerNorm, listModels, getModelMetadata) take a request
+ * multiHeadAttend, layerNorm, listModels, getModelMetadata, and the decode
+ * sessions' createSession, sessionStep, deleteSession) take a request
  * object and optional { deadlineSeconds, metadata } and return a promise of
  * the response. `raw` is the underlying grpc-js client; close() closes it.
  */

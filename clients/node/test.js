@@ -272,6 +272,61 @@ test('Attend matches a JS reference (batched, causal)', async () => {
   assertClose(fromTensor(reply.weights).data, expected.weights);
 });
 
+test('a decode session matches attention over its history', async () => {
+  // 4 query heads over 2 key/value heads (each serves 2), head dim 8: a
+  // 4-token prompt, then one token a step.
+  const random = rng(7);
+  const [H, Hkv, d] = [4, 2, 8];
+  const session = await client.createSession({
+    num_heads: H, num_kv_heads: Hkv, head_dim: d, max_length: 16,
+  });
+  const keys = Array.from({ length: Hkv }, () => []);
+  const values = Array.from({ length: Hkv }, () => []);
+  let first = 0;
+  for (const n of [4, 1, 1]) {
+    const q = randn(random, H * n * d);
+    const k = randn(random, Hkv * n * d);
+    const v = randn(random, Hkv * n * d);
+    const reply = await client.sessionStep({
+      session_id: session.session_id,
+      query: toTensor(q, [H, n, d]),
+      key: toTensor(k, [Hkv, n, d]),
+      value: toTensor(v, [Hkv, n, d]),
+    });
+    for (let h = 0; h < Hkv; h++) {
+      keys[h].push(...k.subarray(h * n * d, (h + 1) * n * d));
+      values[h].push(...v.subarray(h * n * d, (h + 1) * n * d));
+    }
+    const total = first + n;
+    assert.equal(reply.length, total);
+    // Key/value head h / (H / Hkv) for query head h, as repeat_interleave.
+    const kRep = Float32Array.from(
+      Array.from({ length: H }, (_, h) => keys[Math.floor(h / 2)]).flat());
+    const vRep = Float32Array.from(
+      Array.from({ length: H }, (_, h) => values[Math.floor(h / 2)]).flat());
+    const expected = attendRef(q, kRep, vRep, {
+      batch: H, lq: n, lk: total, dk: d, dv: d,
+      keep: (b, i, j) => j <= first + i,
+    });
+    const output = fromTensor(reply.output);
+    assert.deepEqual(output.shape, [H, n, d]);
+    assertClose(output.data, expected.out);
+    first = total;
+  }
+  await client.deleteSession({ session_id: session.session_id });
+  await assert.rejects(client.sessionStep({
+    session_id: session.session_id,
+    query: toTensor(randn(random, H * d), [H, 1, d]),
+    key: toTensor(randn(random, Hkv * d), [Hkv, 1, d]),
+    value: toTensor(randn(random, Hkv * d), [Hkv, 1, d]),
+  }), (error) => {
+    assert.equal(error.code, grpc.status.NOT_FOUND);
+    assert.equal(error.details,
+      `session_id: session "${session.session_id}" was deleted`);
+    return true;
+  });
+});
+
 test('Attend with a broadcast BOOL mask, scale and an empty row', async () => {
   const random = rng(3);
   const [batch, lq, lk, d] = [2, 3, 4, 8];

@@ -213,6 +213,30 @@ func (c *Client) GetModelMetadata(ctx context.Context, name string,
 		&pb.GetModelMetadataRequest{Name: name}, options...)
 }
 
+// CreateSession opens a decode session: the server keeps its keys and
+// values, so each SessionStep sends only the new tokens.
+func (c *Client) CreateSession(ctx context.Context,
+	request *pb.CreateSessionRequest,
+	options ...grpc.CallOption) (*pb.CreateSessionResponse, error) {
+	return c.service.CreateSession(ctx, request, options...)
+}
+
+// SessionStep appends the request's new tokens to its session and attends
+// them to everything cached (causally among themselves).
+func (c *Client) SessionStep(ctx context.Context,
+	request *pb.SessionStepRequest,
+	options ...grpc.CallOption) (*pb.SessionStepResponse, error) {
+	return c.service.SessionStep(ctx, request, options...)
+}
+
+// DeleteSession frees the session called sessionID.
+func (c *Client) DeleteSession(ctx context.Context, sessionID string,
+	options ...grpc.CallOption) error {
+	_, err := c.service.DeleteSession(ctx,
+		&pb.DeleteSessionRequest{SessionId: sessionID}, options...)
+	return err
+}
+
 // Serving tells whether the server's health service reports SERVING for
 // the attention service. Health checks need no token.
 func (c *Client) Serving(ctx context.Context) (bool, error) {

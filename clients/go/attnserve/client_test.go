@@ -358,6 +358,77 @@ func TestAttend(t *testing.T) {
 	}
 }
 
+// --- Decode sessions ---------------------------------------------------
+
+// repeatHeads is [heads, L, d] with each head repeated group times in
+// place (PyTorch's repeat_interleave on dim 0).
+func repeatHeads(a array, group int64) array {
+	heads, plane := a.shape[0], a.shape[1]*a.shape[2]
+	out := array{shape: []int64{heads * group, a.shape[1], a.shape[2]}}
+	for h := int64(0); h < heads; h++ {
+		for g := int64(0); g < group; g++ {
+			out.data = append(out.data, a.data[h*plane:(h+1)*plane]...)
+		}
+	}
+	return out
+}
+
+// appendTokens joins [heads, L1, d] and [heads, L2, d] along L.
+func appendTokens(a, b array) array {
+	if a.data == nil {
+		return b
+	}
+	heads, d := a.shape[0], a.shape[2]
+	l1, l2 := a.shape[1], b.shape[1]
+	out := array{shape: []int64{heads, l1 + l2, d}}
+	for h := int64(0); h < heads; h++ {
+		out.data = append(out.data, a.data[h*l1*d:(h+1)*l1*d]...)
+		out.data = append(out.data, b.data[h*l2*d:(h+1)*l2*d]...)
+	}
+	return out
+}
+
+func TestDecodeSession(t *testing.T) {
+	// Grouped-query attention: 4 query heads over 2 key/value heads, a
+	// 5-token prompt (causal) and then one token a step, each against
+	// attention over the whole history in float64.
+	rng := mathrand.New(mathrand.NewSource(9))
+	session, err := client.CreateSession(callContext(t), &pb.CreateSessionRequest{
+		NumHeads: 4, NumKvHeads: 2, HeadDim: 8, MaxLength: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var keys, values array
+	for step, n := range []int64{5, 1, 1, 1} {
+		q, k, v := randn(rng, 4, n, 8), randn(rng, 2, n, 8), randn(rng, 2, n, 8)
+		response, err := client.SessionStep(callContext(t), &pb.SessionStepRequest{
+			SessionId: session.GetSessionId(), Query: q.tensor(t),
+			Key: k.tensor(t), Value: v.tensor(t)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		keys, values = appendTokens(keys, k), appendTokens(values, v)
+		if response.GetLength() != keys.shape[1] {
+			t.Fatalf("length %d, want %d", response.GetLength(), keys.shape[1])
+		}
+		// The prompt attends causally to itself; a single new token sees
+		// every cached one.
+		out, _ := attendReference(q, repeatHeads(keys, 2), repeatHeads(values, 2),
+			attendOptions{causal: step == 0})
+		expectClose(t, fmt.Sprintf("step %d", step), response.GetOutput(), out)
+	}
+	if err := client.DeleteSession(callContext(t), session.GetSessionId()); err != nil {
+		t.Fatal(err)
+	}
+	_, err = client.SessionStep(callContext(t), &pb.SessionStepRequest{
+		SessionId: session.GetSessionId(),
+		Query:     randn(rng, 4, 1, 8).tensor(t),
+		Key:       randn(rng, 2, 1, 8).tensor(t),
+		Value:     randn(rng, 2, 1, 8).tensor(t)})
+	expectStatus(t, err, codes.NotFound,
+		fmt.Sprintf("session_id: session %q was deleted", session.GetSessionId()))
+}
+
 func TestAttendRefusesMismatchedKey(t *testing.T) {
 	rng := mathrand.New(mathrand.NewSource(3))
 	_, err := client.Attend(callContext(t), &pb.AttendRequest{
