@@ -39,7 +39,11 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo -DATTNSERVE_FUZZ=ON \
   -DATTNSERVE_BUILD_TESTS=OFF -DATTNSERVE_BUILD_BENCHMARKS=OFF \
   "${launcher[@]}" >/dev/null
-ninja -C "$build" "${targets[@]/#/fuzz_}" >/dev/null
+if ! ninja -C "$build" "${targets[@]/#/fuzz_}" >"$build/fuzz-build.log" 2>&1; then
+  echo "fuzz: the build failed ($build/fuzz-build.log):" >&2
+  grep -E -A8 "error|FAILED" "$build/fuzz-build.log" | head -80 >&2
+  exit 1
+fi
 echo "fuzz: built ${#targets[@]} targets in $(($(date +%s) - start)) s"
 
 scratch=$(mktemp -d "${TMPDIR:-/tmp}/attnserve-fuzz.XXXXXX")
