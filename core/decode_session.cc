@@ -23,12 +23,7 @@ absl::Status VerifyPositive(int64_t value, absl::string_view field) {
 // The plain session's head counts and dims, checked.
 absl::Status VerifyAttentionConfig(const DecodeSessionConfig& c) {
   ATTN_RETURN_IF_ERROR(VerifyPositive(c.num_heads, "num_heads"));
-  const int kv_heads = c.num_kv_heads == 0 ? c.num_heads : c.num_kv_heads;
-  if (kv_heads < 0 || c.num_heads % kv_heads != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_kv_heads: ", c.num_kv_heads,
-                     " does not divide num_heads ", c.num_heads));
-  }
+  ATTN_RETURN_IF_ERROR(VerifyKvHeads(c.num_heads, c.num_kv_heads));
   ATTN_RETURN_IF_ERROR(VerifyPositive(c.key_dim, "head_dim"));
   if (c.value_dim < 0) {
     return absl::InvalidArgumentError(
@@ -105,7 +100,6 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
   if (config.layer != nullptr) {
     const MultiHeadLayer& layer = *config.layer;
     ATTN_RETURN_IF_ERROR(VerifyModelLayer(layer));
-    s->layer_ = config.layer;
     s->heads_ = layer.num_heads();
     s->kv_heads_ = layer.num_kv_heads();
     s->key_dim_ = layer.head_key_dim();
@@ -148,12 +142,12 @@ double DecodeSession::StepFlops(int64_t new_tokens) const {
   const double n = static_cast<double>(new_tokens);
   const double keys = static_cast<double>(length()) + n;
   double flops = 2.0 * b * heads_ * n * keys * (key_dim_ + value_dim_);
-  if (layer_ != nullptr) {
-    const double e = static_cast<double>(layer_->query_dim());
+  if (config_.layer != nullptr) {
+    const double e = static_cast<double>(config_.layer->query_dim());
     flops += 2.0 * b * n * e *
              (heads_ * key_dim_ + kv_heads_ * (key_dim_ + value_dim_));
-    if (layer_->has_output_projection()) {
-      flops += 2.0 * b * n * heads_ * value_dim_ * layer_->output_dim();
+    if (config_.layer->has_output_projection()) {
+      flops += 2.0 * b * n * heads_ * value_dim_ * config_.layer->output_dim();
     }
   }
   return flops;
@@ -162,7 +156,7 @@ double DecodeSession::StepFlops(int64_t new_tokens) const {
 absl::StatusOr<int64_t> DecodeSession::NewTokens(
     const DecodeStepInputs& in) const {
   const int64_t batch = config_.batch;
-  if (layer_ != nullptr) {
+  if (config_.layer != nullptr) {
     if (!in.input.has_value()) {
       return absl::InvalidArgumentError(
           "input: missing (a model session takes hidden states [B, n, E])");
@@ -219,12 +213,12 @@ absl::Status DecodeSession::Step(const DecodeStepInputs& inputs,
     cache_->Truncate(start);
     length_.store(start, std::memory_order_release);
   }
-  absl::Status status = layer_ != nullptr
+  absl::Status status = config_.layer != nullptr
                             ? ModelStep(*inputs.input, options, results)
                             : AttentionStep(inputs, options, results);
   if (!status.ok()) return status;
-  cache_->set_length(length() + n);
-  length_.store(cache_->length(), std::memory_order_release);
+  cache_->Wrote(start + n);
+  length_.store(start + n, std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -289,7 +283,7 @@ absl::Status DecodeSession::AttentionStep(const DecodeStepInputs& in,
 absl::Status DecodeSession::ModelStep(const TensorView& input,
                                       const DecodeStepOptions& options,
                                       ResultAllocator& results) {
-  const MultiHeadLayer& layer = *layer_;
+  const MultiHeadLayer& layer = *config_.layer;
   ATTN_RETURN_IF_ERROR(VerifyFloating(input, "input"));
   if (input.dim(-1) != layer.query_dim()) {
     return absl::InvalidArgumentError(

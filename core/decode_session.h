@@ -107,7 +107,7 @@ class DecodeSession {
   // kind are missing or of the wrong rank.
   absl::StatusOr<int64_t> NewTokens(const DecodeStepInputs& inputs) const;
 
-  bool is_model_session() const { return layer_ != nullptr; }
+  bool is_model_session() const { return config_.layer != nullptr; }
   const DecodeSessionConfig& config() const { return config_; }
   int num_heads() const { return heads_; }
   int num_kv_heads() const { return kv_heads_; }
@@ -150,8 +150,9 @@ class DecodeSession {
                       const DecodeStepOptions& options)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  // config_.layer is the model session's layer (null otherwise); the
+  // fields below come from it or from the config.
   DecodeSessionConfig config_;
-  std::shared_ptr<const MultiHeadLayer> layer_;
   int heads_ = 0;
   int kv_heads_ = 0;
   int64_t key_dim_ = 0;

@@ -79,7 +79,6 @@ size_t KvCache::BytesFor(int64_t tokens) const {
 }
 
 void KvCache::Truncate(int64_t new_length) {
-  length_ = new_length;
   const size_t elem = DTypeSize(dims_.dtype);
   const size_t dropped = static_cast<size_t>(written_ - new_length) *
                          std::max(dims_.key_dim, dims_.value_dim) * elem;

@@ -44,23 +44,17 @@ class KvCache {
   KvCache& operator=(const KvCache&) = delete;
 
   const Dims& dims() const { return dims_; }
-  // Tokens held.
-  int64_t length() const { return length_; }
-  // Makes tokens [length, new_length) part of the cache: they must have
-  // been written.
-  void set_length(int64_t new_length) {
-    length_ = new_length;
-    written_ = std::max(written_, new_length);
-  }
-  // Drops the tokens from `new_length` on (<= length()). Their pages go
-  // back to the system when they are many (kReleaseBytes a plane): giving
-  // back pages costs a TLB shootdown of every thread, more than a decode
-  // step, so a rewind by a few tokens keeps them for the tokens that follow.
+  // Records that tokens up to `tokens` have been written (their pages are
+  // committed). The session that owns the cache keeps its length.
+  void Wrote(int64_t tokens) { written_ = std::max(written_, tokens); }
+  // Drops the tokens from `new_length` on. Their pages go back to the
+  // system when they are many (kReleaseBytes a plane): giving back pages
+  // costs a TLB shootdown of every thread, more than a decode step, so a
+  // rewind by a few tokens keeps them for the tokens that follow.
   void Truncate(int64_t new_length);
   // The memory the cache commits when holding `tokens` tokens (whole
   // pages), counting the pages a rewind kept.
   size_t BytesFor(int64_t tokens) const;
-  size_t bytes() const { return BytesFor(length_); }
 
   // Element (b, h, token, :) of the keys (values) is at
   // data + b * batch_stride + h * head_stride + token * row_stride.
@@ -79,8 +73,8 @@ class KvCache {
   size_t PlaneBytes(int64_t dim) const;
 
   Dims dims_;
-  int64_t length_ = 0;
-  // Tokens whose pages are committed: length_, or more after a rewind.
+  // Tokens whose pages are committed: the session's length, or more after
+  // a rewind.
   int64_t written_ = 0;
   void* keys_ = nullptr;
   void* values_ = nullptr;

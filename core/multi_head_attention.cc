@@ -176,12 +176,8 @@ absl::Status MultiHeadLayer::Resolve(const MultiHeadWeights& w) {
         absl::StrCat("num_heads: must be > 0, got ", w.num_heads));
   }
   heads_ = w.num_heads;
+  ATTN_RETURN_IF_ERROR(VerifyKvHeads(w.num_heads, w.num_kv_heads));
   kv_heads_ = w.num_kv_heads == 0 ? heads_ : w.num_kv_heads;
-  if (kv_heads_ < 0 || heads_ % kv_heads_ != 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("num_kv_heads: ", w.num_kv_heads,
-                     " does not divide num_heads ", heads_));
-  }
   const bool separate = w.q_proj_weight.has_value() ||
                         w.k_proj_weight.has_value() ||
                         w.v_proj_weight.has_value();

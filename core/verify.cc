@@ -93,4 +93,12 @@ absl::Status VerifyFinite(float value, absl::string_view field) {
       absl::StrCat(field, ": must be finite, got ", value));
 }
 
+absl::Status VerifyKvHeads(int num_heads, int num_kv_heads) {
+  const int kv_heads = num_kv_heads == 0 ? num_heads : num_kv_heads;
+  if (kv_heads > 0 && num_heads % kv_heads == 0) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat("num_kv_heads: ", num_kv_heads,
+                                                 " does not divide num_heads ",
+                                                 num_heads));
+}
+
 }  // namespace attnserve

@@ -38,6 +38,9 @@ absl::Status VerifyShape(const TensorView& t, absl::string_view field,
 absl::Status VerifyPositiveFinite(float value, absl::string_view field);
 // `value` is finite.
 absl::Status VerifyFinite(float value, absl::string_view field);
+// Grouped-query attention: `num_kv_heads` is 0 (meaning num_heads) or a
+// positive divisor of `num_heads`.
+absl::Status VerifyKvHeads(int num_heads, int num_kv_heads);
 
 }  // namespace attnserve
 
