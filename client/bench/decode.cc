@@ -15,11 +15,8 @@ namespace {
 // Seeded uniform values in [-1, 1) as a wire tensor.
 absl::Status RandomWire(Shape shape, DType dtype, std::mt19937& random,
                         v1::Tensor* out) {
-  std::uniform_real_distribution<float> uniform(-1, 1);
-  std::vector<float> values(NumElements(shape));
-  for (float& v : values) v = uniform(random);
-  ATTN_ASSIGN_OR_RETURN(
-      Tensor t, Float32ToTensor(values.data(), std::move(shape), dtype));
+  ATTN_ASSIGN_OR_RETURN(Tensor t,
+                        RandomUniform(std::move(shape), dtype, &random));
   EncodeTensor(t.view(), out);
   return absl::OkStatus();
 }

@@ -12,15 +12,6 @@
 namespace attnserve {
 namespace {
 
-// Seeded uniform values in [-scale, scale).
-absl::StatusOr<Tensor> Random(Shape shape, DType dtype, std::mt19937* random,
-                              float scale = 1) {
-  std::uniform_real_distribution<float> uniform(-scale, scale);
-  std::vector<float> values(NumElements(shape));
-  for (float& v : values) v = uniform(*random);
-  return Float32ToTensor(values.data(), std::move(shape), dtype);
-}
-
 // "query=[1, 16, 64] FLOAT32": the shapes of the inputs `op` sends (not
 // weights, not whatever else a file holds).
 std::string Describe(Operation op, const NamedViews& tensors) {
@@ -47,6 +38,14 @@ std::string Describe(Operation op, const NamedViews& tensors) {
 }
 
 }  // namespace
+
+absl::StatusOr<Tensor> RandomUniform(Shape shape, DType dtype,
+                                     std::mt19937* random, float scale) {
+  std::uniform_real_distribution<float> uniform(-scale, scale);
+  std::vector<float> values(NumElements(shape));
+  for (float& v : values) v = uniform(*random);
+  return Float32ToTensor(values.data(), std::move(shape), dtype);
+}
 
 absl::Status RequirePositive(int64_t value, absl::string_view flag) {
   if (value <= 0) {
@@ -77,11 +76,11 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
       const int64_t d = shape.dim > 0 ? shape.dim : 64;
       const int64_t h = shape.heads;
       ATTN_ASSIGN_OR_RETURN(tensors["query"],
-                            Random({b, h, l, d}, shape.dtype, &random));
+                            RandomUniform({b, h, l, d}, shape.dtype, &random));
       ATTN_ASSIGN_OR_RETURN(tensors["key"],
-                            Random({b, h, lk, d}, shape.dtype, &random));
+                            RandomUniform({b, h, lk, d}, shape.dtype, &random));
       ATTN_ASSIGN_OR_RETURN(tensors["value"],
-                            Random({b, h, lk, d}, shape.dtype, &random));
+                            RandomUniform({b, h, lk, d}, shape.dtype, &random));
       break;
     }
     case Operation::kMultiHeadAttend: {
@@ -92,12 +91,12 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
             "--dim: ", e, " is not a multiple of --heads ", shape.heads));
       }
       ATTN_ASSIGN_OR_RETURN(tensors["query"],
-                            Random({b, l, e}, shape.dtype, &random));
+                            RandomUniform({b, l, e}, shape.dtype, &random));
       if (lk != l) {
         ATTN_ASSIGN_OR_RETURN(tensors["key"],
-                              Random({b, lk, e}, shape.dtype, &random));
+                              RandomUniform({b, lk, e}, shape.dtype, &random));
         ATTN_ASSIGN_OR_RETURN(tensors["value"],
-                              Random({b, lk, e}, shape.dtype, &random));
+                              RandomUniform({b, lk, e}, shape.dtype, &random));
       }
       if (!with_model) {
         // Scaled like PyTorch's default init, so outputs stay O(1).
@@ -105,12 +104,14 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
         for (const char* name : {"q_proj_weight", "k_proj_weight",
                                  "v_proj_weight", "out_proj_weight"}) {
           ATTN_ASSIGN_OR_RETURN(
-              tensors[name], Random({e, e}, DType::kFloat32, &random, bound));
+              tensors[name],
+              RandomUniform({e, e}, DType::kFloat32, &random, bound));
         }
         for (const char* name :
              {"q_proj_bias", "k_proj_bias", "v_proj_bias", "out_proj_bias"}) {
-          ATTN_ASSIGN_OR_RETURN(tensors[name],
-                                Random({e}, DType::kFloat32, &random, bound));
+          ATTN_ASSIGN_OR_RETURN(
+              tensors[name],
+              RandomUniform({e}, DType::kFloat32, &random, bound));
         }
       }
       break;
@@ -118,12 +119,13 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
     case Operation::kLayerNorm: {
       const int64_t e = shape.dim > 0 ? shape.dim : 512;
       Shape input_shape = l > 0 ? Shape{b, l, e} : Shape{b, e};
-      ATTN_ASSIGN_OR_RETURN(tensors["input"], Random(std::move(input_shape),
-                                                     shape.dtype, &random));
+      ATTN_ASSIGN_OR_RETURN(
+          tensors["input"],
+          RandomUniform(std::move(input_shape), shape.dtype, &random));
       ATTN_ASSIGN_OR_RETURN(tensors["gamma"],
-                            Random({e}, DType::kFloat32, &random));
+                            RandomUniform({e}, DType::kFloat32, &random));
       ATTN_ASSIGN_OR_RETURN(tensors["beta"],
-                            Random({e}, DType::kFloat32, &random));
+                            RandomUniform({e}, DType::kFloat32, &random));
       break;
     }
   }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -46,6 +47,10 @@ struct SyntheticShape {
   int64_t heads = 8;
   DType dtype = DType::kFloat32;
 };
+
+// Seeded uniform values in [-scale, scale) as a tensor of `dtype`.
+absl::StatusOr<Tensor> RandomUniform(Shape shape, DType dtype,
+                                     std::mt19937* random, float scale = 1);
 
 // OK if `value` > 0; INVALID_ARGUMENT "FLAG: must be > 0, got V" otherwise.
 absl::Status RequirePositive(int64_t value, absl::string_view flag);
