@@ -843,8 +843,45 @@ void AddOpenInferenceJsonSeeds(Seeds* seeds) {
       text({{"inputs", {FlatFloats("query", "FP32", {1, 2, 8}, rng)}}}));
 }
 
+// Requests as clients send them, one connection each: framings, pipelining
+// and a few refusals.
+void AddHttpSeeds(Seeds* seeds) {
+  const std::string get = "GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n";
+  const std::string body = R"({"inputs": []})";
+  const std::map<std::string, std::string> requests = {
+      {"get", get},
+      {"pipelined", get + get},
+      {"content_length",
+       absl::StrCat("POST /v2/models/attend/infer HTTP/1.1\r\nHost: x\r\n"
+                    "Content-Length: ",
+                    body.size(), "\r\n\r\n", body, get)},
+      {"chunked",
+       absl::StrCat("POST /v2/models/attend/infer HTTP/1.1\r\nHost: x\r\n"
+                    "Transfer-Encoding: chunked\r\n\r\n5;a=b\r\n",
+                    body.substr(0, 5), "\r\n", absl::Hex(body.size() - 5),
+                    "\r\n", body.substr(5), "\r\n0\r\nT: 1\r\n\r\n", get)},
+      {"bodiless_post",
+       "POST /v2/repository/index HTTP/1.1\r\nHost: x\r\n\r\n" + get},
+      {"http10", "GET /v2 HTTP/1.0\r\nConnection: keep-alive\r\n\r\n" + get},
+      {"duplicate_length",
+       "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n"
+       "Content-Length: 41\r\n\r\n" +
+           get},
+      {"obs_fold",
+       "POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n 41\r\n\r\n" + get},
+      {"expect",
+       "POST / HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+       "Content-Length: 2\r\n\r\n{}"},
+  };
+  for (const auto& [name, request] : requests) {
+    // The first byte picks the size of the pieces the bytes arrive in.
+    (*seeds)["http_parser/" + name] = "\x03" + request;
+  }
+}
+
 Seeds AllSeeds() {
   Seeds seeds;
+  AddHttpSeeds(&seeds);
   AddComputeSeeds(&seeds);
   AddMetadataSeeds(&seeds);
   AddSafetensorsAndModelSeeds(&seeds);

@@ -33,57 +33,12 @@ class CallReactor : public grpc::ServerUnaryReactor {
   std::atomic<bool> cancelled_{false};
 };
 
-// Calls below this many FLOPs (LayerNorm of a few thousand elements, a
-// few-token attention) run on gRPC's thread when a worker slot is free:
-// they finish in a few microseconds, less than waking a worker costs.
-constexpr double kRunInlineFlops = 1e6;
-
-// Threads a call of `flops` keeps busy: each should get at least ~2 MFLOP
-// (tens of microseconds), or starting and joining it costs more than it
-// computes.
-int UsefulThreads(double flops) {
-  return static_cast<int>(std::clamp(flops / 2e6, 1.0, 1024.0));
-}
-
 absl::Duration UntilDeadline(const grpc::CallbackServerContext& context) {
   const auto deadline = context.deadline();
   if (deadline == std::chrono::system_clock::time_point::max()) {
     return absl::InfiniteDuration();
   }
   return absl::FromChrono(deadline - std::chrono::system_clock::now());
-}
-
-// "query=[2, 3, 8] key=[2, 5, 8]": the shapes of a request's tensors, and
-// the model it names, for the access log.
-std::string Describe(const google::protobuf::Message& request) {
-  std::string out;
-  const google::protobuf::Reflection* reflection = request.GetReflection();
-  std::vector<const google::protobuf::FieldDescriptor*> fields;
-  reflection->ListFields(request, &fields);
-  for (const google::protobuf::FieldDescriptor* field : fields) {
-    if (field->name() == "model" || field->name() == "model_name") {
-      absl::StrAppend(&out, out.empty() ? "" : " ",
-                      "model=", reflection->GetString(request, field));
-    } else if (field->name() == "session_id") {
-      absl::StrAppend(&out, out.empty() ? "" : " ",
-                      "session=", reflection->GetString(request, field));
-    } else if (field->message_type() == v1::Tensor::descriptor() &&
-               !field->is_repeated()) {
-      const auto& tensor = static_cast<const v1::Tensor&>(
-          reflection->GetMessage(request, field));
-      absl::StrAppend(
-          &out, out.empty() ? "" : " ", field->name(), "=",
-          ShapeString(Shape(tensor.shape().begin(), tensor.shape().end())));
-    }
-  }
-  return out;
-}
-
-// "AttendRequest" -> "Attend": the RPC a request message is for.
-std::string RpcName(const google::protobuf::Message& request) {
-  std::string rpc = request.GetDescriptor()->name();
-  rpc.resize(rpc.size() - std::string_view("Request").size());
-  return rpc;
 }
 
 // Parses the bytes of a call's request into `request`. Bytes that are not
@@ -135,18 +90,17 @@ constexpr size_t kPooledBytes = size_t{64} << 20;
 
 struct AttentionServiceImpl::Call {
   grpc::CallbackServerContext* context;
-  const google::protobuf::Message* request;
   google::protobuf::Message* response;
   grpc::ByteBuffer* raw_response;  // gRPC's, filled when the call succeeds
-  std::string rpc;                 // for the metrics and the access log
-  RequestCost cost;
-  absl::Time arrived;
-  // Owns `request` and `response`; null once they are back in their pool.
+  // Its request and response, cost and arrival.
+  PipelineCall record;
+  // Owns the request and `response`; null once they are back in their pool.
   PooledMessagesPtr messages;
 };
 
-AttentionServiceImpl::AttentionServiceImpl(const ServiceConfig& config)
-    : config_(config),
+AttentionServiceImpl::AttentionServiceImpl(CallPipeline* pipeline)
+    : pipeline_(pipeline),
+      config_(pipeline->config()),
       attend_messages_(kPooledMessages, kPooledBytes),
       multi_head_messages_(kPooledMessages, kPooledBytes),
       layer_norm_messages_(kPooledMessages, kPooledBytes),
@@ -164,12 +118,13 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
   Request* request = messages->request();
   Response* response = messages->response();
   Call call{.context = context,
-            .request = request,
             .response = response,
             .raw_response = raw_response,
-            .rpc = RpcName(*request),
-            .cost = {},  // known once the request is parsed
-            .arrived = arrived,
+            .record = {.rpc = RpcName(*request),
+                       .request = request,
+                       .response = response,
+                       .cost = {},  // known once the request is parsed
+                       .arrived = arrived},
             .messages = PooledMessagesPtr(messages)};
   // Authenticated first: an unauthenticated client's bytes are not parsed.
   absl::Status status = Authenticate(*context);
@@ -178,7 +133,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
   auto bound = bind(*request);
   if (!bound.ok()) return Refuse(call, bound.status());
   auto& [cost, handle] = *bound;
-  call.cost = cost;
+  call.record.cost = cost;
   return Dispatch(std::move(call),
                   [request, response,
                    handle = std::move(handle)](const CallControl& control) {
@@ -189,13 +144,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Serve(
 template <typename BoundHandler>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call,
                                                          BoundHandler handle) {
-  const absl::Status admitted = Admit(*call.context, call.cost);
+  const absl::Status admitted =
+      pipeline_->Admit(call.record.cost, UntilDeadline(*call.context));
   if (!admitted.ok()) return Refuse(call, admitted);
   // A tiny call computes in less time than a hand-over to a worker takes,
   // and on gRPC's default reactor: a reactor of our own that watches for
   // cancellation costs gRPC about 15 us of CPU per call, several times
   // what such a call computes.
-  if (call.cost.flops < kRunInlineFlops) {
+  if (CallPipeline::IsTiny(call.record.cost)) {
     grpc::ServerUnaryReactor* reactor = nullptr;
     if (config_.scheduler->RunHereIfIdle([&] {
           reactor = call.context->DefaultReactor();
@@ -212,12 +168,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call,
         Compute(*queued_call, handle, reactor, reactor->cancelled());
       });
   if (!queued) {
-    const absl::Status busy = absl::ResourceExhaustedError(
-        absl::StrCat("server busy: ", config_.scheduler->max_inflight(),
-                     " calls computing and ", config_.scheduler->max_queue(),
-                     " waiting (--max_inflight, --max_queue); retry later"));
-    Record(queued_call->rpc, *queued_call->request, nullptr, busy,
-           queued_call->arrived, absl::ZeroDuration(), absl::ZeroDuration(), 0);
+    const absl::Status busy = pipeline_->BusyError();
+    pipeline_->Record(queued_call->record, busy, absl::ZeroDuration(),
+                      absl::ZeroDuration(), 0);
     reactor->Finish(ToGrpcStatus(busy));
   }
   return reactor;
@@ -228,30 +181,17 @@ void AttentionServiceImpl::Compute(
     grpc::ServerUnaryReactor* reactor, const std::atomic<bool>* cancelled) {
   const absl::Time started = absl::Now();
   absl::Duration compute;
-  absl::Status status;
-  if (cancelled != nullptr && cancelled->load()) {
-    status = absl::CancelledError("call cancelled while queued");
-  } else if (UntilDeadline(*call.context) <= absl::ZeroDuration()) {
-    status = absl::DeadlineExceededError(
-        "deadline passed while the call waited for a worker");
-  } else {
-    {
-      // This call's share of the cores while it computes, no more
-      // threads than its size keeps busy.
-      ThreadBudget::Lease lease =
-          config_.thread_budget->Acquire(UsefulThreads(call.cost.flops));
-      CallSharedMemory shared_memory(config_.shared_memory);
-      status = handle(CallControl{cancelled, &shared_memory});
-    }
-    compute = absl::Now() - started;
-    if (status.ok()) config_.cost_model->Observe(call.cost.flops, compute);
+  absl::Status status =
+      pipeline_->Compute(call.record.cost, cancelled,
+                         UntilDeadline(*call.context), handle, &compute);
+  if (compute > absl::ZeroDuration()) {
     call.context->AddTrailingMetadata(
         "attnserve-compute-us",
         std::to_string(absl::ToInt64Microseconds(compute)));
   }
   if (status.ok()) status = Serialize(*call.response, call.raw_response);
-  Record(call.rpc, *call.request, call.response, status, call.arrived,
-         started - call.arrived, compute, call.cost.flops);
+  pipeline_->Record(call.record, status, started - call.record.arrived, compute,
+                    call.record.cost.flops);
   // Back to the pool first: once answered, the server may be destroyed.
   call.messages.reset();
   reactor->Finish(ToGrpcStatus(status));
@@ -259,8 +199,10 @@ void AttentionServiceImpl::Compute(
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Refuse(
     const Call& call, const absl::Status& status) const {
-  Record(call.rpc, *call.request, nullptr, status, call.arrived,
-         absl::ZeroDuration(), absl::ZeroDuration(), 0);
+  PipelineCall refused = call.record;
+  refused.response = nullptr;
+  pipeline_->Record(refused, status, absl::ZeroDuration(), absl::ZeroDuration(),
+                    0);
   grpc::ServerUnaryReactor* reactor = call.context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -289,8 +231,12 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::ServeStateCall(
   if (status.ok()) {
     status = Parse(raw_request, request);
     if (!status.ok()) {
-      Record(RpcName(*request), *request, nullptr, status, arrived,
-             absl::ZeroDuration(), absl::ZeroDuration(), 0);
+      pipeline_->Record({.rpc = RpcName(*request),
+                         .request = request,
+                         .response = nullptr,
+                         .cost = {},
+                         .arrived = arrived},
+                        status, absl::ZeroDuration(), absl::ZeroDuration(), 0);
     }
   }
   if (status.ok()) status = handle();
@@ -304,53 +250,6 @@ absl::Status AttentionServiceImpl::Authenticate(
     const grpc::CallbackServerContext& context) const {
   return config_.auth != nullptr ? config_.auth->Check(context)
                                  : absl::OkStatus();
-}
-
-absl::Status AttentionServiceImpl::Admit(
-    const grpc::CallbackServerContext& context, const RequestCost& cost) const {
-  if (draining_.load()) {
-    last_refused_ns_.store(absl::ToUnixNanos(absl::Now()));
-    return absl::UnavailableError(
-        "server is shutting down; retry on another replica");
-  }
-  ATTN_RETURN_IF_ERROR(VerifyWithinLimits(cost, config_.max_tensor_elements,
-                                          config_.max_request_bytes));
-  const absl::Duration remaining = UntilDeadline(context);
-  if (remaining <= absl::ZeroDuration()) {
-    return absl::DeadlineExceededError(
-        "deadline passed before the call started");
-  }
-  const absl::Duration estimate = config_.cost_model->Estimate(cost.flops);
-  if (estimate > remaining) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("call needs about ", absl::ToInt64Milliseconds(estimate),
-                     " ms at this server's measured rate; the deadline is in ",
-                     absl::ToInt64Milliseconds(remaining), " ms"));
-  }
-  return absl::OkStatus();
-}
-
-void AttentionServiceImpl::Record(const std::string& rpc,
-                                  const google::protobuf::Message& request,
-                                  const google::protobuf::Message* response,
-                                  const absl::Status& status,
-                                  absl::Time arrived, absl::Duration queue_wait,
-                                  absl::Duration compute, double flops) const {
-  const absl::Duration total = absl::Now() - arrived;
-  const std::string code = absl::StatusCodeToString(status.code());
-  const int64_t bytes = status.ok() && response != nullptr
-                            ? static_cast<int64_t>(request.ByteSizeLong() +
-                                                   response->ByteSizeLong())
-                            : 0;
-  config_.metrics->RecordCall(rpc, code, total, queue_wait, compute, flops,
-                              bytes);
-  if (config_.access_log) {
-    std::string described = Describe(request);
-    if (!described.empty()) described += ' ';
-    std::fprintf(stderr, "access rpc=%s %sstatus=%s us=%lld\n", rpc.c_str(),
-                 described.c_str(), code.c_str(),
-                 static_cast<long long>(absl::ToInt64Microseconds(total)));
-  }
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Attend(
@@ -470,7 +369,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::CreateSession(
       context, *request, response,
       [this](const v1::CreateSessionRequest& request,
              v1::CreateSessionResponse* response) {
-        if (draining_.load()) {
+        if (pipeline_->draining()) {
           return absl::UnavailableError(
               "server is shutting down; create the session on another "
               "replica");

@@ -30,42 +30,10 @@
 #include "core/thread_budget.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "inference/grpc_service.pb.h"
-#include "server/auth.h"
+#include "server/call_pipeline.h"
 #include "server/message_pool.h"
-#include "server/metrics.h"
-#include "server/model_repository.h"
-#include "server/request_cost.h"
-#include "server/scheduler.h"
-#include "server/shared_memory.h"
 
 namespace attnserve {
-
-struct CallControl;  // server/handlers.h
-
-// What the service needs from the server around it; every pointer must
-// outlive the service.
-struct ServiceConfig {
-  const ModelRepository* models = nullptr;  // null: no repository
-  // Null: no shared memory (its RPCs answer FAILED_PRECONDITION).
-  SharedMemoryRegistry* shared_memory = nullptr;
-  Scheduler* scheduler = nullptr;   // required
-  CostModel* cost_model = nullptr;  // required
-  Metrics* metrics = nullptr;       // required
-  // Required: the cores compute calls share. Each call leases its share
-  // (no more threads than its size keeps busy) while it computes.
-  ThreadBudget* thread_budget = nullptr;
-  // Null: decode sessions are off (their RPCs answer FAILED_PRECONDITION).
-  SessionStore* sessions = nullptr;
-  // The longest session, and the length of sessions created without one.
-  int64_t max_session_length = 0;
-  // Null: no authentication.
-  const TokenAuthenticator* auth = nullptr;
-  // Write one access-log line per call to stderr.
-  bool access_log = false;
-  // Refused with RESOURCE_EXHAUSTED before any allocation.
-  int64_t max_tensor_elements = 0;
-  int64_t max_request_bytes = 0;
-};
 
 // Every RPC on gRPC's raw callback API: requests and responses as bytes.
 using v1::AttentionService;
@@ -93,7 +61,8 @@ using RawAttentionService = AttentionService::WithRawCallbackMethod_Attend<
 // compute time in the trailer `attnserve-compute-us`.
 class AttentionServiceImpl final : public RawAttentionService {
  public:
-  explicit AttentionServiceImpl(const ServiceConfig& config);
+  // `pipeline` must outlive the service.
+  explicit AttentionServiceImpl(CallPipeline* pipeline);
 
   // Each takes the serialized request and fills `response` with the
   // serialized answer when the call succeeds.
@@ -152,20 +121,8 @@ class AttentionServiceImpl final : public RawAttentionService {
       google::protobuf::Message* request, google::protobuf::Message* response,
       absl::FunctionRef<absl::Status()> handle) const;
 
-  // Whether the server takes compute calls and wants more: false from
-  // MarkNotReady (the drain's lame duck) or StopAcceptingCalls on.
-  bool ready() const { return !not_ready_.load() && !draining_.load(); }
-  void MarkNotReady() { not_ready_.store(true); }
-  const ServiceConfig& config() const { return config_; }
-
-  // From now on compute calls are refused with UNAVAILABLE "server is
-  // shutting down; retry on another replica"; accepted calls finish, and
-  // ListModels and GetModelMetadata still answer.
-  void StopAcceptingCalls() { draining_.store(true); }
-  // When a call was last refused for that (absl::UnixEpoch(): never).
-  absl::Time last_refused() const {
-    return absl::FromUnixNanos(last_refused_ns_.load());
-  }
+  bool ready() const { return pipeline_->ready(); }
+  const ServiceConfig& config() const { return pipeline_->config(); }
 
  private:
   // A compute call from arrival to answer; defined in the .cc.
@@ -212,19 +169,9 @@ class AttentionServiceImpl final : public RawAttentionService {
                                         grpc::ByteBuffer* raw_response,
                                         Handler handle) const;
   absl::Status Authenticate(const grpc::CallbackServerContext& context) const;
-  absl::Status Admit(const grpc::CallbackServerContext& context,
-                     const RequestCost& cost) const;
-  // Metrics and the access log for one finished call.
-  void Record(const std::string& rpc, const google::protobuf::Message& request,
-              const google::protobuf::Message* response,
-              const absl::Status& status, absl::Time arrived,
-              absl::Duration queue_wait, absl::Duration compute,
-              double flops) const;
 
-  ServiceConfig config_;
-  std::atomic<bool> draining_{false};
-  std::atomic<bool> not_ready_{false};
-  mutable std::atomic<int64_t> last_refused_ns_{0};
+  CallPipeline* const pipeline_;
+  const ServiceConfig& config_;
   // Messages of the compute RPCs, reused across calls.
   MessagePool<v1::AttendRequest, v1::AttendResponse> attend_messages_;
   MessagePool<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>

@@ -1,299 +1,416 @@
 #include "server/http_inference.h"
 
-#include <optional>
-#include <utility>
+#include <zlib.h>
 
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "grpcpp/client_context.h"
-#include "httplib.h"
-#include "inference/grpc_service.grpc.pb.h"
+#include "absl/strings/str_split.h"
+#include "inference/grpc_service.pb.h"
+#include "server/open_inference.h"
 #include "server/open_inference_json.h"
 
 namespace attnserve {
 namespace {
 
-using Stub = inference::GRPCInferenceService::Stub;
-
 constexpr char kJson[] = "application/json";
 // Triton's binary tensor extension: the length of the JSON part of a body
 // that continues with binary tensors.
 constexpr char kHeaderLength[] = "Inference-Header-Content-Length";
-// Model name and optional version: /v2/models/{name}[/versions/{version}].
-constexpr char kModelPath[] = "/v2/models/([^/]+)(?:/versions/([^/]+))?";
 
-void SendError(httplib::Response& response, int status,
-               absl::string_view message) {
+// What a request's path names.
+struct Route {
+  enum class Kind {
+    kNone,
+    kLive,
+    kReady,
+    kServerMetadata,
+    kModelMetadata,
+    kModelReady,
+    kInfer
+  } kind = Kind::kNone;
+  std::string model;
+  std::string version;
+  // GET (and HEAD) or POST.
+  bool post = false;
+};
+
+// /v2/models/{name}[/versions/{version}][/ready|/infer].
+Route RouteOf(absl::string_view path) {
+  Route route;
+  if (path == "/v2/health/live") {
+    route.kind = Route::Kind::kLive;
+  } else if (path == "/v2/health/ready") {
+    route.kind = Route::Kind::kReady;
+  } else if (path == "/v2") {
+    route.kind = Route::Kind::kServerMetadata;
+  } else if (absl::ConsumePrefix(&path, "/v2/models/")) {
+    std::vector<absl::string_view> parts = absl::StrSplit(path, '/');
+    if (parts.empty() || parts[0].empty()) return route;
+    route.model = std::string(parts[0]);
+    size_t next = 1;
+    if (parts.size() >= 3 && parts[1] == "versions" && !parts[2].empty()) {
+      route.version = std::string(parts[2]);
+      next = 3;
+    }
+    if (parts.size() == next) {
+      route.kind = Route::Kind::kModelMetadata;
+    } else if (parts.size() == next + 1 && parts[next] == "ready") {
+      route.kind = Route::Kind::kModelReady;
+    } else if (parts.size() == next + 1 && parts[next] == "infer") {
+      route.kind = Route::Kind::kInfer;
+      route.post = true;
+    }
+  }
+  return route;
+}
+
+HttpResponse JsonResponse(int status, std::string body) {
+  HttpResponse response;
   response.status = status;
-  response.set_content(ErrorJson(message), kJson);
+  response.fields.emplace_back("Content-Type", kJson);
+  response.body = std::move(body);
+  return response;
 }
 
-void SendStatus(httplib::Response& response, const grpc::Status& status) {
-  SendError(response, HttpStatusOf(status.error_code()),
-            status.error_message());
+HttpResponse StatusResponse(const absl::Status& status) {
+  return JsonErrorResponse(HttpStatusOf(status.code()), status.message());
 }
 
-// A gRPC call's context carrying the HTTP request's credentials.
-std::unique_ptr<grpc::ClientContext> ContextFor(
-    const httplib::Request& request) {
-  auto context = std::make_unique<grpc::ClientContext>();
-  const std::string authorization = request.get_header_value("Authorization");
-  if (!authorization.empty()) {
-    context->AddMetadata("authorization", authorization);
+// The coding of a Content-Encoding or Accept-Encoding element, lowercased,
+// without parameters.
+std::string CodingOf(absl::string_view element) {
+  return absl::AsciiStrToLower(
+      absl::StripAsciiWhitespace(element.substr(0, element.find(';'))));
+}
+
+// "gzip" or "deflate" when the client's Accept-Encoding takes one (gzip
+// preferred), else "".
+std::string ResponseCoding(const HttpRequestHead& head) {
+  const std::string* accept = head.Find("Accept-Encoding");
+  if (accept == nullptr) return "";
+  bool gzip = false;
+  bool deflate = false;
+  for (absl::string_view element : absl::StrSplit(*accept, ',')) {
+    // "gzip;q=0" refuses gzip.
+    const size_t q = element.find("q=");
+    double weight = 1;
+    if (q != absl::string_view::npos &&
+        !absl::SimpleAtod(element.substr(q + 2), &weight)) {
+      weight = 0;
+    }
+    if (weight <= 0) continue;
+    const std::string coding = CodingOf(element);
+    gzip |= coding == "gzip" || coding == "x-gzip";
+    deflate |= coding == "deflate";
   }
-  return context;
+  return gzip ? "gzip" : deflate ? "deflate" : "";
 }
 
-// GET /v2/health/{live,ready}: 200 when true, else 503; no token needed.
-void AddHealth(httplib::Server* http, std::shared_ptr<Stub> stub) {
-  http->Get("/v2/health/live", [stub](const httplib::Request& request,
-                                      httplib::Response& response) {
-    inference::ServerLiveResponse live;
-    const grpc::Status status =
-        stub->ServerLive(ContextFor(request).get(), {}, &live);
-    if (!status.ok()) return SendStatus(response, status);
-    response.status = live.live() ? 200 : 503;
-    response.set_content(live.live() ? R"({"live":true})" : R"({"live":false})",
-                         kJson);
-  });
-  http->Get("/v2/health/ready", [stub](const httplib::Request& request,
-                                       httplib::Response& response) {
-    inference::ServerReadyResponse ready;
-    const grpc::Status status =
-        stub->ServerReady(ContextFor(request).get(), {}, &ready);
-    if (!status.ok()) return SendStatus(response, status);
-    response.status = ready.ready() ? 200 : 503;
-    response.set_content(
-        ready.ready() ? R"({"ready":true})" : R"({"ready":false})", kJson);
-  });
+// Inflates a gzip or zlib body, to at most `limit` bytes.
+absl::StatusOr<std::string> Inflate(absl::string_view compressed,
+                                    size_t limit) {
+  z_stream stream{};
+  // 15 + 32: a zlib or a gzip header, whichever the body has.
+  if (inflateInit2(&stream, 15 + 32) != Z_OK) {
+    return absl::ResourceExhaustedError("body: cannot start decompression");
+  }
+  std::string out;
+  stream.next_in =
+      reinterpret_cast<Bytef*>(const_cast<char*>(compressed.data()));
+  stream.avail_in = static_cast<uInt>(compressed.size());
+  int result = Z_OK;
+  while (result == Z_OK) {
+    if (out.size() >= limit + 1) break;
+    const size_t before = out.size();
+    const size_t room = std::min<size_t>(limit + 1 - before, 1 << 20);
+    out.resize(before + room);
+    stream.next_out = reinterpret_cast<Bytef*>(out.data() + before);
+    stream.avail_out = static_cast<uInt>(room);
+    result = inflate(&stream, Z_NO_FLUSH);
+    out.resize(before + room - stream.avail_out);
+    if (result == Z_BUF_ERROR && stream.avail_in == 0) break;
+  }
+  inflateEnd(&stream);
+  if (out.size() > limit) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("body: more than ", limit,
+                     " bytes once decompressed (--max_message_mb)"));
+  }
+  if (result != Z_STREAM_END) {
+    return absl::InvalidArgumentError(
+        "body: not a complete gzip or deflate stream (Content-Encoding)");
+  }
+  return out;
 }
 
-// GET /v2, /v2/models/{name}, /v2/models/{name}/ready.
-void AddMetadata(httplib::Server* http, std::shared_ptr<Stub> stub) {
-  http->Get("/v2", [stub](const httplib::Request& request,
-                          httplib::Response& response) {
-    inference::ServerMetadataResponse metadata;
-    const grpc::Status status =
-        stub->ServerMetadata(ContextFor(request).get(), {}, &metadata);
-    if (!status.ok()) return SendStatus(response, status);
-    response.set_content(ServerMetadataToJson(metadata), kJson);
-  });
-  http->Get(kModelPath, [stub](const httplib::Request& request,
-                               httplib::Response& response) {
-    inference::ModelMetadataRequest query;
-    query.set_name(request.matches[1]);
-    query.set_version(request.matches[2]);
-    inference::ModelMetadataResponse metadata;
-    const grpc::Status status =
-        stub->ModelMetadata(ContextFor(request).get(), query, &metadata);
-    if (!status.ok()) return SendStatus(response, status);
-    response.set_content(ModelMetadataToJson(metadata), kJson);
-  });
-  http->Get(
-      absl::StrCat(kModelPath, "/ready"),
-      [stub](const httplib::Request& request, httplib::Response& response) {
+// Compresses `parts` as gzip or (zlib) deflate.
+std::string Deflate(const std::string& coding,
+                    std::initializer_list<const std::string*> parts) {
+  z_stream stream{};
+  deflateInit2(&stream, Z_BEST_SPEED, Z_DEFLATED,
+               coding == "gzip" ? 15 + 16 : 15, 8, Z_DEFAULT_STRATEGY);
+  size_t total = 0;
+  for (const std::string* part : parts) total += part->size();
+  std::string out(deflateBound(&stream, total) + 64, '\0');
+  stream.next_out = reinterpret_cast<Bytef*>(out.data());
+  stream.avail_out = static_cast<uInt>(out.size());
+  size_t index = 0;
+  for (const std::string* part : parts) {
+    ++index;
+    stream.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(part->data()));
+    stream.avail_in = static_cast<uInt>(part->size());
+    deflate(&stream, index == parts.size() ? Z_FINISH : Z_NO_FLUSH);
+  }
+  out.resize(out.size() - stream.avail_out);
+  deflateEnd(&stream);
+  return out;
+}
+
+class HttpInference {
+ public:
+  HttpInference(const CallPipeline* pipeline, size_t max_body_bytes)
+      : pipeline_(pipeline), max_body_bytes_(max_body_bytes) {}
+
+  // Decides from the head alone what is refused before the body is read.
+  std::optional<HttpResponse> Precheck(const HttpRequestHead& head) const {
+    const Route route = RouteOf(head.path());
+    if (route.kind == Route::Kind::kNone) {
+      return JsonErrorResponse(
+          404, absl::StrCat("no such endpoint: ", head.method, " ",
+                            head.path().substr(0, 128)));
+    }
+    const bool get = head.method == "GET" || head.method == "HEAD";
+    if (route.post ? head.method != "POST" : !get) {
+      HttpResponse refusal = JsonErrorResponse(
+          405, absl::StrCat(head.method.substr(0, 32), " ", head.path(),
+                            ": use ", route.post ? "POST" : "GET"));
+      refusal.fields.emplace_back("Allow", route.post ? "POST" : "GET, HEAD");
+      return refusal;
+    }
+    if (const std::string* encoding = head.Find("Content-Encoding")) {
+      const std::string coding = CodingOf(*encoding);
+      if (coding != "gzip" && coding != "x-gzip" && coding != "deflate" &&
+          coding != "identity") {
+        return JsonErrorResponse(
+            415, absl::StrCat("Content-Encoding: '", encoding->substr(0, 64),
+                              "' is not accepted; send gzip, deflate or "
+                              "identity"));
+      }
+    }
+    if (route.kind != Route::Kind::kLive && route.kind != Route::Kind::kReady) {
+      const std::string* authorization = head.Find("Authorization");
+      const absl::Status status = pipeline_->CheckAuthorization(
+          authorization != nullptr
+              ? std::optional<absl::string_view>(*authorization)
+              : std::nullopt);
+      if (!status.ok()) {
+        HttpResponse refusal = StatusResponse(status);
+        refusal.fields.emplace_back("WWW-Authenticate", "Bearer");
+        return refusal;
+      }
+    }
+    return std::nullopt;
+  }
+
+  void Handle(HttpRequest request, HttpResponder responder) const {
+    const Route route = RouteOf(request.head.path());
+    switch (route.kind) {
+      case Route::Kind::kLive:
+        return responder.Send(JsonResponse(200, R"({"live":true})"));
+      case Route::Kind::kReady: {
+        const bool ready = pipeline_->ready();
+        return responder.Send(
+            JsonResponse(ready ? 200 : 503,
+                         ready ? R"({"ready":true})" : R"({"ready":false})"));
+      }
+      case Route::Kind::kServerMetadata: {
+        inference::ServerMetadataResponse metadata;
+        HandleServerMetadata(&metadata);
+        return responder.Send(
+            JsonResponse(200, ServerMetadataToJson(metadata)));
+      }
+      case Route::Kind::kModelMetadata: {
+        inference::ModelMetadataRequest query;
+        query.set_name(route.model);
+        query.set_version(route.version);
+        inference::ModelMetadataResponse metadata;
+        const absl::Status status =
+            HandleModelMetadata(query, pipeline_->config().models, &metadata);
+        if (!status.ok()) return responder.Send(StatusResponse(status));
+        return responder.Send(JsonResponse(200, ModelMetadataToJson(metadata)));
+      }
+      case Route::Kind::kModelReady: {
         inference::ModelReadyRequest query;
-        query.set_name(request.matches[1]);
-        query.set_version(request.matches[2]);
+        query.set_name(route.model);
+        query.set_version(route.version);
         inference::ModelReadyResponse ready;
-        const grpc::Status status =
-            stub->ModelReady(ContextFor(request).get(), query, &ready);
-        if (!status.ok()) return SendStatus(response, status);
-        response.status = ready.ready() ? 200 : 503;
-        response.set_content(ModelReadyToJson(query.name(), ready.ready()),
-                             kJson);
-      });
-}
-
-// POST /v2/models/{name}/infer.
-void AddInfer(httplib::Server* http, std::shared_ptr<Stub> stub,
-              size_t max_body_bytes) {
-  http->Post(absl::StrCat(kModelPath, "/infer"),
-             [stub, max_body_bytes](const httplib::Request& request,
-                                    httplib::Response& response) {
-               std::optional<size_t> json_length;
-               if (request.has_header(kHeaderLength)) {
-                 size_t length = 0;
-                 if (!absl::SimpleAtoi(request.get_header_value(kHeaderLength),
-                                       &length)) {
-                   return SendError(
-                       response, 400,
-                       absl::StrCat(kHeaderLength, ": expected a byte count"));
-                 }
-                 json_length = length;
-               }
-               inference::ModelInferRequest infer;
-               infer.set_model_name(request.matches[1]);
-               infer.set_model_version(request.matches[2]);
-               JsonOutputOptions output_options;
-               if (const absl::Status parsed = InferRequestFromJson(
-                       request.body, json_length, &infer, &output_options);
-                   !parsed.ok()) {
-                 return SendError(response, 400, parsed.message());
-               }
-               // JSON numbers can be shorter than the float32s they become.
-               if (infer.ByteSizeLong() > max_body_bytes) {
-                 return SendError(
-                     response, 413,
-                     absl::StrCat("request: ", infer.ByteSizeLong(),
-                                  " bytes once converted from JSON exceed the "
-                                  "server's limit of ",
-                                  max_body_bytes, " (--max_message_mb)"));
-               }
-               inference::ModelInferResponse result;
-               const grpc::Status status =
-                   stub->ModelInfer(ContextFor(request).get(), infer, &result);
-               if (!status.ok()) return SendStatus(response, status);
-               HttpBody body = InferResponseToJson(&result, output_options);
-               if (body.json_length.has_value()) {
-                 response.set_header(kHeaderLength,
-                                     std::to_string(*body.json_length));
-                 response.set_content(std::move(body.body),
-                                      "application/octet-stream");
-               } else {
-                 response.set_content(std::move(body.body), kJson);
-               }
-             });
-}
-
-bool IsPrintableAscii(absl::string_view text) {
-  for (char c : text) {
-    if (c < 0x20 || c > 0x7e) return false;
-  }
-  return true;
-}
-
-// What is checked before a request's body is read; nullopt: go on.
-std::optional<std::pair<int, std::string>> Refusal(
-    const httplib::Request& request, const TokenAuthenticator* auth) {
-  const bool has_authorization = request.has_header("Authorization");
-  const std::string authorization = request.get_header_value("Authorization");
-  // gRPC metadata takes printable ASCII only (and aborts on anything else).
-  if (!IsPrintableAscii(authorization)) {
-    return std::pair(400,
-                     "Authorization: holds bytes that are not printable "
-                     "ASCII; expected 'Bearer <token>'");
-  }
-  if (request.method == "POST") {
-    if (request.has_header("Transfer-Encoding") ||
-        !request.has_header("Content-Length")) {
-      return std::pair(411,
-                       "body: send it with a Content-Length (chunked "
-                       "bodies are not accepted)");
+        const absl::Status status =
+            HandleModelReady(query, pipeline_->config().models, &ready);
+        if (!status.ok()) return responder.Send(StatusResponse(status));
+        return responder.Send(
+            JsonResponse(ready.ready() ? 200 : 503,
+                         ModelReadyToJson(query.name(), ready.ready())));
+      }
+      case Route::Kind::kInfer:
+        return Infer(route, std::move(request), std::move(responder));
+      case Route::Kind::kNone:
+        break;
     }
-    const std::string encoding = request.get_header_value("Content-Encoding");
-    if (!encoding.empty() && encoding != "identity") {
-      return std::pair(415, absl::StrCat("Content-Encoding: '", encoding,
-                                         "' is not accepted; send the body "
-                                         "uncompressed"));
+    responder.Send(JsonErrorResponse(404, "no such endpoint"));
+  }
+
+ private:
+  // One inference call from its arrival to its answer.
+  struct InferCall {
+    inference::ModelInferRequest request;
+    inference::ModelInferResponse response;
+    JsonOutputOptions output_options;
+    std::unique_ptr<NativeInferCall> native;
+    std::string response_coding;
+  };
+
+  void Infer(const Route& route, HttpRequest http,
+             HttpResponder responder) const {
+    auto call = std::make_shared<InferCall>();
+    const absl::Status decoded = Decode(route, &http, call.get());
+    if (absl::IsResourceExhausted(decoded)) {
+      // Only sizes are refused so here: the body is too large.
+      return responder.Send(JsonErrorResponse(413, decoded.message()));
     }
+    if (!decoded.ok()) return responder.Send(StatusResponse(decoded));
+    call->response_coding = ResponseCoding(http.head);
+    PipelineCall record{.rpc = "ModelInfer",
+                        .request = &call->request,
+                        .response = &call->response,
+                        .cost = call->native->cost(),
+                        .arrived = http.arrived};
+    pipeline_->Run(
+        std::move(record),
+        [call](const CallControl& control) {
+          return call->native->Run(control);
+        },
+        responder.cancelled(),
+        [call, responder](const absl::Status& status) {
+          if (!status.ok()) return responder.Send(StatusResponse(status));
+          call->native->ToResponse(call->request, &call->response);
+          responder.Send(Encode(call.get()));
+        });
   }
-  if (auth != nullptr && !absl::StartsWith(request.path, "/v2/health/")) {
-    const absl::Status status = auth->CheckAuthorization(
-        has_authorization ? std::optional<absl::string_view>(authorization)
-                          : std::nullopt);
-    if (!status.ok()) return std::pair(401, std::string(status.message()));
+
+  // The HTTP request as the protocol's message and its native call.
+  absl::Status Decode(const Route& route, HttpRequest* http,
+                      InferCall* call) const {
+    if (const std::string* encoding = http->head.Find("Content-Encoding");
+        encoding != nullptr && CodingOf(*encoding) != "identity") {
+      absl::StatusOr<std::string> inflated =
+          Inflate(http->body, max_body_bytes_);
+      if (!inflated.ok()) return inflated.status();
+      http->body = *std::move(inflated);
+    }
+    std::optional<size_t> json_length;
+    if (const std::string* length = http->head.Find(kHeaderLength)) {
+      size_t parsed = 0;
+      if (!absl::SimpleAtoi(*length, &parsed)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(kHeaderLength, ": expected a byte count"));
+      }
+      json_length = parsed;
+    }
+    call->request.set_model_name(route.model);
+    call->request.set_model_version(route.version);
+    if (absl::Status parsed = InferRequestFromJson(
+            http->body, json_length, &call->request, &call->output_options);
+        !parsed.ok()) {
+      return absl::InvalidArgumentError(parsed.message());
+    }
+    http->body = std::string();  // its tensors are in the request now
+    // JSON numbers can be shorter than the float32s they become.
+    if (call->request.ByteSizeLong() > max_body_bytes_) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "request: ", call->request.ByteSizeLong(),
+          " bytes once converted from JSON exceed the server's limit of ",
+          max_body_bytes_, " (--max_message_mb)"));
+    }
+    absl::StatusOr<std::unique_ptr<NativeInferCall>> native =
+        NativeInferCall::FromRequest(&call->request,
+                                     pipeline_->config().models);
+    if (!native.ok()) return native.status();
+    call->native = *std::move(native);
+    return absl::OkStatus();
   }
-  return std::nullopt;
-}
+
+  static HttpResponse Encode(InferCall* call) {
+    HttpBody body = InferResponseToJson(&call->response, call->output_options);
+    HttpResponse response;
+    if (body.json_length.has_value()) {
+      response.fields.emplace_back(kHeaderLength,
+                                   std::to_string(*body.json_length));
+      response.fields.emplace_back("Content-Type", "application/octet-stream");
+    } else {
+      response.fields.emplace_back("Content-Type", kJson);
+    }
+    if (!call->response_coding.empty()) {
+      response.fields.emplace_back("Content-Encoding", call->response_coding);
+      response.body = Deflate(call->response_coding, {&body.body});
+    } else {
+      response.body = std::move(body.body);
+    }
+    return response;
+  }
+
+  const CallPipeline* pipeline_;
+  const size_t max_body_bytes_;
+};
 
 }  // namespace
 
-int HttpStatusOf(grpc::StatusCode code) {
+int HttpStatusOf(absl::StatusCode code) {
   switch (code) {
-    case grpc::StatusCode::OK:
+    case absl::StatusCode::kOk:
       return 200;
-    case grpc::StatusCode::INVALID_ARGUMENT:
-    case grpc::StatusCode::FAILED_PRECONDITION:
-    case grpc::StatusCode::OUT_OF_RANGE:
-    case grpc::StatusCode::ALREADY_EXISTS:
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kAlreadyExists:
       return 400;
-    case grpc::StatusCode::UNAUTHENTICATED:
+    case absl::StatusCode::kUnauthenticated:
       return 401;
-    case grpc::StatusCode::PERMISSION_DENIED:
+    case absl::StatusCode::kPermissionDenied:
       return 403;
-    case grpc::StatusCode::NOT_FOUND:
+    case absl::StatusCode::kNotFound:
       return 404;
-    case grpc::StatusCode::RESOURCE_EXHAUSTED:
+    case absl::StatusCode::kResourceExhausted:
       return 429;
-    case grpc::StatusCode::CANCELLED:
+    case absl::StatusCode::kCancelled:
       return 499;
-    case grpc::StatusCode::UNAVAILABLE:
+    case absl::StatusCode::kUnavailable:
       return 503;
-    case grpc::StatusCode::DEADLINE_EXCEEDED:
+    case absl::StatusCode::kDeadlineExceeded:
       return 504;
     default:
       return 500;
   }
 }
 
-absl::StatusOr<std::unique_ptr<HttpListener>> StartHttpInference(
-    const HttpInferenceConfig& config) {
-  auto http = std::make_unique<httplib::Server>();
-  auto stub = std::shared_ptr<Stub>(
-      inference::GRPCInferenceService::NewStub(config.channel));
-  http->set_payload_max_length(config.max_body_bytes);
-  http->set_pre_routing_handler(httplib::Server::HandlerWithResponse(
-      [auth = config.auth](const httplib::Request& request,
-                           httplib::Response& response) {
-        const auto refusal = Refusal(request, auth);
-        if (!refusal.has_value()) {
-          return httplib::Server::HandlerResponse::Unhandled;
-        }
-        SendError(response, refusal->first, refusal->second);
-        return httplib::Server::HandlerResponse::Handled;
-      }));
-  // A keep-alive connection holds a worker while it lasts: enough workers
-  // for many clients, and connections rotated after 100 calls.
-  http->new_task_queue = [] { return new httplib::ThreadPool(64); };
-  // Without TCP_NODELAY a small response waits ~40 ms for the client's
-  // delayed ACK (Nagle); clients keep their connection for many calls.
-  http->set_tcp_nodelay(true);
-  // An idle keep-alive connection closes after 5 s (also what a stop may
-  // wait for it).
-  http->set_keep_alive_max_count(100);
-  http->set_keep_alive_timeout(5);
-  // Errors httplib answers itself (no route, a body over the limit) get a
-  // JSON body too; those of the routes already have one.
-  http->set_error_handler(httplib::Server::HandlerWithResponse(
-      [max = config.max_body_bytes](const httplib::Request& request,
-                                    httplib::Response& response) {
-        if (!response.body.empty())
-          return httplib::Server::HandlerResponse::Unhandled;
-        const std::string type = request.get_header_value("Content-Type");
-        if (response.status == 413 &&
-            type.rfind("application/x-www-form-urlencoded", 0) == 0) {
-          // httplib caps form bodies (curl -d's default type) at 8 KiB.
-          response.set_content(
-              ErrorJson("body: a form-encoded body (Content-Type "
-                        "application/x-www-form-urlencoded, curl -d's "
-                        "default) is limited to 8192 bytes; send "
-                        "Content-Type: application/json"),
-              kJson);
-        } else if (response.status == 413) {
-          response.set_content(
-              ErrorJson(absl::StrCat(
-                  "body: ", request.get_header_value("Content-Length"),
-                  " bytes exceed the server's limit of ", max,
-                  " (--max_message_mb)")),
-              kJson);
-        } else if (response.status == 404) {
-          response.set_content(
-              ErrorJson(absl::StrCat("no such endpoint: ", request.method, " ",
-                                     request.path)),
-              kJson);
-        } else {
-          response.set_content(
-              ErrorJson(absl::StrCat("HTTP ", response.status)), kJson);
-        }
-        return httplib::Server::HandlerResponse::Handled;
-      }));
-  AddHealth(http.get(), stub);
-  AddMetadata(http.get(), stub);
-  AddInfer(http.get(), stub, config.max_body_bytes);
-  return HttpListener::Start(std::move(http), config.host, config.port,
-                             "--http_port");
+absl::StatusOr<std::unique_ptr<HttpServer>> StartHttpInference(
+    const HttpServerOptions& options, const CallPipeline* pipeline) {
+  auto inference = std::make_shared<HttpInference>(
+      pipeline, static_cast<size_t>(options.limits.max_body_bytes));
+  return HttpServer::Start(
+      options,
+      [inference](const HttpRequestHead& head) {
+        return inference->Precheck(head);
+      },
+      [inference](HttpRequest request, HttpResponder responder) {
+        inference->Handle(std::move(request), std::move(responder));
+      });
 }
 
 }  // namespace attnserve

@@ -25,6 +25,21 @@ ABSL_FLAG(int, metrics_port, attnserve::ServerOptions().metrics_port,
 ABSL_FLAG(int, http_port, attnserve::ServerOptions().http_port,
           "Port of the Open Inference Protocol over HTTP/JSON, /v2/... (0: any "
           "free, -1: off).");
+ABSL_FLAG(int, http_header_timeout_s,
+          attnserve::ServerOptions().http_header_timeout_s,
+          "Seconds an HTTP request head may take from its first byte.");
+ABSL_FLAG(int, http_body_timeout_s,
+          attnserve::ServerOptions().http_body_timeout_s,
+          "Seconds an HTTP body (or a response being read) may go without "
+          "progress.");
+ABSL_FLAG(int, http_idle_timeout_s,
+          attnserve::ServerOptions().http_idle_timeout_s,
+          "Seconds an idle HTTP keep-alive connection stays open.");
+ABSL_FLAG(int, http_max_connections,
+          attnserve::ServerOptions().http_max_connections,
+          "Open HTTP connections at most, per HTTP port.");
+ABSL_FLAG(int, http_threads, attnserve::ServerOptions().http_threads,
+          "Threads decoding HTTP requests (compute runs on the workers).");
 ABSL_FLAG(std::string, log_level, attnserve::ServerOptions().log_level,
           "info (warnings and one access-log line per call), warning "
           "(problems such as a failed reload) or error (neither).");
@@ -106,6 +121,11 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.http_port = absl::GetFlag(FLAGS_http_port);
+  options.http_header_timeout_s = absl::GetFlag(FLAGS_http_header_timeout_s);
+  options.http_body_timeout_s = absl::GetFlag(FLAGS_http_body_timeout_s);
+  options.http_idle_timeout_s = absl::GetFlag(FLAGS_http_idle_timeout_s);
+  options.http_max_connections = absl::GetFlag(FLAGS_http_max_connections);
+  options.http_threads = absl::GetFlag(FLAGS_http_threads);
   options.log_level = absl::GetFlag(FLAGS_log_level);
   options.tls_cert = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key = absl::GetFlag(FLAGS_tls_key);

@@ -8,7 +8,6 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
-#include "httplib.h"
 
 namespace attnserve {
 namespace {
@@ -143,15 +142,36 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<HttpListener>> StartMetricsServer(
-    const std::string& host, int port, std::function<std::string()> render) {
-  auto http = std::make_unique<httplib::Server>();
-  http->Get("/metrics",
-            [render = std::move(render)](const httplib::Request&,
-                                         httplib::Response& response) {
-              response.set_content(render(), "text/plain; version=0.0.4");
-            });
-  return HttpListener::Start(std::move(http), host, port, "--metrics_port");
+absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsServer(
+    HttpServerOptions options, std::function<std::string()> render) {
+  options.port_flag = "--metrics_port";
+  // Scrapes send no body; nothing larger is read.
+  options.limits.max_body_bytes = 64 << 10;
+  return HttpServer::Start(
+      options,
+      [](const HttpRequestHead& head) -> std::optional<HttpResponse> {
+        if (head.path() != "/metrics") {
+          return JsonErrorResponse(
+              404,
+              absl::StrCat("no such endpoint: ", head.path().substr(0, 128),
+                           "; the metrics are at GET /metrics"));
+        }
+        if (head.method != "GET" && head.method != "HEAD") {
+          HttpResponse refusal = JsonErrorResponse(
+              405,
+              absl::StrCat(head.method.substr(0, 32), " /metrics: use GET"));
+          refusal.fields.emplace_back("Allow", "GET, HEAD");
+          return refusal;
+        }
+        return std::nullopt;
+      },
+      [render = std::move(render)](HttpRequest, HttpResponder responder) {
+        HttpResponse response;
+        response.fields.emplace_back("Content-Type",
+                                     "text/plain; version=0.0.4");
+        response.body = render();
+        responder.Send(std::move(response));
+      });
 }
 
 }  // namespace attnserve

@@ -2,7 +2,7 @@
 // exposes them (GET /metrics).
 //
 // Thread-safety: Metrics may be recorded into and rendered from any thread.
-// The metrics page is an HttpListener, stopped by its owner.
+// The metrics page is an HttpServer, stopped by its owner.
 #ifndef ATTNSERVE_SERVER_METRICS_H_
 #define ATTNSERVE_SERVER_METRICS_H_
 
@@ -18,7 +18,7 @@
 #include "absl/time/time.h"
 #include "core/mutex.h"
 #include "core/session_store.h"
-#include "server/http_listener.h"
+#include "server/http/http_server.h"
 
 namespace attnserve {
 
@@ -68,9 +68,10 @@ class Metrics {
   int64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
-// Serves GET /metrics from `render` on host:port (0: a free port).
-absl::StatusOr<std::unique_ptr<HttpListener>> StartMetricsServer(
-    const std::string& host, int port, std::function<std::string()> render);
+// Serves GET /metrics from `render` on options' host and port (0: a free
+// port), with options' bounds on clients.
+absl::StatusOr<std::unique_ptr<HttpServer>> StartMetricsServer(
+    HttpServerOptions options, std::function<std::string()> render);
 
 }  // namespace attnserve
 

@@ -1,5 +1,7 @@
 #include "server/options.h"
 
+#include <tuple>
+
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
@@ -54,6 +56,21 @@ absl::Status VerifyMetricsAndLogs(const ServerOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("--http_port: ", options.http_port,
                      " is not in [-1, 65535] (-1: off, 0: any free port)"));
+  }
+  for (const auto& [flag, value, low, high] :
+       {std::tuple("--http_header_timeout_s", options.http_header_timeout_s, 1,
+                   3600),
+        std::tuple("--http_body_timeout_s", options.http_body_timeout_s, 1,
+                   3600),
+        std::tuple("--http_idle_timeout_s", options.http_idle_timeout_s, 1,
+                   86400),
+        std::tuple("--http_max_connections", options.http_max_connections, 1,
+                   1000000),
+        std::tuple("--http_threads", options.http_threads, 1, 256)}) {
+    if (value < low || value > high) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          flag, ": ", value, " is not in [", low, ", ", high, "]"));
+    }
   }
   if (options.log_level != "info" && options.log_level != "warning" &&
       options.log_level != "error") {

@@ -65,6 +65,20 @@ struct ServerOptions {
   // 0 picks a free port, -1 turns it off. Bodies are limited to
   // max_message_mb, like gRPC messages.
   int http_port = 8000;
+  // HTTP clients (both HTTP ports) are bounded so that slow or idle ones
+  // cannot hold the server: a request head must arrive within
+  // http_header_timeout_s of its first byte; a body (and a response the
+  // client reads) must move at least once every http_body_timeout_s; an
+  // idle keep-alive connection closes after http_idle_timeout_s; at most
+  // http_max_connections are open per port (one more closes an idle one,
+  // or is answered 503).
+  int http_header_timeout_s = 10;
+  int http_body_timeout_s = 30;
+  int http_idle_timeout_s = 60;
+  int http_max_connections = 1024;
+  // Threads that decode HTTP requests and answer the cheap ones; compute
+  // calls go on to the scheduler's workers.
+  int http_threads = 2;
   // The least serious log lines written (ShouldLog): "info" adds one
   // access-log line per call on stderr to the warnings; "warning": problems
   // the server works around (a failed reload, which keeps the loaded

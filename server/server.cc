@@ -58,6 +58,20 @@ void ConfigureBuilder(const ServerOptions& options,
   }
 }
 
+// The bounds on HTTP clients, for both HTTP ports.
+HttpServerOptions HttpOptionsFrom(const ServerOptions& options) {
+  HttpServerOptions http;
+  http.host = options.host;
+  http.limits.max_body_bytes = static_cast<uint64_t>(options.max_message_mb)
+                               << 20;
+  http.header_timeout = absl::Seconds(options.http_header_timeout_s);
+  http.body_timeout = absl::Seconds(options.http_body_timeout_s);
+  http.idle_timeout = absl::Seconds(options.http_idle_timeout_s);
+  http.max_connections = options.http_max_connections;
+  http.handler_threads = options.http_threads;
+  return http;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
@@ -114,7 +128,9 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   config.thread_budget = thread_budget;
   config.max_tensor_elements = options.max_tensor_elements;
   config.max_request_bytes = options.max_request_memory_mb << 20;
-  server->service_ = std::make_unique<AttentionServiceImpl>(config);
+  server->pipeline_ = std::make_unique<CallPipeline>(config);
+  server->service_ =
+      std::make_unique<AttentionServiceImpl>(server->pipeline_.get());
   grpc::ServerBuilder builder;
   const std::string address = ListenAddress(options.host, options.port);
   builder.AddListeningPort(address, credentials, &server->port_);
@@ -131,22 +147,17 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   }
   if (options.metrics_port >= 0) {
     AttnServer* self = server.get();
+    HttpServerOptions metrics = HttpOptionsFrom(options);
+    metrics.port = options.metrics_port;
     ATTN_ASSIGN_OR_RETURN(
         server->metrics_server_,
-        StartMetricsServer(options.host, options.metrics_port,
-                           [self] { return self->RenderMetrics(); }));
+        StartMetricsServer(metrics, [self] { return self->RenderMetrics(); }));
   }
   if (options.http_port >= 0) {
-    grpc::ChannelArguments arguments;
-    arguments.SetMaxReceiveMessageSize(-1);
-    arguments.SetMaxSendMessageSize(-1);
-    HttpInferenceConfig http;
-    http.host = options.host;
+    HttpServerOptions http = HttpOptionsFrom(options);
     http.port = options.http_port;
-    http.max_body_bytes = static_cast<size_t>(options.max_message_mb) << 20;
-    http.channel = server->server_->InProcessChannel(arguments);
-    http.auth = server->auth_.get();
-    ATTN_ASSIGN_OR_RETURN(server->http_server_, StartHttpInference(http));
+    ATTN_ASSIGN_OR_RETURN(server->http_server_,
+                          StartHttpInference(http, server->pipeline_.get()));
   }
   server->server_->GetHealthCheckService()->SetServingStatus(
       v1::AttentionService::service_full_name(), true);
@@ -182,10 +193,10 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   // Load balancers and health-checking clients stop sending calls here
   // when they see NOT_SERVING; until they do, calls are served.
   server_->GetHealthCheckService()->SetServingStatus(false);
-  service_->MarkNotReady();
+  pipeline_->MarkNotReady();
   absl::SleepFor(std::min(lame_duck, grace));
   // Calls that still come get a status that clients' retry policies retry.
-  service_->StopAcceptingCalls();
+  pipeline_->StopAcceptingCalls();
   // gRPC 1.51's Server::Shutdown drops as CANCELLED, which clients do not
   // retry, every call not yet handed to a handler: requests still arriving
   // when it starts or while it tells connections to stop. So stop listening
@@ -198,14 +209,15 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   const absl::Time stop_refusing =
       std::min(deadline, refusing_since + kMaxRefusing);
   while (absl::Now() < stop_refusing &&
-         absl::Now() - std::max(refusing_since, service_->last_refused()) <
+         absl::Now() - std::max(refusing_since, pipeline_->last_refused()) <
              kQuiet) {
     absl::SleepFor(absl::Milliseconds(10));
   }
   server_->GetHealthCheckService()->Shutdown();
   if (http_server_ != nullptr) http_server_->StopListening();
   server_->Shutdown(absl::ToChronoTime(deadline));
-  // HTTP calls go through the gRPC server, which now answers none.
+  // HTTP calls get the same deadline; then they are cancelled.
+  if (http_server_ != nullptr) http_server_->Stop(deadline);
   http_server_.reset();
 }
 

@@ -15,6 +15,7 @@
 #include "core/session_store.h"
 #include "grpcpp/server.h"
 #include "server/attention_service.h"
+#include "server/http/http_server.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/open_inference_service.h"
@@ -77,12 +78,13 @@ class AttnServer {
   // Null when sessions are off; destroyed after the service, freeing every
   // session's cache.
   std::unique_ptr<SessionStore> sessions_;
+  std::unique_ptr<CallPipeline> pipeline_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<OpenInferenceService> open_inference_service_;
   std::unique_ptr<grpc::Server> server_;
-  std::unique_ptr<HttpListener> metrics_server_;
-  // Calls the gRPC server in-process: stopped before it.
-  std::unique_ptr<HttpListener> http_server_;
+  std::unique_ptr<HttpServer> metrics_server_;
+  // Calls the pipeline: stopped before it is destroyed.
+  std::unique_ptr<HttpServer> http_server_;
   int port_ = 0;
 };
 

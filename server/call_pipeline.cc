@@ -1,0 +1,191 @@
+#include "server/call_pipeline.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <memory>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "attnserve/v1/attention.pb.h"
+#include "core/status_macros.h"
+#include "core/tensor.h"
+
+namespace attnserve {
+namespace {
+
+// Calls below this many FLOPs (LayerNorm of a few thousand elements, a
+// few-token attention) run on the receiving thread when a worker slot is
+// free: they finish in a few microseconds, less than waking a worker costs.
+constexpr double kRunInlineFlops = 1e6;
+
+// Threads a call of `flops` keeps busy: each should get at least ~2 MFLOP
+// (tens of microseconds), or starting and joining it costs more than it
+// computes.
+int UsefulThreads(double flops) {
+  return static_cast<int>(std::clamp(flops / 2e6, 1.0, 1024.0));
+}
+
+// "query=[2, 3, 8] key=[2, 5, 8]": the shapes of a request's tensors, and
+// the model it names, for the access log.
+std::string Describe(const google::protobuf::Message& request) {
+  std::string out;
+  const google::protobuf::Reflection* reflection = request.GetReflection();
+  std::vector<const google::protobuf::FieldDescriptor*> fields;
+  reflection->ListFields(request, &fields);
+  for (const google::protobuf::FieldDescriptor* field : fields) {
+    if (field->name() == "model" || field->name() == "model_name") {
+      absl::StrAppend(&out, out.empty() ? "" : " ",
+                      "model=", reflection->GetString(request, field));
+    } else if (field->name() == "session_id") {
+      absl::StrAppend(&out, out.empty() ? "" : " ",
+                      "session=", reflection->GetString(request, field));
+    } else if (field->message_type() == v1::Tensor::descriptor() &&
+               !field->is_repeated()) {
+      const auto& tensor = static_cast<const v1::Tensor&>(
+          reflection->GetMessage(request, field));
+      absl::StrAppend(
+          &out, out.empty() ? "" : " ", field->name(), "=",
+          ShapeString(Shape(tensor.shape().begin(), tensor.shape().end())));
+    }
+  }
+  return out;
+}
+
+absl::Duration Until(absl::Time deadline) {
+  return deadline == absl::InfiniteFuture() ? absl::InfiniteDuration()
+                                            : deadline - absl::Now();
+}
+
+}  // namespace
+
+std::string RpcName(const google::protobuf::Message& request) {
+  std::string rpc = request.GetDescriptor()->name();
+  rpc.resize(rpc.size() - std::string_view("Request").size());
+  return rpc;
+}
+
+absl::Status CallPipeline::CheckAuthorization(
+    std::optional<absl::string_view> authorization) const {
+  return config_.auth != nullptr
+             ? config_.auth->CheckAuthorization(authorization)
+             : absl::OkStatus();
+}
+
+absl::Status CallPipeline::Admit(const RequestCost& cost,
+                                 absl::Duration until_deadline) const {
+  if (draining_.load()) {
+    last_refused_ns_.store(absl::ToUnixNanos(absl::Now()));
+    return absl::UnavailableError(
+        "server is shutting down; retry on another replica");
+  }
+  ATTN_RETURN_IF_ERROR(VerifyWithinLimits(cost, config_.max_tensor_elements,
+                                          config_.max_request_bytes));
+  if (until_deadline <= absl::ZeroDuration()) {
+    return absl::DeadlineExceededError(
+        "deadline passed before the call started");
+  }
+  const absl::Duration estimate = config_.cost_model->Estimate(cost.flops);
+  if (estimate > until_deadline) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("call needs about ", absl::ToInt64Milliseconds(estimate),
+                     " ms at this server's measured rate; the deadline is in ",
+                     absl::ToInt64Milliseconds(until_deadline), " ms"));
+  }
+  return absl::OkStatus();
+}
+
+bool CallPipeline::IsTiny(const RequestCost& cost) {
+  return cost.flops < kRunInlineFlops;
+}
+
+absl::Status CallPipeline::BusyError() const {
+  return absl::ResourceExhaustedError(
+      absl::StrCat("server busy: ", config_.scheduler->max_inflight(),
+                   " calls computing and ", config_.scheduler->max_queue(),
+                   " waiting (--max_inflight, --max_queue); retry later"));
+}
+
+absl::Status CallPipeline::Compute(
+    const RequestCost& cost, const std::atomic<bool>* cancelled,
+    absl::Duration until_deadline,
+    absl::FunctionRef<absl::Status(const CallControl&)> handle,
+    absl::Duration* compute) const {
+  *compute = absl::ZeroDuration();
+  if (cancelled != nullptr && cancelled->load()) {
+    return absl::CancelledError("call cancelled while queued");
+  }
+  if (until_deadline <= absl::ZeroDuration()) {
+    return absl::DeadlineExceededError(
+        "deadline passed while the call waited for a worker");
+  }
+  const absl::Time started = absl::Now();
+  absl::Status status;
+  {
+    // This call's share of the cores while it computes, no more threads
+    // than its size keeps busy.
+    ThreadBudget::Lease lease =
+        config_.thread_budget->Acquire(UsefulThreads(cost.flops));
+    CallSharedMemory shared_memory(config_.shared_memory);
+    status = handle(CallControl{cancelled, &shared_memory});
+  }
+  *compute = absl::Now() - started;
+  if (status.ok()) config_.cost_model->Observe(cost.flops, *compute);
+  return status;
+}
+
+void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
+                          absl::Duration queue_wait, absl::Duration compute,
+                          double flops) const {
+  const absl::Duration total = absl::Now() - call.arrived;
+  const std::string code = absl::StatusCodeToString(status.code());
+  const int64_t bytes =
+      status.ok() && call.request != nullptr && call.response != nullptr
+          ? static_cast<int64_t>(call.request->ByteSizeLong() +
+                                 call.response->ByteSizeLong())
+          : 0;
+  config_.metrics->RecordCall(call.rpc, code, total, queue_wait, compute, flops,
+                              bytes);
+  if (config_.access_log) {
+    std::string described =
+        call.request != nullptr ? Describe(*call.request) : "";
+    if (!described.empty()) described += ' ';
+    std::fprintf(stderr, "access rpc=%s %sstatus=%s us=%lld\n",
+                 call.rpc.c_str(), described.c_str(), code.c_str(),
+                 static_cast<long long>(absl::ToInt64Microseconds(total)));
+  }
+}
+
+void CallPipeline::Run(PipelineCall call,
+                       std::function<absl::Status(const CallControl&)> handle,
+                       const std::atomic<bool>* cancelled,
+                       std::function<void(const absl::Status&)> finish) const {
+  const absl::Status admitted = Admit(call.cost, Until(call.deadline));
+  if (!admitted.ok()) {
+    Record(call, admitted, absl::ZeroDuration(), absl::ZeroDuration(), 0);
+    finish(admitted);
+    return;
+  }
+  // Shared by the work and the refusal of a full queue.
+  auto shared_finish =
+      std::make_shared<std::function<void(const absl::Status&)>>(
+          std::move(finish));
+  std::function<void()> work = [this, call, handle = std::move(handle),
+                                cancelled, shared_finish]() {
+    const absl::Time started = absl::Now();
+    absl::Duration compute;
+    const absl::Status status =
+        Compute(call.cost, cancelled, Until(call.deadline), handle, &compute);
+    Record(call, status, started - call.arrived, compute, call.cost.flops);
+    (*shared_finish)(status);
+  };
+  if (IsTiny(call.cost) && config_.scheduler->RunHereIfIdle(work)) return;
+  if (!config_.scheduler->Submit(std::move(work))) {
+    const absl::Status busy = BusyError();
+    Record(call, busy, absl::ZeroDuration(), absl::ZeroDuration(), 0);
+    (*shared_finish)(busy);
+  }
+}
+
+}  // namespace attnserve

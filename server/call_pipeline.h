@@ -1,0 +1,140 @@
+// The path every compute call takes, whichever front end received it
+// (native gRPC, the Open Inference Protocol over gRPC or HTTP): admission
+// (drain, limits, deadline against the estimated compute time), the
+// scheduler's queue, computation with the call's share of the cores and
+// cancellation, then metrics and the access log. Front ends authenticate
+// and decode; they hand the pipeline a decoded request and its bound
+// handler, and answer the client with what it returns.
+//
+// Thread-safety: every method may be called from any thread (the drain
+// flags are atomic; everything ServiceConfig points to is thread-safe).
+// Ownership: owns nothing ServiceConfig points to; those must outlive it.
+#ifndef ATTNSERVE_SERVER_CALL_PIPELINE_H_
+#define ATTNSERVE_SERVER_CALL_PIPELINE_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "core/session_store.h"
+#include "core/thread_budget.h"
+#include "google/protobuf/message.h"
+#include "server/auth.h"
+#include "server/handlers.h"
+#include "server/metrics.h"
+#include "server/model_repository.h"
+#include "server/request_cost.h"
+#include "server/scheduler.h"
+#include "server/shared_memory.h"
+
+namespace attnserve {
+
+// What the pipeline needs from the server around it; every pointer must
+// outlive the pipeline.
+struct ServiceConfig {
+  const ModelRepository* models = nullptr;  // null: no repository
+  // Null: no shared memory (its RPCs answer FAILED_PRECONDITION).
+  SharedMemoryRegistry* shared_memory = nullptr;
+  Scheduler* scheduler = nullptr;   // required
+  CostModel* cost_model = nullptr;  // required
+  Metrics* metrics = nullptr;       // required
+  // Required: the cores compute calls share. Each call leases its share
+  // (no more threads than its size keeps busy) while it computes.
+  ThreadBudget* thread_budget = nullptr;
+  // Null: decode sessions are off (their RPCs answer FAILED_PRECONDITION).
+  SessionStore* sessions = nullptr;
+  // The longest session, and the length of sessions created without one.
+  int64_t max_session_length = 0;
+  // Null: no authentication.
+  const TokenAuthenticator* auth = nullptr;
+  // Write one access-log line per call to stderr.
+  bool access_log = false;
+  // Refused with RESOURCE_EXHAUSTED before any allocation.
+  int64_t max_tensor_elements = 0;
+  int64_t max_request_bytes = 0;
+};
+
+// A decoded call, for admission and the record of it.
+struct PipelineCall {
+  std::string rpc;  // the metrics' label, e.g. "Attend"
+  // For the access log and the byte counts; must outlive the call.
+  const google::protobuf::Message* request = nullptr;
+  const google::protobuf::Message* response = nullptr;
+  RequestCost cost;
+  absl::Time arrived;
+  absl::Time deadline = absl::InfiniteFuture();
+};
+
+class CallPipeline {
+ public:
+  explicit CallPipeline(const ServiceConfig& config) : config_(config) {}
+
+  const ServiceConfig& config() const { return config_; }
+
+  // Checks an `authorization` header's value (nullopt: none sent).
+  absl::Status CheckAuthorization(
+      std::optional<absl::string_view> authorization) const;
+  // Whether the call may start: not draining, within the limits, and
+  // its estimated compute time within `until_deadline`.
+  absl::Status Admit(const RequestCost& cost,
+                     absl::Duration until_deadline) const;
+  // Whether a call is small enough to compute on the thread that received
+  // it (when a worker would be free at once).
+  static bool IsTiny(const RequestCost& cost);
+  // RESOURCE_EXHAUSTED naming --max_inflight and --max_queue.
+  absl::Status BusyError() const;
+  // Computes an admitted call with its share of the cores: refused if
+  // cancelled or past its deadline before it starts; `*compute` is the
+  // time it computed (zero when refused).
+  absl::Status Compute(
+      const RequestCost& cost, const std::atomic<bool>* cancelled,
+      absl::Duration until_deadline,
+      absl::FunctionRef<absl::Status(const CallControl&)> handle,
+      absl::Duration* compute) const;
+  // Metrics and the access log for one finished call.
+  void Record(const PipelineCall& call, const absl::Status& status,
+              absl::Duration queue_wait, absl::Duration compute,
+              double flops) const;
+
+  // The whole path for front ends without a reactor of their own: admits
+  // `call`, computes `handle` (here when tiny and a worker is free, else
+  // on a worker), records it, then calls `finish` once with the status, on
+  // whichever thread computed. `cancelled` (may be null) must live until
+  // `finish` is called.
+  void Run(PipelineCall call,
+           std::function<absl::Status(const CallControl&)> handle,
+           const std::atomic<bool>* cancelled,
+           std::function<void(const absl::Status&)> finish) const;
+
+  // Whether the server takes compute calls and wants more: false from
+  // MarkNotReady (the drain's lame duck) or StopAcceptingCalls on.
+  bool ready() const { return !not_ready_.load() && !draining_.load(); }
+  void MarkNotReady() { not_ready_.store(true); }
+  // From now on compute calls are refused with UNAVAILABLE "server is
+  // shutting down; retry on another replica"; accepted calls finish.
+  void StopAcceptingCalls() { draining_.store(true); }
+  bool draining() const { return draining_.load(); }
+  // When a call was last refused for that (absl::UnixEpoch(): never).
+  absl::Time last_refused() const {
+    return absl::FromUnixNanos(last_refused_ns_.load());
+  }
+
+ private:
+  ServiceConfig config_;
+  std::atomic<bool> draining_{false};
+  std::atomic<bool> not_ready_{false};
+  mutable std::atomic<int64_t> last_refused_ns_{0};
+};
+
+// "AttendRequest" -> "Attend": the RPC a request message is for.
+std::string RpcName(const google::protobuf::Message& request);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_CALL_PIPELINE_H_
