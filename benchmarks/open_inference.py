@@ -103,13 +103,21 @@ def main():
         small = {n: tensor(1, 8, 128, 64) for n in ("query", "key", "value")}
         large = {n: tensor(8, 8, 512, 64) for n in ("query", "key", "value")}
         hidden = tensor(1, 128, 512)
+        # Memory-bound calls whose time is mostly moving their bytes: the
+        # transport's cost shows most here.
+        ln8 = tensor(2048, 1024)
+        ln32 = tensor(8192, 1024)
         cases = [
             ("LayerNorm [1, 64]", "layer_norm", {"input": ln},
              lambda: native.LayerNorm(v1.LayerNormRequest(input=wire(ln)))),
+            ("LayerNorm 8 MB", "layer_norm", {"input": ln8},
+             lambda: native.LayerNorm(v1.LayerNormRequest(input=wire(ln8)))),
+            ("LayerNorm 32 MB", "layer_norm", {"input": ln32},
+             lambda: native.LayerNorm(v1.LayerNormRequest(input=wire(ln32)))),
             ("Attend B1 H8 L128 d64", "attend", small,
              lambda: native.Attend(v1.AttendRequest(
                  **{n: wire(a) for n, a in small.items()}))),
-            ("Attend B8 H8 L512 d64", "attend", large,
+            ("Attend B8 H8 L512 (3x8MB)", "attend", large,
              lambda: native.Attend(v1.AttendRequest(
                  **{n: wire(a) for n, a in large.items()}))),
             ("MHA demo B1 L128 E512", "demo",
