@@ -2,9 +2,9 @@
 // libFuzzer): every file of fuzz/corpus/TARGET and fuzz/regressions/TARGET
 // through the target's LLVMFuzzerTestOneInput, which aborts on what it
 // deems a bug. The Release and sanitizer test runs thereby keep running
-// every input that once crashed a target. The target and its folders come
-// from the build (ATTNSERVE_FUZZ_TARGET, ATTNSERVE_FUZZ_CORPUS,
-// ATTNSERVE_FUZZ_REGRESSIONS).
+// every input that once crashed a target. Compiled once; each target's
+// test links it with that target's entry point, and ctest passes its
+// folders (--corpus=DIR --regressions=DIR).
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -47,12 +47,36 @@ int ReplayFolder(const fs::path& dir) {
   return static_cast<int>(files.size());
 }
 
+// Set by main from the command line.
+std::string* corpus_dir = nullptr;
+std::string* regressions_dir = nullptr;
+
 TEST(FuzzReplay, Corpus) {
-  EXPECT_GT(ReplayFolder(ATTNSERVE_FUZZ_CORPUS), 0)
-      << "no seeds for " ATTNSERVE_FUZZ_TARGET " in " ATTNSERVE_FUZZ_CORPUS;
+  EXPECT_GT(ReplayFolder(*corpus_dir), 0) << "no seeds in " << *corpus_dir;
 }
 
-TEST(FuzzReplay, Regressions) { ReplayFolder(ATTNSERVE_FUZZ_REGRESSIONS); }
+TEST(FuzzReplay, Regressions) { ReplayFolder(*regressions_dir); }
 
 }  // namespace
 }  // namespace attnserve::fuzz
+
+// fuzz_TARGET_replay_test --corpus=DIR --regressions=DIR [gtest flags]
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  std::string corpus;
+  std::string regressions;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    if (arg.rfind("--corpus=", 0) == 0) corpus = arg.substr(9);
+    if (arg.rfind("--regressions=", 0) == 0) regressions = arg.substr(14);
+  }
+  if (corpus.empty() || regressions.empty()) {
+    std::fprintf(stderr,
+                 "usage: %s --corpus=DIR --regressions=DIR [gtest flags]\n",
+                 argv[0]);
+    return 2;
+  }
+  attnserve::fuzz::corpus_dir = &corpus;
+  attnserve::fuzz::regressions_dir = &regressions;
+  return RUN_ALL_TESTS();
+}

@@ -5,9 +5,10 @@
 # pip install into a venv (README) and the manifest checks of deploy/;
 # prometheus brings promtool for the checks of deploy/prometheus. clang
 # (with its OpenMP runtime, which CMake's FindOpenMP needs to configure a
-# clang build) and ninja run the thread-safety analysis of
-# scripts/check-thread-safety.sh; clang's runtime libraries (libFuzzer, the
-# sanitizers) build the fuzz targets of scripts/fuzz.sh. The Go packages
+# clang build), lld and clang's runtime libraries (libFuzzer, the
+# sanitizers) build the sanitizer tree, with its lock-annotation checks, and
+# the fuzz targets; ninja and ccache serve every build; bc prints
+# scripts/test.sh's stage minutes. The Go packages
 # build the Go client (clients/go) offline: the compiler, gRPC and protobuf
 # sources for GOPATH mode, and the protoc plugins (protoc-gen-go 1.28:
 # golang-goprotobuf-dev's 1.3 plugin, which conflicts with it, refuses the
@@ -22,7 +23,7 @@ packages=(
   libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev openssl
   libgtest-dev libgmock-dev googletest libbenchmark-dev libgoogle-perftools-dev
-  clang libomp-dev ninja-build libclang-rt-14-dev
+  clang libomp-dev ninja-build libclang-rt-14-dev lld ccache bc
   python3-grpcio python3-protobuf python3-yaml python3-torch python3-numpy
   python3-venv python3-setuptools
   golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev

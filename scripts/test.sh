@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# Installs what is missing, checks the lock annotations with clang's
-# -Wthread-safety, builds attnserve with its tests and runs them all: a
-# Release build, then the same suite built with AddressSanitizer and
-# UndefinedBehaviorSanitizer, then the concurrency tests built with
-# ThreadSanitizer (skip the sanitizer builds with --quick). With CI=true it
-# also runs the fuzz targets, ATTNSERVE_CI_FUZZ_SECONDS (35) each.
+# Installs what is missing, builds attnserve with its tests and runs them
+# all: a Release build (GCC); the README's Python commands against the
+# quick start's server; with CI=true a one-minute soak; then one clang tree
+# with AddressSanitizer, UndefinedBehaviorSanitizer, libFuzzer's coverage
+# hooks and -Wthread-safety as errors, whose test suite runs and whose fuzz
+# targets then run ATTNSERVE_CI_FUZZ_SECONDS (35) each with CI=true; and the
+# concurrency tests built with ThreadSanitizer. --quick runs the Release
+# build and tests and the lock-annotation check only.
+# Every build uses Ninja and ccache (CCACHE_BASEDIR is the checkout, so the
+# README check's copy of it hits the same cache). Each stage's minutes are
+# printed at the end.
 # The golden vectors are read from ../shared/goldens (override with
 # ATTNSERVE_GOLDENS_DIR=/path/to/goldens).
 set -euo pipefail
@@ -17,61 +22,104 @@ if [[ -n "${ATTNSERVE_GOLDENS_DIR:-}" ]]; then
   extra+=("-DATTNSERVE_GOLDENS_DIR=$ATTNSERVE_GOLDENS_DIR")
 fi
 jobs=$(nproc)
+export CCACHE_DIR=${CCACHE_DIR:-$HOME/.cache/attnserve-ccache}
+export CCACHE_BASEDIR=$root
+export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-10G}
 
-# Front end only, so cheap enough for --quick as well.
-echo "== Thread-safety analysis (clang -Wthread-safety)"
-"$root/scripts/check-thread-safety.sh" "$root/build-clang"
+# Stage timing: "== NAME" starts a stage; the summary prints at exit.
+stage_names=()
+stage_seconds=()
+stage_started=$(date +%s)
+run_started=$stage_started
+stage() {
+  local now
+  now=$(date +%s)
+  if ((${#stage_names[@]} > 0)); then
+    stage_seconds+=($((now - stage_started)))
+  fi
+  stage_names+=("$1")
+  stage_started=$now
+  echo "== $1"
+}
+summary() {
+  local status=$? now i
+  now=$(date +%s)
+  stage_seconds+=($((now - stage_started)))
+  echo "== Stages (minutes)"
+  for i in "${!stage_names[@]}"; do
+    printf '%6.1f  %s\n' "$(bc -l <<<"${stage_seconds[$i]} / 60")" \
+      "${stage_names[$i]}"
+  done
+  printf '%6.1f  total%s\n' "$(bc -l <<<"($now - $run_started) / 60")" \
+    "$( ((status)) && echo " (failed, exit $status)")"
+}
+trap summary EXIT
 
-echo "== Release build and tests"
+stage "Release build and tests"
 "$root/scripts/build.sh" Release -DATTNSERVE_BUILD_TESTS=ON "${extra[@]}"
 (cd "$root/build" && ctest --output-on-failure -j"$jobs" --timeout 300)
 
+if [[ $quick -eq 1 ]]; then
+  stage "Thread-safety analysis (clang -Wthread-safety)"
+  "$root/scripts/check-thread-safety.sh" "$root/build-clang"
+  exit 0
+fi
+
 # The README's Python commands as a new user runs them: in a copy of the
 # tracked files, after the quick start's scripts/run-server.sh (a Release
-# build of its own).
-if [[ $quick -eq 0 ]]; then
-  echo "== README Python commands against the quick start's server"
-  "$root/scripts/readme-python-check.sh"
-fi
+# build of its own, from the cache).
+stage "README Python commands against the quick start's server"
+"$root/scripts/readme-python-check.sh"
 
 # Soak: a minute of mixed load with faults and model reloads against the
 # Release server (scripts/soak.sh; 30 minutes when run by hand).
 if [[ "${CI:-}" == "true" ]]; then
-  echo "== Soak test (60 s)"
+  stage "Soak test (60 s)"
   "$root/scripts/soak.sh" 60
 fi
 
-if [[ $quick -eq 0 ]]; then
-  echo "== AddressSanitizer + UndefinedBehaviorSanitizer build and tests"
-  cmake -S "$root" -B "$root/build-asan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DATTNSERVE_ASAN=ON -DATTNSERVE_BUILD_TESTS=ON "${extra[@]}" >/dev/null
-  cmake --build "$root/build-asan" -j"$jobs"
-  (cd "$root/build-asan" &&
-    ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
-    LSAN_OPTIONS=suppressions="$root/tests/lsan.supp" \
-    UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
-    ctest --output-on-failure -j"$jobs" --timeout 600)
+# One clang tree for every instrumented check: ASan + UBSan, libFuzzer's
+# coverage hooks (so the fuzz targets build here too) and the lock
+# annotations as errors. -O1 with line tables: sanitizer reports keep their
+# lines, and the tree builds in half the time of -O2 -g.
+stage "Clang AddressSanitizer + UndefinedBehaviorSanitizer build (-Wthread-safety)"
+sanitize=$root/build-sanitize
+cmake -S "$root" -B "$sanitize" -G Ninja -DCMAKE_CXX_COMPILER=clang++ \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -gline-tables-only -DNDEBUG" \
+  -DCMAKE_EXE_LINKER_FLAGS=-fuse-ld=lld \
+  -DCMAKE_SHARED_LINKER_FLAGS=-fuse-ld=lld \
+  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
+  -DATTNSERVE_FUZZ=ON -DATTNSERVE_BUILD_TESTS=ON "${extra[@]}" >/dev/null
+cmake --build "$sanitize" -j"$jobs"
+stage "AddressSanitizer + UndefinedBehaviorSanitizer tests"
+(cd "$sanitize" &&
+  ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 \
+  LSAN_OPTIONS=suppressions="$root/tests/lsan.supp" \
+  UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
+  ctest --output-on-failure -j"$jobs" --timeout 600)
 
-  # ThreadSanitizer sees only instrumented code. Debian's libgomp, gRPC and
-  # abseil are not instrumented, so their synchronization is invisible and
-  # shows up as races that are not there: the TSan suite drives the core and
-  # the server's scheduling pieces from plain threads (no gRPC between), and
-  # runs with one OpenMP thread, with which libgomp starts no team threads.
-  echo "== ThreadSanitizer build and concurrency tests"
-  cmake -S "$root" -B "$root/build-tsan" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DATTNSERVE_TSAN=ON -DATTNSERVE_BUILD_TESTS=ON \
-    -DATTNSERVE_BUILD_BENCHMARKS=OFF "${extra[@]}" >/dev/null
-  cmake --build "$root/build-tsan" -j"$jobs" \
-    --target concurrency_test thread_budget_test
-  (cd "$root/build-tsan" &&
-    OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
-    ctest --output-on-failure -j"$jobs" --timeout 600 \
-      -R '^(ConcurrencyTest|ThreadBudgetTest)\.')
-fi
-
-# About 8 minutes with the build: 9 targets of 35 s, one after the other
-# (the 315 s that 7 targets of 45 s took).
 if [[ "${CI:-}" == "true" ]]; then
-  echo "== Fuzzing (libFuzzer with ASan + UBSan, ${ATTNSERVE_CI_FUZZ_SECONDS:-35} s per target)"
-  "$root/scripts/fuzz.sh" "${ATTNSERVE_CI_FUZZ_SECONDS:-35}"
+  stage "Fuzzing (libFuzzer, ${ATTNSERVE_CI_FUZZ_SECONDS:-35} s per target, $jobs at once)"
+  ATTNSERVE_FUZZ_BUILD=$sanitize \
+    "$root/scripts/fuzz.sh" "${ATTNSERVE_CI_FUZZ_SECONDS:-35}"
 fi
+
+# ThreadSanitizer sees only instrumented code. Debian's libgomp, gRPC and
+# abseil are not instrumented, so their synchronization is invisible and
+# shows up as races that are not there: the TSan suite drives the core and
+# the server's scheduling pieces from plain threads (no gRPC between), and
+# runs with one OpenMP thread, with which libgomp starts no team threads.
+stage "ThreadSanitizer build and concurrency tests"
+cmake -S "$root" -B "$root/build-tsan" -G Ninja \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+  -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+  -DCMAKE_CXX_COMPILER_LAUNCHER=ccache \
+  -DATTNSERVE_TSAN=ON -DATTNSERVE_BUILD_TESTS=ON \
+  -DATTNSERVE_BUILD_BENCHMARKS=OFF "${extra[@]}" >/dev/null
+cmake --build "$root/build-tsan" -j"$jobs" \
+  --target concurrency_test thread_budget_test
+(cd "$root/build-tsan" &&
+  OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+  ctest --output-on-failure -j"$jobs" --timeout 600 \
+    -R '^(ConcurrencyTest|ThreadBudgetTest)\.')

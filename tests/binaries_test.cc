@@ -210,7 +210,7 @@ int64_t PeakResidentBytes(pid_t pid) {
 // high-water mark from run to run, which says nothing about reuse.
 // (Sanitizer builds run their own allocator and quarantine.)
 TEST(BinariesTest, ResidentMemoryPlateausUnderMixedLoad) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#ifdef ATTNSERVE_SANITIZED
   GTEST_SKIP() << "resident memory under a sanitizer measures its allocator";
 #endif
   ServerProcess server({"--log_level=warning"});

@@ -9,6 +9,7 @@
 #include <thread>
 #include <vector>
 
+#include "attnserve/v1/attention.pb.h"
 #include "core/attention.h"
 #include "core/buffer_pool.h"
 #include "core/primitives.h"
@@ -16,7 +17,7 @@
 #include "server/message_pool.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
-#include "tests/test_util.h"
+#include "tests/core_test_util.h"
 
 namespace attnserve::testing {
 namespace {

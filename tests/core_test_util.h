@@ -11,6 +11,17 @@
 #include "gtest/gtest.h"
 #include "tests/reference.h"
 
+// Defined in builds with AddressSanitizer or ThreadSanitizer (GCC's macros,
+// clang's __has_feature), whose allocators keep freed memory resident
+// (quarantine): tests of resident memory skip there.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#define ATTNSERVE_SANITIZED 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+#define ATTNSERVE_SANITIZED 1
+#endif
+#endif
+
 namespace attnserve::testing {
 
 // Floating tensors uniform in [-1, 1); BOOL/UINT8 tensors 1 with

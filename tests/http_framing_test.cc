@@ -164,6 +164,10 @@ TEST(HttpParserTest, HeadNeedsItsEmptyLine) {
   EXPECT_EQ(parse.head.path(), "/a");
   EXPECT_EQ(parse.head.framing, BodyFraming::kNone);
   EXPECT_TRUE(parse.head.keep_alive);
+  // The absolute form proxies send names the same path.
+  EXPECT_EQ(Parse("GET http://h:8000/v2/x?y HTTP/1.1\r\nHost: h\r\n\r\n")
+                .head.path(),
+            "/v2/x");
 }
 
 TEST(HttpParserTest, RefusesAmbiguousFraming) {

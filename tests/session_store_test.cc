@@ -221,7 +221,7 @@ size_t ResidentBytes() {
 }
 
 TEST(SessionStoreTest, FreedSessionsGiveTheirMemoryBack) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#ifdef ATTNSERVE_SANITIZED
   // Their allocators hold freed step buffers in quarantine, which the
   // resident set then counts.
   GTEST_SKIP() << "resident memory under a sanitizer measures its allocator";

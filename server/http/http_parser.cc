@@ -257,6 +257,16 @@ const std::string* HttpRequestHead::Find(absl::string_view name) const {
 
 absl::string_view HttpRequestHead::path() const {
   absl::string_view path = target;
+  // The absolute form "http://host/path" (RFC 9112 3.2.2), which proxies
+  // send: the path is what follows the authority.
+  for (absl::string_view scheme : {"http://", "https://"}) {
+    if (absl::StartsWithIgnoreCase(path, scheme)) {
+      path.remove_prefix(scheme.size());
+      const size_t slash = path.find('/');
+      path = slash == absl::string_view::npos ? "/" : path.substr(slash);
+      break;
+    }
+  }
   return path.substr(0, path.find('?'));
 }
 
