@@ -1,8 +1,11 @@
-// The server's answers to bad requests (code and message), and that it keeps
-// serving after each of them.
+// The server's answers to bad requests (code and message), that it keeps
+// serving after each of them, and valid calls' results against the float64
+// reference.
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <fstream>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
@@ -114,6 +117,87 @@ TEST_F(ServerTest, FloatDataIsAccepted) {
   const float inv = 1.0f / std::sqrt(1.25f + 1e-5f);
   EXPECT_NEAR(out->data_as<float>()[0], -1.5f * inv, 1e-6);
   EXPECT_NEAR(out->data_as<float>()[3], 1.5f * inv, 1e-6);
+}
+
+// Through the server: each row of the input one constant (values that
+// float32 sums cannot add exactly, large, negative, zero), over widths and
+// eps: LayerNorm gives beta, RMSNorm gamma * x / sqrt(x^2 + eps), as the
+// float64 reference does.
+TEST_F(ServerTest, NormsOfConstantRowsMatchFloat64) {
+  const std::vector<float> constants = {0.1f,     3.3f,    -12.345f, 1000.5f,
+                                        -1000.5f, 65504.f, -7e-3f,   0.0f};
+  const int64_t rows = static_cast<int64_t>(constants.size());
+  std::mt19937 rng(47);
+  for (int64_t dim : {1, 7, 197, 4096}) {
+    Tensor input = *Tensor::Allocate(DType::kFloat32, {rows, dim});
+    for (int64_t i = 0; i < input.num_elements(); ++i) {
+      input.data_as<float>()[i] = constants[i / dim];
+    }
+    const Tensor gamma = RandomTensor(DType::kFloat32, {dim}, rng);
+    const Tensor beta = RandomTensor(DType::kFloat32, {dim}, rng);
+    for (float eps : {1e-12f, 1e-6f, 1e-2f}) {
+      SCOPED_TRACE(absl::StrCat("dim ", dim, " eps ", eps));
+      v1::LayerNormRequest request;
+      EncodeTensor(input.view(), request.mutable_input());
+      EncodeTensor(gamma.view(), request.mutable_gamma());
+      EncodeTensor(beta.view(), request.mutable_beta());
+      request.set_eps(eps);
+      auto response = client_.LayerNorm(request);
+      ASSERT_TRUE(response.ok()) << response.status();
+      auto out = CopyTensor(response->output(), "output");
+      ASSERT_TRUE(out.ok()) << out.status();
+      const RefTensor ref = RefLayerNorm(
+          ToRef(input.view()), ToRef(gamma.view()), ToRef(beta.view()), eps, 1);
+      for (int64_t i = 0; i < input.num_elements(); ++i) {
+        // The reference's constant rows are exactly beta.
+        ASSERT_EQ(ref.values[i], beta.data_as<float>()[i % dim]);
+        ASSERT_NEAR(out->data_as<float>()[i], ref.values[i], 1e-6)
+            << "row of " << constants[i / dim] << ", column " << i % dim;
+      }
+
+      request.clear_beta();
+      request.set_rms_norm(true);
+      response = client_.LayerNorm(request);
+      ASSERT_TRUE(response.ok()) << response.status();
+      out = CopyTensor(response->output(), "output");
+      ASSERT_TRUE(out.ok()) << out.status();
+      const RefTensor rms =
+          RefRmsNorm(ToRef(input.view()), ToRef(gamma.view()), eps, 1);
+      for (int64_t i = 0; i < input.num_elements(); ++i) {
+        ASSERT_NEAR(out->data_as<float>()[i], rms.values[i], 1e-6)
+            << "RMSNorm row of " << constants[i / dim] << ", column "
+            << i % dim;
+      }
+    }
+  }
+}
+
+// Rows whose mean (10 to 1000) is large against their unit spread keep the
+// digits the deviations need: within 1e-5 of the float64 reference.
+TEST_F(ServerTest, LayerNormOfOffsetRowsMatchesFloat64) {
+  std::mt19937 rng(53);
+  std::normal_distribution<float> unit(0.0f, 1.0f);
+  const std::vector<float> means = {10.0f, 100.0f, 1000.0f, -1000.0f};
+  for (int64_t dim : {7, 197, 4096}) {
+    Tensor input = *Tensor::Allocate(DType::kFloat32, {8, dim});
+    for (int64_t i = 0; i < input.num_elements(); ++i) {
+      input.data_as<float>()[i] = means[i / dim % means.size()] + unit(rng);
+    }
+    const Tensor gamma = RandomTensor(DType::kFloat32, {dim}, rng);
+    const Tensor beta = RandomTensor(DType::kFloat32, {dim}, rng);
+    v1::LayerNormRequest request;
+    EncodeTensor(input.view(), request.mutable_input());
+    EncodeTensor(gamma.view(), request.mutable_gamma());
+    EncodeTensor(beta.view(), request.mutable_beta());
+    request.set_eps(1e-6f);
+    auto response = client_.LayerNorm(request);
+    ASSERT_TRUE(response.ok()) << response.status();
+    auto out = CopyTensor(response->output(), "output");
+    ASSERT_TRUE(out.ok()) << out.status();
+    const RefTensor ref = RefLayerNorm(ToRef(input.view()), ToRef(gamma.view()),
+                                       ToRef(beta.view()), 1e-6, 1);
+    EXPECT_TRUE(AllClose(out->view(), ref, {1e-5, 0.0})) << "dim " << dim;
+  }
 }
 
 TEST_F(ServerTest, MissingTensor) {
