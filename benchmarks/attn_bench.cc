@@ -54,7 +54,8 @@ int64_t MaxRssKiB() {
   return usage.ru_maxrss;
 }
 
-// Args: batch, heads, query_len, key_len, head_dim, causal, bf16.
+// Args: batch, heads, query_len, key_len, head_dim, causal, bf16 (bfloat16
+// inputs on the bfloat16 kernels).
 void BM_Sdpa(benchmark::State& state) {
   const int64_t b = state.range(0), h = state.range(1), lq = state.range(2),
                 lk = state.range(3), d = state.range(4);
@@ -64,6 +65,7 @@ void BM_Sdpa(benchmark::State& state) {
   Tensor v = Random(dtype, {b, h, lk, d}, 3);
   AttentionOptions options;
   options.causal = state.range(5) != 0;
+  options.compute_bf16 = dtype == DType::kBFloat16;
   AttendInputs in{q.view(), k.view(), v.view(), std::nullopt};
   const int64_t rss_before = MaxRssKiB();
   for (auto _ : state) {
@@ -211,7 +213,7 @@ struct MultiHeadSetup {
   MultiHeadInputs inputs;
 };
 
-// Args: batch, seq, embed, heads, bf16, packed.
+// Args: batch, seq, embed, heads, bf16 (bfloat16 input and compute), packed.
 void BM_MultiHeadAttention(benchmark::State& state) {
   const int64_t b = state.range(0), l = state.range(1), e = state.range(2);
   const DType dtype = state.range(4) ? DType::kBFloat16 : DType::kFloat32;
@@ -225,10 +227,12 @@ void BM_MultiHeadAttention(benchmark::State& state) {
   layer_options.compute_dtype = dtype;
   auto layer = MultiHeadLayer::Create(w, layer_options);
   if (!layer.ok()) state.SkipWithError("layer");
+  MultiHeadOptions options;
+  options.attention.compute_bf16 = dtype == DType::kBFloat16;
   for (auto _ : state) {
     TensorResults results;
-    const absl::Status s = packed ? (*layer)->Run(in, {}, results)
-                                  : MultiHeadAttend(w, in, {}, results);
+    const absl::Status s = packed ? (*layer)->Run(in, options, results)
+                                  : MultiHeadAttend(w, in, options, results);
     if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
     benchmark::DoNotOptimize(results);
   }

@@ -46,7 +46,8 @@ attnserve::DType DTypeOf(int bf16) {
 
 extern "C" {
 
-// Scaled dot-product attention on [b, h, l, d] tensors (bf16: uint16 data).
+// Scaled dot-product attention on [b, h, l, d] tensors (bf16: uint16 data,
+// computed on the bfloat16 kernels).
 int attnserve_sdpa(const void* q, const void* k, const void* v, void* out,
                    int64_t b, int64_t h, int64_t lq, int64_t lk, int64_t d,
                    int causal, int bf16) {
@@ -57,6 +58,7 @@ int attnserve_sdpa(const void* q, const void* k, const void* v, void* out,
                              TensorView{dtype, {b, h, lk, d}, v}, std::nullopt};
   attnserve::AttentionOptions options;
   options.causal = causal != 0;
+  options.compute_bf16 = bf16 != 0;
   CallerOutput results(out);
   return Check(attnserve::Attend(in, options, results));
 }

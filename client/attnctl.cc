@@ -70,7 +70,8 @@ ABSL_FLAG(std::optional<float>, temperature, std::nullopt,
           "Divides the scaled logits (default 1).");
 ABSL_FLAG(bool, return_weights, false, "Also return attention weights.");
 ABSL_FLAG(bool, compute_bf16, false,
-          "attend/mha: compute float32 inputs on the bfloat16 kernels.");
+          "attend/mha: compute on the bfloat16 kernels (without it, every "
+          "input dtype computes in float32).");
 ABSL_FLAG(bool, average_weights, false,
           "mha: return weights averaged over heads.");
 ABSL_FLAG(std::optional<int>, num_heads, std::nullopt, "mha: number of heads.");

@@ -149,7 +149,7 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
     p.masks.push_back(std::move(mask));
   }
 
-  const DType compute = ComputeDType(in.query.dtype, options);
+  const DType compute = ComputeDType(options);
   ATTN_ASSIGN_OR_RETURN(OperandData query,
                         OperandData::From(in.query, compute, "query"));
   ATTN_ASSIGN_OR_RETURN(OperandData key,

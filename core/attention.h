@@ -6,9 +6,11 @@
 // are nonzero, FLOAT32 masks are added to the logits (-inf excludes); causal
 // attention is top-left aligned; a query with no key left gets zeros, never
 // NaN. Inputs may be FLOAT32, BFLOAT16 or FLOAT16; outputs have the query's
-// (input's) dtype. BFLOAT16 inputs are multiplied in bfloat16 with float32
-// accumulation, softmax and normalization; the others are computed in float32
-// (or like BFLOAT16 on request, AttentionOptions::compute_bf16).
+// (input's) dtype. Every input dtype is computed in float32 (BFLOAT16 and
+// FLOAT16 inputs widened exactly, the output rounded to their dtype at the
+// end) unless AttentionOptions::compute_bf16 asks for the bfloat16 kernels:
+// operands and projections rounded to bfloat16, float32 accumulation,
+// softmax and normalization.
 //
 // Ownership: inputs are views the caller keeps alive for the call; results
 // own their buffers. Thread-safety: every function may be called
@@ -33,9 +35,10 @@ struct AttentionOptions {
   std::optional<float> temperature;
   // Also return the attention probabilities (FLOAT32).
   bool return_weights = false;
-  // Compute FLOAT32 and FLOAT16 inputs on the bfloat16 kernels too (inputs
-  // rounded to bfloat16, float32 accumulation): faster, less exact.
-  // BFLOAT16 inputs always run there.
+  // Compute on the bfloat16 kernels, whatever the inputs' dtype (operands
+  // rounded to bfloat16, float32 accumulation): faster, less exact, and
+  // far less so for sharp softmax (large logits). Unset, every input dtype
+  // is computed in float32.
   bool compute_bf16 = false;
   // Attend only: grouped-query attention (PyTorch's enable_gqa). Key and
   // value may have fewer heads (dim -3) than the query, dividing its head

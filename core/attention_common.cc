@@ -51,9 +51,8 @@ absl::Status VerifySameRank(const TensorView& t, absl::string_view field,
       " (shapes ", ShapeString(t.shape), " and ", ShapeString(ref.shape), ")"));
 }
 
-DType ComputeDType(DType input, const AttentionOptions& options) {
-  return input == DType::kBFloat16 || options.compute_bf16 ? DType::kBFloat16
-                                                           : DType::kFloat32;
+DType ComputeDType(const AttentionOptions& options) {
+  return options.compute_bf16 ? DType::kBFloat16 : DType::kFloat32;
 }
 
 AttentionResult TakeResult(TensorResults& results) {

@@ -25,10 +25,10 @@ absl::Status VerifySameDType(const TensorView& t, absl::string_view field,
 absl::Status VerifySameRank(const TensorView& t, absl::string_view field,
                             const TensorView& ref, absl::string_view ref_field);
 
-// The dtype the kernels run in for inputs of `input` dtype: BFLOAT16 inputs
-// (and the others when options.compute_bf16) run on the bfloat16 kernels,
-// FLOAT32 and FLOAT16 inputs in float32 otherwise.
-DType ComputeDType(DType input, const AttentionOptions& options);
+// The dtype the kernels run in, whatever the inputs' dtype: float32 (the
+// BFLOAT16 and FLOAT16 inputs widened exactly), or bfloat16 when
+// options.compute_bf16 asks for it.
+DType ComputeDType(const AttentionOptions& options);
 
 // The "output" and "weights" tensors an operation produced.
 AttentionResult TakeResult(TensorResults& results);

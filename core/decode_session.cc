@@ -89,6 +89,59 @@ void AppendToCache(const void* src, const OperandLayout& layout, int64_t batch,
   }
 }
 
+// The cached rows [first, end) of every (batch entry, head) plane, keys
+// and values, copied out: a step that starts before the cached length
+// writes its tokens over them, and a step that then fails puts them back.
+class SavedRows {
+ public:
+  // RESOURCE_EXHAUSTED when the copy cannot be allocated.
+  static absl::StatusOr<SavedRows> Save(KvCache& cache, int64_t first,
+                                        int64_t end) {
+    SavedRows saved;
+    if (end <= first) return saved;
+    const KvCache::Dims& d = cache.dims();
+    saved.first_ = first;
+    saved.key_bytes_ = (end - first) * d.key_dim * DTypeSize(d.dtype);
+    saved.value_bytes_ = (end - first) * d.value_dim * DTypeSize(d.dtype);
+    ATTN_ASSIGN_OR_RETURN(
+        saved.bytes_,
+        Tensor::Allocate(
+            DType::kUInt8,
+            {d.batch * d.kv_heads *
+             static_cast<int64_t>(saved.key_bytes_ + saved.value_bytes_)}));
+    saved.Copy(cache, /*restore=*/false);
+    return saved;
+  }
+  void Restore(KvCache& cache) { Copy(cache, /*restore=*/true); }
+
+ private:
+  void Copy(KvCache& cache, bool restore) {
+    if (key_bytes_ + value_bytes_ == 0) return;
+    char* saved = static_cast<char*>(bytes_.data());
+    const KvCache::Dims& d = cache.dims();
+    for (int64_t b = 0; b < d.batch; ++b) {
+      for (int64_t h = 0; h < d.kv_heads; ++h) {
+        const std::pair<void*, size_t> rows[] = {
+            {cache.key_row(b, h, first_), key_bytes_},
+            {cache.value_row(b, h, first_), value_bytes_}};
+        for (const auto& [row, bytes] : rows) {
+          if (restore) {
+            std::memcpy(row, saved, bytes);
+          } else {
+            std::memcpy(saved, row, bytes);
+          }
+          saved += bytes;
+        }
+      }
+    }
+  }
+
+  int64_t first_ = 0;
+  size_t key_bytes_ = 0;
+  size_t value_bytes_ = 0;
+  Tensor bytes_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
@@ -191,38 +244,94 @@ absl::StatusOr<int64_t> DecodeSession::NewTokens(
 
 absl::Status DecodeSession::VerifyRoom(int64_t start,
                                        int64_t new_tokens) const {
-  if (start < 0 || start > length()) {
-    return absl::InvalidArgumentError(absl::StrCat("position: ", start,
-                                                   " is not in [0, ", length(),
-                                                   "] (the tokens cached)"));
+  const int64_t held = length();
+  if (start < 0 || start > held) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "position: ", start, " is not in [0, ", held, "] (the tokens cached)"));
   }
   if (new_tokens <= config_.max_length - start) return absl::OkStatus();
-  return absl::OutOfRangeError(
-      absl::StrCat("session: ", start, " cached + ", new_tokens,
-                   " new tokens exceed its max_length ", config_.max_length));
+  if (start == held) {
+    return absl::OutOfRangeError(
+        absl::StrCat("session: ", start, " cached + ", new_tokens,
+                     " new tokens exceed its max_length ", config_.max_length));
+  }
+  // A refused rewind drops nothing: say so, and what the session holds.
+  return absl::OutOfRangeError(absl::StrCat(
+      "session: position ", start, " + ", new_tokens,
+      " new tokens exceed its max_length ", config_.max_length,
+      " (the session holds ", held, " tokens; nothing was changed)"));
+}
+
+absl::Status DecodeSession::VerifyAttentionInputs(
+    const DecodeStepInputs& in) const {
+  const TensorView& query = *in.query;
+  const TensorView& key = *in.key;
+  const TensorView& value = *in.value;
+  ATTN_RETURN_IF_ERROR(VerifyFloating(query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameDType(key, "key", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameDType(value, "value", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameRank(key, "key", query, "query"));
+  ATTN_RETURN_IF_ERROR(VerifySameRank(value, "value", query, "query"));
+  const bool batched = query.rank() == 4;
+  const int64_t n = query.dim(-2);
+  const auto expect = [&](int64_t heads, int64_t d) {
+    return batched ? Shape{config_.batch, heads, n, d} : Shape{heads, n, d};
+  };
+  ATTN_RETURN_IF_ERROR(VerifyShape(query, "query", expect(heads_, key_dim_)));
+  ATTN_RETURN_IF_ERROR(VerifyShape(key, "key", expect(kv_heads_, key_dim_)));
+  return VerifyShape(value, "value", expect(kv_heads_, value_dim_));
+}
+
+absl::Status DecodeSession::VerifyModelInput(const TensorView& input) const {
+  const MultiHeadLayer& layer = *config_.layer;
+  ATTN_RETURN_IF_ERROR(VerifyFloating(input, "input"));
+  if (input.dim(-1) != layer.query_dim()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("input: last dim ", input.dim(-1), " != the model's ",
+                     layer.query_dim()));
+  }
+  if (input.rank() == 3 && input.dim(0) != config_.batch) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("input: dim 0 ", input.dim(0), " != the session's batch ",
+                     config_.batch));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status DecodeSession::Step(const DecodeStepInputs& inputs,
                                  const DecodeStepOptions& options,
                                  ResultAllocator& results) {
   MutexLock lock(&mu_);
+  // Everything is checked before anything changes: a refused step leaves
+  // the session as it was.
   ATTN_ASSIGN_OR_RETURN(const int64_t n, NewTokens(inputs));
-  const int64_t start = inputs.position.value_or(length());
+  const int64_t held = length();
+  const int64_t start = inputs.position.value_or(held);
   ATTN_RETURN_IF_ERROR(VerifyRoom(start, n));
-  if (start < length()) {
-    cache_->Truncate(start);
-    length_.store(start, std::memory_order_release);
-  }
+  ATTN_RETURN_IF_ERROR(config_.layer != nullptr
+                           ? VerifyModelInput(*inputs.input)
+                           : VerifyAttentionInputs(inputs));
+  // A rewind writes the step's tokens over cached ones (rows start ..
+  // held - 1); they are kept until the step has succeeded, so that a step
+  // that fails later (cancelled, out of memory) is undone as well.
+  ATTN_ASSIGN_OR_RETURN(
+      SavedRows overwritten,
+      SavedRows::Save(*cache_, start, std::min(held, start + n)));
   absl::Status status = config_.layer != nullptr
-                            ? ModelStep(*inputs.input, options, results)
-                            : AttentionStep(inputs, options, results);
-  if (!status.ok()) return status;
+                            ? ModelStep(*inputs.input, start, options, results)
+                            : AttentionStep(inputs, start, options, results);
+  if (!status.ok()) {
+    overwritten.Restore(*cache_);
+    return status;
+  }
+  if (start + n < held) cache_->Truncate(start + n);
   cache_->Wrote(start + n);
   length_.store(start + n, std::memory_order_release);
   return absl::OkStatus();
 }
 
 absl::Status DecodeSession::AttentionStep(const DecodeStepInputs& in,
+                                          int64_t first,
                                           const DecodeStepOptions& options,
                                           ResultAllocator& results) {
   const TensorView& query = *in.query;
@@ -231,20 +340,9 @@ absl::Status DecodeSession::AttentionStep(const DecodeStepInputs& in,
   const bool batched = query.rank() == 4;
   const int64_t batch = config_.batch;
   const int64_t n = query.dim(-2);
-  ATTN_RETURN_IF_ERROR(VerifyFloating(query, "query"));
-  ATTN_RETURN_IF_ERROR(VerifySameDType(key, "key", query, "query"));
-  ATTN_RETURN_IF_ERROR(VerifySameDType(value, "value", query, "query"));
-  ATTN_RETURN_IF_ERROR(VerifySameRank(key, "key", query, "query"));
-  ATTN_RETURN_IF_ERROR(VerifySameRank(value, "value", query, "query"));
   const auto expect = [&](int64_t heads, int64_t d) {
     return batched ? Shape{batch, heads, n, d} : Shape{heads, n, d};
   };
-  ATTN_RETURN_IF_ERROR(VerifyShape(query, "query", expect(heads_, key_dim_)));
-  ATTN_RETURN_IF_ERROR(VerifyShape(key, "key", expect(kv_heads_, key_dim_)));
-  ATTN_RETURN_IF_ERROR(
-      VerifyShape(value, "value", expect(kv_heads_, value_dim_)));
-
-  const int64_t first = length();
   ATTN_ASSIGN_OR_RETURN(OperandData key_data,
                         OperandData::From(key, dtype_, "key"));
   ATTN_ASSIGN_OR_RETURN(OperandData value_data,
@@ -273,31 +371,20 @@ absl::Status DecodeSession::AttentionStep(const DecodeStepInputs& in,
       ResultBuffer::Allocate(results, "output", query.dtype,
                              expect(heads_, value_dim_),
                              /*bf16_ok=*/dtype_ == DType::kBFloat16));
-  ATTN_RETURN_IF_ERROR(Attend(q, DenseLayout(heads_, n, key_dim_), n,
+  ATTN_RETURN_IF_ERROR(Attend(q, DenseLayout(heads_, n, key_dim_), first, n,
                               output.data(), output.dtype(),
                               DenseLayout(heads_, n, value_dim_), options));
   output.Finish();
   return absl::OkStatus();
 }
 
-absl::Status DecodeSession::ModelStep(const TensorView& input,
+absl::Status DecodeSession::ModelStep(const TensorView& input, int64_t first,
                                       const DecodeStepOptions& options,
                                       ResultAllocator& results) {
   const MultiHeadLayer& layer = *config_.layer;
-  ATTN_RETURN_IF_ERROR(VerifyFloating(input, "input"));
-  if (input.dim(-1) != layer.query_dim()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("input: last dim ", input.dim(-1), " != the model's ",
-                     layer.query_dim()));
-  }
   const bool batched = input.rank() == 3;
   const int64_t batch = config_.batch;
-  if (batched && input.dim(0) != batch) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "input: dim 0 ", input.dim(0), " != the session's batch ", batch));
-  }
   const int64_t n = input.dim(-2);
-  const int64_t first = length();
   const Shape output_shape = batched ? Shape{batch, n, layer.output_dim()}
                                      : Shape{n, layer.output_dim()};
   ATTN_ASSIGN_OR_RETURN(
@@ -336,13 +423,13 @@ absl::Status DecodeSession::ModelStep(const TensorView& input,
   const OperandLayout out_layout =
       InterleavedHeadsLayout(heads_, n, value_dim_);
   if (!layer.has_output_projection()) {
-    ATTN_RETURN_IF_ERROR(Attend(q.data(), q_layout, n, output.data(),
+    ATTN_RETURN_IF_ERROR(Attend(q.data(), q_layout, first, n, output.data(),
                                 output.dtype(), out_layout, options));
   } else {
     ATTN_ASSIGN_OR_RETURN(Tensor concat,
                           Tensor::Allocate(dtype_, {batch, n, concat_dim}));
-    ATTN_RETURN_IF_ERROR(Attend(q.data(), q_layout, n, concat.data(), dtype_,
-                                out_layout, options));
+    ATTN_RETURN_IF_ERROR(Attend(q.data(), q_layout, first, n, concat.data(),
+                                dtype_, out_layout, options));
     ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kOutput,
                                            batch * n, concat.data(),
                                            output.data(), output.dtype()));
@@ -352,8 +439,9 @@ absl::Status DecodeSession::ModelStep(const TensorView& input,
 }
 
 absl::Status DecodeSession::Attend(const void* query,
-                                   const OperandLayout& query_layout, int64_t n,
-                                   void* output, DType output_dtype,
+                                   const OperandLayout& query_layout,
+                                   int64_t first, int64_t n, void* output,
+                                   DType output_dtype,
                                    const OperandLayout& output_layout,
                                    const DecodeStepOptions& options) {
   AttentionOptions attention;
@@ -364,7 +452,7 @@ absl::Status DecodeSession::Attend(const void* query,
   p.batch = config_.batch;
   p.heads = heads_;
   p.query_len = n;
-  p.key_len = length() + n;
+  p.key_len = first + n;
   p.key_dim = key_dim_;
   p.value_dim = value_dim_;
   p.operand_dtype = dtype_;
@@ -395,7 +483,7 @@ absl::Status DecodeSession::Attend(const void* query,
   }
   p.kv_group = group;
   p.causal = true;
-  p.causal_offset = length();
+  p.causal_offset = first;
   return RunAttention(p);
 }
 

@@ -12,8 +12,9 @@
 // A step appends its n keys and values after the `length` cached ones and
 // attends its queries to everything cached, causally within the step: new
 // token i (position length + i) sees positions <= length + i. A long prompt
-// is one step (prefill), then one token a step. A step that fails leaves
-// the session as it was.
+// is one step (prefill), then one token a step. A step that fails, refused
+// or not (cancelled, out of memory), leaves the session as it was, also
+// one that asked for a rewind.
 //
 // Ownership: owns its cache; a model session shares its layer. Thread-safety:
 // Step and the accessors may be called from any thread; steps on one
@@ -73,8 +74,8 @@ struct DecodeStepInputs {
   std::optional<TensorView> value;
   // Where the step's tokens start: unset, after every cached token; a
   // smaller position first drops the cached tokens from there on (a
-  // speculative draft that was rejected, a regenerated answer). A step that
-  // fails after dropping leaves the session at `position` tokens.
+  // speculative draft that was rejected, a regenerated answer). The drop
+  // happens only when the step succeeds: a step that fails drops nothing.
   std::optional<int64_t> position;
 };
 
@@ -132,21 +133,27 @@ class DecodeSession {
 
  private:
   DecodeSession() = default;
+  // The checks of a step, made before it changes anything: room for
+  // `new_tokens` from `start`, and the inputs of this session's kind.
   absl::Status VerifyRoom(int64_t start, int64_t new_tokens) const;
-  absl::Status AttentionStep(const DecodeStepInputs& in,
+  absl::Status VerifyAttentionInputs(const DecodeStepInputs& in) const;
+  absl::Status VerifyModelInput(const TensorView& input) const;
+  // The step's work on checked inputs: writes its tokens into the cache
+  // from row `first` on and attends; the caller moves the length.
+  absl::Status AttentionStep(const DecodeStepInputs& in, int64_t first,
                              const DecodeStepOptions& options,
                              ResultAllocator& results)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ModelStep(const TensorView& input,
+  absl::Status ModelStep(const TensorView& input, int64_t first,
                          const DecodeStepOptions& options,
                          ResultAllocator& results)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Attends `n` queries (layout `query_layout` at `query`) to the cache's
-  // first length + n tokens, writing [B, H, n, dv] at `output` by
-  // `output_layout`.
+  // Attends `n` queries at positions first .. first + n - 1 (layout
+  // `query_layout` at `query`) to the cache's first `first + n` tokens,
+  // writing [B, H, n, dv] at `output` by `output_layout`.
   absl::Status Attend(const void* query, const OperandLayout& query_layout,
-                      int64_t n, void* output, DType output_dtype,
-                      const OperandLayout& output_layout,
+                      int64_t first, int64_t n, void* output,
+                      DType output_dtype, const OperandLayout& output_layout,
                       const DecodeStepOptions& options)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 

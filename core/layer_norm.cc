@@ -1,11 +1,10 @@
-#include <cmath>
 #include <cstdint>
 #include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/convert.h"
-#include "core/primitives.h"
+#include "core/row_ops.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
 
@@ -20,28 +19,24 @@ absl::Status VerifyAffine(const std::optional<TensorView>& t,
   return VerifyShape(*t, field, normalized_shape);
 }
 
-// RMSNorm over rows of `cols` float32 values, rows split over the calling
-// thread's OpenMP threads. One pass for the mean square (accumulated in
-// double: exact enough for any row length) and one to scale: memory-bound.
-void RmsNormF32(int64_t rows, int64_t cols, float eps, const float* src,
-                const float* gamma, float* dst) {
+// LayerNorm or RMSNorm over rows of `cols` float32 values, rows split over
+// the calling thread's OpenMP threads. Each row is read three times
+// (RMSNorm: twice) while it is in cache (RowOps::layer_norm): memory-bound.
+void NormalizeRows(const LayerNormOptions& options, int64_t rows, int64_t cols,
+                   const float* src, const float* gamma, const float* beta,
+                   float* dst) {
+  if (rows == 0 || cols == 0) return;
+  const RowOps& ops = GetRowOps();
+  const float eps = options.eps;
+  const bool rms = options.rms_norm;
   // Rows of a few thousand elements take microseconds: threads only pay
   // for themselves past ~64K elements.
 #pragma omp parallel for schedule(static) if (rows * cols > (int64_t{1} << 16))
   for (int64_t r = 0; r < rows; ++r) {
-    const float* x = src + r * cols;
-    float* y = dst + r * cols;
-    double sum = 0;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t c = 0; c < cols; ++c) sum += double{x[c]} * x[c];
-    const float inverse = static_cast<float>(
-        1.0 / std::sqrt(sum / static_cast<double>(cols) + eps));
-    if (gamma != nullptr) {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) y[c] = x[c] * inverse * gamma[c];
+    if (rms) {
+      ops.rms_norm(src + r * cols, cols, eps, gamma, dst + r * cols);
     } else {
-#pragma omp simd
-      for (int64_t c = 0; c < cols; ++c) y[c] = x[c] * inverse;
+      ops.layer_norm(src + r * cols, cols, eps, gamma, beta, dst + r * cols);
     }
   }
 }
@@ -105,14 +100,9 @@ absl::Status LayerNorm(const TensorView& input,
       ResultBuffer output,
       ResultBuffer::Allocate(results, "output", input.dtype, input.shape,
                              /*bf16_ok=*/false));
-  if (options.rms_norm) {
-    RmsNormF32(rows, cols, options.eps, src.data(),
-               scale ? scale->data() : nullptr, output.f32());
-  } else {
-    ATTN_RETURN_IF_ERROR(LayerNormF32(
-        rows, cols, options.eps, src.data(), scale ? scale->data() : nullptr,
-        shift ? shift->data() : nullptr, output.f32()));
-  }
+  NormalizeRows(options, rows, cols, src.data(),
+                scale ? scale->data() : nullptr,
+                shift ? shift->data() : nullptr, output.f32());
   output.Finish();
   return absl::OkStatus();
 }

@@ -404,8 +404,7 @@ absl::Status MultiHeadAttend(const MultiHeadWeights& weights,
                              ResultAllocator& results) {
   ATTN_RETURN_IF_ERROR(VerifyFloating(inputs.query, "query"));
   MultiHeadLayer::Options layer_options;
-  layer_options.compute_dtype =
-      ComputeDType(inputs.query.dtype, options.attention);
+  layer_options.compute_dtype = ComputeDType(options.attention);
   layer_options.pack = false;  // weights used once: read them in place
   ATTN_ASSIGN_OR_RETURN(auto layer,
                         MultiHeadLayer::Create(weights, layer_options));

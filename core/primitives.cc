@@ -2,7 +2,6 @@
 
 #include <omp.h>
 
-#include <cstring>
 #include <new>
 #include <unordered_map>
 #include <vector>
@@ -423,48 +422,6 @@ void TileGemm::Run(const void* a, const void* b, float* c) {
   c_.set_data_handle(c);
   // CPU streams run in order and return when the work is done.
   cached_->primitive.execute(ThreadStream(), args_);
-}
-
-absl::Status LayerNormF32(int64_t rows, int64_t cols, float eps,
-                          const float* src, const float* gamma,
-                          const float* beta, float* dst) {
-  if (rows == 0 || cols == 0) return absl::OkStatus();
-  uint32_t eps_bits;
-  std::memcpy(&eps_bits, &eps, sizeof(eps_bits));
-  const std::string key =
-      absl::StrCat("layer_norm_f32|", rows, "x", cols, "|eps=", eps_bits,
-                   "|scale=", gamma != nullptr, "|shift=", beta != nullptr);
-  auto cached = PrimitiveCache::Global().GetOrCreate(key, [&] {
-    const memory::desc data_md({rows, cols}, memory::data_type::f32,
-                               memory::format_tag::ab);
-    auto flags = dnnl::normalization_flags::none;
-    if (gamma != nullptr) flags |= dnnl::normalization_flags::use_scale;
-    if (beta != nullptr) flags |= dnnl::normalization_flags::use_shift;
-    dnnl::layer_normalization_forward::desc desc(
-        dnnl::prop_kind::forward_inference, data_md, eps, flags);
-    dnnl::layer_normalization_forward::primitive_desc pd(
-        desc, UserScratchpadAttr(), CpuEngine());
-    return CachedPrimitive{pd, dnnl::layer_normalization_forward(pd)};
-  });
-  if (!cached.ok()) return cached.status();
-  return GuardDnnl(key, [&] {
-    if (gamma != nullptr && beta != nullptr) {
-      Execute(**cached, {{DNNL_ARG_SRC, src},
-                         {DNNL_ARG_SCALE, gamma},
-                         {DNNL_ARG_SHIFT, beta},
-                         {DNNL_ARG_DST, dst}});
-    } else if (gamma != nullptr) {
-      Execute(
-          **cached,
-          {{DNNL_ARG_SRC, src}, {DNNL_ARG_SCALE, gamma}, {DNNL_ARG_DST, dst}});
-    } else if (beta != nullptr) {
-      Execute(
-          **cached,
-          {{DNNL_ARG_SRC, src}, {DNNL_ARG_SHIFT, beta}, {DNNL_ARG_DST, dst}});
-    } else {
-      Execute(**cached, {{DNNL_ARG_SRC, src}, {DNNL_ARG_DST, dst}});
-    }
-  });
 }
 
 }  // namespace attnserve

@@ -189,12 +189,6 @@ absl::Status GuardDnnl(absl::string_view what, F&& f) {
   }
 }
 
-// LayerNorm over the last dim of [rows, cols], float32. gamma and beta may
-// be null (no scale, no shift).
-absl::Status LayerNormF32(int64_t rows, int64_t cols, float eps,
-                          const float* src, const float* gamma,
-                          const float* beta, float* dst);
-
 }  // namespace attnserve
 
 #endif  // ATTNSERVE_CORE_PRIMITIVES_H_

@@ -79,6 +79,70 @@ bool ScalarAllFinite(const float* x, int64_t n) {
   return true;
 }
 
+// A LayerNorm row's statistics in the form the output pass uses: y =
+// (x - high) * rstd + offset, where high + low is the mean (high the float
+// nearest it, low the float nearest the rest) and offset = -low * rstd.
+// x - high is exact for the values near the mean (Sterbenz), so a mean
+// much larger than the spread costs no accuracy; a constant row has
+// x - high = 0, low = 0 and gives exactly 0 (then beta).
+struct LayerNormRow {
+  float high;
+  float rstd;
+  float offset;
+};
+
+LayerNormRow FinishLayerNormRow(double mean, double squares, int64_t n,
+                                float eps) {
+  const double n_double = static_cast<double>(n);
+  const float high = static_cast<float>(mean);
+  const float low = static_cast<float>(mean - high);
+  const float rstd =
+      static_cast<float>(1.0 / std::sqrt(squares / n_double + eps));
+  return {high, rstd, -low * rstd};
+}
+
+void ScalarLayerNorm(const float* x, int64_t n, float eps, const float* gamma,
+                     const float* beta, float* y) {
+  // Summed in double: n < 2^29 equal floats sum exactly, in any order.
+  double sum = 0;
+#pragma omp simd reduction(+ : sum)
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  const double mean = sum / static_cast<double>(n);
+  double squares = 0;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = double{x[i]} - mean;
+    squares += d * d;
+  }
+  const LayerNormRow row = FinishLayerNormRow(mean, squares, n, eps);
+  for (int64_t i = 0; i < n; ++i) {
+    float v = (x[i] - row.high) * row.rstd + row.offset;
+    if (gamma != nullptr) v *= gamma[i];
+    if (beta != nullptr) v += beta[i];
+    y[i] = v;
+  }
+}
+
+float RmsNormInverse(double squares, int64_t n, float eps) {
+  return static_cast<float>(1.0 /
+                            std::sqrt(squares / static_cast<double>(n) + eps));
+}
+
+void ScalarRmsNorm(const float* x, int64_t n, float eps, const float* gamma,
+                   float* y) {
+  double squares = 0;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t i = 0; i < n; ++i) squares += double{x[i]} * x[i];
+  const float inverse = RmsNormInverse(squares, n, eps);
+  if (gamma != nullptr) {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inverse * gamma[i];
+  } else {
+#pragma omp simd
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inverse;
+  }
+}
+
 #define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
 // exp(x) for x <= 0 (the softmax only needs that range): 2^k * p(r) with
@@ -247,6 +311,136 @@ ATTN_AVX512 bool Avx512AllFinite(const float* x, int64_t n) {
   return non_finite == 0;
 }
 
+// Lanes 0-7 and 8-15 of v, widened to double.
+ATTN_AVX512 inline __m512d LowToDouble(__m512 v) {
+  return _mm512_cvtps_pd(_mm512_castps512_ps256(v));
+}
+ATTN_AVX512 inline __m512d HighToDouble(__m512 v) {
+  return _mm512_cvtps_pd(
+      _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
+
+// The output pass of LayerNorm: y = (x - high) * rstd + offset, then gamma
+// and beta.
+template <bool kGamma, bool kBeta>
+ATTN_AVX512 void Avx512LayerNormOutput(const float* x, int64_t n,
+                                       const LayerNormRow& row,
+                                       const float* gamma, const float* beta,
+                                       float* y) {
+  const __m512 high = _mm512_set1_ps(row.high);
+  const __m512 rstd = _mm512_set1_ps(row.rstd);
+  const __m512 offset = _mm512_set1_ps(row.offset);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 mask = TailMask(n - i);
+    const __m512 v = _mm512_maskz_loadu_ps(mask, x + i);
+    __m512 r = _mm512_fmadd_ps(_mm512_sub_ps(v, high), rstd, offset);
+    if constexpr (kGamma && kBeta) {
+      r = _mm512_fmadd_ps(r, _mm512_maskz_loadu_ps(mask, gamma + i),
+                          _mm512_maskz_loadu_ps(mask, beta + i));
+    } else if constexpr (kGamma) {
+      r = _mm512_mul_ps(r, _mm512_maskz_loadu_ps(mask, gamma + i));
+    } else if constexpr (kBeta) {
+      r = _mm512_add_ps(r, _mm512_maskz_loadu_ps(mask, beta + i));
+    }
+    _mm512_mask_storeu_ps(y + i, mask, r);
+  }
+}
+
+// Two vectors a step in the sums: four double accumulators, so that the
+// additions' latency does not bound the loop.
+ATTN_AVX512 void Avx512LayerNorm(const float* x, int64_t n, float eps,
+                                 const float* gamma, const float* beta,
+                                 float* y) {
+  __m512d s0 = _mm512_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(x + i);
+    const __m512 b = _mm512_loadu_ps(x + i + 16);
+    s0 = _mm512_add_pd(s0, LowToDouble(a));
+    s1 = _mm512_add_pd(s1, HighToDouble(a));
+    s2 = _mm512_add_pd(s2, LowToDouble(b));
+    s3 = _mm512_add_pd(s3, HighToDouble(b));
+  }
+  for (; i < n; i += 16) {  // masked lanes load as 0
+    const __m512 a = _mm512_maskz_loadu_ps(TailMask(n - i), x + i);
+    s0 = _mm512_add_pd(s0, LowToDouble(a));
+    s1 = _mm512_add_pd(s1, HighToDouble(a));
+  }
+  const double mean = _mm512_reduce_add_pd(_mm512_add_pd(
+                          _mm512_add_pd(s0, s1), _mm512_add_pd(s2, s3))) /
+                      static_cast<double>(n);
+
+  const __m512d m = _mm512_set1_pd(mean);
+  s0 = s1 = s2 = s3 = _mm512_setzero_pd();
+  for (i = 0; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(x + i);
+    const __m512 b = _mm512_loadu_ps(x + i + 16);
+    const __m512d d0 = _mm512_sub_pd(LowToDouble(a), m);
+    const __m512d d1 = _mm512_sub_pd(HighToDouble(a), m);
+    const __m512d d2 = _mm512_sub_pd(LowToDouble(b), m);
+    const __m512d d3 = _mm512_sub_pd(HighToDouble(b), m);
+    s0 = _mm512_fmadd_pd(d0, d0, s0);
+    s1 = _mm512_fmadd_pd(d1, d1, s1);
+    s2 = _mm512_fmadd_pd(d2, d2, s2);
+    s3 = _mm512_fmadd_pd(d3, d3, s3);
+  }
+  for (; i < n; i += 16) {
+    // Masked lanes would add mean^2: they keep the accumulator.
+    const __mmask16 mask = TailMask(n - i);
+    const __m512 a = _mm512_maskz_loadu_ps(mask, x + i);
+    const __m512d d0 = _mm512_sub_pd(LowToDouble(a), m);
+    const __m512d d1 = _mm512_sub_pd(HighToDouble(a), m);
+    s0 = _mm512_mask3_fmadd_pd(d0, d0, s0, static_cast<__mmask8>(mask));
+    s1 = _mm512_mask3_fmadd_pd(d1, d1, s1, static_cast<__mmask8>(mask >> 8));
+  }
+  const double squares = _mm512_reduce_add_pd(
+      _mm512_add_pd(_mm512_add_pd(s0, s1), _mm512_add_pd(s2, s3)));
+  const LayerNormRow row = FinishLayerNormRow(mean, squares, n, eps);
+  if (gamma != nullptr && beta != nullptr) {
+    Avx512LayerNormOutput<true, true>(x, n, row, gamma, beta, y);
+  } else if (gamma != nullptr) {
+    Avx512LayerNormOutput<true, false>(x, n, row, gamma, beta, y);
+  } else if (beta != nullptr) {
+    Avx512LayerNormOutput<false, true>(x, n, row, gamma, beta, y);
+  } else {
+    Avx512LayerNormOutput<false, false>(x, n, row, gamma, beta, y);
+  }
+}
+
+ATTN_AVX512 void Avx512RmsNorm(const float* x, int64_t n, float eps,
+                               const float* gamma, float* y) {
+  __m512d s0 = _mm512_setzero_pd(), s1 = s0, s2 = s0, s3 = s0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 a = _mm512_loadu_ps(x + i);
+    const __m512 b = _mm512_loadu_ps(x + i + 16);
+    const __m512d d0 = LowToDouble(a), d1 = HighToDouble(a);
+    const __m512d d2 = LowToDouble(b), d3 = HighToDouble(b);
+    s0 = _mm512_fmadd_pd(d0, d0, s0);
+    s1 = _mm512_fmadd_pd(d1, d1, s1);
+    s2 = _mm512_fmadd_pd(d2, d2, s2);
+    s3 = _mm512_fmadd_pd(d3, d3, s3);
+  }
+  for (; i < n; i += 16) {  // masked lanes load as 0
+    const __m512 a = _mm512_maskz_loadu_ps(TailMask(n - i), x + i);
+    const __m512d d0 = LowToDouble(a), d1 = HighToDouble(a);
+    s0 = _mm512_fmadd_pd(d0, d0, s0);
+    s1 = _mm512_fmadd_pd(d1, d1, s1);
+  }
+  const __m512 inverse = _mm512_set1_ps(
+      RmsNormInverse(_mm512_reduce_add_pd(_mm512_add_pd(_mm512_add_pd(s0, s1),
+                                                        _mm512_add_pd(s2, s3))),
+                     n, eps));
+  for (i = 0; i < n; i += 16) {
+    const __mmask16 mask = TailMask(n - i);
+    __m512 r = _mm512_mul_ps(_mm512_maskz_loadu_ps(mask, x + i), inverse);
+    if (gamma != nullptr) {
+      r = _mm512_mul_ps(r, _mm512_maskz_loadu_ps(mask, gamma + i));
+    }
+    _mm512_mask_storeu_ps(y + i, mask, r);
+  }
+}
+
 // With AVX512_BF16 the rounding to bfloat16 is one instruction.
 #define ATTN_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -281,10 +475,17 @@ ATTN_AVX512_BF16 void Avx512Bf16ScaleToBFloat16(const float* x, int64_t n,
 }  // namespace
 
 const RowOps& ScalarRowOps() {
-  static const RowOps ops{
-      ScalarScaleMax,        ScalarMaxScaled,      ScalarMax,
-      ScalarExpSum,          ScalarExpSumBFloat16, ScalarScale,
-      ScalarScaleToBFloat16, ScalarAllFinite,      "scalar"};
+  static const RowOps ops{ScalarScaleMax,
+                          ScalarMaxScaled,
+                          ScalarMax,
+                          ScalarExpSum,
+                          ScalarExpSumBFloat16,
+                          ScalarScale,
+                          ScalarScaleToBFloat16,
+                          ScalarAllFinite,
+                          ScalarLayerNorm,
+                          ScalarRmsNorm,
+                          "scalar"};
   return ops;
 }
 
@@ -311,11 +512,20 @@ const RowOps kAvx512Bf16RowOps{Avx512ScaleMax,
                                Avx512Scale,
                                Avx512Bf16ScaleToBFloat16,
                                Avx512AllFinite,
+                               Avx512LayerNorm,
+                               Avx512RmsNorm,
                                "avx512_bf16"};
-const RowOps kAvx512RowOps{
-    Avx512ScaleMax,        Avx512MaxScaled,      Avx512Max,
-    Avx512ExpSum,          Avx512ExpSumBFloat16, Avx512Scale,
-    Avx512ScaleToBFloat16, Avx512AllFinite,      "avx512"};
+const RowOps kAvx512RowOps{Avx512ScaleMax,
+                           Avx512MaxScaled,
+                           Avx512Max,
+                           Avx512ExpSum,
+                           Avx512ExpSumBFloat16,
+                           Avx512Scale,
+                           Avx512ScaleToBFloat16,
+                           Avx512AllFinite,
+                           Avx512LayerNorm,
+                           Avx512RmsNorm,
+                           "avx512"};
 
 }  // namespace
 

@@ -1,5 +1,6 @@
-// Vectorized row operations of the softmax: AVX-512 where the CPU has it
-// (chosen once, at first use), portable scalar code elsewhere.
+// Vectorized row operations of the softmax and of the normalizations:
+// AVX-512 where the CPU has it (chosen once, at first use), portable scalar
+// code elsewhere.
 //
 // Thread-safety: the table is built once (thread-safe static) and is
 // read-only afterwards.
@@ -39,6 +40,21 @@ struct RowOps {
   void (*scale_to_bf16)(const float* x, int64_t n, float a, uint16_t* out);
   // Whether no x[0..n) is NaN or +-Inf.
   bool (*all_finite)(const float* x, int64_t n);
+  // LayerNorm of one row of n > 0 values: y = (x - mean) / sqrt(var + eps)
+  // * gamma + beta, biased variance; gamma and beta may be null (1 and 0).
+  // The mean is summed in double, exact for n < 2^29 equal values, and the
+  // variance is summed in double from the deviations x - mean: a constant
+  // row has variance exactly 0 and gives beta. The deviations the output
+  // scales are taken from the mean split into two floats (high and low
+  // part), so they are as accurate as the float32 values allow, also for
+  // rows whose mean is large against their spread. A NaN or +-Inf makes
+  // the whole row NaN.
+  void (*layer_norm)(const float* x, int64_t n, float eps, const float* gamma,
+                     const float* beta, float* y);
+  // RMSNorm of one row of n > 0 values: y = x / sqrt(mean(x^2) + eps) *
+  // gamma (gamma may be null), the mean square summed in double.
+  void (*rms_norm)(const float* x, int64_t n, float eps, const float* gamma,
+                   float* y);
   // Name of the implementation, e.g. "avx512".
   const char* name;
 };

@@ -251,6 +251,26 @@ TEST_P(ModelSessionTest, EveryStepMatchesCausalAttentionOverTheSequence) {
     for (size_t i = 0; i < rows.values.size(); ++i) {
       step.data_as<float>()[i] = static_cast<float>(rows.values[i]);
     }
+    if (first > 0) {
+      // Rewinds that fail change nothing, the cached tokens they would have
+      // overwritten included: the step below still matches the reference.
+      TensorResults ignored;
+      Tensor wide = RandomTensor(DType::kFloat32, {b, n, e + 1}, rng);
+      DecodeStepInputs refused;
+      refused.input = wide.view();
+      refused.position = first - 1;
+      EXPECT_EQ((*session)->Step(refused, {}, ignored).message(),
+                absl::StrCat("input: last dim ", e + 1, " != the model's ", e));
+      std::atomic<bool> cancelled{true};
+      DecodeStepOptions cancel;
+      cancel.cancelled = &cancelled;
+      DecodeStepInputs rewind;
+      rewind.input = step.view();
+      rewind.position = first - 1;
+      EXPECT_EQ((*session)->Step(rewind, cancel, ignored).code(),
+                absl::StatusCode::kCancelled);
+      EXPECT_EQ((*session)->length(), first);
+    }
     DecodeStepInputs in;
     in.input = step.view();
     TensorResults results;
@@ -412,6 +432,68 @@ TEST_F(SessionCheckTest, PositionDropsTheTailFirst) {
   EXPECT_EQ(rewound->Step(in, {}, results).message(),
             "position: 7 is not in [0, 6] (the tokens cached)");
   EXPECT_EQ(rewound->length(), 6);
+}
+
+// A step that fails changes nothing, also when it asked for a rewind:
+// refused for its length or its shapes, or cancelled after writing its
+// tokens over cached ones. The next step sees the tokens as they were.
+TEST_F(SessionCheckTest, FailedRewindChangesNothing) {
+  config_.max_length = 4;
+  auto s = Make();
+  std::mt19937 rng(9);
+  const auto random = [&](int heads, int64_t n) {
+    return RandomTensor(DType::kFloat32, {1, heads, n, 8}, rng);
+  };
+  const Tensor q3 = random(4, 3), k3 = random(2, 3), v3 = random(2, 3);
+  TensorResults results;
+  DecodeStepInputs prefill{std::nullopt, q3.view(), k3.view(), v3.view(),
+                           std::nullopt};
+  ASSERT_TRUE(s->Step(prefill, {}, results).ok());
+  ASSERT_EQ(s->length(), 3);
+
+  const Tensor q = random(4, 3), k = random(2, 3), v = random(2, 3);
+  DecodeStepInputs too_long{std::nullopt, q.view(), k.view(), v.view(), 2};
+  absl::Status status = s->Step(too_long, {}, results);
+  EXPECT_EQ(status.code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(status.message(),
+            "session: position 2 + 3 new tokens exceed its max_length 4 (the "
+            "session holds 3 tokens; nothing was changed)");
+  EXPECT_EQ(s->length(), 3);
+
+  const Tensor wrong_key = random(4, 1);
+  const Tensor q1 = random(4, 1), k1 = random(2, 1), v1 = random(2, 1);
+  DecodeStepInputs bad_shape{std::nullopt, q1.view(), wrong_key.view(),
+                             v1.view(), 1};
+  status = s->Step(bad_shape, {}, results);
+  EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(status.message(), "key: shape [1, 4, 1, 8], expected [1, 2, 1, 8]");
+  EXPECT_EQ(s->length(), 3);
+
+  // Cancelled once its keys and values are in the cache, over tokens 1-2.
+  std::atomic<bool> cancelled{true};
+  DecodeStepOptions cancel;
+  cancel.cancelled = &cancelled;
+  const Tensor q2 = random(4, 2), k2 = random(2, 2), v2 = random(2, 2);
+  DecodeStepInputs rewind{std::nullopt, q2.view(), k2.view(), v2.view(), 1};
+  EXPECT_EQ(s->Step(rewind, cancel, results).code(),
+            absl::StatusCode::kCancelled);
+  EXPECT_EQ(s->length(), 3);
+
+  // The fourth token attends to the three of the prefill.
+  DecodeStepInputs next{std::nullopt, q1.view(), k1.view(), v1.view(),
+                        std::nullopt};
+  TensorResults next_results;
+  status = s->Step(next, {}, next_results);
+  ASSERT_TRUE(status.ok()) << status;
+  EXPECT_EQ(s->length(), 4);
+  const RefTensor keys = RefConcatRows(ToRef(k3.view()), ToRef(k1.view()));
+  const RefTensor values = RefConcatRows(ToRef(v3.view()), ToRef(v1.view()));
+  const RefAttentionResult ref =
+      RefAttend(ToRef(q1.view()), RefRepeatHeads(keys, 2),
+                RefRepeatHeads(values, 2), {}, {}, {});
+  std::optional<Tensor> out = next_results.Take("output");
+  ASSERT_TRUE(out.has_value());
+  EXPECT_TRUE(AllClose(out->view(), ref.output, kFloat32Tolerance));
 }
 
 TEST_F(SessionCheckTest, LongRewindsGiveMemoryBackShortOnesKeepIt) {

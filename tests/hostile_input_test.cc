@@ -2139,9 +2139,12 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
   *step.mutable_query() = Floats({2, 5000, 8}, 42);
   *step.mutable_key() = Floats({1, 5000, 8}, 43);
   *step.mutable_value() = Floats({1, 5000, 8}, 44);
-  cases.push_back(Case(step, "past_max_length", "query", Code::kOutOfRange,
-                       "session: 0 cached + 5000 new tokens exceed its "
-                       "max_length 4096"));
+  // At position 0: a rewind when earlier cases left tokens in the session
+  // ("session: position 0 + 5000 new tokens exceed its max_length 4096 (the
+  // session holds 3 tokens; nothing was changed)"), else "0 cached + ...".
+  cases.push_back(Glob(Case(step, "past_max_length", "query", Code::kOutOfRange,
+                            "session: * 5000 new tokens exceed its "
+                            "max_length 4096*")));
   step = SessionStepBase();
   step.set_temperature(0);
   cases.push_back(

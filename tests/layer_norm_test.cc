@@ -1,5 +1,7 @@
 // The core's LayerNorm against the float64 reference, and its input checks.
+#include <algorithm>
 #include <cmath>
+#include <iostream>
 #include <optional>
 #include <random>
 #include <string>
@@ -8,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/convert.h"
+#include "core/row_ops.h"
 #include "gtest/gtest.h"
 #include "tests/core_test_util.h"
 
@@ -188,16 +191,211 @@ TEST(RmsNormTest, RefusesBetaAndPropagatesNaN) {
   EXPECT_EQ(out->data_as<float>()[3], 0.0f);
 }
 
-TEST(LayerNormTest, ConstantRowGivesBeta) {
-  Tensor input = *Tensor::Allocate(DType::kFloat32, {2, 4});
-  for (int i = 0; i < 8; ++i) input.data_as<float>()[i] = 3.0f;
-  Tensor beta = *Tensor::Allocate(DType::kFloat32, {4});
-  for (int i = 0; i < 4; ++i) beta.data_as<float>()[i] = float(i);
-  auto out = LayerNorm(input.view(), std::nullopt, beta.view(), {});
-  ASSERT_TRUE(out.ok()) << out.status();
-  for (int i = 0; i < 8; ++i)
-    EXPECT_FLOAT_EQ(out->data_as<float>()[i], float(i % 4));
+// Runs each test on every RowOps implementation this CPU has (AVX-512, the
+// portable one), as the server would on CPUs with and without AVX-512.
+class NormAccuracyTest : public ::testing::TestWithParam<int> {
+ protected:
+  void SetUp() override { SetRowOpsForTesting(SupportedRowOps()[GetParam()]); }
+  void TearDown() override { SetRowOpsForTesting(nullptr); }
+};
+
+Tensor FilledTensor(const Shape& shape, float value, DType dtype) {
+  std::vector<float> values(NumElements(shape), value);
+  return *Float32ToTensor(values.data(), shape, dtype);
 }
+
+double MaxAbsDiff(const RefTensor& a, const RefTensor& b) {
+  EXPECT_EQ(a.shape, b.shape);
+  double worst = 0;
+  for (size_t i = 0; i < a.values.size(); ++i) {
+    const double diff = std::abs(a.values[i] - b.values[i]);
+    if (!(diff <= worst)) worst = diff;  // NaN sticks
+  }
+  return worst;
+}
+
+// Values for constant rows: small, large, negative, not representable in
+// binary (their float32 sums are inexact), and zero.
+constexpr float kConstants[] = {0.1f,     1.0f,    3.3f,   -12.345f, 1000.5f,
+                                -1000.5f, 65504.f, -7e-3f, 0.0f};
+constexpr int64_t kConstantDims[] = {1, 7, 16, 17, 197, 768, 4096};
+constexpr float kEpsilons[] = {1e-12f, 1e-6f, 1e-5f, 1e-2f};
+
+// A constant row's variance is 0: LayerNorm gives beta (0 without it),
+// whatever the value, width, eps, gamma and input dtype.
+TEST_P(NormAccuracyTest, LayerNormOfConstantRowsIsBeta) {
+  std::mt19937 rng(31);
+  double worst = 0;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t dim : kConstantDims) {
+      const Tensor gamma = RandomTensor(DType::kFloat32, {dim}, rng);
+      const Tensor beta = RandomTensor(DType::kFloat32, {dim}, rng);
+      for (float value : kConstants) {
+        const Tensor input = FilledTensor({3, dim}, value, dtype);
+        for (float eps : kEpsilons) {
+          SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " dim ", dim, " value ",
+                                    value, " eps ", eps));
+          auto out =
+              LayerNorm(input.view(), gamma.view(), beta.view(), {eps, 1});
+          ASSERT_TRUE(out.ok()) << out.status();
+          // beta rounded to the output's dtype, for each row.
+          const Tensor expected_beta = *Float32ToTensor(
+              beta.data_as<float>(), beta.shape(), out->dtype());
+          RefTensor expected = ToRef(expected_beta.view());
+          expected.shape = {3, dim};
+          expected.values.resize(3 * dim);
+          for (int64_t i = dim; i < 3 * dim; ++i) {
+            expected.values[i] = expected.values[i % dim];
+          }
+          const double error = MaxAbsDiff(ToRef(out->view()), expected);
+          EXPECT_LE(error, 1e-6);
+          worst = std::max(worst, error);
+          auto plain =
+              LayerNorm(input.view(), gamma.view(), std::nullopt, {eps, 1});
+          ASSERT_TRUE(plain.ok()) << plain.status();
+          const RefTensor zeros{{3, dim}, std::vector<double>(3 * dim, 0.0)};
+          EXPECT_LE(MaxAbsDiff(ToRef(plain->view()), zeros), 1e-6);
+        }
+      }
+    }
+  }
+  std::cout << "constant rows: max |output - beta| " << worst << "\n";
+}
+
+// The float32 computation a plain implementation does: the mean summed in
+// float, the variance from the float deviations, (x - mean) / sqrt(var +
+// eps) * gamma + beta in float. Its error is the bar the core must clear.
+RefTensor NaiveFloat32LayerNorm(const Tensor& x, const Tensor& gamma,
+                                const Tensor& beta, float eps) {
+  const int64_t cols = x.shape().back();
+  const int64_t rows = x.num_elements() / cols;
+  RefTensor y{x.shape(), std::vector<double>(x.num_elements())};
+  const float* in = x.data_as<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = in + r * cols;
+    float sum = 0;
+    for (int64_t c = 0; c < cols; ++c) sum += row[c];
+    const float mean = sum / static_cast<float>(cols);
+    float squares = 0;
+    for (int64_t c = 0; c < cols; ++c) {
+      squares += (row[c] - mean) * (row[c] - mean);
+    }
+    const float rstd =
+        1.0f / std::sqrt(squares / static_cast<float>(cols) + eps);
+    for (int64_t c = 0; c < cols; ++c) {
+      y.values[r * cols + c] =
+          (row[c] - mean) * rstd * gamma.data_as<float>()[c] +
+          beta.data_as<float>()[c];
+    }
+  }
+  return y;
+}
+
+// Rows whose mean is large against their spread (1): the deviations must
+// not lose the digits the mean takes. Against the float64 reference: under
+// 1e-5, or no worse than 1.5 times the plain float32 computation.
+TEST_P(NormAccuracyTest, LayerNormOfOffsetRowsMatchesFloat64) {
+  std::mt19937 rng(37);
+  double worst = 0, worst_naive = 0;
+  std::normal_distribution<float> unit(0.0f, 1.0f);
+  for (int64_t dim : {7, 197, 768, 4096}) {
+    const Tensor gamma = RandomTensor(DType::kFloat32, {dim}, rng);
+    const Tensor beta = RandomTensor(DType::kFloat32, {dim}, rng);
+    for (float mean : {10.0f, 100.0f, 1000.0f, -1000.0f}) {
+      Tensor input = *Tensor::Allocate(DType::kFloat32, {16, dim});
+      for (int64_t i = 0; i < input.num_elements(); ++i) {
+        input.data_as<float>()[i] = mean + unit(rng);
+      }
+      for (float eps : {1e-12f, 1e-5f}) {
+        SCOPED_TRACE(absl::StrCat("dim ", dim, " mean ", mean, " eps ", eps));
+        auto out = LayerNorm(input.view(), gamma.view(), beta.view(), {eps, 1});
+        ASSERT_TRUE(out.ok()) << out.status();
+        const RefTensor ref =
+            RefLayerNorm(ToRef(input.view()), ToRef(gamma.view()),
+                         ToRef(beta.view()), eps, 1);
+        const double error = MaxAbsDiff(ToRef(out->view()), ref);
+        const double naive =
+            MaxAbsDiff(NaiveFloat32LayerNorm(input, gamma, beta, eps), ref);
+        EXPECT_TRUE(error <= 1e-5 || error <= 1.5 * naive)
+            << "error " << error << ", plain float32 " << naive;
+        worst = std::max(worst, error);
+        worst_naive = std::max(worst_naive, naive);
+      }
+    }
+  }
+  std::cout << "offset rows: max |error| vs float64 " << worst
+            << " (plain float32: " << worst_naive << ")\n";
+}
+
+// RMSNorm of a constant row is gamma * x / sqrt(x^2 + eps) (gamma times
+// the sign of x once eps is small against x^2).
+TEST_P(NormAccuracyTest, RmsNormOfConstantRowsMatchesFloat64) {
+  std::mt19937 rng(41);
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    for (int64_t dim : kConstantDims) {
+      const Tensor gamma = RandomTensor(DType::kFloat32, {dim}, rng);
+      for (float value : kConstants) {
+        const Tensor input = FilledTensor({2, dim}, value, dtype);
+        for (float eps : kEpsilons) {
+          SCOPED_TRACE(absl::StrCat(DTypeName(dtype), " dim ", dim, " value ",
+                                    value, " eps ", eps));
+          LayerNormOptions options;
+          options.rms_norm = true;
+          options.eps = eps;
+          auto out =
+              LayerNorm(input.view(), gamma.view(), std::nullopt, options);
+          ASSERT_TRUE(out.ok()) << out.status();
+          const RefTensor ref =
+              RefRmsNorm(ToRef(input.view()), ToRef(gamma.view()), eps, 1);
+          // bfloat16 and float16 outputs: plus the rounding to their dtype
+          // (half an ulp: 2^-8 or 2^-11 relative).
+          const double rounding = dtype == DType::kBFloat16  ? 0x1p-8
+                                  : dtype == DType::kFloat16 ? 0x1p-11
+                                                             : 0.0;
+          const RefTensor got = ToRef(out->view());
+          for (size_t i = 0; i < got.values.size(); ++i) {
+            ASSERT_LE(std::abs(got.values[i] - ref.values[i]),
+                      1e-6 + rounding * std::abs(ref.values[i]))
+                << "at " << i << ": " << got.values[i] << " vs "
+                << ref.values[i];
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST_P(NormAccuracyTest, RmsNormOfOffsetRowsMatchesFloat64) {
+  std::mt19937 rng(43);
+  std::normal_distribution<float> unit(0.0f, 1.0f);
+  for (int64_t dim : {7, 197, 768, 4096}) {
+    const Tensor gamma = RandomTensor(DType::kFloat32, {dim}, rng);
+    for (float mean : {0.0f, 10.0f, 1000.0f, -1000.0f}) {
+      Tensor input = *Tensor::Allocate(DType::kFloat32, {16, dim});
+      for (int64_t i = 0; i < input.num_elements(); ++i) {
+        input.data_as<float>()[i] = mean + unit(rng);
+      }
+      for (float eps : {1e-12f, 1e-5f}) {
+        SCOPED_TRACE(absl::StrCat("dim ", dim, " mean ", mean, " eps ", eps));
+        LayerNormOptions options;
+        options.rms_norm = true;
+        options.eps = eps;
+        auto out = LayerNorm(input.view(), gamma.view(), std::nullopt, options);
+        ASSERT_TRUE(out.ok()) << out.status();
+        const RefTensor ref =
+            RefRmsNorm(ToRef(input.view()), ToRef(gamma.view()), eps, 1);
+        EXPECT_LE(MaxAbsDiff(ToRef(out->view()), ref), 1e-6);
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    RowOps, NormAccuracyTest,
+    ::testing::Range(0, static_cast<int>(SupportedRowOps().size())),
+    [](const auto& info) {
+      return std::string(SupportedRowOps()[info.param]->name);
+    });
 
 void ExpectLayerNormError(const TensorView& input,
                           const std::optional<TensorView>& gamma,

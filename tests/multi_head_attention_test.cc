@@ -3,7 +3,10 @@
 // and its input checks.
 #include "core/multi_head_attention.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <iostream>
 #include <map>
 #include <optional>
 #include <random>
@@ -828,6 +831,174 @@ INSTANTIATE_TEST_SUITE_P(Table, MhaNonFiniteTest,
                          ::testing::ValuesIn(MhaNonFiniteCases()),
                          [](const auto& info) {
                            return MhaNonFiniteName(info.param);
+                         });
+
+// The rule for BFLOAT16 inputs (README, Semantics 5): every input dtype
+// computes in float32, BFLOAT16 inputs widened exactly, unless compute_bf16
+// asks for the bfloat16 kernels. Measured against the float64 reference of
+// the same values, for unit-variance inputs and for a sharp softmax (scale
+// 7.4), float32 and bfloat16 inputs, both modes; the errors are printed
+// (and recorded as test properties), as the README quotes them.
+class Bf16RuleTest : public ::testing::Test {
+ protected:
+  // Normal values of standard deviation `stddev`, rounded to bfloat16 so
+  // that the FLOAT32 and BFLOAT16 copies hold the same numbers.
+  static Tensor Normal(const Shape& shape, float stddev, std::mt19937& rng) {
+    std::normal_distribution<float> normal(0.0f, stddev);
+    std::vector<float> values(NumElements(shape));
+    for (float& v : values) v = BFloat16ToFloat(FloatToBFloat16(normal(rng)));
+    return *Float32ToTensor(values.data(), shape, DType::kFloat32);
+  }
+  static Tensor As(const Tensor& t, DType dtype) {
+    return *Float32ToTensor(t.data_as<float>(), t.shape(), dtype);
+  }
+
+  // The largest |got - expected|.
+  static double MaxError(const TensorView& got, const RefTensor& expected) {
+    const RefTensor values = ToRef(got);
+    EXPECT_EQ(values.shape, expected.shape);
+    double worst = 0;
+    for (size_t i = 0; i < values.values.size(); ++i) {
+      worst = std::max(worst, std::abs(values.values[i] - expected.values[i]));
+    }
+    return worst;
+  }
+
+  // The float32 tolerance widened by the output's bfloat16 rounding (half
+  // an ulp, at most 2^-8 of the value): what float32 computation of
+  // bfloat16 inputs must meet.
+  static constexpr Tolerance kFloat32ThenBFloat16{1e-4, 1e-4 + 0x1p-8};
+
+  // Checks one case's four results, in order: float32 inputs computed in
+  // float32 and with compute_bf16, bfloat16 inputs likewise.
+  static void Check(const std::string& what, bool sharp,
+                    const std::vector<Tensor>& outputs,
+                    const RefTensor& expected) {
+    ASSERT_EQ(outputs.size(), 4u);
+    const char* names[] = {
+        "float32_inputs_float32_compute", "float32_inputs_compute_bf16",
+        "bfloat16_inputs_float32_compute", "bfloat16_inputs_compute_bf16"};
+    std::cout << what << ": max |error| vs float64:";
+    double errors[4];
+    for (int i = 0; i < 4; ++i) {
+      errors[i] = MaxError(outputs[i].view(), expected);
+      std::cout << " " << names[i] << " " << errors[i] << ";";
+      ::testing::Test::RecordProperty(absl::StrCat(what, "_", names[i]),
+                                      absl::StrCat(errors[i]));
+    }
+    std::cout << "\n";
+    EXPECT_EQ(outputs[0].dtype(), DType::kFloat32);
+    EXPECT_EQ(outputs[2].dtype(), DType::kBFloat16);
+    EXPECT_TRUE(AllClose(outputs[0].view(), expected, kFloat32Tolerance));
+    // Without compute_bf16, bfloat16 inputs get the float32 result rounded.
+    EXPECT_TRUE(AllClose(outputs[2].view(), expected, kFloat32ThenBFloat16));
+    // compute_bf16 takes the bfloat16 kernels for either input dtype.
+    EXPECT_NE(0, std::memcmp(outputs[0].data(), outputs[1].data(),
+                             outputs[0].num_bytes()));
+    EXPECT_NE(0, std::memcmp(outputs[2].data(), outputs[3].data(),
+                             outputs[2].num_bytes()));
+    if (!sharp) {
+      EXPECT_TRUE(AllClose(outputs[1].view(), expected, kBFloat16Tolerance));
+      EXPECT_TRUE(AllClose(outputs[3].view(), expected, kBFloat16Tolerance));
+    }
+  }
+};
+
+TEST_F(Bf16RuleTest, Attend) {
+  std::mt19937 rng(61);
+  const Tensor q = Normal({2, 4, 32, 64}, 1.0f, rng);
+  const Tensor k = Normal({2, 4, 48, 64}, 1.0f, rng);
+  const Tensor v = Normal({2, 4, 48, 64}, 1.0f, rng);
+  for (std::optional<float> scale : {std::optional<float>(), {7.4f}}) {
+    const std::string what =
+        scale ? "attend_sharp_scale_7.4" : "attend_unit_variance";
+    SCOPED_TRACE(what);
+    const RefAttentionResult ref =
+        RefAttend(ToRef(q.view()), ToRef(k.view()), ToRef(v.view()), {}, {},
+                  {false, scale, std::nullopt});
+    std::vector<Tensor> outputs;
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      const Tensor qd = As(q, dtype), kd = As(k, dtype), vd = As(v, dtype);
+      for (bool compute_bf16 : {false, true}) {
+        AttentionOptions options;
+        options.scale = scale;
+        options.compute_bf16 = compute_bf16;
+        auto result =
+            Attend({qd.view(), kd.view(), vd.view(), std::nullopt}, options);
+        ASSERT_TRUE(result.ok()) << result.status();
+        outputs.push_back(std::move(result->output));
+      }
+    }
+    Check(what, scale.has_value(), outputs, ref.output);
+  }
+}
+
+// Embedding widths and heads: head dims 16 and 64.
+class Bf16MultiHeadRuleTest
+    : public Bf16RuleTest,
+      public ::testing::WithParamInterface<std::pair<int64_t, int>> {};
+
+TEST_P(Bf16MultiHeadRuleTest, MultiHeadAttend) {
+  std::mt19937 rng(67);
+  const auto [e, heads] = GetParam();
+  const Tensor x = Normal({2, 32, e}, 1.0f, rng);
+  // nn.Linear-like weights: the projections keep unit variance.
+  const float w_std = 1.0f / std::sqrt(static_cast<float>(e));
+  const Tensor wq = Normal({e, e}, w_std, rng);
+  const Tensor wk = Normal({e, e}, w_std, rng);
+  const Tensor wv = Normal({e, e}, w_std, rng);
+  const Tensor wo = Normal({e, e}, w_std, rng);
+  MultiHeadWeights w;
+  w.num_heads = heads;
+  w.q_proj_weight = wq.view();
+  w.k_proj_weight = wk.view();
+  w.v_proj_weight = wv.view();
+  w.out_proj_weight = wo.view();
+  RefMultiHeadWeights ref_weights;
+  ref_weights.num_heads = heads;
+  ref_weights.q_proj_weight = ToRef(wq.view());
+  ref_weights.k_proj_weight = ToRef(wk.view());
+  ref_weights.v_proj_weight = ToRef(wv.view());
+  ref_weights.out_proj_weight = ToRef(wo.view());
+  const RefTensor x_ref = ToRef(x.view());
+  for (std::optional<float> scale : {std::optional<float>(), {7.4f}}) {
+    const std::string what = absl::StrCat(
+        "mha_E", e, "_H", heads, scale ? "_sharp_scale_7.4" : "_unit_variance");
+    SCOPED_TRACE(what);
+    const RefAttentionResult ref = RefMultiHeadAttend(
+        ref_weights, x_ref, x_ref, x_ref, {}, {}, {false, scale, std::nullopt});
+    std::vector<Tensor> outputs;
+    for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      const Tensor xd = As(x, dtype);
+      for (bool compute_bf16 : {false, true}) {
+        MultiHeadOptions options;
+        options.attention.scale = scale;
+        options.attention.compute_bf16 = compute_bf16;
+        TensorResults results;
+        const absl::Status status = MultiHeadAttend(
+            w,
+            {xd.view(), std::nullopt, std::nullopt, std::nullopt, std::nullopt},
+            options, results);
+        ASSERT_TRUE(status.ok()) << status;
+        outputs.push_back(*results.Take("output"));
+      }
+    }
+    Check(what, scale.has_value(), outputs, ref.output);
+    if (scale.has_value()) {
+      // Projected queries and keys rounded to bfloat16 move logits this
+      // large by whole units: far off, where float32 compute is not.
+      EXPECT_GT(MaxError(outputs[3].view(), ref.output),
+                5 * MaxError(outputs[2].view(), ref.output));
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Widths, Bf16MultiHeadRuleTest,
+                         ::testing::Values(std::pair<int64_t, int>{64, 4},
+                                           std::pair<int64_t, int>{512, 8}),
+                         [](const auto& info) {
+                           return absl::StrCat("E", info.param.first, "_H",
+                                               info.param.second);
                          });
 
 }  // namespace

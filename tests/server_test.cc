@@ -1,11 +1,17 @@
-// The server's answers to bad requests (code and message), and that it keeps
-// serving after each of them.
+// The server's answers to bad requests (code and message), that it keeps
+// serving after each of them, and valid calls' results against the float64
+// reference.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <fstream>
+#include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -114,6 +120,87 @@ TEST_F(ServerTest, FloatDataIsAccepted) {
   const float inv = 1.0f / std::sqrt(1.25f + 1e-5f);
   EXPECT_NEAR(out->data_as<float>()[0], -1.5f * inv, 1e-6);
   EXPECT_NEAR(out->data_as<float>()[3], 1.5f * inv, 1e-6);
+}
+
+// Through the server: each row of the input one constant (values that
+// float32 sums cannot add exactly, large, negative, zero), over widths and
+// eps: LayerNorm gives beta, RMSNorm gamma * x / sqrt(x^2 + eps), as the
+// float64 reference does.
+TEST_F(ServerTest, NormsOfConstantRowsMatchFloat64) {
+  const std::vector<float> constants = {0.1f,     3.3f,    -12.345f, 1000.5f,
+                                        -1000.5f, 65504.f, -7e-3f,   0.0f};
+  const int64_t rows = static_cast<int64_t>(constants.size());
+  std::mt19937 rng(47);
+  for (int64_t dim : {1, 7, 197, 4096}) {
+    Tensor input = *Tensor::Allocate(DType::kFloat32, {rows, dim});
+    for (int64_t i = 0; i < input.num_elements(); ++i) {
+      input.data_as<float>()[i] = constants[i / dim];
+    }
+    const Tensor gamma = RandomTensor(DType::kFloat32, {dim}, rng);
+    const Tensor beta = RandomTensor(DType::kFloat32, {dim}, rng);
+    for (float eps : {1e-12f, 1e-6f, 1e-2f}) {
+      SCOPED_TRACE(absl::StrCat("dim ", dim, " eps ", eps));
+      v1::LayerNormRequest request;
+      EncodeTensor(input.view(), request.mutable_input());
+      EncodeTensor(gamma.view(), request.mutable_gamma());
+      EncodeTensor(beta.view(), request.mutable_beta());
+      request.set_eps(eps);
+      auto response = client_.LayerNorm(request);
+      ASSERT_TRUE(response.ok()) << response.status();
+      auto out = CopyTensor(response->output(), "output");
+      ASSERT_TRUE(out.ok()) << out.status();
+      const RefTensor ref = RefLayerNorm(
+          ToRef(input.view()), ToRef(gamma.view()), ToRef(beta.view()), eps, 1);
+      for (int64_t i = 0; i < input.num_elements(); ++i) {
+        // The reference's constant rows are exactly beta.
+        ASSERT_EQ(ref.values[i], beta.data_as<float>()[i % dim]);
+        ASSERT_NEAR(out->data_as<float>()[i], ref.values[i], 1e-6)
+            << "row of " << constants[i / dim] << ", column " << i % dim;
+      }
+
+      request.clear_beta();
+      request.set_rms_norm(true);
+      response = client_.LayerNorm(request);
+      ASSERT_TRUE(response.ok()) << response.status();
+      out = CopyTensor(response->output(), "output");
+      ASSERT_TRUE(out.ok()) << out.status();
+      const RefTensor rms =
+          RefRmsNorm(ToRef(input.view()), ToRef(gamma.view()), eps, 1);
+      for (int64_t i = 0; i < input.num_elements(); ++i) {
+        ASSERT_NEAR(out->data_as<float>()[i], rms.values[i], 1e-6)
+            << "RMSNorm row of " << constants[i / dim] << ", column "
+            << i % dim;
+      }
+    }
+  }
+}
+
+// Rows whose mean (10 to 1000) is large against their unit spread keep the
+// digits the deviations need: within 1e-5 of the float64 reference.
+TEST_F(ServerTest, LayerNormOfOffsetRowsMatchesFloat64) {
+  std::mt19937 rng(53);
+  std::normal_distribution<float> unit(0.0f, 1.0f);
+  const std::vector<float> means = {10.0f, 100.0f, 1000.0f, -1000.0f};
+  for (int64_t dim : {7, 197, 4096}) {
+    Tensor input = *Tensor::Allocate(DType::kFloat32, {8, dim});
+    for (int64_t i = 0; i < input.num_elements(); ++i) {
+      input.data_as<float>()[i] = means[i / dim % means.size()] + unit(rng);
+    }
+    const Tensor gamma = RandomTensor(DType::kFloat32, {dim}, rng);
+    const Tensor beta = RandomTensor(DType::kFloat32, {dim}, rng);
+    v1::LayerNormRequest request;
+    EncodeTensor(input.view(), request.mutable_input());
+    EncodeTensor(gamma.view(), request.mutable_gamma());
+    EncodeTensor(beta.view(), request.mutable_beta());
+    request.set_eps(1e-6f);
+    auto response = client_.LayerNorm(request);
+    ASSERT_TRUE(response.ok()) << response.status();
+    auto out = CopyTensor(response->output(), "output");
+    ASSERT_TRUE(out.ok()) << out.status();
+    const RefTensor ref = RefLayerNorm(ToRef(input.view()), ToRef(gamma.view()),
+                                       ToRef(beta.view()), 1e-6, 1);
+    EXPECT_TRUE(AllClose(out->view(), ref, {1e-5, 0.0})) << "dim " << dim;
+  }
 }
 
 TEST_F(ServerTest, MissingTensor) {
@@ -500,6 +587,70 @@ TEST_F(ServerTest, ComputeBf16IsHonored) {
   EXPECT_TRUE(AllClose(fast_out->view(), ref.output, kBFloat16Tolerance));
   // bfloat16 inputs cannot reproduce the float32 result to the last bit.
   EXPECT_NE(exact->output().raw_data(), fast->output().raw_data());
+}
+
+// BFLOAT16 inputs compute in float32 unless compute_bf16 is set: with a
+// sharp softmax (scale 7.4) the float32 result, rounded to bfloat16, stays
+// within float32's tolerance plus that rounding, where the bfloat16 kernels
+// (their projections rounded to bfloat16) are far off.
+TEST_F(ServerTest, Bfloat16InputsComputeInFloat32UnlessComputeBf16) {
+  constexpr int64_t kE = 512;
+  std::mt19937 rng(71);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> x_values(2 * 16 * kE);
+  for (float& v : x_values) v = normal(rng);
+  const Tensor x =
+      *Float32ToTensor(x_values.data(), {2, 16, kE}, DType::kBFloat16);
+  v1::MultiHeadAttendRequest request;
+  EncodeTensor(x.view(), request.mutable_query());
+  v1::AttentionWeights* w = request.mutable_weights();
+  w->set_num_heads(8);
+  RefMultiHeadWeights ref_weights;
+  ref_weights.num_heads = 8;
+  const float w_std = 1.0f / std::sqrt(static_cast<float>(kE));
+  const std::pair<v1::Tensor*, std::optional<RefTensor>*> projections[] = {
+      {w->mutable_q_proj_weight(), &ref_weights.q_proj_weight},
+      {w->mutable_k_proj_weight(), &ref_weights.k_proj_weight},
+      {w->mutable_v_proj_weight(), &ref_weights.v_proj_weight},
+      {w->mutable_out_proj_weight(), &ref_weights.out_proj_weight}};
+  for (const auto& [field, ref] : projections) {
+    std::vector<float> values(kE * kE);
+    for (float& v : values) v = normal(rng) * w_std;
+    const Tensor weight =
+        *Float32ToTensor(values.data(), {kE, kE}, DType::kFloat32);
+    EncodeTensor(weight.view(), field);
+    *ref = ToRef(weight.view());
+  }
+  request.set_scale(7.4f);
+  const RefTensor x_ref = ToRef(x.view());
+  const RefTensor expected =
+      RefMultiHeadAttend(ref_weights, x_ref, x_ref, x_ref, {}, {},
+                         {false, 7.4, std::nullopt})
+          .output;
+  const auto max_error = [&](const Tensor& got) {
+    const RefTensor values = ToRef(got.view());
+    double worst = 0;
+    for (size_t i = 0; i < values.values.size(); ++i) {
+      worst = std::max(worst, std::abs(values.values[i] - expected.values[i]));
+    }
+    return worst;
+  };
+
+  auto float32 = client_.MultiHeadAttend(request);
+  ASSERT_TRUE(float32.ok()) << float32.status();
+  request.set_compute_bf16(true);
+  auto bfloat16 = client_.MultiHeadAttend(request);
+  ASSERT_TRUE(bfloat16.ok()) << bfloat16.status();
+  auto float32_out = CopyTensor(float32->output(), "output");
+  auto bfloat16_out = CopyTensor(bfloat16->output(), "output");
+  ASSERT_TRUE(float32_out.ok() && bfloat16_out.ok());
+  EXPECT_EQ(float32_out->dtype(), DType::kBFloat16);
+  EXPECT_EQ(bfloat16_out->dtype(), DType::kBFloat16);
+  // Half an ulp of bfloat16 is at most 2^-8 of the value.
+  EXPECT_TRUE(AllClose(float32_out->view(), expected, {1e-4, 1e-4 + 0x1p-8}));
+  EXPECT_GT(max_error(*bfloat16_out), 5 * max_error(*float32_out))
+      << "float32 compute " << max_error(*float32_out) << ", compute_bf16 "
+      << max_error(*bfloat16_out);
 }
 
 TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {

@@ -308,6 +308,60 @@ TEST_F(SessionServerTest, BadRequestsGetCodesAndMessagesThatNameTheField) {
   EXPECT_EQ(client.DeleteSession(id).code(), absl::StatusCode::kNotFound);
 }
 
+// A refused step changes nothing, also one that asked for a rewind: its
+// message says what the session holds, and the next step attends to those
+// tokens at their positions.
+TEST_F(SessionServerTest, RefusedRewindChangesNothing) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest create = AttentionSession();
+  create.set_max_length(4);
+  auto created = client.CreateSession(create);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::string id = created->session_id();
+  Tensor q3, k3, v3;
+  auto step = client.SessionStep(AttentionStep(id, 3, &q3, &k3, &v3));
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->length(), 3);
+
+  Tensor q, k, v;
+  v1::SessionStepRequest rewind = AttentionStep(id, 3, &q, &k, &v);
+  rewind.set_position(2);
+  step = client.SessionStep(rewind);
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kOutOfRange);
+  EXPECT_EQ(step.status().message(),
+            "session: position 2 + 3 new tokens exceed its max_length 4 (the "
+            "session holds 3 tokens; nothing was changed)");
+  rewind = AttentionStep(id, 1, &q, &k, &v);
+  rewind.set_position(1);
+  *rewind.mutable_key() = Wire(RandomTensor(DType::kFloat32, {4, 1, 8}, rng_));
+  step = client.SessionStep(rewind);
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(step.status().message(),
+            "key: shape [4, 1, 8], expected [2, 1, 8]");
+
+  // The fourth token, at position 3, sees the three of the first step.
+  Tensor q1, k1, v1;
+  step = client.SessionStep(AttentionStep(id, 1, &q1, &k1, &v1));
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->length(), 4);
+  const auto batched = [](const Tensor& t) {
+    RefTensor r = ToRef(t.view());
+    r.shape.insert(r.shape.begin(), 1);
+    return r;
+  };
+  const RefTensor keys = RefConcatRows(batched(k3), batched(k1));
+  const RefTensor values = RefConcatRows(batched(v3), batched(v1));
+  RefAttentionResult ref =
+      RefAttend(RefRotary(batched(q1), 8, 10000.0, 3),
+                RefRepeatHeads(RefRotary(keys, 8, 10000.0, 0), 2),
+                RefRepeatHeads(values, 2), {}, {}, {});
+  ref.output.shape.erase(ref.output.shape.begin());
+  EXPECT_TRUE(
+      AllClose(FromWire(step->output()).view(), ref.output, kFloat32Tolerance));
+  ASSERT_TRUE(client.DeleteSession(id).ok());
+}
+
 TEST_F(SessionServerTest, SessionsOffAnswerFailedPrecondition) {
   ServerOptions options = Options();
   options.max_session_memory_mb = 0;

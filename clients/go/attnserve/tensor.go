@@ -25,7 +25,8 @@ func Float32Tensor(data []float32, shape ...int64) (*pb.Tensor, error) {
 
 // BFloat16Tensor is a BFLOAT16 tensor of data rounded to the nearest
 // bfloat16 (ties to even), half the bytes of Float32Tensor. The server
-// computes BFLOAT16 inputs on its bfloat16 kernels and answers in BFLOAT16.
+// widens BFLOAT16 inputs exactly, computes in float32 (on its bfloat16
+// kernels only when a request sets compute_bf16) and answers in BFLOAT16.
 func BFloat16Tensor(data []float32, shape ...int64) (*pb.Tensor, error) {
 	if err := checkLength(len(data), shape); err != nil {
 		return nil, err
