@@ -33,11 +33,6 @@ class CallReactor : public grpc::ServerUnaryReactor {
   std::atomic<bool> cancelled_{false};
 };
 
-// Calls below this many FLOPs (LayerNorm of a few thousand elements, a
-// few-token attention) run on gRPC's thread when a worker slot is free:
-// they finish in a few microseconds, less than waking a worker costs.
-constexpr double kRunInlineFlops = 1e6;
-
 // Threads a call of `flops` keeps busy: each should get at least ~2 MFLOP
 // (tens of microseconds), or starting and joining it costs more than it
 // computes.
@@ -195,7 +190,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Dispatch(Call call,
   // and on gRPC's default reactor: a reactor of our own that watches for
   // cancellation costs gRPC about 15 us of CPU per call, several times
   // what such a call computes.
-  if (call.cost.flops < kRunInlineFlops) {
+  if (RunsInline(call.cost)) {
     grpc::ServerUnaryReactor* reactor = nullptr;
     if (config_.scheduler->RunHereIfIdle([&] {
           reactor = call.context->DefaultReactor();
@@ -244,7 +239,7 @@ void AttentionServiceImpl::Compute(
       status = handle(CallControl{cancelled, &shared_memory});
     }
     compute = absl::Now() - started;
-    if (status.ok()) config_.cost_model->Observe(call.cost.flops, compute);
+    if (status.ok()) config_.cost_model->Observe(call.cost.effort(), compute);
     call.context->AddTrailingMetadata(
         "attnserve-compute-us",
         std::to_string(absl::ToInt64Microseconds(compute)));
@@ -320,7 +315,7 @@ absl::Status AttentionServiceImpl::Admit(
     return absl::DeadlineExceededError(
         "deadline passed before the call started");
   }
-  const absl::Duration estimate = config_.cost_model->Estimate(cost.flops);
+  const absl::Duration estimate = config_.cost_model->Estimate(cost.effort());
   if (estimate > remaining) {
     return absl::DeadlineExceededError(
         absl::StrCat("call needs about ", absl::ToInt64Milliseconds(estimate),

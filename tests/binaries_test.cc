@@ -429,6 +429,54 @@ TEST(BinariesTest, SigtermDrainsEveryAcceptedCall) {
   EXPECT_EQ(server.StopWith(0, std::chrono::seconds(240)), 0);
 }
 
+// A call of hours still computing when SIGTERM comes is cancelled at the
+// drain's deadline, and the server exits within --drain_seconds. Before
+// it, a call of 0 FLOPs that computed on gRPC's thread (2^40 logits of
+// [1, 1, 2^20, 0] operands) kept a server from exiting for minutes.
+TEST(BinariesTest, SigtermCancelsCallsStillRunningAtTheDrainDeadline) {
+  ServerProcess server({"--drain_seconds=3", "--lame_duck_seconds=1"});
+  ASSERT_GT(server.port(), 0);
+  ClientOptions options;
+  options.target = server.target();
+  options.timeout = absl::Seconds(60);
+  AttnClient client(options);
+  v1::AttendRequest request;
+  for (v1::Tensor* t : {request.mutable_query(), request.mutable_key(),
+                        request.mutable_value()}) {
+    t->set_dtype(v1::DATA_TYPE_FLOAT32);
+    for (int64_t d : {1, 1, 1 << 20, 0}) t->add_shape(d);
+  }
+  // Nothing to compute: answered at once.
+  auto empty = client.Attend(request);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  // One value column and a mask: every logit is computed.
+  request.mutable_value()->set_shape(3, 1);
+  request.mutable_value()->set_raw_data(std::string(4 << 20, '\0'));
+  request.mutable_attn_mask()->set_dtype(v1::DATA_TYPE_BOOL);
+  request.mutable_attn_mask()->set_raw_data(std::string(1, '\1'));
+  // No deadline: the server's estimate would refuse it up front.
+  auto stub = v1::AttentionService::NewStub(
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  grpc::Status long_call;
+  std::thread call(
+      [&] { long_call = stub->Attend(&context, request, &response); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto signalled = std::chrono::steady_clock::now();
+  EXPECT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(10)), 0);
+  const auto stopped_after = std::chrono::steady_clock::now() - signalled;
+  call.join();
+  EXPECT_LT(stopped_after, std::chrono::milliseconds(3500))
+      << "--drain_seconds=3";
+  EXPECT_GT(stopped_after, std::chrono::milliseconds(2500))
+      << "the call was meant to run until the drain's deadline";
+  // gRPC's answer to the calls its shutdown cancels: retryable.
+  EXPECT_EQ(long_call.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << long_call.error_message();
+  EXPECT_EQ(long_call.error_message(), "Cancelling all calls");
+}
+
 // Clients calling without pause when SIGTERM comes: during the lame-duck
 // period health says NOT_SERVING while calls are still served, then new
 // calls are refused with a retryable UNAVAILABLE, and only then does the
