@@ -1,5 +1,7 @@
 #include "server/server.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -58,6 +60,21 @@ void ConfigureBuilder(const ServerOptions& options,
   }
 }
 
+// Address space the decode sessions' caches may reserve together (each its
+// whole max_length, committing pages as tokens fill them): 16 TiB, an
+// eighth of x86-64's user address space, or half the process's RLIMIT_AS
+// when that is lower. Past it, creating a session evicts the least recently
+// used ones: mappings that filled the address space once made every later
+// allocation fail (a LayerNorm answered UNIMPLEMENTED, the next crashed).
+size_t SessionAddressSpace() {
+  size_t bytes = size_t{16} << 40;
+  rlimit limit{};
+  if (getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    bytes = std::min<size_t>(bytes, limit.rlim_cur / 2);
+  }
+  return bytes;
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
@@ -99,6 +116,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
                          << 20;
     sessions.idle_timeout = absl::Seconds(options.session_idle_timeout_s);
     sessions.max_sessions = options.max_sessions;
+    sessions.max_reserved_bytes = SessionAddressSpace();
     server->sessions_ = std::make_unique<SessionStore>(sessions);
   }
   ServiceConfig config;
