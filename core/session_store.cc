@@ -8,6 +8,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "core/verify.h"
 
 namespace attnserve {
 namespace {
@@ -118,13 +119,13 @@ absl::StatusOr<std::string> SessionStore::Add(
 
 absl::Status SessionStore::NotFound(absl::string_view id) const {
   const auto gone = gone_.find(id);
-  const std::string what = absl::StrCat("session_id: session \"", id, "\"");
+  const std::string what =
+      absl::StrCat("session_id: session ", EchoString(id, '"'));
   const absl::string_view advice = "; create a new one and prefill it";
   if (gone == gone_.end()) {
     return absl::NotFoundError(absl::StrCat(
-        "session_id: no session \"", id,
-        "\" (expired, evicted, deleted, or opened on another replica)",
-        advice));
+        "session_id: no session ", EchoString(id, '"'),
+        " (expired, evicted, deleted, or opened on another replica)", advice));
   }
   switch (gone->second) {
     case GoneReason::kExpired:
@@ -189,7 +190,7 @@ absl::Status SessionStore::Reserve(const std::string& id, size_t bytes,
   const size_t extra = bytes - entry->accounted_bytes;
   if (options_.max_bytes > 0 && bytes > options_.max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "session_id: session \"", id, "\" would need ", bytes,
+        "session_id: session ", EchoString(id, '"'), " would need ", bytes,
         " bytes of cache, more than the server's session memory limit of ",
         options_.max_bytes, " bytes"));
   }

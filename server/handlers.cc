@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/status_macros.h"
+#include "core/verify.h"
 #include "proto/tensor_codec.h"
 
 namespace attnserve {
@@ -77,9 +78,10 @@ absl::StatusOr<std::shared_ptr<const Model>> FindModel(
     absl::string_view without_repository) {
   ATTN_RETURN_IF_ERROR(VerifyModelName(name, "model"));
   if (models == nullptr) {
-    return absl::NotFoundError(absl::StrCat(
-        "model: '", name, "' not found: this server has no model repository; ",
-        without_repository));
+    return absl::NotFoundError(
+        absl::StrCat("model: ", EchoString(name),
+                     " not found: this server has no model repository; ",
+                     without_repository));
   }
   return models->Find(name);
 }
@@ -424,8 +426,8 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   ATTN_RETURN_IF_ERROR(VerifyModelName(request.name(), "name"));
   if (models == nullptr) {
     return absl::NotFoundError(
-        absl::StrCat("name: model '", request.name(),
-                     "' not found: this server has no model repository"));
+        absl::StrCat("name: model ", EchoString(request.name()),
+                     " not found: this server has no model repository"));
   }
   ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                         models->Find(request.name()));

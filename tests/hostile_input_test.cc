@@ -1483,9 +1483,11 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
                           "model: 256 bytes, longer than the 255 a model "
                           "name may have"));
   r.set_model(std::string(255, 'a'));
+  // Echoed up to 128 bytes, with its length.
   cases.push_back(Case(r, "model_255_bytes", "model", Code::kNotFound,
-                       absl::StrCat("model: '", std::string(255, 'a'),
-                                    "' not found; loaded models: demo")));
+                       absl::StrCat("model: '", std::string(128, 'a'),
+                                    "'... (255 bytes) not found; loaded "
+                                    "models: demo")));
   r.set_model("../demo");
   cases.push_back(Invalid(r, "model_dot_dot_slash", "model",
                           "model: '../demo' contains '/'; a model name is the "
@@ -1913,9 +1915,9 @@ void AddSharedMemoryRpcCases(std::vector<HostileCase>& cases,
   cases.push_back(Invalid(region("k", std::string("/a\0b", 4), 0, 64),
                           "key_nul_byte", "region.key",
                           key_message + "a\\000b\""));
-  cases.push_back(Invalid(region("k", "/" + std::string(300, 'k'), 0, 64),
-                          "key_300_chars", "region.key",
-                          key_message + std::string(64, 'k') + "\""));
+  cases.push_back(Invalid(
+      region("k", "/" + std::string(300, 'k'), 0, 64), "key_300_chars",
+      "region.key", key_message + std::string(128, 'k') + "\"... (300 bytes)"));
   const std::string missing = absl::StrCat(key, "-missing");
   cases.push_back(Case(region("k", missing, 0, 64), "key_missing_object",
                        "region.key", Code::kNotFound,
