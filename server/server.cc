@@ -39,6 +39,9 @@ class WithoutReflection : public grpc::ServerBuilderOption {
   }
 };
 
+// Request headers (metadata) the server accepts, in all.
+constexpr int kMaxMetadataBytes = 64 << 10;
+
 // Message limits, port sharing, connection age and reflection from `options`.
 void ConfigureBuilder(const ServerOptions& options,
                       grpc::ServerBuilder* builder) {
@@ -48,6 +51,11 @@ void ConfigureBuilder(const ServerOptions& options,
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would
   // silently share it instead of failing.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Headers up to kMaxMetadataBytes reach the handlers, so that an
+  // oversized token gets UNAUTHENTICATED with its size
+  // (TokenAuthenticator::kMaxTokenBytes) rather than gRPC's 8 KiB default
+  // refusal, which some clients see as a closed connection.
+  builder->AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
   if (options.max_connection_age_seconds > 0) {
     builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
                                 options.max_connection_age_seconds * 1000);
