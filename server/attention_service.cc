@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "core/tensor.h"
+#include "core/verify.h"
 #include "grpcpp/impl/codegen/proto_utils.h"  // SerializationTraits<Message>
 #include "server/grpc_status.h"
 #include "server/handlers.h"
@@ -49,7 +50,8 @@ absl::Duration UntilDeadline(const grpc::CallbackServerContext& context) {
 }
 
 // "query=[2, 3, 8] key=[2, 5, 8]": the shapes of a request's tensors, and
-// the model it names, for the access log.
+// the model it names, for the access log (names quoted and cut as status
+// messages quote them: a client's newline must not start a log line).
 std::string Describe(const google::protobuf::Message& request) {
   std::string out;
   const google::protobuf::Reflection* reflection = request.GetReflection();
@@ -57,11 +59,11 @@ std::string Describe(const google::protobuf::Message& request) {
   reflection->ListFields(request, &fields);
   for (const google::protobuf::FieldDescriptor* field : fields) {
     if (field->name() == "model" || field->name() == "model_name") {
-      absl::StrAppend(&out, out.empty() ? "" : " ",
-                      "model=", reflection->GetString(request, field));
+      absl::StrAppend(&out, out.empty() ? "" : " ", "model=",
+                      EchoString(reflection->GetString(request, field)));
     } else if (field->name() == "session_id") {
-      absl::StrAppend(&out, out.empty() ? "" : " ",
-                      "session=", reflection->GetString(request, field));
+      absl::StrAppend(&out, out.empty() ? "" : " ", "session=",
+                      EchoString(reflection->GetString(request, field)));
     } else if (field->message_type() == v1::Tensor::descriptor() &&
                !field->is_repeated()) {
       const auto& tensor = static_cast<const v1::Tensor&>(

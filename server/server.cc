@@ -4,12 +4,18 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "core/thread_budget.h"
+#include "google/protobuf/stubs/logging.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -83,6 +89,72 @@ size_t SessionAddressSpace() {
   return bytes;
 }
 
+// Protobuf's own log lines: one ERROR per string field of invalid UTF-8 it
+// parses, i.e. one per such request (after authentication: the services
+// parse only authenticated calls; reflection, open by design, parses before
+// any). Written when the log level takes them, at most kProtobufLines a
+// minute, then counted: a client must not be able to flood the log.
+constexpr int kProtobufLines = 10;
+
+struct ProtobufLog {
+  Mutex mu;
+  LogSeverity least = LogSeverity::kWarning;  // written from this on
+  absl::Time window_start ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+  int written ABSL_GUARDED_BY(mu) = 0;
+  int64_t suppressed ABSL_GUARDED_BY(mu) = 0;
+};
+
+ProtobufLog& TheProtobufLog() {
+  static ProtobufLog* const log = new ProtobufLog();
+  return *log;
+}
+
+void WriteProtobufLine(google::protobuf::LogLevel level, const char* file,
+                       int line, const std::string& message) {
+  static constexpr const char* kNames[] = {"INFO", "WARNING", "ERROR", "FATAL"};
+  const char* name = level >= 0 && level <= 3 ? kNames[level] : "LOG";
+  ProtobufLog& log = TheProtobufLog();
+  const LogSeverity severity =
+      level == google::protobuf::LOGLEVEL_INFO    ? LogSeverity::kInfo
+      : level == google::protobuf::LOGLEVEL_FATAL ? LogSeverity::kError
+                                                  : LogSeverity::kWarning;
+  MutexLock lock(&log.mu);
+  if (level != google::protobuf::LOGLEVEL_FATAL) {
+    if (severity < log.least) return;
+    const absl::Time now = absl::Now();
+    if (now - log.window_start >= absl::Minutes(1)) {
+      if (log.suppressed > 0) {
+        std::fprintf(stderr,
+                     "[libprotobuf] %lld more lines in the last minute not "
+                     "written (at most %d a minute)\n",
+                     static_cast<long long>(log.suppressed), kProtobufLines);
+      }
+      log.window_start = now;
+      log.written = 0;
+      log.suppressed = 0;
+    }
+    if (log.written >= kProtobufLines) {
+      ++log.suppressed;
+      return;
+    }
+    ++log.written;
+  }
+  std::fprintf(stderr, "[libprotobuf %s %s:%d] %s\n", name, file, line,
+               message.c_str());
+}
+
+void InstallProtobufLogHandler(const ServerOptions& options) {
+  ProtobufLog& log = TheProtobufLog();
+  {
+    MutexLock lock(&log.mu);
+    log.least = ShouldLog(options, LogSeverity::kInfo) ? LogSeverity::kInfo
+                : ShouldLog(options, LogSeverity::kWarning)
+                    ? LogSeverity::kWarning
+                    : LogSeverity::kError;
+  }
+  google::protobuf::SetLogHandler(&WriteProtobufLine);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
@@ -90,6 +162,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   ATTN_RETURN_IF_ERROR(VerifyServerOptions(options));
   ThreadBudget* const thread_budget = &ThreadBudget::Global();
   thread_budget->SetTotal(options.threads);
+  InstallProtobufLogHandler(options);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
