@@ -28,6 +28,17 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 constexpr int64_t kQueryBlock = 128;
 constexpr int64_t kKeyBlock = 512;
 
+// Whether the caller gave up. Polled at every key block, not only between
+// query blocks: a block of 128 queries over millions of keys would
+// otherwise compute for seconds after a cancel.
+bool Cancelled(const AttentionProblem& p) {
+  return p.cancelled != nullptr && p.cancelled->load(std::memory_order_relaxed);
+}
+
+absl::Status CancelledStatus() {
+  return absl::CancelledError("call cancelled");
+}
+
 template <typename T>
 void ApplyKeepMask(const T* mask, int64_t key_stride, int64_t count,
                    float* row) {
@@ -390,6 +401,7 @@ absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
   std::fill(row_sum, row_sum + blk.rows, 0.0f);
   const int64_t visible = VisibleKeys(p, blk);
   for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
+    if (Cancelled(p)) return CancelledStatus();
     const int64_t cols = std::min(kKeyBlock, visible - j0);
     absl::Status s =
         BlockLogits(p, blk, in, j0, cols, kKeyBlock, logits, gemms);
@@ -472,6 +484,7 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
   float* row_scale = buf.row_sum.get();
   const int64_t visible = VisibleKeys(p, blk);
   for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
+    if (Cancelled(p)) return CancelledStatus();
     const int64_t cols = std::min(kKeyBlock, visible - j0);
     absl::Status s = BlockLogits(p, blk, in, j0, cols, lk, weights + j0, gemms);
     if (!s.ok()) return s;
@@ -506,6 +519,7 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
   for (ValueMode mode : {ValueMode::kGemm, ValueMode::kExcludeValues}) {
     std::fill(acc, acc + blk.rows * dv, 0.0f);
     for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
+      if (Cancelled(p)) return CancelledStatus();
       const int64_t cols = std::min(kKeyBlock, visible - j0);
       absl::Status s = AccumulateValues(p, blk, in, j0, cols, At(probs, t, j0),
                                         lk, acc, gemms, buf, mode);
@@ -515,6 +529,72 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
   }
   WriteOutput(p, ops, blk, acc, row_scale);
   return absl::OkStatus();
+}
+
+// Attention with key dim 0, no mask and no weights: every logit is 0, so a
+// query's output is the mean of the values it sees (all of them, or a
+// prefix when causal; zeros when it sees none). Computed as running sums
+// in O((query_len + key_len) * value_dim) per (batch, head), where the
+// tiled kernel would evaluate query_len * key_len logits of nothing.
+absl::Status UniformAttention(const AttentionProblem& p) {
+  const int64_t pairs = p.batch * p.heads;
+  const int64_t dv = p.value_dim;
+  const DType t = p.operand_dtype;
+  // Rows summed or written between polls of the cancellation flag.
+  constexpr int64_t kRowsPerPoll = 1024;
+  SharedStatus shared;
+#pragma omp parallel
+  {
+    std::unique_ptr<double[]> sum(new (std::nothrow) double[dv]);
+    if (!sum) {
+      shared.Update(absl::ResourceExhaustedError(
+          "attention: out of memory for per-thread buffers"));
+    }
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t n = 0; n < pairs; ++n) {
+      if (shared.failed()) continue;
+      const int64_t b = n / p.heads, h = n % p.heads;
+      const void* values =
+          At(p.value, t,
+             b * p.value_layout.batch_stride +
+                 (h / p.kv_group) * p.value_layout.head_stride);
+      const int64_t out_first =
+          b * p.output_layout.batch_stride + h * p.output_layout.head_stride;
+      std::fill(sum.get(), sum.get() + dv, 0.0);
+      int64_t summed = 0;
+      for (int64_t i = 0; i < p.query_len; ++i) {
+        const int64_t visible =
+            p.causal
+                ? std::clamp<int64_t>(i + p.causal_offset + 1, 0, p.key_len)
+                : p.key_len;
+        for (; summed < visible; ++summed) {
+          if (summed % kRowsPerPoll == 0 && Cancelled(p)) break;
+          const int64_t row = summed * p.value_layout.row_stride;
+          for (int64_t c = 0; c < dv; ++c) {
+            sum[c] += OperandValue(values, t, row + c);
+          }
+        }
+        if (summed < visible || (i % kRowsPerPoll == 0 && Cancelled(p))) {
+          shared.Update(CancelledStatus());
+          break;
+        }
+        const double inverse = visible == 0 ? 0.0 : 1.0 / visible;
+        const int64_t offset = out_first + i * p.output_layout.row_stride;
+        for (int64_t c = 0; c < dv; ++c) {
+          // A row that sees no key is zeros, whatever the sums hold.
+          const float mean =
+              visible == 0 ? 0.0f : static_cast<float>(sum[c] * inverse);
+          if (p.output_dtype == DType::kBFloat16) {
+            static_cast<uint16_t*>(p.output)[offset + c] =
+                FloatToBFloat16(mean);
+          } else {
+            static_cast<float*>(p.output)[offset + c] = mean;
+          }
+        }
+      }
+    }
+  }
+  return shared.status();
 }
 
 }  // namespace
@@ -531,6 +611,13 @@ OperandLayout InterleavedHeadsLayout(int64_t heads, int64_t rows,
 absl::Status RunAttention(const AttentionProblem& p) {
   const int64_t pairs = p.batch * p.heads;
   if (pairs == 0 || p.query_len == 0) return absl::OkStatus();
+  // No value columns and no weights: the output has no elements, and the
+  // logits need not be computed ([1, 1, 262144, 0] operands would make
+  // 2^36 of them, for nothing).
+  if (p.value_dim == 0 && p.weights == nullptr) return absl::OkStatus();
+  if (p.key_dim == 0 && p.masks.empty() && p.weights == nullptr) {
+    return UniformAttention(p);
+  }
   const int64_t query_blocks = (p.query_len + kQueryBlock - 1) / kQueryBlock;
   const int64_t items = pairs * query_blocks;
   const RowOps& ops = GetRowOps();
@@ -562,10 +649,9 @@ absl::Status RunAttention(const AttentionProblem& p) {
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       if (shared.failed()) continue;
-      if (p.cancelled != nullptr &&
-          p.cancelled->load(std::memory_order_relaxed)) {
+      if (Cancelled(p)) {
         // Stop at this block boundary; every buffer is freed on return.
-        shared.Update(absl::CancelledError("call cancelled"));
+        shared.Update(CancelledStatus());
         continue;
       }
       Block blk;

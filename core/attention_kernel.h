@@ -10,7 +10,12 @@
 // grows) and never holds more than a query block x key block of logits.
 // Causal attention skips key blocks above the diagonal. When the caller
 // wants the weights, the logits are written straight into its weights buffer
-// and normalized there.
+// and normalized there. Cancellation is polled at every key block.
+//
+// Dims of 0 cost no more than their output: with value_dim 0 and no
+// weights nothing is computed; with key_dim 0, no mask and no weights every
+// logit is 0 and each output row is the mean of the value rows its query
+// sees, in O((query_len + key_len) * value_dim) per (batch, head).
 //
 // Thread-safety: RunAttention may be called concurrently; it only reads its
 // inputs and writes the caller's output buffers.

@@ -144,46 +144,63 @@ class SavedRows {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
+absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
     const DecodeSessionConfig& config) {
-  std::unique_ptr<DecodeSession> s(new DecodeSession());
-  s->config_ = config;
+  config_ = config;
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.batch, "batch"));
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.max_length, "max_length"));
   if (config.layer != nullptr) {
     const MultiHeadLayer& layer = *config.layer;
     ATTN_RETURN_IF_ERROR(VerifyModelLayer(layer));
-    s->heads_ = layer.num_heads();
-    s->kv_heads_ = layer.num_kv_heads();
-    s->key_dim_ = layer.head_key_dim();
-    s->value_dim_ = layer.head_value_dim();
-    s->dtype_ = layer.compute_dtype();
-    s->rotary_ = layer.rotary();
+    heads_ = layer.num_heads();
+    kv_heads_ = layer.num_kv_heads();
+    key_dim_ = layer.head_key_dim();
+    value_dim_ = layer.head_value_dim();
+    dtype_ = layer.compute_dtype();
+    rotary_ = layer.rotary();
   } else {
     ATTN_RETURN_IF_ERROR(VerifyAttentionConfig(config));
-    s->heads_ = config.num_heads;
-    s->kv_heads_ =
+    heads_ = config.num_heads;
+    kv_heads_ =
         config.num_kv_heads == 0 ? config.num_heads : config.num_kv_heads;
-    s->key_dim_ = config.key_dim;
-    s->value_dim_ = config.value_dim == 0 ? config.key_dim : config.value_dim;
-    s->dtype_ = config.dtype;
-    s->rotary_ = config.rotary;
+    key_dim_ = config.key_dim;
+    value_dim_ = config.value_dim == 0 ? config.key_dim : config.value_dim;
+    dtype_ = config.dtype;
+    rotary_ = config.rotary;
   }
   KvCache::Dims dims;
   dims.batch = config.batch;
-  dims.kv_heads = s->kv_heads_;
-  dims.key_dim = s->key_dim_;
-  dims.value_dim = s->value_dim_;
+  dims.kv_heads = kv_heads_;
+  dims.key_dim = key_dim_;
+  dims.value_dim = value_dim_;
   dims.max_length = config.max_length;
-  dims.dtype = s->dtype_;
+  dims.dtype = dtype_;
   // The reservation must fit the address space's arithmetic: refuse sizes
   // whose bytes overflow, as tensors do.
   const Shape reserved = {dims.batch, dims.max_length, dims.kv_heads,
                           dims.key_dim + dims.value_dim};
   ATTN_RETURN_IF_ERROR(
       CheckedNumElements(reserved, dims.dtype, "max_length").status());
+  ATTN_RETURN_IF_ERROR(KvCache::ReservedBytes(dims).status());
+  return dims;
+}
+
+absl::StatusOr<KvCache::Dims> DecodeSession::CacheDims(
+    const DecodeSessionConfig& config) {
+  DecodeSession unused;
+  return unused.Configure(config);
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
+    const DecodeSessionConfig& config) {
+  std::unique_ptr<DecodeSession> s(new DecodeSession());
+  ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims, s->Configure(config));
   ATTN_ASSIGN_OR_RETURN(s->cache_, KvCache::Create(dims));
   return s;
+}
+
+size_t DecodeSession::reserved_bytes() const {
+  return cache_->reserved_bytes();
 }
 
 size_t DecodeSession::BytesAt(int64_t tokens) const {

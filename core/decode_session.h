@@ -95,6 +95,11 @@ class DecodeSession {
   // when the cache's address space cannot be reserved.
   static absl::StatusOr<std::unique_ptr<DecodeSession>> Create(
       const DecodeSessionConfig& config);
+  // The dims of the cache a session of `config` would have, reserving
+  // nothing (KvCache::ReservedBytes tells its size); the errors of Create
+  // but for the reservation itself.
+  static absl::StatusOr<KvCache::Dims> CacheDims(
+      const DecodeSessionConfig& config);
 
   // Result "output": [B, H, n, dv] in the query's dtype (attention
   // sessions) or [B, n, Eo] in the input's dtype (model sessions), without
@@ -119,6 +124,9 @@ class DecodeSession {
   int64_t max_length() const { return config_.max_length; }
   // Tokens cached per sequence.
   int64_t length() const { return length_.load(std::memory_order_acquire); }
+  // The address space the cache reserves (its whole max_length), of which
+  // it commits what its tokens fill.
+  size_t reserved_bytes() const;
   // Memory the cache commits now, and when holding `tokens` tokens.
   size_t cache_bytes() const { return BytesAt(length()); }
   size_t BytesAt(int64_t tokens) const;
@@ -135,6 +143,9 @@ class DecodeSession {
   DecodeSession() = default;
   // The checks of a step, made before it changes anything: room for
   // `new_tokens` from `start`, and the inputs of this session's kind.
+  // Checks `config` and takes its (or its layer's) heads, dims, dtype and
+  // rotary settings; the dims of the cache it needs.
+  absl::StatusOr<KvCache::Dims> Configure(const DecodeSessionConfig& config);
   absl::Status VerifyRoom(int64_t start, int64_t new_tokens) const;
   absl::Status VerifyAttentionInputs(const DecodeStepInputs& in) const;
   absl::Status VerifyModelInput(const TensorView& input) const;

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 
 #include "absl/strings/str_cat.h"
@@ -41,7 +42,38 @@ absl::StatusOr<void*> Reserve(size_t bytes, absl::string_view what) {
   return p;
 }
 
+// Bytes of one plane of `dim` columns for `max_length` tokens, page-rounded,
+// in double: the caller checks that it fits.
+double PlaneBytesOf(const KvCache::Dims& dims, int64_t dim) {
+  const double page = static_cast<double>(PageSize());
+  const double bytes = static_cast<double>(dims.max_length) *
+                       static_cast<double>(dim) *
+                       static_cast<double>(DTypeSize(dims.dtype));
+  return std::ceil(bytes / page) * page;
+}
+
 }  // namespace
+
+absl::StatusOr<size_t> KvCache::ReservedBytes(const Dims& dims) {
+  const double planes =
+      static_cast<double>(dims.batch) * static_cast<double>(dims.kv_heads);
+  const double bytes = planes * (PlaneBytesOf(dims, dims.key_dim) +
+                                 PlaneBytesOf(dims, dims.value_dim));
+  // Below 2^62: exact in size_t, and far beyond any address space.
+  if (!(bytes < 0x1p62)) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("max_length: a cache of ", dims.max_length, " tokens x ",
+                     dims.batch, " sequences x ", dims.kv_heads, " heads x (",
+                     dims.key_dim, " + ", dims.value_dim, ") dims would need ",
+                     bytes, " bytes of address space, beyond any machine's"));
+  }
+  return static_cast<size_t>(bytes);
+}
+
+size_t KvCache::reserved_bytes() const {
+  return (key_plane_ + value_plane_) *
+         static_cast<size_t>(dims_.batch * dims_.kv_heads);
+}
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Dims& dims) {
   std::unique_ptr<KvCache> cache(new KvCache());

@@ -39,11 +39,16 @@ class KvCache {
 
   // RESOURCE_EXHAUSTED when the address space cannot be reserved.
   static absl::StatusOr<std::unique_ptr<KvCache>> Create(const Dims& dims);
+  // The address space a cache of `dims` reserves (keys and values, every
+  // plane page-rounded); RESOURCE_EXHAUSTED when it exceeds what 64-bit
+  // arithmetic holds.
+  static absl::StatusOr<size_t> ReservedBytes(const Dims& dims);
   ~KvCache();
   KvCache(const KvCache&) = delete;
   KvCache& operator=(const KvCache&) = delete;
 
   const Dims& dims() const { return dims_; }
+  size_t reserved_bytes() const;
   // Records that tokens up to `tokens` have been written (their pages are
   // committed). The session that owns the cache keeps its length.
   void Wrote(int64_t tokens) { written_ = std::max(written_, tokens); }

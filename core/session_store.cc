@@ -4,9 +4,11 @@
 #include <chrono>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
+#include "core/verify.h"
 
 namespace attnserve {
 namespace {
@@ -68,7 +70,25 @@ void SessionStore::ReaperLoop() {
   }
 }
 
-std::string SessionStore::Add(std::unique_ptr<DecodeSession> session) {
+size_t SessionStore::max_session_bytes() const {
+  if (options_.max_bytes == 0) return options_.max_reserved_bytes;
+  if (options_.max_reserved_bytes == 0) return options_.max_bytes;
+  return std::min(options_.max_bytes, options_.max_reserved_bytes);
+}
+
+absl::Status SessionStore::VerifyReservation(size_t bytes) const {
+  const size_t limit = max_session_bytes();
+  if (limit == 0 || bytes <= limit) return absl::OkStatus();
+  return absl::ResourceExhaustedError(
+      absl::StrCat("session: its cache would reserve ", bytes,
+                   " bytes for its max_length, more than the ", limit,
+                   " bytes one session may hold"));
+}
+
+absl::StatusOr<std::string> SessionStore::Add(
+    std::unique_ptr<DecodeSession> session) {
+  const size_t reserved = session->reserved_bytes();
+  ATTN_RETURN_IF_ERROR(VerifyReservation(reserved));
   auto slot = std::make_shared<Slot>();
   slot->session = std::move(session);
   std::vector<std::shared_ptr<Slot>> freed;
@@ -76,6 +96,10 @@ std::string SessionStore::Add(std::unique_ptr<DecodeSession> session) {
   while (options_.max_sessions > 0 &&
          static_cast<int64_t>(sessions_.size()) >= options_.max_sessions &&
          !lru_.empty()) {
+    Remove(lru_.back(), GoneReason::kEvicted, freed);
+  }
+  while (options_.max_reserved_bytes > 0 &&
+         reserved_ + reserved > options_.max_reserved_bytes && !lru_.empty()) {
     Remove(lru_.back(), GoneReason::kEvicted, freed);
   }
   std::string id;
@@ -87,19 +111,21 @@ std::string SessionStore::Add(std::unique_ptr<DecodeSession> session) {
   entry.slot = std::move(slot);
   entry.last_used = absl::Now();
   entry.lru = lru_.begin();
+  entry.reserved_bytes = reserved;
+  reserved_ += reserved;
   ++counts_.created;
   return id;
 }
 
 absl::Status SessionStore::NotFound(absl::string_view id) const {
   const auto gone = gone_.find(id);
-  const std::string what = absl::StrCat("session_id: session \"", id, "\"");
+  const std::string what =
+      absl::StrCat("session_id: session ", EchoString(id, '"'));
   const absl::string_view advice = "; create a new one and prefill it";
   if (gone == gone_.end()) {
     return absl::NotFoundError(absl::StrCat(
-        "session_id: no session \"", id,
-        "\" (expired, evicted, deleted, or opened on another replica)",
-        advice));
+        "session_id: no session ", EchoString(id, '"'),
+        " (expired, evicted, deleted, or opened on another replica)", advice));
   }
   switch (gone->second) {
     case GoneReason::kExpired:
@@ -134,6 +160,7 @@ void SessionStore::Remove(std::string id, GoneReason reason,
   const auto it = sessions_.find(id);
   if (it == sessions_.end()) return;
   bytes_ -= it->second.accounted_bytes;
+  reserved_ -= it->second.reserved_bytes;
   lru_.erase(it->second.lru);
   freed.push_back(std::move(it->second.slot));
   sessions_.erase(it);
@@ -163,7 +190,7 @@ absl::Status SessionStore::Reserve(const std::string& id, size_t bytes,
   const size_t extra = bytes - entry->accounted_bytes;
   if (options_.max_bytes > 0 && bytes > options_.max_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "session_id: session \"", id, "\" would need ", bytes,
+        "session_id: session ", EchoString(id, '"'), " would need ", bytes,
         " bytes of cache, more than the server's session memory limit of ",
         options_.max_bytes, " bytes"));
   }
@@ -204,6 +231,7 @@ absl::Status SessionStore::Step(absl::string_view id,
   DecodeSession& session = *slot->session;
   ATTN_ASSIGN_OR_RETURN(const int64_t new_tokens, session.NewTokens(inputs));
   const std::string key(id);
+  absl::Status status;
   MutexLock step_lock(&slot->step_mu);
   std::vector<std::shared_ptr<Slot>> freed;
   {
@@ -214,10 +242,13 @@ absl::Status SessionStore::Step(absl::string_view id,
     ++sessions_.at(key).active_steps;
   }
   freed.clear();  // evicted sessions' memory goes back before computing
-  const absl::Status status = session.Step(inputs, options, results);
   {
-    MutexLock lock(&mu_);
-    Settle(key, slot);
+    // Settled however the step ends, an exception included.
+    absl::Cleanup settle = [&] {
+      MutexLock lock(&mu_);
+      Settle(key, slot);
+    };
+    status = session.Step(inputs, options, results);
   }
   if (length != nullptr) *length = session.length();
   return status;
@@ -269,6 +300,7 @@ SessionStore::Stats SessionStore::stats() const {
   Stats s = counts_;
   s.open = static_cast<int64_t>(sessions_.size());
   s.cache_bytes = bytes_;
+  s.reserved_bytes = reserved_;
   return s;
 }
 

@@ -2,13 +2,15 @@
 //
 // Each session gets a random id at Add. A session idle for longer than
 // `idle_timeout` expires; when a step needs cache memory past `max_bytes`,
-// or an Add finds `max_sessions` open, the least recently used other
-// sessions are evicted until it fits. A step on a session that is gone is
-// NOT_FOUND with a message that says why (expired, evicted, deleted) and
-// what to do: create a new session and prefill it. Sessions hold memory
-// until deleted, expired, evicted or the store is destroyed; a session
-// evicted while one of its steps runs is freed when that step returns (the
-// step still answers).
+// or an Add finds `max_sessions` open or the address space its cache
+// reserves past `max_reserved_bytes`, the least recently used other
+// sessions are evicted until it fits. A session whose cache could never be
+// held (reserving more than max_bytes or max_reserved_bytes) is refused. A step
+// on a session that is gone is NOT_FOUND with a message that says why (expired,
+// evicted, deleted) and what to do: create a new session and prefill it.
+// Sessions hold memory until deleted, expired, evicted or the store is
+// destroyed; a session evicted while one of its steps runs is freed when that
+// step returns (the step still answers).
 //
 // Ownership: owns its sessions. Thread-safety: every method may be called
 // concurrently; steps on one session run one at a time, steps on different
@@ -47,11 +49,17 @@ class SessionStore {
     absl::Duration idle_timeout = absl::Minutes(10);
     // Open sessions at most; 0: no limit.
     int64_t max_sessions = 0;
+    // Address space all sessions' caches reserve together (each reserves
+    // its whole max_length, committing pages as tokens fill them); 0: no
+    // limit. It must stay well inside the process's address space: malloc
+    // fails for everything else once mappings fill it.
+    size_t max_reserved_bytes = 0;
   };
 
   struct Stats {
     int64_t open = 0;
     size_t cache_bytes = 0;
+    size_t reserved_bytes = 0;  // address space of the open sessions' caches
     int64_t created = 0;
     int64_t deleted = 0;
     int64_t expired = 0;
@@ -64,9 +72,19 @@ class SessionStore {
   SessionStore& operator=(const SessionStore&) = delete;
 
   // Opens `session` under a new id, evicting the least recently used
-  // session first if max_sessions are open.
-  std::string Add(std::unique_ptr<DecodeSession> session)
+  // sessions first if max_sessions are open or its reservation would pass
+  // max_reserved_bytes; RESOURCE_EXHAUSTED (VerifyReservation) if it alone
+  // could never fit.
+  absl::StatusOr<std::string> Add(std::unique_ptr<DecodeSession> session)
       ABSL_LOCKS_EXCLUDED(mu_);
+
+  // The most address space one session's cache may reserve: max_bytes (its
+  // full cache must fit the budget) or max_reserved_bytes, the smaller of
+  // those set; 0: no limit.
+  size_t max_session_bytes() const;
+  // RESOURCE_EXHAUSTED when a cache reserving `bytes` passes
+  // max_session_bytes().
+  absl::Status VerifyReservation(size_t bytes) const;
 
   // Runs one step of session `id` (see DecodeSession::Step), having made
   // room for the cache memory it adds: NOT_FOUND if the session is gone,
@@ -102,6 +120,7 @@ class SessionStore {
   struct Entry {
     std::shared_ptr<Slot> slot;
     size_t accounted_bytes = 0;  // counted in bytes_
+    size_t reserved_bytes = 0;   // counted in reserved_
     absl::Time last_used;
     int active_steps = 0;                  // running steps never expire
     std::list<std::string>::iterator lru;  // in lru_
@@ -134,6 +153,7 @@ class SessionStore {
   // Ids, most recently used first.
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
   Stats counts_ ABSL_GUARDED_BY(mu_);
   // Why recent sessions are gone, for the NOT_FOUND message (bounded).
   absl::flat_hash_map<std::string, GoneReason> gone_ ABSL_GUARDED_BY(mu_);

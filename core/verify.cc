@@ -4,6 +4,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 
 namespace attnserve {
@@ -99,6 +100,88 @@ absl::Status VerifyKvHeads(int num_heads, int num_kv_heads) {
   return absl::InvalidArgumentError(absl::StrCat("num_kv_heads: ", num_kv_heads,
                                                  " does not divide num_heads ",
                                                  num_heads));
+}
+
+namespace {
+
+// The length of the UTF-8 character at the start of `s` (2 to 4 bytes), or
+// 0 when it is not one: a stray continuation byte, an overlong form, a
+// surrogate, past U+10FFFF, or cut short.
+size_t Utf8CharLength(absl::string_view s) {
+  const auto byte = [&](size_t i) { return static_cast<unsigned char>(s[i]); };
+  const unsigned char lead = byte(0);
+  size_t n = 0;
+  uint32_t code = 0;
+  if (lead >= 0xc2 && lead <= 0xdf) {
+    n = 2;
+    code = lead & 0x1f;
+  } else if (lead >= 0xe0 && lead <= 0xef) {
+    n = 3;
+    code = lead & 0x0f;
+  } else if (lead >= 0xf0 && lead <= 0xf4) {
+    n = 4;
+    code = lead & 0x07;
+  } else {
+    return 0;
+  }
+  if (s.size() < n) return 0;
+  for (size_t i = 1; i < n; ++i) {
+    if ((byte(i) & 0xc0) != 0x80) return 0;
+    code = code << 6 | (byte(i) & 0x3f);
+  }
+  const uint32_t smallest = n == 2 ? 0x80 : n == 3 ? 0x800 : 0x10000;
+  if (code < smallest || code > 0x10ffff ||
+      (code >= 0xd800 && code <= 0xdfff)) {
+    return 0;
+  }
+  return n;
+}
+
+}  // namespace
+
+std::string EchoString(absl::string_view s, char quote) {
+  std::string out(1, quote);
+  size_t i = 0;
+  while (i < s.size()) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    if (c >= 0x80) {
+      const size_t n = Utf8CharLength(s.substr(i));
+      if (n > 0) {
+        if (i + n > kMaxEchoBytes) break;
+        out.append(s.data() + i, n);
+        i += n;
+        continue;
+      }
+    }
+    if (i + 1 > kMaxEchoBytes) break;
+    switch (c) {
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      default:
+        if (c == static_cast<unsigned char>(quote)) {
+          out += '\\';
+          out += quote;
+        } else if (c < 0x20 || c >= 0x7f) {
+          out += absl::StrFormat("\\%03o", c);
+        } else {
+          out += static_cast<char>(c);
+        }
+    }
+    ++i;
+  }
+  out += quote;
+  if (i < s.size()) absl::StrAppend(&out, "... (", s.size(), " bytes)");
+  return out;
 }
 
 }  // namespace attnserve

@@ -7,8 +7,10 @@
 #ifndef ATTNSERVE_CORE_VERIFY_H_
 #define ATTNSERVE_CORE_VERIFY_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
+#include <string>
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
@@ -41,6 +43,21 @@ absl::Status VerifyFinite(float value, absl::string_view field);
 // Grouped-query attention: `num_kv_heads` is 0 (meaning num_heads) or a
 // positive divisor of `num_heads`.
 absl::Status VerifyKvHeads(int num_heads, int num_kv_heads);
+
+// The bytes of a client's string that a message echoes, at most.
+inline constexpr size_t kMaxEchoBytes = 128;
+
+// How every status message quotes a string a client sent (a name, a
+// version, an id, a datatype): between `quote`s, its first kMaxEchoBytes
+// bytes (not splitting a UTF-8 character), with backslashes, quotes,
+// control characters and bytes that are not UTF-8 escaped as absl::CEscape
+// does ('\n', '\'', '\000'), then, when it is longer, "... (N bytes)":
+//   EchoString("demo")            -> 'demo'
+//   EchoString(20000 x "9")       -> '999...9'... (20000 bytes)  (128 9s)
+// Whatever a client sends, the message stays within ~600 bytes: a longer
+// one would exceed the 8 KiB of metadata a gRPC client accepts by default,
+// which then reports RESOURCE_EXHAUSTED instead of the error.
+std::string EchoString(absl::string_view s, char quote = '\'');
 
 }  // namespace attnserve
 

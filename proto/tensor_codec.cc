@@ -2,6 +2,7 @@
 
 #include <array>
 #include <cstring>
+#include <new>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -175,7 +176,15 @@ absl::StatusOr<void*> WireResults::DoAllocate(absl::string_view name,
     return data;
   }
   std::string* bytes = tensor->mutable_raw_data();
-  bytes->resize(byte_size);
+  try {
+    bytes->resize(byte_size);
+  } catch (const std::bad_alloc&) {
+    // Memory the estimate allowed but the process does not have now: this
+    // call fails, the server goes on.
+    return absl::ResourceExhaustedError(
+        absl::StrCat(name, ": cannot allocate ", byte_size >> 20,
+                     " MiB for the result now; retry later"));
+  }
   return bytes->data();
 }
 

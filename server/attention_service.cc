@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "core/tensor.h"
+#include "core/verify.h"
 #include "grpcpp/impl/codegen/proto_utils.h"  // SerializationTraits<Message>
 #include "server/grpc_status.h"
 #include "server/handlers.h"

@@ -23,6 +23,17 @@ bool ConstantTimeEquals(absl::string_view a, absl::string_view b) {
   return diff == 0;
 }
 
+// Bytes 0x20 to 0x7e: what an HTTP header value may carry as text. A NUL
+// or control byte in a token would otherwise be one more byte to compare,
+// which clients that cut strings at a NUL get wrong.
+bool IsPrintableAscii(absl::string_view s) {
+  for (const char c : s) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte > 0x7e) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
@@ -52,9 +63,20 @@ TokenAuthenticator::FromFile(const std::string& path) {
   std::vector<std::string> tokens;
   std::istringstream lines(text);
   std::string line;
-  while (std::getline(lines, line)) {
+  for (int number = 1; std::getline(lines, line); ++number) {
     absl::string_view token = absl::StripAsciiWhitespace(line);
     if (token.empty() || token[0] == '#') continue;
+    // A token no client can send, or one the server would refuse for its
+    // size, is a mistake in the file.
+    if (token.size() > kMaxTokenBytes || !IsPrintableAscii(token)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--auth_token_file: the token on line ", number, " of '", path,
+          "' is ",
+          token.size() > kMaxTokenBytes
+              ? absl::StrCat(token.size(), " bytes, longer than the ",
+                             kMaxTokenBytes, " a token may have")
+              : std::string("not printable ASCII")));
+    }
     tokens.emplace_back(token);
   }
   if (tokens.empty()) {
@@ -86,6 +108,15 @@ absl::Status TokenAuthenticator::CheckAuthorization(
   if (!absl::ConsumePrefix(&value, "Bearer ")) {
     return absl::UnauthenticatedError(
         "authorization: expected 'Bearer <token>'");
+  }
+  if (value.size() > kMaxTokenBytes) {
+    return absl::UnauthenticatedError(absl::StrCat(
+        "authorization: token of ", value.size(), " bytes, longer than the ",
+        kMaxTokenBytes, " a token may have"));
+  }
+  if (!IsPrintableAscii(value)) {
+    return absl::UnauthenticatedError(
+        "authorization: the token holds bytes that are not printable ASCII");
   }
   // Every token is compared, so the time does not tell which one matched.
   bool accepted = false;

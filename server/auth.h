@@ -24,13 +24,22 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
 
 class TokenAuthenticator {
  public:
+  // The longest token accepted, in the file and in a call. Longer ones are
+  // refused with their size (UNAUTHENTICATED), not compared.
+  static constexpr size_t kMaxTokenBytes = 4096;
+
   // Reads one token per line; blank lines and '#' comments are skipped.
+  // Tokens are printable ASCII (spaces allowed inside), at most
+  // kMaxTokenBytes each; INVALID_ARGUMENT naming the line otherwise.
   static absl::StatusOr<std::unique_ptr<TokenAuthenticator>> FromFile(
       const std::string& path);
   explicit TokenAuthenticator(std::vector<std::string> tokens);
 
   // OK if the call carries `authorization: Bearer <token>` with an accepted
-  // token, else UNAUTHENTICATED. Tokens are compared in constant time.
+  // token, else UNAUTHENTICATED. Tokens are compared in constant time, on
+  // every byte and the length: a NUL ends nothing. A value with bytes
+  // that are not printable ASCII, or a token over kMaxTokenBytes, is
+  // refused before any comparison.
   absl::Status Check(const grpc::ServerContextBase& context) const;
   // The same for the value of an `authorization` header (nullopt: none),
   // as HTTP requests carry it.

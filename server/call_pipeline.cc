@@ -11,14 +11,10 @@
 #include "attnserve/v1/attention.pb.h"
 #include "core/status_macros.h"
 #include "core/tensor.h"
+#include "core/verify.h"
 
 namespace attnserve {
 namespace {
-
-// Calls below this many FLOPs (LayerNorm of a few thousand elements, a
-// few-token attention) run on the receiving thread when a worker slot is
-// free: they finish in a few microseconds, less than waking a worker costs.
-constexpr double kRunInlineFlops = 1e6;
 
 // Threads a call of `flops` keeps busy: each should get at least ~2 MFLOP
 // (tens of microseconds), or starting and joining it costs more than it
@@ -28,7 +24,8 @@ int UsefulThreads(double flops) {
 }
 
 // "query=[2, 3, 8] key=[2, 5, 8]": the shapes of a request's tensors, and
-// the model it names, for the access log.
+// the model it names, for the access log (names quoted and cut as status
+// messages quote them: a client's newline must not start a log line).
 std::string Describe(const google::protobuf::Message& request) {
   std::string out;
   const google::protobuf::Reflection* reflection = request.GetReflection();
@@ -36,11 +33,11 @@ std::string Describe(const google::protobuf::Message& request) {
   reflection->ListFields(request, &fields);
   for (const google::protobuf::FieldDescriptor* field : fields) {
     if (field->name() == "model" || field->name() == "model_name") {
-      absl::StrAppend(&out, out.empty() ? "" : " ",
-                      "model=", reflection->GetString(request, field));
+      absl::StrAppend(&out, out.empty() ? "" : " ", "model=",
+                      EchoString(reflection->GetString(request, field)));
     } else if (field->name() == "session_id") {
-      absl::StrAppend(&out, out.empty() ? "" : " ",
-                      "session=", reflection->GetString(request, field));
+      absl::StrAppend(&out, out.empty() ? "" : " ", "session=",
+                      EchoString(reflection->GetString(request, field)));
     } else if (field->message_type() == v1::Tensor::descriptor() &&
                !field->is_repeated()) {
       const auto& tensor = static_cast<const v1::Tensor&>(
@@ -86,7 +83,7 @@ absl::Status CallPipeline::Admit(const RequestCost& cost,
     return absl::DeadlineExceededError(
         "deadline passed before the call started");
   }
-  const absl::Duration estimate = config_.cost_model->Estimate(cost.flops);
+  const absl::Duration estimate = config_.cost_model->Estimate(cost.effort());
   if (estimate > until_deadline) {
     return absl::DeadlineExceededError(
         absl::StrCat("call needs about ", absl::ToInt64Milliseconds(estimate),
@@ -96,9 +93,7 @@ absl::Status CallPipeline::Admit(const RequestCost& cost,
   return absl::OkStatus();
 }
 
-bool CallPipeline::IsTiny(const RequestCost& cost) {
-  return cost.flops < kRunInlineFlops;
-}
+bool CallPipeline::IsTiny(const RequestCost& cost) { return RunsInline(cost); }
 
 absl::Status CallPipeline::BusyError() const {
   return absl::ResourceExhaustedError(
@@ -131,7 +126,7 @@ absl::Status CallPipeline::Compute(
     status = handle(CallControl{cancelled, &shared_memory});
   }
   *compute = absl::Now() - started;
-  if (status.ok()) config_.cost_model->Observe(cost.flops, *compute);
+  if (status.ok()) config_.cost_model->Observe(cost.effort(), *compute);
   return status;
 }
 

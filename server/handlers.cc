@@ -3,12 +3,14 @@
 #include <cstdint>
 #include <initializer_list>
 #include <memory>
+#include <new>
 #include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/status_macros.h"
+#include "core/verify.h"
 #include "proto/tensor_codec.h"
 
 namespace attnserve {
@@ -76,9 +78,10 @@ absl::StatusOr<std::shared_ptr<const Model>> FindModel(
     absl::string_view without_repository) {
   ATTN_RETURN_IF_ERROR(VerifyModelName(name, "model"));
   if (models == nullptr) {
-    return absl::NotFoundError(absl::StrCat(
-        "model: '", name, "' not found: this server has no model repository; ",
-        without_repository));
+    return absl::NotFoundError(
+        absl::StrCat("model: ", EchoString(name),
+                     " not found: this server has no model repository; ",
+                     without_repository));
   }
   return models->Find(name);
 }
@@ -194,11 +197,55 @@ absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
   return config;
 }
 
-}  // namespace
+// A session's cache reserves its whole max_length of address space: refused
+// up front when one session may not hold that much, naming the flag, the
+// dims and the longest session of those dims that fits.
+absl::Status VerifySessionReservation(const DecodeSessionConfig& config,
+                                      const SessionStore& sessions) {
+  ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims,
+                        DecodeSession::CacheDims(config));
+  ATTN_ASSIGN_OR_RETURN(const size_t reserved, KvCache::ReservedBytes(dims));
+  const size_t limit = sessions.max_session_bytes();
+  if (limit == 0 || reserved <= limit) return absl::OkStatus();
+  int64_t fits = 0, too_long = dims.max_length;
+  while (too_long - fits > 1) {
+    KvCache::Dims shorter = dims;
+    shorter.max_length = fits + (too_long - fits) / 2;
+    const absl::StatusOr<size_t> bytes = KvCache::ReservedBytes(shorter);
+    (bytes.ok() && *bytes <= limit ? fits : too_long) = shorter.max_length;
+  }
+  const size_t budget = sessions.options().max_bytes;
+  const std::string what =
+      budget == limit
+          ? absl::StrCat("--max_session_memory_mb ", budget >> 20,
+                         " allows one session")
+          : absl::StrCat("the ", limit >> 20,
+                         " MiB of address space one session may reserve");
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "max_length: ", dims.max_length, " tokens x ", dims.batch,
+      " sequences x ", dims.kv_heads, " key/value heads x (", dims.key_dim,
+      " + ", dims.value_dim, ") dims of ", DTypeName(dims.dtype), " reserve ",
+      reserved >> 20, " MiB of cache, more than ", what, "; ",
+      fits > 0 ? absl::StrCat("at most ", fits, " tokens fit")
+               : std::string("not one token fits: use smaller dims")));
+}
 
-absl::Status HandleAttend(const v1::AttendRequest& request,
-                          v1::AttendResponse* response,
-                          const CallControl& control) {
+// An allocation that fails (std::bad_alloc: a result or a copy larger than
+// the memory left) fails its call with RESOURCE_EXHAUSTED, not the server.
+template <typename Run>
+absl::Status OutOfMemoryFailsTheCall(Run run) {
+  try {
+    return run();
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        "request: the server is out of memory for this call; retry later or "
+        "send a smaller one");
+  }
+}
+
+absl::Status RunAttend(const v1::AttendRequest& request,
+                       v1::AttendResponse* response,
+                       const CallControl& control) {
   AttendInputs inputs;
   ATTN_ASSIGN_OR_RETURN(inputs.query,
                         ATTN_REQUIRED_TENSOR(request, query, control));
@@ -218,31 +265,9 @@ absl::Status HandleAttend(const v1::AttendRequest& request,
   return VerifySharedMemoryIntact(control);
 }
 
-MultiHeadAttendHandler::MultiHeadAttendHandler(
-    const v1::MultiHeadAttendRequest& request, const ModelRepository* models)
-    : model_(RequestedModel(request, models)) {}
-
-const MultiHeadLayer* MultiHeadAttendHandler::layer() const {
-  return model_.ok() && *model_ != nullptr ? (*model_)->layer.get() : nullptr;
-}
-
-absl::Status MultiHeadAttendHandler::operator()(
-    const v1::MultiHeadAttendRequest& request,
-    v1::MultiHeadAttendResponse* response, const CallControl& control) const {
-  if (!model_.ok()) return model_.status();
-  return RunMultiHeadAttend(request, model_->get(), response, control);
-}
-
-absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
-                                   const ModelRepository* models,
-                                   v1::MultiHeadAttendResponse* response,
-                                   const CallControl& control) {
-  return MultiHeadAttendHandler(request, models)(request, response, control);
-}
-
-absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
-                             v1::LayerNormResponse* response,
-                             const CallControl& control) {
+absl::Status RunLayerNorm(const v1::LayerNormRequest& request,
+                          v1::LayerNormResponse* response,
+                          const CallControl& control) {
   ATTN_ASSIGN_OR_RETURN(TensorView input,
                         ATTN_REQUIRED_TENSOR(request, input, control));
   std::optional<TensorView> gamma, beta;
@@ -267,13 +292,14 @@ absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
   return VerifySharedMemoryIntact(control);
 }
 
-absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
-                                 const ModelRepository* models,
-                                 SessionStore* sessions, int64_t max_length,
-                                 v1::CreateSessionResponse* response) {
+absl::Status CreateSession(const v1::CreateSessionRequest& request,
+                           const ModelRepository* models,
+                           SessionStore* sessions, int64_t max_length,
+                           v1::CreateSessionResponse* response) {
   if (sessions == nullptr) return NoSessions();
   ATTN_ASSIGN_OR_RETURN(const DecodeSessionConfig config,
                         SessionConfigOf(request, models, max_length));
+  ATTN_RETURN_IF_ERROR(VerifySessionReservation(config, *sessions));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
                         DecodeSession::Create(config));
   response->set_max_length(session->max_length());
@@ -282,8 +308,58 @@ absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
   response->set_head_dim(session->key_dim());
   response->set_value_head_dim(session->value_dim());
   response->set_batch(session->batch());
-  response->set_session_id(sessions->Add(std::move(session)));
+  ATTN_ASSIGN_OR_RETURN(std::string id, sessions->Add(std::move(session)));
+  response->set_session_id(std::move(id));
   return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status HandleAttend(const v1::AttendRequest& request,
+                          v1::AttendResponse* response,
+                          const CallControl& control) {
+  return OutOfMemoryFailsTheCall(
+      [&] { return RunAttend(request, response, control); });
+}
+
+MultiHeadAttendHandler::MultiHeadAttendHandler(
+    const v1::MultiHeadAttendRequest& request, const ModelRepository* models)
+    : model_(RequestedModel(request, models)) {}
+
+const MultiHeadLayer* MultiHeadAttendHandler::layer() const {
+  return model_.ok() && *model_ != nullptr ? (*model_)->layer.get() : nullptr;
+}
+
+absl::Status MultiHeadAttendHandler::operator()(
+    const v1::MultiHeadAttendRequest& request,
+    v1::MultiHeadAttendResponse* response, const CallControl& control) const {
+  if (!model_.ok()) return model_.status();
+  return OutOfMemoryFailsTheCall([&] {
+    return RunMultiHeadAttend(request, model_->get(), response, control);
+  });
+}
+
+absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
+                                   const ModelRepository* models,
+                                   v1::MultiHeadAttendResponse* response,
+                                   const CallControl& control) {
+  return MultiHeadAttendHandler(request, models)(request, response, control);
+}
+
+absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
+                             v1::LayerNormResponse* response,
+                             const CallControl& control) {
+  return OutOfMemoryFailsTheCall(
+      [&] { return RunLayerNorm(request, response, control); });
+}
+
+absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
+                                 const ModelRepository* models,
+                                 SessionStore* sessions, int64_t max_length,
+                                 v1::CreateSessionResponse* response) {
+  return OutOfMemoryFailsTheCall([&] {
+    return CreateSession(request, models, sessions, max_length, response);
+  });
 }
 
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
@@ -324,8 +400,10 @@ absl::Status SessionStepHandler::operator()(
   options.cancelled = control.cancelled;
   WireResults results = ResultsOf(request, response, nullptr, control);
   int64_t length = 0;
-  ATTN_RETURN_IF_ERROR(
-      sessions_->Step(request.session_id(), inputs, options, results, &length));
+  ATTN_RETURN_IF_ERROR(OutOfMemoryFailsTheCall([&] {
+    return sessions_->Step(request.session_id(), inputs, options, results,
+                           &length);
+  }));
   response->set_length(length);
   return VerifySharedMemoryIntact(control);
 }
@@ -348,8 +426,8 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   ATTN_RETURN_IF_ERROR(VerifyModelName(request.name(), "name"));
   if (models == nullptr) {
     return absl::NotFoundError(
-        absl::StrCat("name: model '", request.name(),
-                     "' not found: this server has no model repository"));
+        absl::StrCat("name: model ", EchoString(request.name()),
+                     " not found: this server has no model repository"));
   }
   ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                         models->Find(request.name()));

@@ -118,6 +118,11 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
       "# TYPE attnserve_session_cache_bytes gauge\n"
       "attnserve_session_cache_bytes ",
       gauges.sessions.cache_bytes,
+      "\n# HELP attnserve_session_reserved_bytes Address space the open "
+      "decode sessions' caches reserve (their max_length).\n"
+      "# TYPE attnserve_session_reserved_bytes gauge\n"
+      "attnserve_session_reserved_bytes ",
+      gauges.sessions.reserved_bytes,
       "\n# HELP attnserve_sessions_closed_total Decode sessions freed, by "
       "why.\n"
       "# TYPE attnserve_sessions_closed_total counter\n"

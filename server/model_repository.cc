@@ -6,13 +6,13 @@
 #include <fstream>
 #include <iterator>
 
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/attention_weights.h"
 #include "core/files.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
+#include "core/verify.h"
 #include "google/protobuf/io/tokenizer.h"
 #include "google/protobuf/text_format.h"
 
@@ -137,7 +137,7 @@ absl::Status VerifyModelName(absl::string_view name, absl::string_view field) {
         absl::StrCat(field, ": ", name.size(), " bytes, longer than the ",
                      kMaxModelNameBytes, " a model name may have"));
   }
-  const std::string quoted = absl::StrCat("'", absl::CEscape(name), "'");
+  const std::string quoted = EchoString(name);
   if (name.find('\0') != absl::string_view::npos) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": ", quoted, " contains a NUL byte"));
@@ -240,7 +240,7 @@ absl::StatusOr<std::shared_ptr<const Model>> ModelRepository::Find(
   std::vector<std::string> names;
   for (const auto& [model_name, model] : *models) names.push_back(model_name);
   return absl::NotFoundError(
-      absl::StrCat("model: '", name, "' not found; loaded models: ",
+      absl::StrCat("model: ", EchoString(name), " not found; loaded models: ",
                    names.empty() ? "none" : absl::StrJoin(names, ", ")));
 }
 

@@ -12,6 +12,7 @@
 #include "absl/strings/str_join.h"
 #include "core/attention_weights.h"
 #include "core/status_macros.h"
+#include "core/verify.h"
 
 #ifndef ATTNSERVE_VERSION
 #define ATTNSERVE_VERSION "unknown"
@@ -49,8 +50,9 @@ constexpr DatatypeName kDatatypes[] = {
 absl::Status VerifyVersion(absl::string_view model, absl::string_view version,
                            absl::string_view field) {
   if (version.empty() || version == kOnlyVersion) return absl::OkStatus();
-  return absl::NotFoundError(absl::StrCat(
-      field, ": model '", model, "' has only version 1, not '", version, "'"));
+  return absl::NotFoundError(absl::StrCat(field, ": model ", EchoString(model),
+                                          " has only version 1, not ",
+                                          EchoString(version)));
 }
 
 bool IsBuiltIn(absl::string_view model) {
@@ -98,8 +100,8 @@ absl::StatusOr<std::pair<Message*, const FieldDescriptor*>> FindField(
     }
   }
   return absl::InvalidArgumentError(absl::StrCat(
-      what, "s: unknown ", what, " '", name, "' for model '", model,
-      "'; expected one of ", absl::StrJoin(expected, ", ")));
+      what, "s: unknown ", what, " ", EchoString(name), " for model ",
+      EchoString(model), "; expected one of ", absl::StrJoin(expected, ", ")));
 }
 
 absl::string_view ParameterKind(const InferParameter& parameter) {
@@ -233,9 +235,9 @@ absl::StatusOr<std::optional<v1::SharedMemoryRef>> SharedMemoryOf(
       has_byte_size = true;
     } else {
       return absl::InvalidArgumentError(
-          absl::StrCat(tensor, ": unknown parameter '", name, "'; expected ",
-                       kRegionParameter, ", ", kOffsetParameter, " or ",
-                       kByteSizeParameter));
+          absl::StrCat(tensor, ": unknown parameter ", EchoString(name),
+                       "; expected ", kRegionParameter, ", ", kOffsetParameter,
+                       " or ", kByteSizeParameter));
     }
   }
   if (!ref.has_value()) return ref;
@@ -484,8 +486,8 @@ absl::StatusOr<v1::DataType> NativeDatatype(absl::string_view datatype,
     if (entry.name == datatype) return entry.dtype;
   }
   return absl::InvalidArgumentError(
-      absl::StrCat(field, ": datatype '", datatype,
-                   "' is not supported; expected FP32, BF16, FP16, BOOL or "
+      absl::StrCat(field, ": datatype ", EchoString(datatype),
+                   " is not supported; expected FP32, BF16, FP16, BOOL or "
                    "UINT8"));
 }
 
@@ -518,8 +520,8 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
       // An unknown model is NOT_FOUND whatever its inputs.
       if (models == nullptr) {
         return absl::NotFoundError(absl::StrCat(
-            "model_name: '", model,
-            "' not found: this server has no model repository; the built-in "
+            "model_name: ", EchoString(model),
+            " not found: this server has no model repository; the built-in "
             "models are attend, multi_head_attend and layer_norm"));
       }
       ATTN_RETURN_IF_ERROR(models->Find(model).status());

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/attention_weights.h"
@@ -47,6 +49,39 @@ int64_t Batch(const v1::Tensor& t) {
   return n;
 }
 
+// Elements of the tensors that are present.
+double PresentElements(
+    std::initializer_list<std::pair<bool, const v1::Tensor*>> tensors) {
+  double n = 0;
+  for (const auto& [present, t] : tensors) {
+    if (present) n += static_cast<double>(std::max<int64_t>(Elements(*t), 0));
+  }
+  return n;
+}
+
+// The logits the attention kernel evaluates for `pairs` (batch x heads)
+// of lq x lk, whatever the head dims: none when no result reads them
+// (value dim 0 without weights), nor when they are all 0 and it averages
+// the values instead (key dim 0 without mask or weights).
+double EvaluatedLogits(double pairs, double lq, double lk, double dk, double dv,
+                       bool masked, bool weights) {
+  if (!weights && (dv == 0 || (dk == 0 && !masked))) return 0;
+  return pairs * lq * lk;
+}
+
+// The attention's FLOPs (`dk`, `dv` summed over heads): Q*K^T and P*V for
+// the logits it evaluates, else the sums of the values it averages.
+double AttentionFlops(double batch, double lq, double lk, double dk, double dv,
+                      double logits) {
+  return logits > 0 ? 2.0 * batch * lq * lk * (dk + dv) : batch * lk * dv;
+}
+
+// The work of reading and writing `elements`, reading `mask_reads` mask
+// elements and evaluating `logits`.
+double Work(double elements, double mask_reads, double logits) {
+  return kElementWork * (elements + mask_reads) + kLogitWork * logits;
+}
+
 }  // namespace
 
 RequestCost CostOf(const v1::AttendRequest& r) {
@@ -56,10 +91,18 @@ RequestCost CostOf(const v1::AttendRequest& r) {
   const double batch = static_cast<double>(Batch(r.query()));
   const double lq = Dim(r.query(), -2), dk = Dim(r.query(), -1);
   const double lk = Dim(r.key(), -2), dv = Dim(r.value(), -1);
-  cost.flops = 2.0 * batch * lq * lk * (dk + dv);
+  const double logits = EvaluatedLogits(batch, lq, lk, dk, dv,
+                                        r.has_attn_mask(), r.return_weights());
+  cost.flops = AttentionFlops(batch, lq, lk, dk, dv, logits);
   const double output = batch * lq * dv * 4;
   const double weights = r.return_weights() ? batch * lq * lk * 4 : 0;
   cost.bytes = static_cast<int64_t>(std::min(output + weights, 9e18));
+  const double read = PresentElements({{r.has_query(), &r.query()},
+                                       {r.has_key(), &r.key()},
+                                       {r.has_value(), &r.value()},
+                                       {r.has_attn_mask(), &r.attn_mask()}});
+  cost.work = Work(read + (output + weights) / 4,
+                   r.has_attn_mask() ? logits : 0, logits);
   cost.largest_tensor =
       std::max({Elements(r.query()), Elements(r.key()), Elements(r.value()),
                 Elements(r.attn_mask())});
@@ -107,13 +150,31 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
   const double projections =
       2.0 * batch *
       (lq * e_in * hdk + lk * e_in * (hdk + hdv) + lq * hdv * e_out);
-  cost.flops = projections + 2.0 * batch * lq * lk * (hdk + hdv);
-  const double work = batch * (lq * hdk + lk * (hdk + hdv) + 2 * lq * hdv) * 4;
+  const int masks = r.has_attn_mask() + r.has_key_padding_mask();
+  const double logits =
+      EvaluatedLogits(batch * heads, lq, lk, hdk / heads, hdv / heads,
+                      masks > 0, r.return_weights());
+  cost.flops = projections + AttentionFlops(batch, lq, lk, hdk, hdv, logits);
+  const double intermediates =
+      batch * (lq * hdk + lk * (hdk + hdv) + 2 * lq * hdv) * 4;
   const double weights = r.return_weights() ? batch * heads * lq * lk * 4 *
                                                   (r.average_weights() ? 2 : 1)
                                             : 0;
-  cost.bytes = static_cast<int64_t>(
-      std::min(work + batch * lq * e_out * 4 + weights, 9e18));
+  const double written = intermediates + batch * lq * e_out * 4 + weights;
+  cost.bytes = static_cast<int64_t>(std::min(written, 9e18));
+  double read =
+      PresentElements({{r.has_query(), &r.query()},
+                       {r.has_key(), &r.key()},
+                       {r.has_value(), &r.value()},
+                       {r.has_attn_mask(), &r.attn_mask()},
+                       {r.has_key_padding_mask(), &r.key_padding_mask()}});
+  if (layer == nullptr && r.has_weights()) {
+    for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
+      const v1::Tensor* t = FindWeightTensor(r.weights(), field);
+      if (t != nullptr) read += static_cast<double>(Elements(*t));
+    }
+  }
+  cost.work = Work(read + written / 4, masks * logits, logits);
   cost.largest_tensor =
       std::max({Elements(r.query()), Elements(r.key()), Elements(r.value()),
                 Elements(r.attn_mask()), Elements(r.key_padding_mask())});
@@ -138,6 +199,16 @@ RequestCost CostOf(const v1::SessionStepRequest& r,
   const double width =
       session->num_heads() * (session->key_dim() + 2.0 * session->value_dim());
   cost.bytes = static_cast<int64_t>(std::min(batch * n * width * 4, 9e18));
+  // Its tokens appended to the cache, which it then reads whole.
+  const double keys = static_cast<double>(session->length()) + n;
+  const double cache = batch * session->num_kv_heads() *
+                       (session->key_dim() + session->value_dim());
+  const double read = PresentElements({{r.has_input(), &r.input()},
+                                       {r.has_query(), &r.query()},
+                                       {r.has_key(), &r.key()},
+                                       {r.has_value(), &r.value()}});
+  cost.work = Work(read + batch * n * width + cache * (n + keys), 0,
+                   batch * session->num_heads() * n * keys);
   cost.largest_tensor = std::max({Elements(r.input()), Elements(r.query()),
                                   Elements(r.key()), Elements(r.value())});
   return cost;
@@ -148,6 +219,9 @@ RequestCost CostOf(const v1::LayerNormRequest& r) {
   const int64_t n = std::max<int64_t>(Elements(r.input()), 0);
   cost.flops = 8.0 * n;
   cost.bytes = static_cast<int64_t>(std::min(4.0 * n, 9e18));
+  cost.work = Work(2.0 * n + PresentElements({{r.has_gamma(), &r.gamma()},
+                                              {r.has_beta(), &r.beta()}}),
+                   0, 0);
   cost.largest_tensor = n;
   return cost;
 }

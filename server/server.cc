@@ -1,13 +1,21 @@
 #include "server/server.h"
 
+#include <sys/resource.h>
+
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <memory>
+#include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "core/mutex.h"
 #include "core/status_macros.h"
 #include "core/thread_budget.h"
+#include "google/protobuf/stubs/logging.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
@@ -37,6 +45,9 @@ class WithoutReflection : public grpc::ServerBuilderOption {
   }
 };
 
+// Request headers (metadata) the server accepts, in all.
+constexpr int kMaxMetadataBytes = 64 << 10;
+
 // Message limits, port sharing, connection age and reflection from `options`.
 void ConfigureBuilder(const ServerOptions& options,
                       grpc::ServerBuilder* builder) {
@@ -46,6 +57,11 @@ void ConfigureBuilder(const ServerOptions& options,
   // gRPC sets SO_REUSEPORT by default: a second server on a busy port would
   // silently share it instead of failing.
   builder->AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  // Headers up to kMaxMetadataBytes reach the handlers, so that an
+  // oversized token gets UNAUTHENTICATED with its size
+  // (TokenAuthenticator::kMaxTokenBytes) rather than gRPC's 8 KiB default
+  // refusal, which some clients see as a closed connection.
+  builder->AddChannelArgument(GRPC_ARG_MAX_METADATA_SIZE, kMaxMetadataBytes);
   if (options.max_connection_age_seconds > 0) {
     builder->AddChannelArgument(GRPC_ARG_MAX_CONNECTION_AGE_MS,
                                 options.max_connection_age_seconds * 1000);
@@ -72,6 +88,87 @@ HttpServerOptions HttpOptionsFrom(const ServerOptions& options) {
   return http;
 }
 
+// Address space the decode sessions' caches may reserve together (each its
+// whole max_length, committing pages as tokens fill them): 16 TiB, an
+// eighth of x86-64's user address space, or half the process's RLIMIT_AS
+// when that is lower. Past it, creating a session evicts the least recently
+// used ones: mappings that filled the address space once made every later
+// allocation fail (a LayerNorm answered UNIMPLEMENTED, the next crashed).
+size_t SessionAddressSpace() {
+  size_t bytes = size_t{16} << 40;
+  rlimit limit{};
+  if (getrlimit(RLIMIT_AS, &limit) == 0 && limit.rlim_cur != RLIM_INFINITY) {
+    bytes = std::min<size_t>(bytes, limit.rlim_cur / 2);
+  }
+  return bytes;
+}
+
+// Protobuf's own log lines: one ERROR per string field of invalid UTF-8 it
+// parses, i.e. one per such request (after authentication: the services
+// parse only authenticated calls; reflection, open by design, parses before
+// any). Written when the log level takes them, at most kProtobufLines a
+// minute, then counted: a client must not be able to flood the log.
+constexpr int kProtobufLines = 10;
+
+struct ProtobufLog {
+  Mutex mu;
+  LogSeverity least = LogSeverity::kWarning;  // written from this on
+  absl::Time window_start ABSL_GUARDED_BY(mu) = absl::InfinitePast();
+  int written ABSL_GUARDED_BY(mu) = 0;
+  int64_t suppressed ABSL_GUARDED_BY(mu) = 0;
+};
+
+ProtobufLog& TheProtobufLog() {
+  static ProtobufLog* const log = new ProtobufLog();
+  return *log;
+}
+
+void WriteProtobufLine(google::protobuf::LogLevel level, const char* file,
+                       int line, const std::string& message) {
+  static constexpr const char* kNames[] = {"INFO", "WARNING", "ERROR", "FATAL"};
+  const char* name = level >= 0 && level <= 3 ? kNames[level] : "LOG";
+  ProtobufLog& log = TheProtobufLog();
+  const LogSeverity severity =
+      level == google::protobuf::LOGLEVEL_INFO    ? LogSeverity::kInfo
+      : level == google::protobuf::LOGLEVEL_FATAL ? LogSeverity::kError
+                                                  : LogSeverity::kWarning;
+  MutexLock lock(&log.mu);
+  if (level != google::protobuf::LOGLEVEL_FATAL) {
+    if (severity < log.least) return;
+    const absl::Time now = absl::Now();
+    if (now - log.window_start >= absl::Minutes(1)) {
+      if (log.suppressed > 0) {
+        std::fprintf(stderr,
+                     "[libprotobuf] %lld more lines in the last minute not "
+                     "written (at most %d a minute)\n",
+                     static_cast<long long>(log.suppressed), kProtobufLines);
+      }
+      log.window_start = now;
+      log.written = 0;
+      log.suppressed = 0;
+    }
+    if (log.written >= kProtobufLines) {
+      ++log.suppressed;
+      return;
+    }
+    ++log.written;
+  }
+  std::fprintf(stderr, "[libprotobuf %s %s:%d] %s\n", name, file, line,
+               message.c_str());
+}
+
+void InstallProtobufLogHandler(const ServerOptions& options) {
+  ProtobufLog& log = TheProtobufLog();
+  {
+    MutexLock lock(&log.mu);
+    log.least = ShouldLog(options, LogSeverity::kInfo) ? LogSeverity::kInfo
+                : ShouldLog(options, LogSeverity::kWarning)
+                    ? LogSeverity::kWarning
+                    : LogSeverity::kError;
+  }
+  google::protobuf::SetLogHandler(&WriteProtobufLine);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
@@ -79,6 +176,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   ATTN_RETURN_IF_ERROR(VerifyServerOptions(options));
   ThreadBudget* const thread_budget = &ThreadBudget::Global();
   thread_budget->SetTotal(options.threads);
+  InstallProtobufLogHandler(options);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
 
@@ -113,6 +211,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
                          << 20;
     sessions.idle_timeout = absl::Seconds(options.session_idle_timeout_s);
     sessions.max_sessions = options.max_sessions;
+    sessions.max_reserved_bytes = SessionAddressSpace();
     server->sessions_ = std::make_unique<SessionStore>(sessions);
   }
   ServiceConfig config;

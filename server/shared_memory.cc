@@ -15,10 +15,10 @@
 #include <utility>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "core/mutex.h"
 #include "core/status_macros.h"
+#include "core/verify.h"
 
 namespace attnserve {
 namespace {
@@ -130,16 +130,16 @@ absl::StatusOr<std::string> NormalizedKey(absl::string_view key) {
       key.find('\0') != absl::string_view::npos) {
     return absl::InvalidArgumentError(absl::StrCat(
         "key: expected a POSIX shared memory name such as \"/my_region\" (one "
-        "name under /dev/shm, no other '/', at most 250 characters), got \"",
-        absl::CEscape(key.substr(0, 64)), "\""));
+        "name under /dev/shm, no other '/', at most 250 characters), got ",
+        EchoString(key, '"')));
   }
   return absl::StrCat("/", key);
 }
 
 absl::Status OpenError(const std::string& key, int error) {
   const std::string message =
-      absl::StrCat("key: cannot open shared memory object \"", key,
-                   "\": ", std::strerror(error));
+      absl::StrCat("key: cannot open shared memory object ",
+                   EchoString(key, '"'), ": ", std::strerror(error));
   if (error == ENOENT) return absl::NotFoundError(message);
   if (error == EACCES || error == EPERM) {
     return absl::PermissionDeniedError(message);
@@ -177,10 +177,10 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(
   if (fstat(fd, &st) != 0 ||
       static_cast<uint64_t>(st.st_size) < info.offset + info.byte_size) {
     close(fd);
-    return absl::InvalidArgumentError(
-        absl::StrCat("byte_size: offset ", info.offset, " + byte_size ",
-                     info.byte_size, " exceeds the ", st.st_size,
-                     " bytes of shared memory object \"", info.key, "\""));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "byte_size: offset ", info.offset, " + byte_size ", info.byte_size,
+        " exceeds the ", st.st_size, " bytes of shared memory object ",
+        EchoString(info.key, '"')));
   }
   InstallGuard();
   const uint64_t map_offset = info.offset & ~(uint64_t{page_size} - 1);
@@ -191,8 +191,8 @@ absl::StatusOr<std::unique_ptr<SharedMemoryRegion>> SharedMemoryRegion::Map(
     const int error = errno;
     close(fd);
     return absl::ResourceExhaustedError(
-        absl::StrCat("byte_size: cannot map ", info.byte_size, " bytes of \"",
-                     info.key, "\": ", std::strerror(error)));
+        absl::StrCat("byte_size: cannot map ", info.byte_size, " bytes of ",
+                     EchoString(info.key, '"'), ": ", std::strerror(error)));
   }
   const auto begin = reinterpret_cast<uintptr_t>(base);
   const int slot = ClaimGuardSlot(begin, begin + map_length);
@@ -218,15 +218,17 @@ absl::StatusOr<char*> SharedMemoryRegion::Slice(uint64_t offset, uint64_t size,
                                                 uint64_t alignment,
                                                 absl::string_view field) const {
   if (offset > info_.byte_size || size > info_.byte_size - offset) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": shared memory offset ", offset, " + byte_size ", size,
-        " exceeds region '", info_.name, "' of ", info_.byte_size, " bytes"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shared memory offset ", offset, " + byte_size ",
+                     size, " exceeds region ", EchoString(info_.name), " of ",
+                     info_.byte_size, " bytes"));
   }
   char* data = window_ + offset;
   if (alignment > 1 && reinterpret_cast<uintptr_t>(data) % alignment != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        field, ": shared memory offset ", offset, " in region '", info_.name,
-        "' is not aligned to ", alignment, " bytes (the element size)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(field, ": shared memory offset ", offset, " in region ",
+                     EchoString(info_.name), " is not aligned to ", alignment,
+                     " bytes (the element size)"));
   }
   return data;
 }
@@ -238,10 +240,10 @@ absl::Status SharedMemoryRegion::VerifyIntact() const {
       static_cast<uint64_t>(st.st_size) < info_.offset + info_.byte_size;
   if (shrank || guard_slots[guard_slot_].faulted.load()) {
     return absl::FailedPreconditionError(absl::StrCat(
-        "shared memory region '", info_.name, "': its object \"", info_.key,
-        "\" is now ", st.st_size, " bytes, smaller than offset ", info_.offset,
-        " + byte_size ", info_.byte_size,
-        "; register the region again after resizing it"));
+        "shared memory region ", EchoString(info_.name), ": its object ",
+        EchoString(info_.key, '"'), " is now ", st.st_size,
+        " bytes, smaller than offset ", info_.offset, " + byte_size ",
+        info_.byte_size, "; register the region again after resizing it"));
   }
   return absl::OkStatus();
 }
@@ -253,8 +255,8 @@ absl::Status SharedMemoryRegistry::VerifyRoomFor(
     const SharedMemoryRegionInfo& info) const {
   if (regions_.count(info.name) > 0) {
     return absl::AlreadyExistsError(
-        absl::StrCat("name: shared memory region '", info.name,
-                     "' is already registered; unregister it first"));
+        absl::StrCat("name: shared memory region ", EchoString(info.name),
+                     " is already registered; unregister it first"));
   }
   if (info.byte_size > max_bytes_ - registered_bytes_) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -300,8 +302,8 @@ absl::Status SharedMemoryRegistry::Unregister(absl::string_view name) {
   }
   auto it = regions_.find(name);
   if (it == regions_.end()) {
-    return absl::NotFoundError(absl::StrCat("name: shared memory region '",
-                                            name, "' is not registered"));
+    return absl::NotFoundError(absl::StrCat(
+        "name: shared memory region ", EchoString(name), " is not registered"));
   }
   registered_bytes_ -= it->second->info().byte_size;
   released.push_back(std::move(it->second));
@@ -317,8 +319,8 @@ SharedMemoryRegistry::Find(absl::string_view name,
   auto it = regions_.find(name);
   if (it == regions_.end()) {
     return absl::NotFoundError(
-        absl::StrCat(field, ": shared memory region '", name,
-                     "' is not registered (RegisterSharedMemory first)"));
+        absl::StrCat(field, ": shared memory region ", EchoString(name),
+                     " is not registered (RegisterSharedMemory first)"));
   }
   return it->second;
 }
@@ -332,8 +334,8 @@ absl::StatusOr<std::vector<SharedMemoryRegionInfo>> SharedMemoryRegistry::List(
     if (name.empty() || region_name == name) infos.push_back(region->info());
   }
   if (!name.empty() && infos.empty()) {
-    return absl::NotFoundError(absl::StrCat("name: shared memory region '",
-                                            name, "' is not registered"));
+    return absl::NotFoundError(absl::StrCat(
+        "name: shared memory region ", EchoString(name), " is not registered"));
   }
   return infos;
 }

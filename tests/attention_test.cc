@@ -2,11 +2,15 @@
 // masks and options, and its input checks.
 #include "core/attention.h"
 
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -107,6 +111,56 @@ const AttendCase kAttendCases[] = {
     {"single_query", {2, 2}, 1, 33, 16, 16},
     {"single_key", {2}, 5, 1, 16, 8},
     {"dk_one", {2}, 6, 6, 1, 3},
+    // Key dim 0: every logit is 0 (the scale is given: the reference's
+    // default 1/sqrt(0) is not finite), uniform weights over the keys seen.
+    {"dk_zero", {2}, 6, 9, 0, 5, std::nullopt, DType::kBool, false, 1.0f},
+    {"dk_zero_causal",
+     {2, 2},
+     9,
+     6,
+     0,
+     4,
+     std::nullopt,
+     DType::kBool,
+     true,
+     1.0f},
+    {"dk_zero_causal_lq_lt_lk",
+     {1},
+     5,
+     9,
+     0,
+     3,
+     std::nullopt,
+     DType::kBool,
+     true,
+     1.0f},
+    {"dk_zero_bf16",
+     {2},
+     6,
+     9,
+     0,
+     5,
+     std::nullopt,
+     DType::kBool,
+     true,
+     1.0f,
+     std::nullopt,
+     0.7,
+     DType::kBFloat16},
+    {"dk_zero_f16",
+     {2},
+     6,
+     9,
+     0,
+     5,
+     std::nullopt,
+     DType::kBool,
+     false,
+     1.0f,
+     std::nullopt,
+     0.7,
+     DType::kFloat16},
+    {"dk_zero_masked", {2}, 6, 9, 0, 5, Shape{6, 9}, DType::kBool, false, 1.0f},
     {"long_keys", {1}, 4, 1000, 32, 16},
     {"bool_mask_lq_lk", {2, 2}, 6, 7, 8, 8, Shape{6, 7}, DType::kBool},
     {"uint8_mask_full", {2, 2}, 6, 7, 8, 8, Shape{2, 2, 6, 7}, DType::kUInt8},
@@ -344,6 +398,145 @@ TEST(AttendTest, EmptyDimsGiveEmptyOrZeroResults) {
   EXPECT_EQ(r->output.shape(), (Shape{2, 3, 5}));
   for (int i = 0; i < 30; ++i) EXPECT_EQ(r->output.data_as<float>()[i], 0.0f);
   EXPECT_EQ(r->weights->shape(), (Shape{2, 3, 0}));
+}
+
+// Sets `flag` after `delay` unless destroyed first: a call that ignores its
+// key or value dims of 0 ends CANCELLED instead of running for minutes.
+class Watchdog {
+ public:
+  Watchdog(std::atomic<bool>* flag, std::chrono::milliseconds delay)
+      : thread_([this, flag, delay] {
+          std::unique_lock<std::mutex> lock(mu_);
+          if (!cv_.wait_for(lock, delay, [this] { return done_; })) {
+            flag->store(true);
+          }
+        }) {}
+  ~Watchdog() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
+TEST(AttendTest, ValueDimZeroComputesNoLogits) {
+  // 2^48 logits, none of which reaches the (empty) output.
+  const int64_t len = int64_t{1} << 24;
+  Tensor q = *Tensor::Zeros(DType::kFloat32, {1, 1, len, 0});
+  Tensor k = *Tensor::Zeros(DType::kFloat32, {1, 1, len, 0});
+  Tensor v = *Tensor::Zeros(DType::kFloat32, {1, 1, len, 0});
+  std::atomic<bool> cancelled{false};
+  AttentionOptions options;
+  options.cancelled = &cancelled;
+  options.causal = true;
+  Watchdog watchdog(&cancelled, std::chrono::seconds(20));
+  auto r = Attend({q.view(), k.view(), v.view(), std::nullopt}, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->output.shape(), (Shape{1, 1, len, 0}));
+}
+
+// Key dim 0 without a mask: each query's output is the mean of the values
+// it sees, computed without its query_len x key_len logits.
+TEST(AttendTest, KeyDimZeroIsTheMeanOfTheValuesSeen) {
+  std::mt19937 rng(41);
+  for (const bool causal : {false, true}) {
+    for (const DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+      // Several poll intervals of rows, queries beyond the keys.
+      const int64_t lq = 2600, lk = 2100, dv = 3;
+      Tensor q = *Tensor::Zeros(dtype, {2, lq, 0});
+      Tensor k = *Tensor::Zeros(dtype, {2, lk, 0});
+      Tensor v = RandomTensor(dtype, {2, lk, dv}, rng);
+      AttentionOptions options;
+      options.causal = causal;
+      auto r = Attend({q.view(), k.view(), v.view(), std::nullopt}, options);
+      ASSERT_TRUE(r.ok()) << r.status();
+      const RefTensor values = ToRef(v.view());
+      RefTensor expected{{2, lq, dv}, std::vector<double>(2 * lq * dv)};
+      for (int64_t b = 0; b < 2; ++b) {
+        std::vector<double> sum(dv, 0.0);
+        int64_t seen = 0;
+        for (int64_t i = 0; i < lq; ++i) {
+          const int64_t visible = causal ? std::min(i + 1, lk) : lk;
+          for (; seen < visible; ++seen) {
+            for (int64_t c = 0; c < dv; ++c) {
+              sum[c] += values.values[(b * lk + seen) * dv + c];
+            }
+          }
+          for (int64_t c = 0; c < dv; ++c) {
+            expected.values[(b * lq + i) * dv + c] = sum[c] / visible;
+          }
+        }
+      }
+      EXPECT_TRUE(AllClose(r->output.view(), expected, ToleranceFor(dtype)))
+          << (causal ? "causal " : "") << DTypeName(dtype);
+    }
+  }
+}
+
+TEST(AttendTest, KeyDimZeroWithMillionsOfKeysIsLinear) {
+  // 2^40 logits for the tiled kernel; 2^21 value rows read here.
+  const int64_t len = int64_t{1} << 20;
+  Tensor q = *Tensor::Zeros(DType::kFloat32, {1, 1, len, 0});
+  Tensor k = *Tensor::Zeros(DType::kFloat32, {1, 1, len, 0});
+  Tensor v = *Tensor::Allocate(DType::kFloat32, {1, 1, len, 1});
+  for (int64_t i = 0; i < len; ++i) v.data_as<float>()[i] = i % 2 ? 1.0f : 3.0f;
+  std::atomic<bool> cancelled{false};
+  AttentionOptions options;
+  options.cancelled = &cancelled;
+  Watchdog watchdog(&cancelled, std::chrono::seconds(20));
+  auto r = Attend({q.view(), k.view(), v.view(), std::nullopt}, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->output.data_as<float>()[0], 2.0f);
+  EXPECT_EQ(r->output.data_as<float>()[len - 1], 2.0f);
+  options.causal = true;
+  r = Attend({q.view(), k.view(), v.view(), std::nullopt}, options);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->output.data_as<float>()[0], 3.0f);
+  EXPECT_EQ(r->output.data_as<float>()[1], 2.0f);
+  cancelled = true;
+  EXPECT_EQ(Attend({q.view(), k.view(), v.view(), std::nullopt}, options)
+                .status()
+                .code(),
+            absl::StatusCode::kCancelled);
+}
+
+// One block of queries over 2^24 keys is a single work item: the
+// cancellation is polled at every key block inside it too.
+TEST(AttendTest, CancelStopsABlockOfQueriesAmongManyKeys) {
+  std::mt19937 rng(13);
+  const int64_t keys = int64_t{1} << 23;
+  Tensor q = RandomTensor(DType::kFloat32, {1, 1, 64, 1}, rng);
+  Tensor k = RandomTensor(DType::kFloat32, {1, 1, keys, 1}, rng);
+  Tensor v = RandomTensor(DType::kFloat32, {1, 1, keys, 1}, rng);
+  const AttendInputs in{q.view(), k.view(), v.view(), std::nullopt};
+  const auto start = std::chrono::steady_clock::now();
+  ASSERT_TRUE(Attend(in, {}).ok());
+  const auto full = std::chrono::steady_clock::now() - start;
+  std::atomic<bool> cancelled{false};
+  AttentionOptions options;
+  options.cancelled = &cancelled;
+  const auto cancel_start = std::chrono::steady_clock::now();
+  absl::Status status;
+  {
+    Watchdog watchdog(
+        &cancelled,
+        std::chrono::duration_cast<std::chrono::milliseconds>(full / 10));
+    status = Attend(in, options).status();
+  }
+  const auto cancelled_after = std::chrono::steady_clock::now() - cancel_start;
+  EXPECT_EQ(status.code(), absl::StatusCode::kCancelled) << status;
+  EXPECT_LT(cancelled_after, full / 2)
+      << "full call " << std::chrono::duration<double>(full).count()
+      << " s, cancelled after "
+      << std::chrono::duration<double>(cancelled_after).count() << " s";
 }
 
 TEST(AttendTest, PrimitivesAreCreatedOncePerShape) {

@@ -68,11 +68,14 @@ TEST(TokenAuthenticatorTest, FileHoldsOneTokenPerLine) {
   // Comments are not tokens, nor is the whitespace around a token.
   for (const char* value :
        {"Bearer # accepted tokens", "Bearer # an indented comment",
-        "Bearer   second-token\t", "Bearer "}) {
+        "Bearer   second-token", "Bearer "}) {
     const absl::Status status = CheckWith(**auth, value);
     EXPECT_EQ(status.code(), kUnauthenticated) << value;
     EXPECT_EQ(status.message(), "authorization: token not accepted") << value;
   }
+  EXPECT_EQ(CheckWith(**auth, "Bearer   second-token\t").message(),
+            "authorization: the token holds bytes that are not printable "
+            "ASCII");
 }
 
 TEST(TokenAuthenticatorTest, FileWithoutTokensIsRefused) {
@@ -125,6 +128,59 @@ TEST(TokenAuthenticatorTest, OnlyWholeTokensAreAccepted) {
     EXPECT_EQ(status.code(), kUnauthenticated) << value;
     EXPECT_EQ(status.message(), "authorization: token not accepted") << value;
   }
+}
+
+// A NUL ends nothing: the token is every byte of the value.
+TEST(TokenAuthenticatorTest, BytesAfterANulAreComparedToo) {
+  const TokenAuthenticator auth({"secret"});
+  const std::string nul_after("Bearer secret\0", 14);
+  const std::string nul_and_more("Bearer secret\0admin", 19);
+  for (const std::string& value : {nul_after, nul_and_more}) {
+    grpc::ServerContext context;
+    grpc::testing::ServerContextTestSpouse spouse(&context);
+    spouse.AddClientMetadata("authorization", value);
+    const absl::Status status = auth.Check(context);
+    EXPECT_EQ(status.code(), kUnauthenticated);
+    EXPECT_EQ(status.message(),
+              "authorization: the token holds bytes that are not printable "
+              "ASCII");
+    EXPECT_EQ(auth.CheckAuthorization(value).message(), status.message());
+  }
+  for (const char* value : {"Bearer sec\x01ret", "Bearer secret\x7f",
+                            "Bearer s\xc3\xa9"
+                            "cret",
+                            "Bearer secret\n"}) {
+    EXPECT_EQ(CheckWith(auth, value).code(), kUnauthenticated) << value;
+  }
+  EXPECT_TRUE(CheckWith(auth, "Bearer secret").ok());
+}
+
+TEST(TokenAuthenticatorTest, TokensOverTheLimitAreRefusedWithTheirSize) {
+  const std::string longest(TokenAuthenticator::kMaxTokenBytes, 'k');
+  const TokenAuthenticator auth({longest});
+  EXPECT_TRUE(auth.CheckAuthorization("Bearer " + longest).ok());
+  const absl::Status status =
+      auth.CheckAuthorization("Bearer " + longest + "k");
+  EXPECT_EQ(status.code(), kUnauthenticated);
+  EXPECT_EQ(status.message(),
+            "authorization: token of 4097 bytes, longer than the 4096 a token "
+            "may have");
+}
+
+TEST(TokenAuthenticatorTest, FileTokensAClientCannotSendAreRefused) {
+  TempFile long_token("ok\n" + std::string(4097, 'k') + "\n");
+  auto refused = TokenAuthenticator::FromFile(long_token.path());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            absl::StrCat("--auth_token_file: the token on line 2 of '",
+                         long_token.path(),
+                         "' is 4097 bytes, longer than the 4096 a token may "
+                         "have"));
+  TempFile control("ok\n# comment\nse\x01cret\n");
+  refused = TokenAuthenticator::FromFile(control.path());
+  EXPECT_EQ(refused.status().message(),
+            absl::StrCat("--auth_token_file: the token on line 3 of '",
+                         control.path(), "' is not printable ASCII"));
 }
 
 TEST(TokenAuthenticatorTest, EachTokenIsComparedOnItsOwn) {

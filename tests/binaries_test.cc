@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <random>
 #include <string>
 #include <thread>
@@ -23,7 +24,9 @@
 #include "core/safetensors.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
+#include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
+#include "grpcpp/support/byte_buffer.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
 #include "tests/test_util.h"
@@ -427,6 +430,150 @@ TEST(BinariesTest, SigtermDrainsEveryAcceptedCall) {
   for (int i = 0; i < kCalls; ++i)
     EXPECT_TRUE(results[i].ok()) << i << ": " << results[i];
   EXPECT_EQ(server.StopWith(0, std::chrono::seconds(240)), 0);
+}
+
+// A client's name reaches the access log quoted, escaped and cut: a
+// newline in it cannot forge a line, nor a 100 KB name fill one.
+TEST(BinariesTest, AccessLogQuotesWhatClientsSend) {
+  ServerProcess server;
+  ASSERT_GT(server.port(), 0);
+  ClientOptions options;
+  options.target = server.target();
+  AttnClient client(options);
+  v1::MultiHeadAttendRequest forged;
+  forged.set_model("x\naccess rpc=Forged status=OK us=1");
+  EXPECT_EQ(client.MultiHeadAttend(forged).status().code(),
+            absl::StatusCode::kNotFound);
+  v1::SessionStepRequest long_id;
+  long_id.set_session_id(std::string(100000, 's'));
+  EXPECT_EQ(client.SessionStep(long_id).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(10)), 0);
+  const std::string log = server.RemainingOutput();
+  EXPECT_NE(log.find("access rpc=MultiHeadAttend model='x\\naccess "
+                     "rpc=Forged status=OK us=1' status=NOT_FOUND us="),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("\naccess rpc=Forged"), std::string::npos) << log;
+  EXPECT_NE(log.find(absl::StrCat("access rpc=SessionStep session='",
+                                  std::string(128, 's'),
+                                  "'... (100000 bytes) status=INVALID_ARGUMENT "
+                                  "us=")),
+            std::string::npos)
+      << log;
+}
+
+// Sends `count` MultiHeadAttend requests whose `model` (field 1, a proto3
+// string) is not UTF-8, which protobuf logs as it parses them; every one is
+// answered `code`.
+void SendInvalidUtf8(const std::string& target, int count,
+                     grpc::StatusCode code) {
+  grpc::GenericStub stub(
+      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  const std::string bytes = std::string("\x0a\x02\xff\xfe", 4);
+  for (int i = 0; i < count; ++i) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(10));
+    grpc::Slice slice(bytes);
+    grpc::ByteBuffer request(&slice, 1), reply;
+    std::promise<grpc::Status> done;
+    stub.UnaryCall(&context, "/attnserve.v1.AttentionService/MultiHeadAttend",
+                   grpc::StubOptions(), &request, &reply,
+                   [&done](grpc::Status status) { done.set_value(status); });
+    const grpc::Status status = done.get_future().get();
+    ASSERT_EQ(status.error_code(), code) << status.error_message();
+  }
+}
+
+int CountLines(const std::string& text, const std::string& part) {
+  int lines = 0;
+  for (size_t at = text.find(part); at != std::string::npos;
+       at = text.find(part, at + 1)) {
+    ++lines;
+  }
+  return lines;
+}
+
+// 11,505 'libprotobuf ERROR ... invalid UTF-8' lines were once logged for
+// as many hostile requests. Protobuf's lines are now limited to 10 a
+// minute, written from --log_level=warning, and unauthenticated requests
+// are not parsed at all.
+TEST(BinariesTest, MalformedRequestsAreLoggedAtMostTenTimesAMinute) {
+  {
+    ServerProcess server({"--log_level=warning"});
+    ASSERT_GT(server.port(), 0);
+    SendInvalidUtf8(server.target(), 200, grpc::StatusCode::INVALID_ARGUMENT);
+    ASSERT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(30)), 0);
+    const std::string output = server.RemainingOutput();
+    EXPECT_EQ(CountLines(output, "contains invalid UTF-8"), 10) << output;
+    EXPECT_EQ(CountLines(output, "[libprotobuf ERROR "), 10) << output;
+  }
+  {
+    ServerProcess server({"--log_level=error"});
+    ASSERT_GT(server.port(), 0);
+    SendInvalidUtf8(server.target(), 20, grpc::StatusCode::INVALID_ARGUMENT);
+    ASSERT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(30)), 0);
+    const std::string output = server.RemainingOutput();
+    EXPECT_EQ(CountLines(output, "libprotobuf"), 0) << output;
+  }
+  const std::string tokens = TempPath("tokens");
+  std::ofstream(tokens) << "secret\n";
+  ServerProcess server({"--log_level=info", "--auth_token_file=" + tokens});
+  ASSERT_GT(server.port(), 0);
+  SendInvalidUtf8(server.target(), 20, grpc::StatusCode::UNAUTHENTICATED);
+  ASSERT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(30)), 0);
+  const std::string output = server.RemainingOutput();
+  EXPECT_EQ(CountLines(output, "libprotobuf"), 0) << output;
+  std::filesystem::remove(tokens);
+}
+
+// A call of hours still computing when SIGTERM comes is cancelled at the
+// drain's deadline, and the server exits within --drain_seconds. Before
+// it, a call of 0 FLOPs that computed on gRPC's thread (2^40 logits of
+// [1, 1, 2^20, 0] operands) kept a server from exiting for minutes.
+TEST(BinariesTest, SigtermCancelsCallsStillRunningAtTheDrainDeadline) {
+  ServerProcess server({"--drain_seconds=3", "--lame_duck_seconds=1"});
+  ASSERT_GT(server.port(), 0);
+  ClientOptions options;
+  options.target = server.target();
+  options.timeout = absl::Seconds(60);
+  AttnClient client(options);
+  v1::AttendRequest request;
+  for (v1::Tensor* t : {request.mutable_query(), request.mutable_key(),
+                        request.mutable_value()}) {
+    t->set_dtype(v1::DATA_TYPE_FLOAT32);
+    for (int64_t d : {1, 1, 1 << 20, 0}) t->add_shape(d);
+  }
+  // Nothing to compute: answered at once.
+  auto empty = client.Attend(request);
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  // One value column and a mask: every logit is computed.
+  request.mutable_value()->set_shape(3, 1);
+  request.mutable_value()->set_raw_data(std::string(4 << 20, '\0'));
+  request.mutable_attn_mask()->set_dtype(v1::DATA_TYPE_BOOL);
+  request.mutable_attn_mask()->set_raw_data(std::string(1, '\1'));
+  // No deadline: the server's estimate would refuse it up front.
+  auto stub = v1::AttentionService::NewStub(
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  grpc::Status long_call;
+  std::thread call(
+      [&] { long_call = stub->Attend(&context, request, &response); });
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto signalled = std::chrono::steady_clock::now();
+  EXPECT_EQ(server.StopWith(SIGTERM, std::chrono::seconds(10)), 0);
+  const auto stopped_after = std::chrono::steady_clock::now() - signalled;
+  call.join();
+  EXPECT_LT(stopped_after, std::chrono::milliseconds(3500))
+      << "--drain_seconds=3";
+  EXPECT_GT(stopped_after, std::chrono::milliseconds(2500))
+      << "the call was meant to run until the drain's deadline";
+  // gRPC's answer to the calls its shutdown cancels: retryable.
+  EXPECT_EQ(long_call.error_code(), grpc::StatusCode::UNAVAILABLE)
+      << long_call.error_message();
+  EXPECT_EQ(long_call.error_message(), "Cancelling all calls");
 }
 
 // Clients calling without pause when SIGTERM comes: during the lame-duck

@@ -48,6 +48,7 @@
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_service.pb.h"
 #include "proto/tensor_codec.h"
 #include "tests/test_util.h"
 
@@ -88,7 +89,9 @@ constexpr int64_t kSessionMaxLength = 4096;
 // Cases.
 
 struct HostileCase {
-  std::string rpc;      // "Attend"
+  // The service and RPC: "attnserve.v1.AttentionService", "Attend".
+  std::string service;
+  std::string rpc;
   std::string name;     // what is wrong, e.g. "query_dtype_999"
   std::string field;    // the field exercised, e.g. "weights.q_proj_weight"
   std::string request;  // the bytes sent
@@ -98,6 +101,8 @@ struct HostileCase {
   bool glob = false;
   // Set when the expectation follows a decision implemented elsewhere.
   const char* pending = nullptr;
+  // The call's deadline: some refusals are the deadline estimate's.
+  int deadline_seconds = 60;
   // More checks of an OK response's bytes.
   std::function<void(const std::string&)> check;
   // Run after the case (e.g. unregister what it registered).
@@ -143,6 +148,7 @@ std::string RpcOf(const Message& request) {
 HostileCase Case(const Message& request, std::string name, std::string field,
                  Code code, std::string message) {
   HostileCase c;
+  c.service = request.GetDescriptor()->file()->service(0)->full_name();
   c.rpc = RpcOf(request);
   c.name = std::move(name);
   c.field = std::move(field);
@@ -1483,9 +1489,11 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
                           "model: 256 bytes, longer than the 255 a model "
                           "name may have"));
   r.set_model(std::string(255, 'a'));
+  // Echoed up to 128 bytes, with its length.
   cases.push_back(Case(r, "model_255_bytes", "model", Code::kNotFound,
-                       absl::StrCat("model: '", std::string(255, 'a'),
-                                    "' not found; loaded models: demo")));
+                       absl::StrCat("model: '", std::string(128, 'a'),
+                                    "'... (255 bytes) not found; loaded "
+                                    "models: demo")));
   r.set_model("../demo");
   cases.push_back(Invalid(r, "model_dot_dot_slash", "model",
                           "model: '../demo' contains '/'; a model name is the "
@@ -1913,9 +1921,9 @@ void AddSharedMemoryRpcCases(std::vector<HostileCase>& cases,
   cases.push_back(Invalid(region("k", std::string("/a\0b", 4), 0, 64),
                           "key_nul_byte", "region.key",
                           key_message + "a\\000b\""));
-  cases.push_back(Invalid(region("k", "/" + std::string(300, 'k'), 0, 64),
-                          "key_300_chars", "region.key",
-                          key_message + std::string(64, 'k') + "\""));
+  cases.push_back(Invalid(
+      region("k", "/" + std::string(300, 'k'), 0, 64), "key_300_chars",
+      "region.key", key_message + std::string(128, 'k') + "\"... (300 bytes)"));
   const std::string missing = absl::StrCat(key, "-missing");
   cases.push_back(Case(region("k", missing, 0, 64), "key_missing_object",
                        "region.key", Code::kNotFound,
@@ -2167,6 +2175,248 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
   cases.push_back(Ok(remove, "valid", "session_id"));
 }
 
+// ---------------------------------------------------------------------------
+// Resource families: calls whose cost is not their FLOPs, sessions that
+// reserve more than the budget, and the client strings messages echo.
+
+// A FLOAT32 tensor of `shape` that has no elements.
+v1::Tensor ZeroWidth(const std::vector<int64_t>& shape) {
+  v1::Tensor t;
+  t.set_dtype(v1::DATA_TYPE_FLOAT32);
+  SetShape(&t, shape);
+  return t;
+}
+
+// Calls of (nearly) no FLOPs and much work: each ends with an answer or a
+// clear refusal within its deadline, and the server serves the next call
+// at once (a [1, 1, 262144, 0] Attend once computed 27 s past its 3 s
+// deadline, on gRPC's thread, where nothing could stop it).
+void AddWorkCases(std::vector<HostileCase>& cases) {
+  for (const int64_t len : {int64_t{262144}, int64_t{1048576}}) {
+    v1::AttendRequest a;
+    *a.mutable_query() = ZeroWidth({1, 1, len, 0});
+    *a.mutable_key() = ZeroWidth({1, 1, len, 0});
+    *a.mutable_value() = ZeroWidth({1, 1, len, 0});
+    HostileCase c = Ok(a, absl::StrCat("zero_width_", len), "query",
+                       ExpectShape<v1::AttendResponse>({1, 1, len, 0}));
+    c.deadline_seconds = 3;
+    cases.push_back(std::move(c));
+  }
+  // Keys of width 0: each row is the mean of the values.
+  v1::AttendRequest a;
+  *a.mutable_query() = ZeroWidth({1, 1, 262144, 0});
+  *a.mutable_key() = ZeroWidth({1, 1, 4096, 0});
+  *a.mutable_value() = FloatValues({1, 1, 4096, 1}, std::vector(4096, 0.5f));
+  HostileCase mean = Ok(a, "zero_key_width_262144_queries", "key",
+                        ExpectEveryRow<v1::AttendResponse>({0.5f}));
+  mean.deadline_seconds = 3;
+  cases.push_back(std::move(mean));
+  // With a mask every one of the 2^38 logits is computed: the server's
+  // estimate refuses the call up front.
+  const int64_t long_len = int64_t{1} << 19;
+  *a.mutable_query() = ZeroWidth({1, 1, long_len, 0});
+  *a.mutable_key() = ZeroWidth({1, 1, long_len, 0});
+  *a.mutable_value() =
+      FloatValues({1, 1, long_len, 1}, std::vector(long_len, 0.5f));
+  *a.mutable_attn_mask() = KeepAll({});
+  HostileCase masked =
+      Glob(Case(a, "zero_key_width_masked_2_38_logits", "attn_mask",
+                Code::kDeadlineExceeded,
+                "call needs about * ms at this server's measured rate; the "
+                "deadline is in * ms"));
+  masked.deadline_seconds = 2;
+  cases.push_back(std::move(masked));
+  // No keys: zeros written, 0 FLOPs.
+  a.clear_attn_mask();
+  *a.mutable_key() = ZeroWidth({1, 1, 0, 0});
+  *a.mutable_value() = ZeroWidth({1, 1, 0, 1});
+  HostileCase zeros = Ok(a, "no_keys_2_19_queries", "value",
+                         ExpectEveryRow<v1::AttendResponse>({0.0f}));
+  zeros.deadline_seconds = 3;
+  cases.push_back(std::move(zeros));
+
+  // Multi-head attention with heads of width 0 over 32768 tokens: every
+  // row is out_proj_bias.
+  v1::MultiHeadAttendRequest m;
+  v1::AttentionWeights* w = m.mutable_weights();
+  w->set_num_heads(2);
+  *w->mutable_q_proj_weight() = ZeroWidth({0, 8});
+  *w->mutable_k_proj_weight() = ZeroWidth({0, 8});
+  *w->mutable_v_proj_weight() = ZeroWidth({0, 8});
+  *w->mutable_out_proj_weight() = ZeroWidth({5, 0});
+  *w->mutable_out_proj_bias() = Floats({5}, 18);
+  *m.mutable_query() = Floats({1, 32768, 8}, 61);
+  HostileCase heads = Ok(m, "head_dims_0_32768_tokens", "weights.q_proj_weight",
+                         ExpectEveryRow<v1::MultiHeadAttendResponse>(
+                             RawFloats(w->out_proj_bias())));
+  heads.deadline_seconds = 5;
+  cases.push_back(std::move(heads));
+}
+
+// Sessions whose cache could never fit --max_session_memory_mb (4096, the
+// default) are refused before anything is reserved: 8 TiB a call once
+// filled the address space.
+void AddSessionReservationCases(std::vector<HostileCase>& cases) {
+  const auto refused = [&](const char* name, int64_t head_dim, int64_t batch,
+                           std::string message) {
+    v1::CreateSessionRequest r;
+    r.set_num_heads(8);
+    r.set_head_dim(head_dim);
+    r.set_batch(batch);
+    cases.push_back(Case(r, name, "max_length", Code::kResourceExhausted,
+                         std::move(message)));
+  };
+  refused("head_dim_2_22", int64_t{1} << 22, 0,
+          "max_length: 32768 tokens x 1 sequences x 8 key/value heads x "
+          "(4194304 + 4194304) dims of FLOAT32 reserve 8388608 MiB of cache, "
+          "more than --max_session_memory_mb 4096 allows one session; at "
+          "most 16 tokens fit");
+  refused("head_dim_2_14", int64_t{1} << 14, 0,
+          "max_length: 32768 tokens x 1 sequences x 8 key/value heads x "
+          "(16384 + 16384) dims of FLOAT32 reserve 32768 MiB of cache, more "
+          "than --max_session_memory_mb 4096 allows one session; at most "
+          "4096 tokens fit");
+  refused("batch_1024", 64, 1024,
+          "max_length: 32768 tokens x 1024 sequences x 8 key/value heads x "
+          "(64 + 64) dims of FLOAT32 reserve 131072 MiB of cache, more than "
+          "--max_session_memory_mb 4096 allows one session; at most 1024 "
+          "tokens fit");
+  refused("head_dim_2_40", int64_t{1} << 40, 0,
+          "max_length: 32768 tokens x 1 sequences x 8 key/value heads x "
+          "(1099511627776 + 1099511627776) dims of FLOAT32 reserve "
+          "2199023255552 MiB of cache, more than --max_session_memory_mb "
+          "4096 allows one session; not one token fits: use smaller dims");
+}
+
+// What a message echoes of a client's string: its first 128 bytes, then
+// its length (see EchoString).
+std::string Cut(char c, size_t n) {
+  return absl::StrCat("'", std::string(128, c), "'... (", n, " bytes)");
+}
+
+// Every echoed client string, on both services, cut to 128 bytes: a
+// 20,000-byte version made a 20,048-byte NOT_FOUND that clients received
+// as RESOURCE_EXHAUSTED "received initial metadata size exceeds limit".
+void AddEchoCases(std::vector<HostileCase>& cases) {
+  const std::string v20k(20000, '9');
+  const std::string n8k(8000, 'n');
+  const std::string not_found =
+      absl::StrCat("model: ", Cut('n', 200), " not found; loaded models: demo");
+
+  v1::GetModelMetadataRequest metadata;
+  metadata.set_name(std::string(200, 'n'));
+  cases.push_back(Case(metadata, "name_200_bytes_echo", "name", Code::kNotFound,
+                       not_found));
+  v1::CreateSessionRequest create;
+  create.set_model(std::string(200, 'n'));
+  cases.push_back(Case(create, "model_200_bytes_echo", "model", Code::kNotFound,
+                       not_found));
+  v1::SessionStepRequest step;
+  step.set_session_id("s\n\"x");
+  cases.push_back(Case(step, "session_id_newline_quote_echo", "session_id",
+                       Code::kNotFound,
+                       "session_id: no session \"s\\n\\\"x\" (expired, "
+                       "evicted, deleted, or opened on another replica); "
+                       "create a new one and prefill it"));
+  v1::RegisterSharedMemoryRequest region;
+  region.mutable_region()->set_name("r");
+  region.mutable_region()->set_key(n8k);
+  region.mutable_region()->set_byte_size(64);
+  cases.push_back(Invalid(
+      region, "key_8000_bytes_echo", "region.key",
+      absl::StrCat("key: expected a POSIX shared memory name such as "
+                   "\"/my_region\" (one name under /dev/shm, no other '/', "
+                   "at most 250 characters), got \"",
+                   std::string(128, 'n'), "\"... (8000 bytes)")));
+
+  // The Open Inference Protocol's service.
+  const std::string only_version =
+      absl::StrCat(" has only version 1, not ", Cut('9', 20000));
+  inference::ModelMetadataRequest oip_metadata;
+  oip_metadata.set_name("demo");
+  oip_metadata.set_version(v20k);
+  cases.push_back(Case(oip_metadata, "version_20000_bytes", "version",
+                       Code::kNotFound,
+                       absl::StrCat("version: model 'demo'", only_version)));
+  oip_metadata.set_name(n8k);
+  cases.push_back(
+      Case(oip_metadata, "name_and_version_long", "name", Code::kNotFound,
+           absl::StrCat("version: model ", Cut('n', 8000), only_version)));
+  inference::ModelReadyRequest ready;
+  ready.set_name("demo");
+  ready.set_version(v20k);
+  cases.push_back(Case(ready, "version_20000_bytes", "version", Code::kNotFound,
+                       absl::StrCat("version: model 'demo'", only_version)));
+  inference::ModelInferRequest infer;
+  infer.set_model_name("layer_norm");
+  auto* input = infer.add_inputs();
+  input->set_name("input");
+  input->set_datatype("FP32");
+  input->add_shape(2);
+  input->add_shape(4);
+  infer.add_raw_input_contents(std::string(32, '\0'));
+  const auto infer_case = [&](const char* name, const char* field, auto&& edit,
+                              Code code, std::string message) {
+    inference::ModelInferRequest r = infer;
+    edit(r);
+    cases.push_back(Case(r, name, field, code, std::move(message)));
+  };
+  infer_case(
+      "model_version_20000_bytes", "model_version",
+      [&](auto& r) { r.set_model_version(v20k); }, Code::kNotFound,
+      absl::StrCat("model_version: model 'layer_norm'", only_version));
+  infer_case(
+      "model_name_200_bytes", "model_name",
+      [&](auto& r) { r.set_model_name(std::string(200, 'n')); },
+      Code::kNotFound, not_found);
+  infer_case(
+      "input_name_8000_bytes", "inputs.name",
+      [&](auto& r) { r.mutable_inputs(0)->set_name(n8k); },
+      Code::kInvalidArgument,
+      absl::StrCat("inputs: unknown input ", Cut('n', 8000),
+                   " for model 'layer_norm'; expected one of input, gamma, "
+                   "beta"));
+  infer_case(
+      "input_datatype_8000_bytes", "inputs.datatype",
+      [&](auto& r) { r.mutable_inputs(0)->set_datatype(n8k); },
+      Code::kInvalidArgument,
+      absl::StrCat("input: datatype ", Cut('n', 8000),
+                   " is not supported; expected FP32, BF16, FP16, BOOL or "
+                   "UINT8"));
+  infer_case(
+      "input_parameter_8000_bytes", "inputs.parameters",
+      [&](auto& r) {
+        (*r.mutable_inputs(0)->mutable_parameters())[n8k].set_bool_param(true);
+      },
+      Code::kInvalidArgument,
+      absl::StrCat("input: unknown parameter ", Cut('n', 8000),
+                   "; expected shared_memory_region, shared_memory_offset or "
+                   "shared_memory_byte_size"));
+  infer_case(
+      "output_name_8000_bytes", "outputs.name",
+      [&](auto& r) { r.add_outputs()->set_name(n8k); }, Code::kInvalidArgument,
+      absl::StrCat("outputs: unknown output ", Cut('n', 8000),
+                   " for model 'layer_norm'; expected one of output"));
+  infer_case(
+      "output_parameter_8000_bytes", "outputs.parameters",
+      [&](auto& r) {
+        auto* output = r.add_outputs();
+        output->set_name("output");
+        (*output->mutable_parameters())[n8k].set_int64_param(1);
+      },
+      Code::kInvalidArgument,
+      absl::StrCat("output: unknown parameter ", Cut('n', 8000),
+                   "; expected shared_memory_region, shared_memory_offset or "
+                   "shared_memory_byte_size"));
+  infer_case(
+      "parameter_8000_bytes", "parameters",
+      [&](auto& r) { (*r.mutable_parameters())[n8k].set_bool_param(true); },
+      Code::kInvalidArgument,
+      absl::StrCat("parameters: unknown parameter ", Cut('n', 8000),
+                   " for model 'layer_norm'; expected one of eps, "
+                   "normalized_ndim, rms_norm"));
+}
+
 std::string RegionKey() {
   static const std::string key = UniqueSharedMemoryKey("hostile");
   return key;
@@ -2184,6 +2434,9 @@ const std::vector<HostileCase>& Table() {
     AddModelRpcCases(*cases);
     AddSharedMemoryRpcCases(*cases, RegionKey());
     AddSessionCases(*cases);
+    AddWorkCases(*cases);
+    AddSessionReservationCases(*cases);
+    AddEchoCases(*cases);
     return cases;
   }();
   return *table;
@@ -2308,17 +2561,19 @@ class HostileInputTest : public ::testing::TestWithParam<HostileCase> {
     delete repository_;
   }
 
-  // Sends `bytes` to `rpc`; the response's bytes go to `response`.
-  static grpc::Status Call(const std::string& rpc, const std::string& bytes,
-                           std::string* response) {
+  // Sends `bytes` to `service`'s `rpc`; the response's bytes go to
+  // `response`.
+  static grpc::Status Call(const std::string& service, const std::string& rpc,
+                           const std::string& bytes, std::string* response,
+                           int deadline_seconds = 60) {
     grpc::GenericStub stub(*channel_);
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::seconds(60));
+                         std::chrono::seconds(deadline_seconds));
     grpc::Slice slice(bytes);
     grpc::ByteBuffer request(&slice, 1), reply;
     std::promise<grpc::Status> done;
-    stub.UnaryCall(&context, "/attnserve.v1.AttentionService/" + rpc,
+    stub.UnaryCall(&context, absl::StrCat("/", service, "/", rpc),
                    grpc::StubOptions(), &request, &reply,
                    [&done](grpc::Status status) { done.set_value(status); });
     grpc::Status status = done.get_future().get();
@@ -2353,7 +2608,8 @@ TEST_P(HostileInputTest, AnswersWithCodeAndMessage) {
   }
   std::string response;
   const grpc::Status status =
-      Call(c.rpc, absl::StrReplaceAll(c.request, *session_ids_), &response);
+      Call(c.service, c.rpc, absl::StrReplaceAll(c.request, *session_ids_),
+           &response, c.deadline_seconds);
   const auto code = static_cast<Code>(status.error_code());
   const std::string& message = status.error_message();
   EXPECT_NE(code, Code::kInternal) << message;
@@ -2376,8 +2632,8 @@ TEST_P(HostileInputTest, AnswersWithCodeAndMessage) {
   }
   // The server still serves.
   std::string ok;
-  const grpc::Status after =
-      Call("Attend", AttendBase().SerializeAsString(), &ok);
+  const grpc::Status after = Call("attnserve.v1.AttentionService", "Attend",
+                                  AttendBase().SerializeAsString(), &ok);
   EXPECT_TRUE(after.ok()) << "server stopped serving: "
                           << after.error_message();
 }

@@ -22,6 +22,7 @@
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/shared_memory.h"
 #include "core/convert.h"
+#include "core/verify.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -595,6 +596,230 @@ TEST_F(OpenInferenceTest, BadRequestsNameTheField) {
   EXPECT_EQ(status.error_message(),
             "query: FP16 values travel only in raw_input_contents (the "
             "protocol has no FP16 contents field)");
+}
+
+// How a message echoes `n` copies of `c`: its first 128 bytes, quoted,
+// and its length.
+std::string Cut(char c, size_t n) {
+  return absl::StrCat("'", std::string(128, c), "'... (", n, " bytes)");
+}
+
+// Every client string a status message echoes is cut to its first 128
+// bytes, with its length: a 20,048-byte NOT_FOUND for a 20,000-byte version
+// once reached clients as RESOURCE_EXHAUSTED "received initial metadata
+// size exceeds limit". One case per field, on both services.
+TEST_F(OpenInferenceTest, EchoedStringsAreCutTo128Bytes) {
+  const std::string v20k(20000, '9');
+  const std::string n8k(8000, 'n');
+  const std::string echo_v = Cut('9', 20000);
+  const std::string echo_n = Cut('n', 8000);
+  const std::string not_found =
+      absl::StrCat("model: ", Cut('n', 200), " not found; loaded models: mha");
+  const v1::Tensor q = Wire(DType::kFloat32, {2, 8}, rng_);
+  const auto attend = [&] {
+    ModelInferRequest request;
+    request.set_model_name("attend");
+    for (const char* name : {"query", "key", "value"})
+      AddRaw(name, q, &request);
+    return request;
+  };
+  const auto metadata = [&](const std::string& name,
+                            const std::string& version) {
+    inference::ModelMetadataRequest request;
+    request.set_name(name);
+    request.set_version(version);
+    inference::ModelMetadataResponse response;
+    return protocol_->ModelMetadata(Context().get(), request, &response);
+  };
+  const auto ready = [&](const std::string& name, const std::string& version) {
+    inference::ModelReadyRequest request;
+    request.set_name(name);
+    request.set_version(version);
+    inference::ModelReadyResponse response;
+    return protocol_->ModelReady(Context().get(), request, &response);
+  };
+  const auto infer = [&](std::function<void(ModelInferRequest*)> edit) {
+    ModelInferRequest request = attend();
+    edit(&request);
+    ModelInferResponse response;
+    return Infer(request, &response);
+  };
+  struct Case {
+    std::string field;
+    std::function<grpc::Status()> call;
+    grpc::StatusCode code;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"ModelMetadata version", [&] { return metadata("attend", v20k); },
+       grpc::StatusCode::NOT_FOUND,
+       absl::StrCat("version: model 'attend' has only version 1, not ",
+                    echo_v)},
+      {"ModelMetadata name and version", [&] { return metadata(n8k, v20k); },
+       grpc::StatusCode::NOT_FOUND,
+       absl::StrCat("version: model ", echo_n, " has only version 1, not ",
+                    echo_v)},
+      {"ModelMetadata name",
+       [&] { return metadata(std::string(200, 'n'), ""); },
+       grpc::StatusCode::NOT_FOUND, not_found},
+      {"ModelReady version", [&] { return ready("attend", v20k); },
+       grpc::StatusCode::NOT_FOUND,
+       absl::StrCat("version: model 'attend' has only version 1, not ",
+                    echo_v)},
+      {"ModelReady name and version", [&] { return ready(n8k, v20k); },
+       grpc::StatusCode::NOT_FOUND,
+       absl::StrCat("version: model ", echo_n, " has only version 1, not ",
+                    echo_v)},
+      {"ModelInfer model_version",
+       [&] { return infer([&](auto* r) { r->set_model_version(v20k); }); },
+       grpc::StatusCode::NOT_FOUND,
+       absl::StrCat("model_version: model 'attend' has only version 1, not ",
+                    echo_v)},
+      {"ModelInfer model_name",
+       [&] {
+         return infer(
+             [&](auto* r) { r->set_model_name(std::string(200, 'n')); });
+       },
+       grpc::StatusCode::NOT_FOUND, not_found},
+      {"ModelInfer input name",
+       [&] {
+         return infer([&](auto* r) { r->mutable_inputs(2)->set_name(n8k); });
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat("inputs: unknown input ", echo_n,
+                    " for model 'attend'; expected one of query, key, value, "
+                    "attn_mask")},
+      {"ModelInfer input datatype",
+       [&] {
+         return infer(
+             [&](auto* r) { r->mutable_inputs(1)->set_datatype(n8k); });
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat(
+           "key: datatype ", echo_n,
+           " is not supported; expected FP32, BF16, FP16, BOOL or UINT8")},
+      {"ModelInfer input parameter name",
+       [&] {
+         return infer([&](auto* r) {
+           (*r->mutable_inputs(0)->mutable_parameters())[n8k].set_bool_param(
+               true);
+         });
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat("query: unknown parameter ", echo_n,
+                    "; expected shared_memory_region, shared_memory_offset or "
+                    "shared_memory_byte_size")},
+      {"ModelInfer output name",
+       [&] { return infer([&](auto* r) { r->add_outputs()->set_name(n8k); }); },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat("outputs: unknown output ", echo_n,
+                    " for model 'attend'; expected one of output, weights")},
+      {"ModelInfer output parameter name",
+       [&] {
+         return infer([&](auto* r) {
+           auto* output = r->add_outputs();
+           output->set_name("output");
+           (*output->mutable_parameters())[n8k].set_int64_param(1);
+         });
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat("output: unknown parameter ", echo_n,
+                    "; expected shared_memory_region, shared_memory_offset or "
+                    "shared_memory_byte_size")},
+      {"ModelInfer request parameter name",
+       [&] {
+         return infer([&](auto* r) {
+           (*r->mutable_parameters())[n8k].set_bool_param(true);
+         });
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat(
+           "parameters: unknown parameter ", echo_n,
+           " for model 'attend'; expected one of causal, scale, temperature, "
+           "return_weights, compute_bf16, enable_gqa")},
+      {"GetModelMetadata name",
+       [&] {
+         v1::GetModelMetadataRequest request;
+         request.set_name(std::string(200, 'n'));
+         v1::GetModelMetadataResponse response;
+         return native_->GetModelMetadata(Context().get(), request, &response);
+       },
+       grpc::StatusCode::NOT_FOUND, not_found},
+      {"MultiHeadAttend model",
+       [&] {
+         v1::MultiHeadAttendRequest request;
+         request.set_model(std::string(200, 'n'));
+         v1::MultiHeadAttendResponse response;
+         return native_->MultiHeadAttend(Context().get(), request, &response);
+       },
+       grpc::StatusCode::NOT_FOUND, not_found},
+      {"CreateSession model",
+       [&] {
+         v1::CreateSessionRequest request;
+         request.set_model(std::string(200, 'n'));
+         v1::CreateSessionResponse response;
+         return native_->CreateSession(Context().get(), request, &response);
+       },
+       grpc::StatusCode::NOT_FOUND, not_found},
+      {"SessionStep session_id",
+       [&] {
+         v1::SessionStepRequest request;
+         request.set_session_id(absl::StrCat(std::string(100, 's'), "\n\""));
+         v1::SessionStepResponse response;
+         return native_->SessionStep(Context().get(), request, &response);
+       },
+       grpc::StatusCode::NOT_FOUND,
+       absl::StrCat("session_id: no session \"", std::string(100, 's'),
+                    "\\n\\\"\" (expired, evicted, deleted, or opened on "
+                    "another replica); create a new one and prefill it")},
+      {"RegisterSharedMemory key",
+       [&] {
+         v1::RegisterSharedMemoryRequest request;
+         request.mutable_region()->set_name("r");
+         request.mutable_region()->set_key(n8k);
+         request.mutable_region()->set_byte_size(64);
+         v1::RegisterSharedMemoryResponse response;
+         return native_->RegisterSharedMemory(Context().get(), request,
+                                              &response);
+       },
+       grpc::StatusCode::INVALID_ARGUMENT,
+       absl::StrCat("key: expected a POSIX shared memory name such as "
+                    "\"/my_region\" (one name under /dev/shm, no other '/', "
+                    "at most 250 characters), got \"",
+                    std::string(128, 'n'), "\"... (8000 bytes)")},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.field);
+    const grpc::Status status = c.call();
+    EXPECT_EQ(status.error_code(), c.code);
+    EXPECT_EQ(status.error_message(), c.message);
+    EXPECT_LE(status.error_message().size(), 600u);
+  }
+}
+
+// How a message quotes what a client sent: escaped, cut at 128 bytes on a
+// character boundary, with the length when cut.
+TEST(EchoStringTest, QuotesEscapesAndCuts) {
+  EXPECT_EQ(EchoString("demo"), "'demo'");
+  EXPECT_EQ(EchoString(""), "''");
+  EXPECT_EQ(EchoString("it's"), "'it\\'s'");
+  EXPECT_EQ(EchoString("say \"hi\"", '"'), "\"say \\\"hi\\\"\"");
+  EXPECT_EQ(EchoString(std::string("a\0b\n\x7f\\", 6)),
+            "'a\\000b\\n\\177\\\\'");
+  // UTF-8 stays, bytes that are not UTF-8 are escaped.
+  EXPECT_EQ(EchoString("mod\xc3\xa8le"), "'mod\xc3\xa8le'");
+  EXPECT_EQ(EchoString("\xc3(\xff\xed\xa0\x80"),
+            "'\\303(\\377\\355\\240\\200'");
+  EXPECT_EQ(EchoString(std::string(128, 'x')),
+            absl::StrCat("'", std::string(128, 'x'), "'"));
+  EXPECT_EQ(EchoString(std::string(129, 'x')), Cut('x', 129));
+  // A 2-byte character across byte 128 is left out whole.
+  EXPECT_EQ(EchoString(absl::StrCat(std::string(127, 'x'), "\xc3\xa8")),
+            absl::StrCat("'", std::string(127, 'x'), "'... (129 bytes)"));
+  // The longest echo: 128 bytes that each escape to 4.
+  const std::string worst = EchoString(std::string(100000, '\x01'));
+  EXPECT_EQ(worst.size(),
+            2 + 128 * 4 + std::string("... (100000 bytes)").size());
 }
 
 TEST_F(OpenInferenceTest, MetadataAndReadiness) {

@@ -55,6 +55,93 @@ TEST(RequestCostTest, Attend) {
   EXPECT_EQ(CostOf(r).largest_tensor, 2000);
 }
 
+TEST(RequestCostTest, AttendWork) {
+  v1::AttendRequest r;
+  *r.mutable_query() = Shaped({6, 4, 8});
+  *r.mutable_key() = Shaped({6, 5, 8});
+  *r.mutable_value() = Shaped({6, 5, 16});
+  // Elements read (192 + 240 + 480) and written (6 x 4 x 16), and 120
+  // logits.
+  EXPECT_EQ(CostOf(r).work,
+            kElementWork * (192 + 240 + 480 + 384) + kLogitWork * 120);
+  // A mask is read once per logit, weights are written.
+  *r.mutable_attn_mask() = Shaped({4, 1});
+  r.set_return_weights(true);
+  EXPECT_EQ(CostOf(r).work,
+            kElementWork * (192 + 240 + 480 + 4 + 384 + 120 + 120) +
+                kLogitWork * 120);
+}
+
+// Calls of (nearly) no FLOPs whose work is not small: none of them may run
+// on gRPC's thread, where nothing can cancel it.
+TEST(RequestCostTest, WorkOfCallsWithoutFlops) {
+  const int64_t l = 262144;
+  v1::AttendRequest r;
+  *r.mutable_query() = Shaped({1, 1, l, 0});
+  *r.mutable_key() = Shaped({1, 1, l, 0});
+  *r.mutable_value() = Shaped({1, 1, l, 0});
+  // Nothing to compute: no output elements, no logit needed.
+  EXPECT_EQ(CostOf(r).effort(), 0);
+  EXPECT_TRUE(RunsInline(CostOf(r)));
+  // Their 2^36 logits when the weights are asked for (2^38 bytes of them).
+  r.set_return_weights(true);
+  EXPECT_EQ(CostOf(r).flops, 0);
+  EXPECT_EQ(CostOf(r).work, (kElementWork + kLogitWork) * l * l);
+  EXPECT_FALSE(RunsInline(CostOf(r)));
+  // A mask makes the kernel evaluate them even for one value column...
+  r.set_return_weights(false);
+  *r.mutable_value() = Shaped({1, 1, l, 1});
+  *r.mutable_attn_mask() = Shaped({});
+  EXPECT_EQ(CostOf(r).flops, 2.0 * l * l);
+  EXPECT_EQ(CostOf(r).work,
+            kElementWork * (l + 1 + l + double(l) * l) + kLogitWork * l * l);
+  // ... without one, each row is the mean of the values: Lk sums, and the
+  // output written.
+  r.clear_attn_mask();
+  EXPECT_EQ(CostOf(r).flops, l);
+  EXPECT_EQ(CostOf(r).work, kElementWork * 2 * l);
+  EXPECT_FALSE(RunsInline(CostOf(r)));
+  // No key: 2^20 x 16 zeros written, 0 FLOPs.
+  *r.mutable_query() = Shaped({1, 1, 1 << 20, 0});
+  *r.mutable_key() = Shaped({1, 1, 0, 0});
+  *r.mutable_value() = Shaped({1, 1, 0, 16});
+  EXPECT_EQ(CostOf(r).flops, 0);
+  EXPECT_EQ(CostOf(r).work, kElementWork * 16 * (1 << 20));
+  EXPECT_FALSE(RunsInline(CostOf(r)));
+
+  // Multi-head attention with heads of width 0 and weights asked for.
+  v1::MultiHeadAttendRequest m;
+  *m.mutable_query() = Shaped({1, l, 0});
+  v1::AttentionWeights* w = m.mutable_weights();
+  w->set_num_heads(1);
+  *w->mutable_in_proj_weight() = Shaped({0, 0});
+  m.set_return_weights(true);
+  EXPECT_EQ(CostOf(m, nullptr).flops, 0);
+  EXPECT_GE(CostOf(m, nullptr).work, kLogitWork * l * l);
+  EXPECT_FALSE(RunsInline(CostOf(m, nullptr)));
+
+  // LayerNorm reads and writes every element.
+  v1::LayerNormRequest n;
+  *n.mutable_input() = Shaped({1000, 1000});
+  EXPECT_EQ(CostOf(n).work, kElementWork * 2e6);
+  EXPECT_FALSE(RunsInline(CostOf(n)));
+  *n.mutable_input() = Shaped({100, 1000});
+  EXPECT_TRUE(RunsInline(CostOf(n)));
+}
+
+TEST(RequestCostTest, EffortIsTheLargerOfFlopsAndWork) {
+  RequestCost cost;
+  cost.flops = 3e6;
+  cost.work = 2e6;
+  EXPECT_EQ(cost.effort(), 3e6);
+  cost.work = 5e6;
+  EXPECT_EQ(cost.effort(), 5e6);
+  // The estimate of a call of 0 FLOPs is its work's.
+  CostModel model(1e9);
+  cost.flops = 0;
+  EXPECT_EQ(model.Estimate(cost.effort()), absl::Milliseconds(5));
+}
+
 TEST(RequestCostTest, AttendBytesSaturateInsteadOfOverflowing) {
   v1::AttendRequest r;
   *r.mutable_query() = Shaped({int64_t{1} << 30, 1 << 20, 1});

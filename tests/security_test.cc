@@ -9,6 +9,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "proto/tensor_codec.h"
 #include "tests/test_util.h"
@@ -161,6 +162,39 @@ TEST_F(SecurityTest, TokensGuardEveryRpcButHealth) {
   auto health = client.Health("");
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);
+}
+
+// Tokens over the 4096 bytes a token may have get UNAUTHENTICATED with
+// their size (they used to meet gRPC's 8 KiB header limit, which clients
+// reported as RESOURCE_EXHAUSTED or a closed connection); headers over the
+// server's 64 KiB still meet gRPC's limit, and the channel goes on serving.
+TEST_F(SecurityTest, OversizedTokensAreRefusedWithTheirSize) {
+  ServerOptions options;
+  options.auth_token_file = certs_->path("tokens");
+  TestServer server(options);
+  auto stub = v1::AttentionService::NewStub(
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  const auto list = [&](const std::string& authorization) {
+    grpc::ClientContext context;
+    context.AddMetadata("authorization", authorization);
+    v1::ListModelsResponse response;
+    return stub->ListModels(&context, {}, &response);
+  };
+  for (const size_t size : {size_t{4097}, size_t{9000}, size_t{60000}}) {
+    const grpc::Status status = list("Bearer " + std::string(size, 't'));
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::UNAUTHENTICATED) << size;
+    EXPECT_EQ(status.error_message(),
+              absl::StrCat("authorization: token of ", size,
+                           " bytes, longer than the 4096 a token may have"));
+  }
+  const grpc::Status huge = list("Bearer " + std::string(200000, 't'));
+  EXPECT_EQ(huge.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_EQ(huge.error_message(),
+            "received initial metadata size exceeds limit");
+  EXPECT_TRUE(list("Bearer first-token").ok());
+  // A token is compared on every byte: one byte more is refused.
+  EXPECT_EQ(list("Bearer first-token ").error_message(),
+            "authorization: token not accepted");
 }
 
 TEST(ServerOptionsTest, TlsFlagsComeInPairs) {

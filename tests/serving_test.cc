@@ -7,6 +7,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/client.h"
@@ -159,6 +160,86 @@ TEST(ServingTest, CancelledCallStopsComputingAndFreesTheWorker) {
   EXPECT_TRUE(short_call.ok()) << short_call;
   EXPECT_LT(freed_after, full / 2) << "full call " << full << ", worker freed "
                                    << freed_after << " after the cancel";
+}
+
+// Attention over FLOAT32 [1, 1, len, 0] queries and keys: 40 bytes of
+// request, 0 FLOPs, len^2 logits of nothing; values [1, 1, len, dv].
+v1::AttendRequest ZeroWidthRequest(int64_t len, int64_t dv) {
+  v1::AttendRequest r;
+  for (v1::Tensor* t :
+       {r.mutable_query(), r.mutable_key(), r.mutable_value()}) {
+    t->set_dtype(v1::DATA_TYPE_FLOAT32);
+    for (int64_t d : {int64_t{1}, int64_t{1}, len, int64_t{0}}) {
+      t->add_shape(d);
+    }
+  }
+  r.mutable_value()->set_shape(3, dv);
+  r.mutable_value()->set_raw_data(std::string(len * dv * 4, '\0'));
+  return r;
+}
+
+// A server used to compute such calls on gRPC's thread, where nothing
+// could stop them: the 3 s call ran 27 s more and the next call waited for
+// it. They end within their deadline now, and delay nothing.
+TEST(ServingTest, CallsOfNoFlopsEndWithinTheirDeadline) {
+  TestServer server;
+  AttnClient client = ClientWithTimeout(server, absl::Seconds(3));
+  for (const int64_t len : {int64_t{262144}, int64_t{1048576}}) {
+    const absl::Time start = absl::Now();
+    auto answer = client.Attend(ZeroWidthRequest(len, 0));
+    const absl::Duration took = absl::Now() - start;
+    ASSERT_TRUE(answer.ok()) << len << ": " << answer.status();
+    EXPECT_EQ(ShapeString(Shape(answer->output().shape().begin(),
+                                answer->output().shape().end())),
+              absl::StrCat("[1, 1, ", len, ", 0]"));
+    EXPECT_LT(took, absl::Seconds(3)) << len;
+    const absl::Time next = absl::Now();
+    EXPECT_TRUE(client.LayerNorm(ShortRequest()).ok());
+    EXPECT_LT(absl::Now() - next, absl::Seconds(1)) << "after " << len;
+  }
+  // Keys of width 0 over one value column: each row is the mean of the
+  // values (here 0), linear in the keys.
+  auto mean = client.Attend(ZeroWidthRequest(1048576, 1));
+  ASSERT_TRUE(mean.ok()) << mean.status();
+  EXPECT_EQ(mean->output().raw_data(), std::string(1048576 * 4, '\0'));
+}
+
+// With a mask the 2^40 logits of [1, 1, 2^20, 0] queries and keys are
+// computed: a call of hours, which its client can stop and which frees its
+// worker when it does.
+TEST(ServingTest, CancelledCallOfFewFlopsFreesTheWorker) {
+  TestServer server(OneWorker(/*max_queue=*/0));
+  v1::AttendRequest slow = ZeroWidthRequest(1 << 20, 1);
+  slow.mutable_attn_mask()->set_dtype(v1::DATA_TYPE_BOOL);
+  slow.mutable_attn_mask()->set_raw_data(std::string(1, '\1'));
+  auto channel =
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::AttentionService::NewStub(channel);
+  grpc::ClientContext context;
+  v1::AttendResponse response;
+  grpc::Status slow_status;
+  std::thread call(
+      [&] { slow_status = stub->Attend(&context, slow, &response); });
+  // The worker is taken: a second call is refused (no queue).
+  AttnClient client = server.MakeClient();
+  absl::Status busy;
+  const absl::Time give_up = absl::Now() + absl::Seconds(30);
+  do {
+    busy = client.LayerNorm(ShortRequest()).status();
+  } while (busy.ok() && absl::Now() < give_up);
+  EXPECT_EQ(busy.code(), absl::StatusCode::kResourceExhausted) << busy;
+  context.TryCancel();
+  const absl::Time cancelled_at = absl::Now();
+  absl::Status freed;
+  do {
+    freed = client.LayerNorm(ShortRequest()).status();
+  } while (freed.code() == absl::StatusCode::kResourceExhausted &&
+           absl::Now() - cancelled_at < absl::Seconds(30));
+  const absl::Duration freed_after = absl::Now() - cancelled_at;
+  call.join();
+  EXPECT_EQ(slow_status.error_code(), grpc::StatusCode::CANCELLED);
+  EXPECT_TRUE(freed.ok()) << freed;
+  EXPECT_LT(freed_after, absl::Seconds(2));
 }
 
 TEST(ServingTest, ComputeTimeComesBackInTheTrailer) {

@@ -4,6 +4,10 @@
 // FAILED_PRECONDITION answers with their messages, eviction under
 // --max_session_memory_mb, idle expiry, concurrent sessions and the
 // metrics.
+#include <sys/resource.h>
+
+#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -18,6 +22,7 @@
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "proto/tensor_codec.h"
+#include "server/handlers.h"
 #include "tests/test_util.h"
 
 namespace attnserve::testing {
@@ -421,6 +426,156 @@ TEST_F(SessionServerTest, MemoryLimitEvictsTheLeastRecentlyUsedSession) {
   EXPECT_NE(page.find("attnserve_requests_total{rpc=\"SessionStep\",code="
                       "\"NOT_FOUND\"} 1\n"),
             std::string::npos);
+}
+
+// The address space this process has mapped (VmSize), in bytes.
+size_t MappedBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmSize:", 0) == 0) {
+      return std::stoull(line.substr(7)) * 1024;
+    }
+  }
+  return 0;
+}
+
+// A hostile client's sequence: sessions of 8 heads with head dims 2^22,
+// 2^18, 2^14, 2^10, 64, 4 and 1 at the default max_length, each created
+// until refused. It once reserved 128 TiB of address space, which no limit
+// counted; a 1 MiB LayerNorm then answered UNIMPLEMENTED and a 4 MiB one
+// crashed the server. A session's reservation must now fit
+// --max_session_memory_mb, and the server serves normal calls after.
+TEST_F(SessionServerTest, SessionsThatReserveTooMuchAreRefusedUpFront) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  const size_t mapped_before = MappedBytes();
+  struct Expected {
+    int64_t head_dim;
+    const char* refusal;  // null: every session is created
+  };
+  const Expected expected[] = {
+      {int64_t{1} << 22,
+       "max_length: 32768 tokens x 1 sequences x 8 key/value heads x "
+       "(4194304 + 4194304) dims of FLOAT32 reserve 8388608 MiB of cache, "
+       "more than --max_session_memory_mb 4096 allows one session; at most "
+       "16 tokens fit"},
+      {int64_t{1} << 18,
+       "max_length: 32768 tokens x 1 sequences x 8 key/value heads x "
+       "(262144 + 262144) dims of FLOAT32 reserve 524288 MiB of cache, more "
+       "than --max_session_memory_mb 4096 allows one session; at most 256 "
+       "tokens fit"},
+      {int64_t{1} << 14,
+       "max_length: 32768 tokens x 1 sequences x 8 key/value heads x (16384 "
+       "+ 16384) dims of FLOAT32 reserve 32768 MiB of cache, more than "
+       "--max_session_memory_mb 4096 allows one session; at most 4096 tokens "
+       "fit"},
+      {int64_t{1} << 10, nullptr},
+      {64, nullptr},
+      {4, nullptr},
+      {1, nullptr},
+  };
+  constexpr int kTries = 30;
+  int created = 0;
+  std::string last_id;
+  for (const Expected& e : expected) {
+    for (int i = 0; i < kTries; ++i) {
+      v1::CreateSessionRequest create;
+      create.set_num_heads(8);
+      create.set_head_dim(e.head_dim);
+      auto session = client.CreateSession(create);
+      if (e.refusal != nullptr) {
+        EXPECT_EQ(session.status().code(), absl::StatusCode::kResourceExhausted)
+            << e.head_dim;
+        EXPECT_EQ(session.status().message(), e.refusal);
+        break;
+      }
+      ASSERT_TRUE(session.ok()) << e.head_dim << ": " << session.status();
+      EXPECT_EQ(session->max_length(), 32768);
+      last_id = session->session_id();
+      ++created;
+    }
+  }
+  EXPECT_EQ(created, 4 * kTries);
+  // 30 sessions of 2 GiB and 30 each of 128, 8 and 2 MiB: what the server
+  // reports and about what the process mapped, not 128 TiB.
+  const size_t reserved = 30 * ((size_t{2} << 30) + (size_t{138} << 20));
+  const std::string metrics = MetricsPage(server);
+  EXPECT_NE(metrics.find(absl::StrCat("attnserve_session_reserved_bytes ",
+                                      reserved, "\n")),
+            std::string::npos)
+      << metrics;
+  EXPECT_LT(MappedBytes(), mapped_before + reserved + (size_t{1} << 30));
+
+  // Normal calls are served, and correct.
+  std::mt19937 rng(21);
+  for (const int64_t rows : {256, 1024}) {
+    Tensor x = RandomTensor(DType::kFloat32, {rows, 1024}, rng);
+    v1::LayerNormRequest request;
+    *request.mutable_input() = Wire(x);
+    auto answer = client.LayerNorm(request);
+    ASSERT_TRUE(answer.ok()) << rows << ": " << answer.status();
+    EXPECT_TRUE(AllClose(
+        FromWire(answer->output()).view(),
+        RefLayerNorm(ToRef(x.view()), std::nullopt, std::nullopt, 1e-5, 1),
+        kFloat32Tolerance))
+        << rows << " x 1024";
+  }
+  Tensor q = RandomTensor(DType::kFloat32, {8, 3, 1}, rng);
+  Tensor k = RandomTensor(DType::kFloat32, {8, 3, 1}, rng);
+  Tensor v = RandomTensor(DType::kFloat32, {8, 3, 1}, rng);
+  v1::SessionStepRequest step;
+  step.set_session_id(last_id);
+  *step.mutable_query() = Wire(q);
+  *step.mutable_key() = Wire(k);
+  *step.mutable_value() = Wire(v);
+  auto stepped = client.SessionStep(step);
+  ASSERT_TRUE(stepped.ok()) << stepped.status();
+  EXPECT_EQ(stepped->length(), 3);
+}
+
+// With the address space or memory the process may use nearly exhausted
+// (RLIMIT_AS), a session whose cache cannot be mapped and a result that
+// cannot be allocated each fail their call with RESOURCE_EXHAUSTED.
+TEST(AllocationFailureTest, FailsTheCallNotTheServer) {
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+  // Their shadow memory is terabytes of address space, and their
+  // allocators abort instead of failing an allocation.
+  GTEST_SKIP() << "RLIMIT_AS under a sanitizer limits its shadow memory";
+#endif
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        v1::LayerNormRequest layer_norm;
+        layer_norm.mutable_input()->set_dtype(v1::DATA_TYPE_FLOAT32);
+        layer_norm.mutable_input()->add_shape(int64_t{1} << 27);
+        layer_norm.mutable_input()->set_raw_data(std::string(512 << 20, '\0'));
+        SessionStore::Options options;
+        options.max_bytes = size_t{4} << 30;
+        SessionStore sessions(options);
+        rlimit limit{};
+        limit.rlim_cur = limit.rlim_max = MappedBytes() + (size_t{256} << 20);
+        if (setrlimit(RLIMIT_AS, &limit) != 0) std::_Exit(2);
+        v1::CreateSessionRequest create;
+        create.set_num_heads(8);
+        create.set_head_dim(1024);
+        v1::CreateSessionResponse created;
+        const absl::Status session =
+            HandleCreateSession(create, nullptr, &sessions, 32768, &created);
+        std::fprintf(stderr, "CreateSession: %s\n", session.ToString().c_str());
+        v1::LayerNormResponse normalized;
+        const absl::Status result = HandleLayerNorm(layer_norm, &normalized);
+        std::fprintf(stderr, "LayerNorm: %s\n", result.ToString().c_str());
+        std::_Exit(session.code() == absl::StatusCode::kResourceExhausted &&
+                           result.code() == absl::StatusCode::kResourceExhausted
+                       ? 0
+                       : 1);
+      },
+      ::testing::ExitedWithCode(0),
+      "CreateSession: RESOURCE_EXHAUSTED: session cache: cannot reserve "
+      "1073741824 bytes for keys: Cannot allocate memory\n"
+      "LayerNorm: RESOURCE_EXHAUSTED: output: cannot allocate 512 MiB for "
+      "the result now; retry later");
 }
 
 TEST_F(SessionServerTest, IdleSessionsExpire) {

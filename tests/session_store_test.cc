@@ -14,6 +14,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/decode_session.h"
 #include "gtest/gtest.h"
@@ -60,7 +61,7 @@ size_t CacheBytes(int64_t tokens) {
 TEST(SessionStoreTest, StepsDeleteAndSayWhySessionsAreGone) {
   SessionStore store({});
   std::mt19937 rng(1);
-  const std::string id = store.Add(NewSession());
+  const std::string id = *store.Add(NewSession());
   EXPECT_EQ(id.size(), 32u);
   int64_t length = 0;
   ASSERT_TRUE(StepTokens(store, id, 5, rng, nullptr, &length).ok());
@@ -80,7 +81,7 @@ TEST(SessionStoreTest, StepsDeleteAndSayWhySessionsAreGone) {
   EXPECT_EQ(status.message(),
             "session_id: no session \"0123\" (expired, evicted, deleted, or "
             "opened on another replica); create a new one and prefill it");
-  EXPECT_NE(store.Add(NewSession()), store.Add(NewSession()));
+  EXPECT_NE(*store.Add(NewSession()), *store.Add(NewSession()));
 }
 
 TEST(SessionStoreTest, IdleSessionsExpire) {
@@ -88,8 +89,8 @@ TEST(SessionStoreTest, IdleSessionsExpire) {
   options.idle_timeout = absl::Seconds(30);
   SessionStore store(options);
   std::mt19937 rng(2);
-  const std::string idle = store.Add(NewSession());
-  const std::string busy = store.Add(NewSession());
+  const std::string idle = *store.Add(NewSession());
+  const std::string busy = *store.Add(NewSession());
   ASSERT_TRUE(StepTokens(store, idle, 3, rng).ok());
   store.ExpireIdle(absl::Now() + absl::Seconds(10));
   EXPECT_EQ(store.stats().open, 2);
@@ -106,7 +107,7 @@ TEST(SessionStoreTest, BackgroundThreadExpiresIdleSessions) {
   SessionStore::Options options;
   options.idle_timeout = absl::Milliseconds(50);
   SessionStore store(options);
-  store.Add(NewSession());
+  ASSERT_TRUE(store.Add(NewSession()).ok());
   const absl::Time give_up = absl::Now() + absl::Seconds(20);
   while (store.stats().open > 0 && absl::Now() < give_up) {
     absl::SleepFor(absl::Milliseconds(10));
@@ -121,9 +122,10 @@ TEST(SessionStoreTest, MemoryBudgetEvictsTheLeastRecentlyUsed) {
   options.max_bytes = 2 * CacheBytes(tokens) + CacheBytes(tokens) / 2;
   SessionStore store(options);
   std::mt19937 rng(3);
-  const std::string a = store.Add(NewSession());
-  const std::string b = store.Add(NewSession());
-  const std::string c = store.Add(NewSession());
+  // Each could fill its whole cache within the budget.
+  const std::string a = *store.Add(NewSession(tokens + 8));
+  const std::string b = *store.Add(NewSession(tokens + 8));
+  const std::string c = *store.Add(NewSession(tokens + 8));
   ASSERT_TRUE(StepTokens(store, a, tokens, rng).ok());
   ASSERT_TRUE(StepTokens(store, b, tokens, rng).ok());
   ASSERT_TRUE(StepTokens(store, a, 1, rng).ok());  // b is now the oldest
@@ -140,22 +142,62 @@ TEST(SessionStoreTest, MemoryBudgetEvictsTheLeastRecentlyUsed) {
   EXPECT_TRUE(StepTokens(store, c, 1, rng).ok());
 }
 
-TEST(SessionStoreTest, SessionLargerThanTheBudgetIsRefusedAndKept) {
+// A cache reserves its whole max_length of address space: a session that
+// could not fill it within the budget is refused when it is added, and the
+// one that can is bounded by its max_length.
+TEST(SessionStoreTest, SessionWhoseCacheCannotFitTheBudgetIsRefused) {
   SessionStore::Options options;
   options.max_bytes = CacheBytes(100);
   SessionStore store(options);
+  std::unique_ptr<DecodeSession> large = NewSession(4096);
+  const size_t reserved = large->reserved_bytes();
+  EXPECT_EQ(reserved, CacheBytes(4096));
+  const absl::StatusOr<std::string> refused = store.Add(std::move(large));
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.status().message(),
+            absl::StrCat("session: its cache would reserve ", reserved,
+                         " bytes for its max_length, more than the ",
+                         options.max_bytes, " bytes one session may hold"));
+  EXPECT_EQ(store.stats().open, 0);
+  EXPECT_EQ(store.stats().reserved_bytes, 0u);
   std::mt19937 rng(4);
-  const std::string id = store.Add(NewSession());
-  ASSERT_TRUE(StepTokens(store, id, 50, rng).ok());
-  const absl::Status status = StepTokens(store, id, 200, rng);
-  EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(status.message().find("more than the server's session memory "
-                                  "limit"),
-            absl::string_view::npos)
-      << status;
+  const std::string id = *store.Add(NewSession(100));
+  EXPECT_EQ(store.stats().reserved_bytes, CacheBytes(100));
   int64_t length = 0;
-  ASSERT_TRUE(StepTokens(store, id, 1, rng, nullptr, &length).ok());
-  EXPECT_EQ(length, 51);
+  ASSERT_TRUE(StepTokens(store, id, 100, rng, nullptr, &length).ok());
+  EXPECT_EQ(length, 100);
+  EXPECT_EQ(StepTokens(store, id, 1, rng).code(),
+            absl::StatusCode::kOutOfRange);
+  EXPECT_LE(store.stats().cache_bytes, options.max_bytes);
+}
+
+// Sessions reserve address space as they are added: past
+// max_reserved_bytes the least recently used go, as for max_sessions.
+TEST(SessionStoreTest, ReservedAddressSpaceEvictsTheLeastRecentlyUsed) {
+  const size_t one = NewSession(4096)->reserved_bytes();
+  SessionStore::Options options;
+  options.max_reserved_bytes = 2 * one + one / 2;
+  SessionStore store(options);
+  EXPECT_EQ(store.max_session_bytes(), options.max_reserved_bytes);
+  std::mt19937 rng(8);
+  const std::string a = *store.Add(NewSession(4096));
+  const std::string b = *store.Add(NewSession(4096));
+  ASSERT_TRUE(StepTokens(store, a, 1, rng).ok());  // b is now the oldest
+  EXPECT_EQ(store.stats().reserved_bytes, 2 * one);
+  const std::string c = *store.Add(NewSession(4096));
+  EXPECT_EQ(store.stats().reserved_bytes, 2 * one);
+  EXPECT_EQ(store.stats().evicted, 1);
+  EXPECT_EQ(StepTokens(store, b, 1, rng).code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(StepTokens(store, a, 1, rng).ok());
+  EXPECT_TRUE(StepTokens(store, c, 1, rng).ok());
+  ASSERT_TRUE(store.Delete(a).ok());
+  ASSERT_TRUE(store.Delete(c).ok());
+  EXPECT_EQ(store.stats().reserved_bytes, 0u);
+  // Larger than all of it: refused, nothing evicted.
+  const std::string d = *store.Add(NewSession(4096));
+  EXPECT_EQ(store.Add(NewSession(16384)).status().code(),
+            absl::StatusCode::kResourceExhausted);
+  EXPECT_TRUE(StepTokens(store, d, 1, rng).ok());
 }
 
 TEST(SessionStoreTest, MaxSessionsEvictsTheLeastRecentlyUsed) {
@@ -163,10 +205,10 @@ TEST(SessionStoreTest, MaxSessionsEvictsTheLeastRecentlyUsed) {
   options.max_sessions = 2;
   SessionStore store(options);
   std::mt19937 rng(5);
-  const std::string a = store.Add(NewSession());
-  const std::string b = store.Add(NewSession());
+  const std::string a = *store.Add(NewSession());
+  const std::string b = *store.Add(NewSession());
   ASSERT_TRUE(StepTokens(store, a, 1, rng).ok());
-  const std::string c = store.Add(NewSession());
+  const std::string c = *store.Add(NewSession());
   EXPECT_EQ(store.stats().open, 2);
   EXPECT_EQ(StepTokens(store, b, 1, rng).code(), absl::StatusCode::kNotFound);
   EXPECT_TRUE(StepTokens(store, a, 1, rng).ok());
@@ -191,11 +233,11 @@ TEST(SessionStoreTest, ConcurrentSessionsMatchSerialRuns) {
   SessionStore serial_store({});
   std::vector<std::vector<Tensor>> serial;
   for (int i = 0; i < kSessions; ++i) {
-    serial.push_back(run(serial_store, serial_store.Add(NewSession()), i));
+    serial.push_back(run(serial_store, *serial_store.Add(NewSession()), i));
   }
   SessionStore store({});
   std::vector<std::string> ids;
-  for (int i = 0; i < kSessions; ++i) ids.push_back(store.Add(NewSession()));
+  for (int i = 0; i < kSessions; ++i) ids.push_back(*store.Add(NewSession()));
   std::vector<std::vector<Tensor>> parallel(kSessions);
   std::vector<std::thread> threads;
   for (int i = 0; i < kSessions; ++i) {
@@ -237,7 +279,7 @@ TEST(SessionStoreTest, FreedSessionsGiveTheirMemoryBack) {
     if (round == 1) before = ResidentBytes();
     std::vector<std::string> ids;
     for (int i = 0; i < 4; ++i) {
-      ids.push_back(store.Add(NewSession(/*max_length=*/32768)));
+      ids.push_back(*store.Add(NewSession(/*max_length=*/32768)));
       ASSERT_TRUE(StepTokens(store, ids.back(), 8192, rng).ok());
     }
     full = ResidentBytes();
