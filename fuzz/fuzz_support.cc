@@ -6,6 +6,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <cerrno>
@@ -55,14 +56,12 @@ void CheckResult(absl::string_view rpc, absl::string_view name,
   }
 }
 
-// Whether the harness computes a call of `cost`: the service admits it
-// (the limits) and it is tiny.
+// Whether the service admits a call of `cost`: within the limits.
 bool Admitted(const RequestCost& cost) {
   const ServerOptions& limits = FuzzServerOptions();
   return VerifyWithinLimits(cost, limits.max_tensor_elements,
                             limits.max_request_memory_mb << 20)
-             .ok() &&
-         IsTiny(cost);
+      .ok();
 }
 
 // The service leases a tiny call one thread (UsefulThreads).
@@ -71,26 +70,45 @@ ThreadBudget::Lease LeaseOneThread() {
   return budget.Acquire(1);
 }
 
+// Runs `run(control)` as the service would dispatch a call of `cost` (see
+// kCallTimeBound); false, without running it, when it is not admitted.
+// `inline_call` says which way it ran.
+template <typename Run>
+bool Dispatch(absl::string_view rpc, const RequestCost& cost,
+              const SharedMemoryRegistry* registry, bool* inline_call,
+              absl::Status* status, Run run) {
+  if (!Admitted(cost)) return false;
+  *inline_call = RunsInline(cost);
+  ThreadBudget::Lease lease = LeaseOneThread();
+  std::atomic<bool> cancelled{!*inline_call};
+  CallSharedMemory shared_memory(registry);
+  const absl::Time start = absl::Now();
+  *status = run(CallControl{&cancelled, &shared_memory}, &shared_memory);
+  CheckCallTime(rpc, cost, *inline_call, absl::Now() - start);
+  CheckStatus(rpc, *status);
+  return true;
+}
+
 // The service's steps for one compute call (see ServeAttend).
 template <typename Request, typename Response, typename Handler>
 void Serve(absl::string_view rpc, const Request& request,
            const RequestCost& cost, const SharedMemoryRegistry* registry,
            Handler handle) {
-  if (!Admitted(cost)) return;
-  ThreadBudget::Lease lease = LeaseOneThread();
-  std::atomic<bool> cancelled{false};
-  CallSharedMemory shared_memory(registry);
-  Response response;
-  const absl::Status status =
-      handle(request, &response, CallControl{&cancelled, &shared_memory});
-  CheckStatus(rpc, status);
-  if (!status.ok()) return;
-  CheckResult(rpc, "output", response.output(), &shared_memory);
-  if constexpr (!std::is_same_v<Response, v1::LayerNormResponse>) {
-    if (request.return_weights()) {
-      CheckResult(rpc, "weights", response.weights(), &shared_memory);
-    }
-  }
+  bool inline_call = false;
+  absl::Status status;
+  Dispatch(rpc, cost, registry, &inline_call, &status,
+           [&](const CallControl& control, SharedMemoryResolver* resolver) {
+             Response response;
+             absl::Status answered = handle(request, &response, control);
+             if (!answered.ok()) return answered;
+             CheckResult(rpc, "output", response.output(), resolver);
+             if constexpr (!std::is_same_v<Response, v1::LayerNormResponse>) {
+               if (request.return_weights()) {
+                 CheckResult(rpc, "weights", response.weights(), resolver);
+               }
+             }
+             return answered;
+           });
 }
 
 // An OK ModelInfer answer's outputs must be tensors a client can read: the
@@ -221,17 +239,29 @@ const ServerOptions& FuzzServerOptions() {
     o->max_tensor_elements = int64_t{1} << 20;
     o->max_request_memory_mb = 64;
     o->max_shared_memory_mb = 1;
+    o->max_session_memory_mb = 1;
+    o->max_session_length = 64;
+    o->max_sessions = 4;
     return o;
   }();
   return *options;
 }
 
-bool IsTiny(const RequestCost& cost) {
-  return cost.largest_tensor <= 100000 && cost.bytes <= 4 * 100000 &&
-         cost.flops <= 1e6;
+void CheckCallTime(absl::string_view what, const RequestCost& cost,
+                   bool inline_call, absl::Duration took) {
+  if (took <= kCallTimeBound) return;
+  Die(what, absl::StrCat(inline_call ? "ran inline (its cost says it is tiny)"
+                                     : "was cancelled before it started",
+                         " but took ", absl::FormatDuration(took),
+                         "; cost: ", cost.flops, " FLOPs, work ", cost.work,
+                         ", ", cost.bytes, " bytes"));
 }
 
 void CheckStatus(absl::string_view what, const absl::Status& status) {
+  if (status.message().size() > kMaxStatusMessageBytes) {
+    Die(what, absl::StrCat("a message of ", status.message().size(),
+                           " bytes: ", status.message().substr(0, 300)));
+  }
   if (status.code() == absl::StatusCode::kInternal ||
       status.code() == absl::StatusCode::kUnknown) {
     Die(what, absl::StrCat("unclear error: ", status.ToString()));
@@ -300,17 +330,39 @@ bool ServeModelInfer(inference::ModelInferRequest* request,
   absl::StatusOr<std::unique_ptr<NativeInferCall>> call =
       NativeInferCall::FromRequest(request, &TinyModels());
   CheckStatus("ModelInfer", call.status());
-  if (!call.ok() || !Admitted((*call)->cost())) return false;
-  ThreadBudget::Lease lease = LeaseOneThread();
-  std::atomic<bool> cancelled{false};
-  CallSharedMemory shared_memory(registry);
-  const absl::Status status =
-      (*call)->Run(CallControl{&cancelled, &shared_memory});
-  CheckStatus("ModelInfer", status);
-  if (!status.ok()) return false;
-  (*call)->ToResponse(*request, response);
-  CheckInferResponse(*response, &shared_memory);
-  return true;
+  if (!call.ok()) return false;
+  bool inline_call = false;
+  absl::Status status;
+  const bool ran =
+      Dispatch("ModelInfer", (*call)->cost(), registry, &inline_call, &status,
+               [&](const CallControl& control, SharedMemoryResolver* resolver) {
+                 absl::Status answered = (*call)->Run(control);
+                 if (!answered.ok()) return answered;
+                 (*call)->ToResponse(*request, response);
+                 CheckInferResponse(*response, resolver);
+                 return answered;
+               });
+  return ran && status.ok();
+}
+
+bool ServeSessionStep(const v1::SessionStepRequest& request,
+                      SessionStore* sessions,
+                      const SharedMemoryRegistry* registry) {
+  // As the service: the session is looked up once for the cost.
+  const SessionStepHandler handle(request, sessions);
+  bool inline_call = false;
+  absl::Status status;
+  const bool ran = Dispatch(
+      "SessionStep", CostOf(request, handle.session()), registry, &inline_call,
+      &status, [&](const CallControl& control, SharedMemoryResolver* resolver) {
+        v1::SessionStepResponse response;
+        absl::Status answered = handle(request, &response, control);
+        if (answered.ok()) {
+          CheckResult("SessionStep", "output", response.output(), resolver);
+        }
+        return answered;
+      });
+  return ran && status.ok();
 }
 
 bool ServeModelMetadata(const std::string& name, const std::string& version,
@@ -342,6 +394,12 @@ void RefillSharedMemory() {
   for (char* data : Objects().data) {
     std::memset(data, kSharedMemoryFill, kSharedMemoryObjectBytes);
   }
+}
+
+void WriteSharedMemory(int index, size_t offset, absl::string_view bytes) {
+  if (offset >= kSharedMemoryObjectBytes) return;
+  const size_t n = std::min(bytes.size(), kSharedMemoryObjectBytes - offset);
+  std::memcpy(Objects().data[index] + offset, bytes.data(), n);
 }
 
 const SharedMemoryRegistry& ComputeRegistry() {

@@ -26,7 +26,9 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
+#include "core/session_store.h"
 #include "inference/grpc_service.pb.h"
 #include "server/model_repository.h"
 #include "server/options.h"
@@ -36,17 +38,31 @@
 namespace attnserve::fuzz {
 
 // The server's default options with the limits lowered, so that no input
-// makes a target allocate more than tens of MiB.
+// makes a target allocate more than tens of MiB (sessions: 1 MiB of cache,
+// 64 tokens).
 const ServerOptions& FuzzServerOptions();
 
-// Calls the targets compute: at most 1e5 elements moved and 1e6 FLOPs, so
-// that the fuzzer keeps a high execution rate. Larger (admitted) calls are
-// not run.
-bool IsTiny(const RequestCost& cost);
+// The service's dispatch decision, fuzzed: a call within the limits that
+// RunsInline (its cost says it is tiny) is computed as the service computes
+// it on gRPC's thread, where nothing can stop it, and must end within
+// kCallTimeBound; any other is computed with its cancellation flag already
+// set, as a cancel, its deadline or the drain leaves it, and must stop
+// within the same bound. A call whose cost misses its work (0 FLOPs over
+// billions of logits) or that ignores its flag aborts. Only inline calls
+// compute to the end, which keeps the execution rate high.
+inline constexpr absl::Duration kCallTimeBound = absl::Seconds(1);
 
 // Aborts, printing `what` and the status, when `status` is INTERNAL or
-// UNKNOWN or an error with an empty message.
+// UNKNOWN or an error with an empty message, or with a message longer than
+// kMaxStatusMessageBytes (an echo of a client's string that was not cut:
+// gRPC clients accept 8 KiB of metadata by default).
+inline constexpr size_t kMaxStatusMessageBytes = 4096;
 void CheckStatus(absl::string_view what, const absl::Status& status);
+
+// Aborts when a call of `cost` took longer than kCallTimeBound (see above;
+// `inline_call`: whether it ran as an inline call, or cancelled).
+void CheckCallTime(absl::string_view what, const RequestCost& cost,
+                   bool inline_call, absl::Duration took);
 
 // Models "tiny" (E=8, H=2, PyTorch's fused in_proj_weight with biases) and
 // "tiny_cross" (separate q/k/v weights with key dim 4 and value dim 6,
@@ -63,6 +79,11 @@ void ServeMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                           const SharedMemoryRegistry* registry);
 void ServeLayerNorm(const v1::LayerNormRequest& request,
                     const SharedMemoryRegistry* registry);
+// SessionStep on `sessions` the same way (cost from the session the
+// request names). True when it answered OK.
+bool ServeSessionStep(const v1::SessionStepRequest& request,
+                      SessionStore* sessions,
+                      const SharedMemoryRegistry* registry);
 
 // ModelInfer as the service runs it, minus gRPC: translation
 // (NativeInferCall::FromRequest against TinyModels, taking `request`'s
@@ -93,6 +114,8 @@ inline constexpr uint8_t kSharedMemoryFill = 0x3c;
 const std::string& SharedMemoryKey(int index);
 // Sets every byte of the objects back to kSharedMemoryFill.
 void RefillSharedMemory();
+// Writes `bytes` into object `index` from `offset`, as much as fits.
+void WriteSharedMemory(int index, size_t offset, absl::string_view bytes);
 
 // A registry holding the regions the seed requests of the
 // shared_memory_compute target refer to: "fuzz" (all of object 0, where the

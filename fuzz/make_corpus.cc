@@ -14,6 +14,7 @@
 // of --out=fuzz/corpus.
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -244,6 +245,37 @@ void AddComputeSeeds(Seeds* seeds) {
   p.compute_bf16 = true;
   add.Attend("one_token_u8_mask_compute_bf16", t, p);
   reset();
+
+  // Operands of width 0: no data and 0 FLOPs, yet up to 2^36 logits if the
+  // kernel computed them; the targets check that the inline ones end in
+  // time and that the rest stop when cancelled.
+  std::mt19937 zero_rng(20261126);  // the other seeds' values stay as they were
+  const auto zero_width = [&](const std::string& name, int64_t queries,
+                              int64_t keys, int64_t value_dim, bool mask) {
+    v1::AttendRequest request;
+    for (v1::Tensor* t : {request.mutable_query(), request.mutable_key(),
+                          request.mutable_value()}) {
+      t->set_dtype(v1::DATA_TYPE_FLOAT32);
+      for (int64_t d : {int64_t{1}, int64_t{1}, keys, int64_t{0}}) {
+        t->add_shape(d);
+      }
+    }
+    request.mutable_query()->set_shape(2, queries);
+    request.mutable_value()->set_shape(3, value_dim);
+    EncodeTensor(Values(f32, {1, 1, keys, value_dim}, zero_rng).view(),
+                 request.mutable_value());
+    if (mask) {
+      request.mutable_attn_mask()->set_dtype(v1::DATA_TYPE_BOOL);
+      request.mutable_attn_mask()->set_raw_data(std::string(1, '\1'));
+    }
+    v1::AttendResponse response;
+    Expect(name, HandleAttend(request, &response));
+    (*seeds)["attend/" + name] = Bytes(request);
+  };
+  zero_width("zero_width_262144", 262144, 262144, 0, false);
+  zero_width("zero_key_width_mean_of_values", 65536, 512, 1, false);
+  zero_width("zero_key_width_masked", 65536, 512, 1, true);
+  zero_width("no_keys_zeros", 65536, 0, 4, false);
 
   // MultiHeadAttend by model.
   p = OpParams{};
@@ -517,8 +549,8 @@ void AddOutput(const std::string& name, ModelInferRequest* request,
 }
 
 // The status of `request` through translation and the native handler, with
-// ComputeRegistry's regions; an error for calls the targets would not run
-// (beyond the limits or not tiny).
+// ComputeRegistry's regions; an error for calls the targets would not
+// compute to the end (beyond the limits, or not inline).
 absl::Status InferStatus(ModelInferRequest request) {
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<NativeInferCall> call,
                         NativeInferCall::FromRequest(&request, &TinyModels()));
@@ -526,7 +558,9 @@ absl::Status InferStatus(ModelInferRequest request) {
   ATTN_RETURN_IF_ERROR(VerifyWithinLimits(call->cost(),
                                           limits.max_tensor_elements,
                                           limits.max_request_memory_mb << 20));
-  if (!IsTiny(call->cost())) return absl::OutOfRangeError("not tiny");
+  if (!RunsInline(call->cost())) {
+    return absl::OutOfRangeError("not computed to the end by the targets");
+  }
   RefillSharedMemory();
   CallSharedMemory shared_memory(&ComputeRegistry());
   return call->Run(CallControl{nullptr, &shared_memory});
@@ -879,6 +913,126 @@ void AddHttpSeeds(Seeds* seeds) {
   }
 }
 
+// Seeds of the call_sequence target: series of session, shared-memory and
+// compute calls (see call_sequence_fuzzer.cc for the records).
+void AddCallSequenceSeeds(Seeds* seeds) {
+  enum Op : uint8_t {
+    kCreate,
+    kStep,
+    kDelete,
+    kRegister,
+    kUnregister,
+    kCompute,
+    kExpire,
+    kWrite
+  };
+  std::mt19937 rng(20261125);
+  const auto f32 = DType::kFloat32;
+  const auto create = [](int heads, int64_t head_dim, int64_t max_length,
+                         const std::string& model = "") {
+    v1::CreateSessionRequest r;
+    if (!model.empty()) r.set_model(model);
+    r.set_num_heads(heads);
+    r.set_head_dim(head_dim);
+    r.set_max_length(max_length);
+    return Record(kCreate, Bytes(r));
+  };
+  // A step of `n` tokens of session `index` (2 heads, head dim 4).
+  const auto step = [&](uint8_t index, int64_t n, int64_t position = -1) {
+    v1::SessionStepRequest r;
+    EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_query());
+    EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_key());
+    EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_value());
+    if (position >= 0) r.set_position(position);
+    return Record(kStep, std::string(1, static_cast<char>(index)) + Bytes(r));
+  };
+  const auto remove = [](uint8_t index) {
+    return Record(kDelete, std::string(1, static_cast<char>(index)));
+  };
+  (*seeds)["call_sequence/attention_session_steps_rewind_delete"] =
+      create(2, 4, 16) + step(0, 3) + step(0, 1) + step(0, 2, 1) + step(0, 13) +
+      remove(0) + step(0, 1);
+
+  v1::SessionStepRequest model_step;
+  EncodeTensor(Values(f32, {1, 3, 8}, rng).view(), model_step.mutable_input());
+  (*seeds)["call_sequence/model_session_and_expiry"] =
+      create(0, 0, 32, "tiny") +
+      Record(kStep, std::string(1, '\0') + Bytes(model_step)) +
+      Record(kExpire, std::string(1, '\x05')) +
+      Record(kStep, std::string(1, '\0') + Bytes(model_step)) +
+      Record(kExpire, std::string(1, '\x0b')) +
+      Record(kStep, std::string(1, '\0') + Bytes(model_step));
+
+  // Reservations: refused past the 1 MiB budget, evicted past 2 MiB in all,
+  // by count past 4 sessions.
+  (*seeds)["call_sequence/reservations_refused_and_evicted"] =
+      create(8, int64_t{1} << 22, 0) + create(8, 1024, 64) +
+      create(2, 1024, 64) + create(2, 1024, 64) + create(2, 1024, 64) +
+      create(2, 4, 16) + create(2, 4, 16) + create(2, 4, 16) +
+      create(2, 4, 16) + step(0, 2) + step(7, 2) + remove(3);
+
+  // A region registered, written by the client, read and written by a step
+  // and by an attention call, then unregistered and used again.
+  v1::RegisterSharedMemoryRequest reg;
+  reg.mutable_region()->set_name("r");
+  reg.mutable_region()->set_key("@0");
+  reg.mutable_region()->set_byte_size(4096);
+  v1::UnregisterSharedMemoryRequest unreg;
+  unreg.set_name("r");
+  const auto in_region = [](v1::Tensor* t, uint64_t offset, uint64_t bytes) {
+    t->clear_raw_data();
+    t->mutable_shared_memory()->set_region("r");
+    t->mutable_shared_memory()->set_offset(offset);
+    t->mutable_shared_memory()->set_byte_size(bytes);
+  };
+  v1::SessionStepRequest shared_step;
+  for (v1::Tensor* t : {shared_step.mutable_query(), shared_step.mutable_key(),
+                        shared_step.mutable_value()}) {
+    t->set_dtype(v1::DATA_TYPE_FLOAT32);
+    for (int64_t d : {2, 2, 4}) t->add_shape(d);
+  }
+  in_region(shared_step.mutable_query(), 0, 64);
+  in_region(shared_step.mutable_key(), 64, 64);
+  in_region(shared_step.mutable_value(), 128, 64);
+  v1::SharedMemoryRef* step_output =
+      shared_step.mutable_result_regions()->mutable_output();
+  step_output->set_region("r");
+  step_output->set_offset(1024);
+  step_output->set_byte_size(64);
+  v1::AttendRequest shared_attend;
+  for (v1::Tensor* t :
+       {shared_attend.mutable_query(), shared_attend.mutable_key(),
+        shared_attend.mutable_value()}) {
+    t->set_dtype(v1::DATA_TYPE_FLOAT32);
+    for (int64_t d : {2, 4}) t->add_shape(d);
+  }
+  in_region(shared_attend.mutable_query(), 0, 32);
+  in_region(shared_attend.mutable_key(), 32, 32);
+  in_region(shared_attend.mutable_value(), 64, 32);
+  std::string written(192, '\0');
+  const Tensor values = Values(f32, {48}, rng);
+  std::memcpy(written.data(), values.data(), written.size());
+  (*seeds)["call_sequence/shared_memory_step_compute_unregister"] =
+      Record(kRegister, Bytes(reg)) + create(2, 4, 16) +
+      Record(kWrite, std::string(2, '\0') + written) +
+      Record(kStep, std::string(1, '\0') + Bytes(shared_step)) +
+      Record(kCompute, std::string(1, '\0') + Bytes(shared_attend)) +
+      Record(kUnregister, Bytes(unreg)) +
+      Record(kStep, std::string(1, '\0') + Bytes(shared_step)) +
+      Record(kRegister, Bytes(reg)) + Record(kRegister, Bytes(reg));
+
+  // Calls of no FLOPs among the sessions' steps.
+  v1::AttendRequest zero;
+  for (v1::Tensor* t :
+       {zero.mutable_query(), zero.mutable_key(), zero.mutable_value()}) {
+    t->set_dtype(v1::DATA_TYPE_FLOAT32);
+    for (int64_t d : {1, 1, 262144, 0}) t->add_shape(d);
+  }
+  (*seeds)["call_sequence/zero_width_compute_between_steps"] =
+      create(2, 4, 16) + step(0, 1) +
+      Record(kCompute, std::string(1, '\0') + Bytes(zero)) + step(0, 1);
+}
+
 Seeds AllSeeds() {
   Seeds seeds;
   AddHttpSeeds(&seeds);
@@ -887,6 +1041,7 @@ Seeds AllSeeds() {
   AddSafetensorsAndModelSeeds(&seeds);
   AddOpenInferenceSeeds(&seeds);
   AddOpenInferenceJsonSeeds(&seeds);
+  AddCallSequenceSeeds(&seeds);
   return seeds;
 }
 
