@@ -220,7 +220,15 @@ absl::Status InputFromJson(const json& item, size_t index,
   const json& shape = Member(item, "shape");
   if (!name.is_string()) return FieldError(field + ".name", "a string", name);
   input->set_name(name.get<std::string>());
-  field = absl::StrCat(field, " (", input->name(), ")");
+  // At most 128 bytes of the name, as status messages echo client strings.
+  const absl::string_view shown =
+      absl::string_view(input->name()).substr(0, 128);
+  field =
+      absl::StrCat(field, " (", shown,
+                   shown.size() < input->name().size()
+                       ? absl::StrCat("... (", input->name().size(), " bytes)")
+                       : "",
+                   ")");
   if (!datatype.is_string()) {
     return FieldError(field + ".datatype", "a string", datatype);
   }

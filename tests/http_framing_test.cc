@@ -165,9 +165,9 @@ TEST(HttpParserTest, HeadNeedsItsEmptyLine) {
   EXPECT_EQ(parse.head.framing, BodyFraming::kNone);
   EXPECT_TRUE(parse.head.keep_alive);
   // The absolute form proxies send names the same path.
-  EXPECT_EQ(Parse("GET http://h:8000/v2/x?y HTTP/1.1\r\nHost: h\r\n\r\n")
-                .head.path(),
-            "/v2/x");
+  EXPECT_EQ(
+      Parse("GET http://h:8000/v2/x?y HTTP/1.1\r\nHost: h\r\n\r\n").head.path(),
+      "/v2/x");
 }
 
 TEST(HttpParserTest, RefusesAmbiguousFraming) {
@@ -441,6 +441,29 @@ TEST_F(HttpFramingTest, ChunkedAndCompressedBodiesAreDecoded) {
               ::testing::Not(HasSubstr("Content-Encoding")));
   EXPECT_THAT(BodyOf(reply.substr(second)),
               HasSubstr("\"name\":\"layer_norm\""));
+}
+
+TEST_F(HttpFramingTest, ErrorsEchoAtMost128BytesOfClientStrings) {
+  const std::string name(20000, 'q');
+  const std::string body =
+      R"({"inputs": [{"name": ")" + name +
+      R"(", "datatype": "FP32", "shape": [2], "data": [1]}]})";
+  bool closed = false;
+  std::string reply = Exchange(
+      http(),
+      "POST /v2/models/attend/infer HTTP/1.1\r\nHost: x\r\nContent-Length: " +
+          std::to_string(body.size()) + "\r\n\r\n" + body,
+      &closed);
+  EXPECT_THAT(Statuses(reply), ElementsAre(400));
+  EXPECT_THAT(BodyOf(reply), HasSubstr("... (20000 bytes)"));
+  EXPECT_LT(BodyOf(reply).size(), 600u);
+  // A long path and method in the 404.
+  reply = Exchange(
+      http(),
+      "GET /" + std::string(20000, 'p') + " HTTP/1.1\r\nHost: x\r\n\r\n",
+      &closed);
+  EXPECT_THAT(Statuses(reply), ElementsAre(404));
+  EXPECT_LT(BodyOf(reply).size(), 600u);
 }
 
 TEST_F(HttpFramingTest, ExpectContinueGetsAnInterimAnswer) {
