@@ -47,6 +47,10 @@ class MultiHeadAttendHandler {
   // `models` may be null (no repository).
   MultiHeadAttendHandler(const v1::MultiHeadAttendRequest& request,
                          const ModelRepository* models);
+  // With its model looked up already (null: the request sends its weights
+  // inline).
+  explicit MultiHeadAttendHandler(std::shared_ptr<const Model> model)
+      : model_(std::move(model)) {}
 
   // The served layer, for the cost estimate; null when the request sends
   // its weights inline or its model was not found.

@@ -286,7 +286,7 @@ class HttpInference {
     }
     if (!decoded.ok()) return responder.Send(StatusResponse(decoded));
     call->response_coding = ResponseCoding(http.head);
-    PipelineCall record{.rpc = "ModelInfer",
+    PipelineCall record{.rpc = call->native->label(),
                         .request = &call->request,
                         .response = &call->response,
                         .cost = call->native->cost(),

@@ -506,6 +506,7 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
   ATTN_RETURN_IF_ERROR(
       VerifyVersion(model, request->model_version(), "model_version"));
   std::unique_ptr<NativeInferCall> call;
+  std::shared_ptr<const Model> served;  // null: weights sent inline
   if (model == kAttendModel) {
     call.reset(new NativeInferCall(Kind::kAttend,
                                    std::make_unique<v1::AttendRequest>(),
@@ -524,7 +525,9 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
             " not found: this server has no model repository; the built-in "
             "models are attend, multi_head_attend and layer_norm"));
       }
-      ATTN_RETURN_IF_ERROR(models->Find(model).status());
+      // Looked up once: the call keeps this model for its cost and its
+      // computation, even if the repository reloads meanwhile.
+      ATTN_ASSIGN_OR_RETURN(served, models->Find(model));
     }
     auto native = std::make_unique<v1::MultiHeadAttendRequest>();
     if (model == kMultiHeadAttendModel) {
@@ -542,10 +545,21 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
   ATTN_RETURN_IF_ERROR(ApplyOutputs(*request, *call->response_->GetDescriptor(),
                                     native, &call->requested_outputs_));
   if (call->kind_ == Kind::kMultiHeadAttend) {
-    call->multi_head_.emplace(
-        static_cast<const v1::MultiHeadAttendRequest&>(*native), models);
+    call->multi_head_.emplace(std::move(served));
   }
   return call;
+}
+
+std::string NativeInferCall::label() const {
+  switch (kind_) {
+    case Kind::kAttend:
+      return "ModelInfer/Attend";
+    case Kind::kMultiHeadAttend:
+      return "ModelInfer/MultiHeadAttend";
+    case Kind::kLayerNorm:
+      return "ModelInfer/LayerNorm";
+  }
+  return "ModelInfer";
 }
 
 RequestCost NativeInferCall::cost() const {

@@ -69,6 +69,9 @@ class NativeInferCall {
 
   // What the native call will cost, for admission.
   RequestCost cost() const;
+  // Its label in the metrics and the access log: "ModelInfer/" and the
+  // native operation, e.g. "ModelInfer/Attend".
+  std::string label() const;
   // Computes the native call.
   absl::Status Run(const CallControl& control);
   // The native response as the protocol's, its result bytes moved into

@@ -174,35 +174,39 @@ void InstallProtobufLogHandler(const ServerOptions& options) {
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     const ServerOptions& options) {
   ATTN_RETURN_IF_ERROR(VerifyServerOptions(options));
-  ThreadBudget* const thread_budget = &ThreadBudget::Global();
-  thread_budget->SetTotal(options.threads);
+  ThreadBudget::Global().SetTotal(options.threads);
   InstallProtobufLogHandler(options);
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
-
   std::unique_ptr<AttnServer> server(new AttnServer());
+  ATTN_RETURN_IF_ERROR(server->StartState(options));
+  ATTN_RETURN_IF_ERROR(server->StartGrpc(options));
+  ATTN_RETURN_IF_ERROR(server->StartHttp(options));
+  server->server_->GetHealthCheckService()->SetServingStatus(
+      v1::AttentionService::service_full_name(), true);
+  return server;
+}
+
+absl::Status AttnServer::StartState(const ServerOptions& options) {
   if (!options.model_repository.empty()) {
     // A broken model stops start-up: better no server than a wrong one.
-    server->models_ =
-        std::make_unique<ModelRepository>(options.model_repository);
-    ATTN_RETURN_IF_ERROR(server->models_->Reload());
+    models_ = std::make_unique<ModelRepository>(options.model_repository);
+    ATTN_RETURN_IF_ERROR(models_->Reload());
   }
-  const int threads = thread_budget->total();
-  server->scheduler_ = std::make_unique<Scheduler>(
+  const int threads = ThreadBudget::Global().total();
+  scheduler_ = std::make_unique<Scheduler>(
       options.max_inflight > 0 ? options.max_inflight : threads,
       options.max_queue);
   // A conservative first guess of the compute rate (20 GFLOP/s per thread),
   // replaced by measurements as calls complete.
-  server->cost_model_ = std::make_unique<CostModel>(20e9 * threads);
-  server->metrics_ = std::make_unique<Metrics>();
+  cost_model_ = std::make_unique<CostModel>(20e9 * threads);
+  metrics_ = std::make_unique<Metrics>();
   if (!options.auth_token_file.empty()) {
     ATTN_ASSIGN_OR_RETURN(
-        server->auth_, TokenAuthenticator::FromFile(options.auth_token_file));
+        auth_, TokenAuthenticator::FromFile(options.auth_token_file));
   }
-  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
-                        ServerCredentialsFor(options));
   if (options.max_shared_memory_mb > 0) {
-    server->shared_memory_ = std::make_unique<SharedMemoryRegistry>(
+    shared_memory_ = std::make_unique<SharedMemoryRegistry>(
         static_cast<uint64_t>(options.max_shared_memory_mb) << 20);
   }
   if (options.max_session_memory_mb > 0) {
@@ -212,55 +216,62 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
     sessions.idle_timeout = absl::Seconds(options.session_idle_timeout_s);
     sessions.max_sessions = options.max_sessions;
     sessions.max_reserved_bytes = SessionAddressSpace();
-    server->sessions_ = std::make_unique<SessionStore>(sessions);
+    sessions_ = std::make_unique<SessionStore>(sessions);
   }
   ServiceConfig config;
-  config.shared_memory = server->shared_memory_.get();
-  config.sessions = server->sessions_.get();
+  config.shared_memory = shared_memory_.get();
+  config.sessions = sessions_.get();
   config.max_session_length = options.max_session_length;
-  config.auth = server->auth_.get();
-  config.metrics = server->metrics_.get();
+  config.auth = auth_.get();
+  config.metrics = metrics_.get();
   config.access_log = ShouldLog(options, LogSeverity::kInfo);
-  config.models = server->models_.get();
-  config.scheduler = server->scheduler_.get();
-  config.cost_model = server->cost_model_.get();
-  config.thread_budget = thread_budget;
+  config.models = models_.get();
+  config.scheduler = scheduler_.get();
+  config.cost_model = cost_model_.get();
+  config.thread_budget = &ThreadBudget::Global();
   config.max_tensor_elements = options.max_tensor_elements;
   config.max_request_bytes = options.max_request_memory_mb << 20;
-  server->pipeline_ = std::make_unique<CallPipeline>(config);
-  server->service_ =
-      std::make_unique<AttentionServiceImpl>(server->pipeline_.get());
+  pipeline_ = std::make_unique<CallPipeline>(config);
+  return absl::OkStatus();
+}
+
+absl::Status AttnServer::StartGrpc(const ServerOptions& options) {
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ServerCredentials> credentials,
+                        ServerCredentialsFor(options));
+  grpc_calls_ = std::make_unique<GrpcCalls>(pipeline_.get());
+  service_ = std::make_unique<AttentionServiceImpl>(grpc_calls_.get());
+  open_inference_service_ =
+      std::make_unique<OpenInferenceService>(grpc_calls_.get());
   grpc::ServerBuilder builder;
   const std::string address = ListenAddress(options.host, options.port);
-  builder.AddListeningPort(address, credentials, &server->port_);
+  builder.AddListeningPort(address, credentials, &port_);
   ConfigureBuilder(options, &builder);
-  builder.RegisterService(server->service_.get());
-  server->open_inference_service_ =
-      std::make_unique<OpenInferenceService>(server->service_.get());
-  builder.RegisterService(server->open_inference_service_.get());
-  server->server_ = builder.BuildAndStart();
-  if (server->server_ == nullptr || server->port_ == 0) {
+  builder.RegisterService(service_.get());
+  builder.RegisterService(open_inference_service_.get());
+  server_ = builder.BuildAndStart();
+  if (server_ == nullptr || port_ == 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", address,
                      " (address in use, or not an address of this host?)"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status AttnServer::StartHttp(const ServerOptions& options) {
   if (options.metrics_port >= 0) {
-    AttnServer* self = server.get();
     HttpServerOptions metrics = HttpOptionsFrom(options);
     metrics.port = options.metrics_port;
-    ATTN_ASSIGN_OR_RETURN(
-        server->metrics_server_,
-        StartMetricsServer(metrics, [self] { return self->RenderMetrics(); }));
+    ATTN_ASSIGN_OR_RETURN(metrics_server_, StartMetricsServer(metrics, [this] {
+                            return RenderMetrics();
+                          }));
   }
   if (options.http_port >= 0) {
     HttpServerOptions http = HttpOptionsFrom(options);
     http.port = options.http_port;
-    ATTN_ASSIGN_OR_RETURN(server->http_server_,
-                          StartHttpInference(http, server->pipeline_.get()));
+    ATTN_ASSIGN_OR_RETURN(http_server_,
+                          StartHttpInference(http, pipeline_.get()));
   }
-  server->server_->GetHealthCheckService()->SetServingStatus(
-      v1::AttentionService::service_full_name(), true);
-  return server;
+  return absl::OkStatus();
 }
 
 std::string AttnServer::RenderMetrics() const {

@@ -66,6 +66,11 @@ class AttnServer {
 
  private:
   AttnServer() = default;
+  // Start's steps: the models, scheduler, metrics, registries and the
+  // call pipeline; the gRPC services and port; the HTTP ports.
+  absl::Status StartState(const ServerOptions& options);
+  absl::Status StartGrpc(const ServerOptions& options);
+  absl::Status StartHttp(const ServerOptions& options);
   // Declared before server_: destroyed after it, once every call is done.
   std::unique_ptr<ModelRepository> models_;  // null: no repository
   std::unique_ptr<Scheduler> scheduler_;
@@ -79,6 +84,7 @@ class AttnServer {
   // session's cache.
   std::unique_ptr<SessionStore> sessions_;
   std::unique_ptr<CallPipeline> pipeline_;
+  std::unique_ptr<GrpcCalls> grpc_calls_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<OpenInferenceService> open_inference_service_;
   std::unique_ptr<grpc::Server> server_;

@@ -1101,8 +1101,8 @@ TEST(OpenInferenceLimitsTest, OversizedBodyIs413AndCallsAreCounted) {
   ASSERT_EQ(ok->status, 200) << ok->body;
   httplib::Client metrics("127.0.0.1", server.metrics_port());
   EXPECT_THAT(metrics.Get("/metrics")->body,
-              HasSubstr("attnserve_requests_total{rpc=\"ModelInfer\",code="
-                        "\"OK\"} 1\n"));
+              HasSubstr("attnserve_requests_total{rpc=\"ModelInfer/"
+                        "LayerNorm\",code=\"OK\"} 1\n"));
 }
 
 TEST(OpenInferenceAuthTest, TokenNeededExceptForHealth) {

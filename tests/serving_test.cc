@@ -239,7 +239,8 @@ TEST(ServingTest, CancelledCallOfFewFlopsFreesTheWorker) {
   call.join();
   EXPECT_EQ(slow_status.error_code(), grpc::StatusCode::CANCELLED);
   EXPECT_TRUE(freed.ok()) << freed;
-  EXPECT_LT(freed_after, absl::Seconds(2));
+  // Generous for a loaded machine: without cancellation it would take minutes.
+  EXPECT_LT(freed_after, absl::Seconds(10));
 }
 
 TEST(ServingTest, ComputeTimeComesBackInTheTrailer) {

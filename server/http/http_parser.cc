@@ -413,60 +413,12 @@ size_t BodyReader::Consume(absl::string_view input, std::string* body) {
         consumed += 2;
         state_ = State::kChunkSize;
         break;
-      case State::kChunkSize: {
-        const auto line = Line(rest);
-        if (!line.has_value()) return error_.has_value() ? 0 : consumed;
-        absl::string_view text = rest.substr(0, line->first);
-        size_t digits = 0;
-        uint64_t size = 0;
-        while (digits < text.size() &&
-               absl::ascii_isxdigit(static_cast<unsigned char>(text[digits]))) {
-          if (digits == 15) {
-            return Fail(400, "body: a chunk-size over 15 hex digits");
-          }
-          const char c = absl::ascii_tolower(text[digits]);
-          size = size * 16 +
-                 static_cast<uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
-          ++digits;
-        }
-        // Only a chunk extension may follow the size ("5 ;name=value").
-        const absl::string_view after = text.substr(digits);
-        const absl::string_view extension = TrimOws(after);
-        if (digits == 0 || (!after.empty() &&
-                            (extension.empty() || extension.front() != ';'))) {
-          return Fail(400, "body: expected a hexadecimal chunk-size");
-        }
-        for (char c : extension) {
-          if (!IsFieldValueChar(static_cast<unsigned char>(c))) {
-            return Fail(400, "body: control characters in a chunk extension");
-          }
-        }
-        consumed += line->second;
-        if (size > max_body_bytes_ - body_bytes_) {
-          return Fail(413, absl::StrCat("body: over the server's limit of ",
-                                        max_body_bytes_, " bytes"));
-        }
-        remaining_ = size;
-        state_ = size == 0 ? State::kTrailers : State::kChunkData;
-        break;
-      }
+      case State::kChunkSize:
       case State::kTrailers: {
-        const auto line = Line(rest);
-        if (!line.has_value()) return error_.has_value() ? 0 : consumed;
-        consumed += line->second;
-        if (line->first == 0) {
-          state_ = State::kDone;
-          break;
-        }
-        trailer_bytes_ += line->second;
-        if (trailer_bytes_ > kMaxTrailerBytes) {
-          return Fail(431, absl::StrCat("body: trailer fields over ",
-                                        kMaxTrailerBytes, " bytes"));
-        }
-        std::vector<std::pair<std::string, std::string>> ignored;
-        std::string message =
-            ParseFieldLine(rest.substr(0, line->first), &ignored);
-        if (!message.empty()) return Fail(400, std::move(message));
+        const size_t taken = state_ == State::kChunkSize ? ChunkSizeLine(rest)
+                                                         : TrailerLine(rest);
+        if (taken == 0) return error_.has_value() ? 0 : consumed;
+        consumed += taken;
         break;
       }
       case State::kDone:
@@ -474,6 +426,60 @@ size_t BodyReader::Consume(absl::string_view input, std::string* body) {
     }
   }
   return error_.has_value() ? 0 : consumed;
+}
+
+size_t BodyReader::ChunkSizeLine(absl::string_view rest) {
+  const auto line = Line(rest);
+  if (!line.has_value()) return 0;
+  const absl::string_view text = rest.substr(0, line->first);
+  size_t digits = 0;
+  uint64_t size = 0;
+  while (digits < text.size() &&
+         absl::ascii_isxdigit(static_cast<unsigned char>(text[digits]))) {
+    if (digits == 15) {
+      return Fail(400, "body: a chunk-size over 15 hex digits");
+    }
+    const char c = absl::ascii_tolower(text[digits]);
+    size = size * 16 + static_cast<uint64_t>(c <= '9' ? c - '0' : c - 'a' + 10);
+    ++digits;
+  }
+  // Only a chunk extension may follow the size ("5 ;name=value").
+  const absl::string_view after = text.substr(digits);
+  const absl::string_view extension = TrimOws(after);
+  if (digits == 0 ||
+      (!after.empty() && (extension.empty() || extension.front() != ';'))) {
+    return Fail(400, "body: expected a hexadecimal chunk-size");
+  }
+  for (char c : extension) {
+    if (!IsFieldValueChar(static_cast<unsigned char>(c))) {
+      return Fail(400, "body: control characters in a chunk extension");
+    }
+  }
+  if (size > max_body_bytes_ - body_bytes_) {
+    return Fail(413, absl::StrCat("body: over the server's limit of ",
+                                  max_body_bytes_, " bytes"));
+  }
+  remaining_ = size;
+  state_ = size == 0 ? State::kTrailers : State::kChunkData;
+  return line->second;
+}
+
+size_t BodyReader::TrailerLine(absl::string_view rest) {
+  const auto line = Line(rest);
+  if (!line.has_value()) return 0;
+  if (line->first == 0) {
+    state_ = State::kDone;
+    return line->second;
+  }
+  trailer_bytes_ += line->second;
+  if (trailer_bytes_ > kMaxTrailerBytes) {
+    return Fail(431, absl::StrCat("body: trailer fields over ",
+                                  kMaxTrailerBytes, " bytes"));
+  }
+  std::vector<std::pair<std::string, std::string>> ignored;
+  std::string message = ParseFieldLine(rest.substr(0, line->first), &ignored);
+  if (!message.empty()) return Fail(400, std::move(message));
+  return line->second;
 }
 
 absl::string_view HttpReason(int status) {

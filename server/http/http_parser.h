@@ -110,6 +110,10 @@ class BodyReader {
     kDone,
   };
   size_t Fail(int status, std::string message);
+  // A chunk-size line or a trailer line at the start of `rest`: the bytes
+  // it takes, or 0 when it has not all arrived (or on an error).
+  size_t ChunkSizeLine(absl::string_view rest);
+  size_t TrailerLine(absl::string_view rest);
   // One line (without CRLF) at the start of `input`: its length and the
   // bytes to consume, or nullopt when incomplete; sets error_ for a bare LF
   // or an over-long line.

@@ -1,0 +1,255 @@
+// gRPC's side of a call, for every gRPC service of the server: RPCs on
+// gRPC's raw callback API (requests and responses as bytes), authenticated
+// first, then parsed (bytes that are not the RPC's request answer
+// INVALID_ARGUMENT "request: could not parse N bytes as attnserve.v1.
+// AttendRequest" and are recorded, where gRPC's own parse would answer
+// UNIMPLEMENTED with no message), then handed to the call pipeline
+// (server/call_pipeline.h) or answered from server state.
+//
+// A service registers each RPC with one line in its constructor:
+//   AddCompute<v1::AttendRequest, v1::AttendResponse>(
+//       [](const v1::AttendRequest& r) { return Bound(CostOf(r),
+//       &HandleAttend); });
+//   AddState<v1::ListModelsRequest, v1::ListModelsResponse>(handler);
+// The RPC is the one named after the request type ("AttendRequest" ->
+// Attend); its metrics label is that name; its cost is what the bind
+// returns. Every RPC of the service must be registered
+// (VerifyEveryRpcAdded, at the end of the constructor).
+//
+// Thread-safety: gRPC calls the registered RPCs concurrently; GrpcCalls holds
+// only the pipeline, and each compute RPC's message pool is locked.
+// Ownership: a RawService owns its message pools; the pipeline must outlive
+// it.
+#ifndef ATTNSERVE_SERVER_GRPC_CALLS_H_
+#define ATTNSERVE_SERVER_GRPC_CALLS_H_
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "google/protobuf/descriptor.h"
+#include "grpcpp/impl/codegen/server_callback_handlers.h"
+#include "grpcpp/server_context.h"
+#include "grpcpp/support/byte_buffer.h"
+#include "server/call_pipeline.h"
+#include "server/message_pool.h"
+
+namespace attnserve {
+
+// What a compute RPC's bind returns for a call it accepts: its cost, its
+// handler, run as handle(request, response, control) once admitted, and
+// the call's label in the metrics and the access log when it is not the
+// RPC's name (the Open Inference Protocol's ModelInfer is labelled by the
+// operation it computes, "ModelInfer/Attend").
+template <typename Handler>
+struct BoundCall {
+  RequestCost cost;
+  Handler handle;
+  std::string rpc;
+};
+template <typename Handler>
+absl::StatusOr<BoundCall<Handler>> Bound(RequestCost cost, Handler handle,
+                                         std::string rpc = "") {
+  return BoundCall<Handler>{cost, std::move(handle), std::move(rpc)};
+}
+
+class GrpcCalls {
+ public:
+  explicit GrpcCalls(CallPipeline* pipeline) : pipeline_(pipeline) {}
+  CallPipeline* pipeline() const { return pipeline_; }
+
+  // A compute call: takes a request and response pair from `pool`,
+  // authenticates, parses; `bind(request)` gives the cost and handler (or
+  // an error that refuses the call); then the pipeline admits it and the
+  // handler computes here (tiny calls) or on a worker, cancellable. The
+  // response is serialized into `raw_response`.
+  template <typename Request, typename Response, typename Bind>
+  grpc::ServerUnaryReactor* ServeCompute(grpc::CallbackServerContext* context,
+                                         const grpc::ByteBuffer& raw_request,
+                                         grpc::ByteBuffer* raw_response,
+                                         MessagePool<Request, Response>* pool,
+                                         const Bind& bind);
+
+  // A call that reads or registers server state: authenticated (when
+  // `authenticate`), parsed into `request`, then answered by `handle()`
+  // filling `response`, on gRPC's thread. Only requests that do not parse
+  // are recorded: they mark a broken client.
+  grpc::ServerUnaryReactor* ServeState(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
+      grpc::ByteBuffer* raw_response, bool authenticate,
+      google::protobuf::Message* request, google::protobuf::Message* response,
+      absl::FunctionRef<absl::Status()> handle) const;
+
+ private:
+  // A compute call from arrival to answer.
+  struct Call {
+    grpc::CallbackServerContext* context;
+    google::protobuf::Message* response;
+    grpc::ByteBuffer* raw_response;  // gRPC's, filled when the call succeeds
+    PipelineCall record;
+    // Owns the request and `response`; null once back in their pool.
+    PooledMessagesPtr messages;
+  };
+  using Handle = absl::FunctionRef<absl::Status(const CallControl&)>;
+
+  // Admits `call`, then computes it here if it is tiny and a worker is
+  // free, or queues it. `handle` is a template parameter so that the tiny
+  // path allocates nothing.
+  template <typename BoundHandler>
+  grpc::ServerUnaryReactor* Dispatch(Call call, BoundHandler handle) const;
+  // Admits `call`; answers it here (true, `*reactor` set) when it is
+  // refused, or tiny and a worker is free; false: it must be queued.
+  bool TryFinishHere(Call& call, Handle handle,
+                     grpc::ServerUnaryReactor** reactor) const;
+  // Queues `call` on a worker with a reactor that watches for cancellation.
+  grpc::ServerUnaryReactor* Queue(
+      Call call, std::function<absl::Status(const CallControl&)> handle) const;
+  // Computes an admitted call and answers it through `reactor`, having
+  // returned its messages to their pool.
+  void Compute(Call& call, Handle handle, grpc::ServerUnaryReactor* reactor,
+               const std::atomic<bool>* cancelled) const;
+  // Answers `call` with `status` (not OK) before it computes.
+  grpc::ServerUnaryReactor* Refuse(const Call& call,
+                                   const absl::Status& status) const;
+  // Authenticates, then parses `raw_request` into `request`.
+  absl::Status Accept(const grpc::CallbackServerContext& context,
+                      const grpc::ByteBuffer& raw_request,
+                      google::protobuf::Message* request) const;
+
+  CallPipeline* const pipeline_;
+};
+
+// A generated gRPC service (GrpcService is e.g. v1::AttentionService)
+// whose RPCs are registered on the raw callback API with AddCompute and
+// AddState.
+template <typename GrpcService>
+class RawService : public GrpcService::Service {
+ protected:
+  explicit RawService(GrpcCalls* calls) : calls_(calls) {}
+
+  // The compute RPC named after Request, served with `bind` (see
+  // GrpcCalls::ServeCompute).
+  template <typename Request, typename Response, typename Bind>
+  void AddCompute(Bind bind) {
+    auto pool = std::make_shared<MessagePool<Request, Response>>(
+        kPooledMessages, kPooledBytes);
+    pools_.push_back(pool);
+    Mark(MethodOf<Request>(),
+         [this, pool, bind = std::move(bind)](
+             grpc::CallbackServerContext* context,
+             const grpc::ByteBuffer* request, grpc::ByteBuffer* response) {
+           return calls_->ServeCompute(context, *request, response, pool.get(),
+                                       bind);
+         });
+  }
+
+  // The state RPC named after Request: handle(request, &response) on gRPC's
+  // thread, authenticated unless `authenticate` is false.
+  template <typename Request, typename Response, typename Handler>
+  void AddState(Handler handle, bool authenticate = true) {
+    Mark(MethodOf<Request>(), [this, handle = std::move(handle), authenticate](
+                                  grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* raw_request,
+                                  grpc::ByteBuffer* raw_response) {
+      Request request;
+      Response response;
+      return calls_->ServeState(
+          context, *raw_request, raw_response, authenticate, &request,
+          &response, [&] { return handle(std::as_const(request), &response); });
+    });
+  }
+
+  // Aborts start-up when an RPC of the service was not registered (gRPC
+  // would serve it on a synchronous thread pool the server does not have).
+  void VerifyEveryRpcAdded() const {
+    const google::protobuf::ServiceDescriptor* service = Descriptor();
+    GPR_ASSERT(static_cast<int>(added_.size()) == service->method_count());
+  }
+
+  GrpcCalls* calls() const { return calls_; }
+
+ private:
+  // Idle message pairs kept per RPC, and their capacity: enough for the
+  // calls a busy server has in flight, small next to what they compute.
+  static constexpr size_t kPooledMessages = 64;
+  static constexpr size_t kPooledBytes = size_t{64} << 20;
+
+  static const google::protobuf::ServiceDescriptor* Descriptor() {
+    return google::protobuf::DescriptorPool::generated_pool()
+        ->FindServiceByName(GrpcService::service_full_name());
+  }
+  // The index of the RPC whose request type is Request.
+  template <typename Request>
+  static int MethodOf() {
+    const google::protobuf::ServiceDescriptor* service = Descriptor();
+    for (int i = 0; i < service->method_count(); ++i) {
+      if (service->method(i)->input_type() == Request::descriptor()) return i;
+    }
+    GPR_ASSERT(false && "no RPC of the service takes this request type");
+    return -1;
+  }
+  template <typename Function>
+  void Mark(int method, Function function) {
+    added_.push_back(method);
+    this->MarkMethodRawCallback(
+        method, new grpc::internal::CallbackUnaryHandler<grpc::ByteBuffer,
+                                                         grpc::ByteBuffer>(
+                    std::move(function)));
+  }
+
+  GrpcCalls* const calls_;
+  std::vector<std::shared_ptr<void>> pools_;
+  std::vector<int> added_;
+};
+
+// The definitions of GrpcCalls' templates.
+
+template <typename Request, typename Response, typename Bind>
+grpc::ServerUnaryReactor* GrpcCalls::ServeCompute(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
+    grpc::ByteBuffer* raw_response, MessagePool<Request, Response>* pool,
+    const Bind& bind) {
+  const absl::Time arrived = absl::Now();
+  typename MessagePool<Request, Response>::Messages* messages =
+      pool->AllocateMessages();
+  Request* request = messages->request();
+  Response* response = messages->response();
+  Call call{.context = context,
+            .response = response,
+            .raw_response = raw_response,
+            .record = {.rpc = RpcName(*request),
+                       .request = request,
+                       .response = response,
+                       .cost = {},  // known once the request is parsed
+                       .arrived = arrived},
+            .messages = PooledMessagesPtr(messages)};
+  // Authenticated first: an unauthenticated client's bytes are not parsed.
+  const absl::Status accepted = Accept(*context, raw_request, request);
+  if (!accepted.ok()) return Refuse(call, accepted);
+  auto bound = bind(*request);
+  if (!bound.ok()) return Refuse(call, bound.status());
+  call.record.cost = bound->cost;
+  if (!bound->rpc.empty()) call.record.rpc = std::move(bound->rpc);
+  return Dispatch(std::move(call),
+                  [request, response, handle = std::move(bound->handle)](
+                      const CallControl& control) {
+                    return handle(*request, response, control);
+                  });
+}
+
+template <typename BoundHandler>
+grpc::ServerUnaryReactor* GrpcCalls::Dispatch(Call call,
+                                              BoundHandler handle) const {
+  grpc::ServerUnaryReactor* reactor = nullptr;
+  if (TryFinishHere(call, handle, &reactor)) return reactor;
+  return Queue(std::move(call), std::move(handle));
+}
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_GRPC_CALLS_H_
