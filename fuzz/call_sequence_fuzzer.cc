@@ -45,18 +45,6 @@
 namespace attnserve::fuzz {
 namespace {
 
-enum Op {
-  kCreate,
-  kStep,
-  kDelete,
-  kRegister,
-  kUnregister,
-  kCompute,
-  kExpire,
-  kWrite,
-  kOps
-};
-
 // The sessions an input has created, most recent last (at most 8 kept).
 constexpr size_t kKeptIds = 8;
 

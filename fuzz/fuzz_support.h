@@ -165,6 +165,20 @@ std::optional<HttpInferCall> ReadHttpInferCall(const uint8_t* data,
 std::string HttpInferInput(int model, std::optional<uint16_t> json_length,
                            absl::string_view body);
 
+// The calls of the call_sequence target, by the tag of its records
+// (tag % kOps), shared with the seeds that make_corpus writes.
+enum CallSequenceOp : uint8_t {
+  kCreate,
+  kStep,
+  kDelete,
+  kRegister,
+  kUnregister,
+  kCompute,
+  kExpire,
+  kWrite,
+  kOps
+};
+
 }  // namespace attnserve::fuzz
 
 #endif  // ATTNSERVE_FUZZ_FUZZ_SUPPORT_H_

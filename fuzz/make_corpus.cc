@@ -916,16 +916,6 @@ void AddHttpSeeds(Seeds* seeds) {
 // Seeds of the call_sequence target: series of session, shared-memory and
 // compute calls (see call_sequence_fuzzer.cc for the records).
 void AddCallSequenceSeeds(Seeds* seeds) {
-  enum Op : uint8_t {
-    kCreate,
-    kStep,
-    kDelete,
-    kRegister,
-    kUnregister,
-    kCompute,
-    kExpire,
-    kWrite
-  };
   std::mt19937 rng(20261125);
   const auto f32 = DType::kFloat32;
   const auto create = [](int heads, int64_t head_dim, int64_t max_length,
