@@ -222,6 +222,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   config.metrics = server->metrics_.get();
   config.access_log = ShouldLog(options, LogSeverity::kInfo);
   config.models = server->models_.get();
+  config.repository = server->models_.get();
   config.scheduler = server->scheduler_.get();
   config.cost_model = server->cost_model_.get();
   config.thread_budget = thread_budget;
@@ -235,8 +236,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   builder.AddListeningPort(address, credentials, &server->port_);
   ConfigureBuilder(options, &builder);
   builder.RegisterService(server->service_.get());
-  server->open_inference_service_ =
-      std::make_unique<OpenInferenceService>(server->service_.get());
+  server->open_inference_service_ = std::make_unique<OpenInferenceService>(
+      server->service_.get(), server->pipeline_.get());
   builder.RegisterService(server->open_inference_service_.get());
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || server->port_ == 0) {
