@@ -142,6 +142,9 @@ void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
           : 0;
   config_.metrics->RecordCall(call.rpc, code, total, queue_wait, compute, flops,
                               bytes);
+  if (call.request != nullptr) {
+    statistics_.Record(*call.request, status, total, queue_wait, compute);
+  }
   if (config_.access_log) {
     std::string described =
         call.request != nullptr ? Describe(*call.request) : "";

@@ -32,6 +32,7 @@
 #include "server/request_cost.h"
 #include "server/scheduler.h"
 #include "server/shared_memory.h"
+#include "server/statistics.h"
 
 namespace attnserve {
 
@@ -39,6 +40,8 @@ namespace attnserve {
 // outlive the pipeline.
 struct ServiceConfig {
   const ModelRepository* models = nullptr;  // null: no repository
+  // The same repository, for the protocol's model load and unload.
+  ModelRepository* repository = nullptr;
   // Null: no shared memory (its RPCs answer FAILED_PRECONDITION).
   SharedMemoryRegistry* shared_memory = nullptr;
   Scheduler* scheduler = nullptr;   // required
@@ -76,6 +79,8 @@ class CallPipeline {
   explicit CallPipeline(const ServiceConfig& config) : config_(config) {}
 
   const ServiceConfig& config() const { return config_; }
+  // Per-model statistics of the calls Record sees.
+  const StatisticsTable& statistics() const { return statistics_; }
 
   // Checks an `authorization` header's value (nullopt: none sent).
   absl::Status CheckAuthorization(
@@ -127,6 +132,7 @@ class CallPipeline {
 
  private:
   ServiceConfig config_;
+  mutable StatisticsTable statistics_{config_.models};
   std::atomic<bool> draining_{false};
   std::atomic<bool> not_ready_{false};
   mutable std::atomic<int64_t> last_refused_ns_{0};

@@ -164,6 +164,18 @@ class RawService : public GrpcService::Service {
     });
   }
 
+  // The bidirectional-streaming RPC `method`: `start(context)` returns the
+  // stream's reactor.
+  template <typename Start>
+  void AddStream(absl::string_view method, Start start) {
+    const int index = MethodNamed(method);
+    added_.push_back(index);
+    this->MarkMethodRawCallback(
+        index, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer,
+                                                       grpc::ByteBuffer>(
+                   std::move(start)));
+  }
+
   // Aborts start-up when an RPC of the service was not registered (gRPC
   // would serve it on a synchronous thread pool the server does not have).
   void VerifyEveryRpcAdded() const {
@@ -183,15 +195,16 @@ class RawService : public GrpcService::Service {
     return google::protobuf::DescriptorPool::generated_pool()
         ->FindServiceByName(GrpcService::service_full_name());
   }
-  // The index of the RPC whose request type is Request.
+  // The index of the RPC named after Request ("AttendRequest": Attend).
   template <typename Request>
   static int MethodOf() {
-    const google::protobuf::ServiceDescriptor* service = Descriptor();
-    for (int i = 0; i < service->method_count(); ++i) {
-      if (service->method(i)->input_type() == Request::descriptor()) return i;
-    }
-    GPR_ASSERT(false && "no RPC of the service takes this request type");
-    return -1;
+    return MethodNamed(RpcName(Request::default_instance()));
+  }
+  static int MethodNamed(absl::string_view name) {
+    const google::protobuf::MethodDescriptor* method =
+        Descriptor()->FindMethodByName(std::string(name));
+    GPR_ASSERT(method != nullptr && "no RPC of the service has this name");
+    return method->index();
   }
   template <typename Function>
   void Mark(int method, Function function) {

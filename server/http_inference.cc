@@ -13,6 +13,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "inference/grpc_service.pb.h"
+#include "server/http_extensions.h"
 #include "server/open_inference.h"
 #include "server/open_inference_json.h"
 
@@ -33,8 +34,10 @@ struct Route {
     kServerMetadata,
     kModelMetadata,
     kModelReady,
-    kInfer
+    kInfer,
+    kExtension,  // Triton's extensions (server/http_extensions.h)
   } kind = Kind::kNone;
+  std::optional<ExtensionRoute> extension;
   std::string model;
   std::string version;
   // GET (and HEAD) or POST.
@@ -44,6 +47,12 @@ struct Route {
 // /v2/models/{name}[/versions/{version}][/ready|/infer].
 Route RouteOf(absl::string_view path) {
   Route route;
+  if (std::optional<ExtensionRoute> extension = ExtensionRouteOf(path)) {
+    route.kind = Route::Kind::kExtension;
+    route.post = extension->post;
+    route.extension = std::move(extension);
+    return route;
+  }
   if (path == "/v2/health/live") {
     route.kind = Route::Kind::kLive;
   } else if (path == "/v2/health/ready") {
@@ -260,6 +269,23 @@ class HttpInference {
       }
       case Route::Kind::kInfer:
         return Infer(route, std::move(request), std::move(responder));
+      case Route::Kind::kExtension: {
+        if (const std::string* encoding = request.head.Find("Content-Encoding");
+            encoding != nullptr && CodingOf(*encoding) != "identity") {
+          absl::StatusOr<std::string> inflated =
+              Inflate(request.body, max_body_bytes_);
+          if (absl::IsResourceExhausted(inflated.status())) {
+            return responder.Send(
+                JsonErrorResponse(413, inflated.status().message()));
+          }
+          if (!inflated.ok()) {
+            return responder.Send(StatusResponse(inflated.status()));
+          }
+          request.body = *std::move(inflated);
+        }
+        return responder.Send(
+            HandleExtension(*route.extension, request.body, *pipeline_));
+      }
       case Route::Kind::kNone:
         break;
     }

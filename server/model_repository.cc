@@ -226,6 +226,55 @@ absl::Status ModelRepository::Reload() {
   return absl::OkStatus();
 }
 
+absl::Status ModelRepository::LoadOne(absl::string_view name) {
+  ATTN_RETURN_IF_ERROR(VerifyModelName(name, "model_name"));
+  if (root_.empty()) {
+    return absl::FailedPreconditionError(
+        "model_name: this server has no --model_repository to load from");
+  }
+  const std::string dir = (fs::path(root_) / std::string(name)).string();
+  std::error_code error;
+  if (!fs::is_directory(dir, error)) {
+    return absl::NotFoundError(absl::StrCat("model_name: ", EchoString(name),
+                                            " is not a folder of the model "
+                                            "repository ",
+                                            root_));
+  }
+  MutexLock reload_lock(&reload_mu_);
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, LoadModel(dir));
+  auto updated = std::make_shared<ModelMap>(*Snapshot());
+  (*updated)[model->name] = std::move(model);
+  MutexLock lock(&mu_);
+  models_ = std::move(updated);
+  return absl::OkStatus();
+}
+
+absl::Status ModelRepository::Unload(absl::string_view name) {
+  ATTN_RETURN_IF_ERROR(VerifyModelName(name, "model_name"));
+  MutexLock reload_lock(&reload_mu_);
+  auto updated = std::make_shared<ModelMap>(*Snapshot());
+  if (updated->erase(std::string(name)) == 0) {
+    return absl::NotFoundError(
+        absl::StrCat("model_name: ", EchoString(name), " is not loaded"));
+  }
+  MutexLock lock(&mu_);
+  models_ = std::move(updated);
+  return absl::OkStatus();
+}
+
+std::vector<std::string> ModelRepository::Folders() const {
+  std::vector<std::string> names;
+  if (root_.empty()) return names;
+  std::error_code error;
+  for (const auto& entry : fs::directory_iterator(root_, error)) {
+    if (entry.is_directory(error)) {
+      names.push_back(entry.path().filename().string());
+    }
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 std::shared_ptr<const ModelRepository::ModelMap> ModelRepository::Snapshot()
     const {
   MutexLock lock(&mu_);

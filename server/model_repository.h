@@ -65,6 +65,21 @@ class ModelRepository {
   // first error.
   absl::Status Reload() ABSL_LOCKS_EXCLUDED(reload_mu_, mu_);
 
+  // Loads (or reloads) the one model `name` from its folder under the root
+  // and serves it, the other models unchanged; if it does not load, the
+  // served set stays as it was and the error names the file at fault.
+  // INVALID_ARGUMENT for a name no folder can have, FAILED_PRECONDITION
+  // without a root, NOT_FOUND when the root has no such folder.
+  absl::Status LoadOne(absl::string_view name)
+      ABSL_LOCKS_EXCLUDED(reload_mu_, mu_);
+  // Stops serving `name` (calls already holding it finish on it); NOT_FOUND
+  // if it is not served. Reload and LoadOne serve it again.
+  absl::Status Unload(absl::string_view name)
+      ABSL_LOCKS_EXCLUDED(reload_mu_, mu_);
+  // The names of the model folders under the root, sorted (served or not).
+  std::vector<std::string> Folders() const;
+  const std::string& root() const { return root_; }
+
   // The model called `name`, or NOT_FOUND naming the models there are.
   absl::StatusOr<std::shared_ptr<const Model>> Find(
       absl::string_view name) const ABSL_LOCKS_EXCLUDED(mu_);

@@ -432,13 +432,25 @@ void SetParameter(ParameterMap* parameters, absl::string_view name,
 
 using TensorMetadata = inference::ModelMetadataResponse::TensorMetadata;
 
+// Inputs a request of `model` may leave out: masks, LayerNorm's affine
+// parameters, and for MultiHeadAttend key (the query then) and value (the
+// key then), and the weights of multi_head_attend (any of the two layouts;
+// biases and out_proj_weight as the native request says).
+bool IsOptionalInput(absl::string_view model, absl::string_view input) {
+  if (model == kAttendModel) return input == "attn_mask";
+  if (model == kLayerNormModel) return input == "gamma" || input == "beta";
+  return input != "query";
+}
+
 void AddMetadata(google::protobuf::RepeatedPtrField<TensorMetadata>* list,
                  absl::string_view name, v1::DataType dtype,
-                 std::vector<int64_t> shape) {
+                 std::vector<int64_t> shape, bool optional = false) {
   TensorMetadata* tensor = list->Add();
   tensor->set_name(std::string(name));
   tensor->set_datatype(std::string(ProtocolDatatype(dtype)));
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
+  if (optional)
+    (*tensor->mutable_parameters())["optional"].set_bool_param(true);
 }
 
 // The built-in models' inputs and outputs: any float dtype for values, any
@@ -448,30 +460,57 @@ void BuiltInMetadata(absl::string_view model,
   const auto f32 = v1::DATA_TYPE_FLOAT32;
   auto* inputs = response->mutable_inputs();
   auto* outputs = response->mutable_outputs();
+  const auto input = [&](absl::string_view name, v1::DataType dtype,
+                         std::vector<int64_t> shape) {
+    AddMetadata(inputs, name, dtype, std::move(shape),
+                IsOptionalInput(model, name));
+  };
   if (model == kLayerNormModel) {
-    AddMetadata(inputs, "input", f32, {-1, -1});
-    AddMetadata(inputs, "gamma", f32, {-1});
-    AddMetadata(inputs, "beta", f32, {-1});
+    input("input", f32, {-1, -1});
+    input("gamma", f32, {-1});
+    input("beta", f32, {-1});
     AddMetadata(outputs, "output", f32, {-1, -1});
     return;
   }
   for (const char* name : {"query", "key", "value"}) {
-    AddMetadata(inputs, name, f32, {-1, -1, -1});
+    input(name, f32, {-1, -1, -1});
   }
-  AddMetadata(inputs, "attn_mask", v1::DATA_TYPE_BOOL, {-1, -1});
+  input("attn_mask", v1::DATA_TYPE_BOOL, {-1, -1});
   AddMetadata(outputs, "output", f32, {-1, -1, -1});
   AddMetadata(outputs, "weights", f32, {-1, -1, -1});
   if (model != kMultiHeadAttendModel) return;
-  AddMetadata(inputs, "key_padding_mask", v1::DATA_TYPE_BOOL, {-1, -1});
+  input("key_padding_mask", v1::DATA_TYPE_BOOL, {-1, -1});
   for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
     const bool matrix = absl::EndsWith(field.name, "_weight");
-    AddMetadata(
-        inputs, field.name, f32,
-        matrix ? std::vector<int64_t>{-1, -1} : std::vector<int64_t>{-1});
+    input(field.name, f32,
+          matrix ? std::vector<int64_t>{-1, -1} : std::vector<int64_t>{-1});
   }
 }
 
 }  // namespace
+
+std::vector<std::string> RequestParameterNames(absl::string_view model) {
+  std::vector<const Descriptor*> targets;
+  if (model == kAttendModel) {
+    targets = {v1::AttendRequest::descriptor()};
+  } else if (model == kLayerNormModel) {
+    targets = {v1::LayerNormRequest::descriptor()};
+  } else {
+    targets = {v1::MultiHeadAttendRequest::descriptor()};
+    if (model == kMultiHeadAttendModel) {
+      targets.push_back(v1::AttentionWeights::descriptor());
+    }
+  }
+  std::vector<std::string> names;
+  for (const Descriptor* descriptor : targets) {
+    for (int i = 0; i < descriptor->field_count(); ++i) {
+      if (IsOptionField(*descriptor->field(i))) {
+        names.push_back(descriptor->field(i)->name());
+      }
+    }
+  }
+  return names;
+}
 
 absl::string_view ProtocolDatatype(v1::DataType dtype) {
   for (const DatatypeName& entry : kDatatypes) {
@@ -650,7 +689,8 @@ absl::Status HandleModelMetadata(const inference::ModelMetadataRequest& request,
   response->set_platform(native.platform());
   for (const v1::TensorMetadata& input : native.inputs()) {
     AddMetadata(response->mutable_inputs(), input.name(), input.datatype(),
-                {input.shape().begin(), input.shape().end()});
+                {input.shape().begin(), input.shape().end()},
+                IsOptionalInput(native.name(), input.name()));
   }
   for (const v1::TensorMetadata& output : native.outputs()) {
     AddMetadata(response->mutable_outputs(), output.name(), output.datatype(),
@@ -666,8 +706,15 @@ absl::Status HandleModelReady(const inference::ModelReadyRequest& request,
   metadata_request.set_name(request.name());
   metadata_request.set_version(request.version());
   inference::ModelMetadataResponse metadata;
-  ATTN_RETURN_IF_ERROR(
-      HandleModelMetadata(metadata_request, models, &metadata));
+  const absl::Status status =
+      HandleModelMetadata(metadata_request, models, &metadata);
+  // A model (or version) not served is not ready: an answer, not an error,
+  // as the protocol's clients expect.
+  if (absl::IsNotFound(status)) {
+    response->set_ready(false);
+    return absl::OkStatus();
+  }
+  ATTN_RETURN_IF_ERROR(status);
   response->set_ready(true);
   return absl::OkStatus();
 }
@@ -675,8 +722,11 @@ absl::Status HandleModelReady(const inference::ModelReadyRequest& request,
 void HandleServerMetadata(inference::ServerMetadataResponse* response) {
   response->set_name("attnserve");
   response->set_version(ATTNSERVE_VERSION);
-  response->add_extensions("parameters");
-  response->add_extensions("binary_tensor_data");
+  for (const char* extension :
+       {"parameters", "binary_tensor_data", "model_configuration",
+        "system_shared_memory", "statistics", "model_repository"}) {
+    response->add_extensions(extension);
+  }
 }
 
 }  // namespace attnserve

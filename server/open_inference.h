@@ -57,6 +57,10 @@ absl::string_view ProtocolDatatype(v1::DataType dtype);
 absl::StatusOr<v1::DataType> NativeDatatype(absl::string_view datatype,
                                             absl::string_view field);
 
+// The request parameters `model` takes (the scalar fields of its native
+// request), in field order.
+std::vector<std::string> RequestParameterNames(absl::string_view model);
+
 // One ModelInfer call as a native call.
 class NativeInferCall {
  public:
@@ -96,16 +100,19 @@ class NativeInferCall {
 };
 
 // ModelMetadata: the built-in models' inputs and outputs, or a served
-// model's. NOT_FOUND for other names and versions.
+// model's; inputs a request may leave out carry the parameter "optional"
+// (true). NOT_FOUND for other names and versions.
 absl::Status HandleModelMetadata(const inference::ModelMetadataRequest& request,
                                  const ModelRepository* models,
                                  inference::ModelMetadataResponse* response);
-// ModelReady: true for the built-in models and served ones; NOT_FOUND for
-// others.
+// ModelReady: true for the built-in models and served ones, false for
+// others (and other versions); INVALID_ARGUMENT for a name no model can
+// have.
 absl::Status HandleModelReady(const inference::ModelReadyRequest& request,
                               const ModelRepository* models,
                               inference::ModelReadyResponse* response);
-// ServerMetadata: name "attnserve", the build's version, the extensions.
+// ServerMetadata: name "attnserve", the build's version, the extensions
+// (Triton's names) that both front ends implement.
 void HandleServerMetadata(inference::ServerMetadataResponse* response);
 
 }  // namespace attnserve

@@ -339,10 +339,18 @@ json TensorMetadataToJson(
         inference::ModelMetadataResponse::TensorMetadata>& tensors) {
   json list = json::array();
   for (const auto& tensor : tensors) {
-    list.push_back({{"name", tensor.name()},
-                    {"datatype", tensor.datatype()},
-                    {"shape", std::vector<int64_t>(tensor.shape().begin(),
-                                                   tensor.shape().end())}});
+    json item = {{"name", tensor.name()},
+                 {"datatype", tensor.datatype()},
+                 {"shape", std::vector<int64_t>(tensor.shape().begin(),
+                                                tensor.shape().end())}};
+    if (!tensor.parameters().empty()) {
+      json parameters = json::object();
+      for (const auto& [name, parameter] : tensor.parameters()) {
+        parameters[name] = ParameterToJson(parameter);
+      }
+      item["parameters"] = std::move(parameters);
+    }
+    list.push_back(std::move(item));
   }
   return list;
 }
@@ -469,6 +477,10 @@ std::string ModelReadyToJson(absl::string_view name, bool ready) {
 
 std::string ErrorJson(absl::string_view message) {
   return Dump({{"error", std::string(message)}});
+}
+
+absl::Status VerifyJsonDepth(absl::string_view text) {
+  return VerifyDepth(text);
 }
 
 }  // namespace attnserve

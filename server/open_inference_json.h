@@ -63,6 +63,10 @@ std::string ModelReadyToJson(absl::string_view name, bool ready);
 // {"error": message}
 std::string ErrorJson(absl::string_view message);
 
+// INVALID_ARGUMENT when `text` nests arrays and objects deeper than a
+// request needs (checked before parsing: the parser recurses per level).
+absl::Status VerifyJsonDepth(absl::string_view text);
+
 }  // namespace attnserve
 
 #endif  // ATTNSERVE_SERVER_OPEN_INFERENCE_JSON_H_

@@ -4,65 +4,128 @@
 #include <memory>
 
 #include "core/status_macros.h"
+#include "server/model_config.h"
 #include "server/open_inference.h"
+#include "server/stream_infer.h"
+#include "server/triton_extensions.h"
 
 namespace attnserve {
 
+namespace oip = inference;
+
 OpenInferenceService::OpenInferenceService(GrpcCalls* calls)
     : RawService(calls) {
-  const CallPipeline* pipeline = calls->pipeline();
+  AddStateRpcs();
+  AddInferenceRpcs();
+  VerifyEveryRpcAdded();
+}
+
+void OpenInferenceService::AddStateRpcs() {
+  const CallPipeline* pipeline = calls()->pipeline();
   const ModelRepository* models = pipeline->config().models;
-  AddState<inference::ServerLiveRequest, inference::ServerLiveResponse>(
-      [](const inference::ServerLiveRequest&,
-         inference::ServerLiveResponse* response) {
+  ModelRepository* repository = pipeline->config().repository;
+  SharedMemoryRegistry* regions = pipeline->config().shared_memory;
+  AddState<oip::ServerLiveRequest, oip::ServerLiveResponse>(
+      [](const auto&, auto* response) {
         response->set_live(true);
         return absl::OkStatus();
       },
       /*authenticate=*/false);
   // Not ready once the server starts draining.
-  AddState<inference::ServerReadyRequest, inference::ServerReadyResponse>(
-      [pipeline](const inference::ServerReadyRequest&,
-                 inference::ServerReadyResponse* response) {
+  AddState<oip::ServerReadyRequest, oip::ServerReadyResponse>(
+      [pipeline](const auto&, auto* response) {
         response->set_ready(pipeline->ready());
         return absl::OkStatus();
       },
       /*authenticate=*/false);
-  AddState<inference::ModelReadyRequest, inference::ModelReadyResponse>(
-      [models](const inference::ModelReadyRequest& request,
-               inference::ModelReadyResponse* response) {
+  AddState<oip::ModelReadyRequest, oip::ModelReadyResponse>(
+      [models](const auto& request, auto* response) {
         return HandleModelReady(request, models, response);
       });
-  AddState<inference::ServerMetadataRequest, inference::ServerMetadataResponse>(
-      [](const inference::ServerMetadataRequest&,
-         inference::ServerMetadataResponse* response) {
+  AddState<oip::ServerMetadataRequest, oip::ServerMetadataResponse>(
+      [](const auto&, auto* response) {
         HandleServerMetadata(response);
         return absl::OkStatus();
       });
-  AddState<inference::ModelMetadataRequest, inference::ModelMetadataResponse>(
-      [models](const inference::ModelMetadataRequest& request,
-               inference::ModelMetadataResponse* response) {
+  AddState<oip::ModelMetadataRequest, oip::ModelMetadataResponse>(
+      [models](const auto& request, auto* response) {
         return HandleModelMetadata(request, models, response);
       });
-  using Handle = std::function<absl::Status(const inference::ModelInferRequest&,
-                                            inference::ModelInferResponse*,
-                                            const CallControl&)>;
-  AddCompute<inference::ModelInferRequest, inference::ModelInferResponse>(
-      [models](inference::ModelInferRequest& request)
+  AddState<oip::ModelConfigRequest, oip::ModelConfigResponse>(
+      [models](const auto& request, auto* response) {
+        return HandleModelConfig(request, models, response);
+      });
+  AddState<oip::ModelStatisticsRequest, oip::ModelStatisticsResponse>(
+      [pipeline](const auto& request, auto* response) {
+        return pipeline->statistics().Handle(request, response);
+      });
+  // Index, load and unload run on gRPC's thread: a load reads and packs
+  // the model's weights before it answers.
+  AddState<oip::RepositoryIndexRequest, oip::RepositoryIndexResponse>(
+      [models](const auto& request, auto* response) {
+        return HandleRepositoryIndex(request, models, response);
+      });
+  AddState<oip::RepositoryModelLoadRequest, oip::RepositoryModelLoadResponse>(
+      [repository](const auto& request, auto*) {
+        return HandleRepositoryModelLoad(request, repository);
+      });
+  AddState<oip::RepositoryModelUnloadRequest,
+           oip::RepositoryModelUnloadResponse>(
+      [repository](const auto& request, auto*) {
+        return HandleRepositoryModelUnload(request, repository);
+      });
+  AddState<oip::SystemSharedMemoryStatusRequest,
+           oip::SystemSharedMemoryStatusResponse>(
+      [regions](const auto& request, auto* response) {
+        return HandleSystemSharedMemoryStatus(request, regions, response);
+      });
+  AddState<oip::SystemSharedMemoryRegisterRequest,
+           oip::SystemSharedMemoryRegisterResponse>(
+      [regions](const auto& request, auto*) {
+        return HandleSystemSharedMemoryRegister(request, regions);
+      });
+  AddState<oip::SystemSharedMemoryUnregisterRequest,
+           oip::SystemSharedMemoryUnregisterResponse>(
+      [regions](const auto& request, auto*) {
+        return HandleSystemSharedMemoryUnregister(request, regions);
+      });
+  // CUDA shared memory: UNIMPLEMENTED, saying to use system shared memory.
+  const auto no_cuda = [](const auto&, auto*) {
+    return CudaSharedMemoryUnsupported();
+  };
+  AddState<oip::CudaSharedMemoryStatusRequest,
+           oip::CudaSharedMemoryStatusResponse>(no_cuda);
+  AddState<oip::CudaSharedMemoryRegisterRequest,
+           oip::CudaSharedMemoryRegisterResponse>(no_cuda);
+  AddState<oip::CudaSharedMemoryUnregisterRequest,
+           oip::CudaSharedMemoryUnregisterResponse>(no_cuda);
+}
+
+void OpenInferenceService::AddInferenceRpcs() {
+  const CallPipeline* pipeline = calls()->pipeline();
+  const ModelRepository* models = pipeline->config().models;
+  using Handle =
+      std::function<absl::Status(const oip::ModelInferRequest&,
+                                 oip::ModelInferResponse*, const CallControl&)>;
+  AddCompute<oip::ModelInferRequest, oip::ModelInferResponse>(
+      [models](oip::ModelInferRequest& request)
           -> absl::StatusOr<BoundCall<Handle>> {
         ATTN_ASSIGN_OR_RETURN(std::shared_ptr<NativeInferCall> native,
                               NativeInferCall::FromRequest(&request, models));
-        return Bound(
-            native->cost(),
-            Handle([native](const inference::ModelInferRequest& request,
-                            inference::ModelInferResponse* response,
-                            const CallControl& control) {
-              ATTN_RETURN_IF_ERROR(native->Run(control));
-              native->ToResponse(request, response);
-              return absl::OkStatus();
-            }),
-            native->label());
+        return Bound(native->cost(),
+                     Handle([native](const oip::ModelInferRequest& request,
+                                     oip::ModelInferResponse* response,
+                                     const CallControl& control) {
+                       ATTN_RETURN_IF_ERROR(native->Run(control));
+                       native->ToResponse(request, response);
+                       return absl::OkStatus();
+                     }),
+                     native->label());
       });
-  VerifyEveryRpcAdded();
+  AddStream("ModelStreamInfer",
+            [pipeline](grpc::CallbackServerContext* context) {
+              return StartModelStreamInfer(context, pipeline);
+            });
 }
 
 }  // namespace attnserve

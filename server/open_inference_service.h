@@ -1,10 +1,14 @@
 // inference.GRPCInferenceService, the Open Inference Protocol (KServe v2)
-// over gRPC, served beside AttentionService on the same port and on the
-// same glue (server/grpc_calls.h): ModelInfer is translated to the native
-// call of its model (server/open_inference.h) and goes through the call
-// pipeline, labelled by the operation it computes ("ModelInfer/Attend");
-// the other RPCs answer from server state on gRPC's thread. ServerLive and
-// ServerReady need no token, like the health service.
+// over gRPC with Triton's extensions, served beside AttentionService on the
+// same port and on the same glue (server/grpc_calls.h): ModelInfer is
+// translated to the native call of its model (server/open_inference.h) and
+// goes through the call pipeline, labelled by the operation it computes
+// ("ModelInfer/Attend"); ModelStreamInfer runs each request of a stream the
+// same way (server/stream_infer.h); the other RPCs answer from server state
+// on gRPC's thread: model configuration (server/model_config.h), statistics
+// (server/statistics.h), model repository and system shared memory
+// (server/triton_extensions.h; CUDA shared memory answers UNIMPLEMENTED).
+// ServerLive and ServerReady need no token, like the health service.
 //
 // Thread-safety: gRPC calls the RPCs concurrently; the service holds only
 // the glue. Ownership: `calls` (and what its pipeline points to) must
@@ -21,6 +25,13 @@ class OpenInferenceService final
     : public RawService<inference::GRPCInferenceService> {
  public:
   explicit OpenInferenceService(GrpcCalls* calls);
+
+ private:
+  // The protocol's state RPCs: health, metadata, configuration,
+  // statistics, repository and shared memory.
+  void AddStateRpcs();
+  // ModelInfer and ModelStreamInfer.
+  void AddInferenceRpcs();
 };
 
 }  // namespace attnserve

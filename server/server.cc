@@ -226,6 +226,7 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
   config.metrics = metrics_.get();
   config.access_log = ShouldLog(options, LogSeverity::kInfo);
   config.models = models_.get();
+  config.repository = models_.get();
   config.scheduler = scheduler_.get();
   config.cost_model = cost_model_.get();
   config.thread_budget = &ThreadBudget::Global();

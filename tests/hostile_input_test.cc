@@ -2345,8 +2345,13 @@ void AddEchoCases(std::vector<HostileCase>& cases) {
   inference::ModelReadyRequest ready;
   ready.set_name("demo");
   ready.set_version(v20k);
-  cases.push_back(Case(ready, "version_20000_bytes", "version", Code::kNotFound,
-                       absl::StrCat("version: model 'demo'", only_version)));
+  // A version not served is not ready: an answer, not an error.
+  cases.push_back(
+      Ok(ready, "version_20000_bytes", "version", [](const std::string& bytes) {
+        inference::ModelReadyResponse response;
+        ASSERT_TRUE(response.ParseFromString(bytes));
+        EXPECT_FALSE(response.ready());
+      }));
   inference::ModelInferRequest infer;
   infer.set_model_name("layer_norm");
   auto* input = infer.add_inputs();

@@ -636,7 +636,10 @@ TEST_F(OpenInferenceTest, EchoedStringsAreCutTo128Bytes) {
     request.set_name(name);
     request.set_version(version);
     inference::ModelReadyResponse response;
-    return protocol_->ModelReady(Context().get(), request, &response);
+    grpc::Status status =
+        protocol_->ModelReady(Context().get(), request, &response);
+    EXPECT_FALSE(response.ready()) << name.substr(0, 16);
+    return status;
   };
   const auto infer = [&](std::function<void(ModelInferRequest*)> edit) {
     ModelInferRequest request = attend();
@@ -662,14 +665,11 @@ TEST_F(OpenInferenceTest, EchoedStringsAreCutTo128Bytes) {
       {"ModelMetadata name",
        [&] { return metadata(std::string(200, 'n'), ""); },
        grpc::StatusCode::NOT_FOUND, not_found},
+      // Models and versions not served are not ready: OK, ready false.
       {"ModelReady version", [&] { return ready("attend", v20k); },
-       grpc::StatusCode::NOT_FOUND,
-       absl::StrCat("version: model 'attend' has only version 1, not ",
-                    echo_v)},
+       grpc::StatusCode::OK, ""},
       {"ModelReady name and version", [&] { return ready(n8k, v20k); },
-       grpc::StatusCode::NOT_FOUND,
-       absl::StrCat("version: model ", echo_n, " has only version 1, not ",
-                    echo_v)},
+       grpc::StatusCode::OK, ""},
       {"ModelInfer model_version",
        [&] { return infer([&](auto* r) { r->set_model_version(v20k); }); },
        grpc::StatusCode::NOT_FOUND,
@@ -869,12 +869,13 @@ TEST_F(OpenInferenceTest, MetadataAndReadiness) {
         protocol_->ModelReady(Context().get(), request, &response).ok());
     EXPECT_TRUE(response.ready()) << name;
   }
+  // A model not served is not ready: an answer, as Triton gives it.
   inference::ModelReadyRequest unknown;
   unknown.set_name("nope");
   inference::ModelReadyResponse response;
-  EXPECT_EQ(
-      protocol_->ModelReady(Context().get(), unknown, &response).error_code(),
-      grpc::StatusCode::NOT_FOUND);
+  response.set_ready(true);
+  EXPECT_TRUE(protocol_->ModelReady(Context().get(), unknown, &response).ok());
+  EXPECT_FALSE(response.ready());
 }
 
 // The JSON "data" of output `name` in an HTTP infer response.
@@ -935,9 +936,9 @@ TEST_F(OpenInferenceTest, HttpEqualsGrpc) {
   EXPECT_EQ(mha["inputs"][0]["shape"], json({-1, -1, 16}));
   EXPECT_EQ(http_.Get("/v2/models/mha/versions/1/ready")->status, 200);
   auto missing = http_.Get("/v2/models/nope/ready");
-  EXPECT_EQ(missing->status, 404);
-  EXPECT_THAT(json::parse(missing->body)["error"].get<std::string>(),
-              HasSubstr("'nope' not found"));
+  EXPECT_EQ(missing->status, 503);
+  EXPECT_EQ(json::parse(missing->body),
+            json({{"name", "nope"}, {"ready", false}}));
 
   const v1::Tensor q = Wire(DType::kFloat32, {3, 8}, rng_);
   ModelInferRequest request;

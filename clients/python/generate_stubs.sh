@@ -22,8 +22,10 @@ plugin=${GRPC_PYTHON_PLUGIN:-$(command -v grpc_python_plugin || true)}
 [[ -x $protoc ]] || { echo "generate_stubs: protoc not found (apt-get install protobuf-compiler)" >&2; exit 1; }
 [[ -x $plugin ]] || { echo "generate_stubs: grpc_python_plugin not found (apt-get install protobuf-compiler-grpc)" >&2; exit 1; }
 
-protos=(attnserve/v1/attention.proto inference/grpc_service.proto)
+protos=(attnserve/v1/attention.proto inference/model_config.proto
+  inference/grpc_service.proto)
 generated=(attnserve/v1/attention_pb2.py attnserve/v1/attention_pb2_grpc.py
+  inference/model_config_pb2.py inference/model_config_pb2_grpc.py
   inference/grpc_service_pb2.py inference/grpc_service_pb2_grpc.py)
 
 generate() {

@@ -388,10 +388,10 @@ class OpenInferenceTest(ProtocolTestCase):
                     self.assertIs(client.model_ready(model, version="1"),
                                   True)
             with self.subTest(transport=transport, model="unknown"):
-                self.assert_error(client, grpc.StatusCode.NOT_FOUND,
-                                  client.model_ready, "no_such_model")
-                self.assert_error(client, grpc.StatusCode.NOT_FOUND,
-                                  client.model_ready, "attend", version="2")
+                # Not served: not ready, an answer rather than an error.
+                self.assertIs(client.model_ready("no_such_model"), False)
+                self.assertIs(client.model_ready("attend", version="2"),
+                              False)
         self.assertEqual(
             self.http.request("GET", "/v2/models/layer_norm/ready"),
             (200, {"name": "layer_norm", "ready": True}))

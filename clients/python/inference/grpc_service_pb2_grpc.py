@@ -44,6 +44,66 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
                 response_deserializer=inference_dot_grpc__service__pb2.ModelInferResponse.FromString,
                 )
+        self.ModelStreamInfer = channel.stream_stream(
+                '/inference.GRPCInferenceService/ModelStreamInfer',
+                request_serializer=inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+                )
+        self.ModelConfig = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelConfig',
+                request_serializer=inference_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+                )
+        self.ModelStatistics = channel.unary_unary(
+                '/inference.GRPCInferenceService/ModelStatistics',
+                request_serializer=inference_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+                )
+        self.RepositoryIndex = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryIndex',
+                request_serializer=inference_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+                )
+        self.RepositoryModelLoad = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelLoad',
+                request_serializer=inference_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+                )
+        self.RepositoryModelUnload = channel.unary_unary(
+                '/inference.GRPCInferenceService/RepositoryModelUnload',
+                request_serializer=inference_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+                )
+        self.SystemSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+                request_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.FromString,
+                )
+        self.SystemSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+                request_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.FromString,
+                )
+        self.SystemSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+                request_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+                )
+        self.CudaSharedMemoryStatus = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryStatus',
+                request_serializer=inference_dot_grpc__service__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.CudaSharedMemoryStatusResponse.FromString,
+                )
+        self.CudaSharedMemoryRegister = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryRegister',
+                request_serializer=inference_dot_grpc__service__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.CudaSharedMemoryRegisterResponse.FromString,
+                )
+        self.CudaSharedMemoryUnregister = channel.unary_unary(
+                '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
+                request_serializer=inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+                )
 
 
 class GRPCInferenceServiceServicer(object):
@@ -91,6 +151,88 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ModelStreamInfer(self, request_iterator, context):
+        """ModelInfer on a stream of requests: one response per request, in
+        request order; a request that fails gets a response with its
+        error_message and the stream goes on.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelConfig(self, request, context):
+        """A model's configuration (Triton's model configuration extension).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ModelStatistics(self, request, context):
+        """Cumulative inference statistics per model (statistics extension).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryIndex(self, request, context):
+        """The model repository's models and their states; load (or reload) and
+        unload one model (model repository extension).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelLoad(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RepositoryModelUnload(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryStatus(self, request, context):
+        """System shared-memory regions: the same registry as attnserve's own
+        RegisterSharedMemory (shared-memory extension).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryRegister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SystemSharedMemoryUnregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryStatus(self, request, context):
+        """CUDA shared memory: answered UNIMPLEMENTED (attnserve computes on CPU).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryRegister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CudaSharedMemoryUnregister(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -123,6 +265,66 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.ModelInfer,
                     request_deserializer=inference_dot_grpc__service__pb2.ModelInferRequest.FromString,
                     response_serializer=inference_dot_grpc__service__pb2.ModelInferResponse.SerializeToString,
+            ),
+            'ModelStreamInfer': grpc.stream_stream_rpc_method_handler(
+                    servicer.ModelStreamInfer,
+                    request_deserializer=inference_dot_grpc__service__pb2.ModelInferRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.ModelStreamInferResponse.SerializeToString,
+            ),
+            'ModelConfig': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelConfig,
+                    request_deserializer=inference_dot_grpc__service__pb2.ModelConfigRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.ModelConfigResponse.SerializeToString,
+            ),
+            'ModelStatistics': grpc.unary_unary_rpc_method_handler(
+                    servicer.ModelStatistics,
+                    request_deserializer=inference_dot_grpc__service__pb2.ModelStatisticsRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.ModelStatisticsResponse.SerializeToString,
+            ),
+            'RepositoryIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryIndex,
+                    request_deserializer=inference_dot_grpc__service__pb2.RepositoryIndexRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.RepositoryIndexResponse.SerializeToString,
+            ),
+            'RepositoryModelLoad': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelLoad,
+                    request_deserializer=inference_dot_grpc__service__pb2.RepositoryModelLoadRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.RepositoryModelLoadResponse.SerializeToString,
+            ),
+            'RepositoryModelUnload': grpc.unary_unary_rpc_method_handler(
+                    servicer.RepositoryModelUnload,
+                    request_deserializer=inference_dot_grpc__service__pb2.RepositoryModelUnloadRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.RepositoryModelUnloadResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryStatus,
+                    request_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryRegister,
+                    request_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'SystemSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.SystemSharedMemoryUnregister,
+                    request_deserializer=inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryStatus,
+                    request_deserializer=inference_dot_grpc__service__pb2.CudaSharedMemoryStatusRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.CudaSharedMemoryStatusResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryRegister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryRegister,
+                    request_deserializer=inference_dot_grpc__service__pb2.CudaSharedMemoryRegisterRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.CudaSharedMemoryRegisterResponse.SerializeToString,
+            ),
+            'CudaSharedMemoryUnregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.CudaSharedMemoryUnregister,
+                    request_deserializer=inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -233,5 +435,209 @@ class GRPCInferenceService(object):
         return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/ModelInfer',
             inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
             inference_dot_grpc__service__pb2.ModelInferResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ModelStreamInfer(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(request_iterator, target, '/inference.GRPCInferenceService/ModelStreamInfer',
+            inference_dot_grpc__service__pb2.ModelInferRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.ModelStreamInferResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ModelConfig(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/ModelConfig',
+            inference_dot_grpc__service__pb2.ModelConfigRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.ModelConfigResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ModelStatistics(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/ModelStatistics',
+            inference_dot_grpc__service__pb2.ModelStatisticsRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.ModelStatisticsResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RepositoryIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/RepositoryIndex',
+            inference_dot_grpc__service__pb2.RepositoryIndexRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.RepositoryIndexResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RepositoryModelLoad(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/RepositoryModelLoad',
+            inference_dot_grpc__service__pb2.RepositoryModelLoadRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.RepositoryModelLoadResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RepositoryModelUnload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/RepositoryModelUnload',
+            inference_dot_grpc__service__pb2.RepositoryModelUnloadRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.RepositoryModelUnloadResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SystemSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/SystemSharedMemoryStatus',
+            inference_dot_grpc__service__pb2.SystemSharedMemoryStatusRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.SystemSharedMemoryStatusResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SystemSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/SystemSharedMemoryRegister',
+            inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.SystemSharedMemoryRegisterResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SystemSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/SystemSharedMemoryUnregister',
+            inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.SystemSharedMemoryUnregisterResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CudaSharedMemoryStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/CudaSharedMemoryStatus',
+            inference_dot_grpc__service__pb2.CudaSharedMemoryStatusRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.CudaSharedMemoryStatusResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CudaSharedMemoryRegister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/CudaSharedMemoryRegister',
+            inference_dot_grpc__service__pb2.CudaSharedMemoryRegisterRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.CudaSharedMemoryRegisterResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def CudaSharedMemoryUnregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
+            inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

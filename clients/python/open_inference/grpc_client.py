@@ -126,8 +126,16 @@ def decode_infer_response(response, shared_memory_outputs=()):
 
 
 def _tensor_metadata(tensors):
-    return [{"name": t.name, "datatype": t.datatype, "shape": list(t.shape)}
-            for t in tensors]
+    # As the HTTP/JSON metadata: "parameters" only when there are some.
+    described = []
+    for t in tensors:
+        tensor = {"name": t.name, "datatype": t.datatype,
+                  "shape": list(t.shape)}
+        if t.parameters:
+            tensor["parameters"] = {k: parameter_value(v)
+                                    for k, v in t.parameters.items()}
+        described.append(tensor)
+    return described
 
 
 class GrpcClient:

@@ -157,7 +157,8 @@ class HttpClient:
         return self._ok("GET", "/v2")
 
     def model_ready(self, model, version=""):
-        return self._ok("GET", _model_path(model, version) + "/ready")["ready"]
+        # A model or version not served is not ready (503, ready false).
+        return self._health(_model_path(model, version) + "/ready", "ready")
 
     def model_metadata(self, model, version=""):
         return self._ok("GET", _model_path(model, version))

@@ -1,0 +1,336 @@
+#include "server/http_extensions.h"
+
+#include <cstdint>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "inference/grpc_service.pb.h"
+#include "nlohmann/json.hpp"
+#include "server/http_inference.h"
+#include "server/model_config.h"
+#include "server/open_inference_json.h"
+#include "server/triton_extensions.h"
+
+namespace attnserve {
+namespace {
+
+using json = nlohmann::json;
+using Kind = ExtensionRoute::Kind;
+
+HttpResponse JsonAnswer(const json& body) {
+  HttpResponse response;
+  response.fields.emplace_back("Content-Type", "application/json");
+  response.body = body.dump(-1, ' ', false, json::error_handler_t::replace);
+  return response;
+}
+
+HttpResponse Error(const absl::Status& status) {
+  return JsonErrorResponse(HttpStatusOf(status.code()), status.message());
+}
+
+// The body as a JSON object; an empty body is an empty object.
+absl::StatusOr<json> BodyObject(absl::string_view body) {
+  if (body.find_first_not_of(" \t\r\n") == absl::string_view::npos) {
+    return json::object();
+  }
+  if (absl::Status depth = VerifyJsonDepth(body); !depth.ok()) return depth;
+  json parsed = json::parse(body.begin(), body.end(), nullptr,
+                            /*allow_exceptions=*/false);
+  if (parsed.is_discarded() || !parsed.is_object()) {
+    return absl::InvalidArgumentError("body: expected a JSON object");
+  }
+  return parsed;
+}
+
+// A member that must be a non-negative integer; `fallback` when absent.
+absl::StatusOr<uint64_t> Unsigned(const json& object, const char* name,
+                                  std::optional<uint64_t> fallback) {
+  const auto it = object.find(name);
+  if (it == object.end()) {
+    if (fallback.has_value()) return *fallback;
+    return absl::InvalidArgumentError(absl::StrCat(name, ": missing"));
+  }
+  if (it->is_number_unsigned()) return it->get<uint64_t>();
+  return absl::InvalidArgumentError(
+      absl::StrCat(name, ": expected a non-negative integer"));
+}
+
+// {"parameters": {...}} of a load or unload body, as the gRPC message's.
+absl::Status RepositoryParameters(
+    const json& body,
+    google::protobuf::Map<std::string, inference::ModelRepositoryParameter>*
+        out) {
+  const auto it = body.find("parameters");
+  if (it == body.end()) return absl::OkStatus();
+  if (!it->is_object()) {
+    return absl::InvalidArgumentError("parameters: expected a JSON object");
+  }
+  for (const auto& [name, value] : it->items()) {
+    inference::ModelRepositoryParameter& parameter = (*out)[name];
+    if (value.is_boolean()) {
+      parameter.set_bool_param(value.get<bool>());
+    } else if (value.is_number_integer()) {
+      parameter.set_int64_param(value.get<int64_t>());
+    } else if (value.is_string()) {
+      parameter.set_string_param(value.get<std::string>());
+    } else {
+      return absl::InvalidArgumentError(
+          absl::StrCat("parameters: ", name.substr(0, 128),
+                       " must be a bool, an integer or a string"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<json> Answer(const ExtensionRoute& route, absl::string_view body,
+                            const CallPipeline& pipeline) {
+  const ServiceConfig& config = pipeline.config();
+  switch (route.kind) {
+    case Kind::kModelConfig: {
+      inference::ModelConfigRequest request;
+      request.set_name(route.model);
+      request.set_version(route.version);
+      inference::ModelConfigResponse response;
+      if (absl::Status status =
+              HandleModelConfig(request, config.models, &response);
+          !status.ok()) {
+        return status;
+      }
+      return MessageToJson(response.config());
+    }
+    case Kind::kModelStatistics: {
+      inference::ModelStatisticsRequest request;
+      request.set_name(route.model);
+      request.set_version(route.version);
+      inference::ModelStatisticsResponse response;
+      if (absl::Status status =
+              pipeline.statistics().Handle(request, &response);
+          !status.ok()) {
+        return status;
+      }
+      return MessageToJson(response);
+    }
+    case Kind::kRepositoryIndex: {
+      absl::StatusOr<json> parsed = BodyObject(body);
+      if (!parsed.ok()) return parsed.status();
+      inference::RepositoryIndexRequest request;
+      if (const auto ready = parsed->find("ready"); ready != parsed->end()) {
+        if (!ready->is_boolean()) {
+          return absl::InvalidArgumentError("ready: expected true or false");
+        }
+        request.set_ready(ready->get<bool>());
+      }
+      inference::RepositoryIndexResponse response;
+      if (absl::Status status =
+              HandleRepositoryIndex(request, config.models, &response);
+          !status.ok()) {
+        return status;
+      }
+      json list = json::array();
+      for (const auto& model : response.models()) {
+        json entry = {{"name", model.name()},
+                      {"state", model.state()},
+                      {"reason", model.reason()}};
+        if (!model.version().empty()) entry["version"] = model.version();
+        list.push_back(std::move(entry));
+      }
+      return list;
+    }
+    case Kind::kRepositoryLoad: {
+      absl::StatusOr<json> parsed = BodyObject(body);
+      if (!parsed.ok()) return parsed.status();
+      inference::RepositoryModelLoadRequest request;
+      request.set_model_name(route.model);
+      if (absl::Status status =
+              RepositoryParameters(*parsed, request.mutable_parameters());
+          !status.ok()) {
+        return status;
+      }
+      if (absl::Status status =
+              HandleRepositoryModelLoad(request, config.repository);
+          !status.ok()) {
+        return status;
+      }
+      return json::object();
+    }
+    case Kind::kRepositoryUnload: {
+      absl::StatusOr<json> parsed = BodyObject(body);
+      if (!parsed.ok()) return parsed.status();
+      inference::RepositoryModelUnloadRequest request;
+      request.set_model_name(route.model);
+      if (absl::Status status =
+              RepositoryParameters(*parsed, request.mutable_parameters());
+          !status.ok()) {
+        return status;
+      }
+      if (absl::Status status =
+              HandleRepositoryModelUnload(request, config.repository);
+          !status.ok()) {
+        return status;
+      }
+      return json::object();
+    }
+    case Kind::kSharedMemoryStatus: {
+      inference::SystemSharedMemoryStatusRequest request;
+      request.set_name(route.region);
+      inference::SystemSharedMemoryStatusResponse response;
+      if (absl::Status status = HandleSystemSharedMemoryStatus(
+              request, config.shared_memory, &response);
+          !status.ok()) {
+        return status;
+      }
+      // Sorted by name, as the registry lists them (the map is unordered).
+      std::vector<json> regions;
+      for (const auto& [name, region] : response.regions()) {
+        regions.push_back(MessageToJson(region));
+      }
+      std::sort(
+          regions.begin(), regions.end(),
+          [](const json& a, const json& b) { return a["name"] < b["name"]; });
+      return json(regions);
+    }
+    case Kind::kSharedMemoryRegister: {
+      absl::StatusOr<json> parsed = BodyObject(body);
+      if (!parsed.ok()) return parsed.status();
+      inference::SystemSharedMemoryRegisterRequest request;
+      request.set_name(route.region);
+      const auto key = parsed->find("key");
+      if (key == parsed->end() || !key->is_string()) {
+        return absl::InvalidArgumentError(
+            "key: expected the shared-memory object's key as a string, e.g. "
+            "\"/input_data\"");
+      }
+      request.set_key(key->get<std::string>());
+      absl::StatusOr<uint64_t> offset = Unsigned(*parsed, "offset", 0);
+      if (!offset.ok()) return offset.status();
+      absl::StatusOr<uint64_t> byte_size =
+          Unsigned(*parsed, "byte_size", std::nullopt);
+      if (!byte_size.ok()) return byte_size.status();
+      request.set_offset(*offset);
+      request.set_byte_size(*byte_size);
+      if (absl::Status status =
+              HandleSystemSharedMemoryRegister(request, config.shared_memory);
+          !status.ok()) {
+        return status;
+      }
+      return json::object();
+    }
+    case Kind::kSharedMemoryUnregister: {
+      inference::SystemSharedMemoryUnregisterRequest request;
+      request.set_name(route.region);
+      if (absl::Status status =
+              HandleSystemSharedMemoryUnregister(request, config.shared_memory);
+          !status.ok()) {
+        return status;
+      }
+      return json::object();
+    }
+    case Kind::kCudaSharedMemory:
+      return CudaSharedMemoryUnsupported();
+  }
+  return absl::InternalError("unknown extension route");
+}
+
+// /v2/{shm}[/region/{r}]/{action}: the region and the action.
+std::optional<ExtensionRoute> SharedMemoryRoute(absl::string_view rest,
+                                                bool cuda) {
+  std::vector<absl::string_view> parts = absl::StrSplit(rest, '/');
+  ExtensionRoute route{};
+  absl::string_view action;
+  if (parts.size() == 1) {
+    action = parts[0];
+  } else if (parts.size() == 3 && parts[0] == "region" && !parts[1].empty()) {
+    route.region = std::string(parts[1]);
+    action = parts[2];
+  } else {
+    return std::nullopt;
+  }
+  if (action == "status") {
+    route.kind = Kind::kSharedMemoryStatus;
+  } else if (action == "register" && !route.region.empty()) {
+    route.kind = Kind::kSharedMemoryRegister;
+    route.post = true;
+  } else if (action == "unregister") {
+    route.kind = Kind::kSharedMemoryUnregister;
+    route.post = true;
+  } else {
+    return std::nullopt;
+  }
+  if (cuda) route.kind = Kind::kCudaSharedMemory;
+  return route;
+}
+
+}  // namespace
+
+std::optional<ExtensionRoute> ExtensionRouteOf(absl::string_view path) {
+  ExtensionRoute route{};
+  if (path == "/v2/models/stats") {
+    route.kind = Kind::kModelStatistics;
+    return route;
+  }
+  if (path == "/v2/repository/index") {
+    route.kind = Kind::kRepositoryIndex;
+    route.post = true;
+    return route;
+  }
+  if (absl::ConsumePrefix(&path, "/v2/systemsharedmemory/")) {
+    return SharedMemoryRoute(path, /*cuda=*/false);
+  }
+  if (absl::ConsumePrefix(&path, "/v2/cudasharedmemory/")) {
+    return SharedMemoryRoute(path, /*cuda=*/true);
+  }
+  if (absl::ConsumePrefix(&path, "/v2/repository/models/")) {
+    std::vector<absl::string_view> parts = absl::StrSplit(path, '/');
+    if (parts.size() != 2 || parts[0].empty()) return std::nullopt;
+    route.model = std::string(parts[0]);
+    route.post = true;
+    if (parts[1] == "load") {
+      route.kind = Kind::kRepositoryLoad;
+    } else if (parts[1] == "unload") {
+      route.kind = Kind::kRepositoryUnload;
+    } else {
+      return std::nullopt;
+    }
+    return route;
+  }
+  if (absl::ConsumePrefix(&path, "/v2/models/")) {
+    std::vector<absl::string_view> parts = absl::StrSplit(path, '/');
+    if (parts.size() < 2 || parts[0].empty()) return std::nullopt;
+    route.model = std::string(parts[0]);
+    size_t next = 1;
+    if (parts.size() == 4 && parts[1] == "versions" && !parts[2].empty()) {
+      route.version = std::string(parts[2]);
+      next = 3;
+    }
+    if (parts.size() != next + 1) return std::nullopt;
+    if (parts[next] == "config") {
+      route.kind = Kind::kModelConfig;
+    } else if (parts[next] == "stats") {
+      route.kind = Kind::kModelStatistics;
+    } else {
+      return std::nullopt;
+    }
+    return route;
+  }
+  return std::nullopt;
+}
+
+HttpResponse HandleExtension(const ExtensionRoute& route,
+                             absl::string_view body,
+                             const CallPipeline& pipeline) {
+  absl::StatusOr<json> answer = Answer(route, body, pipeline);
+  if (!answer.ok()) {
+    // The shared-memory extension's errors are 400s ("typically 400").
+    if (absl::IsUnimplemented(answer.status())) {
+      return JsonErrorResponse(400, answer.status().message());
+    }
+    return Error(answer.status());
+  }
+  return JsonAnswer(*answer);
+}
+
+}  // namespace attnserve
