@@ -1,10 +1,12 @@
 // Helpers for the suites of the core: random tensors, comparisons against the
-// float64 reference and the golden files. They need only attnserve::core.
+// float64 reference, tables of cases and the golden files. They need only
+// attnserve::core.
 #ifndef ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
 #define ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
 
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -45,6 +47,26 @@ Tolerance ToleranceFor(DType dtype);
 // where the worst one is.
 ::testing::AssertionResult AllClose(const TensorView& got,
                                     const RefTensor& expected, Tolerance tol);
+
+namespace internal {
+template <typename Member>
+struct EditedCase;
+template <typename Lambda, typename C>
+struct EditedCase<void (Lambda::*)(C&) const> {
+  using type = C;
+};
+}  // namespace internal
+
+// An entry of a table of parameterized cases: the case struct that `edit`
+// takes (a `name` member and defaults for the rest), named `name` and then
+// changed by `edit`, as in Case("gqa", [](SessionCase& c) { c.kv_heads = 2; }).
+template <typename Edit>
+auto Case(std::string name, Edit edit) {
+  typename internal::EditedCase<decltype(&Edit::operator())>::type c;
+  c.name = std::move(name);
+  edit(c);
+  return c;
+}
 
 // The golden folder (ATTNSERVE_GOLDENS_DIR) and its *.safetensors files,
 // sorted. Empty if the folder is missing.

@@ -9,6 +9,8 @@
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/status_macros.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 
 namespace attnserve::testing {
@@ -115,6 +117,36 @@ AttnClient TestServer::MakeClient() const {
   options.target = target();
   options.timeout = absl::Seconds(60);
   return AttnClient(options);
+}
+
+HealthWatch::HealthWatch(const std::string& target, absl::Duration deadline)
+    : stub_(grpc::health::v1::Health::NewStub(
+          grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {
+  context_.set_deadline(absl::ToChronoTime(absl::Now() + deadline));
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service("attnserve.v1.AttentionService");
+  watch_ = stub_->Watch(&context_, request);
+}
+
+HealthWatch::~HealthWatch() {
+  context_.TryCancel();
+  watch_->Finish().IgnoreError();
+}
+
+bool HealthWatch::FirstSaysServing() {
+  grpc::health::v1::HealthCheckResponse update;
+  return watch_->Read(&update) &&
+         update.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+bool HealthWatch::WaitForNotServing() {
+  grpc::health::v1::HealthCheckResponse update;
+  while (watch_->Read(&update)) {
+    if (update.status() == grpc::health::v1::HealthCheckResponse::NOT_SERVING) {
+      return true;
+    }
+  }
+  return false;
 }
 
 TempModelRepository::TempModelRepository(const std::string& tag)
