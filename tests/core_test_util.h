@@ -4,11 +4,14 @@
 #ifndef ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
 #define ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
 
+#include <map>
 #include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "core/safetensors.h"
 #include "core/tensor.h"
 #include "gtest/gtest.h"
 #include "tests/reference.h"
@@ -72,6 +75,21 @@ auto Case(std::string name, Edit edit) {
 // sorted. Empty if the folder is missing.
 std::string GoldensDir();
 std::vector<std::string> GoldenFiles();
+// A test name for a golden file: its stem, other characters than letters
+// and digits as '_'.
+std::string GoldenCaseName(const ::testing::TestParamInfo<std::string>& info);
+
+// Results by name: "output" and, where asked for, "weights".
+using NamedResults = std::map<std::string, Tensor>;
+// A golden case run through the core directly, its operation and options
+// read from the file's metadata (op, causal, scale, temperature, num_heads,
+// eps, normalized_ndim); "weights" when the file expects them.
+absl::StatusOr<NamedResults> RunGoldenThroughCore(const SafetensorsFile& file);
+// Expects `results` to be the file's expected_output (in the dtype of its
+// query or input) and expected_weights (float32), within the goldens'
+// tolerance: bf16 for files whose metadata says dtype bf16.
+void ExpectMatchesGolden(const SafetensorsFile& file,
+                         const NamedResults& results);
 
 }  // namespace attnserve::testing
 

@@ -1,7 +1,7 @@
 // Helpers of the suites that need the server or the client: the golden
-// cases run through the core and through a client, an in-process server and
-// a health watch. The wire and core helpers come with them
-// (tests/wire_test_util.h, tests/core_test_util.h).
+// cases run through a client, an in-process server and a health watch. The
+// wire and core helpers come with them (tests/wire_test_util.h,
+// tests/core_test_util.h).
 #ifndef ATTNSERVE_TESTS_TEST_UTIL_H_
 #define ATTNSERVE_TESTS_TEST_UTIL_H_
 
@@ -20,10 +20,8 @@
 
 namespace attnserve::testing {
 
-// A golden case run through the core directly: the tensors "output" and,
-// when the file has expected weights, "weights".
-absl::StatusOr<NamedTensors> RunGoldenThroughCore(const SafetensorsFile& file);
-// The same through a server (`shared_memory`: tensors and results through a
+// A golden case run through a client and a server, as RunGoldenThroughCore
+// runs it through the core (`shared_memory`: tensors and results through a
 // shared-memory region).
 absl::StatusOr<NamedTensors> RunGoldenThroughClient(AttnClient& client,
                                                     const SafetensorsFile& file,
