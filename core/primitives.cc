@@ -72,8 +72,9 @@ bool NativeBf16Matmul() {
   return native;
 }
 
-// The float32 compute dtype for `dtype` where bf16 must be widened.
-DType ComputeDType(DType dtype) {
+// The dtype a matmul of `dtype` operands runs in: float32 for bf16 where
+// the CPU has no bf16 matmul (NativeBf16Matmul), `dtype` itself otherwise.
+DType MatmulDType(DType dtype) {
   return dtype == DType::kBFloat16 && !NativeBf16Matmul() ? DType::kFloat32
                                                           : dtype;
 }
@@ -203,9 +204,9 @@ absl::Status Matmul(const MatmulShape& s, const void* a, const void* b,
     }
     return absl::OkStatus();
   }
-  if (ComputeDType(s.a_dtype) != s.a_dtype ||
-      ComputeDType(s.b_dtype) != s.b_dtype ||
-      ComputeDType(s.c_dtype) != s.c_dtype) {
+  if (MatmulDType(s.a_dtype) != s.a_dtype ||
+      MatmulDType(s.b_dtype) != s.b_dtype ||
+      MatmulDType(s.c_dtype) != s.c_dtype) {
     return WidenedMatmul(s, a, b, bias, c);
   }
   const std::string key = absl::StrCat(
@@ -273,7 +274,7 @@ absl::StatusOr<std::shared_ptr<const PackedLinear>> PackedLinear::Create(
   packed->in_ = in;
   packed->dtype_ = dtype;
   if (bias != nullptr) packed->bias_.assign(bias, bias + out);
-  packed->packed_dtype_ = ComputeDType(dtype);
+  packed->packed_dtype_ = MatmulDType(dtype);
   if (out == 0 || in == 0) return packed;
   std::vector<float> widened;
   if (packed->packed_dtype_ != dtype) {
@@ -316,7 +317,7 @@ absl::Status PackedLinear::Run(int64_t rows, const void* x, void* y,
   // packed weight, y computed in float32 and rounded.
   std::vector<float> x32, y32;
   if (packed_dtype_ != dtype_) x = AsFloat32(x, dtype_, rows * in_, &x32);
-  const DType compute_y = ComputeDType(y_dtype);
+  const DType compute_y = MatmulDType(y_dtype);
   void* y_compute = y;
   if (compute_y != y_dtype) {
     y32.resize(rows * out_);
@@ -350,7 +351,7 @@ absl::Status PackedLinear::Run(int64_t rows, const void* x, void* y,
 absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& shape) {
   // Without bf16 matmuls (NativeBf16Matmul), each tile's operands are
   // widened into packed float32 buffers: the primitive reads those.
-  const bool widen = ComputeDType(shape.ab_dtype) != shape.ab_dtype;
+  const bool widen = MatmulDType(shape.ab_dtype) != shape.ab_dtype;
   TileGemmShape s = shape;
   if (widen) {
     s.ab_dtype = DType::kFloat32;

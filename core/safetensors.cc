@@ -15,31 +15,6 @@ namespace {
 
 constexpr uint64_t kMaxHeaderBytes = uint64_t{100} << 20;
 
-std::optional<DType> DTypeFromSafetensors(absl::string_view name) {
-  if (name == "F32") return DType::kFloat32;
-  if (name == "BF16") return DType::kBFloat16;
-  if (name == "F16") return DType::kFloat16;
-  if (name == "BOOL") return DType::kBool;
-  if (name == "U8") return DType::kUInt8;
-  return std::nullopt;
-}
-
-absl::string_view SafetensorsDTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "F32";
-    case DType::kBFloat16:
-      return "BF16";
-    case DType::kFloat16:
-      return "F16";
-    case DType::kBool:
-      return "BOOL";
-    case DType::kUInt8:
-      return "U8";
-  }
-  return "U8";
-}
-
 absl::StatusOr<Tensor> ParseEntry(const std::string& name,
                                   const nlohmann::json& entry,
                                   absl::string_view data,
@@ -55,10 +30,11 @@ absl::StatusOr<Tensor> ParseEntry(const std::string& name,
   const nlohmann::json& dtype_json = entry["dtype"];
   if (!dtype_json.is_string()) return fail("dtype is not a string");
   const std::string dtype_name = dtype_json.get<std::string>();
-  const std::optional<DType> dtype = DTypeFromSafetensors(dtype_name);
+  const std::optional<DType> dtype =
+      FindDType(&DTypeInfo::safetensors, dtype_name);
   if (!dtype.has_value()) {
-    return fail(absl::StrCat("dtype ", dtype_name,
-                             " not supported (F32, BF16, F16, BOOL, U8)"));
+    return fail(absl::StrCat("dtype ", dtype_name, " not supported (",
+                             DTypeNameList(&DTypeInfo::safetensors), ")"));
   }
   Shape shape;
   if (!entry["shape"].is_array()) return fail("shape is not an array");
@@ -161,7 +137,7 @@ absl::StatusOr<std::string> SerializeSafetensors(
     ATTN_ASSIGN_OR_RETURN(int64_t count,
                           CheckedNumElements(view.shape, view.dtype, name));
     const uint64_t bytes = static_cast<uint64_t>(count) * DTypeSize(view.dtype);
-    header[name] = {{"dtype", SafetensorsDTypeName(view.dtype)},
+    header[name] = {{"dtype", DTypeInfoOf(view.dtype).safetensors},
                     {"shape", view.shape},
                     {"data_offsets", {offset, offset + bytes}}};
     offset += bytes;

@@ -13,41 +13,6 @@
 
 namespace attnserve {
 
-size_t DTypeSize(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return 4;
-    case DType::kBFloat16:
-    case DType::kFloat16:
-      return 2;
-    case DType::kBool:
-    case DType::kUInt8:
-      return 1;
-  }
-  return 1;
-}
-
-absl::string_view DTypeName(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return "FLOAT32";
-    case DType::kBFloat16:
-      return "BFLOAT16";
-    case DType::kFloat16:
-      return "FLOAT16";
-    case DType::kBool:
-      return "BOOL";
-    case DType::kUInt8:
-      return "UINT8";
-  }
-  return "UNKNOWN";
-}
-
-bool IsFloating(DType dtype) {
-  return dtype == DType::kFloat32 || dtype == DType::kBFloat16 ||
-         dtype == DType::kFloat16;
-}
-
 std::string ShapeString(absl::Span<const int64_t> shape) {
   return absl::StrCat("[", absl::StrJoin(shape, ", "), "]");
 }

@@ -1,4 +1,4 @@
-// Element types, shapes and the two tensor types of the core: `TensorView`, a
+// Shapes and the two tensor types of the core: `TensorView`, a
 // read-only view of bytes someone else owns, and `Tensor`, which owns an
 // aligned buffer.
 //
@@ -17,17 +17,9 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/types/span.h"
+#include "core/dtype.h"
 
 namespace attnserve {
-
-enum class DType { kFloat32, kBFloat16, kFloat16, kBool, kUInt8 };
-
-// Bytes per element.
-size_t DTypeSize(DType dtype);
-// Upper-case name as on the wire, e.g. "FLOAT32".
-absl::string_view DTypeName(DType dtype);
-// True for the three floating-point types.
-bool IsFloating(DType dtype);
 
 using Shape = std::vector<int64_t>;
 

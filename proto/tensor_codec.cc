@@ -2,53 +2,43 @@
 
 #include <array>
 #include <cstring>
+#include <iterator>
 #include <new>
+#include <optional>
 #include <string>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "google/protobuf/descriptor.h"
 
 namespace attnserve {
 
+// The table's wire numbers are the generated enum's, and it has a row for
+// every value but DATA_TYPE_UNSPECIFIED.
+static_assert(DTypeInfoOf(DType::kFloat32).wire == v1::DATA_TYPE_FLOAT32);
+static_assert(DTypeInfoOf(DType::kBFloat16).wire == v1::DATA_TYPE_BFLOAT16);
+static_assert(DTypeInfoOf(DType::kFloat16).wire == v1::DATA_TYPE_FLOAT16);
+static_assert(DTypeInfoOf(DType::kBool).wire == v1::DATA_TYPE_BOOL);
+static_assert(DTypeInfoOf(DType::kUInt8).wire == v1::DATA_TYPE_UINT8);
+static_assert(std::size(kDTypes) + 1 == v1::DataType_ARRAYSIZE);
+
 absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field) {
-  switch (dtype) {
-    case v1::DATA_TYPE_FLOAT32:
-      return DType::kFloat32;
-    case v1::DATA_TYPE_BFLOAT16:
-      return DType::kBFloat16;
-    case v1::DATA_TYPE_FLOAT16:
-      return DType::kFloat16;
-    case v1::DATA_TYPE_BOOL:
-      return DType::kBool;
-    case v1::DATA_TYPE_UINT8:
-      return DType::kUInt8;
-    case v1::DATA_TYPE_UNSPECIFIED:
-      return absl::InvalidArgumentError(absl::StrCat(
-          field,
-          ": dtype is DATA_TYPE_UNSPECIFIED, expected one of "
-          "DATA_TYPE_FLOAT32, DATA_TYPE_BFLOAT16, DATA_TYPE_FLOAT16, "
-          "DATA_TYPE_BOOL, DATA_TYPE_UINT8"));
-    default:
-      return absl::InvalidArgumentError(
-          absl::StrCat(field, ": dtype ", dtype, " is not a known DataType"));
+  if (const std::optional<DType> found = FindDTypeByWire(dtype)) return *found;
+  if (dtype == v1::DATA_TYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": dtype is DATA_TYPE_UNSPECIFIED, expected one of ",
+        absl::StrJoin(
+            kDTypes, ", ", [](std::string* out, const DTypeInfo& info) {
+              out->append(v1::DataType_Name(DTypeToProto(info.dtype)));
+            })));
   }
+  return absl::InvalidArgumentError(
+      absl::StrCat(field, ": dtype ", dtype, " is not a known DataType"));
 }
 
 v1::DataType DTypeToProto(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32:
-      return v1::DATA_TYPE_FLOAT32;
-    case DType::kBFloat16:
-      return v1::DATA_TYPE_BFLOAT16;
-    case DType::kFloat16:
-      return v1::DATA_TYPE_FLOAT16;
-    case DType::kBool:
-      return v1::DATA_TYPE_BOOL;
-    case DType::kUInt8:
-      return v1::DATA_TYPE_UINT8;
-  }
-  return v1::DATA_TYPE_UNSPECIFIED;
+  return static_cast<v1::DataType>(DTypeInfoOf(dtype).wire);
 }
 
 namespace {

@@ -5,12 +5,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/attention_weights.h"
+#include "core/dtype.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
 
@@ -36,16 +38,6 @@ constexpr absl::string_view kOffsetParameter = "shared_memory_offset";
 constexpr absl::string_view kByteSizeParameter = "shared_memory_byte_size";
 
 constexpr absl::string_view kOnlyVersion = "1";
-
-struct DatatypeName {
-  v1::DataType dtype;
-  absl::string_view name;
-};
-constexpr DatatypeName kDatatypes[] = {
-    {v1::DATA_TYPE_FLOAT32, "FP32"}, {v1::DATA_TYPE_BFLOAT16, "BF16"},
-    {v1::DATA_TYPE_FLOAT16, "FP16"}, {v1::DATA_TYPE_BOOL, "BOOL"},
-    {v1::DATA_TYPE_UINT8, "UINT8"},
-};
 
 absl::Status VerifyVersion(absl::string_view model, absl::string_view version,
                            absl::string_view field) {
@@ -513,21 +505,20 @@ std::vector<std::string> RequestParameterNames(absl::string_view model) {
 }
 
 absl::string_view ProtocolDatatype(v1::DataType dtype) {
-  for (const DatatypeName& entry : kDatatypes) {
-    if (entry.dtype == dtype) return entry.name;
-  }
-  return "INVALID";
+  const std::optional<DType> found = FindDTypeByWire(dtype);
+  return found.has_value() ? DTypeInfoOf(*found).protocol : "INVALID";
 }
 
 absl::StatusOr<v1::DataType> NativeDatatype(absl::string_view datatype,
                                             absl::string_view field) {
-  for (const DatatypeName& entry : kDatatypes) {
-    if (entry.name == datatype) return entry.dtype;
+  if (const std::optional<DType> found =
+          FindDType(&DTypeInfo::protocol, datatype)) {
+    return DTypeToProto(*found);
   }
   return absl::InvalidArgumentError(
       absl::StrCat(field, ": datatype ", EchoString(datatype),
-                   " is not supported; expected FP32, BF16, FP16, BOOL or "
-                   "UINT8"));
+                   " is not supported; expected ",
+                   DTypeNameList(&DTypeInfo::protocol, " or ")));
 }
 
 NativeInferCall::NativeInferCall(Kind kind, std::unique_ptr<Message> request,

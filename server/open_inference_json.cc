@@ -4,12 +4,14 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/convert.h"
+#include "core/dtype.h"
 #include "core/status_macros.h"
 #include "nlohmann/json.hpp"
 
@@ -134,18 +136,18 @@ void Flatten(const json& data, std::vector<const json*>* out) {
 }
 
 // Appends element `index` of input `field` (named in errors only, as
-// "field: data[index]") in `datatype` to `bytes`.
-absl::Status AppendValue(const json& value, const std::string& datatype,
+// "field: data[index]") in `dtype` to `bytes`.
+absl::Status AppendValue(const json& value, DType dtype,
                          absl::string_view input, size_t index,
                          std::string* bytes) {
   const auto field = [&] { return absl::StrCat(input, ": data[", index, "]"); };
   const auto append = [bytes](const auto& element) {
     bytes->append(reinterpret_cast<const char*>(&element), sizeof(element));
   };
-  if (datatype == "BOOL") {
+  if (dtype == DType::kBool) {
     if (!value.is_boolean()) return FieldError(field(), "true or false", value);
     bytes->push_back(value.get<bool>() ? 1 : 0);
-  } else if (datatype == "UINT8") {
+  } else if (dtype == DType::kUInt8) {
     if (!value.is_number_unsigned() || value.get<uint64_t>() > 255) {
       return absl::InvalidArgumentError(absl::StrCat(
           field(), ": expected an integer 0..255, got ", value.dump()));
@@ -159,24 +161,15 @@ absl::Status AppendValue(const json& value, const std::string& datatype,
           field(), ": ", value.dump(), " is beyond float32's range"));
     }
     const float number = static_cast<float>(wide);
-    if (datatype == "FP32") {
+    if (dtype == DType::kFloat32) {
       append(number);
-    } else if (datatype == "BF16") {
+    } else if (dtype == DType::kBFloat16) {
       append(FloatToBFloat16(number));
     } else {
       append(FloatToFloat16(number));
     }
   }
   return absl::OkStatus();
-}
-
-// Bytes per element of the datatypes attnserve takes (0 for others, which
-// translation refuses by name).
-int ElementSize(const std::string& datatype) {
-  if (datatype == "FP32") return 4;
-  if (datatype == "BF16" || datatype == "FP16") return 2;
-  if (datatype == "BOOL" || datatype == "UINT8") return 1;
-  return 0;
 }
 
 // One input's JSON "data" as raw bytes, checked against its shape.
@@ -199,11 +192,13 @@ absl::Status DataToRaw(const json& data,
         absl::StrCat(field, ": ", values.size(), " values, shape [",
                      absl::StrJoin(input.shape(), ", "), "] needs ", expected));
   }
-  if (ElementSize(input.datatype()) == 0) return absl::OkStatus();
-  raw->reserve(values.size() * ElementSize(input.datatype()));
+  // Translation refuses other datatypes by name.
+  const std::optional<DType> dtype =
+      FindDType(&DTypeInfo::protocol, input.datatype());
+  if (!dtype.has_value()) return absl::OkStatus();
+  raw->reserve(values.size() * DTypeSize(*dtype));
   for (size_t i = 0; i < values.size(); ++i) {
-    ATTN_RETURN_IF_ERROR(
-        AppendValue(*values[i], input.datatype(), field, i, raw));
+    ATTN_RETURN_IF_ERROR(AppendValue(*values[i], *dtype, field, i, raw));
   }
   return absl::OkStatus();
 }
@@ -289,7 +284,8 @@ absl::Status OutputsFromJson(const json& outputs, ModelInferRequest* request,
   return absl::OkStatus();
 }
 
-// One output's raw bytes as JSON values.
+// One output's raw bytes as JSON values; `datatype` is one the server
+// wrote.
 json RawToData(const std::string& datatype, const std::string& raw) {
   json data = json::array();
   const auto read = [&raw](size_t i, auto element) {
@@ -299,20 +295,28 @@ json RawToData(const std::string& datatype, const std::string& raw) {
   const auto number = [](float value) {
     return std::isfinite(value) ? json(value) : json(nullptr);
   };
-  if (datatype == "FP32") {
-    for (size_t i = 0; i < raw.size() / 4; ++i) {
-      data.push_back(number(read(i, float{})));
-    }
-  } else if (datatype == "BF16" || datatype == "FP16") {
-    for (size_t i = 0; i < raw.size() / 2; ++i) {
-      const uint16_t bits = read(i, uint16_t{});
-      data.push_back(number(datatype == "BF16" ? BFloat16ToFloat(bits)
-                                               : Float16ToFloat(bits)));
-    }
-  } else if (datatype == "BOOL") {
-    for (char c : raw) data.push_back(c != 0);
-  } else {
-    for (char c : raw) data.push_back(static_cast<uint8_t>(c));
+  switch (FindDType(&DTypeInfo::protocol, datatype).value_or(DType::kUInt8)) {
+    case DType::kFloat32:
+      for (size_t i = 0; i < raw.size() / 4; ++i) {
+        data.push_back(number(read(i, float{})));
+      }
+      break;
+    case DType::kBFloat16:
+      for (size_t i = 0; i < raw.size() / 2; ++i) {
+        data.push_back(number(BFloat16ToFloat(read(i, uint16_t{}))));
+      }
+      break;
+    case DType::kFloat16:
+      for (size_t i = 0; i < raw.size() / 2; ++i) {
+        data.push_back(number(Float16ToFloat(read(i, uint16_t{}))));
+      }
+      break;
+    case DType::kBool:
+      for (char c : raw) data.push_back(c != 0);
+      break;
+    case DType::kUInt8:
+      for (char c : raw) data.push_back(static_cast<uint8_t>(c));
+      break;
   }
   return data;
 }

@@ -22,7 +22,6 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "core/safetensors.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/security/credentials.h"
@@ -409,7 +408,7 @@ TEST(BinariesTest, SigtermDrainsEveryAcceptedCall) {
   for (v1::Tensor* t : {request.mutable_query(), request.mutable_key(),
                         request.mutable_value()}) {
     // Long to compute, small to send.
-    EncodeTensor(RandomTensor(DType::kFloat32, {4, 16384, 1}, rng).view(), t);
+    *t = RandomWireTensor(DType::kFloat32, {4, 16384, 1}, rng);
   }
   constexpr int kCalls = 4;
   std::vector<absl::Status> results(kCalls);
@@ -596,29 +595,11 @@ TEST(BinariesTest, SigtermDrainAnswersEveryCallOkOrRetryable) {
   std::atomic<int> watching{0};  // 1: saw SERVING, -1: failed
   std::atomic<Clock::rep> not_serving_at{0};
   std::thread watcher([&] {
-    auto health = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
-        server.target(), grpc::InsecureChannelCredentials()));
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::seconds(20));
-    grpc::health::v1::HealthCheckRequest request;
-    request.set_service("attnserve.v1.AttentionService");
-    auto watch = health->Watch(&context, request);
-    grpc::health::v1::HealthCheckResponse update;
-    watching = watch->Read(&update) &&
-                       update.status() ==
-                           grpc::health::v1::HealthCheckResponse::SERVING
-                   ? 1
-                   : -1;
-    while (watching == 1 && watch->Read(&update)) {
-      if (update.status() ==
-          grpc::health::v1::HealthCheckResponse::NOT_SERVING) {
-        not_serving_at = Clock::now().time_since_epoch().count();
-        break;
-      }
+    HealthWatch watch(server.target());
+    watching = watch.FirstSaysServing() ? 1 : -1;
+    if (watching == 1 && watch.WaitForNotServing()) {
+      not_serving_at = Clock::now().time_since_epoch().count();
     }
-    context.TryCancel();
-    watch->Finish().IgnoreError();
   });
   while (watching == 0) std::this_thread::yield();
   if (watching != 1) watcher.join();
@@ -629,8 +610,8 @@ TEST(BinariesTest, SigtermDrainAnswersEveryCallOkOrRetryable) {
   // headers are in.
   v1::LayerNormRequest request;
   std::mt19937 rng(7);
-  EncodeTensor(RandomTensor(DType::kFloat32, {4, 16, 256}, rng).view(),
-               request.mutable_input());
+  *request.mutable_input() =
+      RandomWireTensor(DType::kFloat32, {4, 16, 256}, rng);
   ClientOptions options;
   options.target = server.target();
   options.timeout = absl::Seconds(15);

@@ -1,12 +1,17 @@
 // Helpers for the suites of the core: random tensors, comparisons against the
-// float64 reference and the golden files. They need only attnserve::core.
+// float64 reference, tables of cases and the golden files. They need only
+// attnserve::core.
 #ifndef ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
 #define ATTNSERVE_TESTS_CORE_TEST_UTIL_H_
 
+#include <map>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
+#include "absl/status/statusor.h"
+#include "core/safetensors.h"
 #include "core/tensor.h"
 #include "gtest/gtest.h"
 #include "tests/reference.h"
@@ -46,10 +51,45 @@ Tolerance ToleranceFor(DType dtype);
 ::testing::AssertionResult AllClose(const TensorView& got,
                                     const RefTensor& expected, Tolerance tol);
 
+namespace internal {
+template <typename Member>
+struct EditedCase;
+template <typename Lambda, typename C>
+struct EditedCase<void (Lambda::*)(C&) const> {
+  using type = C;
+};
+}  // namespace internal
+
+// An entry of a table of parameterized cases: the case struct that `edit`
+// takes (a `name` member and defaults for the rest), named `name` and then
+// changed by `edit`, as in Case("gqa", [](SessionCase& c) { c.kv_heads = 2; }).
+template <typename Edit>
+auto Case(std::string name, Edit edit) {
+  typename internal::EditedCase<decltype(&Edit::operator())>::type c;
+  c.name = std::move(name);
+  edit(c);
+  return c;
+}
+
 // The golden folder (ATTNSERVE_GOLDENS_DIR) and its *.safetensors files,
 // sorted. Empty if the folder is missing.
 std::string GoldensDir();
 std::vector<std::string> GoldenFiles();
+// A test name for a golden file: its stem, other characters than letters
+// and digits as '_'.
+std::string GoldenCaseName(const ::testing::TestParamInfo<std::string>& info);
+
+// Results by name: "output" and, where asked for, "weights".
+using NamedResults = std::map<std::string, Tensor>;
+// A golden case run through the core directly, its operation and options
+// read from the file's metadata (op, causal, scale, temperature, num_heads,
+// eps, normalized_ndim); "weights" when the file expects them.
+absl::StatusOr<NamedResults> RunGoldenThroughCore(const SafetensorsFile& file);
+// Expects `results` to be the file's expected_output (in the dtype of its
+// query or input) and expected_weights (float32), within the goldens'
+// tolerance: bf16 for files whose metadata says dtype bf16.
+void ExpectMatchesGolden(const SafetensorsFile& file,
+                         const NamedResults& results);
 
 }  // namespace attnserve::testing
 

@@ -103,13 +103,6 @@ TEST_P(AttentionSessionTest, EveryStepMatchesAttentionOverTheHistory) {
   }
 }
 
-SessionCase Case(std::string name, auto&& edit) {
-  SessionCase c;
-  c.name = std::move(name);
-  edit(c);
-  return c;
-}
-
 const SessionCase kSessionCases[] = {
     Case("mha", [](SessionCase&) {}),
     Case("gqa", [](SessionCase& c) { c.kv_heads = 2; }),

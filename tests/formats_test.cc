@@ -1,4 +1,5 @@
-// safetensors reading and writing, and the float conversions.
+// The dtype table, safetensors reading and writing, and the float
+// conversions.
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -6,12 +7,53 @@
 #include <string>
 
 #include "core/convert.h"
+#include "core/dtype.h"
 #include "core/safetensors.h"
 #include "gtest/gtest.h"
 #include "tests/core_test_util.h"
 
 namespace attnserve::testing {
 namespace {
+
+// The names other software gives each dtype: files and requests from
+// numpy, safetensors and Open Inference Protocol clients depend on them.
+TEST(DTypeTableTest, NamesEveryDTypeInEveryFormat) {
+  struct Row {
+    DType dtype;
+    size_t size;
+    const char* name;
+    int wire;
+    const char* protocol;
+    const char* safetensors;
+    const char* numpy;
+  };
+  const Row rows[] = {
+      {DType::kFloat32, 4, "FLOAT32", 1, "FP32", "F32", "float32"},
+      {DType::kBFloat16, 2, "BFLOAT16", 2, "BF16", "BF16", "bfloat16"},
+      {DType::kFloat16, 2, "FLOAT16", 3, "FP16", "F16", "float16"},
+      {DType::kBool, 1, "BOOL", 4, "BOOL", "BOOL", "bool"},
+      {DType::kUInt8, 1, "UINT8", 5, "UINT8", "U8", "uint8"},
+  };
+  for (const Row& row : rows) {
+    SCOPED_TRACE(row.name);
+    EXPECT_EQ(DTypeSize(row.dtype), row.size);
+    EXPECT_EQ(DTypeName(row.dtype), row.name);
+    EXPECT_EQ(DTypeInfoOf(row.dtype).wire, row.wire);
+    EXPECT_EQ(FindDTypeByWire(row.wire), row.dtype);
+    EXPECT_EQ(FindDType(&DTypeInfo::name, row.name), row.dtype);
+    EXPECT_EQ(FindDType(&DTypeInfo::protocol, row.protocol), row.dtype);
+    EXPECT_EQ(FindDType(&DTypeInfo::safetensors, row.safetensors), row.dtype);
+    EXPECT_EQ(FindDType(&DTypeInfo::numpy, row.numpy), row.dtype);
+  }
+  EXPECT_EQ(FindDTypeByWire(0), std::nullopt);
+  EXPECT_EQ(FindDTypeByWire(6), std::nullopt);
+  // Names are case-sensitive: "fp32" is no protocol datatype.
+  EXPECT_EQ(FindDType(&DTypeInfo::protocol, "fp32"), std::nullopt);
+  EXPECT_EQ(FindDType(&DTypeInfo::numpy, "float64"), std::nullopt);
+  EXPECT_EQ(DTypeNameList(&DTypeInfo::protocol, " or "),
+            "FP32, BF16, FP16, BOOL or UINT8");
+  EXPECT_EQ(DTypeNameList(&DTypeInfo::safetensors), "F32, BF16, F16, BOOL, U8");
+}
 
 TEST(SafetensorsTest, RoundTripsEveryDType) {
   std::mt19937 rng(2);

@@ -185,34 +185,17 @@ HostileCase Pending(HostileCase c, const char* decision) {
 // ---------------------------------------------------------------------------
 // Requests.
 
-v1::Tensor Floats(Shape shape, uint32_t seed, DType dtype = DType::kFloat32) {
-  std::mt19937 rng(seed);
-  v1::Tensor out;
-  EncodeTensor(RandomTensor(dtype, std::move(shape), rng).view(), &out);
-  return out;
-}
-
 // A BOOL mask that keeps every position.
 v1::Tensor KeepAll(Shape shape) {
-  v1::Tensor out;
-  out.set_dtype(v1::DATA_TYPE_BOOL);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    out.add_shape(d);
-    n *= d;
-  }
-  out.set_raw_data(std::string(n, '\1'));
-  return out;
+  return WireTensor(v1::DATA_TYPE_BOOL, shape,
+                    std::string(NumElements(shape), '\1'));
 }
 
 // A FLOAT32 tensor of `values`.
 v1::Tensor FloatValues(Shape shape, const std::vector<float>& values) {
-  v1::Tensor out;
-  out.set_dtype(v1::DATA_TYPE_FLOAT32);
-  for (int64_t d : shape) out.add_shape(d);
-  out.set_raw_data(std::string(reinterpret_cast<const char*>(values.data()),
-                               values.size() * sizeof(float)));
-  return out;
+  return WireTensor(v1::DATA_TYPE_FLOAT32, shape,
+                    std::string(reinterpret_cast<const char*>(values.data()),
+                                values.size() * sizeof(float)));
 }
 
 void SetShape(v1::Tensor* t, const std::vector<int64_t>& shape) {
@@ -223,9 +206,9 @@ void SetShape(v1::Tensor* t, const std::vector<int64_t>& shape) {
 // that keeps everything.
 v1::AttendRequest AttendBase() {
   v1::AttendRequest r;
-  *r.mutable_query() = Floats({2, 3, 8}, 1);
-  *r.mutable_key() = Floats({2, 5, 8}, 2);
-  *r.mutable_value() = Floats({2, 5, 4}, 3);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, 1);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {2, 5, 8}, 2);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {2, 5, 4}, 3);
   *r.mutable_attn_mask() = KeepAll({3, 5});
   return r;
 }
@@ -237,17 +220,17 @@ v1::MultiHeadAttendRequest MhaBase() {
   v1::MultiHeadAttendRequest r;
   v1::AttentionWeights* w = r.mutable_weights();
   w->set_num_heads(2);
-  *w->mutable_q_proj_weight() = Floats({8, 8}, 11);
-  *w->mutable_k_proj_weight() = Floats({8, 6}, 12);
-  *w->mutable_v_proj_weight() = Floats({6, 4}, 13);
-  *w->mutable_q_proj_bias() = Floats({8}, 14);
-  *w->mutable_k_proj_bias() = Floats({8}, 15);
-  *w->mutable_v_proj_bias() = Floats({6}, 16);
-  *w->mutable_out_proj_weight() = Floats({5, 6}, 17);
-  *w->mutable_out_proj_bias() = Floats({5}, 18);
-  *r.mutable_query() = Floats({2, 3, 8}, 19);
-  *r.mutable_key() = Floats({2, 5, 6}, 20);
-  *r.mutable_value() = Floats({2, 5, 4}, 21);
+  *w->mutable_q_proj_weight() = RandomWireTensor(DType::kFloat32, {8, 8}, 11);
+  *w->mutable_k_proj_weight() = RandomWireTensor(DType::kFloat32, {8, 6}, 12);
+  *w->mutable_v_proj_weight() = RandomWireTensor(DType::kFloat32, {6, 4}, 13);
+  *w->mutable_q_proj_bias() = RandomWireTensor(DType::kFloat32, {8}, 14);
+  *w->mutable_k_proj_bias() = RandomWireTensor(DType::kFloat32, {8}, 15);
+  *w->mutable_v_proj_bias() = RandomWireTensor(DType::kFloat32, {6}, 16);
+  *w->mutable_out_proj_weight() = RandomWireTensor(DType::kFloat32, {5, 6}, 17);
+  *w->mutable_out_proj_bias() = RandomWireTensor(DType::kFloat32, {5}, 18);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, 19);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {2, 5, 6}, 20);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {2, 5, 4}, 21);
   *r.mutable_attn_mask() = KeepAll({3, 5});
   *r.mutable_key_padding_mask() = KeepAll({2, 5});
   return r;
@@ -259,10 +242,10 @@ v1::MultiHeadAttendRequest MhaFusedBase() {
   v1::MultiHeadAttendRequest r;
   v1::AttentionWeights* w = r.mutable_weights();
   w->set_num_heads(2);
-  *w->mutable_in_proj_weight() = Floats({24, 8}, 31);
-  *w->mutable_in_proj_bias() = Floats({24}, 32);
-  *w->mutable_out_proj_weight() = Floats({8, 8}, 33);
-  *r.mutable_query() = Floats({2, 3, 8}, 34);
+  *w->mutable_in_proj_weight() = RandomWireTensor(DType::kFloat32, {24, 8}, 31);
+  *w->mutable_in_proj_bias() = RandomWireTensor(DType::kFloat32, {24}, 32);
+  *w->mutable_out_proj_weight() = RandomWireTensor(DType::kFloat32, {8, 8}, 33);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, 34);
   return r;
 }
 
@@ -270,7 +253,7 @@ v1::MultiHeadAttendRequest MhaFusedBase() {
 v1::MultiHeadAttendRequest MhaModelBase() {
   v1::MultiHeadAttendRequest r;
   r.set_model(kModel);
-  *r.mutable_query() = Floats({2, 3, 8}, 41);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, 41);
   return r;
 }
 
@@ -280,9 +263,9 @@ v1::SessionStepRequest SessionStepBase() {
   v1::SessionStepRequest r;
   r.set_session_id(kAttentionSession);
   r.set_position(0);
-  *r.mutable_query() = Floats({2, 3, 8}, 31);
-  *r.mutable_key() = Floats({1, 3, 8}, 32);
-  *r.mutable_value() = Floats({1, 3, 8}, 33);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, 31);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {1, 3, 8}, 32);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {1, 3, 8}, 33);
   return r;
 }
 
@@ -291,15 +274,15 @@ v1::SessionStepRequest SessionModelStepBase() {
   v1::SessionStepRequest r;
   r.set_session_id(kModelSession);
   r.set_position(0);
-  *r.mutable_input() = Floats({3, 8}, 34);
+  *r.mutable_input() = RandomWireTensor(DType::kFloat32, {3, 8}, 34);
   return r;
 }
 
 v1::LayerNormRequest LayerNormBase() {
   v1::LayerNormRequest r;
-  *r.mutable_input() = Floats({2, 6}, 51);
-  *r.mutable_gamma() = Floats({6}, 52);
-  *r.mutable_beta() = Floats({6}, 53);
+  *r.mutable_input() = RandomWireTensor(DType::kFloat32, {2, 6}, 51);
+  *r.mutable_gamma() = RandomWireTensor(DType::kFloat32, {6}, 52);
+  *r.mutable_beta() = RandomWireTensor(DType::kFloat32, {6}, 53);
   return r;
 }
 
@@ -848,57 +831,57 @@ void AddAttendCases(std::vector<HostileCase>& cases) {
   cases.push_back(Ok(r, "no_mask", "attn_mask"));
 
   r = base;
-  *r.mutable_query() = Floats({2, 3, 8}, 1, DType::kFloat16);
-  *r.mutable_key() = Floats({2, 5, 8}, 2, DType::kFloat16);
-  *r.mutable_value() = Floats({2, 5, 4}, 3, DType::kFloat16);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat16, {2, 3, 8}, 1);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat16, {2, 5, 8}, 2);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat16, {2, 5, 4}, 3);
   cases.push_back(Ok(r, "float16", "query"));
   r = base;
-  *r.mutable_query() = Floats({2, 3, 8}, 1, DType::kBool);
+  *r.mutable_query() = RandomWireTensor(DType::kBool, {2, 3, 8}, 1);
   cases.push_back(Invalid(r, "query_dtype_bool", "query",
                           "query: dtype BOOL not supported, expected FLOAT32 "
                           "or BFLOAT16 or FLOAT16"));
   r = base;
-  *r.mutable_key() = Floats({2, 5, 8}, 2, DType::kFloat16);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat16, {2, 5, 8}, 2);
   cases.push_back(Invalid(r, "key_dtype_differs", "key",
                           "key: dtype FLOAT16 != query dtype FLOAT32"));
   r = base;
-  *r.mutable_value() = Floats({2, 5, 4}, 3, DType::kBFloat16);
+  *r.mutable_value() = RandomWireTensor(DType::kBFloat16, {2, 5, 4}, 3);
   cases.push_back(Invalid(r, "value_dtype_differs", "value",
                           "value: dtype BFLOAT16 != query dtype FLOAT32"));
 
   // Ranks and dims.
   r = base;
-  *r.mutable_query() = Floats({8}, 1);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {8}, 1);
   cases.push_back(Invalid(r, "query_rank_1", "query",
                           "query: rank 1 (shape [8]), expected rank >= 2"));
   r = base;
-  *r.mutable_query() = Floats({}, 1);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {}, 1);
   cases.push_back(Invalid(r, "query_scalar", "query",
                           "query: rank 0 (shape []), expected rank >= 2"));
   r = base;
-  *r.mutable_key() = Floats({5, 8}, 2);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {5, 8}, 2);
   cases.push_back(
       Invalid(r, "key_rank_2", "key",
               "key: rank 2 != query rank 3 (shapes [5, 8] and [2, 3, 8])"));
   r = base;
-  *r.mutable_value() = Floats({1, 2, 5, 4}, 3);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {1, 2, 5, 4}, 3);
   cases.push_back(Invalid(
       r, "value_rank_4", "value",
       "value: rank 4 != query rank 3 (shapes [1, 2, 5, 4] and [2, 3, 8])"));
   r = base;
-  *r.mutable_key() = Floats({3, 5, 8}, 2);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {3, 5, 8}, 2);
   cases.push_back(
       Invalid(r, "key_leading_dim", "key", "key: dim 0 3 != query dim 0 2"));
   r = base;
-  *r.mutable_value() = Floats({1, 5, 4}, 3);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {1, 5, 4}, 3);
   cases.push_back(Invalid(r, "value_leading_dim", "value",
                           "value: dim 0 1 != query dim 0 2"));
   r = base;
-  *r.mutable_key() = Floats({2, 5, 6}, 2);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {2, 5, 6}, 2);
   cases.push_back(
       Invalid(r, "key_last_dim", "key", "key: last dim 6 != query last dim 8"));
   r = base;
-  *r.mutable_value() = Floats({2, 4, 4}, 3);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {2, 4, 4}, 3);
   cases.push_back(
       Invalid(r, "value_length", "value", "value: dim 1 4 != key dim 1 5"));
   // 65 dims: more than any tensor may have.
@@ -948,12 +931,12 @@ void AddAttendCases(std::vector<HostileCase>& cases) {
                           "attn_mask: rank 4 (shape [1, 2, 3, 5]) exceeds the "
                           "rank of the logits [2, 3, 5]"));
   r = base;
-  *r.mutable_attn_mask() = Floats({3, 5}, 4, DType::kFloat16);
+  *r.mutable_attn_mask() = RandomWireTensor(DType::kFloat16, {3, 5}, 4);
   cases.push_back(Invalid(r, "attn_mask_float16", "attn_mask",
                           "attn_mask: dtype FLOAT16 not supported, expected "
                           "BOOL or UINT8 or FLOAT32"));
   r = base;
-  *r.mutable_attn_mask() = Floats({3, 5}, 4, DType::kBFloat16);
+  *r.mutable_attn_mask() = RandomWireTensor(DType::kBFloat16, {3, 5}, 4);
   cases.push_back(Invalid(r, "attn_mask_bfloat16", "attn_mask",
                           "attn_mask: dtype BFLOAT16 not supported, expected "
                           "BOOL or UINT8 or FLOAT32"));
@@ -1106,9 +1089,9 @@ void AddAttendCases(std::vector<HostileCase>& cases) {
 
   // Limits.
   r = base;
-  *r.mutable_query() = Floats({1, 4096, 2}, 1);
-  *r.mutable_key() = Floats({1, 4096, 2}, 2);
-  *r.mutable_value() = Floats({1, 4096, 2}, 3);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {1, 4096, 2}, 1);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {1, 4096, 2}, 2);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {1, 4096, 2}, 3);
   r.clear_attn_mask();
   r.set_return_weights(true);
   cases.push_back(Case(r, "weights_above_memory_limit", "return_weights",
@@ -1190,7 +1173,8 @@ void AddAttendCases(std::vector<HostileCase>& cases) {
     HostileCase c = Case(base, "message_above_limit", "",
                          Code::kResourceExhausted, "*larger than max*");
     v1::LayerNormRequest big;
-    *big.mutable_input() = Floats({(kMaxMessageMb << 20) / 4 + 16}, 5);
+    *big.mutable_input() =
+        RandomWireTensor(DType::kFloat32, {(kMaxMessageMb << 20) / 4 + 16}, 5);
     c.rpc = "LayerNorm";
     c.request = big.SerializeAsString();
     cases.push_back(Glob(c));
@@ -1255,19 +1239,22 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
 
   // Weight sources that conflict.
   r = base;
-  *r.mutable_weights()->mutable_in_proj_weight() = Floats({24, 8}, 31);
+  *r.mutable_weights()->mutable_in_proj_weight() =
+      RandomWireTensor(DType::kFloat32, {24, 8}, 31);
   cases.push_back(
       Invalid(r, "in_proj_and_separate_weights", "weights.in_proj_weight",
               "in_proj_weight: give either in_proj_weight or "
               "q_proj_weight/k_proj_weight/v_proj_weight, not both"));
   r = base;
-  *r.mutable_weights()->mutable_in_proj_bias() = Floats({22}, 32);
+  *r.mutable_weights()->mutable_in_proj_bias() =
+      RandomWireTensor(DType::kFloat32, {22}, 32);
   cases.push_back(Invalid(r, "in_proj_bias_and_separate_biases",
                           "weights.in_proj_bias",
                           "in_proj_bias: give either in_proj_bias or "
                           "q_proj_bias/k_proj_bias/v_proj_bias, not both"));
   r = fused;
-  *r.mutable_weights()->mutable_k_proj_bias() = Floats({8}, 15);
+  *r.mutable_weights()->mutable_k_proj_bias() =
+      RandomWireTensor(DType::kFloat32, {8}, 15);
   cases.push_back(Invalid(r, "separate_bias_with_in_proj",
                           "weights.k_proj_bias",
                           "k_proj_bias: with in_proj_weight, give the bias as "
@@ -1276,7 +1263,8 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
     // `weights` then `model` on the wire: one oneof, the last member wins
     // (protobuf); the model's output is [2, 3, 8], the inline one's [2, 3, 5].
     v1::AttentionWeights self_attention = fused.weights();
-    *self_attention.mutable_out_proj_weight() = Floats({5, 8}, 33);
+    *self_attention.mutable_out_proj_weight() =
+        RandomWireTensor(DType::kFloat32, {5, 8}, 33);
     v1::MultiHeadAttendRequest inline_weights = MhaModelBase();
     *inline_weights.mutable_weights() = self_attention;
     HostileCase c = Ok(inline_weights, "weights_then_model_uses_model", "model",
@@ -1298,33 +1286,39 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
                           "k_proj_weight and v_proj_weight, or "
                           "in_proj_weight)"));
   r = base;
-  *r.mutable_weights()->mutable_q_proj_weight() = Floats({2, 4, 8}, 11);
+  *r.mutable_weights()->mutable_q_proj_weight() =
+      RandomWireTensor(DType::kFloat32, {2, 4, 8}, 11);
   cases.push_back(Invalid(r, "q_proj_weight_rank_3", "weights.q_proj_weight",
                           "q_proj_weight: rank 3 (shape [2, 4, 8]), expected "
                           "rank 2"));
   r = base;
-  *r.mutable_weights()->mutable_k_proj_weight() = Floats({6, 6}, 12);
-  *r.mutable_weights()->mutable_k_proj_bias() = Floats({6}, 15);
+  *r.mutable_weights()->mutable_k_proj_weight() =
+      RandomWireTensor(DType::kFloat32, {6, 6}, 12);
+  *r.mutable_weights()->mutable_k_proj_bias() =
+      RandomWireTensor(DType::kFloat32, {6}, 15);
   cases.push_back(Invalid(r, "k_proj_weight_rows", "weights.k_proj_weight",
                           "k_proj_weight: dim 0 6 != q_proj_weight dim 0 8"));
   r = base;
   *r.mutable_weights()->mutable_v_proj_weight() =
-      Floats({6, 4}, 13, DType::kBool);
+      RandomWireTensor(DType::kBool, {6, 4}, 13);
   cases.push_back(Invalid(r, "v_proj_weight_bool", "weights.v_proj_weight",
                           "v_proj_weight: dtype BOOL not supported, expected "
                           "FLOAT32 or BFLOAT16 or FLOAT16"));
   r = base;
-  *r.mutable_weights()->mutable_out_proj_weight() = Floats({5, 7}, 17);
+  *r.mutable_weights()->mutable_out_proj_weight() =
+      RandomWireTensor(DType::kFloat32, {5, 7}, 17);
   cases.push_back(Invalid(r, "out_proj_weight_columns",
                           "weights.out_proj_weight",
                           "out_proj_weight: dim 1 7 != v_proj_weight rows "
                           "(H*dv) = 6"));
   r = fused;
-  *r.mutable_weights()->mutable_in_proj_weight() = Floats({25, 8}, 31);
+  *r.mutable_weights()->mutable_in_proj_weight() =
+      RandomWireTensor(DType::kFloat32, {25, 8}, 31);
   cases.push_back(Invalid(r, "in_proj_weight_rows", "weights.in_proj_weight",
                           "in_proj_weight: dim 0 25 != 3 x dim 1 = 24"));
   r = fused;
-  *r.mutable_weights()->mutable_in_proj_weight() = Floats({24}, 31);
+  *r.mutable_weights()->mutable_in_proj_weight() =
+      RandomWireTensor(DType::kFloat32, {24}, 31);
   cases.push_back(Invalid(r, "in_proj_weight_rank_1", "weights.in_proj_weight",
                           "in_proj_weight: rank 1 (shape [24]), expected rank "
                           "2"));
@@ -1347,7 +1341,7 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
   for (const auto& b : biases) {
     r = b.fused ? fused : base;
     *static_cast<v1::Tensor*>(MutableAt(&r, {"weights", b.field})) =
-        Floats(b.shape, 9);
+        RandomWireTensor(DType::kFloat32, b.shape, 9);
     cases.push_back(Invalid(
         r, absl::StrCat(b.field, "_shape_", absl::StrJoin(b.shape, "x")),
         absl::StrCat("weights.", b.field),
@@ -1358,7 +1352,8 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
   r.mutable_weights()->clear_q_proj_bias();
   r.mutable_weights()->clear_k_proj_bias();
   r.mutable_weights()->clear_v_proj_bias();
-  *r.mutable_weights()->mutable_in_proj_bias() = Floats({20}, 32);
+  *r.mutable_weights()->mutable_in_proj_bias() =
+      RandomWireTensor(DType::kFloat32, {20}, 32);
   cases.push_back(Invalid(r, "in_proj_bias_shared_length",
                           "weights.in_proj_bias",
                           "in_proj_bias: shape [20], expected [22]"));
@@ -1368,18 +1363,19 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
                           "weights.out_proj_bias",
                           "out_proj_bias: given without out_proj_weight"));
   r = base;
-  *r.mutable_weights()->mutable_q_proj_bias() = Floats({8}, 14, DType::kUInt8);
+  *r.mutable_weights()->mutable_q_proj_bias() =
+      RandomWireTensor(DType::kUInt8, {8}, 14);
   cases.push_back(Invalid(r, "q_proj_bias_uint8", "weights.q_proj_bias",
                           "q_proj_bias: dtype UINT8 not supported, expected "
                           "FLOAT32 or BFLOAT16 or FLOAT16"));
 
   // Inputs.
   r = base;
-  *r.mutable_query() = Floats({2, 3, 7}, 19);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 7}, 19);
   cases.push_back(Invalid(r, "query_width", "query",
                           "query: last dim 7 != q_proj_weight dim 1 8"));
   r = base;
-  *r.mutable_key() = Floats({2, 5, 5}, 20);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {2, 5, 5}, 20);
   cases.push_back(Invalid(r, "key_width", "key",
                           "key: last dim 5 != k_proj_weight dim 1 6"));
   r = base;
@@ -1387,33 +1383,33 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
   cases.push_back(Invalid(r, "value_defaults_to_key", "value",
                           "value: last dim 6 != v_proj_weight dim 1 4"));
   r = base;
-  *r.mutable_query() = Floats({1, 2, 3, 8}, 19);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {1, 2, 3, 8}, 19);
   cases.push_back(Invalid(r, "query_rank_4", "query",
                           "query: rank 4 (shape [1, 2, 3, 8]), expected rank "
                           "2 to 3"));
   r = base;
-  *r.mutable_query() = Floats({8}, 19);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {8}, 19);
   cases.push_back(Invalid(r, "query_rank_1", "query",
                           "query: rank 1 (shape [8]), expected rank 2 to 3"));
   r = base;
-  *r.mutable_query() = Floats({3, 8}, 19);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {3, 8}, 19);
   cases.push_back(Invalid(r, "query_unbatched_key_batched", "key",
                           "key: rank 3 != query rank 2 (shapes [2, 5, 6] and "
                           "[3, 8])"));
   r = base;
-  *r.mutable_key() = Floats({3, 5, 6}, 20);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {3, 5, 6}, 20);
   cases.push_back(
       Invalid(r, "key_batch", "key", "key: dim 0 3 != query dim 0 2"));
   r = base;
-  *r.mutable_value() = Floats({2, 4, 4}, 21);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {2, 4, 4}, 21);
   cases.push_back(
       Invalid(r, "value_length", "value", "value: dim 1 4 != key dim 1 5"));
   r = base;
-  *r.mutable_key() = Floats({2, 5, 6}, 20, DType::kFloat16);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat16, {2, 5, 6}, 20);
   cases.push_back(Invalid(r, "key_dtype_differs", "key",
                           "key: dtype FLOAT16 != query dtype FLOAT32"));
   r = base;
-  *r.mutable_query() = Floats({2, 3, 8}, 19, DType::kUInt8);
+  *r.mutable_query() = RandomWireTensor(DType::kUInt8, {2, 3, 8}, 19);
   cases.push_back(Invalid(r, "query_uint8", "query",
                           "query: dtype UINT8 not supported, expected FLOAT32 "
                           "or BFLOAT16 or FLOAT16"));
@@ -1430,7 +1426,7 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
   cases.push_back(Invalid(r, "key_padding_mask_shape", "key_padding_mask",
                           "key_padding_mask: shape [2, 4], expected [2, 5]"));
   r = base;
-  *r.mutable_key_padding_mask() = Floats({2, 5}, 4, DType::kFloat16);
+  *r.mutable_key_padding_mask() = RandomWireTensor(DType::kFloat16, {2, 5}, 4);
   cases.push_back(Invalid(r, "key_padding_mask_float16", "key_padding_mask",
                           "key_padding_mask: dtype FLOAT16 not supported, "
                           "expected BOOL or UINT8 or FLOAT32"));
@@ -1513,7 +1509,7 @@ void AddMultiHeadCases(std::vector<HostileCase>& cases) {
   r.set_compute_bf16(true);  // a model's compute dtype is its own
   cases.push_back(Ok(r, "model_with_compute_bf16", "model"));
   r = MhaModelBase();
-  *r.mutable_query() = Floats({2, 3, 6}, 41);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 6}, 41);
   cases.push_back(Invalid(r, "model_query_width", "query",
                           "query: last dim 6 != in_proj_weight dim 1 8"));
   {
@@ -1566,34 +1562,34 @@ void AddLayerNormCases(std::vector<HostileCase>& cases) {
   r.clear_beta();
   cases.push_back(Ok(r, "no_gamma_no_beta", "gamma"));
   r = base;
-  *r.mutable_input() = Floats({2, 6}, 51, DType::kBool);
+  *r.mutable_input() = RandomWireTensor(DType::kBool, {2, 6}, 51);
   cases.push_back(Invalid(r, "input_bool", "input",
                           "input: dtype BOOL not supported, expected FLOAT32 "
                           "or BFLOAT16 or FLOAT16"));
   r = base;
-  *r.mutable_gamma() = Floats({6}, 52, DType::kUInt8);
+  *r.mutable_gamma() = RandomWireTensor(DType::kUInt8, {6}, 52);
   cases.push_back(Invalid(r, "gamma_uint8", "gamma",
                           "gamma: dtype UINT8 not supported, expected FLOAT32 "
                           "or BFLOAT16 or FLOAT16"));
   r = base;
-  *r.mutable_gamma() = Floats({5}, 52);
+  *r.mutable_gamma() = RandomWireTensor(DType::kFloat32, {5}, 52);
   cases.push_back(
       Invalid(r, "gamma_shape", "gamma", "gamma: shape [5], expected [6]"));
   r = base;
-  *r.mutable_beta() = Floats({1, 6}, 53);
+  *r.mutable_beta() = RandomWireTensor(DType::kFloat32, {1, 6}, 53);
   cases.push_back(
       Invalid(r, "beta_shape", "beta", "beta: shape [1, 6], expected [6]"));
   r = base;
-  *r.mutable_input() = Floats({}, 51);
+  *r.mutable_input() = RandomWireTensor(DType::kFloat32, {}, 51);
   r.clear_gamma();
   r.clear_beta();
   cases.push_back(Invalid(r, "input_scalar", "input",
                           "normalized_ndim: 1 is not in [1, rank of input 0] "
                           "(input shape [])"));
   r = base;
-  *r.mutable_input() = Floats({2, 6}, 51, DType::kBFloat16);
-  *r.mutable_gamma() = Floats({6}, 52, DType::kBFloat16);
-  *r.mutable_beta() = Floats({6}, 53, DType::kFloat16);
+  *r.mutable_input() = RandomWireTensor(DType::kBFloat16, {2, 6}, 51);
+  *r.mutable_gamma() = RandomWireTensor(DType::kBFloat16, {6}, 52);
+  *r.mutable_beta() = RandomWireTensor(DType::kFloat16, {6}, 53);
   cases.push_back(Ok(r, "mixed_float_dtypes", "input"));
 
   // normalized_ndim.
@@ -2109,34 +2105,34 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
                           "key: missing (an attention session takes query, "
                           "key and value)"));
   step = SessionStepBase();
-  *step.mutable_input() = Floats({3, 8}, 35);
+  *step.mutable_input() = RandomWireTensor(DType::kFloat32, {3, 8}, 35);
   cases.push_back(Invalid(step, "input_on_attention_session", "input",
                           "input: an attention session takes query, key and "
                           "value, not hidden states"));
   step = SessionModelStepBase();
-  *step.mutable_query() = Floats({2, 3, 8}, 36);
+  *step.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, 36);
   cases.push_back(Invalid(step, "query_on_model_session", "query",
                           "query: a model session takes `input` (hidden "
                           "states), not query/key/value"));
   step = SessionModelStepBase();
-  *step.mutable_input() = Floats({3, 5}, 37);
+  *step.mutable_input() = RandomWireTensor(DType::kFloat32, {3, 5}, 37);
   cases.push_back(Invalid(step, "input_width", "input",
                           "input: last dim 5 != the model's 8"));
   step = SessionStepBase();
-  *step.mutable_query() = Floats({3, 3, 8}, 38);
+  *step.mutable_query() = RandomWireTensor(DType::kFloat32, {3, 3, 8}, 38);
   cases.push_back(Invalid(step, "query_heads", "query",
                           "query: shape [3, 3, 8], expected [2, 3, 8]"));
   step = SessionStepBase();
-  *step.mutable_key() = Floats({1, 2, 8}, 39);
+  *step.mutable_key() = RandomWireTensor(DType::kFloat32, {1, 2, 8}, 39);
   cases.push_back(Invalid(step, "key_tokens", "key",
                           "key: shape [1, 2, 8], expected [1, 3, 8]"));
   step = SessionStepBase();
-  *step.mutable_query() = Floats({6, 8}, 40);
+  *step.mutable_query() = RandomWireTensor(DType::kFloat32, {6, 8}, 40);
   cases.push_back(Invalid(step, "query_rank_2", "query",
                           "query: rank 2, expected 4 (or 3 without the batch "
                           "dim)"));
   step = SessionStepBase();
-  *step.mutable_value() = Floats({1, 3, 8}, 41, DType::kBFloat16);
+  *step.mutable_value() = RandomWireTensor(DType::kBFloat16, {1, 3, 8}, 41);
   cases.push_back(Glob(Invalid(step, "value_dtype", "value", "value: *")));
   step = SessionStepBase();
   step.set_position(-1);
@@ -2144,9 +2140,9 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
                                "position: -1 is not in [0, *] (the tokens "
                                "cached)")));
   step = SessionStepBase();
-  *step.mutable_query() = Floats({2, 5000, 8}, 42);
-  *step.mutable_key() = Floats({1, 5000, 8}, 43);
-  *step.mutable_value() = Floats({1, 5000, 8}, 44);
+  *step.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 5000, 8}, 42);
+  *step.mutable_key() = RandomWireTensor(DType::kFloat32, {1, 5000, 8}, 43);
+  *step.mutable_value() = RandomWireTensor(DType::kFloat32, {1, 5000, 8}, 44);
   // At position 0: a rewind when earlier cases left tokens in the session
   // ("session: position 0 + 5000 new tokens exceed its max_length 4096 (the
   // session holds 3 tokens; nothing was changed)"), else "0 cached + ...".
@@ -2244,8 +2240,8 @@ void AddWorkCases(std::vector<HostileCase>& cases) {
   *w->mutable_k_proj_weight() = ZeroWidth({0, 8});
   *w->mutable_v_proj_weight() = ZeroWidth({0, 8});
   *w->mutable_out_proj_weight() = ZeroWidth({5, 0});
-  *w->mutable_out_proj_bias() = Floats({5}, 18);
-  *m.mutable_query() = Floats({1, 32768, 8}, 61);
+  *w->mutable_out_proj_bias() = RandomWireTensor(DType::kFloat32, {5}, 18);
+  *m.mutable_query() = RandomWireTensor(DType::kFloat32, {1, 32768, 8}, 61);
   HostileCase heads = Ok(m, "head_dims_0_32768_tokens", "weights.q_proj_weight",
                          ExpectEveryRow<v1::MultiHeadAttendResponse>(
                              RawFloats(w->out_proj_bias())));

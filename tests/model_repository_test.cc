@@ -83,8 +83,7 @@ v1::AttentionWeights InlineWeights(const NamedTensors& state, int heads) {
 v1::MultiHeadAttendRequest QueryRequest(uint32_t seed) {
   std::mt19937 rng(seed);
   v1::MultiHeadAttendRequest r;
-  EncodeTensor(RandomTensor(DType::kFloat32, {2, 5, 16}, rng).view(),
-               r.mutable_query());
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 5, 16}, rng);
   return r;
 }
 
@@ -378,8 +377,8 @@ TEST(AttentionWeightsTableTest, EveryFieldRoundTripsThroughTheWire) {
   int64_t len = 1;
   for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
     EXPECT_EQ(FindWeightTensor(wire, field), nullptr) << field.name;
-    EncodeTensor(RandomTensor(DType::kFloat32, {len++}, rng).view(),
-                 MutableWeightTensor(&wire, field));
+    *MutableWeightTensor(&wire, field) =
+        RandomWireTensor(DType::kFloat32, {len++}, rng);
   }
   EXPECT_EQ(wire.out_proj_bias().shape(0), 10);
   auto decoded = DecodeAttentionWeights(wire);
@@ -395,8 +394,7 @@ TEST(AttentionWeightsTableTest, EveryFieldRoundTripsThroughTheWire) {
 
   // Unset fields stay absent; a bad one fails, named.
   v1::AttentionWeights partial;
-  EncodeTensor(RandomTensor(DType::kFloat32, {4}, rng).view(),
-               partial.mutable_k_proj_bias());
+  *partial.mutable_k_proj_bias() = RandomWireTensor(DType::kFloat32, {4}, rng);
   decoded = DecodeAttentionWeights(partial);
   ASSERT_TRUE(decoded.ok()) << decoded.status();
   EXPECT_TRUE(decoded->k_proj_bias.has_value());

@@ -242,13 +242,6 @@ TEST_P(MhaTableTest, MatchesFloat64Reference) {
   }
 }
 
-MhaCase Case(std::string name, auto&& edit) {
-  MhaCase c;
-  c.name = std::move(name);
-  edit(c);
-  return c;
-}
-
 const MhaCase kMhaCases[] = {
     Case("default", [](MhaCase&) {}),
     Case("fused_in_proj", [](MhaCase& c) { c.fused = true; }),

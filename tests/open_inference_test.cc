@@ -40,26 +40,11 @@ using inference::ModelInferResponse;
 using ::testing::HasSubstr;
 using json = nlohmann::json;
 
-// A random wire tensor.
-v1::Tensor Wire(DType dtype, Shape shape, std::mt19937& rng) {
-  v1::Tensor wire;
-  EncodeTensor(RandomTensor(dtype, std::move(shape), rng).view(), &wire);
-  return wire;
-}
-
-// A boolean mask with about a third of the positions masked.
+// A boolean mask that keeps about a third of the positions.
 v1::Tensor Mask(Shape shape, std::mt19937& rng) {
-  v1::Tensor wire;
-  wire.set_dtype(v1::DATA_TYPE_BOOL);
-  int64_t n = 1;
-  for (int64_t d : shape) {
-    wire.add_shape(d);
-    n *= d;
-  }
-  for (int64_t i = 0; i < n; ++i) {
-    wire.mutable_raw_data()->push_back(rng() % 3 == 0 ? 1 : 0);
-  }
-  return wire;
+  std::string keep(NumElements(shape), '\0');
+  for (char& c : keep) c = rng() % 3 == 0 ? 1 : 0;
+  return WireTensor(v1::DATA_TYPE_BOOL, shape, std::move(keep));
 }
 
 std::string Datatype(v1::DataType dtype) {
@@ -137,9 +122,9 @@ class OpenInferenceTest : public ::testing::Test {
 };
 
 TEST_F(OpenInferenceTest, AttendEqualsTheNativeRpc) {
-  const v1::Tensor q = Wire(DType::kFloat32, {2, 5, 8}, rng_);
-  const v1::Tensor k = Wire(DType::kFloat32, {2, 7, 8}, rng_);
-  const v1::Tensor v = Wire(DType::kFloat32, {2, 7, 4}, rng_);
+  const v1::Tensor q = RandomWireTensor(DType::kFloat32, {2, 5, 8}, rng_);
+  const v1::Tensor k = RandomWireTensor(DType::kFloat32, {2, 7, 8}, rng_);
+  const v1::Tensor v = RandomWireTensor(DType::kFloat32, {2, 7, 4}, rng_);
   const v1::Tensor mask = Mask({5, 7}, rng_);
   struct Case {
     std::string name;
@@ -205,9 +190,10 @@ TEST_F(OpenInferenceTest, AttendEqualsTheNativeRpc) {
 TEST_F(OpenInferenceTest, LayerNormAndMultiHeadEqualTheNativeRpcs) {
   // LayerNorm with gamma, beta and eps.
   v1::LayerNormRequest layer_norm;
-  *layer_norm.mutable_input() = Wire(DType::kFloat32, {3, 16}, rng_);
-  *layer_norm.mutable_gamma() = Wire(DType::kFloat32, {16}, rng_);
-  *layer_norm.mutable_beta() = Wire(DType::kFloat32, {16}, rng_);
+  *layer_norm.mutable_input() =
+      RandomWireTensor(DType::kFloat32, {3, 16}, rng_);
+  *layer_norm.mutable_gamma() = RandomWireTensor(DType::kFloat32, {16}, rng_);
+  *layer_norm.mutable_beta() = RandomWireTensor(DType::kFloat32, {16}, rng_);
   layer_norm.set_eps(1e-3f);
   ModelInferRequest request;
   request.set_model_name("layer_norm");
@@ -226,13 +212,15 @@ TEST_F(OpenInferenceTest, LayerNormAndMultiHeadEqualTheNativeRpcs) {
 
   // MultiHeadAttend with inline weights (fused in_proj) and with the served
   // model "mha".
-  const v1::Tensor x = Wire(DType::kFloat32, {2, 6, 16}, rng_);
+  const v1::Tensor x = RandomWireTensor(DType::kFloat32, {2, 6, 16}, rng_);
   v1::MultiHeadAttendRequest inline_weights;
   auto* w = inline_weights.mutable_weights();
   w->set_num_heads(4);
-  *w->mutable_in_proj_weight() = Wire(DType::kFloat32, {48, 16}, rng_);
-  *w->mutable_in_proj_bias() = Wire(DType::kFloat32, {48}, rng_);
-  *w->mutable_out_proj_weight() = Wire(DType::kFloat32, {16, 16}, rng_);
+  *w->mutable_in_proj_weight() =
+      RandomWireTensor(DType::kFloat32, {48, 16}, rng_);
+  *w->mutable_in_proj_bias() = RandomWireTensor(DType::kFloat32, {48}, rng_);
+  *w->mutable_out_proj_weight() =
+      RandomWireTensor(DType::kFloat32, {16, 16}, rng_);
   v1::MultiHeadAttendRequest served;
   served.set_model("mha");
   for (v1::MultiHeadAttendRequest* native : {&inline_weights, &served}) {
@@ -267,8 +255,8 @@ TEST_F(OpenInferenceTest, LayerNormAndMultiHeadEqualTheNativeRpcs) {
 
 TEST_F(OpenInferenceTest, RmsNormThroughBothApisMatchesTheReference) {
   v1::LayerNormRequest native;
-  *native.mutable_input() = Wire(DType::kFloat32, {3, 4096}, rng_);
-  *native.mutable_gamma() = Wire(DType::kFloat32, {4096}, rng_);
+  *native.mutable_input() = RandomWireTensor(DType::kFloat32, {3, 4096}, rng_);
+  *native.mutable_gamma() = RandomWireTensor(DType::kFloat32, {4096}, rng_);
   native.set_rms_norm(true);
   v1::LayerNormResponse expected;
   ASSERT_TRUE(native_->LayerNorm(Context().get(), native, &expected).ok());
@@ -303,9 +291,9 @@ TEST_F(OpenInferenceTest, RmsNormThroughBothApisMatchesTheReference) {
 TEST_F(OpenInferenceTest, GroupedQueryAttendEqualsRepeatedHeads) {
   // 8 query heads over 2 key/value heads, against the same call with each
   // key/value head repeated 4 times (torch.repeat_interleave).
-  const v1::Tensor q = Wire(DType::kFloat32, {1, 8, 3, 16}, rng_);
-  const v1::Tensor k = Wire(DType::kFloat32, {1, 2, 5, 16}, rng_);
-  const v1::Tensor v = Wire(DType::kFloat32, {1, 2, 5, 16}, rng_);
+  const v1::Tensor q = RandomWireTensor(DType::kFloat32, {1, 8, 3, 16}, rng_);
+  const v1::Tensor k = RandomWireTensor(DType::kFloat32, {1, 2, 5, 16}, rng_);
+  const v1::Tensor v = RandomWireTensor(DType::kFloat32, {1, 2, 5, 16}, rng_);
   const auto repeat = [](const v1::Tensor& t) {
     v1::Tensor out = t;
     out.set_shape(1, 8);
@@ -356,7 +344,7 @@ TEST_F(OpenInferenceTest, GroupedQueryAttendEqualsRepeatedHeads) {
 }
 
 TEST_F(OpenInferenceTest, TypedContentsAndHalfPrecisionEqualRaw) {
-  const v1::Tensor q = Wire(DType::kFloat32, {4, 8}, rng_);
+  const v1::Tensor q = RandomWireTensor(DType::kFloat32, {4, 8}, rng_);
   const v1::Tensor mask = Mask({4, 4}, rng_);
   ModelInferRequest raw;
   raw.set_model_name("attend");
@@ -401,7 +389,7 @@ TEST_F(OpenInferenceTest, TypedContentsAndHalfPrecisionEqualRaw) {
 
   // BF16 and FP16 inputs (raw only) compute as the native RPC does.
   for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-    const v1::Tensor half = Wire(dtype, {3, 8}, rng_);
+    const v1::Tensor half = RandomWireTensor(dtype, {3, 8}, rng_);
     v1::AttendRequest native;
     *native.mutable_query() = half;
     *native.mutable_key() = half;
@@ -422,7 +410,7 @@ TEST_F(OpenInferenceTest, TypedContentsAndHalfPrecisionEqualRaw) {
 }
 
 TEST_F(OpenInferenceTest, SharedMemoryInputsAndOutputs) {
-  const v1::Tensor q = Wire(DType::kFloat32, {4, 8}, rng_);
+  const v1::Tensor q = RandomWireTensor(DType::kFloat32, {4, 8}, rng_);
   const size_t bytes = q.raw_data().size();  // 128
   auto shm = SharedMemoryBuffer::Create(UniqueSharedMemoryKey("oip"), 4096);
   ASSERT_TRUE(shm.ok()) << shm.status();
@@ -480,8 +468,8 @@ TEST_F(OpenInferenceTest, SharedMemoryInputsAndOutputs) {
 }
 
 TEST_F(OpenInferenceTest, BadRequestsNameTheField) {
-  const v1::Tensor q = Wire(DType::kFloat32, {2, 8}, rng_);
-  const v1::Tensor k32 = Wire(DType::kFloat32, {2, 4}, rng_);
+  const v1::Tensor q = RandomWireTensor(DType::kFloat32, {2, 8}, rng_);
+  const v1::Tensor k32 = RandomWireTensor(DType::kFloat32, {2, 4}, rng_);
   const auto attend = [&] {
     ModelInferRequest request;
     request.set_model_name("attend");
@@ -615,7 +603,7 @@ TEST_F(OpenInferenceTest, EchoedStringsAreCutTo128Bytes) {
   const std::string echo_n = Cut('n', 8000);
   const std::string not_found =
       absl::StrCat("model: ", Cut('n', 200), " not found; loaded models: mha");
-  const v1::Tensor q = Wire(DType::kFloat32, {2, 8}, rng_);
+  const v1::Tensor q = RandomWireTensor(DType::kFloat32, {2, 8}, rng_);
   const auto attend = [&] {
     ModelInferRequest request;
     request.set_model_name("attend");
@@ -940,7 +928,7 @@ TEST_F(OpenInferenceTest, HttpEqualsGrpc) {
   EXPECT_EQ(json::parse(missing->body),
             json({{"name", "nope"}, {"ready", false}}));
 
-  const v1::Tensor q = Wire(DType::kFloat32, {3, 8}, rng_);
+  const v1::Tensor q = RandomWireTensor(DType::kFloat32, {3, 8}, rng_);
   ModelInferRequest request;
   request.set_model_name("attend");
   for (const char* name : {"query", "key", "value"}) AddRaw(name, q, &request);

@@ -19,14 +19,8 @@ namespace {
 // `with_data` false, no values: costs read only shapes.
 v1::Tensor Zeros(const Shape& shape, bool with_data = true,
                  v1::DataType dtype = v1::DATA_TYPE_FLOAT32) {
-  v1::Tensor t;
-  t.set_dtype(dtype);
-  t.mutable_shape()->Assign(shape.begin(), shape.end());
-  if (with_data) {
-    const int64_t bytes = dtype == v1::DATA_TYPE_FLOAT32 ? 4 : 1;
-    t.set_raw_data(std::string(NumElements(shape) * bytes, '\0'));
-  }
-  return t;
+  const size_t bytes = NumElements(shape) * DTypeSize(*FindDTypeByWire(dtype));
+  return WireTensor(dtype, shape, std::string(with_data ? bytes : 0, '\0'));
 }
 
 v1::Tensor Shaped(const Shape& shape) { return Zeros(shape, false); }

@@ -94,8 +94,7 @@ class SecurityTest : public ::testing::Test {
     AttnClient client(options);
     std::mt19937 rng(3);
     v1::LayerNormRequest request;
-    EncodeTensor(RandomTensor(DType::kFloat32, {2, 4}, rng).view(),
-                 request.mutable_input());
+    *request.mutable_input() = RandomWireTensor(DType::kFloat32, {2, 4}, rng);
     return client.LayerNorm(request).status();
   }
 

@@ -30,36 +30,28 @@
 namespace attnserve::testing {
 namespace {
 
-v1::Tensor FloatTensor(Shape shape) {
-  std::mt19937 rng(17);
-  Tensor t = RandomTensor(DType::kFloat32, shape, rng);
-  v1::Tensor out;
-  EncodeTensor(t.view(), &out);
-  return out;
-}
-
 v1::AttendRequest ValidAttend() {
   v1::AttendRequest r;
-  *r.mutable_query() = FloatTensor({2, 3, 8});
-  *r.mutable_key() = FloatTensor({2, 5, 8});
-  *r.mutable_value() = FloatTensor({2, 5, 4});
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, 17);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {2, 5, 8}, 17);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {2, 5, 4}, 17);
   return r;
 }
 
 v1::MultiHeadAttendRequest ValidMha() {
   v1::MultiHeadAttendRequest r;
-  *r.mutable_query() = FloatTensor({2, 3, 8});
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, 17);
   v1::AttentionWeights* w = r.mutable_weights();
   w->set_num_heads(2);
-  *w->mutable_q_proj_weight() = FloatTensor({8, 8});
-  *w->mutable_k_proj_weight() = FloatTensor({8, 8});
-  *w->mutable_v_proj_weight() = FloatTensor({8, 8});
+  *w->mutable_q_proj_weight() = RandomWireTensor(DType::kFloat32, {8, 8}, 17);
+  *w->mutable_k_proj_weight() = RandomWireTensor(DType::kFloat32, {8, 8}, 17);
+  *w->mutable_v_proj_weight() = RandomWireTensor(DType::kFloat32, {8, 8}, 17);
   return r;
 }
 
 v1::LayerNormRequest ValidLayerNorm() {
   v1::LayerNormRequest r;
-  *r.mutable_input() = FloatTensor({2, 6});
+  *r.mutable_input() = RandomWireTensor(DType::kFloat32, {2, 6}, 17);
   return r;
 }
 
@@ -281,14 +273,14 @@ TEST_F(ServerTest, OverflowingDims) {
 
 TEST_F(ServerTest, WrongRank) {
   v1::AttendRequest r = ValidAttend();
-  *r.mutable_query() = FloatTensor({8});
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {8}, 17);
   ExpectError(client_.Attend(r), kInvalid,
               "query: rank 1 (shape [8]), expected rank >= 2");
 }
 
 TEST_F(ServerTest, MismatchedDims) {
   v1::AttendRequest r = ValidAttend();
-  *r.mutable_key() = FloatTensor({2, 5, 6});
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {2, 5, 6}, 17);
   ExpectError(client_.Attend(r), kInvalid,
               "key: last dim 6 != query last dim 8");
 }
@@ -320,7 +312,8 @@ TEST_F(ServerTest, HeadsDoNotDivide) {
 
 TEST_F(ServerTest, BiasLength) {
   v1::MultiHeadAttendRequest r = ValidMha();
-  *r.mutable_weights()->mutable_v_proj_bias() = FloatTensor({7});
+  *r.mutable_weights()->mutable_v_proj_bias() =
+      RandomWireTensor(DType::kFloat32, {7}, 17);
   ExpectError(client_.MultiHeadAttend(r), kInvalid,
               "v_proj_bias: shape [7], expected [8]");
 }
@@ -385,9 +378,9 @@ TEST_F(ServerTest, HealthIsServing) {
 TEST_F(ServerTest, ResultsTooLargeAreResourceExhausted) {
   // 32768 x 32768 FLOAT32 weights are 4 GiB from 256 KiB of input.
   v1::AttendRequest r;
-  *r.mutable_query() = FloatTensor({32768, 2});
-  *r.mutable_key() = FloatTensor({32768, 2});
-  *r.mutable_value() = FloatTensor({32768, 2});
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {32768, 2}, 17);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {32768, 2}, 17);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {32768, 2}, 17);
   r.set_return_weights(true);
   ExpectError(client_.Attend(r), absl::StatusCode::kResourceExhausted,
               "request: needs about 4096 MiB for results and intermediates, "

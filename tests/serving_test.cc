@@ -31,8 +31,7 @@ v1::AttendRequest LongRequest(int64_t len, int64_t batch = 8) {
   v1::AttendRequest r;
   for (v1::Tensor* t :
        {r.mutable_query(), r.mutable_key(), r.mutable_value()}) {
-    EncodeTensor(RandomTensor(DType::kFloat32, {batch, len, 64}, rng).view(),
-                 t);
+    *t = RandomWireTensor(DType::kFloat32, {batch, len, 64}, rng);
   }
   return r;
 }
@@ -44,7 +43,7 @@ v1::AttendRequest LongCheapRequest() {
   v1::AttendRequest r;
   for (v1::Tensor* t :
        {r.mutable_query(), r.mutable_key(), r.mutable_value()}) {
-    EncodeTensor(RandomTensor(DType::kFloat32, {8, 16384, 1}, rng).view(), t);
+    *t = RandomWireTensor(DType::kFloat32, {8, 16384, 1}, rng);
   }
   return r;
 }
@@ -52,8 +51,7 @@ v1::AttendRequest LongCheapRequest() {
 v1::LayerNormRequest ShortRequest() {
   std::mt19937 rng(32);
   v1::LayerNormRequest r;
-  EncodeTensor(RandomTensor(DType::kFloat32, {4, 8}, rng).view(),
-               r.mutable_input());
+  *r.mutable_input() = RandomWireTensor(DType::kFloat32, {4, 8}, rng);
   return r;
 }
 
@@ -321,29 +319,11 @@ TEST(ServingTest, MetricsPagePrintsShortestBucketBounds) {
 
 TEST(ServingTest, HealthWatchersSeeNotServingWhenTheServerDrains) {
   TestServer server;
-  auto channel =
-      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials());
-  auto health = grpc::health::v1::Health::NewStub(channel);
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(20));
-  grpc::health::v1::HealthCheckRequest request;
-  request.set_service("attnserve.v1.AttentionService");
-  auto watch = health->Watch(&context, request);
-  grpc::health::v1::HealthCheckResponse status;
-  ASSERT_TRUE(watch->Read(&status));
-  EXPECT_EQ(status.status(), grpc::health::v1::HealthCheckResponse::SERVING);
+  HealthWatch watch(server.target());
+  ASSERT_TRUE(watch.FirstSaysServing());
   std::thread drain([&] { server.server().Shutdown(absl::Seconds(5)); });
-  bool saw_not_serving = false;
-  while (watch->Read(&status)) {
-    if (status.status() == grpc::health::v1::HealthCheckResponse::NOT_SERVING) {
-      saw_not_serving = true;
-      break;
-    }
-  }
-  context.TryCancel();
+  EXPECT_TRUE(watch.WaitForNotServing());
   drain.join();
-  EXPECT_TRUE(saw_not_serving);
 }
 
 TEST(ServingTest, OversizedTensorIsRefusedBeforeAllocation) {
@@ -353,8 +333,7 @@ TEST(ServingTest, OversizedTensorIsRefusedBeforeAllocation) {
   AttnClient client = server.MakeClient();
   v1::LayerNormRequest r;
   std::mt19937 rng(1);
-  EncodeTensor(RandomTensor(DType::kFloat32, {10, 101}, rng).view(),
-               r.mutable_input());
+  *r.mutable_input() = RandomWireTensor(DType::kFloat32, {10, 101}, rng);
   const absl::Status status = client.LayerNorm(r).status();
   EXPECT_EQ(status.code(), absl::StatusCode::kResourceExhausted);
   EXPECT_EQ(status.message(),

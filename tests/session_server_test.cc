@@ -90,12 +90,6 @@ class GqaModelRepository {
   NamedTensors weights_;
 };
 
-v1::Tensor Wire(const Tensor& t) {
-  v1::Tensor wire;
-  EncodeTensor(t.view(), &wire);
-  return wire;
-}
-
 Tensor FromWire(const v1::Tensor& wire) {
   auto t = CopyTensor(wire, "output");
   EXPECT_TRUE(t.ok()) << t.status();
@@ -135,9 +129,9 @@ class SessionServerTest : public ::testing::Test {
     *v = RandomTensor(DType::kFloat32, {2, n, 8}, rng_);
     v1::SessionStepRequest request;
     request.set_session_id(id);
-    *request.mutable_query() = Wire(*q);
-    *request.mutable_key() = Wire(*k);
-    *request.mutable_value() = Wire(*v);
+    *request.mutable_query() = ToWire(q->view());
+    *request.mutable_key() = ToWire(k->view());
+    *request.mutable_value() = ToWire(v->view());
     return request;
   }
 
@@ -208,7 +202,7 @@ TEST_F(SessionServerTest,
   v1::MultiHeadAttendRequest stateless;
   stateless.set_model("llama_block");
   stateless.set_causal(true);
-  *stateless.mutable_query() = Wire(x);
+  *stateless.mutable_query() = ToWire(x.view());
   auto whole = client.MultiHeadAttend(stateless);
   ASSERT_TRUE(whole.ok()) << whole.status();
   EXPECT_TRUE(AllClose(FromWire(whole->output()).view(), ref.output,
@@ -223,7 +217,7 @@ TEST_F(SessionServerTest,
     }
     v1::SessionStepRequest request;
     request.set_session_id(created->session_id());
-    *request.mutable_input() = Wire(input);
+    *request.mutable_input() = ToWire(input.view());
     auto step = client.SessionStep(request);
     ASSERT_TRUE(step.ok()) << step.status();
     EXPECT_TRUE(AllClose(FromWire(step->output()).view(),
@@ -243,10 +237,10 @@ TEST_F(SessionServerTest, InlineGroupedQueryWeightsMatchTheReference) {
   v1::MultiHeadAttendRequest request;
   request.mutable_weights()->set_num_heads(4);
   request.mutable_weights()->set_num_kv_heads(1);
-  *request.mutable_weights()->mutable_q_proj_weight() = Wire(wq);
-  *request.mutable_weights()->mutable_k_proj_weight() = Wire(wk);
-  *request.mutable_weights()->mutable_v_proj_weight() = Wire(wv);
-  *request.mutable_query() = Wire(x);
+  *request.mutable_weights()->mutable_q_proj_weight() = ToWire(wq.view());
+  *request.mutable_weights()->mutable_k_proj_weight() = ToWire(wk.view());
+  *request.mutable_weights()->mutable_v_proj_weight() = ToWire(wv.view());
+  *request.mutable_query() = ToWire(x.view());
   auto response = client.MultiHeadAttend(request);
   ASSERT_TRUE(response.ok()) << response.status();
   RefMultiHeadWeights w;
@@ -300,7 +294,7 @@ TEST_F(SessionServerTest, BadRequestsGetCodesAndMessagesThatNameTheField) {
   EXPECT_EQ(client.SessionStep(step).status().message(),
             "key: missing (an attention session takes query, key and value)");
   step = AttentionStep(id, 1, &q, &k, &v);
-  *step.mutable_input() = Wire(q);
+  *step.mutable_input() = ToWire(q.view());
   EXPECT_EQ(client.SessionStep(step).status().message(),
             "input: an attention session takes query, key and value, not "
             "hidden states");
@@ -339,7 +333,7 @@ TEST_F(SessionServerTest, RefusedRewindChangesNothing) {
             "session holds 3 tokens; nothing was changed)");
   rewind = AttentionStep(id, 1, &q, &k, &v);
   rewind.set_position(1);
-  *rewind.mutable_key() = Wire(RandomTensor(DType::kFloat32, {4, 1, 8}, rng_));
+  *rewind.mutable_key() = RandomWireTensor(DType::kFloat32, {4, 1, 8}, rng_);
   step = client.SessionStep(rewind);
   EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(step.status().message(),
@@ -512,7 +506,7 @@ TEST_F(SessionServerTest, SessionsThatReserveTooMuchAreRefusedUpFront) {
   for (const int64_t rows : {256, 1024}) {
     Tensor x = RandomTensor(DType::kFloat32, {rows, 1024}, rng);
     v1::LayerNormRequest request;
-    *request.mutable_input() = Wire(x);
+    *request.mutable_input() = ToWire(x.view());
     auto answer = client.LayerNorm(request);
     ASSERT_TRUE(answer.ok()) << rows << ": " << answer.status();
     EXPECT_TRUE(AllClose(
@@ -526,9 +520,9 @@ TEST_F(SessionServerTest, SessionsThatReserveTooMuchAreRefusedUpFront) {
   Tensor v = RandomTensor(DType::kFloat32, {8, 3, 1}, rng);
   v1::SessionStepRequest step;
   step.set_session_id(last_id);
-  *step.mutable_query() = Wire(q);
-  *step.mutable_key() = Wire(k);
-  *step.mutable_value() = Wire(v);
+  *step.mutable_query() = ToWire(q.view());
+  *step.mutable_key() = ToWire(k.view());
+  *step.mutable_value() = ToWire(v.view());
   auto stepped = client.SessionStep(step);
   ASSERT_TRUE(stepped.ok()) << stepped.status();
   EXPECT_EQ(stepped->length(), 3);
@@ -631,9 +625,9 @@ TEST_F(SessionServerTest, ConcurrentSessionsEachMatchTheReference) {
         Tensor v = RandomTensor(DType::kFloat32, {1, 2, n, 8}, rng);
         v1::SessionStepRequest request;
         request.set_session_id(created->session_id());
-        *request.mutable_query() = Wire(q);
-        *request.mutable_key() = Wire(k);
-        *request.mutable_value() = Wire(v);
+        *request.mutable_query() = ToWire(q.view());
+        *request.mutable_key() = ToWire(k.view());
+        *request.mutable_value() = ToWire(v.view());
         auto step = client.SessionStep(request);
         keys = RefConcatRows(keys, ToRef(k.view()));
         values = RefConcatRows(values, ToRef(v.view()));

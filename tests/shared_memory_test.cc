@@ -45,19 +45,11 @@ v1::SharedMemoryRegion RegionOf(const std::string& name,
   return region;
 }
 
-v1::Tensor FloatTensor(Shape shape, int seed) {
-  std::mt19937 rng(seed);
-  Tensor t = RandomTensor(DType::kFloat32, shape, rng);
-  v1::Tensor out;
-  EncodeTensor(t.view(), &out);
-  return out;
-}
-
 v1::AttendRequest Attend() {
   v1::AttendRequest r;
-  *r.mutable_query() = FloatTensor({2, 4, 3, 16}, 1);
-  *r.mutable_key() = FloatTensor({2, 4, 7, 16}, 2);
-  *r.mutable_value() = FloatTensor({2, 4, 7, 8}, 3);
+  *r.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 4, 3, 16}, 1);
+  *r.mutable_key() = RandomWireTensor(DType::kFloat32, {2, 4, 7, 16}, 2);
+  *r.mutable_value() = RandomWireTensor(DType::kFloat32, {2, 4, 7, 8}, 3);
   r.set_return_weights(true);
   return r;
 }
@@ -72,15 +64,6 @@ void MoveToRegion(SharedMemoryBuffer& buffer, const std::string& region,
   ref->set_offset(offset);
   ref->set_byte_size(tensor->raw_data().size());
   tensor->clear_raw_data();
-}
-
-v1::SharedMemoryRef Ref(const std::string& region, uint64_t offset,
-                        uint64_t byte_size) {
-  v1::SharedMemoryRef ref;
-  ref.set_region(region);
-  ref.set_offset(offset);
-  ref.set_byte_size(byte_size);
-  return ref;
 }
 
 class SharedMemoryTest : public ::testing::Test {
@@ -120,8 +103,9 @@ class SharedMemoryTest : public ::testing::Test {
     MoveToRegion(buffer, "in", 0, r.mutable_query());
     MoveToRegion(buffer, "in", 2048, r.mutable_key());
     MoveToRegion(buffer, "in", 6144, r.mutable_value());
-    *r.mutable_result_regions()->mutable_output() = Ref("out", 0, 768);
-    *r.mutable_result_regions()->mutable_weights() = Ref("out", 1024, 4096);
+    *r.mutable_result_regions()->mutable_output() = MemoryRef("out", 0, 768);
+    *r.mutable_result_regions()->mutable_weights() =
+        MemoryRef("out", 1024, 4096);
     return r;
   }
 
@@ -292,8 +276,8 @@ TEST_F(SharedMemoryTest, ReferenceErrors) {
   // Inline MHA weights and LayerNorm inputs take references too, and refuse
   // the same way.
   v1::LayerNormRequest norm;
-  *norm.mutable_input() = FloatTensor({2, 8}, 4);
-  *norm.mutable_gamma() = FloatTensor({8}, 5);
+  *norm.mutable_input() = RandomWireTensor(DType::kFloat32, {2, 8}, 4);
+  *norm.mutable_gamma() = RandomWireTensor(DType::kFloat32, {8}, 5);
   MoveToRegion(*buffer, "in", 0, norm.mutable_gamma());
   norm.mutable_gamma()->mutable_shared_memory()->set_region("x");
   ExpectError(client_.LayerNorm(norm), kNotFound,
@@ -309,14 +293,14 @@ TEST_F(SharedMemoryTest, NonZeroRegionOffset) {
   ASSERT_TRUE(
       client_.RegisterSharedMemory(RegionOf("mid", *buffer, 4096 + 8)).ok());
   v1::LayerNormRequest norm;
-  *norm.mutable_input() = FloatTensor({4, 16}, 6);
+  *norm.mutable_input() = RandomWireTensor(DType::kFloat32, {4, 16}, 6);
   auto by_value = client_.LayerNorm(norm);
   ASSERT_TRUE(by_value.ok());
   std::memcpy(buffer->data() + 4096 + 8 + 64, norm.input().raw_data().data(),
               256);
   norm.mutable_input()->clear_raw_data();
-  *norm.mutable_input()->mutable_shared_memory() = Ref("mid", 64, 256);
-  *norm.mutable_result_regions()->mutable_output() = Ref("mid", 512, 256);
+  *norm.mutable_input()->mutable_shared_memory() = MemoryRef("mid", 64, 256);
+  *norm.mutable_result_regions()->mutable_output() = MemoryRef("mid", 512, 256);
   auto by_reference = client_.LayerNorm(norm);
   ASSERT_TRUE(by_reference.ok()) << by_reference.status();
   EXPECT_EQ(std::memcmp(buffer->data() + 4096 + 8 + 512,
@@ -368,7 +352,7 @@ TEST(SharedMemoryServerTest, LimitOffAndAuthentication) {
   }
   v1::AttendRequest r = Attend();
   r.mutable_query()->clear_raw_data();
-  *r.mutable_query()->mutable_shared_memory() = Ref("r", 0, 1536);
+  *r.mutable_query()->mutable_shared_memory() = MemoryRef("r", 0, 1536);
   auto call = no_shm_client.Attend(r);
   EXPECT_EQ(call.status().code(), kInvalid);
   EXPECT_EQ(call.status().message(),
@@ -439,7 +423,7 @@ TEST(SharedMemoryRegistryTest, HeldRegionOutlivesUnregister) {
   SharedMemoryRegistry registry(1 << 20);
   ASSERT_TRUE(registry.Register({"r", buffer->key(), 0, 8192}).ok());
   CallSharedMemory call(&registry);
-  auto data = call.Resolve(Ref("r", 0, 8192), 8192, 4, "input");
+  auto data = call.Resolve(MemoryRef("r", 0, 8192), 8192, 4, "input");
   ASSERT_TRUE(data.ok()) << data.status();
   ASSERT_TRUE(registry.Unregister("r").ok());
   EXPECT_EQ(registry.registered_bytes(), 0u);
@@ -453,7 +437,7 @@ TEST(SharedMemoryRegistryTest, TruncatedUnderAReadFailsTheCall) {
   SharedMemoryRegistry registry(1 << 20);
   ASSERT_TRUE(registry.Register({"r", buffer->key(), 0, 4 * 4096}).ok());
   CallSharedMemory call(&registry);
-  auto data = call.Resolve(Ref("r", 0, 4 * 4096), 4 * 4096, 4, "input");
+  auto data = call.Resolve(MemoryRef("r", 0, 4 * 4096), 4 * 4096, 4, "input");
   ASSERT_TRUE(data.ok()) << data.status();
   const int fd = shm_open(buffer->key().c_str(), O_RDWR, 0);
   ASSERT_GE(fd, 0);
@@ -482,8 +466,9 @@ TEST_F(SharedMemoryTest, GibibyteInputPastTheMessageLimit) {
   norm.mutable_input()->set_dtype(v1::DATA_TYPE_FLOAT32);
   norm.mutable_input()->add_shape(kRows);
   norm.mutable_input()->add_shape(kCols);
-  *norm.mutable_input()->mutable_shared_memory() = Ref("big", 0, kBytes);
-  *norm.mutable_result_regions()->mutable_output() = Ref("big", kBytes, kBytes);
+  *norm.mutable_input()->mutable_shared_memory() = MemoryRef("big", 0, kBytes);
+  *norm.mutable_result_regions()->mutable_output() =
+      MemoryRef("big", kBytes, kBytes);
   auto response = client_.LayerNorm(norm);
   ASSERT_TRUE(response.ok()) << response.status();
   EXPECT_EQ(response->output().shared_memory().byte_size(), kBytes);

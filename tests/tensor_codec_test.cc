@@ -11,9 +11,13 @@
 
 #include "absl/strings/str_cat.h"
 #include "gtest/gtest.h"
+#include "tests/wire_test_util.h"
 
 namespace attnserve {
 namespace {
+
+using testing::MemoryRef;
+using testing::WireTensor;
 
 constexpr auto kInvalid = absl::StatusCode::kInvalidArgument;
 
@@ -22,14 +26,6 @@ template <typename T>
 std::string Bytes(const std::vector<T>& values) {
   return std::string(reinterpret_cast<const char*>(values.data()),
                      values.size() * sizeof(T));
-}
-
-v1::Tensor Wire(v1::DataType dtype, const Shape& shape, std::string raw) {
-  v1::Tensor t;
-  t.set_dtype(dtype);
-  t.mutable_shape()->Assign(shape.begin(), shape.end());
-  t.set_raw_data(std::move(raw));
-  return t;
 }
 
 template <typename T>
@@ -66,15 +62,6 @@ class FakeResolver : public SharedMemoryResolver {
   std::string memory;
 };
 
-v1::SharedMemoryRef Ref(const std::string& region, uint64_t offset,
-                        uint64_t byte_size) {
-  v1::SharedMemoryRef ref;
-  ref.set_region(region);
-  ref.set_offset(offset);
-  ref.set_byte_size(byte_size);
-  return ref;
-}
-
 TEST(TensorCodecTest, DTypesMapBothWays) {
   const std::pair<v1::DataType, DType> pairs[] = {
       {v1::DATA_TYPE_FLOAT32, DType::kFloat32},
@@ -98,7 +85,8 @@ TEST(TensorCodecTest, UnspecifiedAndUnknownDTypesAreRefused) {
   ExpectError(DTypeFromProto(99, "query"), kInvalid,
               "query: dtype 99 is not a known DataType");
   // The same messages from a whole tensor.
-  v1::Tensor unknown = Wire(v1::DATA_TYPE_FLOAT32, {1}, Bytes<float>({1}));
+  v1::Tensor unknown =
+      WireTensor(v1::DATA_TYPE_FLOAT32, {1}, Bytes<float>({1}));
   unknown.set_dtype(static_cast<v1::DataType>(7));
   ExpectError(DecodeTensor(unknown, "key"), kInvalid,
               "key: dtype 7 is not a known DataType");
@@ -136,7 +124,7 @@ TEST(TensorCodecTest, DecodesRawDataOfEveryDTypeInPlace) {
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(DTypeName(c.dtype));
-    const v1::Tensor wire = Wire(c.wire, c.shape, c.raw);
+    const v1::Tensor wire = WireTensor(c.wire, c.shape, c.raw);
     auto view = DecodeTensor(wire, "x");
     ASSERT_TRUE(view.ok()) << view.status();
     EXPECT_EQ(view->dtype, c.dtype);
@@ -150,13 +138,13 @@ TEST(TensorCodecTest, DecodesRawDataOfEveryDTypeInPlace) {
 TEST(TensorCodecTest, ScalarsAndEmptyTensors) {
   // The view reads the message's bytes: the message must outlive it.
   const v1::Tensor scalar_wire =
-      Wire(v1::DATA_TYPE_FLOAT32, {}, Bytes<float>({4.0f}));
+      WireTensor(v1::DATA_TYPE_FLOAT32, {}, Bytes<float>({4.0f}));
   auto scalar = DecodeTensor(scalar_wire, "x");
   ASSERT_TRUE(scalar.ok()) << scalar.status();
   EXPECT_TRUE(scalar->shape.empty());
   EXPECT_EQ(*static_cast<const float*>(scalar->data), 4.0f);
   // Zero elements need zero bytes.
-  const v1::Tensor empty_wire = Wire(v1::DATA_TYPE_BFLOAT16, {3, 0}, "");
+  const v1::Tensor empty_wire = WireTensor(v1::DATA_TYPE_BFLOAT16, {3, 0}, "");
   auto empty = DecodeTensor(empty_wire, "x");
   ASSERT_TRUE(empty.ok()) << empty.status();
   EXPECT_EQ(empty->shape, (Shape{3, 0}));
@@ -197,33 +185,34 @@ TEST(TensorCodecTest, FloatDataOnlyForFloat32AndWithEveryValue) {
 }
 
 TEST(TensorCodecTest, RawDataMustHoldExactlyShapeTimesDTypeSize) {
-  ExpectError(
-      DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {2, 2}, Bytes<float>({1, 2, 3})),
-                   "query"),
-      kInvalid,
-      "query: raw_data has 12 bytes, expected 16 (shape [2, 2] x 4 "
-      "bytes of FLOAT32)");
-  ExpectError(DecodeTensor(Wire(v1::DATA_TYPE_FLOAT16, {3},
-                                Bytes<uint16_t>({1, 2, 3, 4})),
+  ExpectError(DecodeTensor(WireTensor(v1::DATA_TYPE_FLOAT32, {2, 2},
+                                      Bytes<float>({1, 2, 3})),
+                           "query"),
+              kInvalid,
+              "query: raw_data has 12 bytes, expected 16 (shape [2, 2] x 4 "
+              "bytes of FLOAT32)");
+  ExpectError(DecodeTensor(WireTensor(v1::DATA_TYPE_FLOAT16, {3},
+                                      Bytes<uint16_t>({1, 2, 3, 4})),
                            "query"),
               kInvalid,
               "query: raw_data has 8 bytes, expected 6 (shape [3] x 2 bytes "
               "of FLOAT16)");
   // No data at all is the same error.
-  ExpectError(DecodeTensor(Wire(v1::DATA_TYPE_BOOL, {5}, ""), "attn_mask"),
-              kInvalid,
-              "attn_mask: raw_data has 0 bytes, expected 5 (shape [5] x 1 "
-              "bytes of BOOL)");
+  ExpectError(
+      DecodeTensor(WireTensor(v1::DATA_TYPE_BOOL, {5}, ""), "attn_mask"),
+      kInvalid,
+      "attn_mask: raw_data has 0 bytes, expected 5 (shape [5] x 1 "
+      "bytes of BOOL)");
 }
 
 TEST(TensorCodecTest, ExactlyOneSourceOfValues) {
-  v1::Tensor both = Wire(v1::DATA_TYPE_FLOAT32, {1}, Bytes<float>({1}));
+  v1::Tensor both = WireTensor(v1::DATA_TYPE_FLOAT32, {1}, Bytes<float>({1}));
   both.add_float_data(1.0f);
   ExpectError(DecodeTensor(both, "x"), kInvalid,
               "x: both raw_data and float_data are set, expected exactly one");
   v1::Tensor raw_and_shared =
-      Wire(v1::DATA_TYPE_FLOAT32, {1}, Bytes<float>({1}));
-  *raw_and_shared.mutable_shared_memory() = Ref("known", 0, 4);
+      WireTensor(v1::DATA_TYPE_FLOAT32, {1}, Bytes<float>({1}));
+  *raw_and_shared.mutable_shared_memory() = MemoryRef("known", 0, 4);
   ExpectError(DecodeTensor(raw_and_shared, "x"), kInvalid,
               "x: both shared_memory and raw_data are set, expected exactly "
               "one");
@@ -231,26 +220,29 @@ TEST(TensorCodecTest, ExactlyOneSourceOfValues) {
   floats_and_shared.set_dtype(v1::DATA_TYPE_FLOAT32);
   floats_and_shared.add_shape(1);
   floats_and_shared.add_float_data(1.0f);
-  *floats_and_shared.mutable_shared_memory() = Ref("known", 0, 4);
+  *floats_and_shared.mutable_shared_memory() = MemoryRef("known", 0, 4);
   ExpectError(DecodeTensor(floats_and_shared, "x"), kInvalid,
               "x: both shared_memory and float_data are set, expected exactly "
               "one");
 }
 
 TEST(TensorCodecTest, ShapeErrors) {
-  ExpectError(DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {3, -2}, ""), "key"),
-              kInvalid, "key: dim 1 is negative (-2) in shape [3, -2]");
+  ExpectError(
+      DecodeTensor(WireTensor(v1::DATA_TYPE_FLOAT32, {3, -2}, ""), "key"),
+      kInvalid, "key: dim 1 is negative (-2) in shape [3, -2]");
   const int64_t big = int64_t{1} << 31;
   ExpectError(
-      DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {big, big, 2}, ""), "key"),
+      DecodeTensor(WireTensor(v1::DATA_TYPE_FLOAT32, {big, big, 2}, ""), "key"),
       kInvalid, "key: shape [2147483648, 2147483648, 2] overflows 64-bit size");
   // Also when a zero dim makes the tensor empty: the operations multiply
   // the other dims among themselves.
   ExpectError(
-      DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {0, big, big, 2}, ""), "input"),
+      DecodeTensor(WireTensor(v1::DATA_TYPE_FLOAT32, {0, big, big, 2}, ""),
+                   "input"),
       kInvalid,
       "input: shape [0, 2147483648, 2147483648, 2] overflows 64-bit size");
-  auto empty = DecodeTensor(Wire(v1::DATA_TYPE_FLOAT32, {big, 0, 2}, ""), "x");
+  auto empty =
+      DecodeTensor(WireTensor(v1::DATA_TYPE_FLOAT32, {big, 0, 2}, ""), "x");
   ASSERT_TRUE(empty.ok()) << empty.status();
   EXPECT_EQ(empty->num_elements(), 0);
 }
@@ -260,7 +252,7 @@ TEST(TensorCodecTest, SharedMemoryReferences) {
   wire.set_dtype(v1::DATA_TYPE_FLOAT16);
   wire.add_shape(2);
   wire.add_shape(3);
-  *wire.mutable_shared_memory() = Ref("known", 64, 12);
+  *wire.mutable_shared_memory() = MemoryRef("known", 64, 12);
   ExpectError(DecodeTensor(wire, "query"), kInvalid,
               "query.shared_memory: shared memory references are not "
               "accepted here");
@@ -280,7 +272,7 @@ TEST(TensorCodecTest, SharedMemoryReferences) {
               "query.shared_memory: shared_memory.byte_size is 16, expected "
               "12 bytes");
   // The resolver's own errors come through unchanged.
-  *wire.mutable_shared_memory() = Ref("gone", 0, 12);
+  *wire.mutable_shared_memory() = MemoryRef("gone", 0, 12);
   ExpectError(DecodeTensor(wire, "query", &resolver),
               absl::StatusCode::kNotFound, "query.shared_memory: no region");
 }
@@ -316,7 +308,7 @@ TEST(TensorCodecTest, EncodeRoundTripsEveryDType) {
 }
 
 TEST(TensorCodecTest, CopyTensorReportsDecodeErrors) {
-  ExpectError(CopyTensor(Wire(v1::DATA_TYPE_UINT8, {4}, "abc"), "output"),
+  ExpectError(CopyTensor(WireTensor(v1::DATA_TYPE_UINT8, {4}, "abc"), "output"),
               kInvalid,
               "output: raw_data has 3 bytes, expected 4 (shape [4] x 1 bytes "
               "of UINT8)");
@@ -359,7 +351,7 @@ TEST(WireResultsTest, ResultsTooLargeAreRefusedBeforeAllocation) {
 
 TEST(WireResultsTest, ResultRegionsPutResultsInSharedMemory) {
   v1::ResultRegions regions;
-  *regions.mutable_output() = Ref("known", 128, 64);
+  *regions.mutable_output() = MemoryRef("known", 128, 64);
   v1::Tensor output, weights;
   FakeResolver resolver;
   WireResults results(&output, &weights, &regions, &resolver);
@@ -384,7 +376,7 @@ TEST(WireResultsTest, ResultRegionsPutResultsInSharedMemory) {
 
 TEST(WireResultsTest, ResultRegionErrors) {
   v1::ResultRegions regions;
-  *regions.mutable_output() = Ref("known", 0, 8);
+  *regions.mutable_output() = MemoryRef("known", 0, 8);
   v1::Tensor output;
   FakeResolver resolver;
   // Results need at least their size.

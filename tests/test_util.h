@@ -1,6 +1,7 @@
 // Helpers of the suites that need the server or the client: the golden
-// cases run through the core and through a client, and an in-process
-// server. The core's helpers come with them (tests/core_test_util.h).
+// cases run through a client, an in-process server and a health watch. The
+// wire and core helpers come with them (tests/wire_test_util.h,
+// tests/core_test_util.h).
 #ifndef ATTNSERVE_TESTS_TEST_UTIL_H_
 #define ATTNSERVE_TESTS_TEST_UTIL_H_
 
@@ -8,18 +9,19 @@
 #include <string>
 
 #include "absl/status/statusor.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "client/requests.h"
 #include "core/safetensors.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "grpcpp/client_context.h"
 #include "server/server.h"
-#include "tests/core_test_util.h"
+#include "tests/wire_test_util.h"
 
 namespace attnserve::testing {
 
-// A golden case run through the core directly: the tensors "output" and,
-// when the file has expected weights, "weights".
-absl::StatusOr<NamedTensors> RunGoldenThroughCore(const SafetensorsFile& file);
-// The same through a server (`shared_memory`: tensors and results through a
+// A golden case run through a client and a server, as RunGoldenThroughCore
+// runs it through the core (`shared_memory`: tensors and results through a
 // shared-memory region).
 absl::StatusOr<NamedTensors> RunGoldenThroughClient(AttnClient& client,
                                                     const SafetensorsFile& file,
@@ -40,6 +42,29 @@ class TestServer {
 
  private:
   std::unique_ptr<AttnServer> server_;
+};
+
+// A health Watch of `target`'s attnserve.v1.AttentionService, as a load
+// balancer keeps one; cancelled, and its channel closed, with the object.
+// Thread-compatible.
+class HealthWatch {
+ public:
+  // The watch ends at `deadline` from now at the latest.
+  explicit HealthWatch(const std::string& target,
+                       absl::Duration deadline = absl::Seconds(20));
+  ~HealthWatch();
+  // Reads the first update: true if it says SERVING.
+  bool FirstSaysServing();
+  // Reads updates until one says NOT_SERVING (true) or the watch ends
+  // (false).
+  bool WaitForNotServing();
+
+ private:
+  std::unique_ptr<grpc::health::v1::Health::Stub> stub_;
+  grpc::ClientContext context_;
+  std::unique_ptr<
+      grpc::ClientReaderInterface<grpc::health::v1::HealthCheckResponse>>
+      watch_;
 };
 
 // A model repository folder holding "mha" (E=16, 4 heads, in_proj and

@@ -38,12 +38,6 @@ struct RpcCase {
   std::string payload;
 };
 
-v1::Tensor FloatTensor(Shape shape, std::mt19937& rng) {
-  v1::Tensor out;
-  EncodeTensor(RandomTensor(DType::kFloat32, shape, rng).view(), &out);
-  return out;
-}
-
 template <typename Request>
 RpcCase Case(const std::string& rpc, const Request& request,
              const std::string& payload) {
@@ -59,17 +53,18 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
   std::mt19937 rng(7);
   std::vector<RpcCase> cases;
   v1::AttendRequest attend;
-  *attend.mutable_query() = FloatTensor({2, 3, 8}, rng);
-  *attend.mutable_key() = FloatTensor({2, 5, 8}, rng);
-  *attend.mutable_value() = FloatTensor({2, 5, 4}, rng);
+  *attend.mutable_query() = RandomWireTensor(DType::kFloat32, {2, 3, 8}, rng);
+  *attend.mutable_key() = RandomWireTensor(DType::kFloat32, {2, 5, 8}, rng);
+  *attend.mutable_value() = RandomWireTensor(DType::kFloat32, {2, 5, 4}, rng);
   cases.push_back(Case("Attend", attend, attend.key().raw_data()));
   v1::MultiHeadAttendRequest multi_head;
   multi_head.set_model("mha");
-  *multi_head.mutable_query() = FloatTensor({2, 5, 16}, rng);
+  *multi_head.mutable_query() =
+      RandomWireTensor(DType::kFloat32, {2, 5, 16}, rng);
   cases.push_back(
       Case("MultiHeadAttend", multi_head, multi_head.query().raw_data()));
   v1::LayerNormRequest layer_norm;
-  *layer_norm.mutable_input() = FloatTensor({4, 6}, rng);
+  *layer_norm.mutable_input() = RandomWireTensor(DType::kFloat32, {4, 6}, rng);
   cases.push_back(Case("LayerNorm", layer_norm, layer_norm.input().raw_data()));
   // Its request has no field: an unknown one to cut through (a valid
   // request keeps it as an unknown field).
@@ -97,7 +92,7 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
   cases.push_back(Case("CreateSession", create_session, "mha"));
   v1::SessionStepRequest step;
   step.set_session_id(session_id);
-  *step.mutable_input() = FloatTensor({1, 3, 16}, rng);
+  *step.mutable_input() = RandomWireTensor(DType::kFloat32, {1, 3, 16}, rng);
   cases.push_back(Case("SessionStep", step, step.input().raw_data()));
   v1::DeleteSessionRequest delete_session;
   delete_session.set_session_id(session_id);
@@ -238,7 +233,7 @@ TEST(UndecodableTest, ValidBytesGetTheTypedClientsAnswer) {
   TestServer server;
   std::mt19937 rng(11);
   v1::LayerNormRequest request;
-  *request.mutable_input() = FloatTensor({3, 10}, rng);
+  *request.mutable_input() = RandomWireTensor(DType::kFloat32, {3, 10}, rng);
   std::string bytes;
   ASSERT_TRUE(RawClient(server.target())
                   .Call("LayerNorm", request.SerializeAsString(), "", &bytes)

@@ -1,0 +1,34 @@
+#include "core/dtype.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace attnserve {
+
+std::optional<DType> FindDType(DTypeColumn column, absl::string_view name) {
+  for (const DTypeInfo& info : kDTypes) {
+    if (info.*column == name) return info.dtype;
+  }
+  return std::nullopt;
+}
+
+std::optional<DType> FindDTypeByWire(int wire) {
+  for (const DTypeInfo& info : kDTypes) {
+    if (info.wire == wire) return info.dtype;
+  }
+  return std::nullopt;
+}
+
+std::string DTypeNameList(DTypeColumn column,
+                          absl::string_view last_separator) {
+  std::string out;
+  for (size_t i = 0; i < std::size(kDTypes); ++i) {
+    if (i > 0) {
+      absl::StrAppend(&out,
+                      i + 1 == std::size(kDTypes) ? last_separator : ", ");
+    }
+    absl::StrAppend(&out, kDTypes[i].*column);
+  }
+  return out;
+}
+
+}  // namespace attnserve
