@@ -532,7 +532,7 @@ TEST_F(SessionServerTest, SessionsThatReserveTooMuchAreRefusedUpFront) {
 // (RLIMIT_AS), a session whose cache cannot be mapped and a result that
 // cannot be allocated each fail their call with RESOURCE_EXHAUSTED.
 TEST(AllocationFailureTest, FailsTheCallNotTheServer) {
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+#ifdef ATTNSERVE_SANITIZED
   // Their shadow memory is terabytes of address space, and their
   // allocators abort instead of failing an allocation.
   GTEST_SKIP() << "RLIMIT_AS under a sanitizer limits its shadow memory";
