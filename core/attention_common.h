@@ -7,7 +7,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "core/attention.h"
+#include "core/attention_options.h"
 #include "core/results.h"
 #include "core/tensor.h"
 
