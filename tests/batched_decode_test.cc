@@ -17,6 +17,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
+#include "core/convert.h"
 #include "core/decode_session.h"
 #include "core/row_ops.h"
 #include "gtest/gtest.h"
@@ -426,6 +427,74 @@ TEST_P(SplitAttendTest, MatchesTheReference) {
     EXPECT_TRUE(AllClose(got->output.view(), ref.output,
                          s.bf16 ? kBFloat16Tolerance : kFloat32Tolerance))
         << "Lk " << s.lk << " H " << s.h << "/" << s.hkv << " Lq " << s.lq;
+  }
+}
+
+// The split path's row products on every implementation and row type
+// (FLOAT32, BFLOAT16, INT8 with a scale per row) against float64 sums of
+// the same (rounded) elements, over lengths that are not multiples of 16.
+TEST_P(SplitAttendTest, RowProductsMatchFloat64) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  const RowOps& ops = *SupportedRowOps()[GetParam()];
+  for (RowType type : {RowType::kFloat32, RowType::kBFloat16, RowType::kInt8}) {
+    for (int64_t dim : {int64_t{5}, int64_t{64}, int64_t{72}, int64_t{128}}) {
+      const int64_t rows = 3, cols = 37, stride = dim + 3;
+      std::vector<float> f32(cols * stride);
+      std::vector<uint16_t> bf16(cols * stride);
+      std::vector<int8_t> i8(cols * stride);
+      std::vector<float> scales(cols);
+      std::vector<double> element(cols * stride);  // what each one stands for
+      for (int64_t j = 0; j < cols; ++j) {
+        scales[j] = 0.01f * static_cast<float>(j + 1);
+        for (int64_t c = 0; c < stride; ++c) {
+          const int64_t at = j * stride + c;
+          f32[at] = uniform(rng);
+          bf16[at] = FloatToBFloat16(f32[at]);
+          i8[at] = static_cast<int8_t>(std::lround(127 * f32[at]));
+          element[at] = type == RowType::kFloat32 ? f32[at]
+                        : type == RowType::kBFloat16
+                            ? BFloat16ToFloat(bf16[at])
+                            : static_cast<double>(i8[at]) * scales[j];
+        }
+      }
+      CachedRows cached;
+      cached.data =
+          type == RowType::kFloat32    ? static_cast<const void*>(f32.data())
+          : type == RowType::kBFloat16 ? static_cast<const void*>(bf16.data())
+                                       : static_cast<const void*>(i8.data());
+      cached.stride = stride;
+      cached.type = type;
+      cached.scales = scales.data();
+      std::vector<float> q(rows * dim), p(rows * cols);
+      for (float& x : q) x = uniform(rng);
+      for (float& x : p) x = uniform(rng);
+      std::vector<float> logits(rows * cols, -1.0f);
+      ops.dot_rows(q.data(), rows, dim, cached, cols, logits.data(), cols);
+      std::vector<float> acc(rows * dim, 0.5f);
+      ops.add_weighted_rows(p.data(), cols, rows, cached, cols, dim,
+                            acc.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < cols; ++j) {
+          double want = 0;
+          for (int64_t c = 0; c < dim; ++c) {
+            want += double{q[r * dim + c]} * element[j * stride + c];
+          }
+          EXPECT_NEAR(logits[r * cols + j], want, 1e-5 * dim)
+              << ops.name << " type " << static_cast<int>(type) << " dim "
+              << dim << " row " << r << " key " << j;
+        }
+        for (int64_t c = 0; c < dim; ++c) {
+          double want = 0.5;
+          for (int64_t j = 0; j < cols; ++j) {
+            want += double{p[r * cols + j]} * element[j * stride + c];
+          }
+          EXPECT_NEAR(acc[r * dim + c], want, 1e-5 * cols)
+              << ops.name << " type " << static_cast<int>(type) << " dim "
+              << dim << " row " << r << " column " << c;
+        }
+      }
+    }
   }
 }
 
