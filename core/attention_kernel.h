@@ -20,7 +20,7 @@
 //
 // Few query rows per key/value head (decode steps: one token or a few,
 // times the group) take the split-KV path instead of the tiles: the work is
-// split by (problem, batch entry, key/value head, block of kSplitKeys keys),
+// split by (problem, batch entry, key/value head, block of 512 keys),
 // each block yields a partial softmax (its max, its sum and its weighted
 // values) and a merge combines the blocks in a fixed order. The blocks of
 // a problem depend on its own key length only, so a problem's result is the

@@ -503,6 +503,23 @@ ATTN_AVX512 inline __m512 LoadCached16(const void* data, int64_t offset,
   }
 }
 
+// Software prefetch of cached rows this far ahead: a decode step streams
+// its cache from DRAM, and the hardware prefetchers stop at every 4 KiB
+// page (and lose track of the 16-row tiles' strided order); measured
+// against a read of the same bytes.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Prefetches row j's `bytes` (lines of 64 bytes) into L1.
+inline void PrefetchRow(const char* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) {
+    _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+int64_t CachedElementBytes(RowType type) {
+  return type == RowType::kFloat32 ? 4 : type == RowType::kBFloat16 ? 2 : 1;
+}
+
 // Lane j of the result is the sum of the 16 lanes of v[j]: a transpose by
 // pairs, quads and 128-bit lanes, 45 instructions for 16 sums.
 ATTN_AVX512 inline __m512 SumEach16(const __m512 (&v)[16]) {
@@ -544,12 +561,19 @@ ATTN_AVX512 void Avx512DotRowsOf(const float* q, int64_t rows, int64_t dim,
                                  float* out, int64_t ld) {
   const int64_t chunks = (dim + 15) / 16;
   const __mmask16 last = TailMask(dim - (chunks - 1) * 16);
+  const int64_t elem = CachedElementBytes(kType);
+  const int64_t row_bytes = dim * elem;
+  const int64_t ahead =
+      std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(row_bytes, 1)) *
+      keys.stride;
+  const char* base = static_cast<const char*>(keys.data);
   for (int64_t j0 = 0; j0 < cols; j0 += 16) {
     const __mmask16 keep = TailMask(cols - j0);
     // A last tile of fewer keys repeats its last key; the store drops it.
     int64_t offset[16];
     for (int64_t jj = 0; jj < 16; ++jj) {
       offset[jj] = std::min(j0 + jj, cols - 1) * keys.stride;
+      PrefetchRow(base + (offset[jj] + ahead) * elem, row_bytes);
     }
     __m512 scale = _mm512_set1_ps(1.0f);
     if constexpr (kType == RowType::kInt8) {
@@ -613,7 +637,15 @@ ATTN_AVX512 void Avx512AddWeightedTile(const float* p, int64_t ld,
       a[r][ch] = _mm512_maskz_loadu_ps(mask[ch], acc + r * dim + c0 + 16 * ch);
     }
   }
+  const int64_t elem = CachedElementBytes(kType);
+  // This tile's columns of a row, and of the row `ahead` rows on.
+  const int64_t tile_bytes =
+      std::max<int64_t>(0, std::min<int64_t>(dim - c0, 16 * kChunks)) * elem;
+  const int64_t ahead =
+      std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(dim * elem, 1));
+  const char* base = static_cast<const char*>(values.data) + c0 * elem;
   for (int64_t j = 0; j < cols; ++j) {
+    PrefetchRow(base + (j + ahead) * values.stride * elem, tile_bytes);
     __m512 v[kChunks];
 #pragma GCC unroll 8
     for (int ch = 0; ch < kChunks; ++ch) {
