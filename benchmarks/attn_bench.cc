@@ -3,13 +3,21 @@
 //   - SDPA against the two raw batched GEMMs of attention (Q*K^T and P*V as
 //     plain oneDNN matmuls),
 //   - multi-head attention against a 2048^3 float32 GEMM,
-//   - decode-shaped SDPA and LayerNorm against a memory copy of their bytes.
+//   - decode-shaped SDPA and LayerNorm against a memory copy of their bytes,
+//   - decode steps (one session, and batches of sessions in one call)
+//     against the machine's read bandwidth: an OpenMP read of an L3-sized
+//     and of a DRAM-sized buffer (BM_ReadBandwidth). Their bytes_per_second
+//     is the key/value cache read per second, to be divided by the read
+//     bandwidth of the same run.
 // Counters: GFLOP/s (FLOPs of the non-causal computation, so that causal and
 // non-causal rates compare as speedups) and GB/s (bytes that must move).
+#include <immintrin.h>
+#include <omp.h>
 #include <sys/resource.h>
 
 #include <array>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -22,6 +30,7 @@
 #include "core/decode_session.h"
 #include "core/multi_head_attention.h"
 #include "core/primitives.h"
+#include "core/tensor.h"
 #include "core/thread_budget.h"
 
 namespace attnserve {
@@ -101,47 +110,184 @@ void BM_Gqa(benchmark::State& state) {
           double(q.num_bytes() + k.num_bytes() + v.num_bytes()));
 }
 
-// One decode step of an attention session holding Lk tokens: one new token
-// of H query heads over Hkv key/value heads of dim d (each step rewinds to
-// Lk, so the cache stays at Lk + 1). Args: H, Hkv, d, Lk. Hkv == H is the
-// same step with keys and values repeated to every query head.
-void BM_DecodeStep(benchmark::State& state) {
-  const int64_t h = state.range(0), hkv = state.range(1), d = state.range(2),
-                lk = state.range(3);
+// Key/value bytes a decode step over `tokens` cached tokens reads.
+double KvBytes(int64_t tokens, int64_t kv_heads, int64_t d, DType dtype) {
+  return static_cast<double>(tokens * kv_heads * d * 2) * DTypeSize(dtype);
+}
+
+// An attention session of H query and Hkv key/value heads of dim d,
+// prefilled with Lk random tokens, its cache in `dtype`.
+absl::StatusOr<std::unique_ptr<DecodeSession>> PrefilledSession(
+    int64_t h, int64_t hkv, int64_t d, int64_t lk, DType dtype, uint32_t seed) {
   DecodeSessionConfig config;
   config.num_heads = static_cast<int>(h);
   config.num_kv_heads = static_cast<int>(hkv);
   config.key_dim = d;
   config.max_length = lk + 1;
+  config.dtype = dtype;
   auto session = DecodeSession::Create(config);
+  if (!session.ok()) return session.status();
+  // The prompt in chunks: each chunk's causal attention is cheaper than
+  // one square prefill, and the cache ends the same.
+  const int64_t chunk = 512;
+  for (int64_t first = 0; first < lk; first += chunk) {
+    const int64_t n = std::min(chunk, lk - first);
+    Tensor q = Random(DType::kFloat32, {h, n, d}, seed + 3 * first);
+    Tensor k = Random(DType::kFloat32, {hkv, n, d}, seed + 3 * first + 1);
+    Tensor v = Random(DType::kFloat32, {hkv, n, d}, seed + 3 * first + 2);
+    TensorResults results;
+    DecodeStepInputs in{std::nullopt, q.view(), k.view(), v.view(),
+                        std::nullopt};
+    const absl::Status s = (*session)->Step(in, {}, results);
+    if (!s.ok()) return s;
+  }
+  return session;
+}
+
+// One token's q, k, v for a session of H and Hkv heads of dim d.
+std::array<Tensor, 3> TokenOperands(int64_t h, int64_t hkv, int64_t d,
+                                    uint32_t seed) {
+  return {Random(DType::kFloat32, {h, 1, d}, seed),
+          Random(DType::kFloat32, {hkv, 1, d}, seed + 1),
+          Random(DType::kFloat32, {hkv, 1, d}, seed + 2)};
+}
+
+// One decode step of an attention session holding Lk tokens: one new token
+// of H query heads over Hkv key/value heads of dim d (each step rewinds to
+// Lk, so the cache stays at Lk + 1), the cache in float32 or bfloat16.
+// Args: H, Hkv, d, Lk, bf16. Hkv == H is the same step with keys and values
+// repeated to every query head. bytes_per_second: the cache read.
+void BM_DecodeStep(benchmark::State& state) {
+  const int64_t h = state.range(0), hkv = state.range(1), d = state.range(2),
+                lk = state.range(3);
+  const DType dtype = state.range(4) ? DType::kBFloat16 : DType::kFloat32;
+  auto session = PrefilledSession(h, hkv, d, lk, dtype, 1);
   if (!session.ok()) {
     state.SkipWithError(std::string(session.status().message()).c_str());
     return;
   }
-  const auto operands = [&](int64_t n, uint32_t seed) {
-    Tensor q = Random(DType::kFloat32, {h, n, d}, seed);
-    Tensor k = Random(DType::kFloat32, {hkv, n, d}, seed + 1);
-    Tensor v = Random(DType::kFloat32, {hkv, n, d}, seed + 2);
-    return std::array<Tensor, 3>{std::move(q), std::move(k), std::move(v)};
-  };
-  const auto prefill = operands(lk, 1);
-  TensorResults results;
-  DecodeStepInputs in{std::nullopt, prefill[0].view(), prefill[1].view(),
-                      prefill[2].view(), std::nullopt};
-  if (!(*session)->Step(in, {}, results).ok()) {
-    state.SkipWithError("prefill failed");
-    return;
-  }
-  const auto token = operands(1, 4);
-  in = {std::nullopt, token[0].view(), token[1].view(), token[2].view(), lk};
+  const auto token = TokenOperands(h, hkv, d, 4);
+  DecodeStepInputs in{std::nullopt, token[0].view(), token[1].view(),
+                      token[2].view(), lk};
   for (auto _ : state) {
     TensorResults out;
     const absl::Status s = (*session)->Step(in, {}, out);
     if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
     benchmark::DoNotOptimize(out);
   }
-  SetRate(state, 4.0 * h * (lk + 1) * d,
-          double((lk + 1) * hkv * d * 2 * sizeof(float)));
+  const double bytes = KvBytes(lk + 1, hkv, d, dtype);
+  state.SetBytesProcessed(static_cast<int64_t>(bytes * state.iterations()));
+  SetRate(state, 4.0 * h * (lk + 1) * d, bytes);
+}
+
+// Sessions prefilled once per process and shape, shared by the batch
+// benchmarks (a 4096-token prefill of 64 sessions takes seconds).
+std::vector<std::unique_ptr<DecodeSession>>& SessionPool(int64_t count,
+                                                         int64_t h, int64_t hkv,
+                                                         int64_t d, int64_t lk,
+                                                         DType dtype) {
+  static std::mutex mu;
+  static std::map<std::array<int64_t, 5>,
+                  std::vector<std::unique_ptr<DecodeSession>>>
+      pools;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& pool = pools[{h, hkv, d, lk, static_cast<int64_t>(dtype)}];
+  while (static_cast<int64_t>(pool.size()) < count) {
+    auto session = PrefilledSession(h, hkv, d, lk, dtype,
+                                    static_cast<uint32_t>(10 * pool.size()));
+    if (!session.ok()) break;
+    pool.push_back(std::move(*session));
+  }
+  return pool;
+}
+
+// One decode step of N sessions in one StepSessions call (each rewinds to
+// Lk, as BM_DecodeStep). Args: N, H, Hkv, d, Lk, bf16. bytes_per_second:
+// the caches read, all sessions together.
+void BM_DecodeBatch(benchmark::State& state) {
+  const int64_t count = state.range(0), h = state.range(1),
+                hkv = state.range(2), d = state.range(3), lk = state.range(4);
+  const DType dtype = state.range(5) ? DType::kBFloat16 : DType::kFloat32;
+  auto& pool = SessionPool(count, h, hkv, d, lk, dtype);
+  if (static_cast<int64_t>(pool.size()) < count) {
+    state.SkipWithError("session prefill failed");
+    return;
+  }
+  std::vector<std::array<Tensor, 3>> tokens;
+  std::vector<TensorResults> results(count);
+  std::vector<SessionStepInput> steps(count);
+  for (int64_t i = 0; i < count; ++i) {
+    tokens.push_back(TokenOperands(h, hkv, d, static_cast<uint32_t>(7 * i)));
+    steps[i].session = pool[i].get();
+    steps[i].inputs = {std::nullopt, tokens[i][0].view(), tokens[i][1].view(),
+                       tokens[i][2].view(), lk};
+    steps[i].results = &results[i];
+  }
+  for (auto _ : state) {
+    const std::vector<absl::Status> statuses = StepSessions(steps);
+    for (const absl::Status& s : statuses) {
+      if (!s.ok()) state.SkipWithError(std::string(s.message()).c_str());
+    }
+    benchmark::DoNotOptimize(results);
+  }
+  const double bytes = count * KvBytes(lk + 1, hkv, d, dtype);
+  state.SetBytesProcessed(static_cast<int64_t>(bytes * state.iterations()));
+  state.counters["steps_per_second"] =
+      benchmark::Counter(static_cast<double>(count),
+                         benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// XOR of words[0 .. n): four independent 64-byte streams with AVX-512 (as
+// the decode kernel reads), plain words elsewhere.
+__attribute__((target("avx512f"))) uint64_t XorWordsAvx512(const uint64_t* w,
+                                                           int64_t n) {
+  __m512i a = _mm512_setzero_si512(), b = a, c = a, d = a;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a = _mm512_xor_si512(a, _mm512_loadu_si512(w + i));
+    b = _mm512_xor_si512(b, _mm512_loadu_si512(w + i + 8));
+    c = _mm512_xor_si512(c, _mm512_loadu_si512(w + i + 16));
+    d = _mm512_xor_si512(d, _mm512_loadu_si512(w + i + 24));
+  }
+  uint64_t lanes[8];
+  _mm512_storeu_si512(
+      lanes, _mm512_xor_si512(_mm512_xor_si512(a, b), _mm512_xor_si512(c, d)));
+  uint64_t x = 0;
+  for (uint64_t lane : lanes) x ^= lane;
+  for (; i < n; ++i) x ^= w[i];
+  return x;
+}
+
+uint64_t XorWords(const uint64_t* w, int64_t n) {
+  if (__builtin_cpu_supports("avx512f")) return XorWordsAvx512(w, n);
+  uint64_t x = 0;
+  for (int64_t i = 0; i < n; ++i) x ^= w[i];
+  return x;
+}
+
+// The machine's read bandwidth, the limit of a decode step: each OpenMP
+// thread reads its contiguous share of a buffer of `bytes`, 16 MiB staying
+// in L3, 512 MiB coming from DRAM.
+void BM_ReadBandwidth(benchmark::State& state) {
+  const int64_t words = state.range(0) / 8;
+  std::unique_ptr<uint64_t[]> buffer(new uint64_t[words]);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < words; ++i) buffer[i] = static_cast<uint64_t>(i);
+  uint64_t sink = 0;
+  for (auto _ : state) {
+    uint64_t x = 0;
+#pragma omp parallel reduction(^ : x)
+    {
+      const int64_t threads = omp_get_num_threads();
+      const int64_t share = (words / threads + 7) / 8 * 8;
+      const int64_t begin = std::min(words, omp_get_thread_num() * share);
+      x ^= XorWords(buffer.get() + begin, std::min(share, words - begin));
+    }
+    sink ^= x;
+  }
+  benchmark::DoNotOptimize(sink);
+  state.SetBytesProcessed(state.iterations() * words * 8);
+  state.counters["threads"] = omp_get_max_threads();
 }
 
 // The two raw GEMMs of the same attention as plain batched oneDNN matmuls:
@@ -306,10 +452,23 @@ BENCHMARK(BM_Gqa)->ArgNames({"B", "H", "Hkv", "Lq", "Lk", "d"})
     ->Args({1, 32, 8, 512, 512, 128})
     ->Args({1, 32, 32, 512, 512, 128})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_DecodeStep)->ArgNames({"H", "Hkv", "d", "Lk"})
-    ->Args({8, 8, 64, 4096})
-    ->Args({32, 8, 128, 4096})
-    ->Args({32, 32, 128, 4096})
+BENCHMARK(BM_ReadBandwidth)->ArgNames({"bytes"})
+    ->Arg(int64_t{16} << 20)
+    ->Arg(int64_t{512} << 20)
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeStep)->ArgNames({"H", "Hkv", "d", "Lk", "bf16"})
+    ->Args({8, 8, 64, 4096, 0})
+    ->Args({8, 8, 64, 4096, 1})
+    ->Args({32, 8, 128, 4096, 0})
+    ->Args({32, 32, 128, 4096, 0})
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_DecodeBatch)->ArgNames({"N", "H", "Hkv", "d", "Lk", "bf16"})
+    ->Args({4, 8, 8, 64, 4096, 0})
+    ->Args({16, 8, 8, 64, 4096, 0})
+    ->Args({64, 8, 8, 64, 4096, 0})
+    ->Args({4, 8, 8, 64, 4096, 1})
+    ->Args({16, 8, 8, 64, 4096, 1})
+    ->Args({64, 8, 8, 64, 4096, 1})
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RawAttentionGemms)->ArgNames({"B", "H", "Lq", "Lk", "d"})
     ->Args({8, 8, 512, 512, 64})

@@ -123,11 +123,11 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
 
   const Shape batch_dims(in.query.shape.begin(), in.query.shape.end() - 2);
   AttentionProblem p;
-  // Each group of query heads is one batch entry whose `group` heads read
-  // the same key and value head (head stride 0).
-  p.batch =
-      group > 1 ? NumElements(batch_dims) / group : NumElements(batch_dims);
-  p.heads = group;
+  // The query's heads (dim -3) are the problem's heads, `group` to a
+  // key/value head; the kernel reads each key/value head once for its group.
+  p.heads = rank >= 3 ? in.query.dim(-3) : 1;
+  p.batch = p.heads == 0 ? 0 : NumElements(batch_dims) / p.heads;
+  p.kv_group = group;
   p.query_len = in.query.dim(-2);
   p.key_len = in.key.dim(-2);
   p.key_dim = in.query.dim(-1);
@@ -160,10 +160,11 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
   p.query = query.data();
   p.key = key.data();
   p.value = value.data();
-  p.query_layout = DenseLayout(group, p.query_len, p.key_dim);
-  p.key_layout = {p.key_len * p.key_dim, 0, p.key_dim};
-  p.value_layout = {p.key_len * p.value_dim, 0, p.value_dim};
-  p.output_layout = DenseLayout(group, p.query_len, p.value_dim);
+  const int64_t kv_heads = p.heads / group;
+  p.query_layout = DenseLayout(p.heads, p.query_len, p.key_dim);
+  p.key_layout = DenseLayout(kv_heads, p.key_len, p.key_dim);
+  p.value_layout = DenseLayout(kv_heads, p.key_len, p.value_dim);
+  p.output_layout = DenseLayout(p.heads, p.query_len, p.value_dim);
 
   Shape output_shape = batch_dims;
   output_shape.push_back(p.query_len);
@@ -179,16 +180,6 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
         void* weights,
         results.Allocate("weights", DType::kFloat32, logits_shape));
     p.weights = static_cast<float*>(weights);
-  }
-  if (group > 1 && !options.causal && p.masks.empty()) {
-    // Nothing tells a group's query heads apart: they are one key/value
-    // head's rows ([B, Hkv, group * Lq, d] is the same memory as the query,
-    // the output and the weights), so its keys and values are read once
-    // for all of them and the GEMMs get `group` times the rows.
-    p.query_len *= group;
-    p.heads = 1;
-    p.query_layout = DenseLayout(1, p.query_len, p.key_dim);
-    p.output_layout = DenseLayout(1, p.query_len, p.value_dim);
   }
   ATTN_RETURN_IF_ERROR(RunAttention(p));
   output.Finish();

@@ -608,7 +608,10 @@ OperandLayout InterleavedHeadsLayout(int64_t heads, int64_t rows,
   return {rows * heads * cols, cols, heads * cols};
 }
 
-absl::Status RunAttention(const AttentionProblem& p) {
+namespace {
+
+// The tiled path: blocks of queries of one (batch, head) walk the keys.
+absl::Status RunTiled(const AttentionProblem& p) {
   const int64_t pairs = p.batch * p.heads;
   if (pairs == 0 || p.query_len == 0) return absl::OkStatus();
   // No value columns and no weights: the output has no elements, and the
@@ -665,6 +668,387 @@ absl::Status RunAttention(const AttentionProblem& p) {
     }
   }
   return shared.status();
+}
+
+// The rows of head h of a [.., heads, rows, ..] operand laid out as
+// `layout`, when consecutive heads' rows are one run of rows: for one row a
+// head, or heads stored one after the other.
+bool FoldableRows(const OperandLayout& layout, int64_t rows) {
+  return rows == 1 || layout.head_stride == rows * layout.row_stride;
+}
+
+// The grouping rule of the tiled path: a group's query heads become the
+// rows of one head against their key/value head when nothing tells them
+// apart (no masks; causal only when the single query sees every key) and
+// the query, output (and weights, always dense) rows of the group are one
+// run. Otherwise each query head reads key/value head h / kv_group.
+AttentionProblem FoldGroups(const AttentionProblem& in) {
+  AttentionProblem p = in;
+  if (p.causal && p.query_len == 1 && p.causal_offset >= p.key_len - 1) {
+    p.causal = false;  // the one query sees every key
+  }
+  const int64_t group = p.kv_group;
+  if (group <= 1 || !p.masks.empty() || p.causal ||
+      !FoldableRows(p.query_layout, p.query_len) ||
+      !FoldableRows(p.output_layout, p.query_len)) {
+    return p;
+  }
+  const auto fold = [&](OperandLayout layout) {
+    const int64_t row_stride =
+        p.query_len == 1 ? layout.head_stride : layout.row_stride;
+    return OperandLayout{layout.batch_stride, group * layout.head_stride,
+                         row_stride};
+  };
+  p.query_layout = fold(p.query_layout);
+  p.output_layout = fold(p.output_layout);
+  p.heads /= group;
+  p.query_len *= group;
+  p.kv_group = 1;
+  return p;
+}
+
+// The split-KV path.
+constexpr int64_t kSplitKeys = 512;
+// Query rows per key/value head up to which a problem takes it.
+constexpr int64_t kMaxSplitRows = 16;
+
+bool TakesSplitPath(const AttentionProblem& p) {
+  return p.weights == nullptr && p.key_len > 0 && p.query_len > 0 &&
+         p.batch * p.heads > 0 && p.kv_group * p.query_len <= kMaxSplitRows;
+}
+
+// Keys the last query of a problem sees.
+int64_t SplitVisibleKeys(const AttentionProblem& p) {
+  return p.causal
+             ? std::clamp<int64_t>(p.query_len + p.causal_offset, 0, p.key_len)
+             : p.key_len;
+}
+
+// One problem in a split pass: its (batch, key/value head) units, each
+// with `splits` key blocks, and where its items and partials start.
+struct SplitProblem {
+  const AttentionProblem* p = nullptr;
+  int64_t kv_heads = 0;
+  int64_t rows = 0;  // kv_group * query_len
+  int64_t splits = 0;
+  int64_t first_item = 0;
+  int64_t first_unit = 0;
+  // Floats of one item's partial: rows maxima, rows sums, rows x value_dim
+  // weighted values.
+  int64_t partial_floats = 0;
+  int64_t first_partial = 0;  // floats
+  std::atomic<bool> failed{false};
+  Mutex mu;
+  absl::Status status ABSL_GUARDED_BY(mu);
+
+  void Fail(absl::Status s) ABSL_LOCKS_EXCLUDED(mu) {
+    MutexLock lock(&mu);
+    if (status.ok()) status = std::move(s);
+    failed.store(true, std::memory_order_relaxed);
+  }
+  absl::Status Status() ABSL_LOCKS_EXCLUDED(mu) {
+    MutexLock lock(&mu);
+    return status;
+  }
+};
+
+RowType RowTypeOf(DType dtype) {
+  return dtype == DType::kBFloat16 ? RowType::kBFloat16 : RowType::kFloat32;
+}
+
+// Row r of a split unit: query head g * group + r / query_len, position
+// r % query_len.
+struct SplitRow {
+  int64_t h, i;
+};
+
+SplitRow RowOf(const AttentionProblem& p, int64_t g, int64_t r) {
+  return {g * p.kv_group + r / p.query_len, r % p.query_len};
+}
+
+// Value element c of key j of a value head.
+float CachedElement(const CachedRows& rows, int64_t j, int64_t c) {
+  const int64_t at = j * rows.stride + c;
+  return rows.type == RowType::kBFloat16
+             ? BFloat16ToFloat(static_cast<const uint16_t*>(rows.data)[at])
+             : static_cast<const float*>(rows.data)[at];
+}
+
+// One item: the partial softmax of unit (b, g)'s rows over keys
+// j0 .. j0 + cols, into `partial`: the rows' maxima, their sums, then
+// rows x value_dim weighted values. `logits`
+// holds rows x kSplitKeys floats, `q` rows x key_dim.
+void RunSplitItem(const SplitProblem& sp, const RowOps& ops, int64_t b,
+                  int64_t g, int64_t j0, int64_t cols, float* logits, float* q,
+                  float* partial) {
+  const AttentionProblem& p = *sp.p;
+  const int64_t rows = sp.rows, dk = p.key_dim, dv = p.value_dim;
+  const DType t = p.operand_dtype;
+  for (int64_t r = 0; r < rows; ++r) {
+    const SplitRow row = RowOf(p, g, r);
+    const void* src = At(p.query, t,
+                         b * p.query_layout.batch_stride +
+                             row.h * p.query_layout.head_stride +
+                             row.i * p.query_layout.row_stride);
+    if (t == DType::kBFloat16) {
+      const uint16_t* bits = static_cast<const uint16_t*>(src);
+      for (int64_t c = 0; c < dk; ++c) q[r * dk + c] = BFloat16ToFloat(bits[c]);
+    } else {
+      std::memcpy(q + r * dk, src, dk * sizeof(float));
+    }
+  }
+  const CachedRows keys{
+      At(p.key, t,
+         b * p.key_layout.batch_stride + g * p.key_layout.head_stride +
+             j0 * p.key_layout.row_stride),
+      p.key_layout.row_stride, RowTypeOf(t), nullptr};
+  const CachedRows values{
+      At(p.value, t,
+         b * p.value_layout.batch_stride + g * p.value_layout.head_stride +
+             j0 * p.value_layout.row_stride),
+      p.value_layout.row_stride, RowTypeOf(t), nullptr};
+  ops.dot_rows(q, rows, dk, keys, cols, logits, kSplitKeys);
+
+  float* maxima = partial;
+  float* sums = partial + rows;
+  float* acc = partial + 2 * rows;
+  std::fill(acc, acc + rows * dv, 0.0f);
+  bool uniform = true;  // every row keeps all `cols` keys
+  int64_t kept[kMaxSplitRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    const SplitRow row = RowOf(p, g, r);
+    float* logit = logits + r * kSplitKeys;
+    // Causality cuts a row's keys to a prefix of the block.
+    const int64_t n = p.causal ? std::clamp<int64_t>(
+                                     row.i + p.causal_offset + 1 - j0, 0, cols)
+                               : cols;
+    float multiplier = p.logit_multiplier;
+    float max_logit;
+    if (p.masks.empty()) {
+      max_logit = ops.max_scaled(logit, n, multiplier);
+    } else {
+      max_logit =
+          PrepareLogits(p, ops, b * p.heads + row.h, row.i, j0, n, logit);
+      multiplier = 1.0f;
+    }
+    if (max_logit == kNegInf && AnyNaN(logit, n, multiplier)) {
+      max_logit = kNaN;
+    }
+    float sum = 0.0f;
+    if (max_logit != kNegInf) {
+      sum = ops.exp_sum(logit, n, multiplier, max_logit);
+    } else {
+      // Nothing visible in this block: the merge skips it.
+      std::fill(logit, logit + n, 0.0f);
+    }
+    maxima[r] = max_logit;
+    sums[r] = sum;
+    kept[r] = n;
+    if (n != cols) uniform = false;
+  }
+  if (p.masks.empty() && uniform) {
+    // The common case: the block's values are read once for every row.
+    ops.add_weighted_rows(logits, kSplitKeys, rows, values, cols, dv, acc);
+    return;
+  }
+  if (p.masks.empty()) {
+    for (int64_t r = 0; r < rows; ++r) {
+      ops.add_weighted_rows(logits + r * kSplitKeys, kSplitKeys, 1, values,
+                            kept[r], dv, acc + r * dv);
+    }
+    return;
+  }
+  // Masks: a key a row excludes has probability 0, and its value row is not
+  // read (0 times a non-finite value would be NaN).
+  for (int64_t r = 0; r < rows; ++r) {
+    const SplitRow row = RowOf(p, g, r);
+    const int64_t batch_head = b * p.heads + row.h;
+    const float* prob = logits + r * kSplitKeys;
+    for (int64_t j = 0; j < kept[r]; ++j) {
+      if (prob[j] == 0.0f && Excluded(p, batch_head, row.i, j0 + j)) continue;
+      for (int64_t c = 0; c < dv; ++c) {
+        acc[r * dv + c] += prob[j] * CachedElement(values, j, c);
+      }
+    }
+  }
+}
+
+// Merges unit (b, g)'s `splits` partials, in block order, into its output
+// rows: a NaN max or sum makes the row NaN, a row with no key left is
+// zeros. `tmp` holds value_dim floats.
+void MergeSplitUnit(const SplitProblem& sp, const RowOps& ops, int64_t b,
+                    int64_t g, const float* partials, float* tmp) {
+  const AttentionProblem& p = *sp.p;
+  const int64_t dv = p.value_dim, rows = sp.rows;
+  for (int64_t r = 0; r < rows; ++r) {
+    const SplitRow row = RowOf(p, g, r);
+    const int64_t offset = b * p.output_layout.batch_stride +
+                           row.h * p.output_layout.head_stride +
+                           row.i * p.output_layout.row_stride;
+    bool nan = false;
+    float max_logit = kNegInf;
+    for (int64_t s = 0; s < sp.splits; ++s) {
+      const float* part = partials + s * sp.partial_floats;
+      if (std::isnan(part[r]) || std::isnan(part[rows + r])) nan = true;
+      max_logit = std::max(max_logit, part[r]);
+    }
+    float scale;
+    if (nan) {
+      std::fill(tmp, tmp + dv, kNaN);
+      scale = 1.0f;
+    } else if (max_logit == kNegInf) {
+      std::fill(tmp, tmp + dv, 0.0f);
+      scale = 0.0f;
+    } else {
+      std::fill(tmp, tmp + dv, 0.0f);
+      float sum = 0.0f;
+      for (int64_t s = 0; s < sp.splits; ++s) {
+        const float* part = partials + s * sp.partial_floats;
+        if (part[r] == kNegInf) continue;
+        const float w = std::exp(part[r] - max_logit);
+        sum += part[rows + r] * w;
+        const float* values = part + 2 * rows + r * dv;
+        for (int64_t c = 0; c < dv; ++c) tmp[c] += values[c] * w;
+      }
+      scale = 1.0f / sum;
+    }
+    if (p.output_dtype == DType::kBFloat16) {
+      ops.scale_to_bf16(tmp, dv, scale,
+                        static_cast<uint16_t*>(p.output) + offset);
+    } else {
+      float* dst = static_cast<float*>(p.output) + offset;
+      for (int64_t c = 0; c < dv; ++c) dst[c] = tmp[c] * scale;
+    }
+  }
+}
+
+// The split-KV problems of a batch in one parallel pass: items (problem,
+// batch entry, key/value head, key block), then the merge of each (problem,
+// batch entry, key/value head).
+void RunSplitPass(std::deque<SplitProblem>& problems) {
+  int64_t items = 0, units = 0, partial_floats = 0, max_rows = 1, max_dk = 1,
+          max_dv = 1;
+  for (SplitProblem& sp : problems) {
+    const AttentionProblem& p = *sp.p;
+    sp.kv_heads = p.heads / p.kv_group;
+    sp.rows = p.kv_group * p.query_len;
+    sp.splits = (SplitVisibleKeys(p) + kSplitKeys - 1) / kSplitKeys;
+    sp.first_item = items;
+    sp.first_unit = units;
+    sp.partial_floats = sp.rows * (p.value_dim + 2);
+    sp.first_partial = partial_floats;
+    const int64_t unit_count = p.batch * sp.kv_heads;
+    items += unit_count * sp.splits;
+    units += unit_count;
+    partial_floats += unit_count * sp.splits * sp.partial_floats;
+    max_rows = std::max(max_rows, sp.rows);
+    max_dk = std::max(max_dk, p.key_dim);
+    max_dv = std::max(max_dv, p.value_dim);
+  }
+  std::unique_ptr<float[]> partials(new (std::nothrow) float[partial_floats]);
+  if (!partials) {
+    for (SplitProblem& sp : problems) {
+      sp.Fail(absl::ResourceExhaustedError(
+          "attention: out of memory for the partial softmax of key blocks"));
+    }
+    return;
+  }
+  // Problem of item (unit) i: the last whose first item (unit) is <= i.
+  std::vector<SplitProblem*> by_order;
+  for (SplitProblem& sp : problems) by_order.push_back(&sp);
+  const auto find = [&](int64_t index, bool unit) {
+    size_t lo = 0, hi = by_order.size();
+    while (hi - lo > 1) {
+      const size_t mid = (lo + hi) / 2;
+      const int64_t first =
+          unit ? by_order[mid]->first_unit : by_order[mid]->first_item;
+      if (first <= index) {
+        lo = mid;
+      } else {
+        hi = mid;
+      }
+    }
+    return by_order[lo];
+  };
+  const RowOps& ops = GetRowOps();
+  std::atomic<bool> out_of_memory{false};
+
+#pragma omp parallel
+  {
+    std::unique_ptr<float[]> logits(
+        new (std::nothrow) float[max_rows * kSplitKeys]);
+    std::unique_ptr<float[]> q(new (std::nothrow) float[max_rows * max_dk]);
+    std::unique_ptr<float[]> tmp(new (std::nothrow) float[max_dv]);
+    if (!logits || !q || !tmp) out_of_memory.store(true);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
+      if (!logits || !q || !tmp) continue;
+      SplitProblem& sp = *find(item, /*unit=*/false);
+      if (sp.failed.load(std::memory_order_relaxed)) continue;
+      const AttentionProblem& p = *sp.p;
+      if (p.cancelled != nullptr &&
+          p.cancelled->load(std::memory_order_relaxed)) {
+        sp.Fail(absl::CancelledError("call cancelled"));
+        continue;
+      }
+      const int64_t local = item - sp.first_item;
+      const int64_t unit = local / sp.splits, s = local % sp.splits;
+      const int64_t b = unit / sp.kv_heads, g = unit % sp.kv_heads;
+      const int64_t j0 = s * kSplitKeys;
+      const int64_t cols = std::min(kSplitKeys, SplitVisibleKeys(p) - j0);
+      RunSplitItem(sp, ops, b, g, j0, cols, logits.get(), q.get(),
+                   partials.get() + sp.first_partial +
+                       (unit * sp.splits + s) * sp.partial_floats);
+    }
+    // The implicit barrier: every partial is written.
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t u = 0; u < units; ++u) {
+      if (!tmp || out_of_memory.load(std::memory_order_relaxed)) continue;
+      SplitProblem& sp = *find(u, /*unit=*/true);
+      if (sp.failed.load(std::memory_order_relaxed)) continue;
+      const int64_t unit = u - sp.first_unit;
+      MergeSplitUnit(sp, ops, unit / sp.kv_heads, unit % sp.kv_heads,
+                     partials.get() + sp.first_partial +
+                         unit * sp.splits * sp.partial_floats,
+                     tmp.get());
+    }
+  }
+  if (out_of_memory.load()) {
+    for (SplitProblem& sp : problems) {
+      sp.Fail(absl::ResourceExhaustedError(
+          "attention: out of memory for per-thread buffers"));
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<absl::Status> RunAttentionBatch(
+    absl::Span<const AttentionProblem* const> problems) {
+  std::vector<absl::Status> statuses(problems.size());
+  std::deque<SplitProblem> split;  // stable addresses (atomics, mutex)
+  std::vector<size_t> split_index;
+  for (size_t i = 0; i < problems.size(); ++i) {
+    if (TakesSplitPath(*problems[i])) {
+      split.emplace_back().p = problems[i];
+      split_index.push_back(i);
+    }
+  }
+  if (!split.empty()) RunSplitPass(split);
+  for (size_t k = 0; k < split.size(); ++k) {
+    statuses[split_index[k]] = split[k].Status();
+  }
+  for (size_t i = 0; i < problems.size(); ++i) {
+    if (!TakesSplitPath(*problems[i])) {
+      statuses[i] = RunTiled(FoldGroups(*problems[i]));
+    }
+  }
+  return statuses;
+}
+
+absl::Status RunAttention(const AttentionProblem& p) {
+  const AttentionProblem* one[] = {&p};
+  return RunAttentionBatch(one)[0];
 }
 
 }  // namespace attnserve

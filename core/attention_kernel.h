@@ -17,8 +17,24 @@
 // logit is 0 and each output row is the mean of the value rows its query
 // sees, in O((query_len + key_len) * value_dim) per (batch, head).
 //
-// Thread-safety: RunAttention may be called concurrently; it only reads its
-// inputs and writes the caller's output buffers.
+// Grouped-query attention has one rule, here: `kv_group` query heads share
+// each key/value head, and the kernel reads that head once for all of
+// them, folding the group's queries into the rows of one computation
+// against it wherever nothing tells them apart (no masks, and no causal cut
+// between them).
+//
+// Few query rows per key/value head (decode steps: one token or a few,
+// times the group) take the split-KV path instead of the tiles: the work is
+// split by (problem, batch entry, key/value head, block of 512 keys),
+// each block yields a partial softmax (its max, its sum and its weighted
+// values) and a merge combines the blocks in a fixed order. The blocks of
+// a problem depend on its own key length only, so a problem's result is the
+// same, bit for bit, whatever other problems share the pass and however
+// many threads run it.
+//
+// Thread-safety: RunAttention and RunAttentionBatch may be called
+// concurrently; they only read their inputs and write the caller's output
+// buffers.
 #ifndef ATTNSERVE_CORE_ATTENTION_KERNEL_H_
 #define ATTNSERVE_CORE_ATTENTION_KERNEL_H_
 
@@ -27,6 +43,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/types/span.h"
 #include "core/tensor.h"
 
 namespace attnserve {
@@ -94,6 +111,12 @@ struct AttentionProblem {
 };
 
 absl::Status RunAttention(const AttentionProblem& problem);
+
+// Runs every problem, the split-KV ones in one parallel pass, and returns
+// one status per problem: a problem that fails (cancelled through its own
+// flag) leaves the others' results as they would be alone.
+std::vector<absl::Status> RunAttentionBatch(
+    absl::Span<const AttentionProblem* const> problems);
 
 }  // namespace attnserve
 

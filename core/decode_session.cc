@@ -2,7 +2,11 @@
 
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "core/attention_common.h"
@@ -315,42 +319,171 @@ absl::Status DecodeSession::VerifyModelInput(const TensorView& input) const {
   return absl::OkStatus();
 }
 
+struct DecodeSession::PendingStep {
+  int64_t start = 0;
+  int64_t n = 0;
+  int64_t held = 0;
+  // The cached rows the step writes over (a rewind), for a failure.
+  SavedRows overwritten;
+  std::optional<ResultBuffer> output;
+  // The operands the problem reads: the queries in the cache's dtype
+  // (rotated), and the model session's keys/values/queries projections.
+  OperandData query_data;
+  Tensor rotated;
+  Tensor projected_query;
+  // A model session's attention output before its output projection.
+  Tensor concat;
+  const MultiHeadLayer* output_projection = nullptr;
+  // Whether there is attention to run (a model step of 0 tokens has none).
+  bool attend = false;
+  float logit_multiplier = 1.0f;
+  const std::atomic<bool>* cancelled = nullptr;
+  AttentionProblem problem;
+};
+
+absl::StatusOr<std::unique_ptr<DecodeSession::PendingStep>>
+DecodeSession::Prepare(const DecodeStepInputs& inputs,
+                       const DecodeStepOptions& options,
+                       ResultAllocator& results) {
+  // Everything is checked before anything changes: a refused step leaves
+  // the session as it was.
+  ATTN_ASSIGN_OR_RETURN(const int64_t n, NewTokens(inputs));
+  auto step = std::make_unique<PendingStep>();
+  step->n = n;
+  step->held = length();
+  step->start = inputs.position.value_or(step->held);
+  ATTN_RETURN_IF_ERROR(VerifyRoom(step->start, n));
+  ATTN_RETURN_IF_ERROR(config_.layer != nullptr
+                           ? VerifyModelInput(*inputs.input)
+                           : VerifyAttentionInputs(inputs));
+  AttentionOptions attention;
+  attention.scale =
+      options.scale.has_value() ? options.scale : config_.default_scale;
+  attention.temperature = options.temperature;
+  ATTN_ASSIGN_OR_RETURN(step->logit_multiplier,
+                        LogitMultiplier(attention, key_dim_));
+  step->cancelled = options.cancelled;
+  // A rewind writes the step's tokens over cached ones (rows start ..
+  // held - 1); they are kept until the step has succeeded, so that a step
+  // that fails later (cancelled, out of memory) is undone as well.
+  ATTN_ASSIGN_OR_RETURN(step->overwritten,
+                        SavedRows::Save(*cache_, step->start,
+                                        std::min(step->held, step->start + n)));
+  const absl::Status status =
+      config_.layer != nullptr
+          ? PrepareModel(*inputs.input, step->start, results, *step)
+          : PrepareAttention(inputs, step->start, results, *step);
+  if (!status.ok()) {
+    step->overwritten.Restore(*cache_);
+    return status;
+  }
+  return step;
+}
+
+absl::Status DecodeSession::Finish(PendingStep& step, absl::Status status) {
+  if (status.ok() && step.output_projection != nullptr) {
+    status = step.output_projection->ProjectPart(
+        MultiHeadLayer::Part::kOutput, config_.batch * step.n,
+        step.concat.data(), step.output->data(), step.output->dtype());
+  }
+  if (!status.ok()) {
+    step.overwritten.Restore(*cache_);
+    return status;
+  }
+  step.output->Finish();
+  const int64_t end = step.start + step.n;
+  if (end < step.held) cache_->Truncate(end);
+  cache_->Wrote(end);
+  length_.store(end, std::memory_order_release);
+  return absl::OkStatus();
+}
+
 absl::Status DecodeSession::Step(const DecodeStepInputs& inputs,
                                  const DecodeStepOptions& options,
                                  ResultAllocator& results) {
   MutexLock lock(&mu_);
-  // Everything is checked before anything changes: a refused step leaves
-  // the session as it was.
-  ATTN_ASSIGN_OR_RETURN(const int64_t n, NewTokens(inputs));
-  const int64_t held = length();
-  const int64_t start = inputs.position.value_or(held);
-  ATTN_RETURN_IF_ERROR(VerifyRoom(start, n));
-  ATTN_RETURN_IF_ERROR(config_.layer != nullptr
-                           ? VerifyModelInput(*inputs.input)
-                           : VerifyAttentionInputs(inputs));
-  // A rewind writes the step's tokens over cached ones (rows start ..
-  // held - 1); they are kept until the step has succeeded, so that a step
-  // that fails later (cancelled, out of memory) is undone as well.
-  ATTN_ASSIGN_OR_RETURN(
-      SavedRows overwritten,
-      SavedRows::Save(*cache_, start, std::min(held, start + n)));
-  absl::Status status = config_.layer != nullptr
-                            ? ModelStep(*inputs.input, start, options, results)
-                            : AttentionStep(inputs, start, options, results);
-  if (!status.ok()) {
-    overwritten.Restore(*cache_);
-    return status;
-  }
-  if (start + n < held) cache_->Truncate(start + n);
-  cache_->Wrote(start + n);
-  length_.store(start + n, std::memory_order_release);
-  return absl::OkStatus();
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<PendingStep> step,
+                        Prepare(inputs, options, results));
+  absl::Status attention;
+  if (step->attend) attention = RunAttention(step->problem);
+  return Finish(*step, std::move(attention));
 }
 
-absl::Status DecodeSession::AttentionStep(const DecodeStepInputs& in,
-                                          int64_t first,
-                                          const DecodeStepOptions& options,
-                                          ResultAllocator& results) {
+// Locks every session of `steps` (address order), prepares each step, runs
+// all their problems in one kernel pass and finishes each. The locks are
+// taken in a loop, which the thread-safety analysis cannot follow.
+std::vector<absl::Status> StepSessions(absl::Span<const SessionStepInput> steps)
+    ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  std::vector<absl::Status> statuses(steps.size());
+  std::vector<size_t> order;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (steps[i].session == nullptr) {
+      statuses[i] = absl::InvalidArgumentError(
+          absl::StrCat("steps[", i, "]: session: missing"));
+    } else if (steps[i].results == nullptr) {
+      statuses[i] = absl::InvalidArgumentError(
+          absl::StrCat("steps[", i, "]: results: missing"));
+    } else {
+      order.push_back(i);
+    }
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::less<const DecodeSession*>()(steps[a].session,
+                                             steps[b].session);
+  });
+  std::vector<DecodeSession*> locked;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t i = order[k];
+    if (k > 0 && steps[order[k - 1]].session == steps[i].session) {
+      // The first entry (lowest index, the sort is stable) keeps it.
+      size_t first = k - 1;
+      while (first > 0 && steps[order[first - 1]].session == steps[i].session) {
+        --first;
+      }
+      statuses[i] = absl::InvalidArgumentError(
+          absl::StrCat("steps[", i, "]: session: also in steps[", order[first],
+                       "]; a call steps each session at most once"));
+      continue;
+    }
+    steps[i].session->mu_.Lock();
+    locked.push_back(steps[i].session);
+  }
+  std::vector<std::unique_ptr<DecodeSession::PendingStep>> pending(
+      steps.size());
+  std::vector<const AttentionProblem*> problems;
+  std::vector<size_t> problem_of;
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (!statuses[i].ok()) continue;
+    auto step = steps[i].session->Prepare(steps[i].inputs, steps[i].options,
+                                          *steps[i].results);
+    if (!step.ok()) {
+      statuses[i] = step.status();
+      continue;
+    }
+    pending[i] = std::move(*step);
+    if (pending[i]->attend) {
+      problems.push_back(&pending[i]->problem);
+      problem_of.push_back(i);
+    }
+  }
+  const std::vector<absl::Status> attention = RunAttentionBatch(problems);
+  std::vector<absl::Status> attention_of(steps.size());
+  for (size_t k = 0; k < problem_of.size(); ++k) {
+    attention_of[problem_of[k]] = attention[k];
+  }
+  for (size_t i = 0; i < steps.size(); ++i) {
+    if (pending[i] == nullptr) continue;
+    statuses[i] =
+        steps[i].session->Finish(*pending[i], std::move(attention_of[i]));
+  }
+  for (DecodeSession* session : locked) session->mu_.Unlock();
+  return statuses;
+}
+
+absl::Status DecodeSession::PrepareAttention(const DecodeStepInputs& in,
+                                             int64_t first,
+                                             ResultAllocator& results,
+                                             PendingStep& step) {
   const TensorView& query = *in.query;
   const TensorView& key = *in.key;
   const TensorView& value = *in.value;
@@ -360,44 +493,41 @@ absl::Status DecodeSession::AttentionStep(const DecodeStepInputs& in,
   const auto expect = [&](int64_t heads, int64_t d) {
     return batched ? Shape{batch, heads, n, d} : Shape{heads, n, d};
   };
+  ATTN_ASSIGN_OR_RETURN(
+      step.output,
+      ResultBuffer::Allocate(results, "output", query.dtype,
+                             expect(heads_, value_dim_),
+                             /*bf16_ok=*/dtype_ == DType::kBFloat16));
   ATTN_ASSIGN_OR_RETURN(OperandData key_data,
                         OperandData::From(key, dtype_, "key"));
   ATTN_ASSIGN_OR_RETURN(OperandData value_data,
                         OperandData::From(value, dtype_, "value"));
+  ATTN_ASSIGN_OR_RETURN(step.query_data,
+                        OperandData::From(query, dtype_, "query"));
+  const void* q = step.query_data.data();
+  if (rotary_.dims > 0) {
+    ATTN_ASSIGN_OR_RETURN(
+        step.rotated, Tensor::Allocate(dtype_, {batch, heads_, n, key_dim_}));
+    std::memcpy(step.rotated.data(), q, step.rotated.num_bytes());
+    ApplyRotary(rotary_, dtype_, step.rotated.data(),
+                DenseLayout(heads_, n, key_dim_), batch, heads_, n, first);
+    q = step.rotated.data();
+  }
+  // Nothing can fail from here on: the cache is written last.
   AppendToCache(key_data.data(), DenseLayout(kv_heads_, n, key_dim_), batch,
                 kv_heads_, n, key_dim_, /*keys=*/true, first, *cache_);
   AppendToCache(value_data.data(), DenseLayout(kv_heads_, n, value_dim_), batch,
                 kv_heads_, n, value_dim_, /*keys=*/false, first, *cache_);
   ApplyRotary(rotary_, dtype_, cache_->key_row(0, 0, first),
               cache_->key_layout(), batch, kv_heads_, n, first);
-
-  ATTN_ASSIGN_OR_RETURN(OperandData query_data,
-                        OperandData::From(query, dtype_, "query"));
-  const void* q = query_data.data();
-  Tensor rotated;
-  if (rotary_.dims > 0) {
-    ATTN_ASSIGN_OR_RETURN(
-        rotated, Tensor::Allocate(dtype_, {batch, heads_, n, key_dim_}));
-    std::memcpy(rotated.data(), q, rotated.num_bytes());
-    ApplyRotary(rotary_, dtype_, rotated.data(),
-                DenseLayout(heads_, n, key_dim_), batch, heads_, n, first);
-    q = rotated.data();
-  }
-  ATTN_ASSIGN_OR_RETURN(
-      ResultBuffer output,
-      ResultBuffer::Allocate(results, "output", query.dtype,
-                             expect(heads_, value_dim_),
-                             /*bf16_ok=*/dtype_ == DType::kBFloat16));
-  ATTN_RETURN_IF_ERROR(Attend(q, DenseLayout(heads_, n, key_dim_), first, n,
-                              output.data(), output.dtype(),
-                              DenseLayout(heads_, n, value_dim_), options));
-  output.Finish();
+  SetProblem(q, DenseLayout(heads_, n, key_dim_), first, n, step.output->data(),
+             step.output->dtype(), DenseLayout(heads_, n, value_dim_), step);
   return absl::OkStatus();
 }
 
-absl::Status DecodeSession::ModelStep(const TensorView& input, int64_t first,
-                                      const DecodeStepOptions& options,
-                                      ResultAllocator& results) {
+absl::Status DecodeSession::PrepareModel(const TensorView& input, int64_t first,
+                                         ResultAllocator& results,
+                                         PendingStep& step) {
   const MultiHeadLayer& layer = *config_.layer;
   const bool batched = input.rank() == 3;
   const int64_t batch = config_.batch;
@@ -405,7 +535,7 @@ absl::Status DecodeSession::ModelStep(const TensorView& input, int64_t first,
   const Shape output_shape = batched ? Shape{batch, n, layer.output_dim()}
                                      : Shape{n, layer.output_dim()};
   ATTN_ASSIGN_OR_RETURN(
-      ResultBuffer output,
+      step.output,
       ResultBuffer::Allocate(results, "output", input.dtype, output_shape,
                              /*bf16_ok=*/dtype_ == DType::kBFloat16));
   if (n == 0) return absl::OkStatus();
@@ -422,6 +552,19 @@ absl::Status DecodeSession::ModelStep(const TensorView& input, int64_t first,
                                          x.data(), k.data(), dtype_));
   ATTN_RETURN_IF_ERROR(layer.ProjectPart(
       MultiHeadLayer::Part::kValue, batch * n, x.data(), v.data(), dtype_));
+  ATTN_ASSIGN_OR_RETURN(
+      step.projected_query,
+      Tensor::Allocate(dtype_, {batch, n, heads_ * key_dim_}));
+  ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kQuery,
+                                         batch * n, x.data(),
+                                         step.projected_query.data(), dtype_));
+  const int64_t concat_dim = heads_ * value_dim_;
+  if (layer.has_output_projection()) {
+    ATTN_ASSIGN_OR_RETURN(step.concat,
+                          Tensor::Allocate(dtype_, {batch, n, concat_dim}));
+    step.output_projection = &layer;
+  }
+  // Nothing can fail from here on: the cache is written last.
   AppendToCache(k.data(), InterleavedHeadsLayout(kv_heads_, n, key_dim_), batch,
                 kv_heads_, n, key_dim_, /*keys=*/true, first, *cache_);
   AppendToCache(v.data(), InterleavedHeadsLayout(kv_heads_, n, value_dim_),
@@ -429,45 +572,32 @@ absl::Status DecodeSession::ModelStep(const TensorView& input, int64_t first,
                 *cache_);
   ApplyRotary(rotary_, dtype_, cache_->key_row(0, 0, first),
               cache_->key_layout(), batch, kv_heads_, n, first);
-  ATTN_ASSIGN_OR_RETURN(
-      Tensor q, Tensor::Allocate(dtype_, {batch, n, heads_ * key_dim_}));
-  ATTN_RETURN_IF_ERROR(layer.ProjectPart(
-      MultiHeadLayer::Part::kQuery, batch * n, x.data(), q.data(), dtype_));
   const OperandLayout q_layout = InterleavedHeadsLayout(heads_, n, key_dim_);
-  ApplyRotary(rotary_, dtype_, q.data(), q_layout, batch, heads_, n, first);
-
-  const int64_t concat_dim = heads_ * value_dim_;
+  ApplyRotary(rotary_, dtype_, step.projected_query.data(), q_layout, batch,
+              heads_, n, first);
   const OperandLayout out_layout =
       InterleavedHeadsLayout(heads_, n, value_dim_);
-  if (!layer.has_output_projection()) {
-    ATTN_RETURN_IF_ERROR(Attend(q.data(), q_layout, first, n, output.data(),
-                                output.dtype(), out_layout, options));
+  if (step.output_projection == nullptr) {
+    SetProblem(step.projected_query.data(), q_layout, first, n,
+               step.output->data(), step.output->dtype(), out_layout, step);
   } else {
-    ATTN_ASSIGN_OR_RETURN(Tensor concat,
-                          Tensor::Allocate(dtype_, {batch, n, concat_dim}));
-    ATTN_RETURN_IF_ERROR(Attend(q.data(), q_layout, first, n, concat.data(),
-                                dtype_, out_layout, options));
-    ATTN_RETURN_IF_ERROR(layer.ProjectPart(MultiHeadLayer::Part::kOutput,
-                                           batch * n, concat.data(),
-                                           output.data(), output.dtype()));
+    SetProblem(step.projected_query.data(), q_layout, first, n,
+               step.concat.data(), dtype_, out_layout, step);
   }
-  output.Finish();
   return absl::OkStatus();
 }
 
-absl::Status DecodeSession::Attend(const void* query,
-                                   const OperandLayout& query_layout,
-                                   int64_t first, int64_t n, void* output,
-                                   DType output_dtype,
-                                   const OperandLayout& output_layout,
-                                   const DecodeStepOptions& options) {
-  AttentionOptions attention;
-  attention.scale =
-      options.scale.has_value() ? options.scale : config_.default_scale;
-  attention.temperature = options.temperature;
-  AttentionProblem p;
+void DecodeSession::SetProblem(const void* query,
+                               const OperandLayout& query_layout, int64_t first,
+                               int64_t n, void* output, DType output_dtype,
+                               const OperandLayout& output_layout,
+                               PendingStep& step) {
+  // The new tokens see every cached one and each other causally; the
+  // kernel reads each key/value head once for its group of query heads.
+  AttentionProblem& p = step.problem;
   p.batch = config_.batch;
   p.heads = heads_;
+  p.kv_group = heads_ / kv_heads_;
   p.query_len = n;
   p.key_len = first + n;
   p.key_dim = key_dim_;
@@ -482,26 +612,11 @@ absl::Status DecodeSession::Attend(const void* query,
   p.output = output;
   p.output_dtype = output_dtype;
   p.output_layout = output_layout;
-  ATTN_ASSIGN_OR_RETURN(p.logit_multiplier,
-                        LogitMultiplier(attention, key_dim_));
-  p.cancelled = options.cancelled;
-  const int64_t group = heads_ / kv_heads_;
-  if (n == 1) {
-    // One new token sees every cached key: no causal cut, and a group's
-    // query heads are one key/value head's rows. A [B, 1, H*d] or
-    // [B, H, 1, d] operand is the same memory as [B, Hkv, group, d], so the
-    // cache is read once per key/value head.
-    p.heads = kv_heads_;
-    p.query_len = group;
-    p.query_layout = {query_layout.batch_stride, group * key_dim_, key_dim_};
-    p.output_layout = {output_layout.batch_stride, group * value_dim_,
-                       value_dim_};
-    return RunAttention(p);
-  }
-  p.kv_group = group;
+  p.logit_multiplier = step.logit_multiplier;
   p.causal = true;
   p.causal_offset = first;
-  return RunAttention(p);
+  p.cancelled = step.cancelled;
+  step.attend = true;
 }
 
 }  // namespace attnserve

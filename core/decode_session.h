@@ -26,10 +26,12 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/types/span.h"
 #include "core/kv_cache.h"
 #include "core/multi_head_attention.h"
 #include "core/mutex.h"
@@ -89,6 +91,29 @@ struct DecodeStepOptions {
   const std::atomic<bool>* cancelled = nullptr;
 };
 
+class DecodeSession;
+
+// One entry of a batched step (StepSessions).
+struct SessionStepInput {
+  DecodeSession* session = nullptr;  // not owned
+  DecodeStepInputs inputs;
+  DecodeStepOptions options;
+  ResultAllocator* results = nullptr;  // not owned; gets "output"
+};
+
+// Runs one step on each entry's session, all their attention in one
+// parallel pass (split by entry, key/value head and block of cached
+// tokens), and returns one status per entry. Each entry's status, result
+// and session afterwards are exactly those of session->Step(inputs,
+// options, *results) (bit for bit): the work an entry's result depends on
+// is split by its own length only. An entry that fails (refused,
+// cancelled through its own flag) changes nothing in its session and
+// nothing for the others. A session may appear in one entry only: later
+// entries naming it again fail with INVALID_ARGUMENT. The sessions' locks
+// are taken in address order, so concurrent calls do not deadlock.
+std::vector<absl::Status> StepSessions(
+    absl::Span<const SessionStepInput> steps);
+
 class DecodeSession {
  public:
   // INVALID_ARGUMENT naming the config field at fault; RESOURCE_EXHAUSTED
@@ -140,7 +165,22 @@ class DecodeSession {
   double StepFlops(int64_t new_tokens) const;
 
  private:
+  friend std::vector<absl::Status> StepSessions(
+      absl::Span<const SessionStepInput> steps);
+  // A step between its checks and its attention: its tokens are in the
+  // cache, its problem is ready for the kernel (defined in the .cc).
+  struct PendingStep;
+
   DecodeSession() = default;
+  // Checks a step and writes its tokens; on failure the session is as it
+  // was.
+  absl::StatusOr<std::unique_ptr<PendingStep>> Prepare(
+      const DecodeStepInputs& inputs, const DecodeStepOptions& options,
+      ResultAllocator& results) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Completes a step whose attention returned `attention`: the output
+  // projection and the new length, or, on failure, the cache as it was.
+  absl::Status Finish(PendingStep& step, absl::Status attention)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The checks of a step, made before it changes anything: room for
   // `new_tokens` from `start`, and the inputs of this session's kind.
   // Checks `config` and takes its (or its layer's) heads, dims, dtype and
@@ -149,23 +189,20 @@ class DecodeSession {
   absl::Status VerifyRoom(int64_t start, int64_t new_tokens) const;
   absl::Status VerifyAttentionInputs(const DecodeStepInputs& in) const;
   absl::Status VerifyModelInput(const TensorView& input) const;
-  // The step's work on checked inputs: writes its tokens into the cache
-  // from row `first` on and attends; the caller moves the length.
-  absl::Status AttentionStep(const DecodeStepInputs& in, int64_t first,
-                             const DecodeStepOptions& options,
-                             ResultAllocator& results)
+  // The step's work on checked inputs up to its attention: writes its
+  // tokens into the cache from row `first` on and sets up the problem.
+  absl::Status PrepareAttention(const DecodeStepInputs& in, int64_t first,
+                                ResultAllocator& results, PendingStep& step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  absl::Status ModelStep(const TensorView& input, int64_t first,
-                         const DecodeStepOptions& options,
-                         ResultAllocator& results)
+  absl::Status PrepareModel(const TensorView& input, int64_t first,
+                            ResultAllocator& results, PendingStep& step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Attends `n` queries at positions first .. first + n - 1 (layout
-  // `query_layout` at `query`) to the cache's first `first + n` tokens,
+  // The problem of `n` queries at positions first .. first + n - 1 (layout
+  // `query_layout` at `query`) over the cache's first `first + n` tokens,
   // writing [B, H, n, dv] at `output` by `output_layout`.
-  absl::Status Attend(const void* query, const OperandLayout& query_layout,
-                      int64_t first, int64_t n, void* output,
-                      DType output_dtype, const OperandLayout& output_layout,
-                      const DecodeStepOptions& options)
+  void SetProblem(const void* query, const OperandLayout& query_layout,
+                  int64_t first, int64_t n, void* output, DType output_dtype,
+                  const OperandLayout& output_layout, PendingStep& step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // config_.layer is the model session's layer (null otherwise); the

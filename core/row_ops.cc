@@ -79,6 +79,48 @@ bool ScalarAllFinite(const float* x, int64_t n) {
   return true;
 }
 
+// Element c of cached row j as float32.
+float CachedValue(const CachedRows& rows, int64_t j, int64_t c) {
+  const int64_t at = j * rows.stride + c;
+  switch (rows.type) {
+    case RowType::kBFloat16:
+      return BFloat16ToFloat(static_cast<const uint16_t*>(rows.data)[at]);
+    case RowType::kInt8:
+      return static_cast<float>(static_cast<const int8_t*>(rows.data)[at]) *
+             rows.scales[j];
+    case RowType::kFloat32:
+      break;
+  }
+  return static_cast<const float*>(rows.data)[at];
+}
+
+void ScalarDotRows(const float* q, int64_t rows, int64_t dim,
+                   const CachedRows& keys, int64_t cols, float* out,
+                   int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      float sum = 0.0f;
+      for (int64_t c = 0; c < dim; ++c) {
+        sum += q[r * dim + c] * CachedValue(keys, j, c);
+      }
+      out[r * ld + j] = sum;
+    }
+  }
+}
+
+void ScalarAddWeightedRows(const float* p, int64_t ld, int64_t rows,
+                           const CachedRows& values, int64_t cols, int64_t dim,
+                           float* acc) {
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < cols; ++j) {
+      const float w = p[r * ld + j];
+      for (int64_t c = 0; c < dim; ++c) {
+        acc[r * dim + c] += w * CachedValue(values, j, c);
+      }
+    }
+  }
+}
+
 // A LayerNorm row's statistics in the form the output pass uses: y =
 // (x - high) * rstd + offset, where high + low is the mean (high the float
 // nearest it, low the float nearest the rest) and offset = -low * rstd.
@@ -441,6 +483,252 @@ ATTN_AVX512 void Avx512RmsNorm(const float* x, int64_t n, float eps,
   }
 }
 
+// 16 elements of cached rows from `offset` on (lanes off in `mask` read
+// as 0), as float32; kInt8 rows are unscaled here.
+template <RowType kType>
+ATTN_AVX512 inline __m512 LoadCached16(const void* data, int64_t offset,
+                                       __mmask16 mask) {
+  if constexpr (kType == RowType::kFloat32) {
+    return _mm512_maskz_loadu_ps(mask,
+                                 static_cast<const float*>(data) + offset);
+  } else if constexpr (kType == RowType::kBFloat16) {
+    const __m256i bits = _mm256_maskz_loadu_epi16(
+        mask, static_cast<const uint16_t*>(data) + offset);
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+  } else {
+    const __m128i bytes =
+        _mm_maskz_loadu_epi8(mask, static_cast<const int8_t*>(data) + offset);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+  }
+}
+
+// Software prefetch of cached rows this far ahead: a decode step streams
+// its cache from DRAM, and the hardware prefetchers stop at every 4 KiB
+// page (and lose track of the 16-row tiles' strided order); measured
+// against a read of the same bytes.
+constexpr int64_t kPrefetchBytes = 4096;
+
+// Prefetches row j's `bytes` (lines of 64 bytes) into L1.
+inline void PrefetchRow(const char* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) {
+    _mm_prefetch(row + b, _MM_HINT_T0);
+  }
+}
+
+int64_t CachedElementBytes(RowType type) {
+  return type == RowType::kFloat32 ? 4 : type == RowType::kBFloat16 ? 2 : 1;
+}
+
+// Lane j of the result is the sum of the 16 lanes of v[j]: a transpose by
+// pairs, quads and 128-bit lanes, 45 instructions for 16 sums.
+ATTN_AVX512 inline __m512 SumEach16(const __m512 (&v)[16]) {
+  __m512 pairs[8];
+#pragma GCC unroll 8
+  for (int i = 0; i < 8; ++i) {
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  __m512 quads[4];
+#pragma GCC unroll 8
+  for (int i = 0; i < 4; ++i) {
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]);
+    const __m512d b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  // quads[i] holds, in each 128-bit lane L, the sums over lane L of
+  // v[4i .. 4i + 3].
+  __m512 halves[2];
+#pragma GCC unroll 8
+  for (int i = 0; i < 2; ++i) {
+    halves[i] =
+        _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1],
+                                           _MM_SHUFFLE(2, 0, 2, 0)),
+                      _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1],
+                                           _MM_SHUFFLE(3, 1, 3, 1)));
+  }
+  return _mm512_add_ps(
+      _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+      _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// 16 keys at a time: each row's 16 dot products accumulate in 16 vectors
+// that SumEach16 reduces; the keys' tile stays in L1 for the next row.
+template <RowType kType>
+ATTN_AVX512 void Avx512DotRowsOf(const float* q, int64_t rows, int64_t dim,
+                                 const CachedRows& keys, int64_t cols,
+                                 float* out, int64_t ld) {
+  const int64_t chunks = (dim + 15) / 16;
+  const __mmask16 last = TailMask(dim - (chunks - 1) * 16);
+  const int64_t elem = CachedElementBytes(kType);
+  const int64_t row_bytes = dim * elem;
+  const int64_t ahead =
+      std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(row_bytes, 1)) *
+      keys.stride;
+  const char* base = static_cast<const char*>(keys.data);
+  for (int64_t j0 = 0; j0 < cols; j0 += 16) {
+    const __mmask16 keep = TailMask(cols - j0);
+    // A last tile of fewer keys repeats its last key; the store drops it.
+    int64_t offset[16];
+    for (int64_t jj = 0; jj < 16; ++jj) {
+      offset[jj] = std::min(j0 + jj, cols - 1) * keys.stride;
+      PrefetchRow(base + (offset[jj] + ahead) * elem, row_bytes);
+    }
+    __m512 scale = _mm512_set1_ps(1.0f);
+    if constexpr (kType == RowType::kInt8) {
+      scale = _mm512_maskz_loadu_ps(keep, keys.scales + j0);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 acc[16];
+#pragma GCC unroll 16
+      for (int jj = 0; jj < 16; ++jj) acc[jj] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < chunks; ++c) {
+        const __mmask16 mask =
+            c + 1 == chunks ? last : static_cast<__mmask16>(0xffff);
+        const __m512 qv = _mm512_maskz_loadu_ps(mask, q + r * dim + c * 16);
+#pragma GCC unroll 16
+        for (int jj = 0; jj < 16; ++jj) {
+          acc[jj] = _mm512_fmadd_ps(
+              qv, LoadCached16<kType>(keys.data, offset[jj] + c * 16, mask),
+              acc[jj]);
+        }
+      }
+      __m512 sums = SumEach16(acc);
+      if constexpr (kType == RowType::kInt8) sums = _mm512_mul_ps(sums, scale);
+      _mm512_mask_storeu_ps(out + r * ld + j0, keep, sums);
+    }
+  }
+}
+
+ATTN_AVX512 void Avx512DotRows(const float* q, int64_t rows, int64_t dim,
+                               const CachedRows& keys, int64_t cols, float* out,
+                               int64_t ld) {
+  switch (keys.type) {
+    case RowType::kFloat32:
+      return Avx512DotRowsOf<RowType::kFloat32>(q, rows, dim, keys, cols, out,
+                                                ld);
+    case RowType::kBFloat16:
+      return Avx512DotRowsOf<RowType::kBFloat16>(q, rows, dim, keys, cols, out,
+                                                 ld);
+    case RowType::kInt8:
+      return Avx512DotRowsOf<RowType::kInt8>(q, rows, dim, keys, cols, out, ld);
+  }
+}
+
+// kRows rows x kChunks * 16 columns (from c0) of acc in registers, over
+// every value row: kChunks loads of a value row (read whole, front to
+// back, for the prefetcher) and kRows broadcasts feed kRows * kChunks FMAs.
+template <RowType kType, int kRows, int kChunks>
+ATTN_AVX512 void Avx512AddWeightedTile(const float* p, int64_t ld,
+                                       const CachedRows& values, int64_t cols,
+                                       int64_t c0, int64_t dim, float* acc) {
+  __mmask16 mask[kChunks];
+#pragma GCC unroll 8
+  for (int ch = 0; ch < kChunks; ++ch) {
+    const int64_t left = dim - c0 - 16 * ch;
+    mask[ch] = left > 0 ? TailMask(left) : static_cast<__mmask16>(0);
+  }
+  __m512 a[kRows][kChunks];
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+    for (int ch = 0; ch < kChunks; ++ch) {
+      a[r][ch] = _mm512_maskz_loadu_ps(mask[ch], acc + r * dim + c0 + 16 * ch);
+    }
+  }
+  const int64_t elem = CachedElementBytes(kType);
+  // This tile's columns of a row, and of the row `ahead` rows on.
+  const int64_t tile_bytes =
+      std::max<int64_t>(0, std::min<int64_t>(dim - c0, 16 * kChunks)) * elem;
+  const int64_t ahead =
+      std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(dim * elem, 1));
+  const char* base = static_cast<const char*>(values.data) + c0 * elem;
+  for (int64_t j = 0; j < cols; ++j) {
+    PrefetchRow(base + (j + ahead) * values.stride * elem, tile_bytes);
+    __m512 v[kChunks];
+#pragma GCC unroll 8
+    for (int ch = 0; ch < kChunks; ++ch) {
+      v[ch] = LoadCached16<kType>(values.data, j * values.stride + c0 + 16 * ch,
+                                  mask[ch]);
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < kRows; ++r) {
+      float w = p[r * ld + j];
+      if constexpr (kType == RowType::kInt8) w *= values.scales[j];
+      const __m512 wv = _mm512_set1_ps(w);
+#pragma GCC unroll 8
+      for (int ch = 0; ch < kChunks; ++ch) {
+        a[r][ch] = _mm512_fmadd_ps(wv, v[ch], a[r][ch]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int r = 0; r < kRows; ++r) {
+#pragma GCC unroll 8
+    for (int ch = 0; ch < kChunks; ++ch) {
+      _mm512_mask_storeu_ps(acc + r * dim + c0 + 16 * ch, mask[ch], a[r][ch]);
+    }
+  }
+}
+
+// Tiles of up to 16 accumulators: rows x 64 columns for value rows of up to
+// 64, 2 rows x 128 columns for longer ones.
+template <RowType kType>
+ATTN_AVX512 void Avx512AddWeightedRowsOf(const float* p, int64_t ld,
+                                         int64_t rows, const CachedRows& values,
+                                         int64_t cols, int64_t dim,
+                                         float* acc) {
+  const bool wide = dim > 64;
+  const int64_t width = wide ? 128 : 64;
+  const int64_t tile_rows = wide ? 2 : 4;
+  for (int64_t c0 = 0; c0 < dim; c0 += width) {
+    for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+      const float* pr = p + r0 * ld;
+      float* ar = acc + r0 * dim;
+      const int64_t n = std::min(rows - r0, tile_rows);
+      if (wide) {
+        if (n == 1) {
+          Avx512AddWeightedTile<kType, 1, 8>(pr, ld, values, cols, c0, dim, ar);
+        } else {
+          Avx512AddWeightedTile<kType, 2, 8>(pr, ld, values, cols, c0, dim, ar);
+        }
+        continue;
+      }
+      switch (n) {
+        case 1:
+          Avx512AddWeightedTile<kType, 1, 4>(pr, ld, values, cols, c0, dim, ar);
+          break;
+        case 2:
+          Avx512AddWeightedTile<kType, 2, 4>(pr, ld, values, cols, c0, dim, ar);
+          break;
+        case 3:
+          Avx512AddWeightedTile<kType, 3, 4>(pr, ld, values, cols, c0, dim, ar);
+          break;
+        default:
+          Avx512AddWeightedTile<kType, 4, 4>(pr, ld, values, cols, c0, dim, ar);
+          break;
+      }
+    }
+  }
+}
+
+ATTN_AVX512 void Avx512AddWeightedRows(const float* p, int64_t ld, int64_t rows,
+                                       const CachedRows& values, int64_t cols,
+                                       int64_t dim, float* acc) {
+  switch (values.type) {
+    case RowType::kFloat32:
+      return Avx512AddWeightedRowsOf<RowType::kFloat32>(p, ld, rows, values,
+                                                        cols, dim, acc);
+    case RowType::kBFloat16:
+      return Avx512AddWeightedRowsOf<RowType::kBFloat16>(p, ld, rows, values,
+                                                         cols, dim, acc);
+    case RowType::kInt8:
+      return Avx512AddWeightedRowsOf<RowType::kInt8>(p, ld, rows, values, cols,
+                                                     dim, acc);
+  }
+}
+
 // With AVX512_BF16 the rounding to bfloat16 is one instruction.
 #define ATTN_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
@@ -485,6 +773,8 @@ const RowOps& ScalarRowOps() {
                           ScalarAllFinite,
                           ScalarLayerNorm,
                           ScalarRmsNorm,
+                          ScalarDotRows,
+                          ScalarAddWeightedRows,
                           "scalar"};
   return ops;
 }
@@ -514,6 +804,8 @@ const RowOps kAvx512Bf16RowOps{Avx512ScaleMax,
                                Avx512AllFinite,
                                Avx512LayerNorm,
                                Avx512RmsNorm,
+                               Avx512DotRows,
+                               Avx512AddWeightedRows,
                                "avx512_bf16"};
 const RowOps kAvx512RowOps{Avx512ScaleMax,
                            Avx512MaxScaled,
@@ -525,6 +817,8 @@ const RowOps kAvx512RowOps{Avx512ScaleMax,
                            Avx512AllFinite,
                            Avx512LayerNorm,
                            Avx512RmsNorm,
+                           Avx512DotRows,
+                           Avx512AddWeightedRows,
                            "avx512"};
 
 }  // namespace

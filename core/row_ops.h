@@ -12,6 +12,20 @@
 
 namespace attnserve {
 
+// The element type of cached key or value rows the decode kernel reads:
+// FLOAT32, BFLOAT16, or INT8 with one float32 scale per row (the row's
+// values are int8 * scale).
+enum class RowType { kFloat32, kBFloat16, kInt8 };
+
+// Rows of keys or values: row j at `data` + j * `stride` elements of
+// `type`; for kInt8, its scale at scales[j].
+struct CachedRows {
+  const void* data = nullptr;
+  int64_t stride = 0;
+  RowType type = RowType::kFloat32;
+  const float* scales = nullptr;
+};
+
 // Non-finite values: the max functions ignore NaN (a NaN lane never wins a
 // vector max, so that every implementation agrees), and exp_sum passes NaN
 // through, so a row holding a NaN ends with a NaN sum; the kernel relies on
@@ -55,6 +69,18 @@ struct RowOps {
   // gamma (gamma may be null), the mean square summed in double.
   void (*rms_norm)(const float* x, int64_t n, float eps, const float* gamma,
                    float* y);
+  // The decode kernel's products with cached rows. dot_rows:
+  // out[r * ld + j] = sum_c q[r * dim + c] * keys_j[c] for r < rows,
+  // j < cols. add_weighted_rows: acc[r * dim + c] += sum_j p[r * ld + j] *
+  // values_j[c] for r < rows, c < dim, j < cols (IEEE products: a weight 0
+  // times an infinite value is NaN). Summation orders are fixed by the
+  // arguments: the same call gives the same bits.
+  void (*dot_rows)(const float* q, int64_t rows, int64_t dim,
+                   const CachedRows& keys, int64_t cols, float* out,
+                   int64_t ld);
+  void (*add_weighted_rows)(const float* p, int64_t ld, int64_t rows,
+                            const CachedRows& values, int64_t cols, int64_t dim,
+                            float* acc);
   // Name of the implementation, e.g. "avx512".
   const char* name;
 };

@@ -2,7 +2,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
+#include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
@@ -252,6 +255,111 @@ absl::Status SessionStore::Step(absl::string_view id,
   }
   if (length != nullptr) *length = session.length();
   return status;
+}
+
+// The step locks of the batch's sessions are taken in a loop (address
+// order), which the thread-safety analysis cannot follow.
+std::vector<absl::Status> SessionStore::StepMany(
+    absl::Span<const StepInput> steps) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const size_t count = steps.size();
+  std::vector<absl::Status> statuses(count);
+  std::vector<std::shared_ptr<Slot>> slots(count);
+  {
+    MutexLock lock(&mu_);
+    for (size_t i = 0; i < count; ++i) {
+      auto entry = Lookup(steps[i].id);
+      if (!entry.ok()) {
+        statuses[i] = entry.status();
+      } else {
+        slots[i] = (*entry)->slot;
+      }
+    }
+  }
+  std::vector<int64_t> new_tokens(count, 0);
+  for (size_t i = 0; i < count; ++i) {
+    if (slots[i] == nullptr) continue;
+    if (steps[i].results == nullptr) {
+      statuses[i] = absl::InvalidArgumentError(
+          absl::StrCat("steps[", i, "]: results: missing"));
+    } else if (auto n = slots[i]->session->NewTokens(steps[i].inputs);
+               !n.ok()) {
+      statuses[i] = n.status();
+    } else {
+      new_tokens[i] = *n;
+    }
+    if (!statuses[i].ok()) slots[i] = nullptr;
+  }
+  // Each session once (its first entry), locked in address order.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < count; ++i) {
+    if (slots[i] != nullptr) order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::less<const Slot*>()(slots[a].get(), slots[b].get());
+  });
+  std::vector<Slot*> locked;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t i = order[k];
+    if (!locked.empty() && locked.back() == slots[i].get()) {
+      size_t first = k - 1;
+      while (first > 0 && slots[order[first - 1]] == slots[i]) --first;
+      statuses[i] = absl::InvalidArgumentError(absl::StrCat(
+          "steps[", i, "]: session_id: also in steps[", order[first],
+          "]; a call steps each session at most once"));
+      slots[i] = nullptr;
+      continue;
+    }
+    slots[i]->step_mu.Lock();
+    locked.push_back(slots[i].get());
+  }
+  std::vector<std::shared_ptr<Slot>> freed;
+  {
+    MutexLock lock(&mu_);
+    for (size_t i = 0; i < count; ++i) {
+      if (slots[i] == nullptr) continue;
+      const auto it = sessions_.find(steps[i].id);
+      absl::Status status;
+      if (it == sessions_.end() || it->second.slot != slots[i]) {
+        status = NotFound(steps[i].id);  // gone meanwhile
+      } else {
+        const DecodeSession& session = *slots[i]->session;
+        status = Reserve(steps[i].id,
+                         session.BytesAt(session.LengthAfter(steps[i].inputs,
+                                                             new_tokens[i])),
+                         freed);
+      }
+      if (!status.ok()) {
+        statuses[i] = std::move(status);
+        continue;
+      }
+      ++sessions_.at(steps[i].id).active_steps;
+    }
+  }
+  freed.clear();  // evicted sessions' memory goes back before computing
+  std::vector<SessionStepInput> batch;
+  std::vector<size_t> index;
+  for (size_t i = 0; i < count; ++i) {
+    if (slots[i] == nullptr || !statuses[i].ok()) continue;
+    batch.push_back({slots[i]->session.get(), steps[i].inputs, steps[i].options,
+                     steps[i].results});
+    index.push_back(i);
+  }
+  const std::vector<absl::Status> stepped = StepSessions(batch);
+  {
+    MutexLock lock(&mu_);
+    for (size_t k = 0; k < index.size(); ++k) {
+      const size_t i = index[k];
+      statuses[i] = stepped[k];
+      Settle(steps[i].id, slots[i]);
+    }
+  }
+  for (size_t i : index) {
+    if (steps[i].length != nullptr) {
+      *steps[i].length = slots[i]->session->length();
+    }
+  }
+  for (Slot* slot : locked) slot->step_mu.Unlock();
+  return statuses;
 }
 
 absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(

@@ -34,6 +34,7 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
+#include "absl/types/span.h"
 #include "core/decode_session.h"
 #include "core/mutex.h"
 #include "core/results.h"
@@ -93,6 +94,23 @@ class SessionStore {
   absl::Status Step(absl::string_view id, const DecodeStepInputs& inputs,
                     const DecodeStepOptions& options, ResultAllocator& results,
                     int64_t* length) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // One entry of StepMany.
+  struct StepInput {
+    std::string id;
+    DecodeStepInputs inputs;
+    DecodeStepOptions options;
+    ResultAllocator* results = nullptr;  // not owned; gets "output"
+    int64_t* length = nullptr;           // optional: the length after
+  };
+  // Runs one step on each entry's session, as Step does for each (the
+  // same room made, the same results and errors), their attention in one
+  // kernel pass (StepSessions). One status per entry: an entry that fails
+  // (gone, refused, over the memory limit, cancelled) fails alone. An id
+  // may appear in one entry only; later entries naming it again fail with
+  // INVALID_ARGUMENT.
+  std::vector<absl::Status> StepMany(absl::Span<const StepInput> steps)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // The session, for cost estimates and metadata; NOT_FOUND as Step.
   absl::StatusOr<std::shared_ptr<const DecodeSession>> Find(

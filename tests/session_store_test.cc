@@ -6,9 +6,12 @@
 
 #include <unistd.h>
 
+#include <array>
 #include <atomic>
+#include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -260,6 +263,72 @@ size_t ResidentBytes() {
   size_t pages_total = 0, pages_resident = 0;
   statm >> pages_total >> pages_resident;
   return pages_resident * static_cast<size_t>(sysconf(_SC_PAGESIZE));
+}
+
+// StepMany: each entry as Step would answer it (bitwise for the good ones),
+// the room made and accounted the same, the bad entries failing alone.
+TEST(SessionStoreTest, StepManyIsStepForEachEntry) {
+  SessionStore::Options options;
+  options.max_bytes = CacheBytes(900);
+  SessionStore batched(options), single(options);
+  std::mt19937 rng_a(5), rng_b(5);
+  std::vector<std::string> a_ids, b_ids;
+  for (int i = 0; i < 3; ++i) {
+    a_ids.push_back(batched.Add(NewSession(1000)));
+    b_ids.push_back(single.Add(NewSession(1000)));
+    ASSERT_TRUE(StepTokens(batched, a_ids[i], 200 + 50 * i, rng_a).ok());
+    ASSERT_TRUE(StepTokens(single, b_ids[i], 200 + 50 * i, rng_b).ok());
+  }
+  std::mt19937 rng(9);
+  const auto operands = [&](int64_t n) {
+    return std::array<Tensor, 3>{
+        RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng),
+        RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng),
+        RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng)};
+  };
+  const auto in = [](const std::array<Tensor, 3>& t) {
+    return DecodeStepInputs{std::nullopt, t[0].view(), t[1].view(), t[2].view(),
+                            std::nullopt};
+  };
+  const auto one = operands(1);
+  const auto huge = operands(700);  // past the memory limit alone
+  std::vector<TensorResults> results(6);
+  std::vector<int64_t> lengths(6, -1);
+  std::vector<SessionStore::StepInput> steps = {
+      {a_ids[0], in(one), {}, &results[0], &lengths[0]},
+      {"00000000000000000000000000000000",
+       in(one),
+       {},
+       &results[1],
+       &lengths[1]},
+      {a_ids[1], in(one), {}, &results[2], &lengths[2]},
+      {a_ids[0], in(one), {}, &results[3], &lengths[3]},
+      {a_ids[2], in(huge), {}, &results[4], &lengths[4]},
+  };
+  const std::vector<absl::Status> statuses = batched.StepMany(steps);
+  ASSERT_EQ(statuses.size(), 5u);
+  EXPECT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_EQ(statuses[1].code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(statuses[2].ok()) << statuses[2];
+  EXPECT_EQ(statuses[3].message(),
+            "steps[3]: session_id: also in steps[0]; a call steps each "
+            "session at most once");
+  EXPECT_EQ(statuses[4].code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(lengths[0], 201);
+  EXPECT_EQ(lengths[2], 251);
+  EXPECT_EQ(lengths[4], -1);
+  for (int i : {0, 1}) {
+    TensorResults alone;
+    int64_t length = 0;
+    ASSERT_TRUE(single.Step(b_ids[i], in(one), {}, alone, &length).ok());
+    EXPECT_EQ(length, lengths[2 * i]);
+    std::optional<Tensor> got = results[2 * i].Take("output");
+    std::optional<Tensor> want = alone.Take("output");
+    ASSERT_TRUE(got.has_value() && want.has_value());
+    EXPECT_EQ(0, std::memcmp(got->data(), want->data(), got->num_bytes()));
+  }
+  EXPECT_EQ(batched.stats().cache_bytes, single.stats().cache_bytes);
+  EXPECT_EQ(batched.stats().open, 3);
 }
 
 TEST(SessionStoreTest, FreedSessionsGiveTheirMemoryBack) {
