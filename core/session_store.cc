@@ -240,8 +240,12 @@ absl::Status SessionStore::Step(absl::string_view id,
   {
     MutexLock lock(&mu_);
     if (!sessions_.contains(key)) return NotFound(key);  // gone meanwhile
-    ATTN_RETURN_IF_ERROR(Reserve(
-        key, session.BytesAt(session.LengthAfter(inputs, new_tokens)), freed));
+    // A step past max_length is refused by the session itself; making room
+    // for it first would evict other sessions for nothing.
+    const int64_t after = session.LengthAfter(inputs, new_tokens);
+    if (after <= session.max_length()) {
+      ATTN_RETURN_IF_ERROR(Reserve(key, session.BytesAt(after), freed));
+    }
     ++sessions_.at(key).active_steps;
   }
   freed.clear();  // evicted sessions' memory goes back before computing
@@ -323,10 +327,12 @@ std::vector<absl::Status> SessionStore::StepMany(
         status = NotFound(steps[i].id);  // gone meanwhile
       } else {
         const DecodeSession& session = *slots[i]->session;
-        status = Reserve(steps[i].id,
-                         session.BytesAt(session.LengthAfter(steps[i].inputs,
-                                                             new_tokens[i])),
-                         freed);
+        // Past max_length the step refuses itself: no room made for it.
+        const int64_t after =
+            session.LengthAfter(steps[i].inputs, new_tokens[i]);
+        if (after <= session.max_length()) {
+          status = Reserve(steps[i].id, session.BytesAt(after), freed);
+        }
       }
       if (!status.ok()) {
         statuses[i] = std::move(status);

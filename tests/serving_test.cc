@@ -218,7 +218,15 @@ TEST(ServingTest, CancelledCallOfFewFlopsFreesTheWorker) {
   grpc::Status slow_status;
   std::thread call(
       [&] { slow_status = stub->Attend(&context, slow, &response); });
-  // The worker is taken: a second call is refused (no queue).
+  // Once the slow call holds the only worker (not before: a LayerNorm
+  // running then would have the slow call refused instead), a second call
+  // is refused (no queue).
+  const absl::Time started_by = absl::Now() + absl::Seconds(30);
+  while (server.server().RenderMetrics().find(
+             "attnserve_inflight_requests 1\n") == std::string::npos &&
+         absl::Now() < started_by) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
   AttnClient client = server.MakeClient();
   absl::Status busy;
   const absl::Time give_up = absl::Now() + absl::Seconds(30);

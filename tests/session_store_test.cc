@@ -267,6 +267,25 @@ size_t ResidentBytes() {
 
 // StepMany: each entry as Step would answer it (bitwise for the good ones),
 // the room made and accounted the same, the bad entries failing alone.
+// A step past its session's max_length is refused without making room for
+// it: no other session is evicted.
+TEST(SessionStoreTest, StepPastMaxLengthEvictsNobody) {
+  SessionStore::Options options;
+  options.max_bytes = CacheBytes(600);
+  SessionStore store(options);
+  std::mt19937 rng(3);
+  const std::string first = *store.Add(NewSession(300));
+  const std::string second = *store.Add(NewSession(300));
+  ASSERT_TRUE(StepTokens(store, first, 250, rng).ok());
+  ASSERT_TRUE(StepTokens(store, second, 250, rng).ok());
+  const absl::Status past = StepTokens(store, second, 100, rng);
+  EXPECT_EQ(past.code(), absl::StatusCode::kOutOfRange) << past;
+  EXPECT_EQ(store.stats().open, 2);
+  int64_t length = 0;
+  EXPECT_TRUE(StepTokens(store, first, 1, rng, nullptr, &length).ok());
+  EXPECT_EQ(length, 251);
+}
+
 TEST(SessionStoreTest, StepManyIsStepForEachEntry) {
   SessionStore::Options options;
   options.max_bytes = CacheBytes(900);
@@ -274,8 +293,9 @@ TEST(SessionStoreTest, StepManyIsStepForEachEntry) {
   std::mt19937 rng_a(5), rng_b(5);
   std::vector<std::string> a_ids, b_ids;
   for (int i = 0; i < 3; ++i) {
-    a_ids.push_back(batched.Add(NewSession(1000)));
-    b_ids.push_back(single.Add(NewSession(1000)));
+    // Sessions whose whole cache fits the budget (a larger one is refused).
+    a_ids.push_back(*batched.Add(NewSession(900)));
+    b_ids.push_back(*single.Add(NewSession(900)));
     ASSERT_TRUE(StepTokens(batched, a_ids[i], 200 + 50 * i, rng_a).ok());
     ASSERT_TRUE(StepTokens(single, b_ids[i], 200 + 50 * i, rng_b).ok());
   }
@@ -291,7 +311,7 @@ TEST(SessionStoreTest, StepManyIsStepForEachEntry) {
                             std::nullopt};
   };
   const auto one = operands(1);
-  const auto huge = operands(700);  // past the memory limit alone
+  const auto huge = operands(700);  // past its session's max_length
   std::vector<TensorResults> results(6);
   std::vector<int64_t> lengths(6, -1);
   std::vector<SessionStore::StepInput> steps = {
@@ -313,10 +333,10 @@ TEST(SessionStoreTest, StepManyIsStepForEachEntry) {
   EXPECT_EQ(statuses[3].message(),
             "steps[3]: session_id: also in steps[0]; a call steps each "
             "session at most once");
-  EXPECT_EQ(statuses[4].code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(statuses[4].code(), absl::StatusCode::kOutOfRange);
   EXPECT_EQ(lengths[0], 201);
   EXPECT_EQ(lengths[2], 251);
-  EXPECT_EQ(lengths[4], -1);
+  EXPECT_EQ(lengths[4], 300);  // refused: the session is where it was
   for (int i : {0, 1}) {
     TensorResults alone;
     int64_t length = 0;
