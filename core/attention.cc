@@ -90,17 +90,10 @@ absl::StatusOr<int64_t> QueryHeadsPerKeyHead(const AttendInputs& in,
   return query_heads / key_heads;
 }
 
-}  // namespace
-
-absl::StatusOr<AttentionResult> Attend(const AttendInputs& inputs,
-                                       const AttentionOptions& options) {
-  TensorResults results;
-  ATTN_RETURN_IF_ERROR(Attend(inputs, options, results));
-  return TakeResult(results);
-}
-
-absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
-                    ResultAllocator& results) {
+// Attend's checks of its inputs' dtypes, ranks and dims; the query heads
+// per key/value head.
+absl::StatusOr<int64_t> VerifyAttendInputs(const AttendInputs& in,
+                                           const AttentionOptions& options) {
   ATTN_RETURN_IF_ERROR(VerifyFloating(in.query, "query"));
   ATTN_RETURN_IF_ERROR(VerifySameDType(in.key, "key", in.query, "query"));
   ATTN_RETURN_IF_ERROR(VerifySameDType(in.value, "value", in.query, "query"));
@@ -120,12 +113,26 @@ absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
       VerifyDim(in.key, "key", -1, in.query.dim(-1), "query last dim"));
   ATTN_RETURN_IF_ERROR(VerifyDim(in.value, "value", -2, in.key.dim(-2),
                                  absl::StrCat("key dim ", rank - 2)));
+  return group;
+}
 
+}  // namespace
+
+absl::StatusOr<AttentionResult> Attend(const AttendInputs& inputs,
+                                       const AttentionOptions& options) {
+  TensorResults results;
+  ATTN_RETURN_IF_ERROR(Attend(inputs, options, results));
+  return TakeResult(results);
+}
+
+absl::Status Attend(const AttendInputs& in, const AttentionOptions& options,
+                    ResultAllocator& results) {
+  ATTN_ASSIGN_OR_RETURN(const int64_t group, VerifyAttendInputs(in, options));
   const Shape batch_dims(in.query.shape.begin(), in.query.shape.end() - 2);
   AttentionProblem p;
   // The query's heads (dim -3) are the problem's heads, `group` to a
   // key/value head; the kernel reads each key/value head once for its group.
-  p.heads = rank >= 3 ? in.query.dim(-3) : 1;
+  p.heads = in.query.rank() >= 3 ? in.query.dim(-3) : 1;
   p.batch = p.heads == 0 ? 0 : NumElements(batch_dims) / p.heads;
   p.kv_group = group;
   p.query_len = in.query.dim(-2);

@@ -778,13 +778,14 @@ float CachedElement(const CachedRows& rows, int64_t j, int64_t c) {
 // j0 .. j0 + cols, into `partial`: the rows' maxima, their sums, then
 // rows x value_dim weighted values. `logits`
 // holds rows x kSplitKeys floats, `q` rows x key_dim.
-void RunSplitItem(const SplitProblem& sp, const RowOps& ops, int64_t b,
-                  int64_t g, int64_t j0, int64_t cols, float* logits, float* q,
-                  float* partial) {
+// The query rows of key/value head `g` of batch entry `b`, as float32, into
+// `q` (rows x key_dim).
+void GatherSplitQueries(const SplitProblem& sp, int64_t b, int64_t g,
+                        float* q) {
   const AttentionProblem& p = *sp.p;
-  const int64_t rows = sp.rows, dk = p.key_dim, dv = p.value_dim;
+  const int64_t dk = p.key_dim;
   const DType t = p.operand_dtype;
-  for (int64_t r = 0; r < rows; ++r) {
+  for (int64_t r = 0; r < sp.rows; ++r) {
     const SplitRow row = RowOf(p, g, r);
     const void* src = At(p.query, t,
                          b * p.query_layout.batch_stride +
@@ -797,6 +798,36 @@ void RunSplitItem(const SplitProblem& sp, const RowOps& ops, int64_t b,
       std::memcpy(q + r * dk, src, dk * sizeof(float));
     }
   }
+}
+
+// With masks: a key a row excludes has probability 0, and its value row is
+// not read (0 times a non-finite value would be NaN).
+void AccumulateMaskedValues(const SplitProblem& sp, int64_t b, int64_t g,
+                            int64_t j0, const float* logits,
+                            const int64_t* kept, const CachedRows& values,
+                            float* acc) {
+  const AttentionProblem& p = *sp.p;
+  const int64_t dv = p.value_dim;
+  for (int64_t r = 0; r < sp.rows; ++r) {
+    const SplitRow row = RowOf(p, g, r);
+    const int64_t batch_head = b * p.heads + row.h;
+    const float* prob = logits + r * kSplitKeys;
+    for (int64_t j = 0; j < kept[r]; ++j) {
+      if (prob[j] == 0.0f && Excluded(p, batch_head, row.i, j0 + j)) continue;
+      for (int64_t c = 0; c < dv; ++c) {
+        acc[r * dv + c] += prob[j] * CachedElement(values, j, c);
+      }
+    }
+  }
+}
+
+void RunSplitItem(const SplitProblem& sp, const RowOps& ops, int64_t b,
+                  int64_t g, int64_t j0, int64_t cols, float* logits, float* q,
+                  float* partial) {
+  const AttentionProblem& p = *sp.p;
+  const int64_t rows = sp.rows, dk = p.key_dim, dv = p.value_dim;
+  const DType t = p.operand_dtype;
+  GatherSplitQueries(sp, b, g, q);
   const CachedRows keys{
       At(p.key, t,
          b * p.key_layout.batch_stride + g * p.key_layout.head_stride +
@@ -858,19 +889,7 @@ void RunSplitItem(const SplitProblem& sp, const RowOps& ops, int64_t b,
     }
     return;
   }
-  // Masks: a key a row excludes has probability 0, and its value row is not
-  // read (0 times a non-finite value would be NaN).
-  for (int64_t r = 0; r < rows; ++r) {
-    const SplitRow row = RowOf(p, g, r);
-    const int64_t batch_head = b * p.heads + row.h;
-    const float* prob = logits + r * kSplitKeys;
-    for (int64_t j = 0; j < kept[r]; ++j) {
-      if (prob[j] == 0.0f && Excluded(p, batch_head, row.i, j0 + j)) continue;
-      for (int64_t c = 0; c < dv; ++c) {
-        acc[r * dv + c] += prob[j] * CachedElement(values, j, c);
-      }
-    }
-  }
+  AccumulateMaskedValues(sp, b, g, j0, logits, kept, values, acc);
 }
 
 // Merges unit (b, g)'s `splits` partials, in block order, into its output
@@ -925,26 +944,58 @@ void MergeSplitUnit(const SplitProblem& sp, const RowOps& ops, int64_t b,
 // The split-KV problems of a batch in one parallel pass: items (problem,
 // batch entry, key/value head, key block), then the merge of each (problem,
 // batch entry, key/value head).
-void RunSplitPass(std::deque<SplitProblem>& problems) {
-  int64_t items = 0, units = 0, partial_floats = 0, max_rows = 1, max_dk = 1,
-          max_dv = 1;
+// The split pass's totals over its problems, whose own offsets it sets.
+struct SplitTotals {
+  int64_t items = 0, units = 0, partial_floats = 0;
+  int64_t max_rows = 1, max_dk = 1, max_dv = 1;
+};
+
+SplitTotals PlanSplits(std::deque<SplitProblem>& problems) {
+  SplitTotals t;
   for (SplitProblem& sp : problems) {
     const AttentionProblem& p = *sp.p;
     sp.kv_heads = p.heads / p.kv_group;
     sp.rows = p.kv_group * p.query_len;
     sp.splits = (SplitVisibleKeys(p) + kSplitKeys - 1) / kSplitKeys;
-    sp.first_item = items;
-    sp.first_unit = units;
+    sp.first_item = t.items;
+    sp.first_unit = t.units;
     sp.partial_floats = sp.rows * (p.value_dim + 2);
-    sp.first_partial = partial_floats;
+    sp.first_partial = t.partial_floats;
     const int64_t unit_count = p.batch * sp.kv_heads;
-    items += unit_count * sp.splits;
-    units += unit_count;
-    partial_floats += unit_count * sp.splits * sp.partial_floats;
-    max_rows = std::max(max_rows, sp.rows);
-    max_dk = std::max(max_dk, p.key_dim);
-    max_dv = std::max(max_dv, p.value_dim);
+    t.items += unit_count * sp.splits;
+    t.units += unit_count;
+    t.partial_floats += unit_count * sp.splits * sp.partial_floats;
+    t.max_rows = std::max(t.max_rows, sp.rows);
+    t.max_dk = std::max(t.max_dk, p.key_dim);
+    t.max_dv = std::max(t.max_dv, p.value_dim);
   }
+  return t;
+}
+
+// The problem of item (or unit) `index`: the last whose first item (unit)
+// is <= index, by binary search over `by_order`.
+SplitProblem* OwnerOf(const std::vector<SplitProblem*>& by_order, int64_t index,
+                      bool unit) {
+  size_t lo = 0, hi = by_order.size();
+  while (hi - lo > 1) {
+    const size_t mid = (lo + hi) / 2;
+    const int64_t first =
+        unit ? by_order[mid]->first_unit : by_order[mid]->first_item;
+    if (first <= index) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return by_order[lo];
+}
+
+void RunSplitPass(std::deque<SplitProblem>& problems) {
+  const SplitTotals totals = PlanSplits(problems);
+  const int64_t items = totals.items, units = totals.units;
+  const int64_t partial_floats = totals.partial_floats;
+  const int64_t max_rows = totals.max_rows, max_dk = totals.max_dk,
+                max_dv = totals.max_dv;
   std::unique_ptr<float[]> partials(new (std::nothrow) float[partial_floats]);
   if (!partials) {
     for (SplitProblem& sp : problems) {
@@ -953,22 +1004,10 @@ void RunSplitPass(std::deque<SplitProblem>& problems) {
     }
     return;
   }
-  // Problem of item (unit) i: the last whose first item (unit) is <= i.
   std::vector<SplitProblem*> by_order;
   for (SplitProblem& sp : problems) by_order.push_back(&sp);
   const auto find = [&](int64_t index, bool unit) {
-    size_t lo = 0, hi = by_order.size();
-    while (hi - lo > 1) {
-      const size_t mid = (lo + hi) / 2;
-      const int64_t first =
-          unit ? by_order[mid]->first_unit : by_order[mid]->first_item;
-      if (first <= index) {
-        lo = mid;
-      } else {
-        hi = mid;
-      }
-    }
-    return by_order[lo];
+    return OwnerOf(by_order, index, unit);
   };
   const RowOps& ops = GetRowOps();
   std::atomic<bool> out_of_memory{false};

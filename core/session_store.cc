@@ -293,29 +293,7 @@ std::vector<absl::Status> SessionStore::StepMany(
     }
     if (!statuses[i].ok()) slots[i] = nullptr;
   }
-  // Each session once (its first entry), locked in address order.
-  std::vector<size_t> order;
-  for (size_t i = 0; i < count; ++i) {
-    if (slots[i] != nullptr) order.push_back(i);
-  }
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return std::less<const Slot*>()(slots[a].get(), slots[b].get());
-  });
-  std::vector<Slot*> locked;
-  for (size_t k = 0; k < order.size(); ++k) {
-    const size_t i = order[k];
-    if (!locked.empty() && locked.back() == slots[i].get()) {
-      size_t first = k - 1;
-      while (first > 0 && slots[order[first - 1]] == slots[i]) --first;
-      statuses[i] = absl::InvalidArgumentError(absl::StrCat(
-          "steps[", i, "]: session_id: also in steps[", order[first],
-          "]; a call steps each session at most once"));
-      slots[i] = nullptr;
-      continue;
-    }
-    slots[i]->step_mu.Lock();
-    locked.push_back(slots[i].get());
-  }
+  std::vector<Slot*> locked = LockOnceEach(slots, statuses);
   std::vector<std::shared_ptr<Slot>> freed;
   {
     MutexLock lock(&mu_);
@@ -342,6 +320,45 @@ std::vector<absl::Status> SessionStore::StepMany(
     }
   }
   freed.clear();  // evicted sessions' memory goes back before computing
+  RunAndSettle(steps, slots, statuses);
+  for (Slot* slot : locked) slot->step_mu.Unlock();
+  return statuses;
+}
+
+std::vector<SessionStore::Slot*> SessionStore::LockOnceEach(
+    std::vector<std::shared_ptr<Slot>>& slots,
+    std::vector<absl::Status>& statuses) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  const size_t count = slots.size();
+  // Each session once (its first entry), locked in address order.
+  std::vector<size_t> order;
+  for (size_t i = 0; i < count; ++i) {
+    if (slots[i] != nullptr) order.push_back(i);
+  }
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) {
+    return std::less<const Slot*>()(slots[a].get(), slots[b].get());
+  });
+  std::vector<Slot*> locked;
+  for (size_t k = 0; k < order.size(); ++k) {
+    const size_t i = order[k];
+    if (!locked.empty() && locked.back() == slots[i].get()) {
+      size_t first = k - 1;
+      while (first > 0 && slots[order[first - 1]] == slots[i]) --first;
+      statuses[i] = absl::InvalidArgumentError(absl::StrCat(
+          "steps[", i, "]: session_id: also in steps[", order[first],
+          "]; a call steps each session at most once"));
+      slots[i] = nullptr;
+      continue;
+    }
+    slots[i]->step_mu.Lock();
+    locked.push_back(slots[i].get());
+  }
+  return locked;
+}
+
+void SessionStore::RunAndSettle(absl::Span<const StepInput> steps,
+                                const std::vector<std::shared_ptr<Slot>>& slots,
+                                std::vector<absl::Status>& statuses) {
+  const size_t count = steps.size();
   std::vector<SessionStepInput> batch;
   std::vector<size_t> index;
   for (size_t i = 0; i < count; ++i) {
@@ -364,8 +381,6 @@ std::vector<absl::Status> SessionStore::StepMany(
       *steps[i].length = slots[i]->session->length();
     }
   }
-  for (Slot* slot : locked) slot->step_mu.Unlock();
-  return statuses;
 }
 
 absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(

@@ -161,6 +161,15 @@ class SessionStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Settle(const std::string& id, const std::shared_ptr<Slot>& slot)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // StepMany's parts: takes each entry's session lock once, in address
+  // order (a session named again fails that entry); then steps the
+  // entries still OK in one kernel pass and settles their accounts.
+  std::vector<Slot*> LockOnceEach(std::vector<std::shared_ptr<Slot>>& slots,
+                                  std::vector<absl::Status>& statuses);
+  void RunAndSettle(absl::Span<const StepInput> steps,
+                    const std::vector<std::shared_ptr<Slot>>& slots,
+                    std::vector<absl::Status>& statuses)
+      ABSL_LOCKS_EXCLUDED(mu_);
   void ReaperLoop() ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;

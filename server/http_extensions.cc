@@ -8,6 +8,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
+#include "core/status_macros.h"
 #include "inference/grpc_service.pb.h"
 #include "nlohmann/json.hpp"
 #include "server/http_inference.h"
@@ -86,149 +87,127 @@ absl::Status RepositoryParameters(
   return absl::OkStatus();
 }
 
+// Model configuration and statistics.
+absl::StatusOr<json> AnswerModel(const ExtensionRoute& route,
+                                 const CallPipeline& pipeline) {
+  if (route.kind == Kind::kModelConfig) {
+    inference::ModelConfigRequest request;
+    request.set_name(route.model);
+    request.set_version(route.version);
+    inference::ModelConfigResponse response;
+    ATTN_RETURN_IF_ERROR(
+        HandleModelConfig(request, pipeline.config().models, &response));
+    return MessageToJson(response.config());
+  }
+  inference::ModelStatisticsRequest request;
+  request.set_name(route.model);
+  request.set_version(route.version);
+  inference::ModelStatisticsResponse response;
+  ATTN_RETURN_IF_ERROR(pipeline.statistics().Handle(request, &response));
+  return MessageToJson(response);
+}
+
+// The repository's index, load and unload.
+absl::StatusOr<json> AnswerRepository(const ExtensionRoute& route,
+                                      absl::string_view body,
+                                      const ServiceConfig& config) {
+  ATTN_ASSIGN_OR_RETURN(const json parsed, BodyObject(body));
+  if (route.kind == Kind::kRepositoryIndex) {
+    inference::RepositoryIndexRequest request;
+    if (const auto ready = parsed.find("ready"); ready != parsed.end()) {
+      if (!ready->is_boolean()) {
+        return absl::InvalidArgumentError("ready: expected true or false");
+      }
+      request.set_ready(ready->get<bool>());
+    }
+    inference::RepositoryIndexResponse response;
+    ATTN_RETURN_IF_ERROR(
+        HandleRepositoryIndex(request, config.models, &response));
+    json list = json::array();
+    for (const auto& model : response.models()) {
+      json entry = {{"name", model.name()},
+                    {"state", model.state()},
+                    {"reason", model.reason()}};
+      if (!model.version().empty()) entry["version"] = model.version();
+      list.push_back(std::move(entry));
+    }
+    return list;
+  }
+  if (route.kind == Kind::kRepositoryLoad) {
+    inference::RepositoryModelLoadRequest request;
+    request.set_model_name(route.model);
+    ATTN_RETURN_IF_ERROR(
+        RepositoryParameters(parsed, request.mutable_parameters()));
+    ATTN_RETURN_IF_ERROR(HandleRepositoryModelLoad(request, config.repository));
+    return json::object();
+  }
+  inference::RepositoryModelUnloadRequest request;
+  request.set_model_name(route.model);
+  ATTN_RETURN_IF_ERROR(
+      RepositoryParameters(parsed, request.mutable_parameters()));
+  ATTN_RETURN_IF_ERROR(HandleRepositoryModelUnload(request, config.repository));
+  return json::object();
+}
+
+// System shared memory: status, register, unregister.
+absl::StatusOr<json> AnswerSharedMemory(const ExtensionRoute& route,
+                                        absl::string_view body,
+                                        SharedMemoryRegistry* registry) {
+  if (route.kind == Kind::kSharedMemoryStatus) {
+    inference::SystemSharedMemoryStatusRequest request;
+    request.set_name(route.region);
+    inference::SystemSharedMemoryStatusResponse response;
+    ATTN_RETURN_IF_ERROR(
+        HandleSystemSharedMemoryStatus(request, registry, &response));
+    // Sorted by name, as the registry lists them (the map is unordered).
+    std::vector<json> regions;
+    for (const auto& [name, region] : response.regions()) {
+      regions.push_back(MessageToJson(region));
+    }
+    std::sort(regions.begin(), regions.end(), [](const json& a, const json& b) {
+      return a["name"] < b["name"];
+    });
+    return json(regions);
+  }
+  if (route.kind == Kind::kSharedMemoryUnregister) {
+    inference::SystemSharedMemoryUnregisterRequest request;
+    request.set_name(route.region);
+    ATTN_RETURN_IF_ERROR(HandleSystemSharedMemoryUnregister(request, registry));
+    return json::object();
+  }
+  ATTN_ASSIGN_OR_RETURN(const json parsed, BodyObject(body));
+  inference::SystemSharedMemoryRegisterRequest request;
+  request.set_name(route.region);
+  const auto key = parsed.find("key");
+  if (key == parsed.end() || !key->is_string()) {
+    return absl::InvalidArgumentError(
+        "key: expected the shared-memory object's key as a string, e.g. "
+        "\"/input_data\"");
+  }
+  request.set_key(key->get<std::string>());
+  ATTN_ASSIGN_OR_RETURN(const uint64_t offset, Unsigned(parsed, "offset", 0));
+  ATTN_ASSIGN_OR_RETURN(const uint64_t byte_size,
+                        Unsigned(parsed, "byte_size", std::nullopt));
+  request.set_offset(offset);
+  request.set_byte_size(byte_size);
+  ATTN_RETURN_IF_ERROR(HandleSystemSharedMemoryRegister(request, registry));
+  return json::object();
+}
+
 absl::StatusOr<json> Answer(const ExtensionRoute& route, absl::string_view body,
                             const CallPipeline& pipeline) {
-  const ServiceConfig& config = pipeline.config();
   switch (route.kind) {
-    case Kind::kModelConfig: {
-      inference::ModelConfigRequest request;
-      request.set_name(route.model);
-      request.set_version(route.version);
-      inference::ModelConfigResponse response;
-      if (absl::Status status =
-              HandleModelConfig(request, config.models, &response);
-          !status.ok()) {
-        return status;
-      }
-      return MessageToJson(response.config());
-    }
-    case Kind::kModelStatistics: {
-      inference::ModelStatisticsRequest request;
-      request.set_name(route.model);
-      request.set_version(route.version);
-      inference::ModelStatisticsResponse response;
-      if (absl::Status status =
-              pipeline.statistics().Handle(request, &response);
-          !status.ok()) {
-        return status;
-      }
-      return MessageToJson(response);
-    }
-    case Kind::kRepositoryIndex: {
-      absl::StatusOr<json> parsed = BodyObject(body);
-      if (!parsed.ok()) return parsed.status();
-      inference::RepositoryIndexRequest request;
-      if (const auto ready = parsed->find("ready"); ready != parsed->end()) {
-        if (!ready->is_boolean()) {
-          return absl::InvalidArgumentError("ready: expected true or false");
-        }
-        request.set_ready(ready->get<bool>());
-      }
-      inference::RepositoryIndexResponse response;
-      if (absl::Status status =
-              HandleRepositoryIndex(request, config.models, &response);
-          !status.ok()) {
-        return status;
-      }
-      json list = json::array();
-      for (const auto& model : response.models()) {
-        json entry = {{"name", model.name()},
-                      {"state", model.state()},
-                      {"reason", model.reason()}};
-        if (!model.version().empty()) entry["version"] = model.version();
-        list.push_back(std::move(entry));
-      }
-      return list;
-    }
-    case Kind::kRepositoryLoad: {
-      absl::StatusOr<json> parsed = BodyObject(body);
-      if (!parsed.ok()) return parsed.status();
-      inference::RepositoryModelLoadRequest request;
-      request.set_model_name(route.model);
-      if (absl::Status status =
-              RepositoryParameters(*parsed, request.mutable_parameters());
-          !status.ok()) {
-        return status;
-      }
-      if (absl::Status status =
-              HandleRepositoryModelLoad(request, config.repository);
-          !status.ok()) {
-        return status;
-      }
-      return json::object();
-    }
-    case Kind::kRepositoryUnload: {
-      absl::StatusOr<json> parsed = BodyObject(body);
-      if (!parsed.ok()) return parsed.status();
-      inference::RepositoryModelUnloadRequest request;
-      request.set_model_name(route.model);
-      if (absl::Status status =
-              RepositoryParameters(*parsed, request.mutable_parameters());
-          !status.ok()) {
-        return status;
-      }
-      if (absl::Status status =
-              HandleRepositoryModelUnload(request, config.repository);
-          !status.ok()) {
-        return status;
-      }
-      return json::object();
-    }
-    case Kind::kSharedMemoryStatus: {
-      inference::SystemSharedMemoryStatusRequest request;
-      request.set_name(route.region);
-      inference::SystemSharedMemoryStatusResponse response;
-      if (absl::Status status = HandleSystemSharedMemoryStatus(
-              request, config.shared_memory, &response);
-          !status.ok()) {
-        return status;
-      }
-      // Sorted by name, as the registry lists them (the map is unordered).
-      std::vector<json> regions;
-      for (const auto& [name, region] : response.regions()) {
-        regions.push_back(MessageToJson(region));
-      }
-      std::sort(
-          regions.begin(), regions.end(),
-          [](const json& a, const json& b) { return a["name"] < b["name"]; });
-      return json(regions);
-    }
-    case Kind::kSharedMemoryRegister: {
-      absl::StatusOr<json> parsed = BodyObject(body);
-      if (!parsed.ok()) return parsed.status();
-      inference::SystemSharedMemoryRegisterRequest request;
-      request.set_name(route.region);
-      const auto key = parsed->find("key");
-      if (key == parsed->end() || !key->is_string()) {
-        return absl::InvalidArgumentError(
-            "key: expected the shared-memory object's key as a string, e.g. "
-            "\"/input_data\"");
-      }
-      request.set_key(key->get<std::string>());
-      absl::StatusOr<uint64_t> offset = Unsigned(*parsed, "offset", 0);
-      if (!offset.ok()) return offset.status();
-      absl::StatusOr<uint64_t> byte_size =
-          Unsigned(*parsed, "byte_size", std::nullopt);
-      if (!byte_size.ok()) return byte_size.status();
-      request.set_offset(*offset);
-      request.set_byte_size(*byte_size);
-      if (absl::Status status =
-              HandleSystemSharedMemoryRegister(request, config.shared_memory);
-          !status.ok()) {
-        return status;
-      }
-      return json::object();
-    }
-    case Kind::kSharedMemoryUnregister: {
-      inference::SystemSharedMemoryUnregisterRequest request;
-      request.set_name(route.region);
-      if (absl::Status status =
-              HandleSystemSharedMemoryUnregister(request, config.shared_memory);
-          !status.ok()) {
-        return status;
-      }
-      return json::object();
-    }
+    case Kind::kModelConfig:
+    case Kind::kModelStatistics:
+      return AnswerModel(route, pipeline);
+    case Kind::kRepositoryIndex:
+    case Kind::kRepositoryLoad:
+    case Kind::kRepositoryUnload:
+      return AnswerRepository(route, body, pipeline.config());
+    case Kind::kSharedMemoryStatus:
+    case Kind::kSharedMemoryRegister:
+    case Kind::kSharedMemoryUnregister:
+      return AnswerSharedMemory(route, body, pipeline.config().shared_memory);
     case Kind::kCudaSharedMemory:
       return CudaSharedMemoryUnsupported();
   }

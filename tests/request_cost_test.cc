@@ -19,8 +19,10 @@ namespace {
 // `with_data` false, no values: costs read only shapes.
 v1::Tensor Zeros(const Shape& shape, bool with_data = true,
                  v1::DataType dtype = v1::DATA_TYPE_FLOAT32) {
-  const size_t bytes = NumElements(shape) * DTypeSize(*FindDTypeByWire(dtype));
-  return WireTensor(dtype, shape, std::string(with_data ? bytes : 0, '\0'));
+  // Counted only for data: shapes without it may overflow a product.
+  const size_t bytes =
+      with_data ? NumElements(shape) * DTypeSize(*FindDTypeByWire(dtype)) : 0;
+  return WireTensor(dtype, shape, std::string(bytes, '\0'));
 }
 
 v1::Tensor Shaped(const Shape& shape) { return Zeros(shape, false); }
