@@ -91,10 +91,17 @@ fuzz_one() {
   echo "$status ${runs:-0} ${rate:--}" >"$scratch/$target.result"
 }
 
-jobs=$(nproc)
+# At most as many at once as there are cores: before starting one more,
+# wait for the oldest still running.
+cores=$(nproc)
+pids=()
 for target in "${targets[@]}"; do
-  while (($(jobs -rp | wc -l) >= jobs)); do wait -n || true; done
+  if ((${#pids[@]} >= cores)); then
+    wait "${pids[0]}" || true
+    pids=("${pids[@]:1}")
+  fi
   fuzz_one "$target" &
+  pids+=($!)
 done
 wait
 
