@@ -104,7 +104,6 @@ class HttpServer::Loop : public std::enable_shared_from_this<Loop> {
     State state = State::kHead;
     std::string in;
     absl::Time deadline;
-    bool served_any = false;  // whether a request was answered here
     bool peer_closed = false;
     // Closed: its socket is gone; erased once the loop's turn ends.
     bool closed = false;
@@ -663,7 +662,6 @@ void HttpServer::Loop::Flush(Connection& connection) {
 
 void HttpServer::Loop::OnFinalWritten(Connection& connection) {
   connection.final_pending = false;
-  connection.served_any = true;
   if (connection.close_after) {
     Linger(connection);
     return;
