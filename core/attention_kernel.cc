@@ -27,6 +27,8 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // than 64 x 256 and 96 x 384 on the benchmark shapes.
 constexpr int64_t kQueryBlock = 128;
 constexpr int64_t kKeyBlock = 512;
+static_assert(kKeyBlock == kCacheBlockKeys,
+              "a block table's entries cover one key block each");
 
 // Whether the caller gave up. Polled at every key block, not only between
 // query blocks: a block of 128 queries over millions of keys would
@@ -194,10 +196,30 @@ const void* At(const void* base, DType dtype, int64_t offset) {
   return static_cast<const char*>(base) + offset * DTypeSize(dtype);
 }
 
+// Key (value) j0 of batch entry b, key/value head g, and the keys after it
+// up to the end of j0's block of kCacheBlockKeys: in `key` (`value`), or
+// at the base the problem's block table gives for that block.
+const void* KeyRows(const AttentionProblem& p, int64_t b, int64_t g,
+                    int64_t j0) {
+  const size_t block = static_cast<size_t>(j0 / kCacheBlockKeys);
+  const void* base = block < p.key_blocks.size() ? p.key_blocks[block] : p.key;
+  return At(base, p.operand_dtype,
+            b * p.key_layout.batch_stride + g * p.key_layout.head_stride +
+                j0 * p.key_layout.row_stride);
+}
+
+const void* ValueRows(const AttentionProblem& p, int64_t b, int64_t g,
+                      int64_t j0) {
+  const size_t block = static_cast<size_t>(j0 / kCacheBlockKeys);
+  const void* base =
+      block < p.value_blocks.size() ? p.value_blocks[block] : p.value;
+  return At(base, p.operand_dtype,
+            b * p.value_layout.batch_stride + g * p.value_layout.head_stride +
+                j0 * p.value_layout.row_stride);
+}
+
 struct BlockOperands {
   const void* q;  // first query row of the block
-  const void* k;  // first key of the (batch, head)
-  const void* v;
 };
 
 BlockOperands OperandsOf(const AttentionProblem& p, const Block& blk) {
@@ -205,13 +227,7 @@ BlockOperands OperandsOf(const AttentionProblem& p, const Block& blk) {
   return {At(p.query, t,
              blk.b * p.query_layout.batch_stride +
                  blk.h * p.query_layout.head_stride +
-                 blk.i0 * p.query_layout.row_stride),
-          At(p.key, t,
-             blk.b * p.key_layout.batch_stride +
-                 (blk.h / p.kv_group) * p.key_layout.head_stride),
-          At(p.value, t,
-             blk.b * p.value_layout.batch_stride +
-                 (blk.h / p.kv_group) * p.value_layout.head_stride)};
+                 blk.i0 * p.query_layout.row_stride)};
 }
 
 // The block's raw Q*K^T for keys j0 .. j0 + cols, into `logits` (rows
@@ -229,7 +245,7 @@ absl::Status BlockLogits(const AttentionProblem& p, const Block& blk,
                          true,
                          false,
                          t};
-  return gemms.Run(qk, in.q, At(in.k, t, j0 * p.key_layout.row_stride), logits);
+  return gemms.Run(qk, in.q, KeyRows(p, blk.b, blk.h / p.kv_group, j0), logits);
 }
 
 // acc += probabilities (rows `ld` apart, operand dtype) * the `cols` value
@@ -321,12 +337,11 @@ absl::Status AccumulateKeptValues(const AttentionProblem& p, const Block& blk,
 // acc += probabilities (rows `ld` apart, operand dtype) * V for keys
 // j0 .. j0 + cols.
 absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
-                              const BlockOperands& in, int64_t j0, int64_t cols,
-                              const void* probs, int64_t ld, float* acc,
-                              TileGemms& gemms, ThreadBuffers& buf,
-                              ValueMode mode) {
+                              int64_t j0, int64_t cols, const void* probs,
+                              int64_t ld, float* acc, TileGemms& gemms,
+                              ThreadBuffers& buf, ValueMode mode) {
   const int64_t stride = p.value_layout.row_stride;
-  const void* v = At(in.v, p.operand_dtype, j0 * stride);
+  const void* v = ValueRows(p, blk.b, blk.h / p.kv_group, j0);
   if (mode == ValueMode::kExcludeValues) {
     return AccumulateKeptValues(p, blk, v, stride, j0, cols, probs, ld, acc,
                                 gemms, buf);
@@ -443,8 +458,8 @@ absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
     }
     const void* probs = bf16 ? static_cast<const void*>(buf.probs_bf16.get())
                              : static_cast<const void*>(logits);
-    s = AccumulateValues(p, blk, in, j0, cols, probs, kKeyBlock, acc, gemms,
-                         buf, mode);
+    s = AccumulateValues(p, blk, j0, cols, probs, kKeyBlock, acc, gemms, buf,
+                         mode);
     if (!s.ok()) return s;
   }
   // A row with no key left (sum 0) gets zeros; a NaN sum stays NaN.
@@ -521,8 +536,8 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
     for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
       if (Cancelled(p)) return CancelledStatus();
       const int64_t cols = std::min(kKeyBlock, visible - j0);
-      absl::Status s = AccumulateValues(p, blk, in, j0, cols, At(probs, t, j0),
-                                        lk, acc, gemms, buf, mode);
+      absl::Status s = AccumulateValues(p, blk, j0, cols, At(probs, t, j0), lk,
+                                        acc, gemms, buf, mode);
       if (!s.ok()) return s;
     }
     if (!MayHaveReadExcludedValues(p, ops, blk, acc, row_scale)) break;
@@ -554,10 +569,6 @@ absl::Status UniformAttention(const AttentionProblem& p) {
     for (int64_t n = 0; n < pairs; ++n) {
       if (shared.failed()) continue;
       const int64_t b = n / p.heads, h = n % p.heads;
-      const void* values =
-          At(p.value, t,
-             b * p.value_layout.batch_stride +
-                 (h / p.kv_group) * p.value_layout.head_stride);
       const int64_t out_first =
           b * p.output_layout.batch_stride + h * p.output_layout.head_stride;
       std::fill(sum.get(), sum.get() + dv, 0.0);
@@ -569,9 +580,9 @@ absl::Status UniformAttention(const AttentionProblem& p) {
                 : p.key_len;
         for (; summed < visible; ++summed) {
           if (summed % kRowsPerPoll == 0 && Cancelled(p)) break;
-          const int64_t row = summed * p.value_layout.row_stride;
+          const void* row = ValueRows(p, b, h / p.kv_group, summed);
           for (int64_t c = 0; c < dv; ++c) {
-            sum[c] += OperandValue(values, t, row + c);
+            sum[c] += OperandValue(row, t, c);
           }
         }
         if (summed < visible || (i % kRowsPerPoll == 0 && Cancelled(p))) {
@@ -709,6 +720,8 @@ AttentionProblem FoldGroups(const AttentionProblem& in) {
 
 // The split-KV path.
 constexpr int64_t kSplitKeys = 512;
+static_assert(kSplitKeys == kCacheBlockKeys,
+              "a block table's entries cover one split each");
 // Query rows per key/value head up to which a problem takes it.
 constexpr int64_t kMaxSplitRows = 16;
 
@@ -828,16 +841,10 @@ void RunSplitItem(const SplitProblem& sp, const RowOps& ops, int64_t b,
   const int64_t rows = sp.rows, dk = p.key_dim, dv = p.value_dim;
   const DType t = p.operand_dtype;
   GatherSplitQueries(sp, b, g, q);
-  const CachedRows keys{
-      At(p.key, t,
-         b * p.key_layout.batch_stride + g * p.key_layout.head_stride +
-             j0 * p.key_layout.row_stride),
-      p.key_layout.row_stride, RowTypeOf(t), nullptr};
-  const CachedRows values{
-      At(p.value, t,
-         b * p.value_layout.batch_stride + g * p.value_layout.head_stride +
-             j0 * p.value_layout.row_stride),
-      p.value_layout.row_stride, RowTypeOf(t), nullptr};
+  const CachedRows keys{KeyRows(p, b, g, j0), p.key_layout.row_stride,
+                        RowTypeOf(t), nullptr};
+  const CachedRows values{ValueRows(p, b, g, j0), p.value_layout.row_stride,
+                          RowTypeOf(t), nullptr};
   ops.dot_rows(q, rows, dk, keys, cols, logits, kSplitKeys);
 
   float* maxima = partial;
@@ -990,6 +997,17 @@ SplitProblem* OwnerOf(const std::vector<SplitProblem*>& by_order, int64_t index,
   return by_order[lo];
 }
 
+// The weights path reads keys in one run per query block, not block by
+// block: a problem with a block table cannot take it.
+absl::Status VerifyBlockTable(const AttentionProblem& p) {
+  if (p.key_blocks.empty() && p.value_blocks.empty()) return absl::OkStatus();
+  if (p.weights != nullptr) {
+    return absl::InvalidArgumentError(
+        "attention: weights cannot be returned from a block-table cache");
+  }
+  return absl::OkStatus();
+}
+
 void RunSplitPass(std::deque<SplitProblem>& problems) {
   const SplitTotals totals = PlanSplits(problems);
   const int64_t items = totals.items, units = totals.units;
@@ -1068,6 +1086,8 @@ std::vector<absl::Status> RunAttentionBatch(
   std::deque<SplitProblem> split;  // stable addresses (atomics, mutex)
   std::vector<size_t> split_index;
   for (size_t i = 0; i < problems.size(); ++i) {
+    statuses[i] = VerifyBlockTable(*problems[i]);
+    if (!statuses[i].ok()) continue;
     if (TakesSplitPath(*problems[i])) {
       split.emplace_back().p = problems[i];
       split_index.push_back(i);
@@ -1078,7 +1098,7 @@ std::vector<absl::Status> RunAttentionBatch(
     statuses[split_index[k]] = split[k].Status();
   }
   for (size_t i = 0; i < problems.size(); ++i) {
-    if (!TakesSplitPath(*problems[i])) {
+    if (statuses[i].ok() && !TakesSplitPath(*problems[i])) {
       statuses[i] = RunTiled(FoldGroups(*problems[i]));
     }
   }

@@ -74,6 +74,10 @@ struct MaskLayout {
   int64_t key_stride = 0;
 };
 
+// The keys a block table entry covers (AttentionProblem::key_blocks): the
+// kernel's key blocks, aligned at key 0.
+inline constexpr int64_t kCacheBlockKeys = 512;
+
 // Offsets in the layouts count elements of the operand's dtype.
 struct AttentionProblem {
   int64_t batch = 0;
@@ -90,6 +94,12 @@ struct AttentionProblem {
   OperandLayout key_layout;
   const void* value = nullptr;  // [batch, heads, key_len, value_dim]
   OperandLayout value_layout;
+  // Optional block tables (a cache shared copy-on-write): keys i *
+  // kCacheBlockKeys .. (i + 1) * kCacheBlockKeys - 1 are read from
+  // key_blocks[i] instead of `key`, by key_layout and absolute key index;
+  // keys past the table from `key`. Likewise for values. Not with weights.
+  absl::Span<const void* const> key_blocks;
+  absl::Span<const void* const> value_blocks;
   // FLOAT32 or BFLOAT16.
   DType output_dtype = DType::kFloat32;
   void* output = nullptr;  // [batch, heads, query_len, value_dim]
