@@ -199,16 +199,127 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
     const DecodeSessionConfig& config) {
   std::unique_ptr<DecodeSession> s(new DecodeSession());
   ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims, s->Configure(config));
-  ATTN_ASSIGN_OR_RETURN(s->cache_, KvCache::Create(dims));
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(dims));
+  MutexLock lock(&s->mu_);
+  s->cache_ = std::move(cache);
   return s;
 }
 
 size_t DecodeSession::reserved_bytes() const {
+  MutexLock lock(&mu_);
   return cache_->reserved_bytes();
 }
 
 size_t DecodeSession::BytesAt(int64_t tokens) const {
-  return cache_->BytesFor(std::clamp<int64_t>(tokens, 0, config_.max_length));
+  MutexLock lock(&mu_);
+  return cache_->BytesBetween(
+      own_from_, std::clamp<int64_t>(tokens, 0, config_.max_length));
+}
+
+namespace {
+
+int64_t BlocksOf(int64_t tokens) {
+  return (tokens + kCacheBlockKeys - 1) / kCacheBlockKeys;
+}
+
+absl::Status VerifyForkLength(int64_t length, int64_t held) {
+  if (length >= 0 && length <= held) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("length: ", length, " is not in [0, ", held,
+                   "] (the tokens the session holds)"));
+}
+
+}  // namespace
+
+bool DecodeSession::ReadsOwnCache(int64_t tokens) const {
+  const size_t blocks = static_cast<size_t>(BlocksOf(tokens));
+  if (key_blocks_.size() < blocks) return true;
+  for (size_t i = 0; i < blocks; ++i) {
+    if (key_blocks_[i] == cache_->keys()) return true;
+  }
+  return false;
+}
+
+void DecodeSession::FreezeFor(int64_t length, std::unique_ptr<KvCache>& fresh) {
+  if (!ReadsOwnCache(length)) return;
+  // Every block up to the session's length gets an entry: those past the
+  // old table were in cache_, which stays where it is, frozen.
+  const size_t blocks = static_cast<size_t>(BlocksOf(this->length()));
+  if (key_blocks_.size() < blocks) {
+    key_blocks_.resize(blocks, cache_->keys());
+    value_blocks_.resize(blocks, cache_->values());
+  }
+  const size_t bytes = cache_->BytesBetween(own_from_, 0);
+  frozen_.push_back({std::move(cache_), bytes});
+  cache_ = std::move(fresh);
+  own_from_ = static_cast<int64_t>(blocks) * kCacheBlockKeys;
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Fork(
+    std::optional<int64_t> length) {
+  MutexLock lock(&mu_);
+  const int64_t held = this->length();
+  const int64_t shared = length.value_or(held);
+  ATTN_RETURN_IF_ERROR(VerifyForkLength(shared, held));
+  // Both new caches are reserved before anything changes.
+  std::unique_ptr<DecodeSession> fork(new DecodeSession());
+  ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims, fork->Configure(config_));
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(dims));
+  std::unique_ptr<KvCache> fresh;
+  if (shared > 0 && ReadsOwnCache(shared)) {
+    ATTN_ASSIGN_OR_RETURN(fresh, KvCache::Create(dims));
+  }
+  MutexLock fork_lock(&fork->mu_);
+  fork->cache_ = std::move(cache);
+  if (shared == 0) return fork;
+  FreezeFor(shared, fresh);
+  const size_t blocks = static_cast<size_t>(BlocksOf(shared));
+  fork->key_blocks_.assign(key_blocks_.begin(), key_blocks_.begin() + blocks);
+  fork->value_blocks_.assign(value_blocks_.begin(),
+                             value_blocks_.begin() + blocks);
+  // The frozen caches the fork reads, and only those.
+  for (const FrozenCache& frozen : frozen_) {
+    if (std::find(fork->key_blocks_.begin(), fork->key_blocks_.end(),
+                  frozen.cache->keys()) != fork->key_blocks_.end()) {
+      fork->frozen_.push_back(frozen);
+    }
+  }
+  fork->own_from_ = static_cast<int64_t>(blocks) * kCacheBlockKeys;
+  fork->length_.store(shared, std::memory_order_release);
+  return fork;
+}
+
+absl::StatusOr<size_t> DecodeSession::ForkReservedBytes(
+    std::optional<int64_t> length) const {
+  MutexLock lock(&mu_);
+  const int64_t shared = length.value_or(this->length());
+  ATTN_RETURN_IF_ERROR(VerifyForkLength(shared, this->length()));
+  const size_t one = cache_->reserved_bytes();
+  return shared > 0 && ReadsOwnCache(shared) ? 2 * one : one;
+}
+
+std::vector<DecodeSession::SharedCache> DecodeSession::shared_caches() const {
+  MutexLock lock(&mu_);
+  std::vector<SharedCache> caches;
+  for (const FrozenCache& frozen : frozen_) {
+    caches.push_back(
+        {frozen.cache.get(), frozen.bytes, frozen.cache->reserved_bytes()});
+  }
+  return caches;
+}
+
+void DecodeSession::OwnBlocks(int64_t first, int64_t end, int64_t held) {
+  const int64_t table = static_cast<int64_t>(key_blocks_.size());
+  const int64_t last = std::min(BlocksOf(end), table);
+  for (int64_t i = first / kCacheBlockKeys; i < last; ++i) {
+    if (key_blocks_[i] == cache_->keys()) continue;
+    const int64_t from = i * kCacheBlockKeys;
+    cache_->CopyTokens(key_blocks_[i], value_blocks_[i], from,
+                       std::min(held, from + kCacheBlockKeys));
+    key_blocks_[i] = cache_->keys();
+    value_blocks_[i] = cache_->values();
+    own_from_ = std::min(own_from_, from);
+  }
 }
 
 double DecodeSession::StepFlops(int64_t new_tokens) const {
@@ -363,6 +474,10 @@ DecodeSession::Prepare(const DecodeStepInputs& inputs,
   ATTN_ASSIGN_OR_RETURN(step->logit_multiplier,
                         LogitMultiplier(attention, key_dim_));
   step->cancelled = options.cancelled;
+  // Copy-on-write: the blocks the step writes into become the session's
+  // own first (for good, whether the step succeeds or not: they hold the
+  // same tokens as the frozen ones).
+  if (n > 0) OwnBlocks(step->start, step->start + n, step->held);
   // A rewind writes the step's tokens over cached ones (rows start ..
   // held - 1); they are kept until the step has succeeded, so that a step
   // that fails later (cancelled, out of memory) is undone as well.
@@ -609,6 +724,8 @@ void DecodeSession::SetProblem(const void* query,
   p.key_layout = cache_->key_layout();
   p.value = cache_->values();
   p.value_layout = cache_->value_layout();
+  p.key_blocks = key_blocks_;
+  p.value_blocks = value_blocks_;
   p.output = output;
   p.output_dtype = output_dtype;
   p.output_layout = output_layout;

@@ -16,9 +16,17 @@
 // or not (cancelled, out of memory), leaves the session as it was, also
 // one that asked for a rewind.
 //
-// Ownership: owns its cache; a model session shares its layer. Thread-safety:
-// Step and the accessors may be called from any thread; steps on one
-// session run one at a time, in the order they take its lock.
+// A session may be forked (Fork): the new one shares the tokens it starts
+// with, copy-on-write by blocks of kCacheBlockKeys tokens. The cache a
+// session writes into is frozen when a fork shares it and read from then
+// on by every session that holds it; a write into one of its blocks copies
+// that block's earlier tokens into the writer's own cache first, so that
+// sharers never see each other's writes.
+//
+// Ownership: owns its cache; shares frozen caches with the sessions forked
+// from and of it; a model session shares its layer. Thread-safety: Step,
+// Fork and the accessors may be called from any thread; steps and forks on
+// one session run one at a time, in the order they take its lock.
 #ifndef ATTNSERVE_CORE_DECODE_SESSION_H_
 #define ATTNSERVE_CORE_DECODE_SESSION_H_
 
@@ -133,6 +141,28 @@ class DecodeSession {
                     const DecodeStepOptions& options, ResultAllocator& results)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // A new session of the same config holding this one's first `length`
+  // tokens (every one when unset), which both read from now on from one
+  // frozen copy: no tokens are copied, only a table of a pointer per
+  // block of kCacheBlockKeys tokens. INVALID_ARGUMENT when `length` is not
+  // in [0, length()]; RESOURCE_EXHAUSTED when the address space of the new
+  // caches cannot be reserved (then nothing changed).
+  absl::StatusOr<std::unique_ptr<DecodeSession>> Fork(
+      std::optional<int64_t> length) ABSL_LOCKS_EXCLUDED(mu_);
+  // The address space Fork(length) would reserve: the fork's cache, and
+  // this session's new one when the fork freezes its cache; Fork's
+  // INVALID_ARGUMENT.
+  absl::StatusOr<size_t> ForkReservedBytes(std::optional<int64_t> length) const
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A frozen cache the session reads, shared with other sessions: its
+  // memory and address space, counted once however many hold it.
+  struct SharedCache {
+    const void* id = nullptr;  // the same for every session holding it
+    size_t bytes = 0;
+    size_t reserved_bytes = 0;
+  };
+  std::vector<SharedCache> shared_caches() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // The new tokens a step with these inputs would append (validated by
   // Step itself), or INVALID_ARGUMENT when the inputs of this session's
   // kind are missing or of the wrong rank.
@@ -150,11 +180,13 @@ class DecodeSession {
   // Tokens cached per sequence.
   int64_t length() const { return length_.load(std::memory_order_acquire); }
   // The address space the cache reserves (its whole max_length), of which
-  // it commits what its tokens fill.
-  size_t reserved_bytes() const;
-  // Memory the cache commits now, and when holding `tokens` tokens.
+  // it commits what its tokens fill. A forked session's: its own cache's,
+  // not counting shared_caches().
+  size_t reserved_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Memory the cache commits now, and when holding `tokens` tokens (a
+  // forked session's own cache, not counting shared_caches()).
   size_t cache_bytes() const { return BytesAt(length()); }
-  size_t BytesAt(int64_t tokens) const;
+  size_t BytesAt(int64_t tokens) const ABSL_LOCKS_EXCLUDED(mu_);
   // The length a step with these inputs ends at (checked by Step).
   int64_t LengthAfter(const DecodeStepInputs& inputs,
                       int64_t new_tokens) const {
@@ -197,6 +229,16 @@ class DecodeSession {
   absl::Status PrepareModel(const TensorView& input, int64_t first,
                             ResultAllocator& results, PendingStep& step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copy-on-write: makes the blocks of tokens [first, end) writable in
+  // cache_, copying the tokens below `held` of those read from a frozen
+  // cache.
+  void OwnBlocks(int64_t first, int64_t end, int64_t held)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fork's part on this side: freezes cache_ into frozen_ when the first
+  // `length` tokens read any of it, taking `fresh` as the new cache_.
+  void FreezeFor(int64_t length, std::unique_ptr<KvCache>& fresh)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ReadsOwnCache(int64_t tokens) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The problem of `n` queries at positions first .. first + n - 1 (layout
   // `query_layout` at `query`) over the cache's first `first + n` tokens,
   // writing [B, H, n, dv] at `output` by `output_layout`.
@@ -216,10 +258,23 @@ class DecodeSession {
   RotaryOptions rotary_;
   // Serializes steps: a step writes the cache past its length, then moves
   // the length.
-  Mutex mu_;
-  // Set once by Create; its dims never change, its contents are written
-  // under mu_.
-  std::unique_ptr<KvCache> cache_;
+  mutable Mutex mu_;
+  // Set by Create, replaced by a fork that freezes it; its dims never
+  // change, its contents are written under mu_.
+  std::unique_ptr<KvCache> cache_ ABSL_GUARDED_BY(mu_);
+  // A forked session's frozen caches, and where each block of
+  // kCacheBlockKeys tokens is read: in a frozen cache or in cache_ (the
+  // keys' and values' bases). Blocks past the table are in cache_; no
+  // table: every block is.
+  struct FrozenCache {
+    std::shared_ptr<const KvCache> cache;
+    size_t bytes = 0;  // what it commits, fixed once frozen
+  };
+  std::vector<FrozenCache> frozen_ ABSL_GUARDED_BY(mu_);
+  std::vector<const void*> key_blocks_ ABSL_GUARDED_BY(mu_);
+  std::vector<const void*> value_blocks_ ABSL_GUARDED_BY(mu_);
+  // The first token cache_ may hold: it has written none below.
+  int64_t own_from_ ABSL_GUARDED_BY(mu_) = 0;
   // The cache's length, readable without the lock.
   std::atomic<int64_t> length_{0};
 };

@@ -110,6 +110,39 @@ size_t KvCache::BytesFor(int64_t tokens) const {
   return per_plane * static_cast<size_t>(dims_.batch * dims_.kv_heads);
 }
 
+size_t KvCache::BytesBetween(int64_t first, int64_t tokens) const {
+  const size_t elem = DTypeSize(dims_.dtype);
+  tokens = std::max(tokens, written_);
+  if (tokens <= first) return 0;
+  const size_t page = PageSize();
+  const auto plane = [&](int64_t dim) {
+    const size_t row = static_cast<size_t>(dim) * elem;
+    return RoundUpToPage(static_cast<size_t>(tokens) * row) -
+           static_cast<size_t>(first) * row / page * page;
+  };
+  return (plane(dims_.key_dim) + plane(dims_.value_dim)) *
+         static_cast<size_t>(dims_.batch * dims_.kv_heads);
+}
+
+void KvCache::CopyTokens(const void* keys, const void* values, int64_t first,
+                         int64_t end) {
+  if (end <= first) return;
+  const size_t elem = DTypeSize(dims_.dtype);
+  const size_t planes = static_cast<size_t>(dims_.batch * dims_.kv_heads);
+  const auto copy = [&](void* to, const void* from, size_t plane, int64_t dim) {
+    const size_t row = static_cast<size_t>(dim) * elem;
+    const size_t offset = static_cast<size_t>(first) * row;
+    const size_t bytes = static_cast<size_t>(end - first) * row;
+    for (size_t i = 0; i < planes; ++i) {
+      std::memcpy(static_cast<char*>(to) + i * plane + offset,
+                  static_cast<const char*>(from) + i * plane + offset, bytes);
+    }
+  };
+  copy(keys_, keys, key_plane_, dims_.key_dim);
+  copy(values_, values, value_plane_, dims_.value_dim);
+  Wrote(end);
+}
+
 void KvCache::Truncate(int64_t new_length) {
   const size_t elem = DTypeSize(dims_.dtype);
   const size_t dropped = static_cast<size_t>(written_ - new_length) *

@@ -60,6 +60,14 @@ class KvCache {
   // The memory the cache commits when holding `tokens` tokens (whole
   // pages), counting the pages a rewind kept.
   size_t BytesFor(int64_t tokens) const;
+  // The same for a cache whose tokens below `first` were never written
+  // (they are read from another cache): the pages from `first`'s on.
+  size_t BytesBetween(int64_t first, int64_t tokens) const;
+  // Copies tokens [first, end) of every (batch, head) plane from the cache
+  // of the same dims whose keys and values start at `keys` and `values`
+  // (a cache shared copy-on-write, before this one writes over them).
+  void CopyTokens(const void* keys, const void* values, int64_t first,
+                  int64_t end);
 
   // Element (b, h, token, :) of the keys (values) is at
   // data + b * batch_stride + h * head_stride + token * row_stride.
@@ -67,6 +75,8 @@ class KvCache {
   OperandLayout value_layout() const;
   void* keys() { return keys_; }
   void* values() { return values_; }
+  const void* keys() const { return keys_; }
+  const void* values() const { return values_; }
   // Where token `token` of (batch entry `b`, head `h`) starts: dim
   // elements, followed by the head's next tokens.
   void* key_row(int64_t b, int64_t h, int64_t token);
