@@ -105,6 +105,10 @@ absl::StatusOr<std::string> SessionStore::Add(
          reserved_ + reserved > options_.max_reserved_bytes && !lru_.empty()) {
     Remove(lru_.back(), GoneReason::kEvicted, freed);
   }
+  return Open(std::move(slot), reserved);
+}
+
+std::string SessionStore::Open(std::shared_ptr<Slot> slot, size_t reserved) {
   std::string id;
   do {
     id = absl::StrFormat("%016x%016x", id_bits_(), id_bits_());
@@ -118,6 +122,105 @@ absl::StatusOr<std::string> SessionStore::Add(
   reserved_ += reserved;
   ++counts_.created;
   return id;
+}
+
+void SessionStore::AccountShared(Entry& entry, const DecodeSession& session) {
+  for (const DecodeSession::SharedCache& cache : session.shared_caches()) {
+    if (std::find(entry.shared.begin(), entry.shared.end(), cache.id) !=
+        entry.shared.end()) {
+      continue;
+    }
+    entry.shared.push_back(cache.id);
+    Shared& shared = shared_[cache.id];
+    if (shared.holders++ == 0) {
+      shared.bytes = cache.bytes;
+      shared.reserved_bytes = cache.reserved_bytes;
+      bytes_ += cache.bytes;
+      reserved_ += cache.reserved_bytes;
+    }
+  }
+}
+
+absl::Status SessionStore::MakeRoomBeside(
+    const std::string& keep, size_t reserved,
+    std::vector<std::shared_ptr<Slot>>& freed) {
+  while (true) {
+    const bool too_many =
+        options_.max_sessions > 0 &&
+        static_cast<int64_t>(sessions_.size()) >= options_.max_sessions;
+    const bool too_large = options_.max_reserved_bytes > 0 &&
+                           reserved_ + reserved > options_.max_reserved_bytes;
+    if (!too_many && !too_large) return absl::OkStatus();
+    auto victim = lru_.rbegin();
+    if (victim != lru_.rend() && *victim == keep) ++victim;
+    if (victim == lru_.rend()) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "session_id: no room to fork session ", EchoString(keep, '"'),
+          too_many ? absl::StrCat(": max_sessions ", options_.max_sessions,
+                                  " would be passed")
+                   : absl::StrCat(": its cache would reserve ", reserved,
+                                  " bytes past max_reserved_bytes ",
+                                  options_.max_reserved_bytes)));
+    }
+    Remove(std::string(*victim), GoneReason::kEvicted, freed);
+  }
+}
+
+absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
+                                               std::optional<int64_t> length,
+                                               int64_t* forked_length) {
+  std::shared_ptr<Slot> slot;
+  {
+    MutexLock lock(&mu_);
+    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
+    slot = entry->slot;
+  }
+  const std::string key(id);
+  // Steps on the session wait: its cache may be frozen and counted anew.
+  MutexLock step_lock(&slot->step_mu);
+  std::vector<std::shared_ptr<Slot>> freed;
+  {
+    // Room first: a fork refused afterwards would have frozen the cache
+    // for nothing (a later write copies a block of it).
+    ATTN_ASSIGN_OR_RETURN(const size_t room,
+                          slot->session->ForkReservedBytes(length));
+    MutexLock lock(&mu_);
+    if (!sessions_.contains(key)) return NotFound(key);  // gone meanwhile
+    ATTN_RETURN_IF_ERROR(MakeRoomBeside(key, room, freed));
+  }
+  freed.clear();
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> fork,
+                        slot->session->Fork(length));
+  const int64_t fork_length = fork->length();
+  const size_t reserved = fork->reserved_bytes();
+  auto fork_slot = std::make_shared<Slot>();
+  fork_slot->session = std::move(fork);
+  std::string fork_id;
+  {
+    MutexLock lock(&mu_);
+    const auto it = sessions_.find(key);
+    if (it == sessions_.end() || it->second.slot != slot) {
+      return NotFound(key);  // gone meanwhile
+    }
+    // The session's cache may now be frozen: shared, counted once, and
+    // the session's own cache a new one.
+    Entry& entry = it->second;
+    AccountShared(entry, *slot->session);
+    const size_t own = slot->session->cache_bytes();
+    bytes_ = bytes_ - entry.accounted_bytes + own;
+    entry.accounted_bytes = own;
+    const size_t own_reserved = slot->session->reserved_bytes();
+    reserved_ = reserved_ - entry.reserved_bytes + own_reserved;
+    entry.reserved_bytes = own_reserved;
+    // Room was made above; a session opened since may have taken it.
+    ATTN_RETURN_IF_ERROR(MakeRoomBeside(key, reserved, freed));
+    fork_id = Open(std::move(fork_slot), reserved);
+    Entry& forked = sessions_.at(fork_id);
+    AccountShared(forked, *forked.slot->session);
+    ++counts_.forked;
+  }
+  if (forked_length != nullptr) *forked_length = fork_length;
+  return fork_id;
 }
 
 absl::Status SessionStore::NotFound(absl::string_view id) const {
@@ -164,6 +267,14 @@ void SessionStore::Remove(std::string id, GoneReason reason,
   if (it == sessions_.end()) return;
   bytes_ -= it->second.accounted_bytes;
   reserved_ -= it->second.reserved_bytes;
+  for (const void* key : it->second.shared) {
+    const auto shared = shared_.find(key);
+    if (--shared->second.holders > 0) continue;
+    // The last holder: its memory goes with this session.
+    bytes_ -= shared->second.bytes;
+    reserved_ -= shared->second.reserved_bytes;
+    shared_.erase(shared);
+  }
   lru_.erase(it->second.lru);
   freed.push_back(std::move(it->second.slot));
   sessions_.erase(it);
@@ -430,6 +541,8 @@ SessionStore::Stats SessionStore::stats() const {
   s.open = static_cast<int64_t>(sessions_.size());
   s.cache_bytes = bytes_;
   s.reserved_bytes = reserved_;
+  s.shared_caches = static_cast<int64_t>(shared_.size());
+  for (const auto& [key, shared] : shared_) s.shared_bytes += shared.bytes;
   return s;
 }
 

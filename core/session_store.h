@@ -12,6 +12,11 @@
 // destroyed; a session evicted while one of its steps runs is freed when that
 // step returns (the step still answers).
 //
+// Forked sessions (Fork) share frozen caches: each is counted once in
+// cache_bytes and reserved_bytes (and in the budget) while any session
+// holds it, and freed when the last one goes; evicting one of its holders
+// frees that session's own cache only.
+//
 // Ownership: owns its sessions. Thread-safety: every method may be called
 // concurrently; steps on one session run one at a time, steps on different
 // sessions in parallel. A background thread expires idle sessions.
@@ -23,6 +28,7 @@
 #include <deque>
 #include <list>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -65,6 +71,11 @@ class SessionStore {
     int64_t deleted = 0;
     int64_t expired = 0;
     int64_t evicted = 0;  // least recently used, to make room
+    int64_t forked = 0;   // sessions opened by Fork (counted in created)
+    // Frozen caches shared by forked sessions: how many, and their memory
+    // (counted once each, in cache_bytes too).
+    int64_t shared_caches = 0;
+    size_t shared_bytes = 0;
   };
 
   explicit SessionStore(const Options& options);
@@ -112,6 +123,16 @@ class SessionStore {
   std::vector<absl::Status> StepMany(absl::Span<const StepInput> steps)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Opens a new session holding the first `length` tokens of session `id`
+  // (every one when unset), sharing them copy-on-write
+  // (DecodeSession::Fork); `length` gets the new session's length. Makes
+  // room as Add does, never evicting `id` itself: RESOURCE_EXHAUSTED when
+  // the other sessions cannot make it. NOT_FOUND as Step.
+  absl::StatusOr<std::string> Fork(absl::string_view id,
+                                   std::optional<int64_t> length,
+                                   int64_t* forked_length = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // The session, for cost estimates and metadata; NOT_FOUND as Step.
   absl::StatusOr<std::shared_ptr<const DecodeSession>> Find(
       absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
@@ -142,6 +163,14 @@ class SessionStore {
     absl::Time last_used;
     int active_steps = 0;                  // running steps never expire
     std::list<std::string>::iterator lru;  // in lru_
+    std::vector<const void*> shared;       // keys of shared_ it holds
+  };
+  // A frozen cache of forked sessions, counted once in bytes_ and
+  // reserved_.
+  struct Shared {
+    size_t bytes = 0;
+    size_t reserved_bytes = 0;
+    int holders = 0;
   };
   enum class GoneReason { kExpired, kEvicted, kDeleted };
 
@@ -160,6 +189,17 @@ class SessionStore {
                        std::vector<std::shared_ptr<Slot>>& freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Settle(const std::string& id, const std::shared_ptr<Slot>& slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Fork's parts: counts the frozen caches `session` holds that `entry`
+  // does not yet; evicts least recently used sessions other than `keep`
+  // until one more session reserving `reserved` fits; opens `slot` under a
+  // new id.
+  void AccountShared(Entry& entry, const DecodeSession& session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  absl::Status MakeRoomBeside(const std::string& keep, size_t reserved,
+                              std::vector<std::shared_ptr<Slot>>& freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  std::string Open(std::shared_ptr<Slot> slot, size_t reserved)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // StepMany's parts: takes each entry's session lock once, in address
   // order (a session named again fails that entry); then steps the
@@ -181,6 +221,7 @@ class SessionStore {
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  absl::flat_hash_map<const void*, Shared> shared_ ABSL_GUARDED_BY(mu_);
   Stats counts_ ABSL_GUARDED_BY(mu_);
   // Why recent sessions are gone, for the NOT_FOUND message (bounded).
   absl::flat_hash_map<std::string, GoneReason> gone_ ABSL_GUARDED_BY(mu_);
