@@ -107,6 +107,14 @@ absl::Status AttnClient::DeleteSession(const std::string& session_id) {
       .status();
 }
 
+absl::StatusOr<v1::ForkSessionResponse> AttnClient::ForkSession(
+    const std::string& session_id, std::optional<int64_t> length) {
+  v1::ForkSessionRequest request;
+  request.set_session_id(session_id);
+  if (length.has_value()) request.set_length(*length);
+  return Call(stub_.get(), &v1::AttentionService::Stub::ForkSession, request);
+}
+
 absl::StatusOr<v1::ListModelsResponse> AttnClient::ListModels() {
   return Call(stub_.get(), &v1::AttentionService::Stub::ListModels,
               v1::ListModelsRequest());

@@ -6,7 +6,9 @@
 #ifndef ATTNSERVE_CLIENT_CLIENT_H_
 #define ATTNSERVE_CLIENT_CLIENT_H_
 
+#include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/status.h"
@@ -121,6 +123,11 @@ class AttnClient {
   absl::StatusOr<v1::SessionStepResponse> SessionStep(
       const v1::SessionStepRequest& request);
   absl::Status DeleteSession(const std::string& session_id);
+  // A new session sharing the first `length` tokens (all when unset) of
+  // `session_id`, copy-on-write.
+  absl::StatusOr<v1::ForkSessionResponse> ForkSession(
+      const std::string& session_id,
+      std::optional<int64_t> length = std::nullopt);
 
   // The server's health for `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(

@@ -73,6 +73,18 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
                                    v1::DeleteSessionResponse*) {
         return HandleDeleteSession(request, sessions);
       });
+  // As CreateSession: a new session would die with a draining server.
+  AddState<v1::ForkSessionRequest, v1::ForkSessionResponse>(
+      [pipeline = calls->pipeline()](const v1::ForkSessionRequest& request,
+                                     v1::ForkSessionResponse* response) {
+        if (pipeline->draining()) {
+          return absl::UnavailableError(
+              "server is shutting down; create the session on another "
+              "replica");
+        }
+        return HandleForkSession(request, pipeline->config().sessions,
+                                 response);
+      });
   VerifyEveryRpcAdded();
 }
 

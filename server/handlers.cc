@@ -5,6 +5,8 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -366,6 +368,25 @@ absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
                                  SessionStore* sessions) {
   if (sessions == nullptr) return NoSessions();
   return sessions->Delete(request.session_id());
+}
+
+absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
+                               SessionStore* sessions,
+                               v1::ForkSessionResponse* response) {
+  if (sessions == nullptr) return NoSessions();
+  return OutOfMemoryFailsTheCall([&]() -> absl::Status {
+    int64_t length = 0;
+    ATTN_ASSIGN_OR_RETURN(
+        std::string id,
+        sessions->Fork(request.session_id(),
+                       request.has_length()
+                           ? std::optional<int64_t>(request.length())
+                           : std::nullopt,
+                       &length));
+    response->set_session_id(std::move(id));
+    response->set_length(length);
+    return absl::OkStatus();
+  });
 }
 
 SessionStepHandler::SessionStepHandler(const v1::SessionStepRequest& request,

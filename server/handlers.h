@@ -86,6 +86,9 @@ absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
                                  v1::CreateSessionResponse* response);
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
                                  SessionStore* sessions);
+absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
+                               SessionStore* sessions,
+                               v1::ForkSessionResponse* response);
 
 // SessionStep with the session looked up when the call arrives, for its
 // cost estimate; the step itself looks it up again (it may be gone by

@@ -136,6 +136,21 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
       "# TYPE attnserve_sessions_created_total counter\n"
       "attnserve_sessions_created_total ",
       gauges.sessions.created,
+      "\n# HELP attnserve_sessions_forked_total Decode sessions created by "
+      "ForkSession (counted in attnserve_sessions_created_total too).\n"
+      "# TYPE attnserve_sessions_forked_total counter\n"
+      "attnserve_sessions_forked_total ",
+      gauges.sessions.forked,
+      "\n# HELP attnserve_session_shared_caches Frozen caches that forked "
+      "decode sessions share.\n"
+      "# TYPE attnserve_session_shared_caches gauge\n"
+      "attnserve_session_shared_caches ",
+      gauges.sessions.shared_caches,
+      "\n# HELP attnserve_session_shared_bytes Memory of the shared caches, "
+      "counted once each (part of attnserve_session_cache_bytes).\n"
+      "# TYPE attnserve_session_shared_bytes gauge\n"
+      "attnserve_session_shared_bytes ",
+      gauges.sessions.shared_bytes,
       "\n# HELP attnserve_build_info Build information.\n"
       "# TYPE attnserve_build_info gauge\n"
       "attnserve_build_info{version=\"" ATTNSERVE_VERSION

@@ -2169,6 +2169,38 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
                           "returned"));
   remove.set_session_id(kDeleteSession);
   cases.push_back(Ok(remove, "valid", "session_id"));
+
+  v1::ForkSessionRequest fork;
+  fork.set_session_id(kAttentionSession);
+  fork.set_length(0);
+  cases.push_back(Ok(fork, "valid", "length", [](const std::string& bytes) {
+    v1::ForkSessionResponse response;
+    ASSERT_TRUE(response.ParseFromString(bytes));
+    EXPECT_EQ(response.length(), 0);
+    EXPECT_EQ(response.session_id().size(), 32u);
+  }));
+  fork.set_length(-1);
+  cases.push_back(Glob(Invalid(fork, "length_negative", "length",
+                               "length: -1 is not in [0, *] (the tokens the "
+                               "session holds)")));
+  fork.set_length(int64_t{1} << 62);
+  cases.push_back(Glob(Invalid(fork, "length_2_62", "length",
+                               "length: 4611686018427387904 is not in [0, *] "
+                               "(the tokens the session holds)")));
+  fork.clear_length();
+  fork.set_session_id("nope");
+  cases.push_back(Case(fork, "session_unknown", "session_id", Code::kNotFound,
+                       "session_id: no session \"nope\" (expired, evicted, "
+                       "deleted, or opened on another replica); create a new "
+                       "one and prefill it"));
+  fork.set_session_id("");
+  cases.push_back(Invalid(fork, "session_id_empty", "session_id",
+                          "session_id: empty, expected the id CreateSession "
+                          "returned"));
+  fork.set_session_id(std::string(10240, 'x'));
+  cases.push_back(Invalid(fork, "session_id_10_kb", "session_id",
+                          "session_id: 10240 bytes, longer than any session "
+                          "id (32 hex digits)"));
 }
 
 // ---------------------------------------------------------------------------

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -371,6 +372,7 @@ TEST_F(SessionServerTest, SessionsOffAnswerFailedPrecondition) {
   EXPECT_EQ(status.message(),
             "decode sessions are off on this server "
             "(--max_session_memory_mb=0)");
+  EXPECT_EQ(client.ForkSession("0123").status().message(), status.message());
 }
 
 std::string MetricsPage(const TestServer& server) {
@@ -419,6 +421,110 @@ TEST_F(SessionServerTest, MemoryLimitEvictsTheLeastRecentlyUsedSession) {
             std::string::npos);
   EXPECT_NE(page.find("attnserve_requests_total{rpc=\"SessionStep\",code="
                       "\"NOT_FOUND\"} 1\n"),
+            std::string::npos);
+}
+
+// Rows [first, first + n) of a [heads, length, d] tensor.
+Tensor TokenRows(const Tensor& t, int64_t first, int64_t n) {
+  const int64_t heads = t.shape()[0], length = t.shape()[1], d = t.shape()[2];
+  Tensor rows = *Tensor::Allocate(DType::kFloat32, {heads, n, d});
+  for (int64_t h = 0; h < heads; ++h) {
+    std::memcpy(rows.data_as<float>() + h * n * d,
+                t.data_as<float>() + (h * length + first) * d,
+                n * d * sizeof(float));
+  }
+  return rows;
+}
+
+// A fork and its parent step on their own ways through a live server, each
+// answering bit for bit as a fresh session given the same history; the
+// metrics count the shared prefix once; the parent deleted, the fork steps
+// on.
+TEST_F(SessionServerTest, ForksEqualFreshSessionsAndShareTheirPrefix) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest create = AttentionSession();
+  create.set_max_length(2048);
+  auto parent = client.CreateSession(create);
+  ASSERT_TRUE(parent.ok()) << parent.status();
+  Tensor q, prefix_k, prefix_v;
+  ASSERT_TRUE(client
+                  .SessionStep(AttentionStep(parent->session_id(), 700, &q,
+                                             &prefix_k, &prefix_v))
+                  .ok());
+  auto fork = client.ForkSession(parent->session_id());
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(fork->length(), 700);
+  EXPECT_NE(fork->session_id(), parent->session_id());
+  // 700 tokens x 32 bytes, 6 pages a plane, x 2 heads x (K and V): held
+  // once, by neither side's own cache.
+  std::string page = MetricsPage(server);
+  EXPECT_NE(page.find("attnserve_session_cache_bytes 98304\n"),
+            std::string::npos)
+      << page;
+  EXPECT_NE(page.find("attnserve_session_shared_bytes 98304\n"),
+            std::string::npos);
+  EXPECT_NE(page.find("attnserve_session_shared_caches 1\n"),
+            std::string::npos);
+  EXPECT_NE(page.find("attnserve_sessions_forked_total 1\n"),
+            std::string::npos);
+  EXPECT_NE(page.find("attnserve_sessions_created_total 2\n"),
+            std::string::npos);
+
+  // Each side's step, rewind included, against a fresh session given the
+  // same history: `history` tokens of the prefix, then `extra` ones.
+  const auto expect_like_fresh = [&](const std::string& id, int64_t history,
+                                     std::optional<int64_t> position,
+                                     int64_t n) {
+    Tensor sq, sk, sv;
+    v1::SessionStepRequest step = AttentionStep(id, n, &sq, &sk, &sv);
+    if (position.has_value()) step.set_position(*position);
+    auto got = client.SessionStep(step);
+    ASSERT_TRUE(got.ok()) << got.status();
+    auto fresh = client.CreateSession(create);
+    ASSERT_TRUE(fresh.ok());
+    Tensor fq, fk, fv;
+    v1::SessionStepRequest prefill =
+        AttentionStep(fresh->session_id(), history, &fq, &fk, &fv);
+    *prefill.mutable_key() = ToWire(TokenRows(prefix_k, 0, history).view());
+    *prefill.mutable_value() = ToWire(TokenRows(prefix_v, 0, history).view());
+    ASSERT_TRUE(client.SessionStep(prefill).ok());
+    step.set_session_id(fresh->session_id());
+    step.clear_position();
+    auto want = client.SessionStep(step);
+    ASSERT_TRUE(want.ok()) << want.status();
+    EXPECT_EQ(got->length(), want->length());
+    EXPECT_EQ(got->output().SerializeAsString(),
+              want->output().SerializeAsString())
+        << "the output differs from a fresh session's";
+    ASSERT_TRUE(client.DeleteSession(fresh->session_id()).ok());
+  };
+  expect_like_fresh(fork->session_id(), 700, std::nullopt, 1);
+  expect_like_fresh(parent->session_id(), 700, std::nullopt, 3);
+  // Rewinds into the shared tokens: the other side is untouched.
+  expect_like_fresh(parent->session_id(), 600, 600, 1);
+  expect_like_fresh(fork->session_id(), 100, 100, 2);
+  // A fork of the parent at a shorter prefix; then the parent goes.
+  auto short_fork = client.ForkSession(parent->session_id(), 300);
+  ASSERT_TRUE(short_fork.ok()) << short_fork.status();
+  EXPECT_EQ(short_fork->length(), 300);
+  ASSERT_TRUE(client.DeleteSession(parent->session_id()).ok());
+  expect_like_fresh(short_fork->session_id(), 300, std::nullopt, 1);
+
+  auto refused = client.ForkSession(short_fork->session_id(), 5000);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "length: 5000 is not in [0, 301] (the tokens the session holds)");
+  refused = client.ForkSession(parent->session_id());
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(refused.status().message(),
+            "session_id: session \"" + parent->session_id() + "\" was deleted");
+  ASSERT_TRUE(client.DeleteSession(fork->session_id()).ok());
+  ASSERT_TRUE(client.DeleteSession(short_fork->session_id()).ok());
+  page = MetricsPage(server);
+  EXPECT_NE(page.find("attnserve_session_cache_bytes 0\n"), std::string::npos)
+      << page;
+  EXPECT_NE(page.find("attnserve_session_shared_caches 0\n"),
             std::string::npos);
 }
 

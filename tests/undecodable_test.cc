@@ -94,6 +94,11 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
   step.set_session_id(session_id);
   *step.mutable_input() = RandomWireTensor(DType::kFloat32, {1, 3, 16}, rng);
   cases.push_back(Case("SessionStep", step, step.input().raw_data()));
+  // Before DeleteSession, whose valid call deletes the session.
+  v1::ForkSessionRequest fork_session;
+  fork_session.set_session_id(session_id);
+  fork_session.set_length(1);
+  cases.push_back(Case("ForkSession", fork_session, session_id));
   v1::DeleteSessionRequest delete_session;
   delete_session.set_session_id(session_id);
   cases.push_back(Case("DeleteSession", delete_session, session_id));

@@ -69,6 +69,11 @@ class AttentionServiceStub(object):
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionResponse.FromString,
                 )
+        self.ForkSession = channel.unary_unary(
+                '/attnserve.v1.AttentionService/ForkSession',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.ForkSessionResponse.FromString,
+                )
 
 
 class AttentionServiceServicer(object):
@@ -146,6 +151,12 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForkSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -203,6 +214,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.DeleteSession,
                     request_deserializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionResponse.SerializeToString,
+            ),
+            'ForkSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForkSession,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.ForkSessionRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.ForkSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,5 +414,22 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/DeleteSession',
             attnserve_dot_v1_dot_attention__pb2.DeleteSessionRequest.SerializeToString,
             attnserve_dot_v1_dot_attention__pb2.DeleteSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ForkSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/ForkSession',
+            attnserve_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.ForkSessionResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
