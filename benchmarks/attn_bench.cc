@@ -180,6 +180,56 @@ void BM_DecodeStep(benchmark::State& state) {
   SetRate(state, 4.0 * h * (lk + 1) * d, bytes);
 }
 
+// ForkSession's core: a fork of an attention session of 8 heads x 64
+// (float32) holding Lk tokens. Mode 0: the parent's cache is already
+// frozen (a later fork of one prefix); 1: the fork freezes the parent's
+// own tokens (a first fork: one more cache reserved for the parent);
+// 2: a fork and its first one-token step, which copies the prefix's
+// partial block of 512 tokens (none when Lk is a multiple of 512).
+// Freeing the fork is not timed.
+void BM_ForkSession(benchmark::State& state) {
+  const int64_t h = 8, d = 64, lk = state.range(0), mode = state.range(1);
+  auto prefix = PrefilledSession(h, h, d, lk, DType::kFloat32, 1);
+  if (!prefix.ok()) {
+    state.SkipWithError(std::string(prefix.status().message()).c_str());
+    return;
+  }
+  DecodeSession& parent = **prefix;
+  // The parent's first fork freezes its cache; later ones share it.
+  auto first = parent.Fork(std::nullopt);
+  if (!first.ok()) {
+    state.SkipWithError(std::string(first.status().message()).c_str());
+    return;
+  }
+  const auto token = TokenOperands(h, h, d, 4);
+  const DecodeStepInputs in{std::nullopt, token[0].view(), token[1].view(),
+                            token[2].view(), std::nullopt};
+  for (auto _ : state) {
+    std::unique_ptr<DecodeSession> source;
+    if (mode == 1) {
+      // A parent with one token of its own, not yet shared.
+      state.PauseTiming();
+      source = *parent.Fork(lk - 1);
+      TensorResults out;
+      if (!source->Step(in, {}, out).ok()) state.SkipWithError("step failed");
+      state.ResumeTiming();
+    }
+    auto fork = (source != nullptr ? *source : parent).Fork(std::nullopt);
+    if (!fork.ok()) {
+      state.SkipWithError(std::string(fork.status().message()).c_str());
+      break;
+    }
+    if (mode == 2) {
+      TensorResults out;
+      if (!(*fork)->Step(in, {}, out).ok()) state.SkipWithError("step failed");
+    }
+    state.PauseTiming();
+    fork->reset();
+    source.reset();
+    state.ResumeTiming();
+  }
+}
+
 // Sessions prefilled once per process and shape, shared by the batch
 // benchmarks (a 4096-token prefill of 64 sessions takes seconds).
 std::vector<std::unique_ptr<DecodeSession>>& SessionPool(int64_t count,
@@ -461,6 +511,12 @@ BENCHMARK(BM_DecodeStep)->ArgNames({"H", "Hkv", "d", "Lk", "bf16"})
     ->Args({8, 8, 64, 4096, 1})
     ->Args({32, 8, 128, 4096, 0})
     ->Args({32, 32, 128, 4096, 0})
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_ForkSession)->ArgNames({"Lk", "mode"})
+    ->Args({4096, 0})
+    ->Args({4096, 1})
+    ->Args({4096, 2})
+    ->Args({4095, 2})
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeBatch)->ArgNames({"N", "H", "Hkv", "d", "Lk", "bf16"})
     ->Args({4, 8, 8, 64, 4096, 0})
