@@ -222,6 +222,29 @@ int64_t BlocksOf(int64_t tokens) {
   return (tokens + kCacheBlockKeys - 1) / kCacheBlockKeys;
 }
 
+}  // namespace
+
+size_t DecodeSession::BytesAfter(const DecodeStepInputs& inputs,
+                                 int64_t new_tokens) const {
+  const int64_t start =
+      std::max<int64_t>(inputs.position.value_or(length()), 0);
+  const int64_t end =
+      std::clamp<int64_t>(start + new_tokens, 0, config_.max_length);
+  MutexLock lock(&mu_);
+  int64_t from = own_from_;
+  const int64_t table = static_cast<int64_t>(key_blocks_.size());
+  const int64_t last = std::min(BlocksOf(end), table);
+  for (int64_t i = start / kCacheBlockKeys; new_tokens > 0 && i < last; ++i) {
+    if (key_blocks_[i] != cache_->keys()) {
+      from = std::min(from, i * kCacheBlockKeys);  // copied by OwnBlocks
+      break;
+    }
+  }
+  return cache_->BytesBetween(from, end);
+}
+
+namespace {
+
 absl::Status VerifyForkLength(int64_t length, int64_t held) {
   if (length >= 0 && length <= held) return absl::OkStatus();
   return absl::InvalidArgumentError(

@@ -187,6 +187,10 @@ class DecodeSession {
   // forked session's own cache, not counting shared_caches()).
   size_t cache_bytes() const { return BytesAt(length()); }
   size_t BytesAt(int64_t tokens) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Memory the cache commits after a step of `new_tokens` with these
+  // inputs: BytesAt its end, and the shared blocks it copies first.
+  size_t BytesAfter(const DecodeStepInputs& inputs, int64_t new_tokens) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // The length a step with these inputs ends at (checked by Step).
   int64_t LengthAfter(const DecodeStepInputs& inputs,
                       int64_t new_tokens) const {

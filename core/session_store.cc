@@ -355,7 +355,8 @@ absl::Status SessionStore::Step(absl::string_view id,
     // for it first would evict other sessions for nothing.
     const int64_t after = session.LengthAfter(inputs, new_tokens);
     if (after <= session.max_length()) {
-      ATTN_RETURN_IF_ERROR(Reserve(key, session.BytesAt(after), freed));
+      ATTN_RETURN_IF_ERROR(
+          Reserve(key, session.BytesAfter(inputs, new_tokens), freed));
     }
     ++sessions_.at(key).active_steps;
   }
@@ -420,7 +421,9 @@ std::vector<absl::Status> SessionStore::StepMany(
         const int64_t after =
             session.LengthAfter(steps[i].inputs, new_tokens[i]);
         if (after <= session.max_length()) {
-          status = Reserve(steps[i].id, session.BytesAt(after), freed);
+          status = Reserve(steps[i].id,
+                           session.BytesAfter(steps[i].inputs, new_tokens[i]),
+                           freed);
         }
       }
       if (!status.ok()) {

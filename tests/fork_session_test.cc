@@ -462,6 +462,12 @@ TEST(ForkSessionStoreTest, BudgetAndEvictionCountSharedPagesOnce) {
   EXPECT_EQ(StoreStep(store, forks[0], 1, rng).code(),
             absl::StatusCode::kNotFound);
   ASSERT_TRUE(StoreStep(store, forks[1], 1, rng).ok());
+  // A rewind into the shared part makes room for the block it copies
+  // before it copies it: the budget holds after the step too.
+  ASSERT_TRUE(StoreStep(store, parent, 1, rng, 600).ok());
+  stats = store.stats();
+  EXPECT_LE(stats.cache_bytes, options.max_bytes);
+  EXPECT_GE(stats.evicted, 2);
 }
 
 TEST(ForkSessionStoreTest, ForkMakesRoomButNeverEvictsItsParent) {
