@@ -1,6 +1,6 @@
 // Fuzz target: a series of calls over decode sessions and shared memory,
 // where one call's state is the next one's input: sessions created,
-// stepped, rewound, deleted, expired and evicted; regions registered,
+// stepped, rewound, forked, deleted, expired and evicted; regions registered,
 // written to by the client, used by steps and compute calls, and
 // unregistered under them. Each record of the input (fuzz_support's
 // Records) is one call; the tag picks it (tag % kOps), the payload is:
@@ -17,6 +17,8 @@
 //   kExpire      a byte: minutes from now at which idle sessions expire
 //   kWrite       a 16-bit little-endian offset into object 0, then the bytes
 //                the client writes there
+//   kFork        a session index byte (0xff: the request's own id), then a
+//                ForkSessionRequest whose id is replaced by that session's
 //
 // Every call is served as the service serves it (fuzz_support: limits,
 // the inline-or-cancelled dispatch, clear errors). After each, the session
@@ -110,6 +112,9 @@ class Sequence {
       case kWrite:
         Write(payload);
         break;
+      case kFork:
+        Fork(payload);
+        break;
     }
     CheckLimits();
   }
@@ -163,6 +168,22 @@ class Sequence {
     const std::string id = Id(payload[0]);
     if (!id.empty()) request.set_session_id(id);
     ServeSessionStep(request, &store_, &registry_);
+  }
+
+  // A fork shares its parent's cache: the limits and the final check count
+  // it once.
+  void Fork(absl::string_view payload) {
+    if (payload.empty()) return;
+    v1::ForkSessionRequest request;
+    if (!Parse(payload.substr(1), &request)) return;
+    const std::string id = Id(payload[0]);
+    if (!id.empty()) request.set_session_id(id);
+    v1::ForkSessionResponse response;
+    const absl::Status status = HandleForkSession(request, &store_, &response);
+    CheckStatus("ForkSession", status);
+    if (!status.ok()) return;
+    ids_.push_back(response.session_id());
+    if (ids_.size() > kKeptIds) ids_.erase(ids_.begin());
   }
 
   void Delete(const std::string& id) {

@@ -176,6 +176,7 @@ enum CallSequenceOp : uint8_t {
   kCompute,
   kExpire,
   kWrite,
+  kFork,
   kOps
 };
 

@@ -1030,6 +1030,17 @@ void AddCallSequenceSeeds(Seeds* seeds) {
   (*seeds)["call_sequence/zero_width_compute_between_steps"] =
       Join({create(2, 4, 16), step(0, 1),
             Record(kCompute, std::string(1, '\0') + Bytes(zero)), step(0, 1)});
+  // Forks across a block boundary, stepped and rewound into the shared
+  // tokens on both sides, a fork of a fork, the parent deleted first.
+  const auto fork = [](uint8_t index, int64_t length = -1) {
+    v1::ForkSessionRequest r;
+    if (length >= 0) r.set_length(length);
+    return Record(kFork, std::string(1, static_cast<char>(index)) + Bytes(r));
+  };
+  (*seeds)["call_sequence/forks_share_and_copy_on_write"] =
+      Join({create(2, 4, 1024), step(0, 600), fork(0), step(1, 1),
+            step(0, 2, 100), fork(1, 550), step(2, 3, 520), remove(0),
+            step(1, 1, 10), step(2, 1), fork(0, 100000)});
 }
 
 Seeds AllSeeds() {
