@@ -31,6 +31,7 @@
 #include "server/model_repository.h"
 #include "server/request_cost.h"
 #include "server/scheduler.h"
+#include "server/sequences.h"
 #include "server/shared_memory.h"
 #include "server/statistics.h"
 
@@ -81,6 +82,8 @@ class CallPipeline {
   const ServiceConfig& config() const { return config_; }
   // Per-model statistics of the calls Record sees.
   const StatisticsTable& statistics() const { return statistics_; }
+  // The open sequences of the protocol's sequence extension (thread-safe).
+  SequenceTable* sequences() const { return &sequences_; }
 
   // Checks an `authorization` header's value (nullopt: none sent).
   absl::Status CheckAuthorization(
@@ -133,6 +136,8 @@ class CallPipeline {
  private:
   ServiceConfig config_;
   mutable StatisticsTable statistics_{config_.models};
+  mutable SequenceTable sequences_{config_.sessions, config_.models,
+                                   config_.max_session_length};
   std::atomic<bool> draining_{false};
   std::atomic<bool> not_ready_{false};
   mutable std::atomic<int64_t> last_refused_ns_{0};

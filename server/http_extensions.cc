@@ -96,7 +96,7 @@ absl::StatusOr<json> AnswerModel(const ExtensionRoute& route,
     request.set_version(route.version);
     inference::ModelConfigResponse response;
     ATTN_RETURN_IF_ERROR(
-        HandleModelConfig(request, pipeline.config().models, &response));
+        HandleModelConfig(request, pipeline.sequences(), &response));
     return MessageToJson(response.config());
   }
   inference::ModelStatisticsRequest request;

@@ -241,7 +241,8 @@ class HttpInference {
       }
       case Route::Kind::kServerMetadata: {
         inference::ServerMetadataResponse metadata;
-        HandleServerMetadata(&metadata);
+        HandleServerMetadata(pipeline_->config().sessions != nullptr,
+                             &metadata);
         return responder.Send(
             JsonResponse(200, ServerMetadataToJson(metadata)));
       }
@@ -365,8 +366,8 @@ class HttpInference {
           max_body_bytes_, " (--max_message_mb)"));
     }
     absl::StatusOr<std::unique_ptr<NativeInferCall>> native =
-        NativeInferCall::FromRequest(&call->request,
-                                     pipeline_->config().models);
+        NativeInferCall::FromRequest(&call->request, pipeline_->config().models,
+                                     pipeline_->sequences());
     if (!native.ok()) return native.status();
     call->native = *std::move(native);
     return absl::OkStatus();
