@@ -818,7 +818,8 @@ void HandleServerMetadata(bool sequences,
   response->set_version(ATTNSERVE_VERSION);
   for (const char* extension :
        {"parameters", "binary_tensor_data", "model_configuration",
-        "system_shared_memory", "statistics", "model_repository"}) {
+        "system_shared_memory", "statistics", "model_repository", "logging",
+        "trace"}) {
     response->add_extensions(extension);
   }
   if (sequences) {

@@ -89,6 +89,14 @@ void OpenInferenceService::AddStateRpcs() {
       [regions](const auto& request, auto*) {
         return HandleSystemSharedMemoryUnregister(request, regions);
       });
+  AddState<oip::TraceSettingRequest, oip::TraceSettingResponse>(
+      [pipeline](const auto& request, auto* response) {
+        return pipeline->trace_settings()->Handle(request, response);
+      });
+  AddState<oip::LogSettingsRequest, oip::LogSettingsResponse>(
+      [pipeline](const auto& request, auto* response) {
+        return pipeline->log_settings()->Handle(request, response);
+      });
   // CUDA shared memory: UNIMPLEMENTED, saying to use system shared memory.
   const auto no_cuda = [](const auto&, auto*) {
     return CudaSharedMemoryUnsupported();

@@ -209,7 +209,7 @@ TEST_F(TritonProtocolTest, GrpcHealthMetadataAndConfig) {
       server.extensions(),
       ElementsAre("parameters", "binary_tensor_data", "model_configuration",
                   "system_shared_memory", "statistics", "model_repository",
-                  "sequence", "sequence(string_id)"));
+                  "logging", "trace", "sequence", "sequence(string_id)"));
 
   inference::ModelMetadataRequest metadata_request;
   metadata_request.set_name("mha");
@@ -285,7 +285,7 @@ TEST_F(TritonProtocolTest, HttpHealthMetadataAndConfig) {
   EXPECT_EQ(Get("/v2")["extensions"],
             json({"parameters", "binary_tensor_data", "model_configuration",
                   "system_shared_memory", "statistics", "model_repository",
-                  "sequence", "sequence(string_id)"}));
+                  "logging", "trace", "sequence", "sequence(string_id)"}));
   const json metadata = Get("/v2/models/mha");
   EXPECT_EQ(metadata["inputs"][2]["name"], "value");
   EXPECT_EQ(metadata["inputs"][2]["parameters"], json({{"optional", true}}));
@@ -1175,6 +1175,158 @@ TEST(TritonSequenceTest, EvictedSequenceIsGone) {
                        SequenceRequest(StringId("b"), false, true, step),
                        &response)
           .ok());
+}
+
+// The logging extension: log_info turns the access log off and on at
+// once; what the server cannot change is reported and refused otherwise.
+TEST_F(TritonProtocolTest, LogSettingsOverBothProtocols) {
+  inference::LogSettingsRequest request;
+  inference::LogSettingsResponse response;
+  ASSERT_TRUE(triton_->LogSettings(Context().get(), request, &response).ok());
+  const auto& settings = response.settings();
+  EXPECT_TRUE(settings.at("log_info").bool_param());
+  EXPECT_TRUE(settings.at("log_warnings").bool_param());
+  EXPECT_TRUE(settings.at("log_errors").bool_param());
+  EXPECT_EQ(settings.at("log_verbose_level").uint32_param(), 0u);
+  EXPECT_EQ(settings.at("log_file").string_param(), "");
+  EXPECT_EQ(settings.at("log_format").string_param(), "default");
+
+  (*request.mutable_settings())["log_info"].set_bool_param(false);
+  ASSERT_TRUE(triton_->LogSettings(Context().get(), request, &response).ok());
+  EXPECT_FALSE(response.settings().at("log_info").bool_param());
+  ModelInferResponse infer;
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(
+      triton_->ModelInfer(Context().get(), AttendRequest(), &infer).ok());
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              ::testing::Not(HasSubstr("access rpc=ModelInfer")));
+  EXPECT_EQ(Get("/v2/logging"), json({{"log_file", ""},
+                                      {"log_info", false},
+                                      {"log_warnings", true},
+                                      {"log_errors", true},
+                                      {"log_verbose_level", 0},
+                                      {"log_format", "default"}}));
+  EXPECT_EQ(Post("/v2/logging", R"({"log_info": true})")["log_info"], true);
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(
+      triton_->ModelInfer(Context().get(), AttendRequest(), &infer).ok());
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("access rpc=ModelInfer/Attend model='attend'"));
+
+  using Value = inference::LogSettingsRequest::SettingValue;
+  const auto refused = [&](const char* name, Value value,
+                           const std::string& message) {
+    inference::LogSettingsRequest bad;
+    (*bad.mutable_settings())[name] = std::move(value);
+    const grpc::Status status =
+        triton_->LogSettings(Context().get(), bad, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << name;
+    EXPECT_EQ(status.error_message(), message);
+  };
+  Value one, no, path, yes, on;
+  one.set_uint32_param(1);
+  no.set_bool_param(false);
+  path.set_string_param("/tmp/log");
+  yes.set_string_param("yes");
+  on.set_bool_param(true);
+  refused("log_verbose_level", one,
+          "settings: log_verbose_level: attnserve has no verbose log; only 0");
+  refused("log_warnings", no,
+          "settings: log_warnings: set by --log_level when the server starts; "
+          "it cannot change while the server runs");
+  refused("log_file", path,
+          "settings: log_file: attnserve logs to stderr only; only \"\"");
+  refused("log_info", yes, "settings: log_info must be a bool");
+  refused("log_colour", on,
+          "settings: unknown log setting 'log_colour'; expected one of "
+          "log_file, log_info, log_warnings, log_errors, log_verbose_level, "
+          "log_format");
+  // Accepted when it asks for what is.
+  EXPECT_EQ(Post("/v2/logging",
+                 R"({"log_warnings": true, "log_format": "default",
+                     "log_verbose_level": 0})")["log_info"],
+            true);
+  EXPECT_EQ(
+      Post("/v2/logging", R"({"log_verbose_level": 2})", 400)["error"],
+      "settings: log_verbose_level: attnserve has no verbose log; only 0");
+  EXPECT_EQ(http_.Put("/v2/logging", "{}", "application/json")->status, 405);
+}
+
+// The trace extension: settings stored and reported, globally and per
+// model; attnserve traces nothing, so only trace_level OFF is accepted.
+TEST_F(TritonProtocolTest, TraceSettingsOverBothProtocols) {
+  using Settings =
+      std::vector<std::pair<std::string, std::vector<std::string>>>;
+  const auto trace = [&](const std::string& model, const Settings& settings,
+                         inference::TraceSettingResponse* response) {
+    inference::TraceSettingRequest request;
+    request.set_model_name(model);
+    for (const auto& [name, values] : settings) {
+      (*request.mutable_settings())[name].mutable_value()->Assign(
+          values.begin(), values.end());
+    }
+    return triton_->TraceSetting(Context().get(), request, response);
+  };
+  const auto value = [](const inference::TraceSettingResponse& response,
+                        const std::string& name) {
+    const auto& values = response.settings().at(name).value();
+    return std::vector<std::string>(values.begin(), values.end());
+  };
+  inference::TraceSettingResponse response;
+  ASSERT_TRUE(trace("", {}, &response).ok());
+  EXPECT_THAT(value(response, "trace_level"), ElementsAre("OFF"));
+  EXPECT_THAT(value(response, "trace_rate"), ElementsAre("1000"));
+  EXPECT_THAT(value(response, "trace_count"), ElementsAre("-1"));
+  EXPECT_THAT(value(response, "log_frequency"), ElementsAre("0"));
+  EXPECT_THAT(value(response, "trace_mode"), ElementsAre("triton"));
+
+  ASSERT_TRUE(trace("", {{"trace_rate", {"100"}}}, &response).ok());
+  EXPECT_THAT(value(response, "trace_rate"), ElementsAre("100"));
+  // A model's settings: the global ones, overlaid with its own.
+  ASSERT_TRUE(trace("mha", {{"trace_count", {"5"}}}, &response).ok());
+  EXPECT_THAT(value(response, "trace_rate"), ElementsAre("100"));
+  EXPECT_THAT(value(response, "trace_count"), ElementsAre("5"));
+  ASSERT_TRUE(trace("", {}, &response).ok());
+  EXPECT_THAT(value(response, "trace_count"), ElementsAre("-1"));
+  // No value clears the model's own setting.
+  ASSERT_TRUE(trace("mha", {{"trace_count", {}}}, &response).ok());
+  EXPECT_THAT(value(response, "trace_count"), ElementsAre("-1"));
+
+  grpc::Status status = trace("", {{"trace_level", {"TIMESTAMPS"}}}, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "settings: trace_level: attnserve does not trace requests; only "
+            "OFF is accepted, got 'TIMESTAMPS'");
+  status = trace("", {{"trace_rate", {"0"}}}, &response);
+  EXPECT_EQ(status.error_message(),
+            "settings: trace_rate: expected an integer >= 1, got '0'");
+  status = trace("", {{"trace_mode", {"opentelemetry"}}}, &response);
+  EXPECT_EQ(status.error_message(),
+            "settings: trace_mode: only 'triton' is accepted, got "
+            "'opentelemetry'");
+  status = trace("wrong_model_name", {}, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(status.error_message(),
+            "model: 'wrong_model_name' not found; loaded models: mha");
+
+  EXPECT_EQ(Get("/v2/trace/setting"), json({{"trace_file", ""},
+                                            {"trace_level", {"OFF"}},
+                                            {"trace_rate", "100"},
+                                            {"trace_count", "-1"},
+                                            {"log_frequency", "0"},
+                                            {"trace_mode", "triton"}}));
+  EXPECT_EQ(Post("/v2/models/mha/trace/setting",
+                 R"({"trace_rate": "10"})")["trace_rate"],
+            "10");
+  EXPECT_EQ(Post("/v2/models/mha/trace/setting",
+                 R"({"trace_rate": null})")["trace_rate"],
+            "100");
+  EXPECT_EQ(Post("/v2/trace/setting", R"({"trace_level": ["TENSORS"]})",
+                 400)["error"],
+            "settings: trace_level: attnserve does not trace requests; only "
+            "OFF is accepted, got 'TENSORS'");
+  EXPECT_EQ(Get("/v2/models/wrong_model_name/trace/setting", 404)["error"],
+            "model: 'wrong_model_name' not found; loaded models: mha");
 }
 
 // The extensions take the server's token like every other call.
