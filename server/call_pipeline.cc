@@ -145,7 +145,7 @@ void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
   if (call.request != nullptr) {
     statistics_.Record(*call.request, status, total, queue_wait, compute);
   }
-  if (config_.access_log) {
+  if (log_settings_.info()) {
     std::string described =
         call.request != nullptr ? Describe(*call.request) : "";
     if (!described.empty()) described += ' ';

@@ -414,6 +414,13 @@ HttpBody InferResponseToJson(inference::ModelInferResponse* response,
   json body = {{"model_name", response->model_name()},
                {"model_version", response->model_version()}};
   if (!response->id().empty()) body["id"] = response->id();
+  if (!response->parameters().empty()) {
+    json parameters = json::object();
+    for (const auto& [name, value] : response->parameters()) {
+      parameters[name] = ParameterToJson(value);
+    }
+    body["parameters"] = std::move(parameters);
+  }
   json outputs = json::array();
   std::string binary;
   bool any_binary = false;

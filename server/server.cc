@@ -225,6 +225,8 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
   config.auth = auth_.get();
   config.metrics = metrics_.get();
   config.access_log = ShouldLog(options, LogSeverity::kInfo);
+  config.log_warnings = ShouldLog(options, LogSeverity::kWarning);
+  config.log_errors = ShouldLog(options, LogSeverity::kError);
   config.models = models_.get();
   config.repository = models_.get();
   config.scheduler = scheduler_.get();
