@@ -35,6 +35,7 @@
 #include "server/sequences.h"
 #include "server/shared_memory.h"
 #include "server/statistics.h"
+#include "server/step_coalescer.h"
 
 namespace attnserve {
 
@@ -56,6 +57,10 @@ struct ServiceConfig {
   SessionStore* sessions = nullptr;
   // The longest session, and the length of sessions created without one.
   int64_t max_session_length = 0;
+  // Steps one SessionSteps call may carry.
+  int max_steps_per_call = 256;
+  // Null: each SessionStep call steps on its own.
+  StepCoalescer* step_coalescer = nullptr;
   // Null: no authentication.
   const TokenAuthenticator* auth = nullptr;
   // Write one access-log line per call to stderr (at start: the logging

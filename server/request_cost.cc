@@ -214,6 +214,24 @@ RequestCost CostOf(const v1::SessionStepRequest& r,
   return cost;
 }
 
+RequestCost CostOf(
+    const v1::SessionStepsRequest& request,
+    const std::vector<std::shared_ptr<const DecodeSession>>& sessions) {
+  RequestCost cost;
+  const int count =
+      std::min(request.steps_size(), static_cast<int>(sessions.size()));
+  for (int i = 0; i < count; ++i) {
+    const RequestCost step = CostOf(request.steps(i), sessions[i].get());
+    cost.flops += step.flops;
+    cost.work += step.work;
+    cost.bytes = static_cast<int64_t>(std::min(
+        static_cast<double>(cost.bytes) + static_cast<double>(step.bytes),
+        9e18));
+    cost.largest_tensor = std::max(cost.largest_tensor, step.largest_tensor);
+  }
+  return cost;
+}
+
 RequestCost CostOf(const v1::LayerNormRequest& r) {
   RequestCost cost;
   const int64_t n = std::max<int64_t>(Elements(r.input()), 0);

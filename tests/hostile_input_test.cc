@@ -2423,6 +2423,79 @@ std::string RegionKey() {
   return key;
 }
 
+// Every SessionStep case again as the only step of a SessionSteps call: the
+// call answers OK and the step's result carries the case's code and message,
+// but for the refusals of the whole call (the request limits checked
+// before it starts, the deadline estimate), which it answers itself.
+void AddBatchedStepCases(std::vector<HostileCase>& cases) {
+  std::vector<HostileCase> batched;
+  for (const HostileCase& c : cases) {
+    if (c.rpc != "SessionStep") continue;
+    v1::SessionStepsRequest request;
+    EXPECT_TRUE(request.add_steps()->ParseFromString(c.request));
+    HostileCase b = c;
+    b.rpc = "SessionSteps";
+    b.field = c.field.empty() ? "steps" : absl::StrCat("steps.", c.field);
+    b.request = request.SerializeAsString();
+    const bool whole_call = c.code == Code::kDeadlineExceeded ||
+                            absl::StartsWith(c.message, "request:");
+    if (c.code == Code::kOk || !whole_call) {
+      if (c.code != Code::kOk) {
+        b.name =
+            absl::StrCat(c.name, "_step_", absl::StatusCodeToString(c.code));
+      }
+      b.code = Code::kOk;
+      b.message = "";
+      b.glob = false;
+      b.check = [code = c.code, message = c.message, glob = c.glob,
+                 check = c.check](const std::string& bytes) {
+        v1::SessionStepsResponse response;
+        ASSERT_TRUE(response.ParseFromString(bytes));
+        ASSERT_EQ(response.results_size(), 1);
+        const v1::SessionStepResult& result = response.results(0);
+        EXPECT_EQ(static_cast<Code>(result.code()), code) << result.message();
+        if (glob) {
+          EXPECT_TRUE(GlobMatch(message, result.message()))
+              << "message: " << result.message() << "\npattern: " << message;
+        } else {
+          EXPECT_EQ(result.message(), message);
+        }
+        if (code == Code::kOk && check) {
+          v1::SessionStepResponse single;
+          *single.mutable_output() = result.output();
+          single.set_length(result.length());
+          check(single.SerializeAsString());
+        }
+      };
+    }
+    batched.push_back(std::move(b));
+  }
+  // The call's own refusals, and a session named twice.
+  cases.push_back(Invalid(v1::SessionStepsRequest(), "steps_empty", "steps",
+                          "steps: empty, expected at least one"));
+  v1::SessionStepsRequest many;
+  for (int i = 0; i < 257; ++i) *many.add_steps() = SessionStepBase();
+  cases.push_back(Case(many, "steps_257", "steps", Code::kResourceExhausted,
+                       "steps: 257 steps, more than the 256 one call may "
+                       "carry (--max_steps_per_call); split the call"));
+  v1::SessionStepsRequest twice;
+  *twice.add_steps() = SessionStepBase();
+  *twice.add_steps() = SessionStepBase();
+  cases.push_back(
+      Ok(twice, "session_twice", "steps", [](const std::string& bytes) {
+        v1::SessionStepsResponse response;
+        ASSERT_TRUE(response.ParseFromString(bytes));
+        ASSERT_EQ(response.results_size(), 2);
+        EXPECT_EQ(response.results(0).code(), 0);
+        EXPECT_EQ(static_cast<Code>(response.results(1).code()),
+                  Code::kInvalidArgument);
+        EXPECT_EQ(response.results(1).message(),
+                  "steps[1]: session_id: also in steps[0]; a call steps each "
+                  "session at most once");
+      }));
+  for (HostileCase& b : batched) cases.push_back(std::move(b));
+}
+
 const std::vector<HostileCase>& Table() {
   static const auto* const table = [] {
     auto* cases = new std::vector<HostileCase>();
@@ -2438,6 +2511,7 @@ const std::vector<HostileCase>& Table() {
     AddWorkCases(*cases);
     AddSessionReservationCases(*cases);
     AddEchoCases(*cases);
+    AddBatchedStepCases(*cases);
     return cases;
   }();
   return *table;

@@ -645,5 +645,308 @@ TEST_F(SessionServerTest, ConcurrentSessionsEachMatchTheReference) {
     EXPECT_EQ(failures[c], 0) << "client " << c;
 }
 
+// The reference output of a step of session (4 query heads, 2 key/value
+// heads, head dim 8, rotary on 8) whose history is `keys` and `values` (the
+// step's rows included) and whose step starts at `first`.
+RefTensor ReferenceStep(const Tensor& q, const RefTensor& keys,
+                        const RefTensor& values, int64_t first) {
+  const auto batched = [](RefTensor r) {
+    r.shape.insert(r.shape.begin(), 1);
+    return r;
+  };
+  RefAttentionResult ref =
+      RefAttend(RefRotary(batched(ToRef(q.view())), 8, 10000.0, first),
+                RefRepeatHeads(RefRotary(batched(keys), 8, 10000.0, 0), 2),
+                RefRepeatHeads(batched(values), 2),
+                {RefCausalKeep(first, q.shape()[1])}, {true}, {});
+  ref.output.shape.erase(ref.output.shape.begin());
+  return ref.output;
+}
+
+// Sessions stepped in SessionSteps calls give, bit for bit, what the same
+// steps of twin sessions give one call each, and both match float64; each
+// session's history grows as if it were stepped alone.
+TEST_F(SessionServerTest, BatchedStepsEqualTheSameStepsOneByOne) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  constexpr int kSessions = 5;
+  std::vector<std::string> batched_ids, single_ids;
+  for (int s = 0; s < 2 * kSessions; ++s) {
+    auto created = client.CreateSession(AttentionSession());
+    ASSERT_TRUE(created.ok()) << created.status();
+    (s < kSessions ? batched_ids : single_ids).push_back(created->session_id());
+  }
+  std::vector<RefTensor> keys(kSessions), values(kSessions);
+  std::vector<int64_t> first(kSessions, 0);
+  // A prompt of a different length per session, then single tokens.
+  for (int round = 0; round < 4; ++round) {
+    v1::SessionStepsRequest request;
+    std::vector<Tensor> queries(kSessions);
+    std::vector<v1::SessionStepResponse> singles(kSessions);
+    for (int s = 0; s < kSessions; ++s) {
+      const int64_t n = round == 0 ? 1 + 3 * s : 1;
+      Tensor k, v;
+      v1::SessionStepRequest step =
+          AttentionStep(batched_ids[s], n, &queries[s], &k, &v);
+      *request.add_steps() = step;
+      step.set_session_id(single_ids[s]);
+      auto single = client.SessionStep(step);
+      ASSERT_TRUE(single.ok()) << single.status();
+      singles[s] = *single;
+      keys[s] = RefConcatRows(keys[s], ToRef(k.view()));
+      values[s] = RefConcatRows(values[s], ToRef(v.view()));
+    }
+    auto batched = client.SessionSteps(request);
+    ASSERT_TRUE(batched.ok()) << batched.status();
+    ASSERT_EQ(batched->results_size(), kSessions);
+    for (int s = 0; s < kSessions; ++s) {
+      const v1::SessionStepResult& result = batched->results(s);
+      ASSERT_EQ(result.code(), 0) << result.message();
+      EXPECT_EQ(result.message(), "");
+      EXPECT_EQ(result.length(), singles[s].length());
+      EXPECT_EQ(result.length(), first[s] + queries[s].shape()[1]);
+      EXPECT_EQ(result.output().raw_data(), singles[s].output().raw_data())
+          << "session " << s << " round " << round;
+      EXPECT_EQ(result.output().shape_size(), 3);
+      EXPECT_TRUE(
+          AllClose(FromWire(result.output()).view(),
+                   ReferenceStep(queries[s], keys[s], values[s], first[s]),
+                   kFloat32Tolerance))
+          << "session " << s << " round " << round;
+      first[s] = result.length();
+    }
+  }
+}
+
+// A step that fails (unknown session, wrong shapes, a session named twice)
+// fails alone: the others' results are those of their own calls.
+TEST_F(SessionServerTest, BatchedStepErrorsFailOnlyTheirStep) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  std::vector<std::string> ids;
+  for (int s = 0; s < 4; ++s) {
+    auto created = client.CreateSession(AttentionSession());
+    ASSERT_TRUE(created.ok()) << created.status();
+    ids.push_back(created->session_id());
+  }
+  Tensor q, k, v, q0, q2;
+  v1::SessionStepsRequest request;
+  *request.add_steps() = AttentionStep(ids[0], 2, &q0, &k, &v);
+  RefTensor k0 = ToRef(k.view()), v0 = ToRef(v.view());
+  *request.add_steps() = AttentionStep("no-such-session", 1, &q, &k, &v);
+  v1::SessionStepRequest bad = AttentionStep(ids[1], 1, &q, &k, &v);
+  const Tensor narrow = RandomTensor(DType::kFloat32, {2, 1, 4}, rng_);
+  *bad.mutable_key() = ToWire(narrow.view());
+  *request.add_steps() = bad;
+  *request.add_steps() = AttentionStep(ids[2], 3, &q2, &k, &v);
+  RefTensor k2 = ToRef(k.view()), v2 = ToRef(v.view());
+  *request.add_steps() = AttentionStep(ids[0], 1, &q, &k, &v);
+  v1::SessionStepRequest no_key = AttentionStep(ids[3], 1, &q, &k, &v);
+  no_key.clear_key();
+  *request.add_steps() = no_key;
+
+  auto response = client.SessionSteps(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(response->results_size(), 6);
+  const auto code = [&](int i) {
+    return static_cast<absl::StatusCode>(response->results(i).code());
+  };
+  EXPECT_EQ(code(0), absl::StatusCode::kOk);
+  EXPECT_EQ(response->results(0).length(), 2);
+  EXPECT_TRUE(AllClose(FromWire(response->results(0).output()).view(),
+                       ReferenceStep(q0, k0, v0, 0), kFloat32Tolerance));
+  EXPECT_EQ(code(1), absl::StatusCode::kNotFound);
+  EXPECT_EQ(response->results(1).message(),
+            "session_id: no session \"no-such-session\" (expired, evicted, "
+            "deleted, or opened on another replica); create a new one and "
+            "prefill it");
+  EXPECT_FALSE(response->results(1).has_output());
+  EXPECT_EQ(code(2), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(response->results(2).message(),
+            client.SessionStep(bad).status().message());
+  EXPECT_EQ(code(3), absl::StatusCode::kOk);
+  EXPECT_TRUE(AllClose(FromWire(response->results(3).output()).view(),
+                       ReferenceStep(q2, k2, v2, 0), kFloat32Tolerance));
+  EXPECT_EQ(code(4), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(response->results(4).message(),
+            "steps[4]: session_id: also in steps[0]; a call steps each "
+            "session at most once");
+  EXPECT_EQ(code(5), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(response->results(5).message(),
+            "key: missing (an attention session takes query, key and value)");
+  // The failed steps changed nothing: session 1 and 3 are still empty.
+  v1::SessionStepRequest next = AttentionStep(ids[1], 1, &q, &k, &v);
+  auto step = client.SessionStep(next);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->length(), 1);
+}
+
+TEST_F(SessionServerTest, BatchedStepsAreLimitedPerCall) {
+  ServerOptions options = Options();
+  options.max_steps_per_call = 2;
+  TestServer server(options);
+  AttnClient client = server.MakeClient();
+  auto empty = client.SessionSteps(v1::SessionStepsRequest());
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(empty.status().message(), "steps: empty, expected at least one");
+  Tensor q, k, v;
+  v1::SessionStepsRequest request;
+  for (int s = 0; s < 3; ++s) {
+    auto created = client.CreateSession(AttentionSession());
+    ASSERT_TRUE(created.ok()) << created.status();
+    *request.add_steps() = AttentionStep(created->session_id(), 1, &q, &k, &v);
+  }
+  auto refused = client.SessionSteps(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.status().message(),
+            "steps: 3 steps, more than the 2 one call may carry "
+            "(--max_steps_per_call); split the call");
+  request.mutable_steps()->RemoveLast();
+  auto answered = client.SessionSteps(request);
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  EXPECT_EQ(answered->results(0).code(), 0);
+  EXPECT_EQ(answered->results(1).code(), 0);
+
+  ServerOptions off = Options();
+  off.max_session_memory_mb = 0;
+  TestServer no_sessions(off);
+  EXPECT_EQ(no_sessions.MakeClient().SessionSteps(request).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// One client's steps for the coalescing test: a 512-token prompt, then
+// single tokens, of a session of 8 heads of 64 dims (large enough that its
+// steps are not computed inline).
+struct ClientSteps {
+  std::vector<Tensor> q, k, v;
+};
+ClientSteps MakeClientSteps(int seed) {
+  std::mt19937 rng(seed);
+  ClientSteps steps;
+  for (int64_t n : {512, 1, 1, 1, 1, 1, 1}) {
+    steps.q.push_back(RandomTensor(DType::kFloat32, {8, n, 64}, rng));
+    steps.k.push_back(RandomTensor(DType::kFloat32, {8, n, 64}, rng));
+    steps.v.push_back(RandomTensor(DType::kFloat32, {8, n, 64}, rng));
+  }
+  return steps;
+}
+
+// Runs `steps` on a new session through `client`; the outputs' bytes.
+std::vector<std::string> RunClientSteps(AttnClient& client,
+                                        const ClientSteps& steps,
+                                        absl::Status* status) {
+  v1::CreateSessionRequest create;
+  create.set_num_heads(8);
+  create.set_head_dim(64);
+  create.set_max_length(1024);
+  auto created = client.CreateSession(create);
+  if (!created.ok()) {
+    *status = created.status();
+    return {};
+  }
+  std::vector<std::string> outputs;
+  for (size_t i = 0; i < steps.q.size(); ++i) {
+    v1::SessionStepRequest request;
+    request.set_session_id(created->session_id());
+    *request.mutable_query() = ToWire(steps.q[i].view());
+    *request.mutable_key() = ToWire(steps.k[i].view());
+    *request.mutable_value() = ToWire(steps.v[i].view());
+    auto step = client.SessionStep(request);
+    if (!step.ok()) {
+      *status = step.status();
+      return outputs;
+    }
+    outputs.push_back(step->output().raw_data());
+  }
+  *status = client.DeleteSession(created->session_id());
+  return outputs;
+}
+
+// Concurrent SessionStep calls on distinct sessions (run in shared passes
+// by the step coalescer) give, bit for bit, what the same calls give one at
+// a time on a server without coalescing, and match float64; clients whose
+// calls fail (past their deadline, an unknown session, wrong shapes) do
+// not disturb the others.
+TEST_F(SessionServerTest, CoalescedStepsEqualSerialStepsAndTheReference) {
+  constexpr int kClients = 8;
+  std::vector<ClientSteps> inputs;
+  for (int c = 0; c < kClients; ++c) inputs.push_back(MakeClientSteps(500 + c));
+
+  ServerOptions serial_options = Options();
+  serial_options.coalesce_steps_us = 0;
+  std::vector<std::vector<std::string>> serial(kClients);
+  {
+    TestServer server(serial_options);
+    AttnClient client = server.MakeClient();
+    for (int c = 0; c < kClients; ++c) {
+      absl::Status status;
+      serial[c] = RunClientSteps(client, inputs[c], &status);
+      ASSERT_TRUE(status.ok()) << status;
+    }
+  }
+
+  ServerOptions options = Options();
+  options.coalesce_steps_us = 2000;
+  TestServer server(options);
+  std::vector<std::vector<std::string>> coalesced(kClients);
+  std::vector<absl::Status> statuses(kClients);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      AttnClient client = server.MakeClient();
+      coalesced[c] = RunClientSteps(client, inputs[c], &statuses[c]);
+    });
+  }
+  // Failing clients among them.
+  threads.emplace_back([&] {
+    ClientOptions hurried;
+    hurried.target = server.target();
+    hurried.timeout = absl::Microseconds(300);
+    AttnClient client(hurried);
+    for (int i = 0; i < 20; ++i) {
+      absl::Status status;
+      RunClientSteps(client, inputs[0], &status);
+    }
+  });
+  threads.emplace_back([&] {
+    AttnClient client = server.MakeClient();
+    for (int i = 0; i < 20; ++i) {
+      v1::SessionStepRequest request;
+      request.set_session_id("no-such-session");
+      *request.mutable_query() = ToWire(inputs[1].q[1].view());
+      *request.mutable_key() = ToWire(inputs[1].k[1].view());
+      *request.mutable_value() = ToWire(inputs[1].v[1].view());
+      EXPECT_EQ(client.SessionStep(request).status().code(),
+                absl::StatusCode::kNotFound);
+    }
+  });
+  for (std::thread& t : threads) t.join();
+
+  for (int c = 0; c < kClients; ++c) {
+    ASSERT_TRUE(statuses[c].ok()) << "client " << c << ": " << statuses[c];
+    ASSERT_EQ(coalesced[c].size(), inputs[c].q.size());
+    RefTensor keys, values;
+    int64_t first = 0;
+    for (size_t i = 0; i < inputs[c].q.size(); ++i) {
+      EXPECT_EQ(coalesced[c][i], serial[c][i])
+          << "client " << c << " step " << i;
+      keys = RefConcatRows(keys, ToRef(inputs[c].k[i].view()));
+      values = RefConcatRows(values, ToRef(inputs[c].v[i].view()));
+      const int64_t n = inputs[c].q[i].shape()[1];
+      const RefAttentionResult ref =
+          RefAttend(ToRef(inputs[c].q[i].view()), keys, values,
+                    {RefCausalKeep(first, n)}, {true}, {});
+      v1::Tensor wire;
+      wire.set_dtype(v1::DATA_TYPE_FLOAT32);
+      for (int64_t d : inputs[c].q[i].shape()) wire.add_shape(d);
+      wire.set_raw_data(coalesced[c][i]);
+      EXPECT_TRUE(
+          AllClose(FromWire(wire).view(), ref.output, kFloat32Tolerance))
+          << "client " << c << " step " << i;
+      first += n;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace attnserve::testing

@@ -95,6 +95,10 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
   step.set_session_id(session_id);
   *step.mutable_input() = RandomWireTensor(DType::kFloat32, {1, 3, 16}, rng);
   cases.push_back(Case("SessionStep", step, step.input().raw_data()));
+  v1::SessionStepsRequest steps;
+  *steps.add_steps() = step;
+  cases.push_back(
+      Case("SessionSteps", steps, steps.steps(0).input().raw_data()));
   v1::DeleteSessionRequest delete_session;
   delete_session.set_session_id(session_id);
   cases.push_back(Case("DeleteSession", delete_session, session_id));
@@ -263,8 +267,8 @@ TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
         << "missing: " << line << page->body;
   }
   // The compute RPCs count their valid calls too.
-  for (const char* rpc :
-       {"Attend", "MultiHeadAttend", "LayerNorm", "SessionStep"}) {
+  for (const char* rpc : {"Attend", "MultiHeadAttend", "LayerNorm",
+                          "SessionStep", "SessionSteps"}) {
     const std::string line = absl::StrCat("attnserve_requests_total{rpc=\"",
                                           rpc, "\",code=\"OK\"} 1\n");
     EXPECT_NE(page->body.find(line), std::string::npos)
