@@ -53,7 +53,8 @@ struct DecodeSessionConfig {
   int num_kv_heads = 0;
   int64_t key_dim = 0;
   int64_t value_dim = 0;
-  // FLOAT32 or BFLOAT16: the dtype the cache stores and attention runs in.
+  // FLOAT32 or BFLOAT16: the dtype the cache stores and attention runs in;
+  // INT8: attention runs in FLOAT32 on an INT8 cache.
   DType dtype = DType::kFloat32;
   // Applied to each step's queries and keys at their positions.
   RotaryOptions rotary;
@@ -64,6 +65,11 @@ struct DecodeSessionConfig {
   // The scale of steps that give none (a model's default_scale); unset:
   // 1/sqrt(dk).
   std::optional<float> default_scale;
+  // Both kinds: the dtype the cache stores, the compute dtype or INT8
+  // (each token's key and value rows quantized per key/value head with one
+  // float32 scale, see QuantizeInt8, and dequantized as attention reads
+  // them). Unset: the compute dtype (INT8 for `dtype` INT8).
+  std::optional<DType> cache_dtype;
 };
 
 struct DecodeStepInputs {
@@ -144,7 +150,9 @@ class DecodeSession {
   int num_kv_heads() const { return kv_heads_; }
   int64_t key_dim() const { return key_dim_; }
   int64_t value_dim() const { return value_dim_; }
+  // The dtype attention computes in, and the one the cache stores.
   DType dtype() const { return dtype_; }
+  DType cache_dtype() const { return cache_dtype_; }
   int64_t batch() const { return config_.batch; }
   int64_t max_length() const { return config_.max_length; }
   // Tokens cached per sequence.
@@ -213,6 +221,7 @@ class DecodeSession {
   int64_t key_dim_ = 0;
   int64_t value_dim_ = 0;
   DType dtype_ = DType::kFloat32;
+  DType cache_dtype_ = DType::kFloat32;
   RotaryOptions rotary_;
   // Serializes steps: a step writes the cache past its length, then moves
   // the length.

@@ -172,6 +172,10 @@ absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
         absl::StrCat("batch: must be >= 0 (0 means 1), got ", request.batch()));
   }
   config.batch = request.batch() == 0 ? 1 : request.batch();
+  if (request.cache_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+    ATTN_ASSIGN_OR_RETURN(config.cache_dtype,
+                          DTypeFromProto(request.cache_dtype(), "cache_dtype"));
+  }
   if (!request.model().empty()) {
     ATTN_ASSIGN_OR_RETURN(
         std::shared_ptr<const Model> model,
@@ -181,6 +185,12 @@ absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
         std::shared_ptr<const MultiHeadLayer>(model, model->layer.get());
     if (model->config.has_default_scale()) {
       config.default_scale = model->config.default_scale();
+    }
+    if (!config.cache_dtype.has_value() &&
+        model->config.cache_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+      ATTN_ASSIGN_OR_RETURN(
+          config.cache_dtype,
+          DTypeFromProto(model->config.cache_dtype(), "cache_dtype"));
     }
     return config;
   }
