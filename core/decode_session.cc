@@ -81,24 +81,25 @@ absl::Status VerifyBatchedRank(const TensorView& t, absl::string_view field,
 
 // Copies the n new tokens of `src`, a [B, heads, n, d] operand of
 // `src_dtype` (the cache's, or FLOAT32/BFLOAT16 for an INT8 cache, which
-// quantizes each row) laid out as `layout`, into the cache's rows first ..
-// first + n - 1 of each (batch, head): of its keys, or of its values.
+// quantizes each row) laid out as `layout`, into the rows first ..
+// first + n - 1 of each (batch, head) of `layer` of the cache: of its keys,
+// or of its values.
 void AppendToCache(const void* src, DType src_dtype,
                    const OperandLayout& layout, int64_t batch, int64_t heads,
-                   int64_t n, int64_t d, bool keys, int64_t first,
-                   KvCache& cache) {
+                   int64_t n, int64_t d, bool keys, int64_t layer,
+                   int64_t first, KvCache& cache) {
   const size_t elem = DTypeSize(src_dtype);
   const char* from = static_cast<const char*>(src);
   std::vector<float> row(cache.quantized() ? d : 0);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
-      char* to = static_cast<char*>(keys ? cache.key_row(b, h, first)
-                                         : cache.value_row(b, h, first));
+      char* to = static_cast<char*>(keys ? cache.key_row(layer, b, h, first)
+                                         : cache.value_row(layer, b, h, first));
       const char* head =
           from + (b * layout.batch_stride + h * layout.head_stride) * elem;
       if (cache.quantized()) {
-        float* scales = keys ? cache.key_scale(b, h, first)
-                             : cache.value_scale(b, h, first);
+        float* scales = keys ? cache.key_scale(layer, b, h, first)
+                             : cache.value_scale(layer, b, h, first);
         for (int64_t t = 0; t < n; ++t) {
           const void* x = head + t * layout.row_stride * elem;
           if (src_dtype == DType::kBFloat16) {
@@ -131,11 +132,12 @@ void AppendToCache(const void* src, DType src_dtype,
 class SavedRows {
  public:
   // RESOURCE_EXHAUSTED when the copy cannot be allocated.
-  static absl::StatusOr<SavedRows> Save(KvCache& cache, int64_t first,
-                                        int64_t end) {
+  static absl::StatusOr<SavedRows> Save(KvCache& cache, int64_t layer,
+                                        int64_t first, int64_t end) {
     SavedRows saved;
     if (end <= first) return saved;
     const KvCache::Dims& d = cache.dims();
+    saved.layer_ = layer;
     saved.first_ = first;
     saved.key_bytes_ = (end - first) * d.key_dim * DTypeSize(d.dtype);
     saved.value_bytes_ = (end - first) * d.value_dim * DTypeSize(d.dtype);
@@ -161,10 +163,12 @@ class SavedRows {
       for (int64_t h = 0; h < d.kv_heads; ++h) {
         const bool scales = scale_bytes_ > 0;
         const std::pair<void*, size_t> rows[] = {
-            {cache.key_row(b, h, first_), key_bytes_},
-            {cache.value_row(b, h, first_), value_bytes_},
-            {scales ? cache.key_scale(b, h, first_) : nullptr, scale_bytes_},
-            {scales ? cache.value_scale(b, h, first_) : nullptr, scale_bytes_}};
+            {cache.key_row(layer_, b, h, first_), key_bytes_},
+            {cache.value_row(layer_, b, h, first_), value_bytes_},
+            {scales ? cache.key_scale(layer_, b, h, first_) : nullptr,
+             scale_bytes_},
+            {scales ? cache.value_scale(layer_, b, h, first_) : nullptr,
+             scale_bytes_}};
         for (const auto& [row, bytes] : rows) {
           if (bytes == 0) continue;
           if (restore) {
@@ -178,6 +182,7 @@ class SavedRows {
     }
   }
 
+  int64_t layer_ = 0;
   int64_t first_ = 0;
   size_t key_bytes_ = 0;
   size_t value_bytes_ = 0;
@@ -192,6 +197,7 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
   config_ = config;
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.batch, "batch"));
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.max_length, "max_length"));
+  ATTN_RETURN_IF_ERROR(VerifyPositive(config.num_layers, "num_layers"));
   if (config.layer != nullptr) {
     const MultiHeadLayer& layer = *config.layer;
     ATTN_RETURN_IF_ERROR(VerifyModelLayer(layer));
@@ -230,10 +236,11 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
   dims.value_dim = value_dim_;
   dims.max_length = config.max_length;
   dims.dtype = cache_dtype_;
+  dims.layers = config.num_layers;
   // The reservation must fit the address space's arithmetic: refuse sizes
   // whose bytes overflow, as tensors do.
-  const Shape reserved = {dims.batch, dims.max_length, dims.kv_heads,
-                          dims.key_dim + dims.value_dim};
+  const Shape reserved = {dims.layers, dims.batch, dims.max_length,
+                          dims.kv_heads, dims.key_dim + dims.value_dim};
   ATTN_RETURN_IF_ERROR(
       CheckedNumElements(reserved, dims.dtype, "max_length").status());
   ATTN_RETURN_IF_ERROR(KvCache::ReservedBytes(dims).status());
@@ -251,6 +258,8 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
   std::unique_ptr<DecodeSession> s(new DecodeSession());
   ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims, s->Configure(config));
   ATTN_ASSIGN_OR_RETURN(s->cache_, KvCache::Create(dims));
+  s->lengths_.reset(new std::atomic<int64_t>[dims.layers]);
+  for (int64_t l = 0; l < dims.layers; ++l) s->lengths_[l].store(0);
   return s;
 }
 
@@ -258,14 +267,20 @@ size_t DecodeSession::reserved_bytes() const {
   return cache_->reserved_bytes();
 }
 
-size_t DecodeSession::BytesAt(int64_t tokens) const {
-  return cache_->BytesFor(std::clamp<int64_t>(tokens, 0, config_.max_length));
+size_t DecodeSession::BytesAt(int64_t tokens, int64_t layer) const {
+  size_t bytes = 0;
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    bytes += cache_->BytesFor(
+        l, l == layer ? std::clamp<int64_t>(tokens, 0, config_.max_length)
+                      : length(l));
+  }
+  return bytes;
 }
 
-double DecodeSession::StepFlops(int64_t new_tokens) const {
+double DecodeSession::StepFlops(int64_t new_tokens, int64_t layer) const {
   const double b = static_cast<double>(config_.batch);
   const double n = static_cast<double>(new_tokens);
-  const double keys = static_cast<double>(length()) + n;
+  const double keys = static_cast<double>(length(layer)) + n;
   double flops = 2.0 * b * heads_ * n * keys * (key_dim_ + value_dim_);
   if (config_.layer != nullptr) {
     const double e = static_cast<double>(config_.layer->query_dim());
@@ -280,6 +295,7 @@ double DecodeSession::StepFlops(int64_t new_tokens) const {
 
 absl::StatusOr<int64_t> DecodeSession::NewTokens(
     const DecodeStepInputs& in) const {
+  ATTN_RETURN_IF_ERROR(VerifyLayer(in.layer));
   const int64_t batch = config_.batch;
   if (config_.layer != nullptr) {
     if (!in.input.has_value()) {
@@ -314,9 +330,15 @@ absl::StatusOr<int64_t> DecodeSession::NewTokens(
   return in.query->dim(-2);
 }
 
-absl::Status DecodeSession::VerifyRoom(int64_t start,
+absl::Status DecodeSession::VerifyLayer(int64_t layer) const {
+  if (layer >= 0 && layer < config_.num_layers) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "layer: ", layer, " is out of range [0, ", config_.num_layers, ")"));
+}
+
+absl::Status DecodeSession::VerifyRoom(int64_t layer, int64_t start,
                                        int64_t new_tokens) const {
-  const int64_t held = length();
+  const int64_t held = length(layer);
   if (start < 0 || start > held) {
     return absl::InvalidArgumentError(absl::StrCat(
         "position: ", start, " is not in [0, ", held, "] (the tokens cached)"));
@@ -371,6 +393,7 @@ absl::Status DecodeSession::VerifyModelInput(const TensorView& input) const {
 }
 
 struct DecodeSession::PendingStep {
+  int64_t layer = 0;
   int64_t start = 0;
   int64_t n = 0;
   int64_t held = 0;
@@ -401,9 +424,10 @@ DecodeSession::Prepare(const DecodeStepInputs& inputs,
   ATTN_ASSIGN_OR_RETURN(const int64_t n, NewTokens(inputs));
   auto step = std::make_unique<PendingStep>();
   step->n = n;
-  step->held = length();
+  step->layer = inputs.layer;
+  step->held = length(step->layer);
   step->start = inputs.position.value_or(step->held);
-  ATTN_RETURN_IF_ERROR(VerifyRoom(step->start, n));
+  ATTN_RETURN_IF_ERROR(VerifyRoom(step->layer, step->start, n));
   ATTN_RETURN_IF_ERROR(config_.layer != nullptr
                            ? VerifyModelInput(*inputs.input)
                            : VerifyAttentionInputs(inputs));
@@ -418,7 +442,7 @@ DecodeSession::Prepare(const DecodeStepInputs& inputs,
   // held - 1); they are kept until the step has succeeded, so that a step
   // that fails later (cancelled, out of memory) is undone as well.
   ATTN_ASSIGN_OR_RETURN(step->overwritten,
-                        SavedRows::Save(*cache_, step->start,
+                        SavedRows::Save(*cache_, step->layer, step->start,
                                         std::min(step->held, step->start + n)));
   const absl::Status status =
       config_.layer != nullptr
@@ -443,9 +467,9 @@ absl::Status DecodeSession::Finish(PendingStep& step, absl::Status status) {
   }
   step.output->Finish();
   const int64_t end = step.start + step.n;
-  if (end < step.held) cache_->Truncate(end);
-  cache_->Wrote(end);
-  length_.store(end, std::memory_order_release);
+  if (end < step.held) cache_->Truncate(step.layer, end);
+  cache_->Wrote(step.layer, end);
+  lengths_[step.layer].store(end, std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -579,12 +603,12 @@ absl::Status DecodeSession::PrepareAttention(const DecodeStepInputs& in,
   }
   // Nothing can fail from here on: the cache is written last.
   AppendToCache(keys, dtype_, key_layout, batch, kv_heads_, n, key_dim_,
-                /*keys=*/true, first, *cache_);
+                /*keys=*/true, step.layer, first, *cache_);
   AppendToCache(value_data.data(), dtype_,
                 DenseLayout(kv_heads_, n, value_dim_), batch, kv_heads_, n,
-                value_dim_, /*keys=*/false, first, *cache_);
+                value_dim_, /*keys=*/false, step.layer, first, *cache_);
   if (!cache_->quantized()) {
-    ApplyRotary(rotary_, dtype_, cache_->key_row(0, 0, first),
+    ApplyRotary(rotary_, dtype_, cache_->key_row(step.layer, 0, 0, first),
                 cache_->key_layout(), batch, kv_heads_, n, first);
   }
   SetProblem(q, DenseLayout(heads_, n, key_dim_), first, n, step.output->data(),
@@ -639,12 +663,12 @@ absl::Status DecodeSession::PrepareModel(const TensorView& input, int64_t first,
   }
   // Nothing can fail from here on: the cache is written last.
   AppendToCache(k.data(), dtype_, k_layout, batch, kv_heads_, n, key_dim_,
-                /*keys=*/true, first, *cache_);
-  AppendToCache(v.data(), dtype_,
-                InterleavedHeadsLayout(kv_heads_, n, value_dim_), batch,
-                kv_heads_, n, value_dim_, /*keys=*/false, first, *cache_);
+                /*keys=*/true, step.layer, first, *cache_);
+  AppendToCache(
+      v.data(), dtype_, InterleavedHeadsLayout(kv_heads_, n, value_dim_), batch,
+      kv_heads_, n, value_dim_, /*keys=*/false, step.layer, first, *cache_);
   if (!cache_->quantized()) {
-    ApplyRotary(rotary_, dtype_, cache_->key_row(0, 0, first),
+    ApplyRotary(rotary_, dtype_, cache_->key_row(step.layer, 0, 0, first),
                 cache_->key_layout(), batch, kv_heads_, n, first);
   }
   const OperandLayout q_layout = InterleavedHeadsLayout(heads_, n, key_dim_);
@@ -680,14 +704,14 @@ void DecodeSession::SetProblem(const void* query,
   p.operand_dtype = dtype_;
   p.query = query;
   p.query_layout = query_layout;
-  p.key = cache_->keys();
+  p.key = cache_->keys(step.layer);
   p.key_layout = cache_->key_layout();
-  p.value = cache_->values();
+  p.value = cache_->values(step.layer);
   p.value_layout = cache_->value_layout();
   if (cache_->quantized()) {
     p.int8_kv = true;
-    p.key_scales = cache_->key_scales();
-    p.value_scales = cache_->value_scales();
+    p.key_scales = cache_->key_scales(step.layer);
+    p.value_scales = cache_->value_scales(step.layer);
     p.scale_layout = cache_->scale_layout();
   }
   p.output = output;

@@ -68,8 +68,9 @@ KvCache::RegionShape KvCache::ShapeOf(const Dims& dims, int region) {
 }
 
 absl::StatusOr<size_t> KvCache::ReservedBytes(const Dims& dims) {
-  const double planes =
-      static_cast<double>(dims.batch) * static_cast<double>(dims.kv_heads);
+  const double planes = static_cast<double>(dims.layers) *
+                        static_cast<double>(dims.batch) *
+                        static_cast<double>(dims.kv_heads);
   double plane = 0;
   for (int region = 0; region < kRegions; ++region) {
     const RegionShape shape = ShapeOf(dims, region);
@@ -78,11 +79,11 @@ absl::StatusOr<size_t> KvCache::ReservedBytes(const Dims& dims) {
   const double bytes = planes * plane;
   // Below 2^62: exact in size_t, and far beyond any address space.
   if (!(bytes < 0x1p62)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("max_length: a cache of ", dims.max_length, " tokens x ",
-                     dims.batch, " sequences x ", dims.kv_heads, " heads x (",
-                     dims.key_dim, " + ", dims.value_dim, ") dims would need ",
-                     bytes, " bytes of address space, beyond any machine's"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_length: a cache of ", dims.max_length, " tokens x ", dims.layers,
+        " layers x ", dims.batch, " sequences x ", dims.kv_heads, " heads x (",
+        dims.key_dim, " + ", dims.value_dim, ") dims would need ", bytes,
+        " bytes of address space, beyond any machine's"));
   }
   return static_cast<size_t>(bytes);
 }
@@ -96,6 +97,7 @@ size_t KvCache::reserved_bytes() const {
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Dims& dims) {
   std::unique_ptr<KvCache> cache(new KvCache());
   cache->dims_ = dims;
+  cache->written_.assign(dims.layers, 0);
   static constexpr absl::string_view kWhat[kRegions] = {
       "keys", "values", "key scales", "value scales"};
   for (int region = 0; region < kRegions; ++region) {
@@ -116,20 +118,20 @@ KvCache::~KvCache() {
   }
 }
 
-size_t KvCache::BytesFor(int64_t tokens) const {
-  tokens = std::max(tokens, written_);
+size_t KvCache::BytesFor(int64_t layer, int64_t tokens) const {
+  tokens = std::max(tokens, written_[layer]);
   size_t per_plane = 0;
   for (int region = 0; region < kRegions; ++region) {
     const RegionShape shape = ShapeOf(dims_, region);
     per_plane +=
         RoundUpToPage(static_cast<size_t>(tokens * shape.cols) * shape.elem);
   }
-  return per_plane * planes();
+  return per_plane * layer_planes();
 }
 
-void KvCache::Truncate(int64_t new_length) {
+void KvCache::Truncate(int64_t layer, int64_t new_length) {
   const size_t elem = DTypeSize(dims_.dtype);
-  const size_t dropped = static_cast<size_t>(written_ - new_length) *
+  const size_t dropped = static_cast<size_t>(written_[layer] - new_length) *
                          std::max(dims_.key_dim, dims_.value_dim) * elem;
   if (dropped < kReleaseBytes) return;
   for (int region = 0; region < kRegions; ++region) {
@@ -137,13 +139,14 @@ void KvCache::Truncate(int64_t new_length) {
     const size_t keep = RoundUpToPage(
         static_cast<size_t>(new_length * shape.cols) * shape.elem);
     if (keep >= plane_[region]) continue;
-    for (size_t i = 0; i < planes(); ++i) {
+    char* first = static_cast<char*>(At(region, layer, 0, 0, 0));
+    for (size_t i = 0; i < layer_planes(); ++i) {
       // Anonymous private pages read back as zeros once released.
-      madvise(static_cast<char*>(base_[region]) + i * plane_[region] + keep,
-              plane_[region] - keep, MADV_DONTNEED);
+      madvise(first + i * plane_[region] + keep, plane_[region] - keep,
+              MADV_DONTNEED);
     }
   }
-  written_ = new_length;
+  written_[layer] = new_length;
 }
 
 OperandLayout KvCache::key_layout() const {
@@ -164,27 +167,30 @@ OperandLayout KvCache::scale_layout() const {
   return {dims_.kv_heads * plane, plane, 1};
 }
 
-void* KvCache::At(int region, int64_t b, int64_t h, int64_t token) const {
+void* KvCache::At(int region, int64_t layer, int64_t b, int64_t h,
+                  int64_t token) const {
+  if (base_[region] == nullptr) return nullptr;
   const RegionShape shape = ShapeOf(dims_, region);
   return static_cast<char*>(base_[region]) +
-         (b * dims_.kv_heads + h) * plane_[region] +
+         ((layer * dims_.batch + b) * dims_.kv_heads + h) * plane_[region] +
          token * shape.cols * shape.elem;
 }
 
-void* KvCache::key_row(int64_t b, int64_t h, int64_t token) {
-  return At(kKeys, b, h, token);
+void* KvCache::key_row(int64_t layer, int64_t b, int64_t h, int64_t token) {
+  return At(kKeys, layer, b, h, token);
 }
 
-void* KvCache::value_row(int64_t b, int64_t h, int64_t token) {
-  return At(kValues, b, h, token);
+void* KvCache::value_row(int64_t layer, int64_t b, int64_t h, int64_t token) {
+  return At(kValues, layer, b, h, token);
 }
 
-float* KvCache::key_scale(int64_t b, int64_t h, int64_t token) {
-  return static_cast<float*>(At(kKeyScales, b, h, token));
+float* KvCache::key_scale(int64_t layer, int64_t b, int64_t h, int64_t token) {
+  return static_cast<float*>(At(kKeyScales, layer, b, h, token));
 }
 
-float* KvCache::value_scale(int64_t b, int64_t h, int64_t token) {
-  return static_cast<float*>(At(kValueScales, b, h, token));
+float* KvCache::value_scale(int64_t layer, int64_t b, int64_t h,
+                            int64_t token) {
+  return static_cast<float*>(At(kValueScales, layer, b, h, token));
 }
 
 float QuantizeInt8(const float* x, int64_t n, int8_t* codes) {

@@ -691,5 +691,123 @@ TEST(Int8CacheAccuracyTest, RelativeErrorAgainstFloat64IsBelowOnePercent) {
   }
 }
 
+// A multi-layer session is one session per layer: every layer's steps
+// (its own lengths, a rewind in one layer, layers stepped out of turn), alone
+// and in StepSessions batches, give the bits of a single-layer session fed
+// the same steps, for float32, bfloat16 and int8 caches.
+TEST(MultiLayerSessionTest, EqualsOneSessionPerLayer) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kInt8}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    std::mt19937 rng(9);
+    DecodeSessionConfig config;
+    config.num_heads = 4;
+    config.num_kv_heads = 2;
+    config.key_dim = 8;
+    config.rotary.dims = 8;
+    config.dtype = dtype;
+    config.max_length = 64;
+    std::vector<std::unique_ptr<DecodeSession>> singles;
+    for (int l = 0; l < 3; ++l) {
+      singles.push_back(*DecodeSession::Create(config));
+    }
+    config.num_layers = 3;
+    auto multi = DecodeSession::Create(config);
+    ASSERT_TRUE(multi.ok()) << multi.status();
+    EXPECT_EQ((*multi)->reserved_bytes(), 3 * singles[0]->reserved_bytes());
+    struct Step {
+      int64_t layer, n;
+      std::optional<int64_t> position;
+    };
+    const Step steps[] = {{0, 5, {}}, {1, 5, {}}, {2, 5, {}}, {0, 1, {}},
+                          {1, 1, {}}, {0, 1, {}}, {2, 1, {}}, {1, 3, 4},
+                          {2, 1, {}}, {1, 1, {}}, {0, 20, {}}};
+    for (const Step& step : steps) {
+      Tensor q = RandomTensor(DType::kFloat32, {4, step.n, 8}, rng);
+      Tensor k = RandomTensor(DType::kFloat32, {2, step.n, 8}, rng);
+      Tensor v = RandomTensor(DType::kFloat32, {2, step.n, 8}, rng);
+      DecodeStepInputs in{std::nullopt, q.view(),      k.view(),
+                          v.view(),     step.position, step.layer};
+      TensorResults got, want;
+      ASSERT_TRUE((*multi)->Step(in, {}, got).ok());
+      in.layer = 0;
+      ASSERT_TRUE(singles[step.layer]->Step(in, {}, want).ok());
+      const Tensor a = *got.Take("output"), b = *want.Take("output");
+      ASSERT_EQ(a.num_bytes(), b.num_bytes());
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.num_bytes()))
+          << "layer " << step.layer;
+      size_t bytes = 0;
+      for (int l = 0; l < 3; ++l) {
+        EXPECT_EQ((*multi)->length(l), singles[l]->length());
+        bytes += singles[l]->cache_bytes();
+      }
+      EXPECT_EQ((*multi)->cache_bytes(), bytes);
+    }
+    // Batched: the multi-layer session in one entry (layer 1), a single
+    // session in another.
+    Tensor q = RandomTensor(DType::kFloat32, {4, 1, 8}, rng);
+    Tensor k = RandomTensor(DType::kFloat32, {2, 1, 8}, rng);
+    Tensor v = RandomTensor(DType::kFloat32, {2, 1, 8}, rng);
+    DecodeStepInputs in{std::nullopt, q.view(),     k.view(),
+                        v.view(),     std::nullopt, 1};
+    DecodeStepInputs in0 = in;
+    in0.layer = 0;
+    TensorResults batched_multi, batched_single, want;
+    const std::vector<absl::Status> statuses =
+        StepSessions({{multi->get(), in, {}, &batched_multi},
+                      {singles[2].get(), in0, {}, &batched_single}});
+    ASSERT_TRUE(statuses[0].ok() && statuses[1].ok());
+    ASSERT_TRUE(singles[1]->Step(in0, {}, want).ok());
+    const Tensor a = *batched_multi.Take("output"), b = *want.Take("output");
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.num_bytes()));
+    EXPECT_EQ((*multi)->length(1), singles[1]->length());
+    EXPECT_EQ((*multi)->length(2), singles[2]->length() - 1);
+  }
+}
+
+TEST_F(SessionCheckTest, LayersAreChecked) {
+  config_.num_layers = 0;
+  EXPECT_EQ(CreateError().message(), "num_layers: must be > 0, got 0");
+  config_.num_layers = 4;
+  auto s = Make();
+  ASSERT_NE(s, nullptr);
+  q_ = Random(DType::kFloat32, {4, 1, 8});
+  k_ = Random(DType::kFloat32, {2, 1, 8});
+  v_ = Random(DType::kFloat32, {2, 1, 8});
+  for (int64_t layer : {int64_t{5}, int64_t{4}, int64_t{-1}}) {
+    DecodeStepInputs in{std::nullopt, q_.view(),    k_.view(),
+                        v_.view(),    std::nullopt, layer};
+    TensorResults results;
+    const absl::Status status = s->Step(in, {}, results);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(status.message(),
+              absl::StrCat("layer: ", layer, " is out of range [0, 4)"));
+  }
+  // A position counts the named layer's tokens.
+  DecodeStepInputs in{std::nullopt, q_.view(),    k_.view(),
+                      v_.view(),    std::nullopt, 2};
+  TensorResults results;
+  ASSERT_TRUE(s->Step(in, {}, results).ok());
+  in.layer = 1;
+  in.position = 1;
+  EXPECT_EQ(s->Step(in, {}, results).message(),
+            "position: 1 is not in [0, 0] (the tokens cached)");
+  in.layer = 2;
+  ASSERT_TRUE(s->Step(in, {}, results).ok());
+  EXPECT_EQ(s->length(2), 2);
+  EXPECT_EQ(s->length(1), 0);
+  // Room is per layer: max_length 10 in each.
+  q_ = Random(DType::kFloat32, {4, 9, 8});
+  k_ = Random(DType::kFloat32, {2, 9, 8});
+  v_ = Random(DType::kFloat32, {2, 9, 8});
+  in = {std::nullopt, q_.view(), k_.view(), v_.view(), std::nullopt, 2};
+  EXPECT_EQ(s->Step(in, {}, results).message(),
+            "session: 2 cached + 9 new tokens exceed its max_length 10");
+  in.layer = 3;
+  EXPECT_TRUE(s->Step(in, {}, results).ok());
+  // Memory: every layer counted, BytesAt moving one layer only.
+  EXPECT_EQ(s->cache_bytes(), s->BytesAt(2, 2));
+  EXPECT_GT(s->BytesAt(10, 0), s->cache_bytes());
+}
+
 }  // namespace
 }  // namespace attnserve::testing

@@ -2100,6 +2100,10 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
   invalid(
       "batch_negative", "batch", [](auto& r) { r.set_batch(-1); },
       "batch: must be >= 0 (0 means 1), got -1");
+  invalid(
+      "num_layers_negative", "num_layers",
+      [](auto& r) { r.set_num_layers(-1); },
+      "num_layers: must be >= 0 (0 means 1), got -1");
   v1::CreateSessionRequest huge = attention();
   huge.set_head_dim(int64_t{1} << 50);
   huge.set_batch(int64_t{1} << 20);
@@ -2174,6 +2178,13 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
   cases.push_back(Glob(Case(step, "past_max_length", "query", Code::kOutOfRange,
                             "session: * 5000 new tokens exceed its "
                             "max_length 4096*")));
+  step = SessionStepBase();
+  step.set_layer(1);
+  cases.push_back(Invalid(step, "layer_1_of_1", "layer",
+                          "layer: 1 is out of range [0, 1)"));
+  step.set_layer(-2147483647 - 1);
+  cases.push_back(Invalid(step, "layer_int32_min", "layer",
+                          "layer: -2147483648 is out of range [0, 1)"));
   step = SessionStepBase();
   step.set_temperature(0);
   cases.push_back(

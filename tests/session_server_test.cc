@@ -325,6 +325,51 @@ TEST_F(SessionServerTest, Int8CachesMatchTheReferenceWithinTheirBound) {
   }
 }
 
+// A session of 3 layers through the server equals one session per layer,
+// bit for bit: each step names its layer, the response's length is that
+// layer's, and a layer out of range is INVALID_ARGUMENT naming it.
+TEST_F(SessionServerTest, MultiLayerSessionEqualsOneSessionPerLayer) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest create = AttentionSession();
+  std::vector<std::string> singles;
+  for (int l = 0; l < 3; ++l) {
+    auto made = client.CreateSession(create);
+    ASSERT_TRUE(made.ok()) << made.status();
+    singles.push_back(made->session_id());
+  }
+  create.set_num_layers(3);
+  auto layered = client.CreateSession(create);
+  ASSERT_TRUE(layered.ok()) << layered.status();
+  const std::pair<int, int64_t> steps[] = {{0, 6}, {1, 6}, {2, 6}, {0, 1},
+                                           {1, 1}, {2, 1}, {0, 1}, {2, 2}};
+  std::vector<int64_t> lengths(3, 0);
+  for (const auto& [layer, n] : steps) {
+    Tensor q, k, v;
+    v1::SessionStepRequest request =
+        AttentionStep(layered->session_id(), n, &q, &k, &v);
+    request.set_layer(layer);
+    auto got = client.SessionStep(request);
+    ASSERT_TRUE(got.ok()) << got.status();
+    request.set_session_id(singles[layer]);
+    request.clear_layer();
+    auto want = client.SessionStep(request);
+    ASSERT_TRUE(want.ok()) << want.status();
+    lengths[layer] += n;
+    EXPECT_EQ(got->length(), lengths[layer]);
+    EXPECT_EQ(want->length(), lengths[layer]);
+    EXPECT_EQ(got->output().raw_data(), want->output().raw_data())
+        << "layer " << layer;
+  }
+  Tensor q, k, v;
+  v1::SessionStepRequest request =
+      AttentionStep(layered->session_id(), 1, &q, &k, &v);
+  request.set_layer(5);
+  auto refused = client.SessionStep(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(), "layer: 5 is out of range [0, 3)");
+}
+
 TEST_F(SessionServerTest, InlineGroupedQueryWeightsMatchTheReference) {
   TestServer server(Options());
   AttnClient client = server.MakeClient();
