@@ -8,7 +8,7 @@ namespace attnserve {
 
 std::optional<DType> FindDType(DTypeColumn column, absl::string_view name) {
   for (const DTypeInfo& info : kDTypes) {
-    if (info.*column == name) return info.dtype;
+    if (info.tensor && info.*column == name) return info.dtype;
   }
   return std::nullopt;
 }

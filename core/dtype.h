@@ -80,9 +80,11 @@ constexpr bool IsFloating(DType dtype) {
 // A name column of the table, e.g. &DTypeInfo::protocol.
 using DTypeColumn = absl::string_view DTypeInfo::*;
 
-// The dtype called `name` in `column` (case-sensitive), if any.
+// The tensor dtype called `name` in `column` (case-sensitive), if any: the
+// codecs' lookup, which finds no INT8 (a cache dtype only).
 std::optional<DType> FindDType(DTypeColumn column, absl::string_view name);
-// The dtype of wire number `wire`, if any (none for DATA_TYPE_UNSPECIFIED).
+// The dtype of wire number `wire`, if any (none for DATA_TYPE_UNSPECIFIED;
+// INT8 too, which names a session's cache dtype on the wire).
 std::optional<DType> FindDTypeByWire(int wire);
 
 // Every tensor dtype's name in `column`, in table order, joined by ", " and
