@@ -244,7 +244,8 @@ absl::Status SessionStore::Step(absl::string_view id,
     // for it first would evict other sessions for nothing.
     const int64_t after = session.LengthAfter(inputs, new_tokens);
     if (after <= session.max_length()) {
-      ATTN_RETURN_IF_ERROR(Reserve(key, session.BytesAt(after), freed));
+      ATTN_RETURN_IF_ERROR(
+          Reserve(key, session.BytesAt(after, inputs.layer), freed));
     }
     ++sessions_.at(key).active_steps;
   }
@@ -257,7 +258,7 @@ absl::Status SessionStore::Step(absl::string_view id,
     };
     status = session.Step(inputs, options, results);
   }
-  if (length != nullptr) *length = session.length();
+  if (length != nullptr) *length = session.length(inputs.layer);
   return status;
 }
 
@@ -309,7 +310,9 @@ std::vector<absl::Status> SessionStore::StepMany(
         const int64_t after =
             session.LengthAfter(steps[i].inputs, new_tokens[i]);
         if (after <= session.max_length()) {
-          status = Reserve(steps[i].id, session.BytesAt(after), freed);
+          status =
+              Reserve(steps[i].id,
+                      session.BytesAt(after, steps[i].inputs.layer), freed);
         }
       }
       if (!status.ok()) {
@@ -378,7 +381,7 @@ void SessionStore::RunAndSettle(absl::Span<const StepInput> steps,
   }
   for (size_t i : index) {
     if (steps[i].length != nullptr) {
-      *steps[i].length = slots[i]->session->length();
+      *steps[i].length = slots[i]->session->length(steps[i].inputs.layer);
     }
   }
 }

@@ -174,6 +174,15 @@ absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
         absl::StrCat("batch: must be >= 0 (0 means 1), got ", request.batch()));
   }
   config.batch = request.batch() == 0 ? 1 : request.batch();
+  if (request.num_layers() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_layers: must be >= 0 (0 means 1), got ", request.num_layers()));
+  }
+  config.num_layers = request.num_layers() == 0 ? 1 : request.num_layers();
+  if (request.cache_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+    ATTN_ASSIGN_OR_RETURN(config.cache_dtype,
+                          DTypeFromProto(request.cache_dtype(), "cache_dtype"));
+  }
   if (!request.model().empty()) {
     ATTN_ASSIGN_OR_RETURN(
         std::shared_ptr<const Model> model,
@@ -183,6 +192,12 @@ absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
         std::shared_ptr<const MultiHeadLayer>(model, model->layer.get());
     if (model->config.has_default_scale()) {
       config.default_scale = model->config.default_scale();
+    }
+    if (!config.cache_dtype.has_value() &&
+        model->config.cache_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+      ATTN_ASSIGN_OR_RETURN(
+          config.cache_dtype,
+          DTypeFromProto(model->config.cache_dtype(), "cache_dtype"));
     }
     return config;
   }
@@ -224,10 +239,11 @@ absl::Status VerifySessionReservation(const DecodeSessionConfig& config,
           : absl::StrCat("the ", limit >> 20,
                          " MiB of address space one session may reserve");
   return absl::ResourceExhaustedError(absl::StrCat(
-      "max_length: ", dims.max_length, " tokens x ", dims.batch,
-      " sequences x ", dims.kv_heads, " key/value heads x (", dims.key_dim,
-      " + ", dims.value_dim, ") dims of ", DTypeName(dims.dtype), " reserve ",
-      reserved >> 20, " MiB of cache, more than ", what, "; ",
+      "max_length: ", dims.max_length, " tokens x ",
+      dims.layers > 1 ? absl::StrCat(dims.layers, " layers x ") : "",
+      dims.batch, " sequences x ", dims.kv_heads, " key/value heads x (",
+      dims.key_dim, " + ", dims.value_dim, ") dims of ", DTypeName(dims.dtype),
+      " reserve ", reserved >> 20, " MiB of cache, more than ", what, "; ",
       fits > 0 ? absl::StrCat("at most ", fits, " tokens fit")
                : std::string("not one token fits: use smaller dims")));
 }
@@ -399,6 +415,7 @@ absl::Status DecodedStep::Decode(const v1::SessionStepRequest& request,
   DecodeStepOptions& options = input_.options;
   if (request.has_scale()) options.scale = request.scale();
   if (request.has_temperature()) options.temperature = request.temperature();
+  inputs.layer = request.layer();
   options.cancelled = control.cancelled;
   results_.emplace(
       output, nullptr,

@@ -317,6 +317,9 @@ json RawToData(const std::string& datatype, const std::string& raw) {
     case DType::kUInt8:
       for (char c : raw) data.push_back(static_cast<uint8_t>(c));
       break;
+    case DType::kInt8:
+      for (char c : raw) data.push_back(static_cast<int8_t>(c));
+      break;
   }
   return data;
 }

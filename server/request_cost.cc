@@ -193,14 +193,14 @@ RequestCost CostOf(const v1::SessionStepRequest& r,
   if (leading.shape_size() < 2) return cost;
   const double n = Dim(leading, -2);
   const double batch = static_cast<double>(session->batch());
-  cost.flops = session->StepFlops(static_cast<int64_t>(n));
+  cost.flops = session->StepFlops(static_cast<int64_t>(n), r.layer());
   // The step's projections or converted operands and its output; the
   // cache's growth is the session store's to limit.
   const double width =
       session->num_heads() * (session->key_dim() + 2.0 * session->value_dim());
   cost.bytes = static_cast<int64_t>(std::min(batch * n * width * 4, 9e18));
   // Its tokens appended to the cache, which it then reads whole.
-  const double keys = static_cast<double>(session->length()) + n;
+  const double keys = static_cast<double>(session->length(r.layer())) + n;
   const double cache = batch * session->num_kv_heads() *
                        (session->key_dim() + session->value_dim());
   const double read = PresentElements({{r.has_input(), &r.input()},

@@ -8,6 +8,7 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -38,7 +39,8 @@ constexpr int kRotaryDims = 4;
 
 // A repository with "llama_block": grouped-query attention (4 query heads,
 // 2 key/value heads), rotary embeddings on all of each head's 4 features,
-// biases on q/k/v and an output projection. Removed with the object.
+// biases on q/k/v and an output projection; and "llama_block_int8", the
+// same with INT8 session caches by its config. Removed with the object.
 class GqaModelRepository {
  public:
   GqaModelRepository()
@@ -46,10 +48,15 @@ class GqaModelRepository {
                absl::StrCat("attnserve_sessions_", ::getpid()))
                   .string()) {
     fs::remove_all(root_);
-    fs::create_directories(fs::path(root_) / "llama_block");
-    std::ofstream(fs::path(root_) / "llama_block" / "config.pbtxt")
-        << "num_heads: " << kHeads << "\nnum_kv_heads: " << kKvHeads
-        << "\nrotary_dims: " << kRotaryDims << "\n";
+    for (const char* name : {"llama_block", "llama_block_int8"}) {
+      fs::create_directories(fs::path(root_) / name);
+      std::ofstream(fs::path(root_) / name / "config.pbtxt")
+          << "num_heads: " << kHeads << "\nnum_kv_heads: " << kKvHeads
+          << "\nrotary_dims: " << kRotaryDims << "\n"
+          << (name == std::string("llama_block") ? ""
+                                                 : "cache_dtype: "
+                                                   "DATA_TYPE_INT8\n");
+    }
     std::mt19937 rng(3);
     const auto weight = [&](Shape shape) {
       Tensor w = RandomTensor(DType::kFloat32, shape, rng);
@@ -65,11 +72,12 @@ class GqaModelRepository {
     weights_.emplace("k_proj_bias", weight({kKvHeads * kHeadDim}));
     weights_.emplace("v_proj_bias", weight({kKvHeads * kHeadDim}));
     weights_.emplace("out_proj_weight", weight({kEmbed, kHeads * kHeadDim}));
-    EXPECT_TRUE(
-        WriteSafetensors(
-            (fs::path(root_) / "llama_block" / "weights.safetensors").string(),
-            ViewsOf(weights_), {})
-            .ok());
+    for (const char* name : {"llama_block", "llama_block_int8"}) {
+      EXPECT_TRUE(WriteSafetensors(
+                      (fs::path(root_) / name / "weights.safetensors").string(),
+                      ViewsOf(weights_), {})
+                      .ok());
+    }
   }
   ~GqaModelRepository() { fs::remove_all(root_); }
   const std::string& root() const { return root_; }
@@ -225,6 +233,141 @@ TEST_F(SessionServerTest,
         << "step at " << first;
     first += n;
   }
+}
+
+// INT8 caches through the server: an attention session of dtype INT8 and
+// model sessions with cache_dtype INT8 (by request, and by the model's
+// config) match the float64 reference within the INT8 tolerance; the two
+// model sessions give the same bits, and not those of a FLOAT32 cache. No
+// tensor may be INT8.
+TEST_F(SessionServerTest, Int8CachesMatchTheReferenceWithinTheirBound) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest attention = AttentionSession();
+  attention.set_dtype(v1::DATA_TYPE_INT8);
+  auto created = client.CreateSession(attention);
+  ASSERT_TRUE(created.ok()) << created.status();
+  RefTensor keys, values;
+  int64_t first = 0;
+  for (int64_t n : {9, 1, 1, 4, 1}) {
+    Tensor q, k, v;
+    auto step =
+        client.SessionStep(AttentionStep(created->session_id(), n, &q, &k, &v));
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(step->output().dtype(), v1::DATA_TYPE_FLOAT32);
+    const auto batched = [&](const Tensor& t) {
+      RefTensor r = ToRef(t.view());
+      r.shape.insert(r.shape.begin(), 1);
+      return r;
+    };
+    keys = RefConcatRows(keys, batched(k));
+    values = RefConcatRows(values, batched(v));
+    RefAttentionResult ref = RefAttend(
+        RefRotary(batched(q), 8, 10000.0, first),
+        RefRepeatHeads(RefRotary(keys, 8, 10000.0, 0), 2),
+        RefRepeatHeads(values, 2), {RefCausalKeep(first, n)}, {true}, {});
+    ref.output.shape.erase(ref.output.shape.begin());
+    EXPECT_TRUE(
+        AllClose(FromWire(step->output()).view(), ref.output, kInt8Tolerance))
+        << "step at " << first;
+    first += n;
+  }
+  Tensor q, k, v;
+  v1::SessionStepRequest int8_tensor =
+      AttentionStep(created->session_id(), 1, &q, &k, &v);
+  int8_tensor.mutable_key()->set_dtype(v1::DATA_TYPE_INT8);
+  auto refused = client.SessionStep(int8_tensor);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "key: dtype DATA_TYPE_INT8 is a session cache dtype only "
+            "(CreateSessionRequest.dtype or cache_dtype), not a tensor's");
+
+  // Model sessions: FLOAT32 cache, INT8 by request, INT8 by config.
+  v1::CreateSessionRequest plain, by_request, by_config;
+  plain.set_model("llama_block");
+  by_request.set_model("llama_block");
+  by_request.set_cache_dtype(v1::DATA_TYPE_INT8);
+  by_config.set_model("llama_block_int8");
+  std::vector<std::string> ids;
+  for (const auto* request : {&plain, &by_request, &by_config}) {
+    auto made = client.CreateSession(*request);
+    ASSERT_TRUE(made.ok()) << made.status();
+    ids.push_back(made->session_id());
+  }
+  const std::vector<int64_t> steps = {6, 1, 1, 3, 1};
+  Tensor x = RandomTensor(DType::kFloat32, {1, 12, kEmbed}, rng_);
+  const RefTensor all = ToRef(x.view());
+  const RefAttentionResult ref = RefMultiHeadAttend(
+      repository_->Reference(), all, all, all, {}, {}, {true, {}, {}});
+  first = 0;
+  for (int64_t n : steps) {
+    const RefTensor rows = RefRows(all, first, n);
+    Tensor input = *Tensor::Allocate(DType::kFloat32, {1, n, kEmbed});
+    for (size_t i = 0; i < rows.values.size(); ++i) {
+      input.data_as<float>()[i] = static_cast<float>(rows.values[i]);
+    }
+    std::vector<Tensor> outputs;
+    for (const std::string& id : ids) {
+      v1::SessionStepRequest request;
+      request.set_session_id(id);
+      *request.mutable_input() = ToWire(input.view());
+      auto step = client.SessionStep(request);
+      ASSERT_TRUE(step.ok()) << step.status();
+      outputs.push_back(FromWire(step->output()));
+      EXPECT_TRUE(AllClose(outputs.back().view(), RefRows(ref.output, first, n),
+                           id == ids[0] ? kFloat32Tolerance : kInt8Tolerance))
+          << "step at " << first;
+    }
+    const size_t bytes = outputs[0].num_bytes();
+    EXPECT_EQ(0, std::memcmp(outputs[1].data(), outputs[2].data(), bytes));
+    EXPECT_NE(0, std::memcmp(outputs[0].data(), outputs[1].data(), bytes));
+    first += n;
+  }
+}
+
+// A session of 3 layers through the server equals one session per layer,
+// bit for bit: each step names its layer, the response's length is that
+// layer's, and a layer out of range is INVALID_ARGUMENT naming it.
+TEST_F(SessionServerTest, MultiLayerSessionEqualsOneSessionPerLayer) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest create = AttentionSession();
+  std::vector<std::string> singles;
+  for (int l = 0; l < 3; ++l) {
+    auto made = client.CreateSession(create);
+    ASSERT_TRUE(made.ok()) << made.status();
+    singles.push_back(made->session_id());
+  }
+  create.set_num_layers(3);
+  auto layered = client.CreateSession(create);
+  ASSERT_TRUE(layered.ok()) << layered.status();
+  const std::pair<int, int64_t> steps[] = {{0, 6}, {1, 6}, {2, 6}, {0, 1},
+                                           {1, 1}, {2, 1}, {0, 1}, {2, 2}};
+  std::vector<int64_t> lengths(3, 0);
+  for (const auto& [layer, n] : steps) {
+    Tensor q, k, v;
+    v1::SessionStepRequest request =
+        AttentionStep(layered->session_id(), n, &q, &k, &v);
+    request.set_layer(layer);
+    auto got = client.SessionStep(request);
+    ASSERT_TRUE(got.ok()) << got.status();
+    request.set_session_id(singles[layer]);
+    request.clear_layer();
+    auto want = client.SessionStep(request);
+    ASSERT_TRUE(want.ok()) << want.status();
+    lengths[layer] += n;
+    EXPECT_EQ(got->length(), lengths[layer]);
+    EXPECT_EQ(want->length(), lengths[layer]);
+    EXPECT_EQ(got->output().raw_data(), want->output().raw_data())
+        << "layer " << layer;
+  }
+  Tensor q, k, v;
+  v1::SessionStepRequest request =
+      AttentionStep(layered->session_id(), 1, &q, &k, &v);
+  request.set_layer(5);
+  auto refused = client.SessionStep(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(), "layer: 5 is out of range [0, 3)");
 }
 
 TEST_F(SessionServerTest, InlineGroupedQueryWeightsMatchTheReference) {
