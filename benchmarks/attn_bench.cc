@@ -110,9 +110,19 @@ void BM_Gqa(benchmark::State& state) {
           double(q.num_bytes() + k.num_bytes() + v.num_bytes()));
 }
 
-// Key/value bytes a decode step over `tokens` cached tokens reads.
+// Key/value bytes a decode step over `tokens` cached tokens reads (an INT8
+// cache's scales included).
 double KvBytes(int64_t tokens, int64_t kv_heads, int64_t d, DType dtype) {
-  return static_cast<double>(tokens * kv_heads * d * 2) * DTypeSize(dtype);
+  const double scales = dtype == DType::kInt8 ? sizeof(float) : 0.0;
+  return static_cast<double>(tokens * kv_heads * 2) *
+         (static_cast<double>(d * DTypeSize(dtype)) + scales);
+}
+
+// The cache dtype of a benchmark argument: 0 float32, 1 bfloat16, 2 int8.
+DType CacheDType(int64_t arg) {
+  return arg == 2   ? DType::kInt8
+         : arg == 1 ? DType::kBFloat16
+                    : DType::kFloat32;
 }
 
 // An attention session of H query and Hkv key/value heads of dim d,
@@ -154,13 +164,14 @@ std::array<Tensor, 3> TokenOperands(int64_t h, int64_t hkv, int64_t d,
 
 // One decode step of an attention session holding Lk tokens: one new token
 // of H query heads over Hkv key/value heads of dim d (each step rewinds to
-// Lk, so the cache stays at Lk + 1), the cache in float32 or bfloat16.
-// Args: H, Hkv, d, Lk, bf16. Hkv == H is the same step with keys and values
-// repeated to every query head. bytes_per_second: the cache read.
+// Lk, so the cache stays at Lk + 1), the cache in float32, bfloat16 or
+// int8. Args: H, Hkv, d, Lk, cache (0 float32, 1 bfloat16, 2 int8). Hkv ==
+// H is the same step with keys and values repeated to every query head.
+// bytes_per_second: the cache read.
 void BM_DecodeStep(benchmark::State& state) {
   const int64_t h = state.range(0), hkv = state.range(1), d = state.range(2),
                 lk = state.range(3);
-  const DType dtype = state.range(4) ? DType::kBFloat16 : DType::kFloat32;
+  const DType dtype = CacheDType(state.range(4));
   auto session = PrefilledSession(h, hkv, d, lk, dtype, 1);
   if (!session.ok()) {
     state.SkipWithError(std::string(session.status().message()).c_str());
@@ -252,12 +263,13 @@ std::vector<std::unique_ptr<DecodeSession>>& SessionPool(int64_t count,
 }
 
 // One decode step of N sessions in one StepSessions call (each rewinds to
-// Lk, as BM_DecodeStep). Args: N, H, Hkv, d, Lk, bf16. bytes_per_second:
-// the caches read, all sessions together.
+// Lk, as BM_DecodeStep). Args: N, H, Hkv, d, Lk, cache (0 float32, 1
+// bfloat16, 2 int8). bytes_per_second: the caches read, all sessions
+// together.
 void BM_DecodeBatch(benchmark::State& state) {
   const int64_t count = state.range(0), h = state.range(1),
                 hkv = state.range(2), d = state.range(3), lk = state.range(4);
-  const DType dtype = state.range(5) ? DType::kBFloat16 : DType::kFloat32;
+  const DType dtype = CacheDType(state.range(5));
   auto& pool = SessionPool(count, h, hkv, d, lk, dtype);
   if (static_cast<int64_t>(pool.size()) < count) {
     state.SkipWithError("session prefill failed");
@@ -506,9 +518,10 @@ BENCHMARK(BM_ReadBandwidth)->ArgNames({"bytes"})
     ->Arg(int64_t{16} << 20)
     ->Arg(int64_t{512} << 20)
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_DecodeStep)->ArgNames({"H", "Hkv", "d", "Lk", "bf16"})
+BENCHMARK(BM_DecodeStep)->ArgNames({"H", "Hkv", "d", "Lk", "cache"})
     ->Args({8, 8, 64, 4096, 0})
     ->Args({8, 8, 64, 4096, 1})
+    ->Args({8, 8, 64, 4096, 2})
     ->Args({32, 8, 128, 4096, 0})
     ->Args({32, 32, 128, 4096, 0})
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
@@ -518,13 +531,16 @@ BENCHMARK(BM_ForkSession)->ArgNames({"Lk", "mode"})
     ->Args({4096, 2})
     ->Args({4095, 2})
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_DecodeBatch)->ArgNames({"N", "H", "Hkv", "d", "Lk", "bf16"})
+BENCHMARK(BM_DecodeBatch)->ArgNames({"N", "H", "Hkv", "d", "Lk", "cache"})
     ->Args({4, 8, 8, 64, 4096, 0})
     ->Args({16, 8, 8, 64, 4096, 0})
     ->Args({64, 8, 8, 64, 4096, 0})
     ->Args({4, 8, 8, 64, 4096, 1})
     ->Args({16, 8, 8, 64, 4096, 1})
     ->Args({64, 8, 8, 64, 4096, 1})
+    ->Args({4, 8, 8, 64, 4096, 2})
+    ->Args({16, 8, 8, 64, 4096, 2})
+    ->Args({64, 8, 8, 64, 4096, 2})
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_RawAttentionGemms)->ArgNames({"B", "H", "Lq", "Lk", "d"})
     ->Args({8, 8, 512, 512, 64})

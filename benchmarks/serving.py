@@ -18,7 +18,12 @@ Decode sessions (--part=decode; also in --part=all) time a decode step at
 --rpc=decode) against the same step as a stateless Attend carrying the
 cache, with GQA and model-session steps for information, and measure the
 server's resident memory as 16 sessions of 4096 tokens fill and are
-deleted.
+deleted. Then every decode figure as a share of the machine's read
+bandwidth measured in the same run (attn_bench BM_ReadBandwidth, L3- and
+DRAM-sized): N = 1, 4, 16, 64 sessions at 4096 tokens, H8 d64, per cache
+dtype (DECODE_DTYPES), as one batched SessionSteps call and as N concurrent
+SessionStep calls (coalesced by the server), end to end and server compute;
+and the coalescing wait (--coalesce_steps_us) compared at 16 sessions.
 
 The size sweep (--part=sizes; --part=all runs both) measures what a user
 sees end to end as messages grow: LayerNorm [rows, 512] moving 0.25 MB to
@@ -451,6 +456,130 @@ def decode_part(args, bench):
     return figures, targets
 
 
+# Cache dtypes of the decode share table: (name, attnctl --dtype, bytes per
+# element). Another dtype is one more entry.
+DECODE_DTYPES = [("float32", "f32", 4), ("bfloat16", "bf16", 2)]
+DECODE_SESSIONS = (1, 4, 16, 64)
+# The coalescing waits compared (--coalesce_steps_us) at 16 sessions.
+COALESCE_WAITS_US = (0, 50, 200, 1000)
+
+
+def read_bandwidth(bench):
+    """GB/s of attn_bench's OpenMP read loop: {"l3": .., "dram": ..}."""
+    out = subprocess.run([
+        os.path.join(bench.bin, "attn_bench"),
+        "--benchmark_filter=BM_ReadBandwidth", "--benchmark_min_time=1",
+        "--benchmark_format=json"], check=True, capture_output=True,
+        text=True).stdout
+    runs = {int(r["name"].split("bytes:")[1].split("/")[0]): r
+            for r in json.loads(out)["benchmarks"]}
+    return {"l3": runs[16 << 20]["bytes_per_second"] / 1e9,
+            "dram": runs[512 << 20]["bytes_per_second"] / 1e9}
+
+
+def decode_server(bench, *flags):
+    return bench.start([
+        os.path.join(bench.bin, "attnserve"), "--host=127.0.0.1",
+        "--port=0", "--metrics_port=-1", "--http_port=-1",
+        "--log_level=warning", *flags],
+        r"listening on 127\.0\.0\.1:(\d+)")
+
+
+def decode_run(args, bench, port, dtype, sessions, batched):
+    """Steps/s, p50 ms, server compute p50 ms of N sessions at 4096."""
+    flags = ["decode", "--seq=1", "--kv_seq=4096", "--heads=8", "--dim=64",
+             f"--dtype={dtype}", f"--duration_s={args.sweep_duration_s}",
+             "--warmup_s=1"]
+    if batched:
+        flags += [f"--batch_sessions={sessions}", "--concurrency=1",
+                  "--connections=1"]
+    else:
+        flags += [f"--concurrency={sessions}", f"--connections={sessions}"]
+    report = bench.load(port, *flags)
+    return {"steps_s": report["qps"] * report.get("steps_per_request", 1),
+            "p50_ms": report["latency_us"]["p50"] / 1e3,
+            "compute_ms": report["server_compute_us"]["p50"] / 1e3}
+
+
+def decode_share_part(args, bench):
+    """Decode steps as a share of the read bandwidth of the same run."""
+    bandwidth = read_bandwidth(bench)
+    figures = {"read_bandwidth_gb_s": bandwidth, "cases": [], "waits": []}
+    lines = []
+    server, port = decode_server(bench)
+    try:
+        for name, flag, size in DECODE_DTYPES:
+            step_bytes = 2 * 8 * 4096 * 64 * size  # K and V of 8 heads
+            for n in DECODE_SESSIONS:
+                for form, batched in (("batched", True),
+                                      ("coalesced", False)):
+                    r = decode_run(args, bench, port, flag, n, batched)
+                    gb_s = r["steps_s"] * step_bytes / 1e9
+                    # One session's cache fits L3; more stream from DRAM.
+                    limit = "l3" if n == 1 else "dram"
+                    share = gb_s / bandwidth[limit]
+                    outside = 1 - r["compute_ms"] / r["p50_ms"]
+                    case = {"dtype": name, "sessions": n, "form": form,
+                            "gb_s": gb_s, "share": share, "limit": limit,
+                            "outside_compute": outside, **r}
+                    figures["cases"].append(case)
+                    lines.append((name, n, form, f"{r['steps_s']:.0f}",
+                                  f"{r['p50_ms']:.3f}",
+                                  f"{r['compute_ms']:.3f}",
+                                  f"{outside:.0%}", f"{gb_s:.1f}",
+                                  f"{share:.0%} of {limit.upper()}"))
+    finally:
+        bench.stop(server)
+    # The coalescing wait, at 16 concurrent sessions and one alone.
+    for wait in COALESCE_WAITS_US:
+        server, port = decode_server(bench, f"--coalesce_steps_us={wait}")
+        try:
+            many = decode_run(args, bench, port, "f32", 16, False)
+            one = decode_run(args, bench, port, "f32", 1, False)
+        finally:
+            bench.stop(server)
+        figures["waits"].append({"wait_us": wait, "steps_s_16": many[
+            "steps_s"], "p50_ms_16": many["p50_ms"], "p50_ms_1": one[
+            "p50_ms"]})
+
+    print(f"\nRead bandwidth (attn_bench BM_ReadBandwidth, same run): "
+          f"{bandwidth['l3']:.1f} GB/s from a 16 MiB buffer (L3), "
+          f"{bandwidth['dram']:.1f} GB/s from 512 MiB (DRAM)\n")
+    header = ("dtype", "sessions", "form", "steps/s", "e2e p50 ms",
+              "compute p50 ms", "outside compute", "cache GB/s", "share")
+    widths = [max(len(str(r[i])) for r in lines + [header])
+              for i in range(len(header))]
+    print("Decode steps at 4096 cached tokens, H8 d64 (batched: one "
+          "SessionSteps call; coalesced: N concurrent SessionStep calls)\n")
+    for r in [header] + lines:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print("\nCoalescing wait (--coalesce_steps_us), float32\n")
+    for w in figures["waits"]:
+        print(f"  {w['wait_us']:>5} us: 16 sessions {w['steps_s_16']:.0f} "
+              f"steps/s (p50 {w['p50_ms_16']:.2f} ms); one session alone "
+              f"p50 {w['p50_ms_1']:.3f} ms")
+
+    by = {(c["dtype"], c["sessions"], c["form"]): c
+          for c in figures["cases"]}
+    batched16 = by[("float32", 16, "batched")]
+    coalesced16 = by[("float32", 16, "coalesced")]
+    ratio = coalesced16["steps_s"] / batched16["steps_s"]
+    off, on = figures["waits"][0], next(
+        w for w in figures["waits"] if w["wait_us"] == 200)
+    targets = [
+        ("batched 16 sessions: time outside server compute",
+         f"{batched16['outside_compute']:.0%}", "<= 10%",
+         batched16["outside_compute"] <= 0.10),
+        ("16 coalesced calls vs one batched call of 16 (steps/s)",
+         f"{ratio:.2f}", ">= 0.80", ratio >= 0.80),
+        ("one call alone, coalescing on vs off (p50)",
+         f"{on['p50_ms_1']:.3f} vs {off['p50_ms_1']:.3f} ms", "<= 1.05x",
+         on["p50_ms_1"] <= 1.05 * off["p50_ms_1"]),
+    ]
+    return figures, targets
+
+
+
 def sweep_targets(figures):
     """The issue's size targets from the sweep's figures."""
     rows = []
@@ -480,6 +609,9 @@ def main():
     if args.part in ("all", "decode"):
         decode, targets = decode_part(args, bench)
         figures["decode"] = decode
+        shares, share_targets = decode_share_part(args, bench)
+        figures["decode_share"] = shares
+        targets += share_targets
         print("\nDecode targets\n")
         for case, got, want, met in targets:
             print(f"{case}: {got} (target {want}) "

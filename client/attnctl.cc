@@ -8,6 +8,7 @@
 //   attnctl models --target=HOST:PORT [--model=NAME]
 //   attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|decode|health
 //           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
+//           [--batch_sessions=N (decode: one SessionSteps call of N sessions)]
 //           [--model=NAME] [--shared_memory] [--concurrency=N]
 //           [--connections=M] [--client_threads=T]
 //           [--rate=R --arrival=constant|poisson --late_ms=MS]
@@ -109,6 +110,10 @@ ABSL_FLAG(int64_t, heads, 8, "bench: attend, mha and decode heads.");
 ABSL_FLAG(int64_t, kv_heads, 0,
           "bench: decode key/value heads (grouped-query attention; 0: "
           "--heads).");
+ABSL_FLAG(int, batch_sessions, 0,
+          "bench: decode: > 0 sends one SessionSteps call stepping this many "
+          "sessions per connection instead of one SessionStep call (each "
+          "connection its own sessions); the report adds steps/s.");
 ABSL_FLAG(std::string, dtype, "f32",
           "bench: element type of synthetic inputs: f32, bf16 or f16.");
 ABSL_FLAG(int, concurrency, 1,
@@ -178,6 +183,9 @@ struct AttnctlOptions {
   SyntheticShape shape;
   // bench --rpc=decode: key/value heads (0: shape.heads).
   int64_t kv_heads = 0;
+  // bench --rpc=decode: sessions each SessionSteps call steps (0: single
+  // SessionStep calls).
+  int batch_sessions = 0;
   BenchCommandOptions bench;
 };
 
@@ -234,6 +242,7 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.shape.dim = absl::GetFlag(FLAGS_dim);
   options.shape.heads = absl::GetFlag(FLAGS_heads);
   options.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  options.batch_sessions = absl::GetFlag(FLAGS_batch_sessions);
   ATTN_ASSIGN_OR_RETURN(options.shape.dtype,
                         ParseDtypeFlag(absl::GetFlag(FLAGS_dtype)));
   LoadOptions& load = options.bench.load;
@@ -408,6 +417,7 @@ absl::StatusOr<Workload> BenchWorkload(
     decode_options.head_dim = options.shape.dim > 0 ? options.shape.dim : 64;
     decode_options.dtype = options.shape.dtype;
     decode_options.sessions = options.bench.load.connections;
+    decode_options.batch_sessions = options.batch_sessions;
     ATTN_ASSIGN_OR_RETURN(*decode,
                           DecodeSessions::Open(client, decode_options));
     return (*decode)->workload();

@@ -100,6 +100,11 @@ absl::StatusOr<v1::SessionStepResponse> AttnClient::SessionStep(
   return Call(stub_.get(), &v1::AttentionService::Stub::SessionStep, request);
 }
 
+absl::StatusOr<v1::SessionStepsResponse> AttnClient::SessionSteps(
+    const v1::SessionStepsRequest& request) {
+  return Call(stub_.get(), &v1::AttentionService::Stub::SessionSteps, request);
+}
+
 absl::Status AttnClient::DeleteSession(const std::string& session_id) {
   v1::DeleteSessionRequest request;
   request.set_session_id(session_id);

@@ -122,6 +122,10 @@ class AttnClient {
       const v1::CreateSessionRequest& request);
   absl::StatusOr<v1::SessionStepResponse> SessionStep(
       const v1::SessionStepRequest& request);
+  // Steps of many sessions in one call; one result per step, each with its
+  // own code (a step that fails does not fail the call).
+  absl::StatusOr<v1::SessionStepsResponse> SessionSteps(
+      const v1::SessionStepsRequest& request);
   absl::Status DeleteSession(const std::string& session_id);
   // A new session sharing the first `length` tokens (all when unset) of
   // `session_id`, copy-on-write.

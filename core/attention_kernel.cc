@@ -769,6 +769,33 @@ RowType RowTypeOf(DType dtype) {
   return dtype == DType::kBFloat16 ? RowType::kBFloat16 : RowType::kFloat32;
 }
 
+// The key (or value) rows j0 .. of key/value head g of batch entry b.
+CachedRows CachedRowsOf(const AttentionProblem& p, bool keys, int64_t b,
+                        int64_t g, int64_t j0) {
+  const OperandLayout& layout = keys ? p.key_layout : p.value_layout;
+  const int64_t offset =
+      b * layout.batch_stride + g * layout.head_stride + j0 * layout.row_stride;
+  const size_t block = static_cast<size_t>(j0 / kCacheBlockKeys);
+  const absl::Span<const void* const> table =
+      keys ? p.key_blocks : p.value_blocks;
+  const void* base = block < table.size() ? table[block]
+                     : keys               ? p.key
+                                          : p.value;
+  if (!p.int8_kv) {
+    return {At(base, p.operand_dtype, offset), layout.row_stride,
+            RowTypeOf(p.operand_dtype), nullptr};
+  }
+  const absl::Span<const float* const> scale_table =
+      keys ? p.key_scale_blocks : p.value_scale_blocks;
+  const float* scales = block < scale_table.size() ? scale_table[block]
+                        : keys                     ? p.key_scales
+                                                   : p.value_scales;
+  return {static_cast<const int8_t*>(base) + offset, layout.row_stride,
+          RowType::kInt8,
+          scales + b * p.scale_layout.batch_stride +
+              g * p.scale_layout.head_stride + j0};
+}
+
 // Row r of a split unit: query head g * group + r / query_len, position
 // r % query_len.
 struct SplitRow {
@@ -782,9 +809,16 @@ SplitRow RowOf(const AttentionProblem& p, int64_t g, int64_t r) {
 // Value element c of key j of a value head.
 float CachedElement(const CachedRows& rows, int64_t j, int64_t c) {
   const int64_t at = j * rows.stride + c;
-  return rows.type == RowType::kBFloat16
-             ? BFloat16ToFloat(static_cast<const uint16_t*>(rows.data)[at])
-             : static_cast<const float*>(rows.data)[at];
+  switch (rows.type) {
+    case RowType::kBFloat16:
+      return BFloat16ToFloat(static_cast<const uint16_t*>(rows.data)[at]);
+    case RowType::kInt8:
+      return static_cast<float>(static_cast<const int8_t*>(rows.data)[at]) *
+             rows.scales[j];
+    case RowType::kFloat32:
+      break;
+  }
+  return static_cast<const float*>(rows.data)[at];
 }
 
 // One item: the partial softmax of unit (b, g)'s rows over keys
@@ -839,12 +873,9 @@ void RunSplitItem(const SplitProblem& sp, const RowOps& ops, int64_t b,
                   float* partial) {
   const AttentionProblem& p = *sp.p;
   const int64_t rows = sp.rows, dk = p.key_dim, dv = p.value_dim;
-  const DType t = p.operand_dtype;
   GatherSplitQueries(sp, b, g, q);
-  const CachedRows keys{KeyRows(p, b, g, j0), p.key_layout.row_stride,
-                        RowTypeOf(t), nullptr};
-  const CachedRows values{ValueRows(p, b, g, j0), p.value_layout.row_stride,
-                          RowTypeOf(t), nullptr};
+  const CachedRows keys = CachedRowsOf(p, /*keys=*/true, b, g, j0);
+  const CachedRows values = CachedRowsOf(p, /*keys=*/false, b, g, j0);
   ops.dot_rows(q, rows, dk, keys, cols, logits, kSplitKeys);
 
   float* maxima = partial;
@@ -1078,6 +1109,80 @@ void RunSplitPass(std::deque<SplitProblem>& problems) {
   }
 }
 
+// Keys an int8_kv problem's queries see (all with weights, whose rows span
+// key_len).
+int64_t DequantizedKeys(const AttentionProblem& p) {
+  return p.weights != nullptr ? p.key_len : SplitVisibleKeys(p);
+}
+
+// Dense copies of the keys and values an int8_kv problem's queries see,
+// dequantized into its operand dtype.
+struct DequantizedCache {
+  Tensor keys, values;
+};
+
+absl::StatusOr<DequantizedCache> Dequantize(const AttentionProblem& p) {
+  const int64_t kv_heads = p.heads / p.kv_group;
+  const int64_t keys = DequantizedKeys(p);
+  DequantizedCache out;
+  ATTN_ASSIGN_OR_RETURN(
+      out.keys,
+      Tensor::Allocate(p.operand_dtype, {p.batch, kv_heads, keys, p.key_dim}));
+  ATTN_ASSIGN_OR_RETURN(
+      out.values, Tensor::Allocate(p.operand_dtype,
+                                   {p.batch, kv_heads, keys, p.value_dim}));
+  const bool bf16 = p.operand_dtype == DType::kBFloat16;
+#pragma omp parallel for schedule(static)
+  for (int64_t n = 0; n < p.batch * kv_heads * 2; ++n) {
+    const bool is_key = n % 2 == 0;
+    const int64_t b = n / 2 / kv_heads, g = n / 2 % kv_heads;
+    const int64_t dim = is_key ? p.key_dim : p.value_dim;
+    Tensor& dst = is_key ? out.keys : out.values;
+    const int64_t first = (b * kv_heads + g) * keys * dim;
+    CachedRows rows;
+    for (int64_t j = 0; j < keys; ++j) {
+      // A block table's blocks may each be in another cache.
+      if (j % kCacheBlockKeys == 0) rows = CachedRowsOf(p, is_key, b, g, j);
+      for (int64_t c = 0; c < dim; ++c) {
+        const float x = CachedElement(rows, j % kCacheBlockKeys, c);
+        if (bf16) {
+          static_cast<uint16_t*>(dst.data())[first + j * dim + c] =
+              FloatToBFloat16(x);
+        } else {
+          static_cast<float*>(dst.data())[first + j * dim + c] = x;
+        }
+      }
+    }
+  }
+  return out;
+}
+
+// The tiled path of an int8_kv problem: on its keys and values dequantized.
+// The copy costs O(keys x dims), against the O(queries x keys x dims) of
+// the more than kMaxSplitRows query rows a head that take this path.
+absl::Status RunTiledInt8(const AttentionProblem& in) {
+  if (Cancelled(in)) return CancelledStatus();
+  ATTN_ASSIGN_OR_RETURN(const DequantizedCache cache, Dequantize(in));
+  AttentionProblem p = in;
+  const int64_t kv_heads = p.heads / p.kv_group;
+  const int64_t keys = DequantizedKeys(p);
+  p.int8_kv = false;
+  p.key_blocks = {};
+  p.value_blocks = {};
+  p.key_scale_blocks = {};
+  p.value_scale_blocks = {};
+  p.key_len = keys;
+  p.key = cache.keys.data();
+  p.key_layout = DenseLayout(kv_heads, keys, p.key_dim);
+  p.value = cache.values.data();
+  p.value_layout = DenseLayout(kv_heads, keys, p.value_dim);
+  return RunTiled(FoldGroups(p));
+}
+
+absl::Status RunTiledProblem(const AttentionProblem& p) {
+  return p.int8_kv ? RunTiledInt8(p) : RunTiled(FoldGroups(p));
+}
+
 }  // namespace
 
 std::vector<absl::Status> RunAttentionBatch(
@@ -1099,7 +1204,7 @@ std::vector<absl::Status> RunAttentionBatch(
   }
   for (size_t i = 0; i < problems.size(); ++i) {
     if (statuses[i].ok() && !TakesSplitPath(*problems[i])) {
-      statuses[i] = RunTiled(FoldGroups(*problems[i]));
+      statuses[i] = RunTiledProblem(*problems[i]);
     }
   }
   return statuses;

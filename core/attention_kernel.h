@@ -86,8 +86,18 @@ struct AttentionProblem {
   int64_t key_len = 0;
   int64_t key_dim = 0;
   int64_t value_dim = 0;
-  // FLOAT32 or BFLOAT16, for query, key and value alike.
+  // FLOAT32 or BFLOAT16, for query, key and value alike (but see int8_kv).
   DType operand_dtype = DType::kFloat32;
+  // Keys and values of an INT8 cache: their elements are int8 codes (the
+  // layouts count bytes), row j of (b, h) scaled by key_scales (value_scales)
+  // [b * scale_layout.batch_stride + h * scale_layout.head_stride + j]; the
+  // queries and the output keep operand_dtype. The split-KV path reads the
+  // codes as they are; the tiled path (long steps) first dequantizes the
+  // visible keys and values into operand_dtype.
+  bool int8_kv = false;
+  const float* key_scales = nullptr;
+  const float* value_scales = nullptr;
+  OperandLayout scale_layout;
   const void* query = nullptr;  // [batch, heads, query_len, key_dim]
   OperandLayout query_layout;
   const void* key = nullptr;  // [batch, heads, key_len, key_dim]
@@ -100,6 +110,10 @@ struct AttentionProblem {
   // keys past the table from `key`. Likewise for values. Not with weights.
   absl::Span<const void* const> key_blocks;
   absl::Span<const void* const> value_blocks;
+  // With int8_kv, the scales of the same blocks (key_scales and
+  // value_scales past the table).
+  absl::Span<const float* const> key_scale_blocks;
+  absl::Span<const float* const> value_scale_blocks;
   // FLOAT32 or BFLOAT16.
   DType output_dtype = DType::kFloat32;
   void* output = nullptr;  // [batch, heads, query_len, value_dim]

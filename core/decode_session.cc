@@ -33,13 +33,25 @@ absl::Status VerifyAttentionConfig(const DecodeSessionConfig& c) {
     return absl::InvalidArgumentError(
         absl::StrCat("value_head_dim: must be >= 0, got ", c.value_dim));
   }
-  if (c.dtype != DType::kFloat32 && c.dtype != DType::kBFloat16) {
+  if (c.dtype != DType::kFloat32 && c.dtype != DType::kBFloat16 &&
+      c.dtype != DType::kInt8) {
     return absl::InvalidArgumentError(
         absl::StrCat("dtype: ", DTypeName(c.dtype),
-                     " not supported for a session cache, expected FLOAT32 or "
-                     "BFLOAT16"));
+                     " not supported for a session cache, expected FLOAT32, "
+                     "BFLOAT16 or INT8"));
   }
   return VerifyRotary(c.rotary, c.key_dim, "rotary_dims");
+}
+
+// The cache dtype of a session computing in `compute`: `requested` (the
+// compute dtype or INT8) or, unset, `fallback`.
+absl::StatusOr<DType> CacheDTypeOf(std::optional<DType> requested,
+                                   DType compute, DType fallback) {
+  const DType cache = requested.value_or(fallback);
+  if (cache == compute || cache == DType::kInt8) return cache;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "cache_dtype: ", DTypeName(cache), " not supported with compute dtype ",
+      DTypeName(compute), ", expected ", DTypeName(compute), " or INT8"));
 }
 
 // A model session's layer: self-attention over one hidden state.
@@ -67,20 +79,41 @@ absl::Status VerifyBatchedRank(const TensorView& t, absl::string_view field,
                  : ""));
 }
 
-// Copies the n new tokens of `src`, a [B, heads, n, d] operand laid out as
-// `layout`, into the cache's rows first .. first + n - 1 of each (batch,
-// head): of its keys, or of its values.
-void AppendToCache(const void* src, const OperandLayout& layout, int64_t batch,
-                   int64_t heads, int64_t n, int64_t d, bool keys,
+// Copies the n new tokens of `src`, a [B, heads, n, d] operand of
+// `src_dtype` (the cache's, or FLOAT32/BFLOAT16 for an INT8 cache, which
+// quantizes each row) laid out as `layout`, into the rows first ..
+// first + n - 1 of each (batch, head) of `layer` of the cache: of its keys,
+// or of its values.
+void AppendToCache(const void* src, DType src_dtype,
+                   const OperandLayout& layout, int64_t batch, int64_t heads,
+                   int64_t n, int64_t d, bool keys, int64_t layer,
                    int64_t first, KvCache& cache) {
-  const size_t elem = DTypeSize(cache.dims().dtype);
+  const size_t elem = DTypeSize(src_dtype);
   const char* from = static_cast<const char*>(src);
+  std::vector<float> row(cache.quantized() ? d : 0);
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
-      char* to = static_cast<char*>(keys ? cache.key_row(b, h, first)
-                                         : cache.value_row(b, h, first));
+      char* to = static_cast<char*>(keys ? cache.key_row(layer, b, h, first)
+                                         : cache.value_row(layer, b, h, first));
       const char* head =
           from + (b * layout.batch_stride + h * layout.head_stride) * elem;
+      if (cache.quantized()) {
+        float* scales = keys ? cache.key_scale(layer, b, h, first)
+                             : cache.value_scale(layer, b, h, first);
+        for (int64_t t = 0; t < n; ++t) {
+          const void* x = head + t * layout.row_stride * elem;
+          if (src_dtype == DType::kBFloat16) {
+            for (int64_t c = 0; c < d; ++c) {
+              row[c] = BFloat16ToFloat(static_cast<const uint16_t*>(x)[c]);
+            }
+          } else {
+            std::memcpy(row.data(), x, d * sizeof(float));
+          }
+          scales[t] = QuantizeInt8(row.data(), d,
+                                   reinterpret_cast<int8_t*>(to) + t * d);
+        }
+        continue;
+      }
       if (layout.row_stride == d) {  // the head's rows are contiguous
         std::memcpy(to, head, n * d * elem);
         continue;
@@ -99,20 +132,23 @@ void AppendToCache(const void* src, const OperandLayout& layout, int64_t batch,
 class SavedRows {
  public:
   // RESOURCE_EXHAUSTED when the copy cannot be allocated.
-  static absl::StatusOr<SavedRows> Save(KvCache& cache, int64_t first,
-                                        int64_t end) {
+  static absl::StatusOr<SavedRows> Save(KvCache& cache, int64_t layer,
+                                        int64_t first, int64_t end) {
     SavedRows saved;
     if (end <= first) return saved;
     const KvCache::Dims& d = cache.dims();
+    saved.layer_ = layer;
     saved.first_ = first;
     saved.key_bytes_ = (end - first) * d.key_dim * DTypeSize(d.dtype);
     saved.value_bytes_ = (end - first) * d.value_dim * DTypeSize(d.dtype);
+    saved.scale_bytes_ = cache.quantized() ? (end - first) * sizeof(float) : 0;
     ATTN_ASSIGN_OR_RETURN(
         saved.bytes_,
         Tensor::Allocate(
             DType::kUInt8,
             {d.batch * d.kv_heads *
-             static_cast<int64_t>(saved.key_bytes_ + saved.value_bytes_)}));
+             static_cast<int64_t>(saved.key_bytes_ + saved.value_bytes_ +
+                                  2 * saved.scale_bytes_)}));
     saved.Copy(cache, /*restore=*/false);
     return saved;
   }
@@ -125,10 +161,16 @@ class SavedRows {
     const KvCache::Dims& d = cache.dims();
     for (int64_t b = 0; b < d.batch; ++b) {
       for (int64_t h = 0; h < d.kv_heads; ++h) {
+        const bool scales = scale_bytes_ > 0;
         const std::pair<void*, size_t> rows[] = {
-            {cache.key_row(b, h, first_), key_bytes_},
-            {cache.value_row(b, h, first_), value_bytes_}};
+            {cache.key_row(layer_, b, h, first_), key_bytes_},
+            {cache.value_row(layer_, b, h, first_), value_bytes_},
+            {scales ? cache.key_scale(layer_, b, h, first_) : nullptr,
+             scale_bytes_},
+            {scales ? cache.value_scale(layer_, b, h, first_) : nullptr,
+             scale_bytes_}};
         for (const auto& [row, bytes] : rows) {
+          if (bytes == 0) continue;
           if (restore) {
             std::memcpy(row, saved, bytes);
           } else {
@@ -140,9 +182,11 @@ class SavedRows {
     }
   }
 
+  int64_t layer_ = 0;
   int64_t first_ = 0;
   size_t key_bytes_ = 0;
   size_t value_bytes_ = 0;
+  size_t scale_bytes_ = 0;  // of keys' and of values' scales, each
   Tensor bytes_;
 };
 
@@ -153,6 +197,7 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
   config_ = config;
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.batch, "batch"));
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.max_length, "max_length"));
+  ATTN_RETURN_IF_ERROR(VerifyPositive(config.num_layers, "num_layers"));
   if (config.layer != nullptr) {
     const MultiHeadLayer& layer = *config.layer;
     ATTN_RETURN_IF_ERROR(VerifyModelLayer(layer));
@@ -162,6 +207,8 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
     value_dim_ = layer.head_value_dim();
     dtype_ = layer.compute_dtype();
     rotary_ = layer.rotary();
+    ATTN_ASSIGN_OR_RETURN(cache_dtype_,
+                          CacheDTypeOf(config.cache_dtype, dtype_, dtype_));
   } else {
     ATTN_RETURN_IF_ERROR(VerifyAttentionConfig(config));
     heads_ = config.num_heads;
@@ -169,8 +216,18 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
         config.num_kv_heads == 0 ? config.num_heads : config.num_kv_heads;
     key_dim_ = config.key_dim;
     value_dim_ = config.value_dim == 0 ? config.key_dim : config.value_dim;
-    dtype_ = config.dtype;
+    // INT8: float32 attention on an INT8 cache.
+    const bool int8 = config.dtype == DType::kInt8;
+    dtype_ = int8 ? DType::kFloat32 : config.dtype;
     rotary_ = config.rotary;
+    if (int8 && config.cache_dtype.has_value() &&
+        *config.cache_dtype != DType::kInt8) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cache_dtype: ", DTypeName(*config.cache_dtype),
+                       " contradicts dtype INT8 (an INT8 cache)"));
+    }
+    ATTN_ASSIGN_OR_RETURN(
+        cache_dtype_, CacheDTypeOf(config.cache_dtype, dtype_, config.dtype));
   }
   KvCache::Dims dims;
   dims.batch = config.batch;
@@ -178,11 +235,12 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
   dims.key_dim = key_dim_;
   dims.value_dim = value_dim_;
   dims.max_length = config.max_length;
-  dims.dtype = dtype_;
+  dims.dtype = cache_dtype_;
+  dims.layers = config.num_layers;
   // The reservation must fit the address space's arithmetic: refuse sizes
   // whose bytes overflow, as tensors do.
-  const Shape reserved = {dims.batch, dims.max_length, dims.kv_heads,
-                          dims.key_dim + dims.value_dim};
+  const Shape reserved = {dims.layers, dims.batch, dims.max_length,
+                          dims.kv_heads, dims.key_dim + dims.value_dim};
   ATTN_RETURN_IF_ERROR(
       CheckedNumElements(reserved, dims.dtype, "max_length").status());
   ATTN_RETURN_IF_ERROR(KvCache::ReservedBytes(dims).status());
@@ -201,7 +259,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
   ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims, s->Configure(config));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(dims));
   MutexLock lock(&s->mu_);
-  s->cache_ = std::move(cache);
+  s->Adopt(std::move(cache));
   return s;
 }
 
@@ -210,10 +268,16 @@ size_t DecodeSession::reserved_bytes() const {
   return cache_->reserved_bytes();
 }
 
-size_t DecodeSession::BytesAt(int64_t tokens) const {
+size_t DecodeSession::BytesAt(int64_t tokens, int64_t layer) const {
   MutexLock lock(&mu_);
-  return cache_->BytesBetween(
-      own_from_, std::clamp<int64_t>(tokens, 0, config_.max_length));
+  size_t bytes = 0;
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    bytes += cache_->BytesBetween(
+        l, tables_[l].own_from,
+        l == layer ? std::clamp<int64_t>(tokens, 0, config_.max_length)
+                   : length(l));
+  }
+  return bytes;
 }
 
 namespace {
@@ -224,101 +288,161 @@ int64_t BlocksOf(int64_t tokens) {
 
 }  // namespace
 
+bool DecodeSession::OwnsBlock(int64_t layer, size_t block) const {
+  return tables_[layer].keys[block] == cache_->keys(layer);
+}
+
+void DecodeSession::PointBlock(int64_t layer, size_t block,
+                               const KvCache& cache) {
+  BlockTable& table = tables_[layer];
+  table.keys[block] = cache.keys(layer);
+  table.values[block] = cache.values(layer);
+  if (cache.quantized()) {
+    table.key_scales[block] = cache.key_scales(layer);
+    table.value_scales[block] = cache.value_scales(layer);
+  }
+}
+
 size_t DecodeSession::BytesAfter(const DecodeStepInputs& inputs,
                                  int64_t new_tokens) const {
+  const int64_t layer = inputs.layer;
+  if (layer < 0 || layer >= config_.num_layers) return cache_bytes();
   const int64_t start =
-      std::max<int64_t>(inputs.position.value_or(length()), 0);
+      std::max<int64_t>(inputs.position.value_or(length(layer)), 0);
   const int64_t end =
       std::clamp<int64_t>(start + new_tokens, 0, config_.max_length);
   MutexLock lock(&mu_);
-  int64_t from = own_from_;
-  const int64_t table = static_cast<int64_t>(key_blocks_.size());
-  const int64_t last = std::min(BlocksOf(end), table);
-  for (int64_t i = start / kCacheBlockKeys; new_tokens > 0 && i < last; ++i) {
-    if (key_blocks_[i] != cache_->keys()) {
-      from = std::min(from, i * kCacheBlockKeys);  // copied by OwnBlocks
-      break;
+  size_t bytes = 0;
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    const BlockTable& table = tables_[l];
+    if (l != layer) {
+      bytes += cache_->BytesBetween(l, table.own_from, length(l));
+      continue;
     }
+    int64_t from = table.own_from;
+    const int64_t last =
+        std::min(BlocksOf(end), static_cast<int64_t>(table.keys.size()));
+    for (int64_t i = start / kCacheBlockKeys; new_tokens > 0 && i < last; ++i) {
+      if (!OwnsBlock(l, i)) {
+        from = std::min(from, i * kCacheBlockKeys);  // copied by OwnBlocks
+        break;
+      }
+    }
+    bytes += cache_->BytesBetween(l, from, end);
   }
-  return cache_->BytesBetween(from, end);
+  return bytes;
 }
 
-namespace {
-
-absl::Status VerifyForkLength(int64_t length, int64_t held) {
-  if (length >= 0 && length <= held) return absl::OkStatus();
-  return absl::InvalidArgumentError(
-      absl::StrCat("length: ", length, " is not in [0, ", held,
-                   "] (the tokens the session holds)"));
+absl::Status DecodeSession::VerifyForkLength(int64_t length) const {
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    const int64_t held = this->length(l);
+    if (length >= 0 && length <= held) continue;
+    return absl::InvalidArgumentError(absl::StrCat(
+        "length: ", length, " is not in [0, ", held, "] (the tokens ",
+        config_.num_layers > 1 ? absl::StrCat("layer ", l, " of ") : "",
+        "the session holds)"));
+  }
+  return absl::OkStatus();
 }
 
-}  // namespace
+std::vector<int64_t> DecodeSession::ForkLengths(
+    std::optional<int64_t> length) const {
+  std::vector<int64_t> lengths(config_.num_layers);
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    lengths[l] = length.value_or(this->length(l));
+  }
+  return lengths;
+}
 
-bool DecodeSession::ReadsOwnCache(int64_t tokens) const {
-  const size_t blocks = static_cast<size_t>(BlocksOf(tokens));
-  if (key_blocks_.size() < blocks) return true;
-  for (size_t i = 0; i < blocks; ++i) {
-    if (key_blocks_[i] == cache_->keys()) return true;
+bool DecodeSession::ReadsOwnCache(absl::Span<const int64_t> tokens) const {
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    if (tokens[l] == 0) continue;
+    const size_t blocks = static_cast<size_t>(BlocksOf(tokens[l]));
+    if (tables_[l].keys.size() < blocks) return true;
+    for (size_t i = 0; i < blocks; ++i) {
+      if (OwnsBlock(l, i)) return true;
+    }
   }
   return false;
 }
 
-void DecodeSession::FreezeFor(int64_t length, std::unique_ptr<KvCache>& fresh) {
-  if (!ReadsOwnCache(length)) return;
-  // Every block up to the session's length gets an entry: those past the
-  // old table were in cache_, which stays where it is, frozen.
-  const size_t blocks = static_cast<size_t>(BlocksOf(this->length()));
-  if (key_blocks_.size() < blocks) {
-    key_blocks_.resize(blocks, cache_->keys());
-    value_blocks_.resize(blocks, cache_->values());
+void DecodeSession::FreezeFor(absl::Span<const int64_t> lengths,
+                              std::unique_ptr<KvCache>& fresh) {
+  if (!ReadsOwnCache(lengths)) return;
+  size_t bytes = 0;
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    // Every block up to the layer's length gets an entry: those past the
+    // old table were in cache_, which stays where it is, frozen.
+    BlockTable& table = tables_[l];
+    const size_t blocks = static_cast<size_t>(BlocksOf(length(l)));
+    const size_t old = table.keys.size();
+    if (old < blocks) {
+      table.keys.resize(blocks);
+      table.values.resize(blocks);
+      if (cache_->quantized()) {
+        table.key_scales.resize(blocks);
+        table.value_scales.resize(blocks);
+      }
+      for (size_t i = old; i < blocks; ++i) PointBlock(l, i, *cache_);
+    }
+    bytes += cache_->BytesBetween(l, table.own_from, 0);
+    table.own_from = static_cast<int64_t>(blocks) * kCacheBlockKeys;
   }
-  const size_t bytes = cache_->BytesBetween(own_from_, 0);
   frozen_.push_back({std::move(cache_), bytes});
   cache_ = std::move(fresh);
-  own_from_ = static_cast<int64_t>(blocks) * kCacheBlockKeys;
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Fork(
     std::optional<int64_t> length) {
   MutexLock lock(&mu_);
-  const int64_t held = this->length();
-  const int64_t shared = length.value_or(held);
-  ATTN_RETURN_IF_ERROR(VerifyForkLength(shared, held));
+  if (length.has_value()) ATTN_RETURN_IF_ERROR(VerifyForkLength(*length));
+  const std::vector<int64_t> shared = ForkLengths(length);
   // Both new caches are reserved before anything changes.
   std::unique_ptr<DecodeSession> fork(new DecodeSession());
   ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims, fork->Configure(config_));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(dims));
   std::unique_ptr<KvCache> fresh;
-  if (shared > 0 && ReadsOwnCache(shared)) {
+  if (ReadsOwnCache(shared)) {
     ATTN_ASSIGN_OR_RETURN(fresh, KvCache::Create(dims));
   }
   MutexLock fork_lock(&fork->mu_);
-  fork->cache_ = std::move(cache);
-  if (shared == 0) return fork;
+  fork->Adopt(std::move(cache));
   FreezeFor(shared, fresh);
-  const size_t blocks = static_cast<size_t>(BlocksOf(shared));
-  fork->key_blocks_.assign(key_blocks_.begin(), key_blocks_.begin() + blocks);
-  fork->value_blocks_.assign(value_blocks_.begin(),
-                             value_blocks_.begin() + blocks);
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    const BlockTable& from = tables_[l];
+    BlockTable& to = fork->tables_[l];
+    const size_t blocks = static_cast<size_t>(BlocksOf(shared[l]));
+    to.keys.assign(from.keys.begin(), from.keys.begin() + blocks);
+    to.values.assign(from.values.begin(), from.values.begin() + blocks);
+    if (cache_->quantized()) {
+      to.key_scales.assign(from.key_scales.begin(),
+                           from.key_scales.begin() + blocks);
+      to.value_scales.assign(from.value_scales.begin(),
+                             from.value_scales.begin() + blocks);
+    }
+    to.own_from = static_cast<int64_t>(blocks) * kCacheBlockKeys;
+    fork->lengths_[l].store(shared[l], std::memory_order_release);
+  }
   // The frozen caches the fork reads, and only those.
   for (const FrozenCache& frozen : frozen_) {
-    if (std::find(fork->key_blocks_.begin(), fork->key_blocks_.end(),
-                  frozen.cache->keys()) != fork->key_blocks_.end()) {
-      fork->frozen_.push_back(frozen);
+    for (int64_t l = 0; l < config_.num_layers; ++l) {
+      const std::vector<const void*>& keys = fork->tables_[l].keys;
+      if (std::find(keys.begin(), keys.end(), frozen.cache->keys(l)) !=
+          keys.end()) {
+        fork->frozen_.push_back(frozen);
+        break;
+      }
     }
   }
-  fork->own_from_ = static_cast<int64_t>(blocks) * kCacheBlockKeys;
-  fork->length_.store(shared, std::memory_order_release);
   return fork;
 }
 
 absl::StatusOr<size_t> DecodeSession::ForkReservedBytes(
     std::optional<int64_t> length) const {
   MutexLock lock(&mu_);
-  const int64_t shared = length.value_or(this->length());
-  ATTN_RETURN_IF_ERROR(VerifyForkLength(shared, this->length()));
+  if (length.has_value()) ATTN_RETURN_IF_ERROR(VerifyForkLength(*length));
   const size_t one = cache_->reserved_bytes();
-  return shared > 0 && ReadsOwnCache(shared) ? 2 * one : one;
+  return ReadsOwnCache(ForkLengths(length)) ? 2 * one : one;
 }
 
 std::vector<DecodeSession::SharedCache> DecodeSession::shared_caches() const {
@@ -331,24 +455,42 @@ std::vector<DecodeSession::SharedCache> DecodeSession::shared_caches() const {
   return caches;
 }
 
-void DecodeSession::OwnBlocks(int64_t first, int64_t end, int64_t held) {
-  const int64_t table = static_cast<int64_t>(key_blocks_.size());
-  const int64_t last = std::min(BlocksOf(end), table);
+void DecodeSession::OwnBlocks(int64_t layer, int64_t first, int64_t end,
+                              int64_t held) {
+  BlockTable& table = tables_[layer];
+  const int64_t last =
+      std::min(BlocksOf(end), static_cast<int64_t>(table.keys.size()));
   for (int64_t i = first / kCacheBlockKeys; i < last; ++i) {
-    if (key_blocks_[i] == cache_->keys()) continue;
+    if (OwnsBlock(layer, i)) continue;
     const int64_t from = i * kCacheBlockKeys;
-    cache_->CopyTokens(key_blocks_[i], value_blocks_[i], from,
+    cache_->CopyTokens(*SharedCacheAt(layer, i), layer, from,
                        std::min(held, from + kCacheBlockKeys));
-    key_blocks_[i] = cache_->keys();
-    value_blocks_[i] = cache_->values();
-    own_from_ = std::min(own_from_, from);
+    PointBlock(layer, i, *cache_);
+    table.own_from = std::min(table.own_from, from);
   }
 }
 
-double DecodeSession::StepFlops(int64_t new_tokens) const {
+const KvCache* DecodeSession::SharedCacheAt(int64_t layer, size_t block) const {
+  for (const FrozenCache& frozen : frozen_) {
+    if (frozen.cache->keys(layer) == tables_[layer].keys[block]) {
+      return frozen.cache.get();
+    }
+  }
+  return nullptr;  // unreachable: a block not owned is in a frozen cache
+}
+
+void DecodeSession::Adopt(std::unique_ptr<KvCache> cache) {
+  const int64_t layers = cache->dims().layers;
+  cache_ = std::move(cache);
+  tables_.assign(layers, BlockTable{});
+  lengths_.reset(new std::atomic<int64_t>[layers]);
+  for (int64_t l = 0; l < layers; ++l) lengths_[l].store(0);
+}
+
+double DecodeSession::StepFlops(int64_t new_tokens, int64_t layer) const {
   const double b = static_cast<double>(config_.batch);
   const double n = static_cast<double>(new_tokens);
-  const double keys = static_cast<double>(length()) + n;
+  const double keys = static_cast<double>(length(layer)) + n;
   double flops = 2.0 * b * heads_ * n * keys * (key_dim_ + value_dim_);
   if (config_.layer != nullptr) {
     const double e = static_cast<double>(config_.layer->query_dim());
@@ -363,6 +505,7 @@ double DecodeSession::StepFlops(int64_t new_tokens) const {
 
 absl::StatusOr<int64_t> DecodeSession::NewTokens(
     const DecodeStepInputs& in) const {
+  ATTN_RETURN_IF_ERROR(VerifyLayer(in.layer));
   const int64_t batch = config_.batch;
   if (config_.layer != nullptr) {
     if (!in.input.has_value()) {
@@ -397,9 +540,15 @@ absl::StatusOr<int64_t> DecodeSession::NewTokens(
   return in.query->dim(-2);
 }
 
-absl::Status DecodeSession::VerifyRoom(int64_t start,
+absl::Status DecodeSession::VerifyLayer(int64_t layer) const {
+  if (layer >= 0 && layer < config_.num_layers) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      "layer: ", layer, " is out of range [0, ", config_.num_layers, ")"));
+}
+
+absl::Status DecodeSession::VerifyRoom(int64_t layer, int64_t start,
                                        int64_t new_tokens) const {
-  const int64_t held = length();
+  const int64_t held = length(layer);
   if (start < 0 || start > held) {
     return absl::InvalidArgumentError(absl::StrCat(
         "position: ", start, " is not in [0, ", held, "] (the tokens cached)"));
@@ -454,6 +603,7 @@ absl::Status DecodeSession::VerifyModelInput(const TensorView& input) const {
 }
 
 struct DecodeSession::PendingStep {
+  int64_t layer = 0;
   int64_t start = 0;
   int64_t n = 0;
   int64_t held = 0;
@@ -484,9 +634,10 @@ DecodeSession::Prepare(const DecodeStepInputs& inputs,
   ATTN_ASSIGN_OR_RETURN(const int64_t n, NewTokens(inputs));
   auto step = std::make_unique<PendingStep>();
   step->n = n;
-  step->held = length();
+  step->layer = inputs.layer;
+  step->held = length(step->layer);
   step->start = inputs.position.value_or(step->held);
-  ATTN_RETURN_IF_ERROR(VerifyRoom(step->start, n));
+  ATTN_RETURN_IF_ERROR(VerifyRoom(step->layer, step->start, n));
   ATTN_RETURN_IF_ERROR(config_.layer != nullptr
                            ? VerifyModelInput(*inputs.input)
                            : VerifyAttentionInputs(inputs));
@@ -500,12 +651,12 @@ DecodeSession::Prepare(const DecodeStepInputs& inputs,
   // Copy-on-write: the blocks the step writes into become the session's
   // own first (for good, whether the step succeeds or not: they hold the
   // same tokens as the frozen ones).
-  if (n > 0) OwnBlocks(step->start, step->start + n, step->held);
+  if (n > 0) OwnBlocks(step->layer, step->start, step->start + n, step->held);
   // A rewind writes the step's tokens over cached ones (rows start ..
   // held - 1); they are kept until the step has succeeded, so that a step
   // that fails later (cancelled, out of memory) is undone as well.
   ATTN_ASSIGN_OR_RETURN(step->overwritten,
-                        SavedRows::Save(*cache_, step->start,
+                        SavedRows::Save(*cache_, step->layer, step->start,
                                         std::min(step->held, step->start + n)));
   const absl::Status status =
       config_.layer != nullptr
@@ -530,9 +681,9 @@ absl::Status DecodeSession::Finish(PendingStep& step, absl::Status status) {
   }
   step.output->Finish();
   const int64_t end = step.start + step.n;
-  if (end < step.held) cache_->Truncate(end);
-  cache_->Wrote(end);
-  length_.store(end, std::memory_order_release);
+  if (end < step.held) cache_->Truncate(step.layer, end);
+  cache_->Wrote(step.layer, end);
+  lengths_[step.layer].store(end, std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -651,13 +802,29 @@ absl::Status DecodeSession::PrepareAttention(const DecodeStepInputs& in,
                 DenseLayout(heads_, n, key_dim_), batch, heads_, n, first);
     q = step.rotated.data();
   }
+  const OperandLayout key_layout = DenseLayout(kv_heads_, n, key_dim_);
+  const void* keys = key_data.data();
+  Tensor rotated_keys;
+  if (cache_->quantized() && rotary_.dims > 0) {
+    // An INT8 cache quantizes the rotated keys.
+    ATTN_ASSIGN_OR_RETURN(
+        rotated_keys,
+        Tensor::Allocate(dtype_, {batch, kv_heads_, n, key_dim_}));
+    std::memcpy(rotated_keys.data(), keys, rotated_keys.num_bytes());
+    ApplyRotary(rotary_, dtype_, rotated_keys.data(), key_layout, batch,
+                kv_heads_, n, first);
+    keys = rotated_keys.data();
+  }
   // Nothing can fail from here on: the cache is written last.
-  AppendToCache(key_data.data(), DenseLayout(kv_heads_, n, key_dim_), batch,
-                kv_heads_, n, key_dim_, /*keys=*/true, first, *cache_);
-  AppendToCache(value_data.data(), DenseLayout(kv_heads_, n, value_dim_), batch,
-                kv_heads_, n, value_dim_, /*keys=*/false, first, *cache_);
-  ApplyRotary(rotary_, dtype_, cache_->key_row(0, 0, first),
-              cache_->key_layout(), batch, kv_heads_, n, first);
+  AppendToCache(keys, dtype_, key_layout, batch, kv_heads_, n, key_dim_,
+                /*keys=*/true, step.layer, first, *cache_);
+  AppendToCache(value_data.data(), dtype_,
+                DenseLayout(kv_heads_, n, value_dim_), batch, kv_heads_, n,
+                value_dim_, /*keys=*/false, step.layer, first, *cache_);
+  if (!cache_->quantized()) {
+    ApplyRotary(rotary_, dtype_, cache_->key_row(step.layer, 0, 0, first),
+                cache_->key_layout(), batch, kv_heads_, n, first);
+  }
   SetProblem(q, DenseLayout(heads_, n, key_dim_), first, n, step.output->data(),
              step.output->dtype(), DenseLayout(heads_, n, value_dim_), step);
   return absl::OkStatus();
@@ -702,14 +869,22 @@ absl::Status DecodeSession::PrepareModel(const TensorView& input, int64_t first,
                           Tensor::Allocate(dtype_, {batch, n, concat_dim}));
     step.output_projection = &layer;
   }
+  const OperandLayout k_layout = InterleavedHeadsLayout(kv_heads_, n, key_dim_);
+  // An INT8 cache quantizes the rotated keys.
+  if (cache_->quantized()) {
+    ApplyRotary(rotary_, dtype_, k.data(), k_layout, batch, kv_heads_, n,
+                first);
+  }
   // Nothing can fail from here on: the cache is written last.
-  AppendToCache(k.data(), InterleavedHeadsLayout(kv_heads_, n, key_dim_), batch,
-                kv_heads_, n, key_dim_, /*keys=*/true, first, *cache_);
-  AppendToCache(v.data(), InterleavedHeadsLayout(kv_heads_, n, value_dim_),
-                batch, kv_heads_, n, value_dim_, /*keys=*/false, first,
-                *cache_);
-  ApplyRotary(rotary_, dtype_, cache_->key_row(0, 0, first),
-              cache_->key_layout(), batch, kv_heads_, n, first);
+  AppendToCache(k.data(), dtype_, k_layout, batch, kv_heads_, n, key_dim_,
+                /*keys=*/true, step.layer, first, *cache_);
+  AppendToCache(
+      v.data(), dtype_, InterleavedHeadsLayout(kv_heads_, n, value_dim_), batch,
+      kv_heads_, n, value_dim_, /*keys=*/false, step.layer, first, *cache_);
+  if (!cache_->quantized()) {
+    ApplyRotary(rotary_, dtype_, cache_->key_row(step.layer, 0, 0, first),
+                cache_->key_layout(), batch, kv_heads_, n, first);
+  }
   const OperandLayout q_layout = InterleavedHeadsLayout(heads_, n, key_dim_);
   ApplyRotary(rotary_, dtype_, step.projected_query.data(), q_layout, batch,
               heads_, n, first);
@@ -743,12 +918,21 @@ void DecodeSession::SetProblem(const void* query,
   p.operand_dtype = dtype_;
   p.query = query;
   p.query_layout = query_layout;
-  p.key = cache_->keys();
+  p.key = cache_->keys(step.layer);
   p.key_layout = cache_->key_layout();
-  p.value = cache_->values();
+  p.value = cache_->values(step.layer);
   p.value_layout = cache_->value_layout();
-  p.key_blocks = key_blocks_;
-  p.value_blocks = value_blocks_;
+  const BlockTable& table = tables_[step.layer];
+  p.key_blocks = table.keys;
+  p.value_blocks = table.values;
+  if (cache_->quantized()) {
+    p.int8_kv = true;
+    p.key_scales = cache_->key_scales(step.layer);
+    p.value_scales = cache_->value_scales(step.layer);
+    p.scale_layout = cache_->scale_layout();
+    p.key_scale_blocks = table.key_scales;
+    p.value_scale_blocks = table.value_scales;
+  }
   p.output = output;
   p.output_dtype = output_dtype;
   p.output_layout = output_layout;

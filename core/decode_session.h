@@ -61,7 +61,8 @@ struct DecodeSessionConfig {
   int num_kv_heads = 0;
   int64_t key_dim = 0;
   int64_t value_dim = 0;
-  // FLOAT32 or BFLOAT16: the dtype the cache stores and attention runs in.
+  // FLOAT32 or BFLOAT16: the dtype the cache stores and attention runs in;
+  // INT8: attention runs in FLOAT32 on an INT8 cache.
   DType dtype = DType::kFloat32;
   // Applied to each step's queries and keys at their positions.
   RotaryOptions rotary;
@@ -69,9 +70,18 @@ struct DecodeSessionConfig {
   int64_t batch = 1;
   // Tokens a sequence may hold; steps past it fail with OUT_OF_RANGE.
   int64_t max_length = 0;
+  // Layers of a model whose caches the session holds, each with its own
+  // length: a token is stepped layer by layer (DecodeStepInputs.layer).
+  // Model sessions run every layer with the one `layer` above.
+  int64_t num_layers = 1;
   // The scale of steps that give none (a model's default_scale); unset:
   // 1/sqrt(dk).
   std::optional<float> default_scale;
+  // Both kinds: the dtype the cache stores, the compute dtype or INT8
+  // (each token's key and value rows quantized per key/value head with one
+  // float32 scale, see QuantizeInt8, and dequantized as attention reads
+  // them). Unset: the compute dtype (INT8 for `dtype` INT8).
+  std::optional<DType> cache_dtype;
 };
 
 struct DecodeStepInputs {
@@ -86,7 +96,11 @@ struct DecodeStepInputs {
   // smaller position first drops the cached tokens from there on (a
   // speculative draft that was rejected, a regenerated answer). The drop
   // happens only when the step succeeds: a step that fails drops nothing.
+  // Both count the tokens of `layer`.
   std::optional<int64_t> position;
+  // The layer whose cache the step appends to and attends over, in
+  // [0, num_layers).
+  int64_t layer = 0;
 };
 
 struct DecodeStepOptions {
@@ -164,8 +178,8 @@ class DecodeSession {
   std::vector<SharedCache> shared_caches() const ABSL_LOCKS_EXCLUDED(mu_);
 
   // The new tokens a step with these inputs would append (validated by
-  // Step itself), or INVALID_ARGUMENT when the inputs of this session's
-  // kind are missing or of the wrong rank.
+  // Step itself), or INVALID_ARGUMENT when the layer is out of range or the
+  // inputs of this session's kind are missing or of the wrong rank.
   absl::StatusOr<int64_t> NewTokens(const DecodeStepInputs& inputs) const;
 
   bool is_model_session() const { return config_.layer != nullptr; }
@@ -174,31 +188,41 @@ class DecodeSession {
   int num_kv_heads() const { return kv_heads_; }
   int64_t key_dim() const { return key_dim_; }
   int64_t value_dim() const { return value_dim_; }
+  // The dtype attention computes in, and the one the cache stores.
   DType dtype() const { return dtype_; }
+  DType cache_dtype() const { return cache_dtype_; }
   int64_t batch() const { return config_.batch; }
   int64_t max_length() const { return config_.max_length; }
-  // Tokens cached per sequence.
-  int64_t length() const { return length_.load(std::memory_order_acquire); }
-  // The address space the cache reserves (its whole max_length), of which
-  // it commits what its tokens fill. A forked session's: its own cache's,
-  // not counting shared_caches().
+  int64_t num_layers() const { return config_.num_layers; }
+  // Tokens cached per sequence in `layer` (0 outside [0, num_layers)).
+  int64_t length(int64_t layer = 0) const {
+    return layer >= 0 && layer < config_.num_layers
+               ? lengths_[layer].load(std::memory_order_acquire)
+               : 0;
+  }
+  // The address space the cache reserves (its whole max_length, every
+  // layer), of which it commits what its tokens fill. A forked session's:
+  // its own cache's, not counting shared_caches().
   size_t reserved_bytes() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Memory the cache commits now, and when holding `tokens` tokens (a
-  // forked session's own cache, not counting shared_caches()).
-  size_t cache_bytes() const { return BytesAt(length()); }
-  size_t BytesAt(int64_t tokens) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Memory the cache commits now (every layer), and when `layer` holds
+  // `tokens` tokens and the others what they hold (a forked session's own
+  // cache, not counting shared_caches()).
+  size_t cache_bytes() const { return BytesAt(length(0), 0); }
+  size_t BytesAt(int64_t tokens, int64_t layer = 0) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Memory the cache commits after a step of `new_tokens` with these
   // inputs: BytesAt its end, and the shared blocks it copies first.
   size_t BytesAfter(const DecodeStepInputs& inputs, int64_t new_tokens) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The length a step with these inputs ends at (checked by Step).
+  // The length of its layer a step with these inputs ends at (checked by
+  // Step).
   int64_t LengthAfter(const DecodeStepInputs& inputs,
                       int64_t new_tokens) const {
-    return inputs.position.value_or(length()) + new_tokens;
+    return inputs.position.value_or(length(inputs.layer)) + new_tokens;
   }
   // Floating-point operations of a step of `new_tokens` at the current
-  // length (cost estimates).
-  double StepFlops(int64_t new_tokens) const;
+  // length of `layer` (cost estimates).
+  double StepFlops(int64_t new_tokens, int64_t layer = 0) const;
 
  private:
   friend std::vector<absl::Status> StepSessions(
@@ -217,12 +241,15 @@ class DecodeSession {
   // projection and the new length, or, on failure, the cache as it was.
   absl::Status Finish(PendingStep& step, absl::Status attention)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The checks of a step, made before it changes anything: room for
-  // `new_tokens` from `start`, and the inputs of this session's kind.
+  // The checks of a step, made before it changes anything: its layer, room
+  // for `new_tokens` from `start` in it, and the inputs of this session's
+  // kind.
   // Checks `config` and takes its (or its layer's) heads, dims, dtype and
   // rotary settings; the dims of the cache it needs.
   absl::StatusOr<KvCache::Dims> Configure(const DecodeSessionConfig& config);
-  absl::Status VerifyRoom(int64_t start, int64_t new_tokens) const;
+  absl::Status VerifyLayer(int64_t layer) const;
+  absl::Status VerifyRoom(int64_t layer, int64_t start,
+                          int64_t new_tokens) const;
   absl::Status VerifyAttentionInputs(const DecodeStepInputs& in) const;
   absl::Status VerifyModelInput(const TensorView& input) const;
   // The step's work on checked inputs up to its attention: writes its
@@ -233,16 +260,34 @@ class DecodeSession {
   absl::Status PrepareModel(const TensorView& input, int64_t first,
                             ResultAllocator& results, PendingStep& step)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Copy-on-write: makes the blocks of tokens [first, end) writable in
-  // cache_, copying the tokens below `held` of those read from a frozen
-  // cache.
-  void OwnBlocks(int64_t first, int64_t end, int64_t held)
+  // Copy-on-write: makes the blocks of `layer`'s tokens [first, end)
+  // writable in cache_, copying the tokens below `held` of those read from
+  // a frozen cache.
+  void OwnBlocks(int64_t layer, int64_t first, int64_t end, int64_t held)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Fork's part on this side: freezes cache_ into frozen_ when the first
-  // `length` tokens read any of it, taking `fresh` as the new cache_.
-  void FreezeFor(int64_t length, std::unique_ptr<KvCache>& fresh)
+  // `lengths` tokens of the layers read any of it, taking `fresh` as the
+  // new cache_.
+  void FreezeFor(absl::Span<const int64_t> lengths,
+                 std::unique_ptr<KvCache>& fresh)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  bool ReadsOwnCache(int64_t tokens) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ReadsOwnCache(absl::Span<const int64_t> tokens) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `layer`'s block `block` of the table is in cache_; points it
+  // at `cache`'s.
+  bool OwnsBlock(int64_t layer, size_t block) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void PointBlock(int64_t layer, size_t block, const KvCache& cache)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The frozen cache `layer`'s block `block` is read from.
+  const KvCache* SharedCacheAt(int64_t layer, size_t block) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // INVALID_ARGUMENT unless every layer holds `length` tokens or more.
+  absl::Status VerifyForkLength(int64_t length) const;
+  // Per layer, the tokens a fork at `length` shares (unset: all).
+  std::vector<int64_t> ForkLengths(std::optional<int64_t> length) const;
+  // Takes `cache` as cache_, with empty tables and lengths 0.
+  void Adopt(std::unique_ptr<KvCache> cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The problem of `n` queries at positions first .. first + n - 1 (layout
   // `query_layout` at `query`) over the cache's first `first + n` tokens,
   // writing [B, H, n, dv] at `output` by `output_layout`.
@@ -259,6 +304,7 @@ class DecodeSession {
   int64_t key_dim_ = 0;
   int64_t value_dim_ = 0;
   DType dtype_ = DType::kFloat32;
+  DType cache_dtype_ = DType::kFloat32;
   RotaryOptions rotary_;
   // Serializes steps: a step writes the cache past its length, then moves
   // the length.
@@ -266,21 +312,27 @@ class DecodeSession {
   // Set by Create, replaced by a fork that freezes it; its dims never
   // change, its contents are written under mu_.
   std::unique_ptr<KvCache> cache_ ABSL_GUARDED_BY(mu_);
-  // A forked session's frozen caches, and where each block of
+  // A forked session's frozen caches, and, per layer, where each block of
   // kCacheBlockKeys tokens is read: in a frozen cache or in cache_ (the
-  // keys' and values' bases). Blocks past the table are in cache_; no
-  // table: every block is.
+  // keys', values' and an INT8 cache's scales' bases). Blocks past a
+  // layer's table are in cache_; no table: every block is.
   struct FrozenCache {
     std::shared_ptr<const KvCache> cache;
     size_t bytes = 0;  // what it commits, fixed once frozen
   };
   std::vector<FrozenCache> frozen_ ABSL_GUARDED_BY(mu_);
-  std::vector<const void*> key_blocks_ ABSL_GUARDED_BY(mu_);
-  std::vector<const void*> value_blocks_ ABSL_GUARDED_BY(mu_);
-  // The first token cache_ may hold: it has written none below.
-  int64_t own_from_ ABSL_GUARDED_BY(mu_) = 0;
-  // The cache's length, readable without the lock.
-  std::atomic<int64_t> length_{0};
+  struct BlockTable {
+    std::vector<const void*> keys;
+    std::vector<const void*> values;
+    std::vector<const float*> key_scales;  // INT8 caches only
+    std::vector<const float*> value_scales;
+    // The first token cache_ may hold in this layer: it has written none
+    // below.
+    int64_t own_from = 0;
+  };
+  std::vector<BlockTable> tables_ ABSL_GUARDED_BY(mu_);
+  // Each layer's length, readable without the lock.
+  std::unique_ptr<std::atomic<int64_t>[]> lengths_;
 };
 
 }  // namespace attnserve

@@ -1,12 +1,14 @@
 #include "core/dtype.h"
 
+#include <vector>
+
 #include "absl/strings/str_cat.h"
 
 namespace attnserve {
 
 std::optional<DType> FindDType(DTypeColumn column, absl::string_view name) {
   for (const DTypeInfo& info : kDTypes) {
-    if (info.*column == name) return info.dtype;
+    if (info.tensor && info.*column == name) return info.dtype;
   }
   return std::nullopt;
 }
@@ -20,13 +22,16 @@ std::optional<DType> FindDTypeByWire(int wire) {
 
 std::string DTypeNameList(DTypeColumn column,
                           absl::string_view last_separator) {
+  std::vector<absl::string_view> names;
+  for (const DTypeInfo& info : kDTypes) {
+    if (info.tensor) names.push_back(info.*column);
+  }
   std::string out;
-  for (size_t i = 0; i < std::size(kDTypes); ++i) {
+  for (size_t i = 0; i < names.size(); ++i) {
     if (i > 0) {
-      absl::StrAppend(&out,
-                      i + 1 == std::size(kDTypes) ? last_separator : ", ");
+      absl::StrAppend(&out, i + 1 == names.size() ? last_separator : ", ");
     }
-    absl::StrAppend(&out, kDTypes[i].*column);
+    absl::StrAppend(&out, names[i]);
   }
   return out;
 }

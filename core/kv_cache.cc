@@ -6,8 +6,10 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 
 namespace attnserve {
 namespace {
@@ -42,148 +44,207 @@ absl::StatusOr<void*> Reserve(size_t bytes, absl::string_view what) {
   return p;
 }
 
-// Bytes of one plane of `dim` columns for `max_length` tokens, page-rounded,
-// in double: the caller checks that it fits.
-double PlaneBytesOf(const KvCache::Dims& dims, int64_t dim) {
+// Bytes of one plane of `cols` elements of `elem` bytes a token for
+// `max_length` tokens, page-rounded, in double: the caller checks that it
+// fits.
+double PlaneBytesOf(int64_t max_length, int64_t cols, size_t elem) {
   const double page = static_cast<double>(PageSize());
-  const double bytes = static_cast<double>(dims.max_length) *
-                       static_cast<double>(dim) *
-                       static_cast<double>(DTypeSize(dims.dtype));
+  const double bytes = static_cast<double>(max_length) *
+                       static_cast<double>(cols) * static_cast<double>(elem);
   return std::ceil(bytes / page) * page;
 }
 
 }  // namespace
 
+KvCache::RegionShape KvCache::ShapeOf(const Dims& dims, int region) {
+  switch (region) {
+    case kKeys:
+      return {dims.key_dim, DTypeSize(dims.dtype)};
+    case kValues:
+      return {dims.value_dim, DTypeSize(dims.dtype)};
+    default:
+      return {dims.dtype == DType::kInt8 ? 1 : 0, sizeof(float)};
+  }
+}
+
 absl::StatusOr<size_t> KvCache::ReservedBytes(const Dims& dims) {
-  const double planes =
-      static_cast<double>(dims.batch) * static_cast<double>(dims.kv_heads);
-  const double bytes = planes * (PlaneBytesOf(dims, dims.key_dim) +
-                                 PlaneBytesOf(dims, dims.value_dim));
+  const double planes = static_cast<double>(dims.layers) *
+                        static_cast<double>(dims.batch) *
+                        static_cast<double>(dims.kv_heads);
+  double plane = 0;
+  for (int region = 0; region < kRegions; ++region) {
+    const RegionShape shape = ShapeOf(dims, region);
+    plane += PlaneBytesOf(dims.max_length, shape.cols, shape.elem);
+  }
+  const double bytes = planes * plane;
   // Below 2^62: exact in size_t, and far beyond any address space.
   if (!(bytes < 0x1p62)) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("max_length: a cache of ", dims.max_length, " tokens x ",
-                     dims.batch, " sequences x ", dims.kv_heads, " heads x (",
-                     dims.key_dim, " + ", dims.value_dim, ") dims would need ",
-                     bytes, " bytes of address space, beyond any machine's"));
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_length: a cache of ", dims.max_length, " tokens x ", dims.layers,
+        " layers x ", dims.batch, " sequences x ", dims.kv_heads, " heads x (",
+        dims.key_dim, " + ", dims.value_dim, ") dims would need ", bytes,
+        " bytes of address space, beyond any machine's"));
   }
   return static_cast<size_t>(bytes);
 }
 
 size_t KvCache::reserved_bytes() const {
-  return (key_plane_ + value_plane_) *
-         static_cast<size_t>(dims_.batch * dims_.kv_heads);
+  size_t plane = 0;
+  for (size_t bytes : plane_) plane += bytes;
+  return plane * planes();
 }
 
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Dims& dims) {
   std::unique_ptr<KvCache> cache(new KvCache());
   cache->dims_ = dims;
-  cache->key_plane_ = cache->PlaneBytes(dims.key_dim);
-  cache->value_plane_ = cache->PlaneBytes(dims.value_dim);
-  const size_t planes = static_cast<size_t>(dims.batch * dims.kv_heads);
-  auto keys = Reserve(cache->key_plane_ * planes, "keys");
-  if (!keys.ok()) return keys.status();
-  cache->keys_ = *keys;
-  auto values = Reserve(cache->value_plane_ * planes, "values");
-  if (!values.ok()) return values.status();
-  cache->values_ = *values;
+  cache->written_.assign(dims.layers, 0);
+  static constexpr absl::string_view kWhat[kRegions] = {
+      "keys", "values", "key scales", "value scales"};
+  for (int region = 0; region < kRegions; ++region) {
+    const RegionShape shape = ShapeOf(dims, region);
+    cache->plane_[region] = RoundUpToPage(
+        static_cast<size_t>(dims.max_length * shape.cols) * shape.elem);
+    auto base = Reserve(cache->plane_[region] * cache->planes(), kWhat[region]);
+    if (!base.ok()) return base.status();
+    cache->base_[region] = *base;
+  }
   return cache;
 }
 
 KvCache::~KvCache() {
-  const size_t planes = static_cast<size_t>(dims_.batch * dims_.kv_heads);
-  if (keys_ != nullptr) munmap(keys_, key_plane_ * planes);
-  if (values_ != nullptr) munmap(values_, value_plane_ * planes);
+  for (int region = 0; region < kRegions; ++region) {
+    if (base_[region] != nullptr)
+      munmap(base_[region], plane_[region] * planes());
+  }
 }
 
-size_t KvCache::PlaneBytes(int64_t dim) const {
-  return RoundUpToPage(static_cast<size_t>(dims_.max_length * dim) *
-                       DTypeSize(dims_.dtype));
+size_t KvCache::BytesFor(int64_t layer, int64_t tokens) const {
+  tokens = std::max(tokens, written_[layer]);
+  size_t per_plane = 0;
+  for (int region = 0; region < kRegions; ++region) {
+    const RegionShape shape = ShapeOf(dims_, region);
+    per_plane +=
+        RoundUpToPage(static_cast<size_t>(tokens * shape.cols) * shape.elem);
+  }
+  return per_plane * layer_planes();
 }
 
-size_t KvCache::BytesFor(int64_t tokens) const {
-  const size_t elem = DTypeSize(dims_.dtype);
-  tokens = std::max(tokens, written_);
-  const size_t per_plane =
-      RoundUpToPage(static_cast<size_t>(tokens * dims_.key_dim) * elem) +
-      RoundUpToPage(static_cast<size_t>(tokens * dims_.value_dim) * elem);
-  return per_plane * static_cast<size_t>(dims_.batch * dims_.kv_heads);
-}
-
-size_t KvCache::BytesBetween(int64_t first, int64_t tokens) const {
-  const size_t elem = DTypeSize(dims_.dtype);
-  tokens = std::max(tokens, written_);
+size_t KvCache::BytesBetween(int64_t layer, int64_t first,
+                             int64_t tokens) const {
+  tokens = std::max(tokens, written_[layer]);
   if (tokens <= first) return 0;
   const size_t page = PageSize();
-  const auto plane = [&](int64_t dim) {
-    const size_t row = static_cast<size_t>(dim) * elem;
-    return RoundUpToPage(static_cast<size_t>(tokens) * row) -
-           static_cast<size_t>(first) * row / page * page;
-  };
-  return (plane(dims_.key_dim) + plane(dims_.value_dim)) *
-         static_cast<size_t>(dims_.batch * dims_.kv_heads);
+  size_t per_plane = 0;
+  for (int region = 0; region < kRegions; ++region) {
+    const RegionShape shape = ShapeOf(dims_, region);
+    const size_t row = static_cast<size_t>(shape.cols) * shape.elem;
+    per_plane += RoundUpToPage(static_cast<size_t>(tokens) * row) -
+                 static_cast<size_t>(first) * row / page * page;
+  }
+  return per_plane * layer_planes();
 }
 
-void KvCache::CopyTokens(const void* keys, const void* values, int64_t first,
+void KvCache::CopyTokens(const KvCache& from, int64_t layer, int64_t first,
                          int64_t end) {
   if (end <= first) return;
-  const size_t elem = DTypeSize(dims_.dtype);
-  const size_t planes = static_cast<size_t>(dims_.batch * dims_.kv_heads);
-  const auto copy = [&](void* to, const void* from, size_t plane, int64_t dim) {
-    const size_t row = static_cast<size_t>(dim) * elem;
-    const size_t offset = static_cast<size_t>(first) * row;
+  for (int region = 0; region < kRegions; ++region) {
+    if (base_[region] == nullptr) continue;
+    const RegionShape shape = ShapeOf(dims_, region);
+    const size_t row = static_cast<size_t>(shape.cols) * shape.elem;
     const size_t bytes = static_cast<size_t>(end - first) * row;
-    for (size_t i = 0; i < planes; ++i) {
-      std::memcpy(static_cast<char*>(to) + i * plane + offset,
-                  static_cast<const char*>(from) + i * plane + offset, bytes);
+    for (int64_t b = 0; b < dims_.batch; ++b) {
+      for (int64_t h = 0; h < dims_.kv_heads; ++h) {
+        std::memcpy(At(region, layer, b, h, first),
+                    from.At(region, layer, b, h, first), bytes);
+      }
     }
-  };
-  copy(keys_, keys, key_plane_, dims_.key_dim);
-  copy(values_, values, value_plane_, dims_.value_dim);
-  Wrote(end);
+  }
+  Wrote(layer, end);
 }
 
-void KvCache::Truncate(int64_t new_length) {
+void KvCache::Truncate(int64_t layer, int64_t new_length) {
   const size_t elem = DTypeSize(dims_.dtype);
-  const size_t dropped = static_cast<size_t>(written_ - new_length) *
+  const size_t dropped = static_cast<size_t>(written_[layer] - new_length) *
                          std::max(dims_.key_dim, dims_.value_dim) * elem;
   if (dropped < kReleaseBytes) return;
-  const size_t planes = static_cast<size_t>(dims_.batch * dims_.kv_heads);
-  const auto release = [&](void* base, size_t plane, int64_t dim) {
-    const size_t keep =
-        RoundUpToPage(static_cast<size_t>(new_length * dim) * elem);
-    if (keep >= plane) return;
-    for (size_t i = 0; i < planes; ++i) {
+  for (int region = 0; region < kRegions; ++region) {
+    const RegionShape shape = ShapeOf(dims_, region);
+    const size_t keep = RoundUpToPage(
+        static_cast<size_t>(new_length * shape.cols) * shape.elem);
+    if (keep >= plane_[region]) continue;
+    char* first = static_cast<char*>(At(region, layer, 0, 0, 0));
+    for (size_t i = 0; i < layer_planes(); ++i) {
       // Anonymous private pages read back as zeros once released.
-      madvise(static_cast<char*>(base) + i * plane + keep, plane - keep,
+      madvise(first + i * plane_[region] + keep, plane_[region] - keep,
               MADV_DONTNEED);
     }
-  };
-  release(keys_, key_plane_, dims_.key_dim);
-  release(values_, value_plane_, dims_.value_dim);
-  written_ = new_length;
+  }
+  written_[layer] = new_length;
 }
 
 OperandLayout KvCache::key_layout() const {
   const int64_t plane =
-      static_cast<int64_t>(key_plane_ / DTypeSize(dims_.dtype));
+      static_cast<int64_t>(plane_[kKeys] / DTypeSize(dims_.dtype));
   return {dims_.kv_heads * plane, plane, dims_.key_dim};
 }
 
 OperandLayout KvCache::value_layout() const {
   const int64_t plane =
-      static_cast<int64_t>(value_plane_ / DTypeSize(dims_.dtype));
+      static_cast<int64_t>(plane_[kValues] / DTypeSize(dims_.dtype));
   return {dims_.kv_heads * plane, plane, dims_.value_dim};
 }
 
-void* KvCache::key_row(int64_t b, int64_t h, int64_t token) {
-  return static_cast<char*>(keys_) + (b * dims_.kv_heads + h) * key_plane_ +
-         token * dims_.key_dim * DTypeSize(dims_.dtype);
+OperandLayout KvCache::scale_layout() const {
+  const int64_t plane =
+      static_cast<int64_t>(plane_[kKeyScales] / sizeof(float));
+  return {dims_.kv_heads * plane, plane, 1};
 }
 
-void* KvCache::value_row(int64_t b, int64_t h, int64_t token) {
-  return static_cast<char*>(values_) + (b * dims_.kv_heads + h) * value_plane_ +
-         token * dims_.value_dim * DTypeSize(dims_.dtype);
+void* KvCache::At(int region, int64_t layer, int64_t b, int64_t h,
+                  int64_t token) const {
+  if (base_[region] == nullptr) return nullptr;
+  const RegionShape shape = ShapeOf(dims_, region);
+  return static_cast<char*>(base_[region]) +
+         ((layer * dims_.batch + b) * dims_.kv_heads + h) * plane_[region] +
+         token * shape.cols * shape.elem;
+}
+
+void* KvCache::key_row(int64_t layer, int64_t b, int64_t h, int64_t token) {
+  return At(kKeys, layer, b, h, token);
+}
+
+void* KvCache::value_row(int64_t layer, int64_t b, int64_t h, int64_t token) {
+  return At(kValues, layer, b, h, token);
+}
+
+float* KvCache::key_scale(int64_t layer, int64_t b, int64_t h, int64_t token) {
+  return static_cast<float*>(At(kKeyScales, layer, b, h, token));
+}
+
+float* KvCache::value_scale(int64_t layer, int64_t b, int64_t h,
+                            int64_t token) {
+  return static_cast<float*>(At(kValueScales, layer, b, h, token));
+}
+
+float QuantizeInt8(const float* x, int64_t n, int8_t* codes) {
+  float max_abs = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) finite = false;
+    max_abs = std::max(max_abs, std::fabs(x[i]));
+  }
+  if (!finite || max_abs == 0.0f) {
+    for (int64_t i = 0; i < n; ++i) codes[i] = 0;
+    return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
+  }
+  // In double: 127 / max_abs overflows float for subnormal rows. (Their
+  // scale may round to 0: they read back as zeros, within max|x|.)
+  const double inverse = 127.0 / max_abs;
+  for (int64_t i = 0; i < n; ++i) {
+    const double code = std::round(x[i] * inverse);
+    codes[i] = static_cast<int8_t>(std::clamp(code, -127.0, 127.0));
+  }
+  return max_abs / 127.0f;
 }
 
 }  // namespace attnserve

@@ -369,7 +369,7 @@ absl::Status SessionStore::Step(absl::string_view id,
     };
     status = session.Step(inputs, options, results);
   }
-  if (length != nullptr) *length = session.length();
+  if (length != nullptr) *length = session.length(inputs.layer);
   return status;
 }
 
@@ -492,7 +492,7 @@ void SessionStore::RunAndSettle(absl::Span<const StepInput> steps,
   }
   for (size_t i : index) {
     if (steps[i].length != nullptr) {
-      *steps[i].length = slots[i]->session->length();
+      *steps[i].length = slots[i]->session->length(steps[i].inputs.layer);
     }
   }
 }

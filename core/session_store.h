@@ -101,7 +101,7 @@ class SessionStore {
   // Runs one step of session `id` (see DecodeSession::Step), having made
   // room for the cache memory it adds: NOT_FOUND if the session is gone,
   // RESOURCE_EXHAUSTED if it alone would pass max_bytes. `length` gets the
-  // session's length after the step.
+  // length of the step's layer after the step.
   absl::Status Step(absl::string_view id, const DecodeStepInputs& inputs,
                     const DecodeStepOptions& options, ResultAllocator& results,
                     int64_t* length) ABSL_LOCKS_EXCLUDED(mu_);
@@ -112,7 +112,7 @@ class SessionStore {
     DecodeStepInputs inputs;
     DecodeStepOptions options;
     ResultAllocator* results = nullptr;  // not owned; gets "output"
-    int64_t* length = nullptr;           // optional: the length after
+    int64_t* length = nullptr;  // optional: the step's layer's length after
   };
   // Runs one step on each entry's session, as Step does for each (the
   // same room made, the same results and errors), their attention in one

@@ -7,8 +7,10 @@ Parses every Kubernetes manifest, deploy/compose.yaml, deploy/nginx/nginx.conf
 and the Dockerfile, and checks that what the server relies on agrees: every
 flag they pass exists in `attnserve --helpfull`, ports, probes, the grace
 period against the drain, threads against the CPU limit, Service and
-PodDisruptionBudget selectors, the autoscaler's target, and nginx's upstreams
-against the compose replicas. Needs Debian's python3-yaml.
+PodDisruptionBudget selectors, the autoscaler's target, nginx's upstreams
+against the compose replicas, and the KServe ServingRuntime and
+InferenceService (protocol v2 over HTTP and gRPC, ports, model storage, the
+Deployment's image). Needs Debian's python3-yaml.
 """
 
 import glob
@@ -23,6 +25,9 @@ import yaml
 DEPLOY = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(DEPLOY)
 KUBERNETES = os.path.join(DEPLOY, "kubernetes")
+KSERVE = os.path.join(KUBERNETES, "kserve")
+# Where KServe's storage initializer puts an InferenceService's storageUri.
+KSERVE_MODEL_DIR = "/mnt/models"
 ATTNSERVE = None  # set from the command line
 
 KNOWN_KINDS = {
@@ -83,10 +88,10 @@ def duration_seconds(text):
     return total
 
 
-def load_manifests():
+def load_manifests(folder=KUBERNETES):
     """[(file name, document)] for every manifest but the kustomization."""
     docs = []
-    for path in sorted(glob.glob(os.path.join(KUBERNETES, "*.yaml"))):
+    for path in sorted(glob.glob(os.path.join(folder, "*.yaml"))):
         if os.path.basename(path) == "kustomization.yaml":
             continue
         with open(path, encoding="utf-8") as f:
@@ -373,7 +378,7 @@ class DeployFilesTest(unittest.TestCase):
         self.assertIn("hash $http_x_session_key consistent;", sessions.group(1))
         self.assertEqual(dict(re.findall(r"^\s*server ([\w.-]+):(\d+)\b", sessions.group(1),
                                          re.MULTILINE)), expected)
-        self.assertRegex(self.nginx, r"\(CreateSession\|SessionStep\|DeleteSession\)\$ \{\s*"
+        self.assertRegex(self.nginx, r"\(CreateSession\|SessionStep\|SessionSteps\|ForkSession\|DeleteSession\)\$ \{\s*"
                                      r"grpc_pass grpc://attnserve_sessions;")
         body = re.search(r"client_max_body_size (\d+)m;", self.nginx)
         self.assertGreaterEqual(int(body.group(1)), int(self.flags["max_message_mb"]))
@@ -423,6 +428,101 @@ class DeployFilesTest(unittest.TestCase):
                                     check=False)
             self.assertEqual(result.returncode, 0, f"{script}: {result.stderr}")
             self.assertTrue(os.access(path, os.X_OK), f"{script} is executable")
+
+
+class KServeTest(unittest.TestCase):
+    """The ServingRuntime and InferenceService, as far as they can be checked
+    without a cluster: against the server's flags and the Deployment."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.flags = server_flags()
+        cls.docs = {doc["kind"]: doc for _, doc in load_manifests(KSERVE)}
+        with open(os.path.join(KUBERNETES, "kustomization.yaml"), encoding="utf-8") as f:
+            cls.kustomization = yaml.safe_load(f)
+        cls.deployment = next(doc for _, doc in load_manifests()
+                              if doc["kind"] == "Deployment")
+
+    def runtime(self):
+        return self.docs["ServingRuntime"]
+
+    def container(self):
+        containers = self.runtime()["spec"]["containers"]
+        self.assertEqual(len(containers), 1)
+        return containers[0]
+
+    def args(self):
+        return parse_flags(self.container()["args"])
+
+    def flag(self, name):
+        return self.args().get(name, self.flags[name])
+
+    def test_kinds(self):
+        self.assertEqual(len(load_manifests(KSERVE)), 2)
+        self.assertEqual(self.runtime()["apiVersion"], "serving.kserve.io/v1alpha1")
+        self.assertEqual(self.docs["InferenceService"]["apiVersion"],
+                         "serving.kserve.io/v1beta1")
+        # They need KServe's CRDs: not applied with the plain manifests.
+        self.assertFalse(any("kserve" in r for r in self.kustomization["resources"]))
+
+    def test_runtime_runs_the_server_of_the_deployment_image(self):
+        container = self.container()
+        self.assertEqual(container["name"], "kserve-container")
+        self.assertTrue(container["command"][0].endswith("/attnserve"))
+        for arg in container["args"]:
+            name = arg[2:].partition("=")[0]
+            self.assertTrue(arg.startswith("--"), arg)
+            self.assertIn(name, self.flags, f"--{name} is not an attnserve flag")
+        image = next(i for i in self.kustomization["images"] if i["name"] == "attnserve")
+        self.assertEqual(container["image"], f"{image['newName']}:{image['newTag']}")
+        deployment_args = parse_flags(
+            self.deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+        self.assertEqual(deployment_args["threads"], self.flag("threads"))
+
+    def test_protocol_v2_over_http_and_grpc_on_the_flag_ports(self):
+        spec = self.runtime()["spec"]
+        self.assertEqual(sorted(spec["protocolVersions"]), ["grpc-v2", "v2"])
+        ports = {p["name"]: p["containerPort"] for p in self.container()["ports"]}
+        # KServe's names: http1 for HTTP/1.1, h2c for cleartext HTTP/2 (gRPC).
+        self.assertEqual(ports, {"http1": int(self.flag("http_port")),
+                                 "h2c": int(self.flag("port"))})
+        self.assertEqual(self.container()["ports"][0]["name"], "http1",
+                         "the first port is the one Knative routes")
+        self.assertEqual(self.flag("host"), "0.0.0.0")
+        annotations = self.runtime()["metadata"]["annotations"]
+        self.assertEqual(int(annotations["prometheus.kserve.io/port"]),
+                         int(self.flag("metrics_port")))
+        self.assertEqual(annotations["prometheus.kserve.io/path"], "/metrics")
+        for probe, path in (("readinessProbe", "/v2/health/ready"),
+                            ("livenessProbe", "/v2/health/live")):
+            self.assertEqual(self.container()[probe]["httpGet"],
+                             {"path": path, "port": int(self.flag("http_port"))})
+
+    def test_threads_match_cpu_limit(self):
+        resources = self.container()["resources"]
+        self.assertEqual(resources["requests"], resources["limits"])
+        self.assertEqual(int(self.flag("threads")), cpu_cores(resources["limits"]["cpu"]))
+        isvc = self.docs["InferenceService"]["spec"]["predictor"]["model"]
+        self.assertEqual(isvc["resources"], resources)
+
+    def test_non_root_with_read_only_root(self):
+        security = self.container()["securityContext"]
+        self.assertTrue(security["runAsNonRoot"])
+        self.assertTrue(security["readOnlyRootFilesystem"])
+        self.assertFalse(security["allowPrivilegeEscalation"])
+        self.assertEqual(security["capabilities"]["drop"], ["ALL"])
+
+    def test_inference_service_uses_the_runtime_and_its_storage(self):
+        model = self.docs["InferenceService"]["spec"]["predictor"]["model"]
+        self.assertEqual(model["runtime"], self.runtime()["metadata"]["name"])
+        self.assertEqual(model["protocolVersion"], "v2")
+        formats = [(f["name"], f["version"])
+                   for f in self.runtime()["spec"]["supportedModelFormats"]]
+        self.assertIn((model["modelFormat"]["name"], model["modelFormat"]["version"]),
+                      formats)
+        self.assertRegex(model["storageUri"], r"^(pvc|s3|gs|https?)://")
+        # The storage is mounted where the server reads its repository.
+        self.assertEqual(self.flag("model_repository"), KSERVE_MODEL_DIR)
 
 
 if __name__ == "__main__":

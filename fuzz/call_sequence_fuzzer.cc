@@ -17,6 +17,9 @@
 //   kExpire      a byte: minutes from now at which idle sessions expire
 //   kWrite       a 16-bit little-endian offset into object 0, then the bytes
 //                the client writes there
+//   kSteps       a count byte c (% 9), c session index bytes, then a
+//                SessionStepsRequest whose first c steps' ids are replaced
+//                by those sessions'
 //   kFork        a session index byte (0xff: the request's own id), then a
 //                ForkSessionRequest whose id is replaced by that session's
 //
@@ -112,6 +115,9 @@ class Sequence {
       case kWrite:
         Write(payload);
         break;
+      case kSteps:
+        Steps(payload);
+        break;
       case kFork:
         Fork(payload);
         break;
@@ -168,6 +174,20 @@ class Sequence {
     const std::string id = Id(payload[0]);
     if (!id.empty()) request.set_session_id(id);
     ServeSessionStep(request, &store_, &registry_);
+  }
+
+  void Steps(absl::string_view payload) {
+    if (payload.empty()) return;
+    const size_t count = static_cast<uint8_t>(payload[0]) % 9;
+    if (payload.size() < 1 + count) return;
+    v1::SessionStepsRequest request;
+    if (!Parse(payload.substr(1 + count), &request)) return;
+    for (size_t i = 0;
+         i < count && i < static_cast<size_t>(request.steps_size()); ++i) {
+      const std::string id = Id(payload[1 + i]);
+      if (!id.empty()) request.mutable_steps(i)->set_session_id(id);
+    }
+    ServeSessionSteps(request, &store_, &registry_);
   }
 
   // A fork shares its parent's cache: the limits and the final check count

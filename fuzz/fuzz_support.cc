@@ -365,6 +365,41 @@ bool ServeSessionStep(const v1::SessionStepRequest& request,
   return ran && status.ok();
 }
 
+bool ServeSessionSteps(const v1::SessionStepsRequest& request,
+                       SessionStore* sessions,
+                       const SharedMemoryRegistry* registry) {
+  const int max_steps = FuzzServerOptions().max_steps_per_call;
+  const absl::Status count = VerifyStepCount(request, max_steps);
+  CheckStatus("SessionSteps", count);
+  if (!count.ok()) return false;
+  const SessionStepsHandler handle(request, sessions, max_steps);
+  bool inline_call = false;
+  absl::Status status;
+  const bool ran = Dispatch(
+      "SessionSteps", CostOf(request, handle.sessions()), registry,
+      &inline_call, &status,
+      [&](const CallControl& control, SharedMemoryResolver* resolver) {
+        v1::SessionStepsResponse response;
+        absl::Status answered = handle(request, &response, control);
+        if (!answered.ok()) return answered;
+        if (response.results_size() != request.steps_size()) {
+          Die("SessionSteps",
+              absl::StrCat("OK answer with ", response.results_size(),
+                           " results for ", request.steps_size(), " steps"));
+        }
+        for (const v1::SessionStepResult& result : response.results()) {
+          const absl::Status step(static_cast<absl::StatusCode>(result.code()),
+                                  result.message());
+          CheckStatus("SessionSteps step", step);
+          if (step.ok()) {
+            CheckResult("SessionSteps", "output", result.output(), resolver);
+          }
+        }
+        return answered;
+      });
+  return ran && status.ok();
+}
+
 bool ServeModelMetadata(const std::string& name, const std::string& version,
                         inference::ModelMetadataResponse* metadata) {
   inference::ModelMetadataRequest metadata_request;

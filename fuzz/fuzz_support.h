@@ -84,6 +84,12 @@ void ServeLayerNorm(const v1::LayerNormRequest& request,
 bool ServeSessionStep(const v1::SessionStepRequest& request,
                       SessionStore* sessions,
                       const SharedMemoryRegistry* registry);
+// SessionSteps likewise (the step count checked first, as the service's
+// bind does): an OK answer has one result per step, and each OK result's
+// output decodes. True when the call answered OK.
+bool ServeSessionSteps(const v1::SessionStepsRequest& request,
+                       SessionStore* sessions,
+                       const SharedMemoryRegistry* registry);
 
 // ModelInfer as the service runs it, minus gRPC: translation
 // (NativeInferCall::FromRequest against TinyModels, taking `request`'s
@@ -176,6 +182,7 @@ enum CallSequenceOp : uint8_t {
   kCompute,
   kExpire,
   kWrite,
+  kSteps,
   kFork,
   kOps
 };

@@ -1030,6 +1030,21 @@ void AddCallSequenceSeeds(Seeds* seeds) {
   (*seeds)["call_sequence/zero_width_compute_between_steps"] =
       Join({create(2, 4, 16), step(0, 1),
             Record(kCompute, std::string(1, '\0') + Bytes(zero)), step(0, 1)});
+
+  // Three sessions stepped in one call, one of them named twice.
+  v1::SessionStepsRequest batched;
+  for (int i = 0; i < 4; ++i) {
+    v1::SessionStepRequest* r = batched.add_steps();
+    EncodeTensor(Values(f32, {2, 1, 4}, rng).view(), r->mutable_query());
+    EncodeTensor(Values(f32, {2, 1, 4}, rng).view(), r->mutable_key());
+    EncodeTensor(Values(f32, {2, 1, 4}, rng).view(), r->mutable_value());
+  }
+  (*seeds)["call_sequence/batched_steps"] = Join(
+      {create(2, 4, 16), create(2, 4, 16), create(2, 4, 16), step(0, 2),
+       Record(kSteps, std::string("\x04\x00\x01\x02\x00", 5) + Bytes(batched)),
+       remove(1),
+       Record(kSteps, std::string("\x03\x00\x01\x02", 4) + Bytes(batched))});
+
   // Forks across a block boundary, stepped and rewound into the shared
   // tokens on both sides, a fork of a fork, the parent deleted first.
   const auto fork = [](uint8_t index, int64_t length = -1) {

@@ -6,6 +6,7 @@
 #include <new>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -21,7 +22,21 @@ static_assert(DTypeInfoOf(DType::kBFloat16).wire == v1::DATA_TYPE_BFLOAT16);
 static_assert(DTypeInfoOf(DType::kFloat16).wire == v1::DATA_TYPE_FLOAT16);
 static_assert(DTypeInfoOf(DType::kBool).wire == v1::DATA_TYPE_BOOL);
 static_assert(DTypeInfoOf(DType::kUInt8).wire == v1::DATA_TYPE_UINT8);
+static_assert(DTypeInfoOf(DType::kInt8).wire == v1::DATA_TYPE_INT8);
 static_assert(std::size(kDTypes) + 1 == v1::DataType_ARRAYSIZE);
+
+namespace {
+
+// The rows of the dtypes tensors may have.
+std::vector<const DTypeInfo*> TensorDTypes() {
+  std::vector<const DTypeInfo*> rows;
+  for (const DTypeInfo& info : kDTypes) {
+    if (info.tensor) rows.push_back(&info);
+  }
+  return rows;
+}
+
+}  // namespace
 
 absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field) {
   if (const std::optional<DType> found = FindDTypeByWire(dtype)) return *found;
@@ -29,8 +44,8 @@ absl::StatusOr<DType> DTypeFromProto(int dtype, absl::string_view field) {
     return absl::InvalidArgumentError(absl::StrCat(
         field, ": dtype is DATA_TYPE_UNSPECIFIED, expected one of ",
         absl::StrJoin(
-            kDTypes, ", ", [](std::string* out, const DTypeInfo& info) {
-              out->append(v1::DataType_Name(DTypeToProto(info.dtype)));
+            TensorDTypes(), ", ", [](std::string* out, const DTypeInfo* info) {
+              out->append(v1::DataType_Name(DTypeToProto(info->dtype)));
             })));
   }
   return absl::InvalidArgumentError(
@@ -74,6 +89,12 @@ absl::StatusOr<TensorView> DecodeTensor(const v1::Tensor& tensor,
                                         SharedMemoryResolver* shared_memory) {
   TensorView view;
   ATTN_ASSIGN_OR_RETURN(view.dtype, DTypeFromProto(tensor.dtype(), field));
+  if (!DTypeInfoOf(view.dtype).tensor) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        field, ": dtype ", v1::DataType_Name(tensor.dtype()),
+        " is a session cache dtype only (CreateSessionRequest.dtype or "
+        "cache_dtype), not a tensor's"));
+  }
   if (tensor.shape_size() > kMaxRank) {
     return absl::InvalidArgumentError(
         absl::StrCat(field, ": rank ", tensor.shape_size(),

@@ -1,5 +1,6 @@
 #include "server/attention_service.h"
 
+#include "core/status_macros.h"
 #include "server/handlers.h"
 #include "server/request_cost.h"
 
@@ -22,9 +23,18 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
         return Bound(CostOf(request), &HandleLayerNorm);
       });
   AddCompute<v1::SessionStepRequest, v1::SessionStepResponse>(
-      [sessions = config.sessions](const v1::SessionStepRequest& request) {
-        SessionStepHandler handle(request, sessions);
+      [sessions = config.sessions, coalescer = config.step_coalescer](
+          const v1::SessionStepRequest& request) {
+        SessionStepHandler handle(request, sessions, coalescer);
         return Bound(CostOf(request, handle.session()), std::move(handle));
+      });
+  AddCompute<v1::SessionStepsRequest, v1::SessionStepsResponse>(
+      [sessions = config.sessions, max_steps = config.max_steps_per_call](
+          const v1::SessionStepsRequest& request)
+          -> absl::StatusOr<BoundCall<SessionStepsHandler>> {
+        ATTN_RETURN_IF_ERROR(VerifyStepCount(request, max_steps));
+        SessionStepsHandler handle(request, sessions, max_steps);
+        return Bound(CostOf(request, handle.sessions()), std::move(handle));
       });
   AddState<v1::ListModelsRequest, v1::ListModelsResponse>(
       [models = config.models](const v1::ListModelsRequest&,

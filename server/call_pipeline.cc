@@ -16,13 +16,6 @@
 namespace attnserve {
 namespace {
 
-// Threads a call of `flops` keeps busy: each should get at least ~2 MFLOP
-// (tens of microseconds), or starting and joining it costs more than it
-// computes.
-int UsefulThreads(double flops) {
-  return static_cast<int>(std::clamp(flops / 2e6, 1.0, 1024.0));
-}
-
 // "query=[2, 3, 8] key=[2, 5, 8]": the shapes of a request's tensors, and
 // the model it names, for the access log (names quoted and cut as status
 // messages quote them: a client's newline must not start a log line).
@@ -38,6 +31,9 @@ std::string Describe(const google::protobuf::Message& request) {
     } else if (field->name() == "session_id") {
       absl::StrAppend(&out, out.empty() ? "" : " ", "session=",
                       EchoString(reflection->GetString(request, field)));
+    } else if (field->name() == "steps" && field->is_repeated()) {
+      absl::StrAppend(&out, out.empty() ? "" : " ", field->name(), "=",
+                      reflection->FieldSize(request, field));
     } else if (field->message_type() == v1::Tensor::descriptor() &&
                !field->is_repeated()) {
       const auto& tensor = static_cast<const v1::Tensor&>(
@@ -145,7 +141,7 @@ void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
   if (call.request != nullptr) {
     statistics_.Record(*call.request, status, total, queue_wait, compute);
   }
-  if (config_.access_log) {
+  if (log_settings_.info()) {
     std::string described =
         call.request != nullptr ? Describe(*call.request) : "";
     if (!described.empty()) described += ' ';

@@ -30,9 +30,12 @@
 #include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/request_cost.h"
+#include "server/runtime_settings.h"
 #include "server/scheduler.h"
+#include "server/sequences.h"
 #include "server/shared_memory.h"
 #include "server/statistics.h"
+#include "server/step_coalescer.h"
 
 namespace attnserve {
 
@@ -54,10 +57,18 @@ struct ServiceConfig {
   SessionStore* sessions = nullptr;
   // The longest session, and the length of sessions created without one.
   int64_t max_session_length = 0;
+  // Steps one SessionSteps call may carry.
+  int max_steps_per_call = 256;
+  // Null: each SessionStep call steps on its own.
+  StepCoalescer* step_coalescer = nullptr;
   // Null: no authentication.
   const TokenAuthenticator* auth = nullptr;
-  // Write one access-log line per call to stderr.
+  // Write one access-log line per call to stderr (at start: the logging
+  // extension's log_info turns it on and off).
   bool access_log = false;
+  // What --log_level lets through, for the logging extension's answer.
+  bool log_warnings = true;
+  bool log_errors = true;
   // Refused with RESOURCE_EXHAUSTED before any allocation.
   int64_t max_tensor_elements = 0;
   int64_t max_request_bytes = 0;
@@ -81,6 +92,11 @@ class CallPipeline {
   const ServiceConfig& config() const { return config_; }
   // Per-model statistics of the calls Record sees.
   const StatisticsTable& statistics() const { return statistics_; }
+  // The open sequences of the protocol's sequence extension (thread-safe).
+  SequenceTable* sequences() const { return &sequences_; }
+  // The logging and trace extensions' settings (thread-safe).
+  LogSettings* log_settings() const { return &log_settings_; }
+  TraceSettings* trace_settings() const { return &trace_settings_; }
 
   // Checks an `authorization` header's value (nullopt: none sent).
   absl::Status CheckAuthorization(
@@ -133,6 +149,11 @@ class CallPipeline {
  private:
   ServiceConfig config_;
   mutable StatisticsTable statistics_{config_.models};
+  mutable SequenceTable sequences_{config_.sessions, config_.models,
+                                   config_.max_session_length};
+  mutable LogSettings log_settings_{config_.access_log, config_.log_warnings,
+                                    config_.log_errors};
+  mutable TraceSettings trace_settings_{config_.models};
   std::atomic<bool> draining_{false};
   std::atomic<bool> not_ready_{false};
   mutable std::atomic<int64_t> last_refused_ns_{0};

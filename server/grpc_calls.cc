@@ -1,5 +1,6 @@
 #include "server/grpc_calls.h"
 
+#include <algorithm>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -124,17 +125,92 @@ void GrpcCalls::Compute(Call& call, Handle handle,
   absl::Status status =
       pipeline_->Compute(call.record.cost, cancelled,
                          UntilDeadline(*call.context), handle, &compute);
+  Answer(call, std::move(status), started - call.record.arrived, compute,
+         reactor);
+}
+
+void GrpcCalls::Answer(Call& call, absl::Status status,
+                       absl::Duration queue_wait, absl::Duration compute,
+                       grpc::ServerUnaryReactor* reactor) const {
   if (compute > absl::ZeroDuration()) {
     call.context->AddTrailingMetadata(
         "attnserve-compute-us",
         std::to_string(absl::ToInt64Microseconds(compute)));
   }
   if (status.ok()) status = Serialize(*call.response, call.raw_response);
-  pipeline_->Record(call.record, status, started - call.record.arrived, compute,
+  pipeline_->Record(call.record, status, queue_wait, compute,
                     call.record.cost.flops);
   // Back to the pool first: once answered, the server may be destroyed.
   call.messages.reset();
   reactor->Finish(ToGrpcStatus(status));
+}
+
+// A SessionStep call in the coalescer: its own reactor (for cancellation),
+// shared memory and record; decoded just before its pass, answered after.
+class GrpcCalls::CoalescedCall final : public StepCoalescer::Step {
+ public:
+  CoalescedCall(const GrpcCalls* calls, Call call, CallReactor* reactor,
+                std::string session_id, PrepareStep prepare,
+                CompleteStep complete)
+      : calls_(calls),
+        call_(std::move(call)),
+        reactor_(reactor),
+        session_id_(std::move(session_id)),
+        prepare_(std::move(prepare)),
+        complete_(std::move(complete)),
+        shared_memory_(calls->pipeline_->config().shared_memory) {}
+
+  const std::string& session_id() const override { return session_id_; }
+  double flops() const override { return call_.record.cost.flops; }
+
+  absl::StatusOr<const SessionStore::StepInput*> Prepare() override {
+    if (reactor_->cancelled()->load()) {
+      return absl::CancelledError("call cancelled while queued");
+    }
+    if (UntilDeadline(*call_.context) <= absl::ZeroDuration()) {
+      return absl::DeadlineExceededError(
+          "deadline passed while the call waited for a worker");
+    }
+    return prepare_(control());
+  }
+
+  void Finish(const absl::Status& status, absl::Time started,
+              absl::Duration compute) override {
+    absl::Status answer = status;
+    if (answer.ok()) answer = complete_(control());
+    calls_->Answer(
+        call_, std::move(answer),
+        std::max(started - call_.record.arrived, absl::ZeroDuration()), compute,
+        reactor_);
+  }
+
+ private:
+  CallControl control() {
+    return CallControl{reactor_->cancelled(), &shared_memory_};
+  }
+
+  const GrpcCalls* const calls_;
+  Call call_;
+  CallReactor* const reactor_;  // deletes itself once finished
+  const std::string session_id_;
+  const PrepareStep prepare_;
+  const CompleteStep complete_;
+  CallSharedMemory shared_memory_;
+};
+
+grpc::ServerUnaryReactor* GrpcCalls::Coalesce(Call call,
+                                              StepCoalescer* coalescer,
+                                              std::string session_id,
+                                              PrepareStep prepare,
+                                              CompleteStep complete) const {
+  const absl::Status admitted =
+      pipeline_->Admit(call.record.cost, UntilDeadline(*call.context));
+  if (!admitted.ok()) return Refuse(call, admitted);
+  auto* reactor = new CallReactor();
+  coalescer->Add(std::make_unique<CoalescedCall>(
+      this, std::move(call), reactor, std::move(session_id), std::move(prepare),
+      std::move(complete)));
+  return reactor;
 }
 
 grpc::ServerUnaryReactor* GrpcCalls::Refuse(const Call& call,

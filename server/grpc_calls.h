@@ -96,6 +96,12 @@ class GrpcCalls {
     PooledMessagesPtr messages;
   };
   using Handle = absl::FunctionRef<absl::Status(const CallControl&)>;
+  // A SessionStep call waiting in the step coalescer (defined in the .cc).
+  class CoalescedCall;
+  using PrepareStep =
+      std::function<absl::StatusOr<const SessionStore::StepInput*>(
+          const CallControl&)>;
+  using CompleteStep = std::function<absl::Status(const CallControl&)>;
 
   // Admits `call`, then computes it here if it is tiny and a worker is
   // free, or queues it. `handle` is a template parameter so that the tiny
@@ -113,6 +119,16 @@ class GrpcCalls {
   // returned its messages to their pool.
   void Compute(Call& call, Handle handle, grpc::ServerUnaryReactor* reactor,
                const std::atomic<bool>* cancelled) const;
+  // Admits `call`, then hands it to `coalescer` for its next pass.
+  grpc::ServerUnaryReactor* Coalesce(Call call, StepCoalescer* coalescer,
+                                     std::string session_id,
+                                     PrepareStep prepare,
+                                     CompleteStep complete) const;
+  // Answers a call that computed (or was refused on its way to computing):
+  // serializes its response if `status` is OK, records it and finishes
+  // `reactor`, having returned its messages to their pool.
+  void Answer(Call& call, absl::Status status, absl::Duration queue_wait,
+              absl::Duration compute, grpc::ServerUnaryReactor* reactor) const;
   // Answers `call` with `status` (not OK) before it computes.
   grpc::ServerUnaryReactor* Refuse(const Call& call,
                                    const absl::Status& status) const;
@@ -248,6 +264,29 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeCompute(
   if (!bound.ok()) return Refuse(call, bound.status());
   call.record.cost = bound->cost;
   if (!bound->rpc.empty()) call.record.rpc = std::move(bound->rpc);
+  if constexpr (requires { bound->handle.coalescer(); }) {
+    // A step joins the coalescer's passes, unless it is tiny and would run
+    // alone anyway (then it may run here, on gRPC's thread).
+    StepCoalescer* coalescer = bound->handle.coalescer();
+    if (coalescer != nullptr &&
+        (coalescer->active() || !CallPipeline::IsTiny(call.record.cost))) {
+      auto decoded = std::make_shared<DecodedStep>();
+      auto handle =
+          std::make_shared<decltype(bound->handle)>(std::move(bound->handle));
+      return Coalesce(
+          std::move(call), coalescer, request->session_id(),
+          [request, response, handle, decoded](const CallControl& control)
+              -> absl::StatusOr<const SessionStore::StepInput*> {
+            absl::Status status =
+                handle->Decode(*request, response, control, decoded.get());
+            if (!status.ok()) return status;
+            return &decoded->input();
+          },
+          [response, handle, decoded](const CallControl& control) {
+            return handle->Complete(*decoded, response, control);
+          });
+    }
+  }
   return Dispatch(std::move(call),
                   [request, response, handle = std::move(bound->handle)](
                       const CallControl& control) {

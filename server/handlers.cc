@@ -1,6 +1,7 @@
 #include "server/handlers.h"
 
 #include <cstdint>
+#include <deque>
 #include <initializer_list>
 #include <memory>
 #include <new>
@@ -9,6 +10,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "core/attention.h"
 #include "core/status_macros.h"
@@ -174,6 +176,15 @@ absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
         absl::StrCat("batch: must be >= 0 (0 means 1), got ", request.batch()));
   }
   config.batch = request.batch() == 0 ? 1 : request.batch();
+  if (request.num_layers() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_layers: must be >= 0 (0 means 1), got ", request.num_layers()));
+  }
+  config.num_layers = request.num_layers() == 0 ? 1 : request.num_layers();
+  if (request.cache_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+    ATTN_ASSIGN_OR_RETURN(config.cache_dtype,
+                          DTypeFromProto(request.cache_dtype(), "cache_dtype"));
+  }
   if (!request.model().empty()) {
     ATTN_ASSIGN_OR_RETURN(
         std::shared_ptr<const Model> model,
@@ -183,6 +194,12 @@ absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
         std::shared_ptr<const MultiHeadLayer>(model, model->layer.get());
     if (model->config.has_default_scale()) {
       config.default_scale = model->config.default_scale();
+    }
+    if (!config.cache_dtype.has_value() &&
+        model->config.cache_dtype() != v1::DATA_TYPE_UNSPECIFIED) {
+      ATTN_ASSIGN_OR_RETURN(
+          config.cache_dtype,
+          DTypeFromProto(model->config.cache_dtype(), "cache_dtype"));
     }
     return config;
   }
@@ -224,10 +241,11 @@ absl::Status VerifySessionReservation(const DecodeSessionConfig& config,
           : absl::StrCat("the ", limit >> 20,
                          " MiB of address space one session may reserve");
   return absl::ResourceExhaustedError(absl::StrCat(
-      "max_length: ", dims.max_length, " tokens x ", dims.batch,
-      " sequences x ", dims.kv_heads, " key/value heads x (", dims.key_dim,
-      " + ", dims.value_dim, ") dims of ", DTypeName(dims.dtype), " reserve ",
-      reserved >> 20, " MiB of cache, more than ", what, "; ",
+      "max_length: ", dims.max_length, " tokens x ",
+      dims.layers > 1 ? absl::StrCat(dims.layers, " layers x ") : "",
+      dims.batch, " sequences x ", dims.kv_heads, " key/value heads x (",
+      dims.key_dim, " + ", dims.value_dim, ") dims of ", DTypeName(dims.dtype),
+      " reserve ", reserved >> 20, " MiB of cache, more than ", what, "; ",
       fits > 0 ? absl::StrCat("at most ", fits, " tokens fit")
                : std::string("not one token fits: use smaller dims")));
 }
@@ -390,8 +408,9 @@ absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
 }
 
 SessionStepHandler::SessionStepHandler(const v1::SessionStepRequest& request,
-                                       SessionStore* sessions)
-    : sessions_(sessions) {
+                                       SessionStore* sessions,
+                                       StepCoalescer* coalescer)
+    : sessions_(sessions), coalescer_(coalescer) {
   if (sessions == nullptr) return;
   auto found = sessions->Find(request.session_id());
   if (found.ok()) session_ = *std::move(found);
@@ -401,11 +420,10 @@ const DecodeSession* SessionStepHandler::session() const {
   return session_.get();
 }
 
-absl::Status SessionStepHandler::operator()(
-    const v1::SessionStepRequest& request, v1::SessionStepResponse* response,
-    const CallControl& control) const {
-  if (sessions_ == nullptr) return NoSessions();
-  DecodeStepInputs inputs;
+absl::Status DecodedStep::Decode(const v1::SessionStepRequest& request,
+                                 v1::Tensor* output,
+                                 const CallControl& control) {
+  DecodeStepInputs& inputs = input_.inputs;
   ATTN_RETURN_IF_ERROR(
       ATTN_OPTIONAL_TENSOR(request, input, control, &inputs.input));
   ATTN_RETURN_IF_ERROR(
@@ -414,18 +432,143 @@ absl::Status SessionStepHandler::operator()(
       ATTN_OPTIONAL_TENSOR(request, key, control, &inputs.key));
   ATTN_RETURN_IF_ERROR(
       ATTN_OPTIONAL_TENSOR(request, value, control, &inputs.value));
-  DecodeStepOptions options;
+  if (request.has_position()) inputs.position = request.position();
+  DecodeStepOptions& options = input_.options;
   if (request.has_scale()) options.scale = request.scale();
   if (request.has_temperature()) options.temperature = request.temperature();
-  if (request.has_position()) inputs.position = request.position();
+  inputs.layer = request.layer();
   options.cancelled = control.cancelled;
-  WireResults results = ResultsOf(request, response, nullptr, control);
-  int64_t length = 0;
+  results_.emplace(
+      output, nullptr,
+      request.has_result_regions() ? &request.result_regions() : nullptr,
+      control.shared_memory);
+  input_.id = request.session_id();
+  input_.results = &*results_;
+  input_.length = &length_;
+  return absl::OkStatus();
+}
+
+absl::Status SessionStepHandler::operator()(
+    const v1::SessionStepRequest& request, v1::SessionStepResponse* response,
+    const CallControl& control) const {
+  if (sessions_ == nullptr) return NoSessions();
+  DecodedStep step;
+  ATTN_RETURN_IF_ERROR(
+      step.Decode(request, response->mutable_output(), control));
+  const SessionStore::StepInput& in = step.input();
   ATTN_RETURN_IF_ERROR(OutOfMemoryFailsTheCall([&] {
-    return sessions_->Step(request.session_id(), inputs, options, results,
-                           &length);
+    return sessions_->Step(in.id, in.inputs, in.options, *in.results,
+                           in.length);
   }));
-  response->set_length(length);
+  response->set_length(step.length());
+  return VerifySharedMemoryIntact(control);
+}
+
+absl::Status SessionStepHandler::Decode(const v1::SessionStepRequest& request,
+                                        v1::SessionStepResponse* response,
+                                        const CallControl& control,
+                                        DecodedStep* step) const {
+  if (sessions_ == nullptr) return NoSessions();
+  return step->Decode(request, response->mutable_output(), control);
+}
+
+absl::Status SessionStepHandler::Complete(const DecodedStep& step,
+                                          v1::SessionStepResponse* response,
+                                          const CallControl& control) const {
+  response->set_length(step.length());
+  return VerifySharedMemoryIntact(control);
+}
+
+absl::Status VerifyStepCount(const v1::SessionStepsRequest& request,
+                             int max_steps) {
+  if (request.steps_size() == 0) {
+    return absl::InvalidArgumentError("steps: empty, expected at least one");
+  }
+  if (request.steps_size() > max_steps) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "steps: ", request.steps_size(), " steps, more than the ", max_steps,
+        " one call may carry (--max_steps_per_call); split the call"));
+  }
+  return absl::OkStatus();
+}
+
+SessionStepsHandler::SessionStepsHandler(const v1::SessionStepsRequest& request,
+                                         SessionStore* sessions, int max_steps)
+    : sessions_(sessions), max_steps_(max_steps) {
+  if (sessions == nullptr || !VerifyStepCount(request, max_steps).ok()) {
+    return;
+  }
+  found_.reserve(request.steps_size());
+  for (const v1::SessionStepRequest& step : request.steps()) {
+    auto session = sessions->Find(step.session_id());
+    found_.push_back(session.ok() ? *std::move(session) : nullptr);
+  }
+}
+
+namespace {
+
+// The index of an earlier step naming the same session as step `i`, or -1.
+// Checked here, in the request's numbering, so that a repeated session
+// fails as the request counts its steps.
+absl::Status VerifyFirstStepOfSession(
+    const v1::SessionStepsRequest& request, int i,
+    absl::flat_hash_map<absl::string_view, int>& first_step) {
+  const auto [it, inserted] =
+      first_step.emplace(request.steps(i).session_id(), i);
+  if (inserted) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat("steps[", i, "]: session_id: also in steps[", it->second,
+                   "]; a call steps each session at most once"));
+}
+
+void SetResultStatus(const absl::Status& status,
+                     v1::SessionStepResult* result) {
+  result->set_code(static_cast<int32_t>(status.code()));
+  result->set_message(std::string(status.message()));
+  if (!status.ok()) result->clear_output();
+}
+
+}  // namespace
+
+absl::Status SessionStepsHandler::operator()(
+    const v1::SessionStepsRequest& request, v1::SessionStepsResponse* response,
+    const CallControl& control) const {
+  if (sessions_ == nullptr) return NoSessions();
+  ATTN_RETURN_IF_ERROR(VerifyStepCount(request, max_steps_));
+  const int count = request.steps_size();
+  for (int i = 0; i < count; ++i) response->add_results();
+  // Decoded steps point into themselves: a deque never moves them.
+  std::deque<DecodedStep> decoded(count);
+  std::vector<SessionStore::StepInput> inputs;
+  std::vector<int> index;  // inputs[k] is step index[k]
+  absl::flat_hash_map<absl::string_view, int> first_step;
+  for (int i = 0; i < count; ++i) {
+    v1::SessionStepResult* result = response->mutable_results(i);
+    absl::Status status = VerifyFirstStepOfSession(request, i, first_step);
+    if (status.ok()) {
+      status = decoded[i].Decode(request.steps(i), result->mutable_output(),
+                                 control);
+    }
+    if (!status.ok()) {
+      SetResultStatus(status, result);
+      continue;
+    }
+    inputs.push_back(decoded[i].input());
+    index.push_back(i);
+  }
+  std::vector<absl::Status> statuses;
+  ATTN_RETURN_IF_ERROR(OutOfMemoryFailsTheCall([&] {
+    statuses = sessions_->StepMany(inputs);
+    return absl::OkStatus();
+  }));
+  for (size_t k = 0; k < index.size(); ++k) {
+    v1::SessionStepResult* result = response->mutable_results(index[k]);
+    SetResultStatus(statuses[k], result);
+    if (statuses[k].ok()) result->set_length(decoded[index[k]].length());
+  }
+  if (control.cancelled != nullptr && control.cancelled->load()) {
+    return absl::CancelledError("call cancelled");
+  }
   return VerifySharedMemoryIntact(control);
 }
 

@@ -13,15 +13,20 @@
 #define ATTNSERVE_SERVER_HANDLERS_H_
 
 #include <atomic>
+#include <cstdint>
 #include <memory>
+#include <optional>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/multi_head_attention.h"
 #include "core/session_store.h"
+#include "proto/tensor_codec.h"
 #include "server/model_repository.h"
 #include "server/shared_memory.h"
+#include "server/step_coalescer.h"
 
 namespace attnserve {
 
@@ -90,22 +95,93 @@ absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
                                SessionStore* sessions,
                                v1::ForkSessionResponse* response);
 
+// A SessionStep request decoded into the entry SessionStore::StepMany
+// takes (SessionSteps, and SessionStep calls run together in one pass):
+// views of the request's tensors, its options, and the allocator that
+// writes its output into `output` (or the request's result region).
+// Points into the request, `output` and the control's shared memory, which
+// must outlive it; neither copyable nor movable (the entry points into it).
+class DecodedStep {
+ public:
+  DecodedStep() = default;
+  DecodedStep(const DecodedStep&) = delete;
+  DecodedStep& operator=(const DecodedStep&) = delete;
+
+  // INVALID_ARGUMENT naming the tensor field that does not decode.
+  absl::Status Decode(const v1::SessionStepRequest& request, v1::Tensor* output,
+                      const CallControl& control);
+  const SessionStore::StepInput& input() const { return input_; }
+  // The session's length after the step, once it has run.
+  int64_t length() const { return length_; }
+
+ private:
+  std::optional<WireResults> results_;
+  int64_t length_ = 0;
+  SessionStore::StepInput input_;
+};
+
 // SessionStep with the session looked up when the call arrives, for its
 // cost estimate; the step itself looks it up again (it may be gone by
-// then). Copyable.
+// then). With a coalescer, the service runs the call in the coalescer's
+// passes through Decode and Complete instead of operator(). Copyable.
 class SessionStepHandler {
  public:
+  // `coalescer` null: each call steps on its own.
   SessionStepHandler(const v1::SessionStepRequest& request,
-                     SessionStore* sessions);
+                     SessionStore* sessions,
+                     StepCoalescer* coalescer = nullptr);
   // Null when the session was not found (the step will say why).
   const DecodeSession* session() const;
+  StepCoalescer* coalescer() const { return coalescer_; }
   absl::Status operator()(const v1::SessionStepRequest& request,
                           v1::SessionStepResponse* response,
+                          const CallControl& control) const;
+  // The coalesced call: `step` decoded before its pass, then, when the pass
+  // stepped it, the response completed.
+  absl::Status Decode(const v1::SessionStepRequest& request,
+                      v1::SessionStepResponse* response,
+                      const CallControl& control, DecodedStep* step) const;
+  absl::Status Complete(const DecodedStep& step,
+                        v1::SessionStepResponse* response,
+                        const CallControl& control) const;
+
+ private:
+  SessionStore* sessions_;
+  StepCoalescer* coalescer_;
+  std::shared_ptr<const DecodeSession> session_;
+};
+
+// The most steps one SessionSteps call may carry by default
+// (--max_steps_per_call).
+inline constexpr int kDefaultMaxStepsPerCall = 256;
+
+// RESOURCE_EXHAUSTED past `max_steps`, INVALID_ARGUMENT for no steps.
+absl::Status VerifyStepCount(const v1::SessionStepsRequest& request,
+                             int max_steps);
+
+// SessionSteps: the request's steps in one pass (SessionStore::StepMany),
+// one result per step in the request's order, each with its own status: a
+// step that fails (its session gone, its inputs wrong, its session named
+// by an earlier step) fails alone. The call itself fails only as a whole
+// (sessions off, too many steps, cancelled, shared memory gone). The
+// sessions are looked up when the call arrives, for its cost estimate.
+// Copyable.
+class SessionStepsHandler {
+ public:
+  SessionStepsHandler(const v1::SessionStepsRequest& request,
+                      SessionStore* sessions, int max_steps);
+  // The sessions found, one per step (null: not found).
+  const std::vector<std::shared_ptr<const DecodeSession>>& sessions() const {
+    return found_;
+  }
+  absl::Status operator()(const v1::SessionStepsRequest& request,
+                          v1::SessionStepsResponse* response,
                           const CallControl& control) const;
 
  private:
   SessionStore* sessions_;
-  std::shared_ptr<const DecodeSession> session_;
+  int max_steps_;
+  std::vector<std::shared_ptr<const DecodeSession>> found_;
 };
 
 // `models` may be null (no repository).

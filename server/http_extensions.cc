@@ -14,6 +14,7 @@
 #include "server/http_inference.h"
 #include "server/model_config.h"
 #include "server/open_inference_json.h"
+#include "server/runtime_settings.h"
 #include "server/triton_extensions.h"
 
 namespace attnserve {
@@ -96,7 +97,7 @@ absl::StatusOr<json> AnswerModel(const ExtensionRoute& route,
     request.set_version(route.version);
     inference::ModelConfigResponse response;
     ATTN_RETURN_IF_ERROR(
-        HandleModelConfig(request, pipeline.config().models, &response));
+        HandleModelConfig(request, pipeline.sequences(), &response));
     return MessageToJson(response.config());
   }
   inference::ModelStatisticsRequest request;
@@ -194,6 +195,27 @@ absl::StatusOr<json> AnswerSharedMemory(const ExtensionRoute& route,
   return json::object();
 }
 
+// Trace and log settings: the body's settings applied (none for a GET),
+// then all of them.
+absl::StatusOr<json> AnswerSettings(const ExtensionRoute& route,
+                                    absl::string_view body,
+                                    const CallPipeline& pipeline) {
+  ATTN_ASSIGN_OR_RETURN(const json parsed, BodyObject(body));
+  if (route.kind == Kind::kLogSettings) {
+    inference::LogSettingsRequest request;
+    ATTN_RETURN_IF_ERROR(LogSettingsFromJson(parsed, &request));
+    inference::LogSettingsResponse response;
+    ATTN_RETURN_IF_ERROR(pipeline.log_settings()->Handle(request, &response));
+    return LogSettingsToJson(response);
+  }
+  inference::TraceSettingRequest request;
+  request.set_model_name(route.model);
+  ATTN_RETURN_IF_ERROR(TraceSettingsFromJson(parsed, &request));
+  inference::TraceSettingResponse response;
+  ATTN_RETURN_IF_ERROR(pipeline.trace_settings()->Handle(request, &response));
+  return TraceSettingsToJson(response);
+}
+
 absl::StatusOr<json> Answer(const ExtensionRoute& route, absl::string_view body,
                             const CallPipeline& pipeline) {
   switch (route.kind) {
@@ -210,6 +232,9 @@ absl::StatusOr<json> Answer(const ExtensionRoute& route, absl::string_view body,
       return AnswerSharedMemory(route, body, pipeline.config().shared_memory);
     case Kind::kCudaSharedMemory:
       return CudaSharedMemoryUnsupported();
+    case Kind::kTraceSetting:
+    case Kind::kLogSettings:
+      return AnswerSettings(route, body, pipeline);
   }
   return absl::InternalError("unknown extension route");
 }
@@ -251,6 +276,12 @@ std::optional<ExtensionRoute> ExtensionRouteOf(absl::string_view path) {
     route.kind = Kind::kModelStatistics;
     return route;
   }
+  if (path == "/v2/trace/setting" || path == "/v2/logging") {
+    route.kind =
+        path == "/v2/logging" ? Kind::kLogSettings : Kind::kTraceSetting;
+    route.get_or_post = true;
+    return route;
+  }
   if (path == "/v2/repository/index") {
     route.kind = Kind::kRepositoryIndex;
     route.post = true;
@@ -280,6 +311,11 @@ std::optional<ExtensionRoute> ExtensionRouteOf(absl::string_view path) {
     std::vector<absl::string_view> parts = absl::StrSplit(path, '/');
     if (parts.size() < 2 || parts[0].empty()) return std::nullopt;
     route.model = std::string(parts[0]);
+    if (parts.size() == 3 && parts[1] == "trace" && parts[2] == "setting") {
+      route.kind = Kind::kTraceSetting;
+      route.get_or_post = true;
+      return route;
+    }
     size_t next = 1;
     if (parts.size() == 4 && parts[1] == "versions" && !parts[2].empty()) {
       route.version = std::string(parts[2]);

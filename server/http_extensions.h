@@ -10,6 +10,8 @@
 //                                                        "byte_size"}
 //   POST /v2/systemsharedmemory[/region/{r}]/unregister
 //   /v2/cudasharedmemory/...                            400: not supported
+//   GET|POST /v2/trace/setting, /v2/models/{m}/trace/setting
+//   GET|POST /v2/logging                                (POST updates)
 // Bodies and answers are Triton's JSON: the configuration object itself,
 // {"model_stats": [...]}, index and status as arrays, {} for load,
 // unload, register and unregister; errors {"error": message} with the
@@ -39,11 +41,14 @@ struct ExtensionRoute {
     kSharedMemoryRegister,
     kSharedMemoryUnregister,
     kCudaSharedMemory,
+    kTraceSetting,
+    kLogSettings,
   } kind;
-  std::string model;    // empty: every model (statistics)
-  std::string version;  // empty: the server's choice
-  std::string region;   // empty: every region (status, unregister)
-  bool post = false;    // else GET (and HEAD)
+  std::string model;         // empty: every model (statistics)
+  std::string version;       // empty: the server's choice
+  std::string region;        // empty: every region (status, unregister)
+  bool post = false;         // else GET (and HEAD)
+  bool get_or_post = false;  // either: GET reads, POST updates
 };
 
 // The extension endpoint `path` names, if any.

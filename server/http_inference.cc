@@ -42,6 +42,8 @@ struct Route {
   std::string version;
   // GET (and HEAD) or POST.
   bool post = false;
+  // Either (trace and log settings).
+  bool get_or_post = false;
 };
 
 // /v2/models/{name}[/versions/{version}][/ready|/infer].
@@ -50,6 +52,7 @@ Route RouteOf(absl::string_view path) {
   if (std::optional<ExtensionRoute> extension = ExtensionRouteOf(path)) {
     route.kind = Route::Kind::kExtension;
     route.post = extension->post;
+    route.get_or_post = extension->get_or_post;
     route.extension = std::move(extension);
     return route;
   }
@@ -196,11 +199,19 @@ class HttpInference {
                             head.path().substr(0, 128)));
     }
     const bool get = head.method == "GET" || head.method == "HEAD";
-    if (route.post ? head.method != "POST" : !get) {
-      HttpResponse refusal = JsonErrorResponse(
-          405, absl::StrCat(head.method.substr(0, 32), " ", head.path(),
-                            ": use ", route.post ? "POST" : "GET"));
-      refusal.fields.emplace_back("Allow", route.post ? "POST" : "GET, HEAD");
+    const bool allowed = route.get_or_post ? get || head.method == "POST"
+                         : route.post      ? head.method == "POST"
+                                           : get;
+    if (!allowed) {
+      const char* use = route.get_or_post ? "GET or POST"
+                        : route.post      ? "POST"
+                                          : "GET";
+      HttpResponse refusal =
+          JsonErrorResponse(405, absl::StrCat(head.method.substr(0, 32), " ",
+                                              head.path(), ": use ", use));
+      refusal.fields.emplace_back("Allow", route.get_or_post ? "GET, HEAD, POST"
+                                           : route.post      ? "POST"
+                                                             : "GET, HEAD");
       return refusal;
     }
     if (const std::string* encoding = head.Find("Content-Encoding")) {
@@ -241,7 +252,8 @@ class HttpInference {
       }
       case Route::Kind::kServerMetadata: {
         inference::ServerMetadataResponse metadata;
-        HandleServerMetadata(&metadata);
+        HandleServerMetadata(pipeline_->config().sessions != nullptr,
+                             &metadata);
         return responder.Send(
             JsonResponse(200, ServerMetadataToJson(metadata)));
       }
@@ -365,8 +377,8 @@ class HttpInference {
           max_body_bytes_, " (--max_message_mb)"));
     }
     absl::StatusOr<std::unique_ptr<NativeInferCall>> native =
-        NativeInferCall::FromRequest(&call->request,
-                                     pipeline_->config().models);
+        NativeInferCall::FromRequest(&call->request, pipeline_->config().models,
+                                     pipeline_->sequences());
     if (!native.ok()) return native.status();
     call->native = *std::move(native);
     return absl::OkStatus();

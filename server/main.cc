@@ -93,6 +93,14 @@ ABSL_FLAG(int64_t, max_session_length,
           attnserve::ServerOptions().max_session_length,
           "Tokens a decode session may hold, and the length of sessions "
           "created without max_length.");
+ABSL_FLAG(int, max_steps_per_call,
+          attnserve::ServerOptions().max_steps_per_call,
+          "Steps one SessionSteps call may carry at most.");
+ABSL_FLAG(int, coalesce_steps_us, attnserve::ServerOptions().coalesce_steps_us,
+          "SessionStep calls that arrive together run as one batched pass; "
+          "a pass waits up to this many microseconds for more steps, only "
+          "when the pass before held more steps than have arrived (0: "
+          "coalescing off).");
 ABSL_FLAG(int64_t, max_request_memory_mb,
           attnserve::ServerOptions().max_request_memory_mb,
           "Largest memory a call may need for results and intermediates, MiB.");
@@ -117,6 +125,8 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.session_idle_timeout_s = absl::GetFlag(FLAGS_session_idle_timeout_s);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.max_session_length = absl::GetFlag(FLAGS_max_session_length);
+  options.max_steps_per_call = absl::GetFlag(FLAGS_max_steps_per_call);
+  options.coalesce_steps_us = absl::GetFlag(FLAGS_coalesce_steps_us);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);

@@ -1,5 +1,7 @@
 #include "server/model_config.h"
 
+#include <cstdint>
+#include <limits>
 #include <string>
 
 #include "absl/strings/str_cat.h"
@@ -23,6 +25,9 @@ void BuiltInParameters(absl::string_view model,
     SetParameter(config, "operation", "scaled dot-product attention");
   } else if (model == kLayerNormModel) {
     SetParameter(config, "operation", "layer normalization");
+  } else if (model == kAttentionSessionModel) {
+    SetParameter(config, "operation",
+                 "causal attention over a sequence's cached keys and values");
   } else {
     SetParameter(config, "operation",
                  "multi-head attention with the request's weights");
@@ -57,6 +62,45 @@ absl::Status ServedParameters(absl::string_view model,
   return absl::OkStatus();
 }
 
+using Control = inference::ModelSequenceBatching::Control;
+
+void AddControl(inference::ModelSequenceBatching* batching,
+                absl::string_view name, Control::Kind kind,
+                inference::DataType type) {
+  inference::ModelSequenceBatching::ControlInput* input =
+      batching->add_control_input();
+  input->set_name(std::string(name));
+  Control* control = input->add_control();
+  control->set_kind(kind);
+  control->set_data_type(type);
+  if (type == inference::TYPE_BOOL) {
+    control->add_bool_false_true(false);
+    control->add_bool_false_true(true);
+  }
+}
+
+// Sequence batching of a model that takes sequences: the idle timeout, and
+// the request parameters that carry the sequence's controls (attnserve's
+// sessions take them from the parameters, not from input tensors).
+void SequenceBatching(absl::string_view model, const SequenceTable& sequences,
+                      inference::ModelConfig* config) {
+  inference::ModelSequenceBatching* batching =
+      config->mutable_sequence_batching();
+  const absl::Duration idle = sequences.idle_timeout();
+  batching->set_max_sequence_idle_microseconds(
+      idle == absl::InfiniteDuration()
+          ? std::numeric_limits<uint64_t>::max()
+          : static_cast<uint64_t>(absl::ToInt64Microseconds(idle)));
+  AddControl(batching, "sequence_start", Control::CONTROL_SEQUENCE_START,
+             inference::TYPE_BOOL);
+  AddControl(batching, "sequence_end", Control::CONTROL_SEQUENCE_END,
+             inference::TYPE_BOOL);
+  AddControl(batching, "sequence_id", Control::CONTROL_SEQUENCE_CORRID,
+             inference::TYPE_UINT64);
+  SetParameter(config, "sequence_parameters",
+               absl::StrJoin(SequenceParameterNames(model), ", "));
+}
+
 }  // namespace
 
 absl::StatusOr<inference::DataType> ConfigDataType(absl::string_view datatype) {
@@ -70,8 +114,9 @@ absl::StatusOr<inference::DataType> ConfigDataType(absl::string_view datatype) {
 }
 
 absl::Status HandleModelConfig(const inference::ModelConfigRequest& request,
-                               const ModelRepository* models,
+                               const SequenceTable* sequences,
                                inference::ModelConfigResponse* response) {
+  const ModelRepository* models = sequences->models();
   inference::ModelMetadataRequest metadata_request;
   metadata_request.set_name(request.name());
   metadata_request.set_version(request.version());
@@ -104,6 +149,9 @@ absl::Status HandleModelConfig(const inference::ModelConfigRequest& request,
   }
   SetParameter(config, "request_parameters",
                absl::StrJoin(RequestParameterNames(metadata.name()), ", "));
+  if (sequences->sessions() != nullptr && TakesSequences(metadata.name())) {
+    SequenceBatching(metadata.name(), *sequences, config);
+  }
   if (metadata.platform() == "attnserve_builtin") {
     BuiltInParameters(metadata.name(), config);
     return absl::OkStatus();

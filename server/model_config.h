@@ -5,8 +5,11 @@
 // has a batch, it is the first of the listed dims), inputs and outputs
 // with their data types and dims (-1: any size), the inputs a request may
 // leave out (optional), and parameters that say what the model computes.
-// attnserve batches nothing dynamically and keeps no sequence state through
-// the protocol, so no scheduling is configured.
+// Models that take sequences (server/sequences.h) configure
+// sequence_batching when decode sessions are on: the idle timeout
+// (--session_idle_timeout_s) and, as control inputs, the request parameters
+// that carry the start, end and id of a sequence. attnserve batches nothing
+// dynamically.
 //
 // Thread-safety: free functions; `models` is thread-safe.
 #ifndef ATTNSERVE_SERVER_MODEL_CONFIG_H_
@@ -16,14 +19,15 @@
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "inference/grpc_service.pb.h"
-#include "server/model_repository.h"
+#include "server/sequences.h"
 
 namespace attnserve {
 
 // NOT_FOUND for models not served and versions other than "" and "1";
 // INVALID_ARGUMENT for a name no model can have.
+// `sequences` (not null) gives the repository and the session store.
 absl::Status HandleModelConfig(const inference::ModelConfigRequest& request,
-                               const ModelRepository* models,
+                               const SequenceTable* sequences,
                                inference::ModelConfigResponse* response);
 
 // TYPE_FP32 for "FP32" and so on; INVALID_ARGUMENT for names Triton's

@@ -56,6 +56,15 @@ absl::StatusOr<v1::ModelConfig> ParseConfig(absl::string_view text,
         path,
         ": compute_dtype must be DATA_TYPE_FLOAT32 or DATA_TYPE_BFLOAT16"));
   }
+  if (config.cache_dtype() != v1::DATA_TYPE_UNSPECIFIED &&
+      config.cache_dtype() != v1::DATA_TYPE_INT8 &&
+      config.cache_dtype() != (config.compute_dtype() == v1::DATA_TYPE_BFLOAT16
+                                   ? v1::DATA_TYPE_BFLOAT16
+                                   : v1::DATA_TYPE_FLOAT32)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        path, ": cache_dtype must be the compute dtype or DATA_TYPE_INT8, got ",
+        v1::DataType_Name(config.cache_dtype())));
+  }
   if (config.num_kv_heads() < 0 ||
       (config.num_kv_heads() > 0 &&
        config.num_heads() % config.num_kv_heads() != 0)) {

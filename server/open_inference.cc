@@ -15,6 +15,7 @@
 #include "core/dtype.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
+#include "server/sequences.h"
 
 #ifndef ATTNSERVE_VERSION
 #define ATTNSERVE_VERSION "unknown"
@@ -45,11 +46,6 @@ absl::Status VerifyVersion(absl::string_view model, absl::string_view version,
   return absl::NotFoundError(absl::StrCat(field, ": model ", EchoString(model),
                                           " has only version 1, not ",
                                           EchoString(version)));
-}
-
-bool IsBuiltIn(absl::string_view model) {
-  return model == kAttendModel || model == kMultiHeadAttendModel ||
-         model == kLayerNormModel;
 }
 
 // The fields of `message` that the protocol reaches by name: its tensors
@@ -167,9 +163,11 @@ absl::Status SetOption(const InferParameter& parameter, const std::string& name,
 }
 
 // The request's parameters, in name order so that the first error reported
-// does not depend on the map's order.
+// does not depend on the map's order; the sequence parameters are
+// SequenceParametersOf's.
 absl::Status ApplyParameters(const ParameterMap& parameters,
-                             absl::string_view model, Message* native) {
+                             absl::string_view model, Message* native,
+                             bool in_sequence) {
   std::vector<const ParameterMap::value_type*> sorted;
   for (const auto& entry : parameters) sorted.push_back(&entry);
   std::sort(sorted.begin(), sorted.end(),
@@ -178,6 +176,7 @@ absl::Status ApplyParameters(const ParameterMap& parameters,
     // Triton clients' scheduling hints: accepted and ignored (calls are
     // served in arrival order; the gRPC deadline bounds their time).
     if (entry->first == "priority" || entry->first == "timeout") continue;
+    if (IsSequenceParameter(entry->first, in_sequence)) continue;
     ATTN_ASSIGN_OR_RETURN(
         auto target, FindField(Targets(native), entry->first, IsOptionField,
                                "parameter", model));
@@ -430,6 +429,7 @@ using TensorMetadata = inference::ModelMetadataResponse::TensorMetadata;
 // biases and out_proj_weight as the native request says).
 bool IsOptionalInput(absl::string_view model, absl::string_view input) {
   if (model == kAttendModel) return input == "attn_mask";
+  if (model == kAttentionSessionModel) return false;
   if (model == kLayerNormModel) return input == "gamma" || input == "beta";
   return input != "query";
 }
@@ -464,6 +464,14 @@ void BuiltInMetadata(absl::string_view model,
     AddMetadata(outputs, "output", f32, {-1, -1});
     return;
   }
+  if (model == kAttentionSessionModel) {
+    // [B, H, n, d]; B may be left out.
+    for (const char* name : {"query", "key", "value"}) {
+      input(name, f32, {-1, -1, -1, -1});
+    }
+    AddMetadata(outputs, "output", f32, {-1, -1, -1, -1});
+    return;
+  }
   for (const char* name : {"query", "key", "value"}) {
     input(name, f32, {-1, -1, -1});
   }
@@ -479,7 +487,54 @@ void BuiltInMetadata(absl::string_view model,
   }
 }
 
+// The served model `model` (not a built-in).
+absl::StatusOr<std::shared_ptr<const Model>> FindServed(
+    const std::string& model, const ModelRepository* models) {
+  ATTN_RETURN_IF_ERROR(VerifyModelName(model, "model_name"));
+  // An unknown model is NOT_FOUND whatever its inputs.
+  if (models == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        "model_name: ", EchoString(model),
+        " not found: this server has no model repository; the built-in "
+        "models are attend, multi_head_attend, layer_norm and ",
+        kAttentionSessionModel));
+  }
+  // Looked up once: the call keeps this model for its cost and its
+  // computation, even if the repository reloads meanwhile.
+  return models->Find(model);
+}
+
+// The inputs of a sequence step: a served model's hidden states as
+// "query"; an attention session's query, key and value.
+absl::Status VerifySequenceInputs(const ModelInferRequest& request,
+                                  bool served) {
+  for (const auto& input : request.inputs()) {
+    const std::string& name = input.name();
+    if (name == "query" || (!served && (name == "key" || name == "value"))) {
+      continue;
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs: unknown input ", EchoString(name), " in a sequence of model ",
+        EchoString(request.model_name()), "; expected ",
+        served ? "query (the step's hidden states [B, n, E] or [n, E]; keys "
+                 "and values are projected from them)"
+               : "query [B, H, n, dk], key [B, Hkv, n, dk] and value "
+                 "[B, Hkv, n, dv] (B may be left out)"));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+bool IsBuiltInModel(absl::string_view model) {
+  return model == kAttendModel || model == kMultiHeadAttendModel ||
+         model == kLayerNormModel || model == kAttentionSessionModel;
+}
+
+std::vector<std::string> BuiltInModels() {
+  return {std::string(kAttendModel), std::string(kAttentionSessionModel),
+          std::string(kLayerNormModel), std::string(kMultiHeadAttendModel)};
+}
 
 std::vector<std::string> RequestParameterNames(absl::string_view model) {
   std::vector<const Descriptor*> targets;
@@ -487,6 +542,8 @@ std::vector<std::string> RequestParameterNames(absl::string_view model) {
     targets = {v1::AttendRequest::descriptor()};
   } else if (model == kLayerNormModel) {
     targets = {v1::LayerNormRequest::descriptor()};
+  } else if (model == kAttentionSessionModel) {
+    targets = {v1::SessionStepRequest::descriptor()};
   } else {
     targets = {v1::MultiHeadAttendRequest::descriptor()};
     if (model == kMultiHeadAttendModel) {
@@ -527,14 +584,26 @@ NativeInferCall::NativeInferCall(Kind kind, std::unique_ptr<Message> request,
       request_(std::move(request)),
       response_(std::move(response)) {}
 
+NativeInferCall::~NativeInferCall() = default;
+
 absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
-    ModelInferRequest* request, const ModelRepository* models) {
+    ModelInferRequest* request, const ModelRepository* models,
+    SequenceTable* sequences) {
   const std::string& model = request->model_name();
   if (model.empty()) {
     return absl::InvalidArgumentError("model_name: missing");
   }
   ATTN_RETURN_IF_ERROR(
       VerifyVersion(model, request->model_version(), "model_version"));
+  ATTN_ASSIGN_OR_RETURN(const SequenceParameters sequence,
+                        SequenceParametersOf(request->parameters(), model));
+  const bool in_sequence = !sequence.id.none();
+  if (model == kAttentionSessionModel && !in_sequence) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "parameters: model ", EchoString(model),
+        " answers requests of a sequence only: set sequence_id (and "
+        "sequence_start on the first request)"));
+  }
   std::unique_ptr<NativeInferCall> call;
   std::shared_ptr<const Model> served;  // null: weights sent inline
   if (model == kAttendModel) {
@@ -546,18 +615,11 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
                                    std::make_unique<v1::LayerNormRequest>(),
                                    std::make_unique<v1::LayerNormResponse>()));
   } else {
-    ATTN_RETURN_IF_ERROR(VerifyModelName(model, "model_name"));
-    if (model != kMultiHeadAttendModel) {
-      // An unknown model is NOT_FOUND whatever its inputs.
-      if (models == nullptr) {
-        return absl::NotFoundError(absl::StrCat(
-            "model_name: ", EchoString(model),
-            " not found: this server has no model repository; the built-in "
-            "models are attend, multi_head_attend and layer_norm"));
-      }
-      // Looked up once: the call keeps this model for its cost and its
-      // computation, even if the repository reloads meanwhile.
-      ATTN_ASSIGN_OR_RETURN(served, models->Find(model));
+    if (!IsBuiltInModel(model)) {
+      ATTN_ASSIGN_OR_RETURN(served, FindServed(model, models));
+    }
+    if (in_sequence) {
+      return FromSequence(request, std::move(served), sequences, sequence);
     }
     auto native = std::make_unique<v1::MultiHeadAttendRequest>();
     if (model == kMultiHeadAttendModel) {
@@ -570,13 +632,40 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
                             std::make_unique<v1::MultiHeadAttendResponse>()));
   }
   Message* native = call->request_.get();
-  ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, native));
+  ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, native,
+                                       /*in_sequence=*/false));
   ATTN_RETURN_IF_ERROR(ApplyInputs(request, native));
   ATTN_RETURN_IF_ERROR(ApplyOutputs(*request, *call->response_->GetDescriptor(),
                                     native, &call->requested_outputs_));
   if (call->kind_ == Kind::kMultiHeadAttend) {
     call->multi_head_.emplace(std::move(served));
   }
+  return call;
+}
+
+absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromSequence(
+    ModelInferRequest* request, std::shared_ptr<const Model> served,
+    SequenceTable* sequences, const SequenceParameters& sequence) {
+  const std::string& model = request->model_name();
+  ATTN_RETURN_IF_ERROR(VerifySequenceInputs(*request, served != nullptr));
+  auto step = std::make_unique<v1::SessionStepRequest>();
+  ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, step.get(),
+                                       /*in_sequence=*/true));
+  ATTN_RETURN_IF_ERROR(ApplyInputs(request, step.get()));
+  if (served != nullptr && step->has_query()) {
+    // A model session's step is its hidden states, sent as the query.
+    step->mutable_input()->Swap(step->mutable_query());
+    step->clear_query();
+  }
+  std::unique_ptr<NativeInferCall> call(
+      new NativeInferCall(Kind::kSequenceStep, nullptr,
+                          std::make_unique<v1::SessionStepResponse>()));
+  ATTN_RETURN_IF_ERROR(ApplyOutputs(*request, *call->response_->GetDescriptor(),
+                                    step.get(), &call->requested_outputs_));
+  ATTN_ASSIGN_OR_RETURN(
+      call->sequence_, SequenceCall::Create(sequences, model, std::move(served),
+                                            sequence, *step));
+  call->request_ = std::move(step);
   return call;
 }
 
@@ -588,6 +677,8 @@ std::string NativeInferCall::label() const {
       return "ModelInfer/MultiHeadAttend";
     case Kind::kLayerNorm:
       return "ModelInfer/LayerNorm";
+    case Kind::kSequenceStep:
+      return "ModelInfer/SessionStep";
   }
   return "ModelInfer";
 }
@@ -601,6 +692,8 @@ RequestCost NativeInferCall::cost() const {
                     multi_head_->layer());
     case Kind::kLayerNorm:
       return CostOf(static_cast<const v1::LayerNormRequest&>(*request_));
+    case Kind::kSequenceStep:
+      return sequence_->cost();
   }
   return {};
 }
@@ -619,6 +712,10 @@ absl::Status NativeInferCall::Run(const CallControl& control) {
       return HandleLayerNorm(
           static_cast<const v1::LayerNormRequest&>(*request_),
           static_cast<v1::LayerNormResponse*>(response_.get()), control);
+    case Kind::kSequenceStep:
+      return sequence_->Run(
+          static_cast<v1::SessionStepRequest*>(request_.get()),
+          static_cast<v1::SessionStepResponse*>(response_.get()), control);
   }
   return absl::InternalError("unknown native call kind");
 }
@@ -628,6 +725,11 @@ void NativeInferCall::ToResponse(const ModelInferRequest& request,
   response->set_model_name(request.model_name());
   response->set_model_version(std::string(kOnlyVersion));
   response->set_id(request.id());
+  if (kind_ == Kind::kSequenceStep) {
+    // Tokens the sequence holds after this step.
+    (*response->mutable_parameters())["sequence_length"].set_int64_param(
+        static_cast<const v1::SessionStepResponse&>(*response_).length());
+  }
   const Descriptor* descriptor = response_->GetDescriptor();
   const Reflection* reflection = response_->GetReflection();
   for (int i = 0; i < descriptor->field_count(); ++i) {
@@ -666,7 +768,7 @@ absl::Status HandleModelMetadata(const inference::ModelMetadataRequest& request,
   ATTN_RETURN_IF_ERROR(
       VerifyVersion(request.name(), request.version(), "version"));
   response->add_versions(std::string(kOnlyVersion));
-  if (IsBuiltIn(request.name())) {
+  if (IsBuiltInModel(request.name())) {
     response->set_name(request.name());
     response->set_platform("attnserve_builtin");
     BuiltInMetadata(request.name(), response);
@@ -710,13 +812,19 @@ absl::Status HandleModelReady(const inference::ModelReadyRequest& request,
   return absl::OkStatus();
 }
 
-void HandleServerMetadata(inference::ServerMetadataResponse* response) {
+void HandleServerMetadata(bool sequences,
+                          inference::ServerMetadataResponse* response) {
   response->set_name("attnserve");
   response->set_version(ATTNSERVE_VERSION);
   for (const char* extension :
        {"parameters", "binary_tensor_data", "model_configuration",
-        "system_shared_memory", "statistics", "model_repository"}) {
+        "system_shared_memory", "statistics", "model_repository", "logging",
+        "trace"}) {
     response->add_extensions(extension);
+  }
+  if (sequences) {
+    response->add_extensions("sequence");
+    response->add_extensions("sequence(string_id)");
   }
 }
 

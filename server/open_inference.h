@@ -21,6 +21,10 @@
 //    requested output read it from or write it to a region registered with
 //    RegisterSharedMemory.
 //
+//  - sequences (Triton's sequence extension) on served models and the
+//    built-in "attention_session" are decode-session steps
+//    (server/sequences.h).
+//
 // Thread-safety: NativeInferCall is thread-compatible (one call, one
 // thread at a time); the free functions share nothing but the thread-safe
 // ModelRepository. Ownership: a NativeInferCall owns its native messages
@@ -43,11 +47,22 @@
 
 namespace attnserve {
 
+class SequenceCall;
+class SequenceTable;
+struct SequenceParameters;
+
 // Names of the built-in models: the native operations that need no served
 // model. They take precedence over served models of the same name.
 inline constexpr absl::string_view kAttendModel = "attend";
 inline constexpr absl::string_view kMultiHeadAttendModel = "multi_head_attend";
 inline constexpr absl::string_view kLayerNormModel = "layer_norm";
+// Its requests are steps of sequences on attention sessions
+// (server/sequences.h).
+inline constexpr absl::string_view kAttentionSessionModel = "attention_session";
+
+bool IsBuiltInModel(absl::string_view model);
+// The built-in models' names, sorted.
+std::vector<std::string> BuiltInModels();
 
 // The protocol's name of a native dtype ("FP32", "BF16", "FP16", "BOOL",
 // "UINT8").
@@ -68,8 +83,12 @@ class NativeInferCall {
   // copied). INVALID_ARGUMENT names the input, output or parameter at
   // fault; NOT_FOUND for a model that is neither built in nor served (or a
   // version other than "" and "1"). `models` may be null (no repository).
+  // `sequences` null: requests of a sequence are refused
+  // (FAILED_PRECONDITION), as on a server without decode sessions.
   static absl::StatusOr<std::unique_ptr<NativeInferCall>> FromRequest(
-      inference::ModelInferRequest* request, const ModelRepository* models);
+      inference::ModelInferRequest* request, const ModelRepository* models,
+      SequenceTable* sequences = nullptr);
+  ~NativeInferCall();
 
   // What the native call will cost, for admission.
   RequestCost cost() const;
@@ -86,15 +105,22 @@ class NativeInferCall {
   const google::protobuf::Message& native_request() const { return *request_; }
 
  private:
-  enum class Kind { kAttend, kMultiHeadAttend, kLayerNorm };
+  enum class Kind { kAttend, kMultiHeadAttend, kLayerNorm, kSequenceStep };
   NativeInferCall(Kind kind, std::unique_ptr<google::protobuf::Message> request,
                   std::unique_ptr<google::protobuf::Message> response);
+  // FromRequest for a request of a sequence.
+  static absl::StatusOr<std::unique_ptr<NativeInferCall>> FromSequence(
+      inference::ModelInferRequest* request,
+      std::shared_ptr<const Model> served, SequenceTable* sequences,
+      const SequenceParameters& sequence);
 
   Kind kind_;
   std::unique_ptr<google::protobuf::Message> request_;
   std::unique_ptr<google::protobuf::Message> response_;
   // MultiHeadAttend only: the model looked up once, for cost and compute.
   std::optional<MultiHeadAttendHandler> multi_head_;
+  // Sequence steps only: the sequence's session and what to do with it.
+  std::unique_ptr<SequenceCall> sequence_;
   // The outputs the client asked for; empty: all.
   std::vector<std::string> requested_outputs_;
 };
@@ -112,8 +138,10 @@ absl::Status HandleModelReady(const inference::ModelReadyRequest& request,
                               const ModelRepository* models,
                               inference::ModelReadyResponse* response);
 // ServerMetadata: name "attnserve", the build's version, the extensions
-// (Triton's names) that both front ends implement.
-void HandleServerMetadata(inference::ServerMetadataResponse* response);
+// (Triton's names) that both front ends implement; "sequence" only when
+// `sequences` (decode sessions are on).
+void HandleServerMetadata(bool sequences,
+                          inference::ServerMetadataResponse* response);
 
 }  // namespace attnserve
 

@@ -317,6 +317,9 @@ json RawToData(const std::string& datatype, const std::string& raw) {
     case DType::kUInt8:
       for (char c : raw) data.push_back(static_cast<uint8_t>(c));
       break;
+    case DType::kInt8:
+      for (char c : raw) data.push_back(static_cast<int8_t>(c));
+      break;
   }
   return data;
 }
@@ -414,6 +417,13 @@ HttpBody InferResponseToJson(inference::ModelInferResponse* response,
   json body = {{"model_name", response->model_name()},
                {"model_version", response->model_version()}};
   if (!response->id().empty()) body["id"] = response->id();
+  if (!response->parameters().empty()) {
+    json parameters = json::object();
+    for (const auto& [name, value] : response->parameters()) {
+      parameters[name] = ParameterToJson(value);
+    }
+    body["parameters"] = std::move(parameters);
+  }
   json outputs = json::array();
   std::string binary;
   bool any_binary = false;

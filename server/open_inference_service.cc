@@ -43,8 +43,8 @@ void OpenInferenceService::AddStateRpcs() {
         return HandleModelReady(request, models, response);
       });
   AddState<oip::ServerMetadataRequest, oip::ServerMetadataResponse>(
-      [](const auto&, auto* response) {
-        HandleServerMetadata(response);
+      [pipeline](const auto&, auto* response) {
+        HandleServerMetadata(pipeline->config().sessions != nullptr, response);
         return absl::OkStatus();
       });
   AddState<oip::ModelMetadataRequest, oip::ModelMetadataResponse>(
@@ -52,8 +52,8 @@ void OpenInferenceService::AddStateRpcs() {
         return HandleModelMetadata(request, models, response);
       });
   AddState<oip::ModelConfigRequest, oip::ModelConfigResponse>(
-      [models](const auto& request, auto* response) {
-        return HandleModelConfig(request, models, response);
+      [pipeline](const auto& request, auto* response) {
+        return HandleModelConfig(request, pipeline->sequences(), response);
       });
   AddState<oip::ModelStatisticsRequest, oip::ModelStatisticsResponse>(
       [pipeline](const auto& request, auto* response) {
@@ -89,6 +89,14 @@ void OpenInferenceService::AddStateRpcs() {
       [regions](const auto& request, auto*) {
         return HandleSystemSharedMemoryUnregister(request, regions);
       });
+  AddState<oip::TraceSettingRequest, oip::TraceSettingResponse>(
+      [pipeline](const auto& request, auto* response) {
+        return pipeline->trace_settings()->Handle(request, response);
+      });
+  AddState<oip::LogSettingsRequest, oip::LogSettingsResponse>(
+      [pipeline](const auto& request, auto* response) {
+        return pipeline->log_settings()->Handle(request, response);
+      });
   // CUDA shared memory: UNIMPLEMENTED, saying to use system shared memory.
   const auto no_cuda = [](const auto&, auto*) {
     return CudaSharedMemoryUnsupported();
@@ -108,10 +116,11 @@ void OpenInferenceService::AddInferenceRpcs() {
       std::function<absl::Status(const oip::ModelInferRequest&,
                                  oip::ModelInferResponse*, const CallControl&)>;
   AddCompute<oip::ModelInferRequest, oip::ModelInferResponse>(
-      [models](oip::ModelInferRequest& request)
+      [models, pipeline](oip::ModelInferRequest& request)
           -> absl::StatusOr<BoundCall<Handle>> {
         ATTN_ASSIGN_OR_RETURN(std::shared_ptr<NativeInferCall> native,
-                              NativeInferCall::FromRequest(&request, models));
+                              NativeInferCall::FromRequest(
+                                  &request, models, pipeline->sequences()));
         return Bound(native->cost(),
                      Handle([native](const oip::ModelInferRequest& request,
                                      oip::ModelInferResponse* response,

@@ -7,7 +7,8 @@
 // same way (server/stream_infer.h); the other RPCs answer from server state
 // on gRPC's thread: model configuration (server/model_config.h), statistics
 // (server/statistics.h), model repository and system shared memory
-// (server/triton_extensions.h; CUDA shared memory answers UNIMPLEMENTED).
+// (server/triton_extensions.h; CUDA shared memory answers UNIMPLEMENTED),
+// trace and log settings (server/runtime_settings.h).
 // ServerLive and ServerReady need no token, like the health service.
 //
 // Thread-safety: gRPC calls the RPCs concurrently; the service holds only

@@ -149,6 +149,16 @@ absl::Status VerifyLimits(const ServerOptions& options) {
         absl::StrCat("--max_session_length: ", options.max_session_length,
                      " is out of range, expected 1 to 2^30"));
   }
+  if (options.max_steps_per_call < 1 || options.max_steps_per_call > 65536) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_steps_per_call: ", options.max_steps_per_call,
+                     " is not in [1, 65536]"));
+  }
+  if (options.coalesce_steps_us < 0 || options.coalesce_steps_us > 100000) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--coalesce_steps_us: ", options.coalesce_steps_us,
+                     " is not in [0, 100000] (0: off)"));
+  }
   if (options.max_request_memory_mb <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_request_memory_mb: ", options.max_request_memory_mb,

@@ -58,6 +58,16 @@ struct ServerOptions {
   // Tokens a session's sequence may hold at most, and the length of
   // sessions created without max_length.
   int64_t max_session_length = 32768;
+  // Steps one SessionSteps call may carry at most.
+  int max_steps_per_call = 256;
+  // SessionStep calls on different sessions that arrive together run as one
+  // batched pass over their caches (as one SessionSteps call would). A pass
+  // waits up to this many microseconds for more steps, and only when the
+  // pass before it, which ended less than this long ago, held more steps
+  // than have arrived (their clients are about to send the next ones): a
+  // lone client never waits. 0 turns coalescing off (each call steps on
+  // its own).
+  int coalesce_steps_us = 200;
   // Port of the Prometheus metrics page (GET /metrics) on `host`; 0 picks a
   // free port, -1 turns it off.
   int metrics_port = 9090;

@@ -193,14 +193,14 @@ RequestCost CostOf(const v1::SessionStepRequest& r,
   if (leading.shape_size() < 2) return cost;
   const double n = Dim(leading, -2);
   const double batch = static_cast<double>(session->batch());
-  cost.flops = session->StepFlops(static_cast<int64_t>(n));
+  cost.flops = session->StepFlops(static_cast<int64_t>(n), r.layer());
   // The step's projections or converted operands and its output; the
   // cache's growth is the session store's to limit.
   const double width =
       session->num_heads() * (session->key_dim() + 2.0 * session->value_dim());
   cost.bytes = static_cast<int64_t>(std::min(batch * n * width * 4, 9e18));
   // Its tokens appended to the cache, which it then reads whole.
-  const double keys = static_cast<double>(session->length()) + n;
+  const double keys = static_cast<double>(session->length(r.layer())) + n;
   const double cache = batch * session->num_kv_heads() *
                        (session->key_dim() + session->value_dim());
   const double read = PresentElements({{r.has_input(), &r.input()},
@@ -211,6 +211,24 @@ RequestCost CostOf(const v1::SessionStepRequest& r,
                    batch * session->num_heads() * n * keys);
   cost.largest_tensor = std::max({Elements(r.input()), Elements(r.query()),
                                   Elements(r.key()), Elements(r.value())});
+  return cost;
+}
+
+RequestCost CostOf(
+    const v1::SessionStepsRequest& request,
+    const std::vector<std::shared_ptr<const DecodeSession>>& sessions) {
+  RequestCost cost;
+  const int count =
+      std::min(request.steps_size(), static_cast<int>(sessions.size()));
+  for (int i = 0; i < count; ++i) {
+    const RequestCost step = CostOf(request.steps(i), sessions[i].get());
+    cost.flops += step.flops;
+    cost.work += step.work;
+    cost.bytes = static_cast<int64_t>(std::min(
+        static_cast<double>(cost.bytes) + static_cast<double>(step.bytes),
+        9e18));
+    cost.largest_tensor = std::max(cost.largest_tensor, step.largest_tensor);
+  }
   return cost;
 }
 

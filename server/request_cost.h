@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <memory>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/time/time.h"
@@ -64,6 +66,12 @@ RequestCost CostOf(const v1::LayerNormRequest& request);
 // `session`: the one the request names (null when it was not found).
 RequestCost CostOf(const v1::SessionStepRequest& request,
                    const DecodeSession* session);
+
+// The sum of its steps' costs (their largest tensor, the largest of
+// theirs); `sessions[i]`: the session step i names (null when not found).
+RequestCost CostOf(
+    const v1::SessionStepsRequest& request,
+    const std::vector<std::shared_ptr<const DecodeSession>>& sessions);
 
 // RESOURCE_EXHAUSTED when `cost` exceeds the server's limits on the
 // elements of one tensor or the bytes a call allocates; checked before

@@ -15,6 +15,7 @@
 #ifndef ATTNSERVE_SERVER_SCHEDULER_H_
 #define ATTNSERVE_SERVER_SCHEDULER_H_
 
+#include <algorithm>
 #include <deque>
 #include <functional>
 #include <thread>
@@ -25,6 +26,13 @@
 #include "core/mutex.h"
 
 namespace attnserve {
+
+// Threads a computation of `flops` keeps busy: each should get at least
+// ~2 MFLOP (tens of microseconds), or starting and joining it costs more
+// than it computes.
+inline int UsefulThreads(double flops) {
+  return static_cast<int>(std::clamp(flops / 2e6, 1.0, 1024.0));
+}
 
 class Scheduler {
  public:

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -218,13 +219,33 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
     sessions.max_reserved_bytes = SessionAddressSpace();
     sessions_ = std::make_unique<SessionStore>(sessions);
   }
+  if (sessions_ != nullptr && options.coalesce_steps_us > 0) {
+    StepCoalescer::Options coalescing;
+    coalescing.wait = absl::Microseconds(options.coalesce_steps_us);
+    coalescing.max_batch = options.max_steps_per_call;
+    // As many as the scheduler would hold, and a full pass more.
+    coalescing.max_pending = static_cast<size_t>(scheduler_->max_queue() +
+                                                 scheduler_->max_inflight() +
+                                                 options.max_steps_per_call);
+    step_coalescer_ = std::make_unique<StepCoalescer>(
+        sessions_.get(), &ThreadBudget::Global(), coalescing,
+        [scheduler = scheduler_.get()](std::function<void()> runner) {
+          return scheduler->Submit(std::move(runner));
+        },
+        // Steps arrive only once the pipeline below exists.
+        [this] { return pipeline_->BusyError(); });
+  }
   ServiceConfig config;
+  config.step_coalescer = step_coalescer_.get();
   config.shared_memory = shared_memory_.get();
   config.sessions = sessions_.get();
   config.max_session_length = options.max_session_length;
+  config.max_steps_per_call = options.max_steps_per_call;
   config.auth = auth_.get();
   config.metrics = metrics_.get();
   config.access_log = ShouldLog(options, LogSeverity::kInfo);
+  config.log_warnings = ShouldLog(options, LogSeverity::kWarning);
+  config.log_errors = ShouldLog(options, LogSeverity::kError);
   config.models = models_.get();
   config.repository = models_.get();
   config.scheduler = scheduler_.get();

@@ -73,6 +73,9 @@ class AttnServer {
   absl::Status StartHttp(const ServerOptions& options);
   // Declared before server_: destroyed after it, once every call is done.
   std::unique_ptr<ModelRepository> models_;  // null: no repository
+  // Null when sessions or coalescing are off. Declared before the
+  // scheduler: its runners, queued there, finish before it goes.
+  std::unique_ptr<StepCoalescer> step_coalescer_;
   std::unique_ptr<Scheduler> scheduler_;
   std::unique_ptr<CostModel> cost_model_;
   std::unique_ptr<Metrics> metrics_;

@@ -22,11 +22,6 @@ void Set(inference::StatisticDuration* duration, uint64_t count, uint64_t ns) {
   duration->set_ns(ns);
 }
 
-bool IsBuiltInModel(absl::string_view model) {
-  return model == kAttendModel || model == kMultiHeadAttendModel ||
-         model == kLayerNormModel;
-}
-
 }  // namespace
 
 std::string ModelOfRequest(const google::protobuf::Message& request) {
@@ -108,8 +103,7 @@ absl::Status StatisticsTable::Handle(
     inference::ModelStatisticsResponse* response) const {
   std::vector<std::string> names;
   if (request.name().empty()) {
-    names = {std::string(kAttendModel), std::string(kLayerNormModel),
-             std::string(kMultiHeadAttendModel)};
+    names = BuiltInModels();
     if (models_ != nullptr) {
       for (const auto& model : models_->List()) {
         if (!IsBuiltInModel(model->name)) names.push_back(model->name);

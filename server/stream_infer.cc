@@ -63,7 +63,8 @@ class StreamInferReactor final
     }
     absl::StatusOr<std::unique_ptr<NativeInferCall>> native =
         NativeInferCall::FromRequest(&call_->request,
-                                     pipeline_->config().models);
+                                     pipeline_->config().models,
+                                     pipeline_->sequences());
     if (!native.ok()) return Refuse(native.status());
     call_->native = *std::move(native);
     std::shared_ptr<Call> call = call_;

@@ -17,11 +17,6 @@ using google::protobuf::Message;
 using google::protobuf::Reflection;
 using json = nlohmann::json;
 
-bool IsBuiltIn(absl::string_view model) {
-  return model == kAttendModel || model == kMultiHeadAttendModel ||
-         model == kLayerNormModel;
-}
-
 // attnserve serves one repository: it may be named by its path, or not at
 // all.
 absl::Status VerifyRepositoryName(absl::string_view name,
@@ -40,7 +35,8 @@ absl::Status VerifyRepositoryName(absl::string_view name,
 absl::Status NoRepository() {
   return absl::FailedPreconditionError(
       "model_name: this server has no --model_repository; its models are "
-      "the built-in attend, multi_head_attend and layer_norm");
+      "the built-in attend, multi_head_attend, layer_norm and "
+      "attention_session");
 }
 
 // Parameters a load or unload request may carry: only Triton's
@@ -137,9 +133,7 @@ absl::Status HandleRepositoryIndex(
     const ModelRepository* models,
     inference::RepositoryIndexResponse* response) {
   ATTN_RETURN_IF_ERROR(VerifyRepositoryName(request.repository_name(), models));
-  std::vector<std::string> names = {std::string(kAttendModel),
-                                    std::string(kLayerNormModel),
-                                    std::string(kMultiHeadAttendModel)};
+  std::vector<std::string> names = BuiltInModels();
   if (models != nullptr) {
     for (std::string& folder : models->Folders()) names.push_back(folder);
     // Served models whose folder has gone stay served until a reload.
@@ -148,7 +142,7 @@ absl::Status HandleRepositoryIndex(
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   for (const std::string& name : names) {
-    const bool built_in = IsBuiltIn(name);
+    const bool built_in = IsBuiltInModel(name);
     const bool ready =
         built_in || (models != nullptr && models->Find(name).ok());
     if (request.ready() && !ready) continue;
@@ -174,7 +168,7 @@ absl::Status HandleRepositoryModelLoad(
   const std::string& name = request.model_name();
   if (name.empty()) return absl::InvalidArgumentError("model_name: missing");
   // Built-in models are always loaded.
-  if (IsBuiltIn(name)) return absl::OkStatus();
+  if (IsBuiltInModel(name)) return absl::OkStatus();
   if (models == nullptr) return NoRepository();
   return models->LoadOne(name);
 }
@@ -187,7 +181,7 @@ absl::Status HandleRepositoryModelUnload(
                                                   /*unload=*/true));
   const std::string& name = request.model_name();
   if (name.empty()) return absl::InvalidArgumentError("model_name: missing");
-  if (IsBuiltIn(name)) {
+  if (IsBuiltInModel(name)) {
     return absl::FailedPreconditionError(
         absl::StrCat("model_name: ", EchoString(name),
                      " is built in and cannot be unloaded"));

@@ -161,9 +161,9 @@ LaneConfig MakeLane(std::string name, auto&& edit) {
 }
 
 // Mixed lengths (one key block, several, a last block of 1 key), GQA, MQA,
-// rotary, bfloat16 caches, dk != dv, batches of sequences; then one-token
-// rounds and a few-token round (causal within the step, across a block
-// boundary for some).
+// rotary, bfloat16 and int8 caches, dk != dv, batches of sequences; then
+// one-token rounds and a few-token round (causal within the step, across a
+// block boundary for some).
 TEST_F(BatchedDecodeTest, BatchedStepsEqualOneByOneAndTheReference) {
   AddLane(MakeLane("mha", [](LaneConfig&) {}));
   AddLane(MakeLane("gqa_rotary_1100", [](LaneConfig& c) {
@@ -194,6 +194,21 @@ TEST_F(BatchedDecodeTest, BatchedStepsEqualOneByOneAndTheReference) {
     c.heads = 8;
     c.kv_heads = 2;
     c.prefill = 513;
+  }));
+  // INT8 caches: the same steps one by one give the same bits.
+  AddLane(MakeLane("int8_gqa_rotary_900", [](LaneConfig& c) {
+    c.dtype = DType::kInt8;
+    c.heads = 8;
+    c.kv_heads = 2;
+    c.rotary_dims = 16;
+    c.prefill = 900;
+  }));
+  AddLane(MakeLane("int8_batch2_d64_dv24", [](LaneConfig& c) {
+    c.dtype = DType::kInt8;
+    c.batch = 2;
+    c.dk = 64;
+    c.dv = 24;
+    c.prefill = 1030;
   }));
   Round([](const Lane& lane) { return lane.c.prefill; });
   for (int round = 0; round < 3; ++round) {

@@ -161,6 +161,8 @@ Tolerance ToleranceFor(DType dtype) {
       return kBFloat16Tolerance;
     case DType::kFloat16:
       return kFloat16Tolerance;
+    case DType::kInt8:
+      return kInt8Tolerance;
     default:
       return kFloat32Tolerance;
   }

@@ -42,6 +42,9 @@ struct Tolerance {
 inline constexpr Tolerance kFloat32Tolerance{1e-4, 1e-4};
 inline constexpr Tolerance kBFloat16Tolerance{2e-2, 2e-2};
 inline constexpr Tolerance kFloat16Tolerance{5e-3, 5e-3};
+// INT8 caches (the session's dtype INT8): quantization errors of up to
+// max|row| / 254 per cached element.
+inline constexpr Tolerance kInt8Tolerance{2e-2, 2e-2};
 Tolerance ToleranceFor(DType dtype);
 
 // Passes if shapes match, every |got - expected| <= atol + rtol*|expected|,

@@ -8,7 +8,9 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <random>
@@ -93,10 +95,9 @@ TEST_P(AttentionSessionTest, EveryStepMatchesAttentionOverTheHistory) {
         RefAttend(rq, RefRepeatHeads(rk, group), RefRepeatHeads(values, group),
                   {RefCausalKeep(first, n)}, {true}, {});
     if (!c.batched_inputs) ref.output.shape.erase(ref.output.shape.begin());
-    EXPECT_TRUE(
-        AllClose(out->view(), ref.output,
-                 ToleranceFor(c.dtype == DType::kBFloat16 ? DType::kBFloat16
-                                                          : c.input_dtype)))
+    EXPECT_TRUE(AllClose(
+        out->view(), ref.output,
+        ToleranceFor(c.dtype == DType::kFloat32 ? c.input_dtype : c.dtype)))
         << "step at position " << first;
     first += n;
     EXPECT_EQ((*session)->length(), first);
@@ -149,6 +150,27 @@ const SessionCase kSessionCases[] = {
          [](SessionCase& c) {
            c.steps = {3, 0, 1};
          }),
+    // INT8 caches: split-KV steps read the codes, long steps (tiled) their
+    // dequantized copy.
+    Case("int8_cache_gqa_rotary",
+         [](SessionCase& c) {
+           c.dtype = DType::kInt8;
+           c.kv_heads = 2;
+           c.rotary_dims = 8;
+         }),
+    Case("int8_long_prefill_batch2_dk_ne_dv",
+         [](SessionCase& c) {
+           c.dtype = DType::kInt8;
+           c.batch = 2;
+           c.dv = 12;
+           c.steps = {300, 1, 1, 130, 1};
+         }),
+    Case("int8_f16_inputs_unbatched",
+         [](SessionCase& c) {
+           c.dtype = DType::kInt8;
+           c.input_dtype = DType::kFloat16;
+           c.batched_inputs = false;
+         }),
 };
 
 INSTANTIATE_TEST_SUITE_P(Table, AttentionSessionTest,
@@ -171,6 +193,7 @@ struct ModelCase {
   DType compute = DType::kFloat32;
   int64_t batch = 2;
   bool out_proj = true;
+  std::optional<DType> cache;  // the session's cache_dtype
 };
 
 void PrintTo(const ModelCase& c, std::ostream* os) { *os << c.name; }
@@ -214,6 +237,7 @@ TEST_P(ModelSessionTest, EveryStepMatchesCausalAttentionOverTheSequence) {
   config.layer = *layer;
   config.batch = b;
   config.max_length = 40;
+  config.cache_dtype = m.cache;
   auto session = DecodeSession::Create(config);
   ASSERT_TRUE(session.ok()) << session.status();
 
@@ -272,7 +296,7 @@ TEST_P(ModelSessionTest, EveryStepMatchesCausalAttentionOverTheSequence) {
     std::optional<Tensor> out = results.Take("output");
     ASSERT_TRUE(out.has_value());
     EXPECT_TRUE(AllClose(out->view(), RefRows(ref.output, first, n),
-                         ToleranceFor(m.compute)))
+                         ToleranceFor(m.cache.value_or(m.compute))))
         << "step at position " << first;
     first += n;
   }
@@ -280,10 +304,13 @@ TEST_P(ModelSessionTest, EveryStepMatchesCausalAttentionOverTheSequence) {
 }
 
 const ModelCase kModelCases[] = {
-    {"gqa_rotary"},
-    {"mha_no_rotary", 4, 4, 0},
-    {"mqa_full_rotary_no_out_proj", 2, 1, 8, DType::kFloat32, 1, false},
-    {"bf16", 4, 2, 4, DType::kBFloat16},
+    {"gqa_rotary", 4, 2, 4, DType::kFloat32, 2, true, std::nullopt},
+    {"mha_no_rotary", 4, 4, 0, DType::kFloat32, 2, true, std::nullopt},
+    {"mqa_full_rotary_no_out_proj", 2, 1, 8, DType::kFloat32, 1, false,
+     std::nullopt},
+    {"bf16", 4, 2, 4, DType::kBFloat16, 2, true, std::nullopt},
+    {"int8_cache_gqa_rotary", 4, 2, 4, DType::kFloat32, 2, true, DType::kInt8},
+    {"bf16_int8_cache", 4, 2, 4, DType::kBFloat16, 1, true, DType::kInt8},
 };
 
 INSTANTIATE_TEST_SUITE_P(Table, ModelSessionTest,
@@ -338,7 +365,7 @@ TEST_F(SessionCheckTest, ConfigIsChecked) {
   config_.dtype = DType::kFloat16;
   EXPECT_EQ(CreateError().message(),
             "dtype: FLOAT16 not supported for a session cache, expected "
-            "FLOAT32 or BFLOAT16");
+            "FLOAT32, BFLOAT16 or INT8");
   config_.dtype = DType::kFloat32;
   config_.max_length = int64_t{1} << 60;
   EXPECT_EQ(CreateError().code(), absl::StatusCode::kInvalidArgument);
@@ -529,6 +556,257 @@ TEST_F(SessionCheckTest, CacheHoldsWhatItsTokensNeed) {
   // One token commits a page per operand, however long max_length is.
   EXPECT_LE(s->BytesAt(1), size_t{2} * 65536);
   EXPECT_LE(s->BytesAt(4097), needed + size_t{2} * 65536);
+}
+
+TEST_F(SessionCheckTest, Int8CacheCountsItsScales) {
+  config_.num_heads = 8;
+  config_.num_kv_heads = 8;
+  config_.key_dim = 64;
+  config_.max_length = 8192;
+  config_.dtype = DType::kInt8;
+  auto s = Make();
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->dtype(), DType::kFloat32);
+  EXPECT_EQ(s->cache_dtype(), DType::kInt8);
+  // 4096 tokens x 8 heads x (64 one-byte codes + a 4-byte scale), for keys
+  // and for values.
+  EXPECT_EQ(s->BytesAt(4096), size_t{4096} * 8 * (64 + 4) * 2);
+  // The whole max_length, scales included.
+  EXPECT_EQ(s->reserved_bytes(), size_t{8192} * 8 * (64 + 4) * 2);
+  auto dims = DecodeSession::CacheDims(config_);
+  ASSERT_TRUE(dims.ok());
+  EXPECT_EQ(*KvCache::ReservedBytes(*dims), s->reserved_bytes());
+}
+
+TEST_F(SessionCheckTest, CacheDTypeIsChecked) {
+  config_.cache_dtype = DType::kBFloat16;
+  EXPECT_EQ(CreateError().message(),
+            "cache_dtype: BFLOAT16 not supported with compute dtype FLOAT32, "
+            "expected FLOAT32 or INT8");
+  config_.dtype = DType::kInt8;
+  EXPECT_EQ(CreateError().message(),
+            "cache_dtype: BFLOAT16 contradicts dtype INT8 (an INT8 cache)");
+  config_.dtype = DType::kUInt8;
+  config_.cache_dtype.reset();
+  EXPECT_EQ(CreateError().message(),
+            "dtype: UINT8 not supported for a session cache, expected FLOAT32, "
+            "BFLOAT16 or INT8");
+  config_.dtype = DType::kBFloat16;
+  config_.cache_dtype = DType::kInt8;
+  auto s = Make();
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(s->dtype(), DType::kBFloat16);
+  EXPECT_EQ(s->cache_dtype(), DType::kInt8);
+  EXPECT_TRUE(Step(*s, 3).ok());
+}
+
+TEST(QuantizeInt8Test, SymmetricRoundToNearestAndNeverNaNFromFiniteRows) {
+  const float row[] = {0.5f, -1.27f, 0.004f, 0.006f, 1.0f};
+  int8_t codes[5];
+  const float scale = QuantizeInt8(row, 5, codes);
+  EXPECT_FLOAT_EQ(scale, 1.27f / 127.0f);
+  EXPECT_EQ(codes[1], -127);
+  EXPECT_EQ(codes[0], 50);
+  EXPECT_EQ(codes[2], 0);  // 0.4 rounds down
+  EXPECT_EQ(codes[3], 1);  // 0.6 rounds up
+  EXPECT_EQ(codes[4], 100);
+  for (int i = 0; i < 5; ++i) {
+    EXPECT_LE(std::fabs(codes[i] * scale - row[i]), scale / 2 * 1.0001f);
+  }
+  const float zeros[] = {0.0f, -0.0f, 0.0f};
+  int8_t zero_codes[3] = {1, 1, 1};
+  EXPECT_EQ(QuantizeInt8(zeros, 3, zero_codes), 0.0f);
+  EXPECT_EQ(zero_codes[0] | zero_codes[1] | zero_codes[2], 0);
+  // Subnormal rows: no overflow of 127 / max|x| into Inf or NaN.
+  const float tiny[] = {1e-44f, -3e-45f};
+  int8_t tiny_codes[2];
+  EXPECT_FALSE(std::isnan(QuantizeInt8(tiny, 2, tiny_codes)));
+  EXPECT_EQ(tiny_codes[0], 127);
+  const float bad[] = {1.0f, std::numeric_limits<float>::infinity()};
+  int8_t bad_codes[2];
+  EXPECT_TRUE(std::isnan(QuantizeInt8(bad, 2, bad_codes)));
+}
+
+// The stated accuracy of INT8 caches: for unit-variance (standard normal)
+// queries, keys and values, d64, 8 heads (and 8 over 2 key/value heads),
+// the output of a 2048-token prefill (tiled path, dequantized) and of the
+// one-token steps after it (split-KV path, int8 rows read directly) is
+// within 1e-2 relative (Frobenius norm of the error over the reference's)
+// of float64 attention over the unquantized history.
+TEST(Int8CacheAccuracyTest, RelativeErrorAgainstFloat64IsBelowOnePercent) {
+  for (int kv_heads : {8, 2}) {
+    std::mt19937 rng(kv_heads);
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    const auto random = [&](Shape shape) {
+      Tensor t = *Tensor::Allocate(DType::kFloat32, shape);
+      for (int64_t i = 0; i < t.num_elements(); ++i) {
+        t.data_as<float>()[i] = normal(rng);
+      }
+      return t;
+    };
+    DecodeSessionConfig config;
+    config.num_heads = 8;
+    config.num_kv_heads = kv_heads;
+    config.key_dim = 64;
+    config.dtype = DType::kInt8;
+    config.max_length = 4096;
+    auto session = DecodeSession::Create(config);
+    ASSERT_TRUE(session.ok()) << session.status();
+    RefTensor keys, values;
+    int64_t first = 0;
+    double worst = 0;
+    for (int64_t n : {2048, 1, 1, 1, 1, 4}) {
+      Tensor q = random({1, 8, n, 64});
+      Tensor k = random({1, kv_heads, n, 64});
+      Tensor v = random({1, kv_heads, n, 64});
+      DecodeStepInputs in;
+      in.query = q.view();
+      in.key = k.view();
+      in.value = v.view();
+      TensorResults results;
+      ASSERT_TRUE((*session)->Step(in, {}, results).ok());
+      std::optional<Tensor> out = results.Take("output");
+      ASSERT_TRUE(out.has_value());
+      keys = RefConcatRows(keys, ToRef(k.view()));
+      values = RefConcatRows(values, ToRef(v.view()));
+      const int64_t group = 8 / kv_heads;
+      const RefAttentionResult ref = RefAttend(
+          ToRef(q.view()), RefRepeatHeads(keys, group),
+          RefRepeatHeads(values, group), {RefCausalKeep(first, n)}, {true}, {});
+      double error = 0, norm = 0;
+      for (size_t i = 0; i < ref.output.values.size(); ++i) {
+        const double d = out->data_as<float>()[i] - ref.output.values[i];
+        error += d * d;
+        norm += ref.output.values[i] * ref.output.values[i];
+      }
+      const double relative = std::sqrt(error / norm);
+      worst = std::max(worst, relative);
+      EXPECT_LE(relative, 1e-2) << n << " tokens at " << first;
+      first += n;
+    }
+    std::printf(
+        "int8 cache, 8 heads over %d, d64, 2053 tokens: relative "
+        "error vs float64 at most %.2e\n",
+        kv_heads, worst);
+  }
+}
+
+// A multi-layer session is one session per layer: every layer's steps
+// (its own lengths, a rewind in one layer, layers stepped out of turn), alone
+// and in StepSessions batches, give the bits of a single-layer session fed
+// the same steps, for float32, bfloat16 and int8 caches.
+TEST(MultiLayerSessionTest, EqualsOneSessionPerLayer) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kInt8}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    std::mt19937 rng(9);
+    DecodeSessionConfig config;
+    config.num_heads = 4;
+    config.num_kv_heads = 2;
+    config.key_dim = 8;
+    config.rotary.dims = 8;
+    config.dtype = dtype;
+    config.max_length = 64;
+    std::vector<std::unique_ptr<DecodeSession>> singles;
+    for (int l = 0; l < 3; ++l) {
+      singles.push_back(*DecodeSession::Create(config));
+    }
+    config.num_layers = 3;
+    auto multi = DecodeSession::Create(config);
+    ASSERT_TRUE(multi.ok()) << multi.status();
+    EXPECT_EQ((*multi)->reserved_bytes(), 3 * singles[0]->reserved_bytes());
+    struct Step {
+      int64_t layer, n;
+      std::optional<int64_t> position;
+    };
+    const Step steps[] = {{0, 5, {}}, {1, 5, {}}, {2, 5, {}}, {0, 1, {}},
+                          {1, 1, {}}, {0, 1, {}}, {2, 1, {}}, {1, 3, 4},
+                          {2, 1, {}}, {1, 1, {}}, {0, 20, {}}};
+    for (const Step& step : steps) {
+      Tensor q = RandomTensor(DType::kFloat32, {4, step.n, 8}, rng);
+      Tensor k = RandomTensor(DType::kFloat32, {2, step.n, 8}, rng);
+      Tensor v = RandomTensor(DType::kFloat32, {2, step.n, 8}, rng);
+      DecodeStepInputs in{std::nullopt, q.view(),      k.view(),
+                          v.view(),     step.position, step.layer};
+      TensorResults got, want;
+      ASSERT_TRUE((*multi)->Step(in, {}, got).ok());
+      in.layer = 0;
+      ASSERT_TRUE(singles[step.layer]->Step(in, {}, want).ok());
+      const Tensor a = *got.Take("output"), b = *want.Take("output");
+      ASSERT_EQ(a.num_bytes(), b.num_bytes());
+      EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.num_bytes()))
+          << "layer " << step.layer;
+      size_t bytes = 0;
+      for (int l = 0; l < 3; ++l) {
+        EXPECT_EQ((*multi)->length(l), singles[l]->length());
+        bytes += singles[l]->cache_bytes();
+      }
+      EXPECT_EQ((*multi)->cache_bytes(), bytes);
+    }
+    // Batched: the multi-layer session in one entry (layer 1), a single
+    // session in another.
+    Tensor q = RandomTensor(DType::kFloat32, {4, 1, 8}, rng);
+    Tensor k = RandomTensor(DType::kFloat32, {2, 1, 8}, rng);
+    Tensor v = RandomTensor(DType::kFloat32, {2, 1, 8}, rng);
+    DecodeStepInputs in{std::nullopt, q.view(),     k.view(),
+                        v.view(),     std::nullopt, 1};
+    DecodeStepInputs in0 = in;
+    in0.layer = 0;
+    TensorResults batched_multi, batched_single, want;
+    const std::vector<absl::Status> statuses =
+        StepSessions({{multi->get(), in, {}, &batched_multi},
+                      {singles[2].get(), in0, {}, &batched_single}});
+    ASSERT_TRUE(statuses[0].ok() && statuses[1].ok());
+    ASSERT_TRUE(singles[1]->Step(in0, {}, want).ok());
+    const Tensor a = *batched_multi.Take("output"), b = *want.Take("output");
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), a.num_bytes()));
+    EXPECT_EQ((*multi)->length(1), singles[1]->length());
+    EXPECT_EQ((*multi)->length(2), singles[2]->length() - 1);
+  }
+}
+
+TEST_F(SessionCheckTest, LayersAreChecked) {
+  config_.num_layers = 0;
+  EXPECT_EQ(CreateError().message(), "num_layers: must be > 0, got 0");
+  config_.num_layers = 4;
+  auto s = Make();
+  ASSERT_NE(s, nullptr);
+  q_ = Random(DType::kFloat32, {4, 1, 8});
+  k_ = Random(DType::kFloat32, {2, 1, 8});
+  v_ = Random(DType::kFloat32, {2, 1, 8});
+  for (int64_t layer : {int64_t{5}, int64_t{4}, int64_t{-1}}) {
+    DecodeStepInputs in{std::nullopt, q_.view(),    k_.view(),
+                        v_.view(),    std::nullopt, layer};
+    TensorResults results;
+    const absl::Status status = s->Step(in, {}, results);
+    EXPECT_EQ(status.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(status.message(),
+              absl::StrCat("layer: ", layer, " is out of range [0, 4)"));
+  }
+  // A position counts the named layer's tokens.
+  DecodeStepInputs in{std::nullopt, q_.view(),    k_.view(),
+                      v_.view(),    std::nullopt, 2};
+  TensorResults results;
+  ASSERT_TRUE(s->Step(in, {}, results).ok());
+  in.layer = 1;
+  in.position = 1;
+  EXPECT_EQ(s->Step(in, {}, results).message(),
+            "position: 1 is not in [0, 0] (the tokens cached)");
+  in.layer = 2;
+  ASSERT_TRUE(s->Step(in, {}, results).ok());
+  EXPECT_EQ(s->length(2), 2);
+  EXPECT_EQ(s->length(1), 0);
+  // Room is per layer: max_length 10 in each.
+  q_ = Random(DType::kFloat32, {4, 9, 8});
+  k_ = Random(DType::kFloat32, {2, 9, 8});
+  v_ = Random(DType::kFloat32, {2, 9, 8});
+  in = {std::nullopt, q_.view(), k_.view(), v_.view(), std::nullopt, 2};
+  EXPECT_EQ(s->Step(in, {}, results).message(),
+            "session: 2 cached + 9 new tokens exceed its max_length 10");
+  in.layer = 3;
+  EXPECT_TRUE(s->Step(in, {}, results).ok());
+  // Memory: every layer counted, BytesAt moving one layer only.
+  EXPECT_EQ(s->cache_bytes(), s->BytesAt(2, 2));
+  EXPECT_GT(s->BytesAt(10, 0), s->cache_bytes());
 }
 
 }  // namespace

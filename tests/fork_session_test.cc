@@ -31,8 +31,10 @@ constexpr int kKvHeads = 2;
 constexpr int64_t kKeyDim = 16;
 constexpr int64_t kValueDim = 8;
 
-DecodeSessionConfig Config(DType dtype) {
+// INT8: float32 attention on an int8 cache.
+DecodeSessionConfig Config(DType dtype, int64_t layers = 1) {
   DecodeSessionConfig config;
+  config.num_layers = layers;
   config.num_heads = kHeads;
   config.num_kv_heads = kKvHeads;
   config.key_dim = kKeyDim;
@@ -44,8 +46,8 @@ DecodeSessionConfig Config(DType dtype) {
   return config;
 }
 
-std::unique_ptr<DecodeSession> NewSession(DType dtype) {
-  auto session = DecodeSession::Create(Config(dtype));
+std::unique_ptr<DecodeSession> NewSession(DType dtype, int64_t layers = 1) {
+  auto session = DecodeSession::Create(Config(dtype, layers));
   EXPECT_TRUE(session.ok()) << session.status();
   return session.ok() ? std::move(*session) : nullptr;
 }
@@ -121,8 +123,10 @@ StepData RandomStep(int64_t n, std::mt19937& rng) {
 
 absl::StatusOr<Tensor> RunStep(DecodeSession& s, const StepData& data,
                                std::optional<int64_t> position,
-                               const std::atomic<bool>* cancelled = nullptr) {
+                               const std::atomic<bool>* cancelled = nullptr,
+                               int64_t layer = 0) {
   DecodeStepInputs in;
+  in.layer = layer;
   in.query = data.q.view();
   in.key = data.k.view();
   in.value = data.v.view();
@@ -139,16 +143,18 @@ absl::StatusOr<Tensor> RunStep(DecodeSession& s, const StepData& data,
 // and a fresh session given the history's tokens up to there in one step
 // and then the same new tokens: the two outputs agree bit for bit. The new
 // tokens go into `history`.
+// `layer` of a multi-layer session is compared with a fresh one-layer
+// session.
 void ExpectStepLikeFresh(DecodeSession& s, History& history, int64_t n,
                          std::optional<int64_t> position, std::mt19937& rng,
-                         const std::string& what) {
+                         const std::string& what, int64_t layer = 0) {
   SCOPED_TRACE(what);
   const int64_t start = position.value_or(history.length);
-  ASSERT_EQ(s.length(), history.length);
+  ASSERT_EQ(s.length(layer), history.length);
   const StepData data = RandomStep(n, rng);
-  auto got = RunStep(s, data, position);
+  auto got = RunStep(s, data, position, nullptr, layer);
   ASSERT_TRUE(got.ok()) << got.status();
-  auto fresh = NewSession(s.dtype());
+  auto fresh = NewSession(s.config().dtype);
   if (start > 0) {
     StepData prefill = RandomStep(start, rng);
     prefill.k = history.Prefix(start, /*of_keys=*/true);
@@ -161,16 +167,16 @@ void ExpectStepLikeFresh(DecodeSession& s, History& history, int64_t n,
   EXPECT_EQ(std::memcmp(got->data(), want->data(), got->num_bytes()), 0)
       << "the step's output differs from a fresh session's";
   history.Write(start, data.k, data.v);
-  EXPECT_EQ(s.length(), history.length);
+  EXPECT_EQ(s.length(layer), history.length);
 }
 
 // A session fed `length` tokens in steps of up to 700.
-void Fill(DecodeSession& s, History& history, int64_t length,
-          std::mt19937& rng) {
+void Fill(DecodeSession& s, History& history, int64_t length, std::mt19937& rng,
+          int64_t layer = 0) {
   while (history.length < length) {
     const int64_t n = std::min<int64_t>(700, length - history.length);
     const StepData data = RandomStep(n, rng);
-    ASSERT_TRUE(RunStep(s, data, std::nullopt).ok());
+    ASSERT_TRUE(RunStep(s, data, std::nullopt, nullptr, layer).ok());
     history.Write(history.length, data.k, data.v);
   }
 }
@@ -206,20 +212,54 @@ TEST_P(ForkAtLengthTest, ForkAndParentEachEqualAFreshSession) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Lengths, ForkAtLengthTest,
-                         ::testing::Values(ForkCase{0, DType::kFloat32},
-                                           ForkCase{1, DType::kFloat32},
-                                           ForkCase{511, DType::kFloat32},
-                                           ForkCase{512, DType::kFloat32},
-                                           ForkCase{513, DType::kFloat32},
-                                           ForkCase{4096, DType::kFloat32},
-                                           ForkCase{1, DType::kBFloat16},
-                                           ForkCase{513, DType::kBFloat16},
-                                           ForkCase{4096, DType::kBFloat16}),
-                         [](const ::testing::TestParamInfo<ForkCase>& info) {
-                           return absl::StrCat(DTypeName(info.param.dtype), "_",
-                                               info.param.length);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Lengths, ForkAtLengthTest,
+    ::testing::Values(
+        ForkCase{0, DType::kFloat32}, ForkCase{1, DType::kFloat32},
+        ForkCase{511, DType::kFloat32}, ForkCase{512, DType::kFloat32},
+        ForkCase{513, DType::kFloat32}, ForkCase{4096, DType::kFloat32},
+        ForkCase{1, DType::kBFloat16}, ForkCase{513, DType::kBFloat16},
+        ForkCase{4096, DType::kBFloat16}, ForkCase{1, DType::kInt8},
+        ForkCase{513, DType::kInt8}, ForkCase{4096, DType::kInt8}),
+    [](const ::testing::TestParamInfo<ForkCase>& info) {
+      return absl::StrCat(DTypeName(info.param.dtype), "_", info.param.length);
+    });
+
+// Each layer of a multi-layer session is shared and copied on its own:
+// layers at different lengths (a token stepped part way through the
+// layers), forked, then each layer of fork and parent stepped, equal to a
+// fresh one-layer session with that layer's history.
+TEST(ForkSessionTest, MultiLayerForksShareEveryLayer) {
+  for (DType dtype : {DType::kFloat32, DType::kInt8}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    std::mt19937 rng(11);
+    constexpr int64_t kLayers = 3;
+    auto parent = NewSession(dtype, kLayers);
+    std::vector<History> parent_history(kLayers);
+    const int64_t lengths[kLayers] = {600, 600, 599};
+    for (int64_t l = 0; l < kLayers; ++l) {
+      Fill(*parent, parent_history[l], lengths[l], rng, l);
+    }
+    auto fork = ForkOf(*parent, std::nullopt);
+    ASSERT_NE(fork, nullptr);
+    std::vector<History> fork_history = parent_history;
+    for (int64_t l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(fork->length(l), lengths[l]);
+      for (int64_t n : {1, 40}) {
+        ExpectStepLikeFresh(*fork, fork_history[l], n, std::nullopt, rng,
+                            absl::StrCat("fork, layer ", l, ", ", n), l);
+        ExpectStepLikeFresh(*parent, parent_history[l], n, std::nullopt, rng,
+                            absl::StrCat("parent, layer ", l, ", ", n), l);
+      }
+    }
+    // A shorter fork must fit every layer.
+    auto refused = parent->Fork(700);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(refused.status().message(),
+              "length: 700 is not in [0, 641] (the tokens layer 0 of the "
+              "session holds)");
+  }
+}
 
 // A rewind into the shared tokens, on either side, changes nothing for the
 // other: they read the frozen copy, the rewinding side its own.

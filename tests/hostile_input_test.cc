@@ -590,6 +590,12 @@ std::vector<Mutation> Corruptions(const std::string& field,
                     ": dtype is DATA_TYPE_UNSPECIFIED, expected one of "
                     "DATA_TYPE_FLOAT32, DATA_TYPE_BFLOAT16, DATA_TYPE_FLOAT16, "
                     "DATA_TYPE_BOOL, DATA_TYPE_UINT8")},
+      {"dtype_int8", [](v1::Tensor* x) { x->set_dtype(v1::DATA_TYPE_INT8); },
+       Code::kInvalidArgument,
+       absl::StrCat(field,
+                    ": dtype DATA_TYPE_INT8 is a session cache dtype only "
+                    "(CreateSessionRequest.dtype or cache_dtype), not a "
+                    "tensor's")},
       {"dtype_999",
        [](v1::Tensor* x) { x->set_dtype(static_cast<v1::DataType>(999)); },
        Code::kInvalidArgument,
@@ -2013,6 +2019,9 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
     return r;
   };
   cases.push_back(Ok(attention(), "valid_attention", ""));
+  v1::CreateSessionRequest int8 = attention();
+  int8.set_dtype(v1::DATA_TYPE_INT8);
+  cases.push_back(Ok(int8, "valid_int8_cache", "dtype"));
   v1::CreateSessionRequest create = attention();
   create.set_model(kModel);
   cases.push_back(Ok(create, "valid_model", "model"));
@@ -2047,7 +2056,23 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
       "dtype_float16", "dtype",
       [](auto& r) { r.set_dtype(v1::DATA_TYPE_FLOAT16); },
       "dtype: FLOAT16 not supported for a session cache, expected "
-      "FLOAT32 or BFLOAT16");
+      "FLOAT32, BFLOAT16 or INT8");
+  invalid(
+      "cache_dtype_bfloat16", "cache_dtype",
+      [](auto& r) { r.set_cache_dtype(v1::DATA_TYPE_BFLOAT16); },
+      "cache_dtype: BFLOAT16 not supported with compute dtype FLOAT32, "
+      "expected FLOAT32 or INT8");
+  invalid(
+      "cache_dtype_float32_of_int8", "cache_dtype",
+      [](auto& r) {
+        r.set_dtype(v1::DATA_TYPE_INT8);
+        r.set_cache_dtype(v1::DATA_TYPE_FLOAT32);
+      },
+      "cache_dtype: FLOAT32 contradicts dtype INT8 (an INT8 cache)");
+  invalid(
+      "cache_dtype_99", "cache_dtype",
+      [](auto& r) { r.set_cache_dtype(static_cast<v1::DataType>(99)); },
+      "cache_dtype: dtype 99 is not a known DataType");
   invalid(
       "rotary_dims_odd", "rotary_dims", [](auto& r) { r.set_rotary_dims(3); },
       "rotary_dims: must be even and >= 0 (the halves rotate in pairs), "
@@ -2075,6 +2100,10 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
   invalid(
       "batch_negative", "batch", [](auto& r) { r.set_batch(-1); },
       "batch: must be >= 0 (0 means 1), got -1");
+  invalid(
+      "num_layers_negative", "num_layers",
+      [](auto& r) { r.set_num_layers(-1); },
+      "num_layers: must be >= 0 (0 means 1), got -1");
   v1::CreateSessionRequest huge = attention();
   huge.set_head_dim(int64_t{1} << 50);
   huge.set_batch(int64_t{1} << 20);
@@ -2149,6 +2178,13 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
   cases.push_back(Glob(Case(step, "past_max_length", "query", Code::kOutOfRange,
                             "session: * 5000 new tokens exceed its "
                             "max_length 4096*")));
+  step = SessionStepBase();
+  step.set_layer(1);
+  cases.push_back(Invalid(step, "layer_1_of_1", "layer",
+                          "layer: 1 is out of range [0, 1)"));
+  step.set_layer(-2147483647 - 1);
+  cases.push_back(Invalid(step, "layer_int32_min", "layer",
+                          "layer: -2147483648 is out of range [0, 1)"));
   step = SessionStepBase();
   step.set_temperature(0);
   cases.push_back(
@@ -2455,6 +2491,79 @@ std::string RegionKey() {
   return key;
 }
 
+// Every SessionStep case again as the only step of a SessionSteps call: the
+// call answers OK and the step's result carries the case's code and message,
+// but for the refusals of the whole call (the request limits checked
+// before it starts, the deadline estimate), which it answers itself.
+void AddBatchedStepCases(std::vector<HostileCase>& cases) {
+  std::vector<HostileCase> batched;
+  for (const HostileCase& c : cases) {
+    if (c.rpc != "SessionStep") continue;
+    v1::SessionStepsRequest request;
+    EXPECT_TRUE(request.add_steps()->ParseFromString(c.request));
+    HostileCase b = c;
+    b.rpc = "SessionSteps";
+    b.field = c.field.empty() ? "steps" : absl::StrCat("steps.", c.field);
+    b.request = request.SerializeAsString();
+    const bool whole_call = c.code == Code::kDeadlineExceeded ||
+                            absl::StartsWith(c.message, "request:");
+    if (c.code == Code::kOk || !whole_call) {
+      if (c.code != Code::kOk) {
+        b.name =
+            absl::StrCat(c.name, "_step_", absl::StatusCodeToString(c.code));
+      }
+      b.code = Code::kOk;
+      b.message = "";
+      b.glob = false;
+      b.check = [code = c.code, message = c.message, glob = c.glob,
+                 check = c.check](const std::string& bytes) {
+        v1::SessionStepsResponse response;
+        ASSERT_TRUE(response.ParseFromString(bytes));
+        ASSERT_EQ(response.results_size(), 1);
+        const v1::SessionStepResult& result = response.results(0);
+        EXPECT_EQ(static_cast<Code>(result.code()), code) << result.message();
+        if (glob) {
+          EXPECT_TRUE(GlobMatch(message, result.message()))
+              << "message: " << result.message() << "\npattern: " << message;
+        } else {
+          EXPECT_EQ(result.message(), message);
+        }
+        if (code == Code::kOk && check) {
+          v1::SessionStepResponse single;
+          *single.mutable_output() = result.output();
+          single.set_length(result.length());
+          check(single.SerializeAsString());
+        }
+      };
+    }
+    batched.push_back(std::move(b));
+  }
+  // The call's own refusals, and a session named twice.
+  cases.push_back(Invalid(v1::SessionStepsRequest(), "steps_empty", "steps",
+                          "steps: empty, expected at least one"));
+  v1::SessionStepsRequest many;
+  for (int i = 0; i < 257; ++i) *many.add_steps() = SessionStepBase();
+  cases.push_back(Case(many, "steps_257", "steps", Code::kResourceExhausted,
+                       "steps: 257 steps, more than the 256 one call may "
+                       "carry (--max_steps_per_call); split the call"));
+  v1::SessionStepsRequest twice;
+  *twice.add_steps() = SessionStepBase();
+  *twice.add_steps() = SessionStepBase();
+  cases.push_back(
+      Ok(twice, "session_twice", "steps", [](const std::string& bytes) {
+        v1::SessionStepsResponse response;
+        ASSERT_TRUE(response.ParseFromString(bytes));
+        ASSERT_EQ(response.results_size(), 2);
+        EXPECT_EQ(response.results(0).code(), 0);
+        EXPECT_EQ(static_cast<Code>(response.results(1).code()),
+                  Code::kInvalidArgument);
+        EXPECT_EQ(response.results(1).message(),
+                  "steps[1]: session_id: also in steps[0]; a call steps each "
+                  "session at most once");
+      }));
+  for (HostileCase& b : batched) cases.push_back(std::move(b));
+}
+
 const std::vector<HostileCase>& Table() {
   static const auto* const table = [] {
     auto* cases = new std::vector<HostileCase>();
@@ -2470,6 +2579,7 @@ const std::vector<HostileCase>& Table() {
     AddWorkCases(*cases);
     AddSessionReservationCases(*cases);
     AddEchoCases(*cases);
+    AddBatchedStepCases(*cases);
     return cases;
   }();
   return *table;

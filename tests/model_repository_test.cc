@@ -146,6 +146,10 @@ TEST(ModelRepositoryTest, BrokenModelsNameTheFileAndTheProblem) {
                   "config.pbtxt: line 1 column 12: Expected integer");
   ExpectLoadError("num_heads: 0\n", StateDict(1),
                   "config.pbtxt: num_heads must be > 0, got 0");
+  ExpectLoadError("num_heads: 1\ncache_dtype: DATA_TYPE_BFLOAT16\n",
+                  StateDict(1),
+                  "config.pbtxt: cache_dtype must be the compute dtype or "
+                  "DATA_TYPE_INT8, got DATA_TYPE_BFLOAT16");
   ExpectLoadError("num_heads: 5\n", StateDict(1),
                   "weights.safetensors: in_proj_weight: embed dim (dim 1) 16 "
                   "is not divisible by num_heads 5");

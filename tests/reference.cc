@@ -29,6 +29,9 @@ RefTensor ToRef(const TensorView& view) {
       case DType::kUInt8:
         ref.values[i] = view.data_as<uint8_t>()[i];
         break;
+      case DType::kInt8:
+        ref.values[i] = view.data_as<int8_t>()[i];
+        break;
     }
   }
   return ref;

@@ -39,7 +39,8 @@ constexpr int kRotaryDims = 4;
 
 // A repository with "llama_block": grouped-query attention (4 query heads,
 // 2 key/value heads), rotary embeddings on all of each head's 4 features,
-// biases on q/k/v and an output projection. Removed with the object.
+// biases on q/k/v and an output projection; and "llama_block_int8", the
+// same with INT8 session caches by its config. Removed with the object.
 class GqaModelRepository {
  public:
   GqaModelRepository()
@@ -47,10 +48,15 @@ class GqaModelRepository {
                absl::StrCat("attnserve_sessions_", ::getpid()))
                   .string()) {
     fs::remove_all(root_);
-    fs::create_directories(fs::path(root_) / "llama_block");
-    std::ofstream(fs::path(root_) / "llama_block" / "config.pbtxt")
-        << "num_heads: " << kHeads << "\nnum_kv_heads: " << kKvHeads
-        << "\nrotary_dims: " << kRotaryDims << "\n";
+    for (const char* name : {"llama_block", "llama_block_int8"}) {
+      fs::create_directories(fs::path(root_) / name);
+      std::ofstream(fs::path(root_) / name / "config.pbtxt")
+          << "num_heads: " << kHeads << "\nnum_kv_heads: " << kKvHeads
+          << "\nrotary_dims: " << kRotaryDims << "\n"
+          << (name == std::string("llama_block") ? ""
+                                                 : "cache_dtype: "
+                                                   "DATA_TYPE_INT8\n");
+    }
     std::mt19937 rng(3);
     const auto weight = [&](Shape shape) {
       Tensor w = RandomTensor(DType::kFloat32, shape, rng);
@@ -66,11 +72,12 @@ class GqaModelRepository {
     weights_.emplace("k_proj_bias", weight({kKvHeads * kHeadDim}));
     weights_.emplace("v_proj_bias", weight({kKvHeads * kHeadDim}));
     weights_.emplace("out_proj_weight", weight({kEmbed, kHeads * kHeadDim}));
-    EXPECT_TRUE(
-        WriteSafetensors(
-            (fs::path(root_) / "llama_block" / "weights.safetensors").string(),
-            ViewsOf(weights_), {})
-            .ok());
+    for (const char* name : {"llama_block", "llama_block_int8"}) {
+      EXPECT_TRUE(WriteSafetensors(
+                      (fs::path(root_) / name / "weights.safetensors").string(),
+                      ViewsOf(weights_), {})
+                      .ok());
+    }
   }
   ~GqaModelRepository() { fs::remove_all(root_); }
   const std::string& root() const { return root_; }
@@ -226,6 +233,141 @@ TEST_F(SessionServerTest,
         << "step at " << first;
     first += n;
   }
+}
+
+// INT8 caches through the server: an attention session of dtype INT8 and
+// model sessions with cache_dtype INT8 (by request, and by the model's
+// config) match the float64 reference within the INT8 tolerance; the two
+// model sessions give the same bits, and not those of a FLOAT32 cache. No
+// tensor may be INT8.
+TEST_F(SessionServerTest, Int8CachesMatchTheReferenceWithinTheirBound) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest attention = AttentionSession();
+  attention.set_dtype(v1::DATA_TYPE_INT8);
+  auto created = client.CreateSession(attention);
+  ASSERT_TRUE(created.ok()) << created.status();
+  RefTensor keys, values;
+  int64_t first = 0;
+  for (int64_t n : {9, 1, 1, 4, 1}) {
+    Tensor q, k, v;
+    auto step =
+        client.SessionStep(AttentionStep(created->session_id(), n, &q, &k, &v));
+    ASSERT_TRUE(step.ok()) << step.status();
+    EXPECT_EQ(step->output().dtype(), v1::DATA_TYPE_FLOAT32);
+    const auto batched = [&](const Tensor& t) {
+      RefTensor r = ToRef(t.view());
+      r.shape.insert(r.shape.begin(), 1);
+      return r;
+    };
+    keys = RefConcatRows(keys, batched(k));
+    values = RefConcatRows(values, batched(v));
+    RefAttentionResult ref = RefAttend(
+        RefRotary(batched(q), 8, 10000.0, first),
+        RefRepeatHeads(RefRotary(keys, 8, 10000.0, 0), 2),
+        RefRepeatHeads(values, 2), {RefCausalKeep(first, n)}, {true}, {});
+    ref.output.shape.erase(ref.output.shape.begin());
+    EXPECT_TRUE(
+        AllClose(FromWire(step->output()).view(), ref.output, kInt8Tolerance))
+        << "step at " << first;
+    first += n;
+  }
+  Tensor q, k, v;
+  v1::SessionStepRequest int8_tensor =
+      AttentionStep(created->session_id(), 1, &q, &k, &v);
+  int8_tensor.mutable_key()->set_dtype(v1::DATA_TYPE_INT8);
+  auto refused = client.SessionStep(int8_tensor);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "key: dtype DATA_TYPE_INT8 is a session cache dtype only "
+            "(CreateSessionRequest.dtype or cache_dtype), not a tensor's");
+
+  // Model sessions: FLOAT32 cache, INT8 by request, INT8 by config.
+  v1::CreateSessionRequest plain, by_request, by_config;
+  plain.set_model("llama_block");
+  by_request.set_model("llama_block");
+  by_request.set_cache_dtype(v1::DATA_TYPE_INT8);
+  by_config.set_model("llama_block_int8");
+  std::vector<std::string> ids;
+  for (const auto* request : {&plain, &by_request, &by_config}) {
+    auto made = client.CreateSession(*request);
+    ASSERT_TRUE(made.ok()) << made.status();
+    ids.push_back(made->session_id());
+  }
+  const std::vector<int64_t> steps = {6, 1, 1, 3, 1};
+  Tensor x = RandomTensor(DType::kFloat32, {1, 12, kEmbed}, rng_);
+  const RefTensor all = ToRef(x.view());
+  const RefAttentionResult ref = RefMultiHeadAttend(
+      repository_->Reference(), all, all, all, {}, {}, {true, {}, {}});
+  first = 0;
+  for (int64_t n : steps) {
+    const RefTensor rows = RefRows(all, first, n);
+    Tensor input = *Tensor::Allocate(DType::kFloat32, {1, n, kEmbed});
+    for (size_t i = 0; i < rows.values.size(); ++i) {
+      input.data_as<float>()[i] = static_cast<float>(rows.values[i]);
+    }
+    std::vector<Tensor> outputs;
+    for (const std::string& id : ids) {
+      v1::SessionStepRequest request;
+      request.set_session_id(id);
+      *request.mutable_input() = ToWire(input.view());
+      auto step = client.SessionStep(request);
+      ASSERT_TRUE(step.ok()) << step.status();
+      outputs.push_back(FromWire(step->output()));
+      EXPECT_TRUE(AllClose(outputs.back().view(), RefRows(ref.output, first, n),
+                           id == ids[0] ? kFloat32Tolerance : kInt8Tolerance))
+          << "step at " << first;
+    }
+    const size_t bytes = outputs[0].num_bytes();
+    EXPECT_EQ(0, std::memcmp(outputs[1].data(), outputs[2].data(), bytes));
+    EXPECT_NE(0, std::memcmp(outputs[0].data(), outputs[1].data(), bytes));
+    first += n;
+  }
+}
+
+// A session of 3 layers through the server equals one session per layer,
+// bit for bit: each step names its layer, the response's length is that
+// layer's, and a layer out of range is INVALID_ARGUMENT naming it.
+TEST_F(SessionServerTest, MultiLayerSessionEqualsOneSessionPerLayer) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest create = AttentionSession();
+  std::vector<std::string> singles;
+  for (int l = 0; l < 3; ++l) {
+    auto made = client.CreateSession(create);
+    ASSERT_TRUE(made.ok()) << made.status();
+    singles.push_back(made->session_id());
+  }
+  create.set_num_layers(3);
+  auto layered = client.CreateSession(create);
+  ASSERT_TRUE(layered.ok()) << layered.status();
+  const std::pair<int, int64_t> steps[] = {{0, 6}, {1, 6}, {2, 6}, {0, 1},
+                                           {1, 1}, {2, 1}, {0, 1}, {2, 2}};
+  std::vector<int64_t> lengths(3, 0);
+  for (const auto& [layer, n] : steps) {
+    Tensor q, k, v;
+    v1::SessionStepRequest request =
+        AttentionStep(layered->session_id(), n, &q, &k, &v);
+    request.set_layer(layer);
+    auto got = client.SessionStep(request);
+    ASSERT_TRUE(got.ok()) << got.status();
+    request.set_session_id(singles[layer]);
+    request.clear_layer();
+    auto want = client.SessionStep(request);
+    ASSERT_TRUE(want.ok()) << want.status();
+    lengths[layer] += n;
+    EXPECT_EQ(got->length(), lengths[layer]);
+    EXPECT_EQ(want->length(), lengths[layer]);
+    EXPECT_EQ(got->output().raw_data(), want->output().raw_data())
+        << "layer " << layer;
+  }
+  Tensor q, k, v;
+  v1::SessionStepRequest request =
+      AttentionStep(layered->session_id(), 1, &q, &k, &v);
+  request.set_layer(5);
+  auto refused = client.SessionStep(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(), "layer: 5 is out of range [0, 3)");
 }
 
 TEST_F(SessionServerTest, InlineGroupedQueryWeightsMatchTheReference) {
@@ -749,6 +891,309 @@ TEST_F(SessionServerTest, ConcurrentSessionsEachMatchTheReference) {
   for (std::thread& t : threads) t.join();
   for (int c = 0; c < kClients; ++c)
     EXPECT_EQ(failures[c], 0) << "client " << c;
+}
+
+// The reference output of a step of session (4 query heads, 2 key/value
+// heads, head dim 8, rotary on 8) whose history is `keys` and `values` (the
+// step's rows included) and whose step starts at `first`.
+RefTensor ReferenceStep(const Tensor& q, const RefTensor& keys,
+                        const RefTensor& values, int64_t first) {
+  const auto batched = [](RefTensor r) {
+    r.shape.insert(r.shape.begin(), 1);
+    return r;
+  };
+  RefAttentionResult ref =
+      RefAttend(RefRotary(batched(ToRef(q.view())), 8, 10000.0, first),
+                RefRepeatHeads(RefRotary(batched(keys), 8, 10000.0, 0), 2),
+                RefRepeatHeads(batched(values), 2),
+                {RefCausalKeep(first, q.shape()[1])}, {true}, {});
+  ref.output.shape.erase(ref.output.shape.begin());
+  return ref.output;
+}
+
+// Sessions stepped in SessionSteps calls give, bit for bit, what the same
+// steps of twin sessions give one call each, and both match float64; each
+// session's history grows as if it were stepped alone.
+TEST_F(SessionServerTest, BatchedStepsEqualTheSameStepsOneByOne) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  constexpr int kSessions = 5;
+  std::vector<std::string> batched_ids, single_ids;
+  for (int s = 0; s < 2 * kSessions; ++s) {
+    auto created = client.CreateSession(AttentionSession());
+    ASSERT_TRUE(created.ok()) << created.status();
+    (s < kSessions ? batched_ids : single_ids).push_back(created->session_id());
+  }
+  std::vector<RefTensor> keys(kSessions), values(kSessions);
+  std::vector<int64_t> first(kSessions, 0);
+  // A prompt of a different length per session, then single tokens.
+  for (int round = 0; round < 4; ++round) {
+    v1::SessionStepsRequest request;
+    std::vector<Tensor> queries(kSessions);
+    std::vector<v1::SessionStepResponse> singles(kSessions);
+    for (int s = 0; s < kSessions; ++s) {
+      const int64_t n = round == 0 ? 1 + 3 * s : 1;
+      Tensor k, v;
+      v1::SessionStepRequest step =
+          AttentionStep(batched_ids[s], n, &queries[s], &k, &v);
+      *request.add_steps() = step;
+      step.set_session_id(single_ids[s]);
+      auto single = client.SessionStep(step);
+      ASSERT_TRUE(single.ok()) << single.status();
+      singles[s] = *single;
+      keys[s] = RefConcatRows(keys[s], ToRef(k.view()));
+      values[s] = RefConcatRows(values[s], ToRef(v.view()));
+    }
+    auto batched = client.SessionSteps(request);
+    ASSERT_TRUE(batched.ok()) << batched.status();
+    ASSERT_EQ(batched->results_size(), kSessions);
+    for (int s = 0; s < kSessions; ++s) {
+      const v1::SessionStepResult& result = batched->results(s);
+      ASSERT_EQ(result.code(), 0) << result.message();
+      EXPECT_EQ(result.message(), "");
+      EXPECT_EQ(result.length(), singles[s].length());
+      EXPECT_EQ(result.length(), first[s] + queries[s].shape()[1]);
+      EXPECT_EQ(result.output().raw_data(), singles[s].output().raw_data())
+          << "session " << s << " round " << round;
+      EXPECT_EQ(result.output().shape_size(), 3);
+      EXPECT_TRUE(
+          AllClose(FromWire(result.output()).view(),
+                   ReferenceStep(queries[s], keys[s], values[s], first[s]),
+                   kFloat32Tolerance))
+          << "session " << s << " round " << round;
+      first[s] = result.length();
+    }
+  }
+}
+
+// A step that fails (unknown session, wrong shapes, a session named twice)
+// fails alone: the others' results are those of their own calls.
+TEST_F(SessionServerTest, BatchedStepErrorsFailOnlyTheirStep) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  std::vector<std::string> ids;
+  for (int s = 0; s < 4; ++s) {
+    auto created = client.CreateSession(AttentionSession());
+    ASSERT_TRUE(created.ok()) << created.status();
+    ids.push_back(created->session_id());
+  }
+  Tensor q, k, v, q0, q2;
+  v1::SessionStepsRequest request;
+  *request.add_steps() = AttentionStep(ids[0], 2, &q0, &k, &v);
+  RefTensor k0 = ToRef(k.view()), v0 = ToRef(v.view());
+  *request.add_steps() = AttentionStep("no-such-session", 1, &q, &k, &v);
+  v1::SessionStepRequest bad = AttentionStep(ids[1], 1, &q, &k, &v);
+  const Tensor narrow = RandomTensor(DType::kFloat32, {2, 1, 4}, rng_);
+  *bad.mutable_key() = ToWire(narrow.view());
+  *request.add_steps() = bad;
+  *request.add_steps() = AttentionStep(ids[2], 3, &q2, &k, &v);
+  RefTensor k2 = ToRef(k.view()), v2 = ToRef(v.view());
+  *request.add_steps() = AttentionStep(ids[0], 1, &q, &k, &v);
+  v1::SessionStepRequest no_key = AttentionStep(ids[3], 1, &q, &k, &v);
+  no_key.clear_key();
+  *request.add_steps() = no_key;
+
+  auto response = client.SessionSteps(request);
+  ASSERT_TRUE(response.ok()) << response.status();
+  ASSERT_EQ(response->results_size(), 6);
+  const auto code = [&](int i) {
+    return static_cast<absl::StatusCode>(response->results(i).code());
+  };
+  EXPECT_EQ(code(0), absl::StatusCode::kOk);
+  EXPECT_EQ(response->results(0).length(), 2);
+  EXPECT_TRUE(AllClose(FromWire(response->results(0).output()).view(),
+                       ReferenceStep(q0, k0, v0, 0), kFloat32Tolerance));
+  EXPECT_EQ(code(1), absl::StatusCode::kNotFound);
+  EXPECT_EQ(response->results(1).message(),
+            "session_id: no session \"no-such-session\" (expired, evicted, "
+            "deleted, or opened on another replica); create a new one and "
+            "prefill it");
+  EXPECT_FALSE(response->results(1).has_output());
+  EXPECT_EQ(code(2), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(response->results(2).message(),
+            client.SessionStep(bad).status().message());
+  EXPECT_EQ(code(3), absl::StatusCode::kOk);
+  EXPECT_TRUE(AllClose(FromWire(response->results(3).output()).view(),
+                       ReferenceStep(q2, k2, v2, 0), kFloat32Tolerance));
+  EXPECT_EQ(code(4), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(response->results(4).message(),
+            "steps[4]: session_id: also in steps[0]; a call steps each "
+            "session at most once");
+  EXPECT_EQ(code(5), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(response->results(5).message(),
+            "key: missing (an attention session takes query, key and value)");
+  // The failed steps changed nothing: session 1 and 3 are still empty.
+  v1::SessionStepRequest next = AttentionStep(ids[1], 1, &q, &k, &v);
+  auto step = client.SessionStep(next);
+  ASSERT_TRUE(step.ok()) << step.status();
+  EXPECT_EQ(step->length(), 1);
+}
+
+TEST_F(SessionServerTest, BatchedStepsAreLimitedPerCall) {
+  ServerOptions options = Options();
+  options.max_steps_per_call = 2;
+  TestServer server(options);
+  AttnClient client = server.MakeClient();
+  auto empty = client.SessionSteps(v1::SessionStepsRequest());
+  EXPECT_EQ(empty.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(empty.status().message(), "steps: empty, expected at least one");
+  Tensor q, k, v;
+  v1::SessionStepsRequest request;
+  for (int s = 0; s < 3; ++s) {
+    auto created = client.CreateSession(AttentionSession());
+    ASSERT_TRUE(created.ok()) << created.status();
+    *request.add_steps() = AttentionStep(created->session_id(), 1, &q, &k, &v);
+  }
+  auto refused = client.SessionSteps(request);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.status().message(),
+            "steps: 3 steps, more than the 2 one call may carry "
+            "(--max_steps_per_call); split the call");
+  request.mutable_steps()->RemoveLast();
+  auto answered = client.SessionSteps(request);
+  ASSERT_TRUE(answered.ok()) << answered.status();
+  EXPECT_EQ(answered->results(0).code(), 0);
+  EXPECT_EQ(answered->results(1).code(), 0);
+
+  ServerOptions off = Options();
+  off.max_session_memory_mb = 0;
+  TestServer no_sessions(off);
+  EXPECT_EQ(no_sessions.MakeClient().SessionSteps(request).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// One client's steps for the coalescing test: a 512-token prompt, then
+// single tokens, of a session of 8 heads of 64 dims (large enough that its
+// steps are not computed inline).
+struct ClientSteps {
+  std::vector<Tensor> q, k, v;
+};
+ClientSteps MakeClientSteps(int seed) {
+  std::mt19937 rng(seed);
+  ClientSteps steps;
+  for (int64_t n : {512, 1, 1, 1, 1, 1, 1}) {
+    steps.q.push_back(RandomTensor(DType::kFloat32, {8, n, 64}, rng));
+    steps.k.push_back(RandomTensor(DType::kFloat32, {8, n, 64}, rng));
+    steps.v.push_back(RandomTensor(DType::kFloat32, {8, n, 64}, rng));
+  }
+  return steps;
+}
+
+// Runs `steps` on a new session through `client`; the outputs' bytes.
+std::vector<std::string> RunClientSteps(AttnClient& client,
+                                        const ClientSteps& steps,
+                                        absl::Status* status) {
+  v1::CreateSessionRequest create;
+  create.set_num_heads(8);
+  create.set_head_dim(64);
+  create.set_max_length(1024);
+  auto created = client.CreateSession(create);
+  if (!created.ok()) {
+    *status = created.status();
+    return {};
+  }
+  std::vector<std::string> outputs;
+  for (size_t i = 0; i < steps.q.size(); ++i) {
+    v1::SessionStepRequest request;
+    request.set_session_id(created->session_id());
+    *request.mutable_query() = ToWire(steps.q[i].view());
+    *request.mutable_key() = ToWire(steps.k[i].view());
+    *request.mutable_value() = ToWire(steps.v[i].view());
+    auto step = client.SessionStep(request);
+    if (!step.ok()) {
+      *status = step.status();
+      return outputs;
+    }
+    outputs.push_back(step->output().raw_data());
+  }
+  *status = client.DeleteSession(created->session_id());
+  return outputs;
+}
+
+// Concurrent SessionStep calls on distinct sessions (run in shared passes
+// by the step coalescer) give, bit for bit, what the same calls give one at
+// a time on a server without coalescing, and match float64; clients whose
+// calls fail (past their deadline, an unknown session, wrong shapes) do
+// not disturb the others.
+TEST_F(SessionServerTest, CoalescedStepsEqualSerialStepsAndTheReference) {
+  constexpr int kClients = 8;
+  std::vector<ClientSteps> inputs;
+  for (int c = 0; c < kClients; ++c) inputs.push_back(MakeClientSteps(500 + c));
+
+  ServerOptions serial_options = Options();
+  serial_options.coalesce_steps_us = 0;
+  std::vector<std::vector<std::string>> serial(kClients);
+  {
+    TestServer server(serial_options);
+    AttnClient client = server.MakeClient();
+    for (int c = 0; c < kClients; ++c) {
+      absl::Status status;
+      serial[c] = RunClientSteps(client, inputs[c], &status);
+      ASSERT_TRUE(status.ok()) << status;
+    }
+  }
+
+  ServerOptions options = Options();
+  options.coalesce_steps_us = 2000;
+  TestServer server(options);
+  std::vector<std::vector<std::string>> coalesced(kClients);
+  std::vector<absl::Status> statuses(kClients);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < kClients; ++c) {
+    threads.emplace_back([&, c] {
+      AttnClient client = server.MakeClient();
+      coalesced[c] = RunClientSteps(client, inputs[c], &statuses[c]);
+    });
+  }
+  // Failing clients among them.
+  threads.emplace_back([&] {
+    ClientOptions hurried;
+    hurried.target = server.target();
+    hurried.timeout = absl::Microseconds(300);
+    AttnClient client(hurried);
+    for (int i = 0; i < 20; ++i) {
+      absl::Status status;
+      RunClientSteps(client, inputs[0], &status);
+    }
+  });
+  threads.emplace_back([&] {
+    AttnClient client = server.MakeClient();
+    for (int i = 0; i < 20; ++i) {
+      v1::SessionStepRequest request;
+      request.set_session_id("no-such-session");
+      *request.mutable_query() = ToWire(inputs[1].q[1].view());
+      *request.mutable_key() = ToWire(inputs[1].k[1].view());
+      *request.mutable_value() = ToWire(inputs[1].v[1].view());
+      EXPECT_EQ(client.SessionStep(request).status().code(),
+                absl::StatusCode::kNotFound);
+    }
+  });
+  for (std::thread& t : threads) t.join();
+
+  for (int c = 0; c < kClients; ++c) {
+    ASSERT_TRUE(statuses[c].ok()) << "client " << c << ": " << statuses[c];
+    ASSERT_EQ(coalesced[c].size(), inputs[c].q.size());
+    RefTensor keys, values;
+    int64_t first = 0;
+    for (size_t i = 0; i < inputs[c].q.size(); ++i) {
+      EXPECT_EQ(coalesced[c][i], serial[c][i])
+          << "client " << c << " step " << i;
+      keys = RefConcatRows(keys, ToRef(inputs[c].k[i].view()));
+      values = RefConcatRows(values, ToRef(inputs[c].v[i].view()));
+      const int64_t n = inputs[c].q[i].shape()[1];
+      const RefAttentionResult ref =
+          RefAttend(ToRef(inputs[c].q[i].view()), keys, values,
+                    {RefCausalKeep(first, n)}, {true}, {});
+      v1::Tensor wire;
+      wire.set_dtype(v1::DATA_TYPE_FLOAT32);
+      for (int64_t d : inputs[c].q[i].shape()) wire.add_shape(d);
+      wire.set_raw_data(coalesced[c][i]);
+      EXPECT_TRUE(
+          AllClose(FromWire(wire).view(), ref.output, kFloat32Tolerance))
+          << "client " << c << " step " << i;
+      first += n;
+    }
+  }
 }
 
 }  // namespace

@@ -351,6 +351,55 @@ TEST(SessionStoreTest, StepManyIsStepForEachEntry) {
   EXPECT_EQ(batched.stats().open, 3);
 }
 
+// A multi-layer session's steps name their layer: Step and StepMany answer
+// that layer's length, and the budget counts every layer's tokens: a
+// session whose layers together pass max_bytes evicts the others.
+TEST(SessionStoreTest, LayersAreCountedTogether) {
+  const int64_t tokens = 512;
+  SessionStore::Options options;
+  options.max_bytes = 3 * CacheBytes(tokens) + CacheBytes(tokens) / 2;
+  SessionStore store(options);
+  std::mt19937 rng(5);
+  const std::string single = *store.Add(NewSession(tokens + 8));
+  ASSERT_TRUE(StepTokens(store, single, tokens, rng).ok());
+  DecodeSessionConfig config;
+  config.num_heads = kHeads;
+  config.key_dim = kDim;
+  config.max_length = tokens + 8;
+  config.num_layers = 3;
+  const std::string layered = *store.Add(*DecodeSession::Create(config));
+  Tensor q = RandomTensor(DType::kFloat32, {kHeads, tokens, kDim}, rng);
+  Tensor k = RandomTensor(DType::kFloat32, {kHeads, tokens, kDim}, rng);
+  Tensor v = RandomTensor(DType::kFloat32, {kHeads, tokens, kDim}, rng);
+  for (int64_t layer = 0; layer < 2; ++layer) {
+    DecodeStepInputs in{std::nullopt, q.view(),     k.view(),
+                        v.view(),     std::nullopt, layer};
+    TensorResults results;
+    int64_t length = 0;
+    ASSERT_TRUE(store.Step(layered, in, {}, results, &length).ok());
+    EXPECT_EQ(length, tokens);
+  }
+  EXPECT_EQ(store.stats().evicted, 0);
+  // The third layer's tokens pass the budget with the single session's.
+  TensorResults results;
+  int64_t length = -1;
+  SessionStore::StepInput step{
+      layered,
+      {std::nullopt, q.view(), k.view(), v.view(), std::nullopt, 2},
+      {},
+      &results,
+      &length};
+  const std::vector<absl::Status> statuses = store.StepMany({step});
+  ASSERT_TRUE(statuses[0].ok()) << statuses[0];
+  EXPECT_EQ(length, tokens);
+  EXPECT_EQ(store.stats().evicted, 1);
+  EXPECT_EQ(store.stats().cache_bytes, 3 * CacheBytes(tokens));
+  // Layer 0 (StepTokens' default) goes on from its own length.
+  int64_t after = 0;
+  ASSERT_TRUE(StepTokens(store, layered, 1, rng, nullptr, &after).ok());
+  EXPECT_EQ(after, tokens + 1);
+}
+
 TEST(SessionStoreTest, FreedSessionsGiveTheirMemoryBack) {
 #ifdef ATTNSERVE_SANITIZED
   // Their allocators hold freed step buffers in quarantine, which the

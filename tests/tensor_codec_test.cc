@@ -68,7 +68,8 @@ TEST(TensorCodecTest, DTypesMapBothWays) {
       {v1::DATA_TYPE_BFLOAT16, DType::kBFloat16},
       {v1::DATA_TYPE_FLOAT16, DType::kFloat16},
       {v1::DATA_TYPE_BOOL, DType::kBool},
-      {v1::DATA_TYPE_UINT8, DType::kUInt8}};
+      {v1::DATA_TYPE_UINT8, DType::kUInt8},
+      {v1::DATA_TYPE_INT8, DType::kInt8}};
   for (const auto& [wire, core] : pairs) {
     auto decoded = DTypeFromProto(wire, "x");
     ASSERT_TRUE(decoded.ok()) << decoded.status();
@@ -96,6 +97,21 @@ TEST(TensorCodecTest, UnspecifiedAndUnknownDTypesAreRefused) {
               "key: dtype is DATA_TYPE_UNSPECIFIED, expected one of "
               "DATA_TYPE_FLOAT32, DATA_TYPE_BFLOAT16, DATA_TYPE_FLOAT16, "
               "DATA_TYPE_BOOL, DATA_TYPE_UINT8");
+}
+
+// INT8 names a session cache's dtype; no tensor may have it, however its
+// bytes come.
+TEST(TensorCodecTest, Int8TensorsAreRefused) {
+  const std::string message =
+      "value: dtype DATA_TYPE_INT8 is a session cache dtype only "
+      "(CreateSessionRequest.dtype or cache_dtype), not a tensor's";
+  ExpectError(DecodeTensor(WireTensor(v1::DATA_TYPE_INT8, {3}, "abc"), "value"),
+              kInvalid, message);
+  v1::Tensor floats;
+  floats.set_dtype(v1::DATA_TYPE_INT8);
+  floats.add_shape(1);
+  floats.add_float_data(1.0f);
+  ExpectError(DecodeTensor(floats, "value"), kInvalid, message);
 }
 
 TEST(TensorCodecTest, DecodesRawDataOfEveryDTypeInPlace) {

@@ -2,21 +2,23 @@
 // HTTP/JSON, each test making the calls of one of Triton's published client
 // examples in their order (simple_{grpc,http}_health_metadata,
 // simple_{grpc,http}_infer_client, simple_{grpc,http}_shm_client,
-// simple_{grpc,http}_model_control, the stream of
-// simple_grpc_sequence_stream_infer_client without its sequence), with only
-// model, input and output names, shapes and dtypes changed: what a Triton
-// user's client sends, and what it must get back.
+// simple_{grpc,http}_model_control, simple_grpc_sequence_stream_infer_client,
+// simple_http_sequence_sync_infer_client), with only model, input and
+// output names, shapes and dtypes changed: what a Triton user's client
+// sends, and what it must get back.
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/shared_memory.h"
+#include "core/safetensors.h"
 #include "gmock/gmock.h"
 #include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
@@ -206,7 +208,8 @@ TEST_F(TritonProtocolTest, GrpcHealthMetadataAndConfig) {
   EXPECT_THAT(
       server.extensions(),
       ElementsAre("parameters", "binary_tensor_data", "model_configuration",
-                  "system_shared_memory", "statistics", "model_repository"));
+                  "system_shared_memory", "statistics", "model_repository",
+                  "logging", "trace", "sequence", "sequence(string_id)"));
 
   inference::ModelMetadataRequest metadata_request;
   metadata_request.set_name("mha");
@@ -281,7 +284,8 @@ TEST_F(TritonProtocolTest, HttpHealthMetadataAndConfig) {
   EXPECT_EQ(Get("/v2/models/wrong_model_name/ready", 503)["ready"], false);
   EXPECT_EQ(Get("/v2")["extensions"],
             json({"parameters", "binary_tensor_data", "model_configuration",
-                  "system_shared_memory", "statistics", "model_repository"}));
+                  "system_shared_memory", "statistics", "model_repository",
+                  "logging", "trace", "sequence", "sequence(string_id)"}));
   const json metadata = Get("/v2/models/mha");
   EXPECT_EQ(metadata["inputs"][2]["name"], "value");
   EXPECT_EQ(metadata["inputs"][2]["parameters"], json({{"optional", true}}));
@@ -367,8 +371,8 @@ TEST_F(TritonProtocolTest, InferOverBothProtocolsThenStatistics) {
   ASSERT_TRUE(triton_->ModelStatistics(Context().get(), all, &every).ok());
   std::vector<std::string> names;
   for (const auto& model : every.model_stats()) names.push_back(model.name());
-  EXPECT_THAT(names,
-              ElementsAre("attend", "layer_norm", "mha", "multi_head_attend"));
+  EXPECT_THAT(names, ElementsAre("attend", "attention_session", "layer_norm",
+                                 "mha", "multi_head_attend"));
   inference::ModelStatisticsRequest unknown;
   unknown.set_name("wrong_model_name");
   status = triton_->ModelStatistics(Context().get(), unknown, &every);
@@ -398,7 +402,7 @@ TEST_F(TritonProtocolTest, InferOverBothProtocolsThenStatistics) {
   EXPECT_EQ(attend["inference_stats"]["fail"]["count"], 1);
   EXPECT_EQ(attend["inference_stats"]["compute_input"],
             json({{"count", 0}, {"ns", 0}}));
-  EXPECT_EQ(Get("/v2/models/stats")["model_stats"].size(), 4);
+  EXPECT_EQ(Get("/v2/models/stats")["model_stats"].size(), 5);
   EXPECT_EQ(Get("/v2/models/attend/versions/1/stats")["model_stats"].size(), 1);
   EXPECT_EQ(Get("/v2/models/wrong_model_name/stats", 404)["error"],
             "name: model 'wrong_model_name' is not served");
@@ -606,8 +610,9 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
     return entries;
   };
   EXPECT_THAT(index(false),
-              ElementsAre("attend:1:READY:", "layer_norm:1:READY:",
-                          "mha:1:READY:", "multi_head_attend:1:READY:"));
+              ElementsAre("attend:1:READY:", "attention_session:1:READY:",
+                          "layer_norm:1:READY:", "mha:1:READY:",
+                          "multi_head_attend:1:READY:"));
 
   inference::RepositoryModelUnloadRequest unload;
   unload.set_model_name("mha");
@@ -618,11 +623,11 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
       triton_->RepositoryModelUnload(Context().get(), unload, &unloaded);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_FALSE(Ready("mha"));
-  EXPECT_THAT(
-      index(false),
-      ElementsAre("attend:1:READY:", "layer_norm:1:READY:",
-                  "mha::UNAVAILABLE:unloaded", "multi_head_attend:1:READY:"));
-  EXPECT_EQ(index(true).size(), 3);
+  EXPECT_THAT(index(false),
+              ElementsAre("attend:1:READY:", "attention_session:1:READY:",
+                          "layer_norm:1:READY:", "mha::UNAVAILABLE:unloaded",
+                          "multi_head_attend:1:READY:"));
+  EXPECT_EQ(index(true).size(), 4);
   ModelInferRequest on_mha = AttendRequest();
   on_mha.set_model_name("mha");
   for (int i = 0; i < 3; ++i) {
@@ -672,8 +677,8 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
 // simple_http_model_control.
 TEST_F(TritonProtocolTest, HttpModelControl) {
   const json index = Post("/v2/repository/index", "");
-  ASSERT_EQ(index.size(), 4);
-  EXPECT_EQ(index[2], json({{"name", "mha"},
+  ASSERT_EQ(index.size(), 5);
+  EXPECT_EQ(index[3], json({{"name", "mha"},
                             {"version", "1"},
                             {"state", "READY"},
                             {"reason", ""}}));
@@ -682,10 +687,10 @@ TEST_F(TritonProtocolTest, HttpModelControl) {
             json::object());
   EXPECT_EQ(http_.Get("/v2/models/mha/ready")->status, 503);
   EXPECT_EQ(
-      Post("/v2/repository/index", R"({"ready": false})")[2],
+      Post("/v2/repository/index", R"({"ready": false})")[3],
       json(
           {{"name", "mha"}, {"state", "UNAVAILABLE"}, {"reason", "unloaded"}}));
-  EXPECT_EQ(Post("/v2/repository/index", R"({"ready": true})").size(), 3);
+  EXPECT_EQ(Post("/v2/repository/index", R"({"ready": true})").size(), 4);
   EXPECT_EQ(Post("/v2/repository/models/mha/load", ""), json::object());
   EXPECT_EQ(http_.Get("/v2/models/mha/ready")->status, 200);
   EXPECT_EQ(Post("/v2/repository/models/mha/unload", "[1]", 400)["error"],
@@ -741,6 +746,587 @@ TEST_F(TritonProtocolTest, StreamInferAnswersInOrderWithErrorsPerRequest) {
   const inference::ModelStatistics stats = Statistics("attend");
   EXPECT_EQ(stats.inference_stats().success().count(), 3);
   EXPECT_EQ(stats.inference_stats().fail().count(), 1);
+}
+
+// Sequences (Triton's sequence extension) on decode sessions.
+constexpr int64_t kSeqHeads = 2;
+constexpr int64_t kSeqKvHeads = 1;
+constexpr int64_t kSeqDim = 8;
+constexpr int64_t kEmbed = 16;  // the "mha" model's
+
+// The float64 reference of one attention_session sequence: its keys and
+// values so far, each step's queries attending to them causally.
+class AttentionSequenceReference {
+ public:
+  // The expected output [H, n, dv] of a step of n tokens.
+  std::vector<double> Step(const std::vector<float>& q,
+                           const std::vector<float>& k,
+                           const std::vector<float>& v, int64_t n) {
+    const auto ref = [n](const std::vector<float>& x, int64_t heads) {
+      return RefTensor{{1, heads, n, kSeqDim},
+                       std::vector<double>(x.begin(), x.end())};
+    };
+    keys_ = RefConcatRows(keys_, ref(k, kSeqKvHeads));
+    values_ = RefConcatRows(values_, ref(v, kSeqKvHeads));
+    const int64_t group = kSeqHeads / kSeqKvHeads;
+    const RefAttentionResult result =
+        RefAttend(ref(q, kSeqHeads), RefRepeatHeads(keys_, group),
+                  RefRepeatHeads(values_, group), {RefCausalKeep(length_, n)},
+                  {true}, {});
+    length_ += n;
+    return result.output.values;
+  }
+  int64_t length() const { return length_; }
+
+ private:
+  RefTensor keys_, values_;
+  int64_t length_ = 0;
+};
+
+// One step of an attention_session sequence: query [2, n, 8], key and
+// value [1, n, 8] (grouped-query attention), raw FP32.
+struct AttentionStep {
+  int64_t n = 0;
+  std::vector<float> q, k, v;
+};
+
+AttentionStep RandomStep(int64_t n, std::mt19937& rng) {
+  return {n, RandomFloats(kSeqHeads * n * kSeqDim, rng),
+          RandomFloats(kSeqKvHeads * n * kSeqDim, rng),
+          RandomFloats(kSeqKvHeads * n * kSeqDim, rng)};
+}
+
+// A ModelInfer request of sequence `id` (an int64 or a string parameter,
+// as Triton's client sends them).
+ModelInferRequest SequenceRequest(const inference::InferParameter& id,
+                                  bool start, bool end,
+                                  const AttentionStep& step) {
+  ModelInferRequest request;
+  request.set_model_name("attention_session");
+  auto& parameters = *request.mutable_parameters();
+  parameters["sequence_id"] = id;
+  parameters["sequence_start"].set_bool_param(start);
+  parameters["sequence_end"].set_bool_param(end);
+  const std::vector<float>* values[] = {&step.q, &step.k, &step.v};
+  for (int i = 0; i < 3; ++i) {
+    auto* input = request.add_inputs();
+    input->set_name(kNames[i]);
+    input->set_datatype("FP32");
+    for (int64_t d : {i == 0 ? kSeqHeads : kSeqKvHeads, step.n, kSeqDim}) {
+      input->add_shape(d);
+    }
+    request.add_raw_input_contents(Bytes(*values[i]));
+  }
+  return request;
+}
+
+inference::InferParameter IntId(int64_t id) {
+  inference::InferParameter parameter;
+  parameter.set_int64_param(id);
+  return parameter;
+}
+inference::InferParameter StringId(const std::string& id) {
+  inference::InferParameter parameter;
+  parameter.set_string_param(id);
+  return parameter;
+}
+
+// simple_grpc_sequence_stream_infer_client: two sequences, one with an
+// integer id and one with a string id, interleaved on one stream: start
+// (a 3-token prompt), steps, end; then a step on the ended sequence.
+TEST_F(TritonProtocolTest, GrpcSequenceStreamOnAttentionSessions) {
+  inference::ModelConfigRequest config_request;
+  config_request.set_name("attention_session");
+  inference::ModelConfigResponse config;
+  ASSERT_TRUE(
+      triton_->ModelConfig(Context().get(), config_request, &config).ok());
+  EXPECT_THAT(ConfigInputs(config.config()),
+              ElementsAre("query", "key", "value"));
+  ASSERT_TRUE(config.config().has_sequence_batching());
+  EXPECT_EQ(
+      config.config().sequence_batching().max_sequence_idle_microseconds(),
+      600'000'000u);  // --session_idle_timeout_s 600
+  EXPECT_EQ(
+      config.config().parameters().at("sequence_parameters").string_value(),
+      "sequence_id, sequence_start, sequence_end, sequence_position, "
+      "max_length, rotary_dims, rotary_base, dtype");
+
+  const std::vector<int64_t> lengths = {3, 1, 1, 2, 1};
+  const inference::InferParameter ids[] = {IntId(1000), StringId("seq-1001")};
+  AttentionSequenceReference references[2];
+  std::vector<std::vector<double>> expected;
+  auto context = Context();
+  auto stream = triton_->ModelStreamInfer(context.get());
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    for (int s = 0; s < 2; ++s) {
+      const AttentionStep step = RandomStep(lengths[i], rng_);
+      ModelInferRequest request =
+          SequenceRequest(ids[s], i == 0, i + 1 == lengths.size(), step);
+      request.set_id(absl::StrCat(s, "/", i));
+      ASSERT_TRUE(stream->Write(request));
+      expected.push_back(references[s].Step(step.q, step.k, step.v, step.n));
+    }
+  }
+  // The integer sequence has ended: a step on it must start again.
+  ASSERT_TRUE(stream->Write(
+      SequenceRequest(ids[0], false, false, RandomStep(1, rng_))));
+  ASSERT_TRUE(stream->WritesDone());
+  std::vector<inference::ModelStreamInferResponse> answers;
+  inference::ModelStreamInferResponse answer;
+  while (stream->Read(&answer)) answers.push_back(answer);
+  const grpc::Status status = stream->Finish();
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(answers.size(), expected.size() + 1);
+  int64_t lengths_so_far[2] = {0, 0};
+  for (size_t a = 0; a < expected.size(); ++a) {
+    const int s = a % 2;
+    const ModelInferResponse& response = answers[a].infer_response();
+    ASSERT_EQ(answers[a].error_message(), "") << a;
+    EXPECT_EQ(response.id(), absl::StrCat(s, "/", a / 2));
+    ASSERT_EQ(response.outputs_size(), 1);
+    EXPECT_EQ(response.outputs(0).name(), "output");
+    lengths_so_far[s] += lengths[a / 2];
+    EXPECT_THAT(response.outputs(0).shape(),
+                ElementsAre(kSeqHeads, lengths[a / 2], kSeqDim));
+    EXPECT_EQ(response.parameters().at("sequence_length").int64_param(),
+              lengths_so_far[s]);
+    ExpectNear(Floats(response.raw_output_contents(0)), expected[a]);
+  }
+  EXPECT_EQ(answers.back().error_message(),
+            "INVALID_ARGUMENT: sequence_id: inference request for sequence "
+            "1000 to model 'attention_session' must specify the START flag on "
+            "the first request of the sequence");
+  EXPECT_EQ(Statistics("attention_session").inference_stats().success().count(),
+            expected.size());
+}
+
+// The float64 reference of the "mha" model: its weights as the repository
+// holds them.
+RefMultiHeadWeights MhaReference(const TempModelRepository& repo) {
+  RefMultiHeadWeights w;
+  w.num_heads = 4;
+  absl::StatusOr<SafetensorsFile> file =
+      ReadSafetensors(repo.root() + "/mha/weights.safetensors");
+  EXPECT_TRUE(file.ok()) << file.status();
+  if (!file.ok()) return w;
+  for (const auto& [name, tensor] : file->tensors) {
+    std::string field = name;
+    std::replace(field.begin(), field.end(), '.', '_');
+    *w.Field(field) = ToRef(tensor.view());
+  }
+  return w;
+}
+
+// simple_http_sequence_sync_infer_client on a served model: two sequences
+// (integer and string ids) of hidden states, interleaved, one request
+// each step; every step is causal multi-head attention of the sequence so
+// far (float64 reference over the whole sequence).
+TEST_F(TritonProtocolTest, HttpSequenceSyncOnAServedModel) {
+  const json config = Get("/v2/models/mha/config");
+  EXPECT_EQ(config["sequence_batching"]["max_sequence_idle_microseconds"],
+            600'000'000u);
+  EXPECT_EQ(config["sequence_batching"]["control_input"][0]["name"],
+            "sequence_start");
+  EXPECT_EQ(config["sequence_batching"]["control_input"][2]["control"][0],
+            json({{"kind", "CONTROL_SEQUENCE_CORRID"},
+                  {"int32_false_true", json::array()},
+                  {"fp32_false_true", json::array()},
+                  {"bool_false_true", json::array()},
+                  {"data_type", "TYPE_UINT64"}}));
+  EXPECT_FALSE(Get("/v2/models/attend/config").contains("sequence_batching"));
+
+  const RefMultiHeadWeights weights = MhaReference(repo_);
+  const std::vector<int64_t> lengths = {4, 1, 2, 1};
+  const int64_t total = 8;
+  const json ids[] = {1000, "seq-1001"};
+  std::vector<float> hidden[2];
+  RefTensor outputs[2];
+  for (int s = 0; s < 2; ++s) {
+    hidden[s] = RandomFloats(total * kEmbed, rng_);
+    const RefTensor all{
+        {1, total, kEmbed},
+        std::vector<double>(hidden[s].begin(), hidden[s].end())};
+    outputs[s] =
+        RefMultiHeadAttend(weights, all, all, all, {}, {}, {true, {}, {}})
+            .output;
+  }
+  int64_t first = 0;
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const int64_t n = lengths[i];
+    for (int s = 0; s < 2; ++s) {
+      const std::vector<float> rows(hidden[s].begin() + first * kEmbed,
+                                    hidden[s].begin() + (first + n) * kEmbed);
+      json body;
+      body["parameters"] = {{"sequence_id", ids[s]},
+                            {"sequence_start", i == 0},
+                            {"sequence_end", i + 1 == lengths.size()}};
+      body["inputs"] = json::array({{{"name", "query"},
+                                     {"datatype", "FP32"},
+                                     {"shape", {n, kEmbed}},
+                                     {"data", rows}}});
+      const json answer = Post("/v2/models/mha/infer", body.dump());
+      ASSERT_TRUE(answer.contains("outputs")) << answer.dump();
+      EXPECT_EQ(answer["outputs"][0]["shape"], json({n, kEmbed}));
+      EXPECT_EQ(answer["parameters"]["sequence_length"], first + n);
+      ExpectNear(answer["outputs"][0]["data"].get<std::vector<float>>(),
+                 RefRows(outputs[s], first, n).values);
+    }
+    first += n;
+  }
+  // Both have ended.
+  json step;
+  step["parameters"] = {{"sequence_id", "seq-1001"}};
+  step["inputs"] = json::array({{{"name", "query"},
+                                 {"datatype", "FP32"},
+                                 {"shape", {1, kEmbed}},
+                                 {"data", RandomFloats(kEmbed, rng_)}}});
+  EXPECT_EQ(Post("/v2/models/mha/infer", step.dump(), 400)["error"],
+            "sequence_id: inference request for sequence \"seq-1001\" to model "
+            "'mha' must specify the START flag on the first request of the "
+            "sequence");
+}
+
+// Sequences run concurrently, each on its own session: four threads, four
+// sequences, unary calls, every step against its own reference.
+TEST_F(TritonProtocolTest, ConcurrentSequencesAreIsolated) {
+  constexpr int kThreads = 4;
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([this, t] {
+      std::mt19937 rng(100 + t);
+      AttentionSequenceReference reference;
+      const std::vector<int64_t> lengths = {5, 1, 1, 3, 1, 1};
+      for (size_t i = 0; i < lengths.size(); ++i) {
+        const AttentionStep step = RandomStep(lengths[i], rng);
+        ModelInferResponse response;
+        const grpc::Status status =
+            triton_->ModelInfer(Context().get(),
+                                SequenceRequest(IntId(2000 + t), i == 0,
+                                                i + 1 == lengths.size(), step),
+                                &response);
+        ASSERT_TRUE(status.ok()) << status.error_message();
+        ASSERT_EQ(response.raw_output_contents_size(), 1);
+        ExpectNear(Floats(response.raw_output_contents(0)),
+                   reference.Step(step.q, step.k, step.v, step.n));
+      }
+    });
+  }
+  for (auto& thread : threads) thread.join();
+}
+
+// A rewind (sequence_position) drops the cached tokens from there on.
+TEST_F(TritonProtocolTest, SequencePositionRewinds) {
+  AttentionStep prompt = RandomStep(3, rng_);
+  ModelInferResponse response;
+  ASSERT_TRUE(triton_
+                  ->ModelInfer(Context().get(),
+                               SequenceRequest(IntId(5), true, false, prompt),
+                               &response)
+                  .ok());
+  // Back to position 1: the new token sees the prompt's first token only.
+  const AttentionStep step = RandomStep(1, rng_);
+  ModelInferRequest rewind = SequenceRequest(IntId(5), false, true, step);
+  (*rewind.mutable_parameters())["sequence_position"].set_int64_param(1);
+  const grpc::Status status =
+      triton_->ModelInfer(Context().get(), rewind, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(response.parameters().at("sequence_length").int64_param(), 2);
+  AttentionSequenceReference reference;
+  const auto first_row = [](const std::vector<float>& x, int64_t heads) {
+    std::vector<float> rows;
+    for (int64_t h = 0; h < heads; ++h) {
+      rows.insert(rows.end(), x.begin() + h * 3 * kSeqDim,
+                  x.begin() + (h * 3 + 1) * kSeqDim);
+    }
+    return rows;
+  };
+  reference.Step(first_row(prompt.q, kSeqHeads),
+                 first_row(prompt.k, kSeqKvHeads),
+                 first_row(prompt.v, kSeqKvHeads), 1);
+  ExpectNear(Floats(response.raw_output_contents(0)),
+             reference.Step(step.q, step.k, step.v, 1));
+}
+
+// Every misuse of the sequence parameters, with its message.
+TEST_F(TritonProtocolTest, SequenceErrors) {
+  const AttentionStep step = RandomStep(1, rng_);
+  const auto infer = [&](ModelInferRequest request) {
+    ModelInferResponse response;
+    return triton_->ModelInfer(Context().get(), request, &response);
+  };
+  const auto expect = [&](ModelInferRequest request, grpc::StatusCode code,
+                          const std::string& message) {
+    const grpc::Status status = infer(std::move(request));
+    EXPECT_EQ(status.error_code(), code) << message;
+    EXPECT_EQ(status.error_message(), message);
+  };
+  const auto with = [&](ModelInferRequest request, const std::string& name,
+                        inference::InferParameter value) {
+    (*request.mutable_parameters())[name] = std::move(value);
+    return request;
+  };
+  const auto bool_param = [](bool b) {
+    inference::InferParameter p;
+    p.set_bool_param(b);
+    return p;
+  };
+  expect(SequenceRequest(IntId(7), false, false, step),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "sequence_id: inference request for sequence 7 to model "
+         "'attention_session' must specify the START flag on the first "
+         "request of the sequence");
+  ModelInferRequest on_attend = AttendRequest();
+  expect(with(on_attend, "sequence_id", IntId(7)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_id: model 'attend' keeps no state between "
+         "requests; sequences run on served models and on attention_session");
+  // Id 0 is no sequence: its flags alone mean nothing.
+  EXPECT_TRUE(infer(with(on_attend, "sequence_id", IntId(0))).ok());
+  expect(with(on_attend, "sequence_end", bool_param(true)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_end needs a sequence_id (a non-zero uint64 or a "
+         "non-empty string)");
+  expect(with(SequenceRequest(IntId(7), true, false, step), "sequence_id",
+              bool_param(true)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_id must be a uint64 or a string, got bool");
+  expect(with(SequenceRequest(IntId(7), true, false, step), "sequence_id",
+              IntId(-3)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_id must not be negative, got -3");
+  expect(with(SequenceRequest(IntId(7), false, false, step), "sequence_fork",
+              IntId(8)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_fork: forking a sequence is not available on "
+         "this server; start a new sequence and send it the shared prefix");
+  ModelInferRequest no_sequence = SequenceRequest(IntId(7), true, false, step);
+  no_sequence.mutable_parameters()->clear();
+  expect(no_sequence, grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: model 'attention_session' answers requests of a "
+         "sequence only: set sequence_id (and sequence_start on the first "
+         "request)");
+  expect(with(SequenceRequest(IntId(7), false, false, step), "max_length",
+              IntId(16)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: max_length applies to the first request of a sequence "
+         "only (with sequence_start true)");
+  ModelInferRequest on_mha = SequenceRequest(IntId(7), true, false, step);
+  on_mha.set_model_name("mha");
+  expect(with(on_mha, "rotary_dims", IntId(4)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: rotary_dims: model 'mha' has its own; only sequences of "
+         "attention_session take it");
+  expect(on_mha, grpc::StatusCode::INVALID_ARGUMENT,
+         "inputs: unknown input 'key' in a sequence of model 'mha'; expected "
+         "query (the step's hidden states [B, n, E] or [n, E]; keys and values "
+         "are projected from them)");
+  // A failed start leaves no sequence.
+  ModelInferRequest too_long =
+      with(SequenceRequest(IntId(9), true, false, RandomStep(5, rng_)),
+           "max_length", IntId(4));
+  EXPECT_EQ(infer(too_long).error_code(), grpc::StatusCode::OUT_OF_RANGE);
+  EXPECT_EQ(infer(SequenceRequest(IntId(9), false, false, step)).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+}
+
+// A sequence whose session the store evicted is gone, saying so, and is
+// forgotten: the next step must start it again.
+TEST(TritonSequenceTest, EvictedSequenceIsGone) {
+  ServerOptions options;
+  options.max_sessions = 1;
+  TestServer server(options);
+  auto triton = inference::GRPCInferenceService::NewStub(
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  std::mt19937 rng(5);
+  const AttentionStep step = RandomStep(1, rng);
+  ModelInferResponse response;
+  ASSERT_TRUE(triton
+                  ->ModelInfer(Context().get(),
+                               SequenceRequest(IntId(1), true, false, step),
+                               &response)
+                  .ok());
+  ASSERT_TRUE(
+      triton
+          ->ModelInfer(Context().get(),
+                       SequenceRequest(StringId("b"), true, false, step),
+                       &response)
+          .ok());
+  grpc::Status status = triton->ModelInfer(
+      Context().get(), SequenceRequest(IntId(1), false, false, step),
+      &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_THAT(status.error_message(),
+              ::testing::StartsWith(
+                  "sequence_id: sequence 1 of model 'attention_session' is "
+                  "gone (session_id: session \""));
+  EXPECT_THAT(status.error_message(),
+              ::testing::EndsWith(
+                  "was evicted (least recently used) to make room for other "
+                  "sessions); send its first request again with "
+                  "sequence_start"));
+  status = triton->ModelInfer(Context().get(),
+                              SequenceRequest(IntId(1), false, false, step),
+                              &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  // The other sequence goes on.
+  EXPECT_TRUE(
+      triton
+          ->ModelInfer(Context().get(),
+                       SequenceRequest(StringId("b"), false, true, step),
+                       &response)
+          .ok());
+}
+
+// The logging extension: log_info turns the access log off and on at
+// once; what the server cannot change is reported and refused otherwise.
+TEST_F(TritonProtocolTest, LogSettingsOverBothProtocols) {
+  inference::LogSettingsRequest request;
+  inference::LogSettingsResponse response;
+  ASSERT_TRUE(triton_->LogSettings(Context().get(), request, &response).ok());
+  const auto& settings = response.settings();
+  EXPECT_TRUE(settings.at("log_info").bool_param());
+  EXPECT_TRUE(settings.at("log_warnings").bool_param());
+  EXPECT_TRUE(settings.at("log_errors").bool_param());
+  EXPECT_EQ(settings.at("log_verbose_level").uint32_param(), 0u);
+  EXPECT_EQ(settings.at("log_file").string_param(), "");
+  EXPECT_EQ(settings.at("log_format").string_param(), "default");
+
+  (*request.mutable_settings())["log_info"].set_bool_param(false);
+  ASSERT_TRUE(triton_->LogSettings(Context().get(), request, &response).ok());
+  EXPECT_FALSE(response.settings().at("log_info").bool_param());
+  ModelInferResponse infer;
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(
+      triton_->ModelInfer(Context().get(), AttendRequest(), &infer).ok());
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              ::testing::Not(HasSubstr("access rpc=ModelInfer")));
+  EXPECT_EQ(Get("/v2/logging"), json({{"log_file", ""},
+                                      {"log_info", false},
+                                      {"log_warnings", true},
+                                      {"log_errors", true},
+                                      {"log_verbose_level", 0},
+                                      {"log_format", "default"}}));
+  EXPECT_EQ(Post("/v2/logging", R"({"log_info": true})")["log_info"], true);
+  ::testing::internal::CaptureStderr();
+  ASSERT_TRUE(
+      triton_->ModelInfer(Context().get(), AttendRequest(), &infer).ok());
+  EXPECT_THAT(::testing::internal::GetCapturedStderr(),
+              HasSubstr("access rpc=ModelInfer/Attend model='attend'"));
+
+  using Value = inference::LogSettingsRequest::SettingValue;
+  const auto refused = [&](const char* name, Value value,
+                           const std::string& message) {
+    inference::LogSettingsRequest bad;
+    (*bad.mutable_settings())[name] = std::move(value);
+    const grpc::Status status =
+        triton_->LogSettings(Context().get(), bad, &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << name;
+    EXPECT_EQ(status.error_message(), message);
+  };
+  Value one, no, path, yes, on;
+  one.set_uint32_param(1);
+  no.set_bool_param(false);
+  path.set_string_param("/tmp/log");
+  yes.set_string_param("yes");
+  on.set_bool_param(true);
+  refused("log_verbose_level", one,
+          "settings: log_verbose_level: attnserve has no verbose log; only 0");
+  refused("log_warnings", no,
+          "settings: log_warnings: set by --log_level when the server starts; "
+          "it cannot change while the server runs");
+  refused("log_file", path,
+          "settings: log_file: attnserve logs to stderr only; only \"\"");
+  refused("log_info", yes, "settings: log_info must be a bool");
+  refused("log_colour", on,
+          "settings: unknown log setting 'log_colour'; expected one of "
+          "log_file, log_info, log_warnings, log_errors, log_verbose_level, "
+          "log_format");
+  // Accepted when it asks for what is.
+  EXPECT_EQ(Post("/v2/logging",
+                 R"({"log_warnings": true, "log_format": "default",
+                     "log_verbose_level": 0})")["log_info"],
+            true);
+  EXPECT_EQ(
+      Post("/v2/logging", R"({"log_verbose_level": 2})", 400)["error"],
+      "settings: log_verbose_level: attnserve has no verbose log; only 0");
+  EXPECT_EQ(http_.Put("/v2/logging", "{}", "application/json")->status, 405);
+}
+
+// The trace extension: settings stored and reported, globally and per
+// model; attnserve traces nothing, so only trace_level OFF is accepted.
+TEST_F(TritonProtocolTest, TraceSettingsOverBothProtocols) {
+  using Settings =
+      std::vector<std::pair<std::string, std::vector<std::string>>>;
+  const auto trace = [&](const std::string& model, const Settings& settings,
+                         inference::TraceSettingResponse* response) {
+    inference::TraceSettingRequest request;
+    request.set_model_name(model);
+    for (const auto& [name, values] : settings) {
+      (*request.mutable_settings())[name].mutable_value()->Assign(
+          values.begin(), values.end());
+    }
+    return triton_->TraceSetting(Context().get(), request, response);
+  };
+  const auto value = [](const inference::TraceSettingResponse& response,
+                        const std::string& name) {
+    const auto& values = response.settings().at(name).value();
+    return std::vector<std::string>(values.begin(), values.end());
+  };
+  inference::TraceSettingResponse response;
+  ASSERT_TRUE(trace("", {}, &response).ok());
+  EXPECT_THAT(value(response, "trace_level"), ElementsAre("OFF"));
+  EXPECT_THAT(value(response, "trace_rate"), ElementsAre("1000"));
+  EXPECT_THAT(value(response, "trace_count"), ElementsAre("-1"));
+  EXPECT_THAT(value(response, "log_frequency"), ElementsAre("0"));
+  EXPECT_THAT(value(response, "trace_mode"), ElementsAre("triton"));
+
+  ASSERT_TRUE(trace("", {{"trace_rate", {"100"}}}, &response).ok());
+  EXPECT_THAT(value(response, "trace_rate"), ElementsAre("100"));
+  // A model's settings: the global ones, overlaid with its own.
+  ASSERT_TRUE(trace("mha", {{"trace_count", {"5"}}}, &response).ok());
+  EXPECT_THAT(value(response, "trace_rate"), ElementsAre("100"));
+  EXPECT_THAT(value(response, "trace_count"), ElementsAre("5"));
+  ASSERT_TRUE(trace("", {}, &response).ok());
+  EXPECT_THAT(value(response, "trace_count"), ElementsAre("-1"));
+  // No value clears the model's own setting.
+  ASSERT_TRUE(trace("mha", {{"trace_count", {}}}, &response).ok());
+  EXPECT_THAT(value(response, "trace_count"), ElementsAre("-1"));
+
+  grpc::Status status = trace("", {{"trace_level", {"TIMESTAMPS"}}}, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "settings: trace_level: attnserve does not trace requests; only "
+            "OFF is accepted, got 'TIMESTAMPS'");
+  status = trace("", {{"trace_rate", {"0"}}}, &response);
+  EXPECT_EQ(status.error_message(),
+            "settings: trace_rate: expected an integer >= 1, got '0'");
+  status = trace("", {{"trace_mode", {"opentelemetry"}}}, &response);
+  EXPECT_EQ(status.error_message(),
+            "settings: trace_mode: only 'triton' is accepted, got "
+            "'opentelemetry'");
+  status = trace("wrong_model_name", {}, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(status.error_message(),
+            "model: 'wrong_model_name' not found; loaded models: mha");
+
+  EXPECT_EQ(Get("/v2/trace/setting"), json({{"trace_file", ""},
+                                            {"trace_level", {"OFF"}},
+                                            {"trace_rate", "100"},
+                                            {"trace_count", "-1"},
+                                            {"log_frequency", "0"},
+                                            {"trace_mode", "triton"}}));
+  EXPECT_EQ(Post("/v2/models/mha/trace/setting",
+                 R"({"trace_rate": "10"})")["trace_rate"],
+            "10");
+  EXPECT_EQ(Post("/v2/models/mha/trace/setting",
+                 R"({"trace_rate": null})")["trace_rate"],
+            "100");
+  EXPECT_EQ(Post("/v2/trace/setting", R"({"trace_level": ["TENSORS"]})",
+                 400)["error"],
+            "settings: trace_level: attnserve does not trace requests; only "
+            "OFF is accepted, got 'TENSORS'");
+  EXPECT_EQ(Get("/v2/models/wrong_model_name/trace/setting", 404)["error"],
+            "model: 'wrong_model_name' not found; loaded models: mha");
 }
 
 // The extensions take the server's token like every other call.

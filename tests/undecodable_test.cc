@@ -22,6 +22,7 @@
 #include "grpcpp/security/credentials.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "proto/tensor_codec.h"
 #include "tests/test_util.h"
 
@@ -94,6 +95,10 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
   step.set_session_id(session_id);
   *step.mutable_input() = RandomWireTensor(DType::kFloat32, {1, 3, 16}, rng);
   cases.push_back(Case("SessionStep", step, step.input().raw_data()));
+  v1::SessionStepsRequest steps;
+  *steps.add_steps() = step;
+  cases.push_back(
+      Case("SessionSteps", steps, steps.steps(0).input().raw_data()));
   // Before DeleteSession, whose valid call deletes the session.
   v1::ForkSessionRequest fork_session;
   fork_session.set_session_id(session_id);
@@ -122,13 +127,15 @@ std::vector<std::string> Undecodable(const RpcCase& c) {
   };
 }
 
-// Calls the RPCs of attnserve.v1.AttentionService with any bytes as their
-// request.
+// Calls the RPCs of a service (attnserve.v1.AttentionService unless told)
+// with any bytes as their request.
 class RawClient {
  public:
-  explicit RawClient(const std::string& target)
-      : stub_(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())) {
-  }
+  explicit RawClient(
+      const std::string& target,
+      std::string service = v1::AttentionService::service_full_name())
+      : stub_(grpc::CreateChannel(target, grpc::InsecureChannelCredentials())),
+        service_(std::move(service)) {}
 
   // `rpc` with `bytes` as its request, and `token` (if any) as its bearer
   // token; `response` (if given) receives the response's bytes.
@@ -145,7 +152,7 @@ class RawClient {
     const grpc::ByteBuffer request(&slice, 1);
     grpc::ByteBuffer reply;
     std::promise<grpc::Status> done;
-    stub_.UnaryCall(&context, "/attnserve.v1.AttentionService/" + rpc, {},
+    stub_.UnaryCall(&context, absl::StrCat("/", service_, "/", rpc), {},
                     &request, &reply,
                     [&done](grpc::Status status) { done.set_value(status); });
     const grpc::Status status = done.get_future().get();
@@ -162,11 +169,52 @@ class RawClient {
 
  private:
   grpc::GenericStub stub_;
+  const std::string service_;
 };
 
 std::string ParseError(const RpcCase& c, const std::string& bytes) {
   return absl::StrCat("request: could not parse ", bytes.size(), " bytes as ",
                       c.request->GetDescriptor()->full_name());
+}
+
+// The Open Inference Protocol's unary RPCs (Triton's extensions among
+// them) likewise; the valid empty request of each is answered (its own
+// answer or error), and the server goes on.
+TEST(UndecodableTest, EveryOpenInferenceRpcAnswersInvalidArgument) {
+  TestServer server;
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          inference::GRPCInferenceService::service_full_name());
+  ASSERT_NE(service, nullptr);
+  RawClient client(server.target(), service->full_name());
+  int unary = 0;
+  for (int i = 0; i < service->method_count(); ++i) {
+    const google::protobuf::MethodDescriptor* method = service->method(i);
+    if (method->client_streaming() || method->server_streaming()) continue;
+    ++unary;
+    SCOPED_TRACE(method->name());
+    for (const std::string& bytes :
+         {std::string("\xff\xff\xff"), std::string("\x0f\x01", 2)}) {
+      const grpc::Status status = client.Call(method->name(), bytes);
+      EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+      EXPECT_EQ(status.error_message(),
+                absl::StrCat("request: could not parse ", bytes.size(),
+                             " bytes as ", method->input_type()->full_name()));
+    }
+    // The empty request: any answer but a broken call.
+    const grpc::Status valid = client.Call(method->name(), "");
+    EXPECT_NE(valid.error_code(), grpc::StatusCode::INTERNAL)
+        << valid.error_message();
+    EXPECT_NE(valid.error_code(), grpc::StatusCode::UNAVAILABLE)
+        << valid.error_message();
+  }
+  // Every unary RPC, the trace and log settings included.
+  EXPECT_EQ(unary, 19);
+  std::string reply;
+  ASSERT_TRUE(client.Call("LogSettings", "", "", &reply).ok());
+  inference::LogSettingsResponse log;
+  ASSERT_TRUE(log.ParseFromString(reply));
+  EXPECT_TRUE(log.settings().at("log_info").bool_param());
 }
 
 TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
@@ -224,8 +272,8 @@ TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
         << "missing: " << line << page->body;
   }
   // The compute RPCs count their valid calls too.
-  for (const char* rpc :
-       {"Attend", "MultiHeadAttend", "LayerNorm", "SessionStep"}) {
+  for (const char* rpc : {"Attend", "MultiHeadAttend", "LayerNorm",
+                          "SessionStep", "SessionSteps"}) {
     const std::string line = absl::StrCat("attnserve_requests_total{rpc=\"",
                                           rpc, "\",code=\"OK\"} 1\n");
     EXPECT_NE(page->body.find(line), std::string::npos)

@@ -76,7 +76,10 @@ absl::StatusOr<BenchReport> RunOne(const Workload& workload, LoadOptions load,
   auto report = RunLoad(
       workload, load, [&printer](const LoadProgress& p) { printer.Print(p); });
   printer.Done();
-  if (report.ok()) report->step = step;
+  if (report.ok()) {
+    report->step = step;
+    report->steps_per_request = workload.steps_per_request;
+  }
   return report;
 }
 

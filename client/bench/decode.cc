@@ -1,5 +1,6 @@
 #include "client/bench/decode.h"
 
+#include <algorithm>
 #include <random>
 #include <utility>
 #include <vector>
@@ -49,6 +50,11 @@ absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
   ATTN_RETURN_IF_ERROR(RequirePositive(options.kv_seq, "--kv_seq"));
   ATTN_RETURN_IF_ERROR(RequirePositive(options.step_tokens, "--seq"));
   ATTN_RETURN_IF_ERROR(RequirePositive(options.sessions, "--connections"));
+  if (options.batch_sessions < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--batch_sessions: must be >= 0, got ", options.batch_sessions));
+  }
+  const int per_call = std::max(options.batch_sessions, 1);
   v1::CreateSessionRequest create;
   int64_t embed = 0;
   std::string shapes;
@@ -75,7 +81,8 @@ absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
   create.set_max_length(options.kv_seq + options.step_tokens);
   std::unique_ptr<DecodeSessions> sessions(new DecodeSessions(client));
   std::mt19937 random(1);
-  for (int i = 0; i < options.sessions; ++i) {
+  v1::SessionStepsRequest batched;
+  for (int i = 0; i < options.sessions * per_call; ++i) {
     ATTN_ASSIGN_OR_RETURN(v1::CreateSessionResponse session,
                           client.CreateSession(create));
     sessions->ids_.push_back(session.session_id());
@@ -87,21 +94,31 @@ absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
                           StepRequest(session, embed, options.step_tokens,
                                       options.dtype, random));
     step.set_position(options.kv_seq);
+    if (i % per_call == 0) batched.Clear();
+    *batched.add_steps() = step;
+    if (i % per_call != per_call - 1) continue;
     std::string bytes;
-    if (!step.SerializeToString(&bytes)) {
+    const bool serialized = options.batch_sessions > 0
+                                ? batched.SerializeToString(&bytes)
+                                : step.SerializeToString(&bytes);
+    if (!serialized) {
       return absl::InternalError("step request: could not serialize");
     }
     sessions->workload_.per_connection.push_back(std::move(bytes));
   }
   Workload& workload = sessions->workload_;
-  workload.rpc = "SessionStep";
+  workload.rpc = options.batch_sessions > 0 ? "SessionSteps" : "SessionStep";
   workload.method = absl::StrCat("/", v1::AttentionService::service_full_name(),
-                                 "/SessionStep");
+                                 "/", workload.rpc);
   workload.request = workload.per_connection.front();
+  workload.steps_per_request = per_call;
   workload.description =
       absl::StrCat("decode: ", options.step_tokens, " token(s) a step after ",
-                   options.kv_seq, " cached, ", shapes, ", ", options.sessions,
-                   " session(s)");
+                   options.kv_seq, " cached, ", shapes, ", ",
+                   options.sessions * per_call, " session(s)",
+                   options.batch_sessions > 0
+                       ? absl::StrCat(", ", per_call, " stepped by each call")
+                       : "");
   return sessions;
 }
 

@@ -37,6 +37,9 @@ struct DecodeBenchOptions {
   DType dtype = DType::kFloat32;
   // One per connection.
   int sessions = 1;
+  // > 0: each connection's call is one SessionSteps call stepping this many
+  // sessions of its own (sessions x batch_sessions in all).
+  int batch_sessions = 0;
 };
 
 class DecodeSessions {
@@ -48,7 +51,8 @@ class DecodeSessions {
   DecodeSessions(const DecodeSessions&) = delete;
   DecodeSessions& operator=(const DecodeSessions&) = delete;
 
-  // SessionStep requests, one per session (Workload::per_connection).
+  // SessionStep requests, one per session, or SessionSteps requests, one
+  // per connection (Workload::per_connection).
   const Workload& workload() const { return workload_; }
 
  private:

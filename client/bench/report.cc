@@ -50,6 +50,8 @@ nlohmann::json ReportJson(const BenchReport& r) {
       {"error_first_peer", r.error_first_peer},
       {"duration_s", r.duration_s},
       {"qps", r.qps},
+      {"steps_per_request", r.steps_per_request},
+      {"steps_per_s", r.qps * r.steps_per_request},
       {"latency_us", LatencyJson(r.latency)},
       {"client_cpu_cores", r.client_cpu_cores},
       {"client_cores_available", r.client_cores_available},
@@ -165,6 +167,10 @@ std::string FormatText(const BenchReport& r) {
                           from);
   }
   absl::StrAppendFormat(&out, "throughput  %.1f req/s\n", r.qps);
+  if (r.steps_per_request > 1) {
+    absl::StrAppendFormat(&out, "            %.1f steps/s (%d steps a call)\n",
+                          r.qps * r.steps_per_request, r.steps_per_request);
+  }
   const LatencySummary& l = r.latency;
   absl::StrAppend(&out, "latency     min ", Millis(l.min_us), "  mean ",
                   Millis(l.mean_us), "  stddev ", Millis(l.stddev_us), "\n");

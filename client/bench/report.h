@@ -68,6 +68,9 @@ struct BenchReport {
   double duration_s = 0;
   // Completed calls (ok or not) per second.
   double qps = 0;
+  // Decode steps per call (SessionSteps carries several): steps/s is
+  // qps x this.
+  int64_t steps_per_request = 1;
   // Closed loop: from send to completion. Open loop: from the scheduled
   // send time, so that a client falling behind shows up as latency.
   LatencySummary latency;

@@ -30,6 +30,8 @@ struct Workload {
   // When not empty: connection i sends per_connection[i % size] instead of
   // `request` (decode steps, each connection on its own session).
   std::vector<std::string> per_connection;
+  // Decode steps each call carries (SessionSteps: one per session).
+  int64_t steps_per_request = 1;
 };
 
 // Shapes of synthetic requests.

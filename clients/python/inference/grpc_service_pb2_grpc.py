@@ -104,6 +104,16 @@ class GRPCInferenceServiceStub(object):
                 request_serializer=inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
                 response_deserializer=inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.FromString,
                 )
+        self.TraceSetting = channel.unary_unary(
+                '/inference.GRPCInferenceService/TraceSetting',
+                request_serializer=inference_dot_grpc__service__pb2.TraceSettingRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.TraceSettingResponse.FromString,
+                )
+        self.LogSettings = channel.unary_unary(
+                '/inference.GRPCInferenceService/LogSettings',
+                request_serializer=inference_dot_grpc__service__pb2.LogSettingsRequest.SerializeToString,
+                response_deserializer=inference_dot_grpc__service__pb2.LogSettingsResponse.FromString,
+                )
 
 
 class GRPCInferenceServiceServicer(object):
@@ -233,6 +243,22 @@ class GRPCInferenceServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def TraceSetting(self, request, context):
+        """Trace settings, global or of one model (trace extension): stored and
+        reported; attnserve traces nothing, so trace_level stays OFF.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LogSettings(self, request, context):
+        """Log settings (logging extension): log_info turns the access log on or
+        off; the others report what the server does.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GRPCInferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -325,6 +351,16 @@ def add_GRPCInferenceServiceServicer_to_server(servicer, server):
                     servicer.CudaSharedMemoryUnregister,
                     request_deserializer=inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.FromString,
                     response_serializer=inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.SerializeToString,
+            ),
+            'TraceSetting': grpc.unary_unary_rpc_method_handler(
+                    servicer.TraceSetting,
+                    request_deserializer=inference_dot_grpc__service__pb2.TraceSettingRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.TraceSettingResponse.SerializeToString,
+            ),
+            'LogSettings': grpc.unary_unary_rpc_method_handler(
+                    servicer.LogSettings,
+                    request_deserializer=inference_dot_grpc__service__pb2.LogSettingsRequest.FromString,
+                    response_serializer=inference_dot_grpc__service__pb2.LogSettingsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -639,5 +675,39 @@ class GRPCInferenceService(object):
         return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/CudaSharedMemoryUnregister',
             inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterRequest.SerializeToString,
             inference_dot_grpc__service__pb2.CudaSharedMemoryUnregisterResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def TraceSetting(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/TraceSetting',
+            inference_dot_grpc__service__pb2.TraceSettingRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.TraceSettingResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def LogSettings(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/inference.GRPCInferenceService/LogSettings',
+            inference_dot_grpc__service__pb2.LogSettingsRequest.SerializeToString,
+            inference_dot_grpc__service__pb2.LogSettingsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

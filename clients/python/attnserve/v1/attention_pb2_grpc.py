@@ -64,6 +64,11 @@ class AttentionServiceStub(object):
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_attention__pb2.SessionStepResponse.FromString,
                 )
+        self.SessionSteps = channel.unary_unary(
+                '/attnserve.v1.AttentionService/SessionSteps',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.SessionStepsRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.SessionStepsResponse.FromString,
+                )
         self.DeleteSession = channel.unary_unary(
                 '/attnserve.v1.AttentionService/DeleteSession',
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.DeleteSessionRequest.SerializeToString,
@@ -145,6 +150,12 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SessionSteps(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -209,6 +220,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.SessionStep,
                     request_deserializer=attnserve_dot_v1_dot_attention__pb2.SessionStepRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_attention__pb2.SessionStepResponse.SerializeToString,
+            ),
+            'SessionSteps': grpc.unary_unary_rpc_method_handler(
+                    servicer.SessionSteps,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.SessionStepsRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.SessionStepsResponse.SerializeToString,
             ),
             'DeleteSession': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteSession,
@@ -397,6 +413,23 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/SessionStep',
             attnserve_dot_v1_dot_attention__pb2.SessionStepRequest.SerializeToString,
             attnserve_dot_v1_dot_attention__pb2.SessionStepResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def SessionSteps(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/SessionSteps',
+            attnserve_dot_v1_dot_attention__pb2.SessionStepsRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.SessionStepsResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 

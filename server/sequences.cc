@@ -1,0 +1,554 @@
+#include "server/sequences.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "core/status_macros.h"
+#include "core/verify.h"
+#include "server/open_inference.h"
+
+namespace attnserve {
+namespace {
+
+using inference::InferParameter;
+using ParameterMap = google::protobuf::Map<std::string, InferParameter>;
+
+constexpr absl::string_view kId = "sequence_id";
+constexpr absl::string_view kStart = "sequence_start";
+constexpr absl::string_view kEnd = "sequence_end";
+constexpr absl::string_view kPosition = "sequence_position";
+constexpr absl::string_view kFork = "sequence_fork";
+// The first request's settings, named like CreateSession's fields.
+constexpr absl::string_view kMaxLength = "max_length";
+constexpr absl::string_view kRotaryDims = "rotary_dims";
+constexpr absl::string_view kRotaryBase = "rotary_base";
+constexpr absl::string_view kDtype = "dtype";
+
+// Sequences one model may hold: twice the store's sessions (entries of gone
+// sessions stay until looked up or swept, to say why they are gone), at
+// least 1024; 65536 when the store sets no max_sessions.
+size_t DefaultMaxPerModel(const SessionStore* sessions) {
+  if (sessions == nullptr || sessions->options().max_sessions <= 0) {
+    return 65536;
+  }
+  return std::max<size_t>(
+      2 * static_cast<size_t>(sessions->options().max_sessions), 1024);
+}
+
+std::string Where(absl::string_view name) {
+  return absl::StrCat("parameters: ", name);
+}
+
+absl::string_view KindOf(const InferParameter& parameter) {
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kBoolParam:
+      return "bool";
+    case InferParameter::kInt64Param:
+      return "int64";
+    case InferParameter::kStringParam:
+      return "string";
+    case InferParameter::kDoubleParam:
+      return "double";
+    case InferParameter::kUint64Param:
+      return "uint64";
+    default:
+      return "empty";
+  }
+}
+
+absl::StatusOr<bool> BoolOf(const InferParameter& parameter,
+                            absl::string_view name) {
+  if (parameter.parameter_choice_case() != InferParameter::kBoolParam) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(name), " must be a bool, got ", KindOf(parameter)));
+  }
+  return parameter.bool_param();
+}
+
+// A non-negative integer up to `max`, sent as int64 or uint64.
+absl::StatusOr<int64_t> CountOf(const InferParameter& parameter,
+                                absl::string_view name, int64_t max) {
+  int64_t value = 0;
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kInt64Param:
+      value = parameter.int64_param();
+      break;
+    case InferParameter::kUint64Param:
+      if (parameter.uint64_param() > static_cast<uint64_t>(max)) {
+        value = -1;
+        break;
+      }
+      value = static_cast<int64_t>(parameter.uint64_param());
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(name), " must be an integer, got ", KindOf(parameter)));
+  }
+  if (value < 0 || value > max) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(name), " must be in [0, ", max, "]"));
+  }
+  return value;
+}
+
+absl::StatusOr<SequenceId> IdOf(const InferParameter& parameter) {
+  SequenceId id;
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kUint64Param:
+      id.number = parameter.uint64_param();
+      return id;
+    case InferParameter::kInt64Param:
+      if (parameter.int64_param() < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(Where(kId), " must not be negative, got ",
+                         parameter.int64_param()));
+      }
+      id.number = static_cast<uint64_t>(parameter.int64_param());
+      return id;
+    case InferParameter::kStringParam:
+      id.is_string = true;
+      id.text = parameter.string_param();
+      return id;
+    default:
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(kId), " must be a uint64 or a string, got ",
+                       KindOf(parameter)));
+  }
+}
+
+absl::StatusOr<float> FloatOf(const InferParameter& parameter,
+                              absl::string_view name) {
+  double value = 0;
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kDoubleParam:
+      value = parameter.double_param();
+      break;
+    case InferParameter::kInt64Param:
+      value = static_cast<double>(parameter.int64_param());
+      break;
+    case InferParameter::kUint64Param:
+      value = static_cast<double>(parameter.uint64_param());
+      break;
+    default:
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(name), " must be a number, got ", KindOf(parameter)));
+  }
+  if (!std::isfinite(value) ||
+      std::abs(value) > std::numeric_limits<float>::max()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(name), " = ", value, " is not a finite float32 value"));
+  }
+  return static_cast<float>(value);
+}
+
+absl::StatusOr<v1::DataType> CacheDtypeOf(const InferParameter& parameter) {
+  if (parameter.parameter_choice_case() == InferParameter::kStringParam) {
+    if (parameter.string_param() == "FP32") return v1::DATA_TYPE_FLOAT32;
+    if (parameter.string_param() == "BF16") return v1::DATA_TYPE_BFLOAT16;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      Where(kDtype), " must be the string 'FP32' or 'BF16', got ",
+      parameter.parameter_choice_case() == InferParameter::kStringParam
+          ? EchoString(parameter.string_param())
+          : std::string(KindOf(parameter))));
+}
+
+// The first request's settings: only with sequence_start, and the rotary
+// and dtype settings only for attention sessions (a model has its own).
+absl::Status ReadSettings(const ParameterMap& parameters,
+                          absl::string_view model, SequenceParameters* out) {
+  for (absl::string_view name :
+       {kMaxLength, kRotaryDims, kRotaryBase, kDtype}) {
+    const auto it = parameters.find(std::string(name));
+    if (it == parameters.end()) continue;
+    if (!out->start) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(name),
+                       " applies to the first request of a sequence only "
+                       "(with sequence_start true)"));
+    }
+    if (name != kMaxLength && model != kAttentionSessionModel) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(name), ": model ", EchoString(model),
+                       " has its own; only sequences of ",
+                       kAttentionSessionModel, " take it"));
+    }
+    const InferParameter& parameter = it->second;
+    if (name == kMaxLength) {
+      ATTN_ASSIGN_OR_RETURN(
+          out->max_length,
+          CountOf(parameter, name, std::numeric_limits<int64_t>::max()));
+    } else if (name == kRotaryDims) {
+      ATTN_ASSIGN_OR_RETURN(
+          out->rotary_dims,
+          CountOf(parameter, name, std::numeric_limits<int32_t>::max()));
+    } else if (name == kRotaryBase) {
+      ATTN_ASSIGN_OR_RETURN(out->rotary_base, FloatOf(parameter, name));
+    } else {
+      ATTN_ASSIGN_OR_RETURN(out->dtype, CacheDtypeOf(parameter));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// "sequence 42 ... model 'm'" for messages.
+std::string SequenceOf(absl::string_view model, const SequenceId& id) {
+  return absl::StrCat("sequence ", id.ToString(), " of model ",
+                      EchoString(model));
+}
+
+// A step on a sequence whose session the store no longer has.
+absl::Status GoneError(absl::string_view model, const SequenceId& id,
+                       const absl::Status& not_found) {
+  absl::string_view why = not_found.message();
+  absl::ConsumeSuffix(&why, "; create a new one and prefill it");
+  return absl::NotFoundError(
+      absl::StrCat(kId, ": ", SequenceOf(model, id), " is gone (", why,
+                   "); send its first request again with sequence_start"));
+}
+
+v1::Tensor ShapeOnly(const v1::Tensor& tensor) {
+  v1::Tensor shape;
+  shape.set_dtype(tensor.dtype());
+  *shape.mutable_shape() = tensor.shape();
+  return shape;
+}
+
+// An attention session's heads, dims and batch, from the first step's
+// query [B, H, n, dk], key [B, Hkv, n, dk] and value [B, Hkv, n, dv].
+absl::Status AttentionSessionShape(const v1::SessionStepRequest& step,
+                                   v1::CreateSessionRequest* create) {
+  if (!step.has_query() || !step.has_key() || !step.has_value()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "inputs: the first request of an ", kAttentionSessionModel,
+        " sequence needs query, key and value (their shapes give the "
+        "session's heads and dims)"));
+  }
+  const int rank = step.query().shape_size();
+  if (rank != 3 && rank != 4) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "query: expected [B, H, n, dk] or [H, n, dk], got rank ", rank));
+  }
+  const std::pair<const char*, const v1::Tensor*> others[] = {
+      {"key", &step.key()}, {"value", &step.value()}};
+  for (const auto& [name, tensor] : others) {
+    if (tensor->shape_size() != rank) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ": rank ", tensor->shape_size(), " != query rank ", rank));
+    }
+  }
+  const int heads = rank - 3;  // the heads' dim
+  const auto dim = [&](const v1::Tensor& t, int i) { return t.shape(i); };
+  for (const auto& [name, value] :
+       {std::pair<const char*, int64_t>{"query", dim(step.query(), heads)},
+        {"key", dim(step.key(), heads)}}) {
+    if (value < 1 || value > std::numeric_limits<int32_t>::max()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ": heads dim ", value, " is not in [1, ",
+                       std::numeric_limits<int32_t>::max(), "]"));
+    }
+  }
+  if (rank == 4 && dim(step.query(), 0) < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "query: batch dim ", dim(step.query(), 0), " must be at least 1"));
+  }
+  create->set_num_heads(static_cast<int32_t>(dim(step.query(), heads)));
+  create->set_num_kv_heads(static_cast<int32_t>(dim(step.key(), heads)));
+  create->set_head_dim(dim(step.query(), heads + 2));
+  create->set_value_head_dim(dim(step.value(), heads + 2));
+  create->set_batch(rank == 4 ? dim(step.query(), 0) : 1);
+  return absl::OkStatus();
+}
+
+// A start costs what a step on an empty cache computes: causal attention
+// of its prompt (with the model's projections).
+RequestCost StartCost(const Model* served, const v1::SessionStepRequest& step) {
+  if (served != nullptr) {
+    v1::MultiHeadAttendRequest prompt;
+    prompt.set_model(served->name);
+    prompt.set_causal(true);
+    *prompt.mutable_query() = ShapeOnly(step.input());
+    return CostOf(prompt, served->layer.get());
+  }
+  v1::AttendRequest prompt;
+  prompt.set_causal(true);
+  prompt.set_enable_gqa(true);
+  *prompt.mutable_query() = ShapeOnly(step.query());
+  *prompt.mutable_key() = ShapeOnly(step.key());
+  *prompt.mutable_value() = ShapeOnly(step.value());
+  return CostOf(prompt);
+}
+
+}  // namespace
+
+std::string SequenceId::ToString() const {
+  return is_string ? EchoString(text, '"') : absl::StrCat(number);
+}
+
+std::string SequenceId::Key() const {
+  return is_string ? absl::StrCat("s", text) : absl::StrCat("u", number);
+}
+
+bool IsSequenceParameter(absl::string_view name, bool in_sequence) {
+  if (name == kId || name == kStart || name == kEnd) return true;
+  return in_sequence &&
+         (name == kPosition || name == kMaxLength || name == kRotaryDims ||
+          name == kRotaryBase || name == kDtype);
+}
+
+bool TakesSequences(absl::string_view model) {
+  return model != kAttendModel && model != kMultiHeadAttendModel &&
+         model != kLayerNormModel;
+}
+
+std::vector<std::string> SequenceParameterNames(absl::string_view model) {
+  std::vector<std::string> names = {std::string(kId), std::string(kStart),
+                                    std::string(kEnd), std::string(kPosition),
+                                    std::string(kMaxLength)};
+  if (model == kAttentionSessionModel) {
+    for (absl::string_view name : {kRotaryDims, kRotaryBase, kDtype}) {
+      names.emplace_back(name);
+    }
+  }
+  return names;
+}
+
+absl::StatusOr<SequenceParameters> SequenceParametersOf(
+    const ParameterMap& parameters, absl::string_view model) {
+  SequenceParameters out;
+  if (const auto it = parameters.find(std::string(kFork));
+      it != parameters.end()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(kFork),
+        ": forking a sequence is not available on this server; start a new "
+        "sequence and send it the shared prefix"));
+  }
+  if (const auto it = parameters.find(std::string(kId));
+      it != parameters.end()) {
+    ATTN_ASSIGN_OR_RETURN(out.id, IdOf(it->second));
+  }
+  for (auto [name, flag] : {std::pair{kStart, &out.start}, {kEnd, &out.end}}) {
+    const auto it = parameters.find(std::string(name));
+    if (it == parameters.end()) continue;
+    ATTN_ASSIGN_OR_RETURN(*flag, BoolOf(it->second, name));
+  }
+  const auto position = parameters.find(std::string(kPosition));
+  if (out.id.none()) {
+    for (auto [name, set] : {std::pair{kStart, out.start},
+                             {kEnd, out.end},
+                             {kPosition, position != parameters.end()}}) {
+      if (!set) continue;
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(name),
+                       " needs a sequence_id (a non-zero uint64 or a "
+                       "non-empty string)"));
+    }
+    return out;
+  }
+  if (!TakesSequences(model)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(kId), ": model ", EchoString(model),
+        " keeps no state between requests; sequences run on served models "
+        "and on ",
+        kAttentionSessionModel));
+  }
+  if (position != parameters.end()) {
+    ATTN_ASSIGN_OR_RETURN(out.position,
+                          CountOf(position->second, kPosition,
+                                  std::numeric_limits<int64_t>::max()));
+  }
+  ATTN_RETURN_IF_ERROR(ReadSettings(parameters, model, &out));
+  return out;
+}
+
+SequenceTable::SequenceTable(SessionStore* sessions,
+                             const ModelRepository* models,
+                             int64_t max_session_length, size_t max_per_model)
+    : sessions_(sessions),
+      models_(models),
+      max_session_length_(max_session_length),
+      max_per_model_(max_per_model > 0 ? max_per_model
+                                       : DefaultMaxPerModel(sessions)) {}
+
+absl::Duration SequenceTable::idle_timeout() const {
+  return sessions_ != nullptr ? sessions_->options().idle_timeout
+                              : absl::ZeroDuration();
+}
+
+void SequenceTable::Sweep(Sequences& sequences) {
+  absl::erase_if(sequences, [](const auto& entry) {
+    return entry.second.session.expired();
+  });
+}
+
+absl::StatusOr<std::string> SequenceTable::Find(absl::string_view model,
+                                                const SequenceId& id) {
+  std::string session_id;
+  bool gone = false;
+  {
+    MutexLock lock(&mu_);
+    const auto sequences = models_sequences_.find(model);
+    const auto it = sequences == models_sequences_.end()
+                        ? Sequences::iterator()
+                        : sequences->second.find(id.Key());
+    if (sequences == models_sequences_.end() || it == sequences->second.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          kId, ": inference request for sequence ", id.ToString(), " to model ",
+          EchoString(model),
+          " must specify the START flag on the first request of the "
+          "sequence"));
+    }
+    session_id = it->second.session_id;
+    gone = it->second.session.expired();
+    if (gone) sequences->second.erase(it);
+  }
+  if (gone) {
+    const absl::Status found = sessions_->Find(session_id).status();
+    return GoneError(
+        model, id,
+        found.ok() ? absl::NotFoundError("its session was freed") : found);
+  }
+  return session_id;
+}
+
+absl::Status SequenceTable::Insert(absl::string_view model,
+                                   const SequenceId& id,
+                                   const std::string& session_id) {
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const DecodeSession> session,
+                        sessions_->Find(session_id));
+  std::string replaced;
+  {
+    MutexLock lock(&mu_);
+    Sequences& sequences = models_sequences_[model];
+    if (!sequences.contains(id.Key()) && sequences.size() >= max_per_model_) {
+      Sweep(sequences);
+      if (sequences.size() >= max_per_model_) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            kId, ": model ", EchoString(model), " holds ", sequences.size(),
+            " open sequences, the most one model may; end some with "
+            "sequence_end first"));
+      }
+    }
+    Entry& entry = sequences[id.Key()];
+    replaced = std::move(entry.session_id);
+    entry = Entry{session_id, session};
+  }
+  // A new start of an open sequence replaces it.
+  if (!replaced.empty() && replaced != session_id) {
+    sessions_->Delete(replaced).IgnoreError();  // gone already: nothing to free
+  }
+  return absl::OkStatus();
+}
+
+void SequenceTable::Erase(absl::string_view model, const SequenceId& id,
+                          absl::string_view session_id) {
+  MutexLock lock(&mu_);
+  const auto sequences = models_sequences_.find(model);
+  if (sequences == models_sequences_.end()) return;
+  const auto it = sequences->second.find(id.Key());
+  if (it != sequences->second.end() && it->second.session_id == session_id) {
+    sequences->second.erase(it);
+  }
+}
+
+size_t SequenceTable::size(absl::string_view model) const {
+  MutexLock lock(&mu_);
+  const auto sequences = models_sequences_.find(model);
+  return sequences == models_sequences_.end() ? 0 : sequences->second.size();
+}
+
+absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
+    SequenceTable* table, std::string model,
+    std::shared_ptr<const Model> served, const SequenceParameters& parameters,
+    const v1::SessionStepRequest& step) {
+  if (table == nullptr || table->sessions() == nullptr) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(kId,
+                     ": sequences need decode sessions, which are off on this "
+                     "server (--max_session_memory_mb=0)"));
+  }
+  std::unique_ptr<SequenceCall> call(
+      new SequenceCall(table, std::move(model), parameters));
+  if (!parameters.start) {
+    ATTN_ASSIGN_OR_RETURN(call->session_id_,
+                          table->Find(call->model_, parameters.id));
+    v1::SessionStepRequest lookup;
+    lookup.set_session_id(call->session_id_);
+    call->handler_.emplace(lookup, table->sessions());
+    call->cost_ = CostOf(step, call->handler_->session());
+    return call;
+  }
+  v1::CreateSessionRequest& create = call->create_;
+  if (served != nullptr) {
+    create.set_model(served->name);
+    const int rank = step.input().shape_size();
+    create.set_batch(rank == 3 ? std::max<int64_t>(step.input().shape(0), 1)
+                               : 1);
+  } else {
+    ATTN_RETURN_IF_ERROR(AttentionSessionShape(step, &create));
+    if (parameters.rotary_dims) create.set_rotary_dims(*parameters.rotary_dims);
+    if (parameters.rotary_base) create.set_rotary_base(*parameters.rotary_base);
+    if (parameters.dtype) create.set_dtype(*parameters.dtype);
+  }
+  if (parameters.max_length) create.set_max_length(*parameters.max_length);
+  call->cost_ = StartCost(served.get(), step);
+  return call;
+}
+
+absl::Status SequenceCall::Run(v1::SessionStepRequest* step,
+                               v1::SessionStepResponse* response,
+                               const CallControl& control) {
+  if (parameters_.position) step->set_position(*parameters_.position);
+  return parameters_.start ? Start(step, response, control)
+                           : Continue(step, response, control);
+}
+
+absl::Status SequenceCall::Start(v1::SessionStepRequest* step,
+                                 v1::SessionStepResponse* response,
+                                 const CallControl& control) {
+  SessionStore* sessions = table_->sessions();
+  v1::CreateSessionResponse created;
+  ATTN_RETURN_IF_ERROR(HandleCreateSession(create_, table_->models(), sessions,
+                                           table_->max_session_length(),
+                                           &created));
+  const std::string& id = created.session_id();
+  step->set_session_id(id);
+  const absl::Status stepped =
+      SessionStepHandler(*step, sessions)(*step, response, control);
+  // A failed start leaves no sequence; an end frees it once answered.
+  if (!stepped.ok() || parameters_.end) {
+    sessions->Delete(id).IgnoreError();  // evicted meanwhile: nothing to free
+    return stepped;
+  }
+  const absl::Status recorded = table_->Insert(model_, parameters_.id, id);
+  if (!recorded.ok()) sessions->Delete(id).IgnoreError();
+  return recorded;
+}
+
+absl::Status SequenceCall::Continue(v1::SessionStepRequest* step,
+                                    v1::SessionStepResponse* response,
+                                    const CallControl& control) {
+  step->set_session_id(session_id_);
+  const absl::Status stepped = (*handler_)(*step, response, control);
+  // The store's NOT_FOUND (its messages name session_id): the session
+  // expired, was evicted or deleted since the lookup.
+  if (absl::IsNotFound(stepped) &&
+      absl::StartsWith(stepped.message(), "session_id:")) {
+    table_->Erase(model_, parameters_.id, session_id_);
+    return GoneError(model_, parameters_.id, stepped);
+  }
+  if (stepped.ok() && parameters_.end) {
+    table_->Erase(model_, parameters_.id, session_id_);
+    // Freed meanwhile (evicted): the sequence has ended either way.
+    table_->sessions()->Delete(session_id_).IgnoreError();
+  }
+  return stepped;
+}
+
+}  // namespace attnserve

@@ -1,0 +1,210 @@
+// Triton's sequence extension on decode sessions: a ModelInfer request with
+// the parameters sequence_id (a uint64, or a string), sequence_start and
+// sequence_end (bools) is one step of a decode session (core/session_store.h)
+// instead of a stateless call. The first request of a sequence (start)
+// creates the session and its inputs are the first step (the prompt);
+// later requests append a step each; the last one (end) frees the session
+// once it is answered. A sequence id of 0 or "" means "no sequence", as in
+// Triton.
+//
+// Two kinds of models take sequences:
+//  - served models: model sessions of the model's layer; the request's
+//    "query" is the step's hidden states [B, n, E] or [n, E] (self-attention:
+//    keys and values are projected from them);
+//  - the built-in "attention_session": attention sessions whose heads and
+//    dims are those of the first request's query [B, H, n, dk], key
+//    [B, Hkv, n, dk] and value [B, Hkv, n, dv] (B may be left out).
+// The first request may also set max_length (tokens the sequence may hold;
+// default --max_session_length) and, for attention_session, rotary_dims,
+// rotary_base and dtype ("FP32" or "BF16": what the cache stores). Every
+// step may set scale and temperature, and sequence_position, a rewind: the
+// step's tokens start there, dropping the cached ones from there on.
+// Forking a sequence is not available (sequence_fork is refused).
+//
+// A request that fails changes nothing: a failed start leaves no sequence,
+// a failed step leaves the session as it was, a failed end leaves the
+// sequence open. A step on a sequence that was never started (or has ended)
+// is refused with Triton's message; one whose session expired or was
+// evicted is NOT_FOUND, saying so, and its sequence is forgotten.
+//
+// The table maps (model, sequence id) to session ids, at most
+// max_per_model sequences a model; entries whose sessions the store has
+// freed (expired, evicted) are dropped lazily, without touching the
+// sessions' idle clocks.
+//
+// Thread-safety: SequenceTable is thread-safe; SequenceCall is
+// thread-compatible (one call, one thread). Ownership: the table owns its
+// entries; the session store and repository must outlive it.
+#ifndef ATTNSERVE_SERVER_SEQUENCES_H_
+#define ATTNSERVE_SERVER_SEQUENCES_H_
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "absl/time/time.h"
+#include "attnserve/v1/attention.pb.h"
+#include "core/mutex.h"
+#include "core/session_store.h"
+#include "inference/grpc_service.pb.h"
+#include "server/handlers.h"
+#include "server/model_repository.h"
+#include "server/open_inference.h"
+#include "server/request_cost.h"
+
+namespace attnserve {
+
+// A sequence id as the protocol sends it: a number or a string; 42 and
+// "42" are different sequences.
+struct SequenceId {
+  bool is_string = false;
+  uint64_t number = 0;
+  std::string text;
+
+  // 0 and "": not in a sequence.
+  bool none() const { return is_string ? text.empty() : number == 0; }
+  // For messages: 42, or "abc".
+  std::string ToString() const;
+  // The table's key.
+  std::string Key() const;
+};
+
+// The sequence parameters of one request.
+struct SequenceParameters {
+  SequenceId id;
+  bool start = false;
+  bool end = false;
+  std::optional<int64_t> position;  // sequence_position: a rewind
+  // Start only: the session's settings.
+  std::optional<int64_t> max_length;
+  std::optional<int32_t> rotary_dims;
+  std::optional<float> rotary_base;
+  std::optional<v1::DataType> dtype;
+};
+
+// Whether `name` is a parameter SequenceParametersOf reads (with the
+// start-only settings when `in_sequence`).
+bool IsSequenceParameter(absl::string_view name, bool in_sequence);
+
+// The sequence parameters of `parameters`, checked: types, a start or end
+// without an id, settings outside a start or on a model that takes none.
+// INVALID_ARGUMENT naming the parameter.
+absl::StatusOr<SequenceParameters> SequenceParametersOf(
+    const google::protobuf::Map<std::string, inference::InferParameter>&
+        parameters,
+    absl::string_view model);
+
+// Whether requests of `model` may belong to a sequence (served models and
+// attention_session; not the stateless built-ins).
+bool TakesSequences(absl::string_view model);
+// The sequence parameters `model` takes, for its configuration.
+std::vector<std::string> SequenceParameterNames(absl::string_view model);
+
+class SequenceTable {
+ public:
+  // `sessions` null: sequences are off (FAILED_PRECONDITION). `models` may
+  // be null (no repository). `max_session_length`: the server's limit.
+  // `max_per_model` 0: twice the store's max_sessions (at least 1024), or
+  // 65536 without one.
+  SequenceTable(SessionStore* sessions, const ModelRepository* models,
+                int64_t max_session_length, size_t max_per_model = 0);
+
+  SessionStore* sessions() const { return sessions_; }
+  const ModelRepository* models() const { return models_; }
+  int64_t max_session_length() const { return max_session_length_; }
+  size_t max_per_model() const { return max_per_model_; }
+  // How long a sequence may sit idle (the store's idle timeout).
+  absl::Duration idle_timeout() const;
+
+  // The session of sequence `id` of `model`: INVALID_ARGUMENT (Triton's
+  // "must specify the START flag") when none is open, NOT_FOUND saying why
+  // when its session is gone (the entry is dropped then).
+  absl::StatusOr<std::string> Find(absl::string_view model,
+                                   const SequenceId& id);
+  // Records `session_id` (open in the store) as sequence `id` of `model`; a
+  // sequence already open under that id is replaced and its session freed.
+  // RESOURCE_EXHAUSTED when the model holds max_per_model sequences whose
+  // sessions are all open.
+  absl::Status Insert(absl::string_view model, const SequenceId& id,
+                      const std::string& session_id);
+  // Forgets sequence `id` of `model` if it is still `session_id`.
+  void Erase(absl::string_view model, const SequenceId& id,
+             absl::string_view session_id);
+  // Sequences recorded for `model` (open or not yet found gone).
+  size_t size(absl::string_view model) const;
+
+ private:
+  struct Entry {
+    std::string session_id;
+    // Expires when the store frees the session: tells a gone session
+    // without touching its idle clock.
+    std::weak_ptr<const DecodeSession> session;
+  };
+  using Sequences = absl::flat_hash_map<std::string, Entry>;
+  // Drops the entries of `sequences` whose sessions are gone.
+  static void Sweep(Sequences& sequences);
+
+  SessionStore* const sessions_;
+  const ModelRepository* const models_;
+  const int64_t max_session_length_;
+  const size_t max_per_model_;
+  mutable Mutex mu_;
+  absl::flat_hash_map<std::string, Sequences> models_sequences_
+      ABSL_GUARDED_BY(mu_);
+};
+
+// One request of a sequence: its session created (start) or looked up,
+// then one step.
+class SequenceCall {
+ public:
+  // `step` is the request's step (inputs, scale, temperature) without its
+  // session; `served` the model (null for attention_session). Looks the
+  // sequence up unless it starts; the errors of SequenceTable::Find and
+  // of the start's settings.
+  static absl::StatusOr<std::unique_ptr<SequenceCall>> Create(
+      SequenceTable* table, std::string model,
+      std::shared_ptr<const Model> served, const SequenceParameters& parameters,
+      const v1::SessionStepRequest& step);
+
+  // What the step will cost: a start as the causal attention of its prompt
+  // (what a step on an empty cache computes), a step by its session.
+  RequestCost cost() const { return cost_; }
+  // Runs the step (`step` gets its session id), creating the session
+  // first when the sequence starts and freeing it after an end.
+  absl::Status Run(v1::SessionStepRequest* step,
+                   v1::SessionStepResponse* response,
+                   const CallControl& control);
+
+ private:
+  SequenceCall(SequenceTable* table, std::string model,
+               const SequenceParameters& parameters)
+      : table_(table), model_(std::move(model)), parameters_(parameters) {}
+  absl::Status Start(v1::SessionStepRequest* step,
+                     v1::SessionStepResponse* response,
+                     const CallControl& control);
+  absl::Status Continue(v1::SessionStepRequest* step,
+                        v1::SessionStepResponse* response,
+                        const CallControl& control);
+
+  SequenceTable* const table_;
+  const std::string model_;
+  const SequenceParameters parameters_;
+  // Start: the session to create.
+  v1::CreateSessionRequest create_;
+  // Other steps: the session, looked up once for the cost.
+  std::string session_id_;
+  std::optional<SessionStepHandler> handler_;
+  RequestCost cost_;
+};
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_SERVER_SEQUENCES_H_

@@ -1,0 +1,151 @@
+#include "server/step_coalescer.h"
+
+#include <algorithm>
+#include <new>
+#include <utility>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/string_view.h"
+#include "server/scheduler.h"
+
+namespace attnserve {
+
+StepCoalescer::StepCoalescer(SessionStore* sessions, ThreadBudget* threads,
+                             const Options& options, Submit submit, Busy busy)
+    : sessions_(sessions),
+      threads_(threads),
+      options_(options),
+      submit_(std::move(submit)),
+      busy_(std::move(busy)) {}
+
+void StepCoalescer::Add(std::unique_ptr<Step> step) {
+  bool queue_runner = false;
+  {
+    MutexLock lock(&mu_);
+    if (pending_.size() < options_.max_pending) {
+      pending_.push_back(std::move(step));
+      queue_runner = !runner_;
+      runner_ = true;
+      arrived_.SignalAll();
+    }
+  }
+  if (step != nullptr) {
+    step->Finish(busy_(), absl::Now(), absl::ZeroDuration());
+    return;
+  }
+  if (queue_runner && !submit_([this] { Run(); })) FailPending(busy_());
+}
+
+bool StepCoalescer::active() const {
+  MutexLock lock(&mu_);
+  return runner_;
+}
+
+void StepCoalescer::FailPending(const absl::Status& status) {
+  std::deque<std::unique_ptr<Step>> refused;
+  {
+    MutexLock lock(&mu_);
+    refused.swap(pending_);
+    runner_ = false;
+  }
+  for (auto& step : refused) {
+    step->Finish(status, absl::Now(), absl::ZeroDuration());
+  }
+}
+
+void StepCoalescer::Run() {
+  for (;;) {
+    std::vector<std::unique_ptr<Step>> batch = TakeBatch();
+    if (batch.empty()) return;
+    RunPass(batch);
+  }
+}
+
+void StepCoalescer::WaitForCompany() {
+  const absl::Time now = absl::Now();
+  if (options_.wait <= absl::ZeroDuration() ||
+      now - last_answered_ >= options_.wait) {
+    return;
+  }
+  const size_t expected =
+      std::min(last_size_, static_cast<size_t>(options_.max_batch));
+  const auto until = std::chrono::steady_clock::now() +
+                     absl::ToChronoNanoseconds(options_.wait);
+  while (pending_.size() < expected) {
+    if (!arrived_.WaitUntil(&mu_, until)) break;
+  }
+}
+
+std::vector<std::unique_ptr<StepCoalescer::Step>> StepCoalescer::TakeBatch() {
+  MutexLock lock(&mu_);
+  WaitForCompany();
+  std::vector<std::unique_ptr<Step>> batch;
+  if (pending_.empty()) {
+    runner_ = false;
+    return batch;
+  }
+  // A session's second step waits for the next pass: it must see the
+  // first one's tokens, as it would if the calls ran one after the other.
+  absl::flat_hash_set<absl::string_view> sessions;
+  std::deque<std::unique_ptr<Step>> later;
+  while (!pending_.empty() &&
+         batch.size() < static_cast<size_t>(options_.max_batch)) {
+    std::unique_ptr<Step> step = std::move(pending_.front());
+    pending_.pop_front();
+    if (sessions.insert(step->session_id()).second) {
+      batch.push_back(std::move(step));
+    } else {
+      later.push_back(std::move(step));
+    }
+  }
+  while (!later.empty()) {
+    pending_.push_front(std::move(later.back()));
+    later.pop_back();
+  }
+  return batch;
+}
+
+void StepCoalescer::RunPass(std::vector<std::unique_ptr<Step>>& batch) {
+  const absl::Time started = absl::Now();
+  std::vector<absl::Status> statuses(batch.size());
+  std::vector<SessionStore::StepInput> inputs;
+  std::vector<size_t> index;  // inputs[k] is batch[index[k]]'s
+  double flops = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    absl::StatusOr<const SessionStore::StepInput*> input = batch[i]->Prepare();
+    if (!input.ok()) {
+      statuses[i] = input.status();
+      continue;
+    }
+    inputs.push_back(**input);
+    index.push_back(i);
+    flops += batch[i]->flops();
+  }
+  if (!inputs.empty()) {
+    ThreadBudget::Lease lease = threads_->Acquire(UsefulThreads(flops));
+    std::vector<absl::Status> ran;
+    try {
+      ran = sessions_->StepMany(inputs);
+    } catch (const std::bad_alloc&) {
+      ran.assign(inputs.size(),
+                 absl::ResourceExhaustedError(
+                     "request: the server is out of memory for this call; "
+                     "retry later or send a smaller one"));
+    }
+    for (size_t k = 0; k < index.size(); ++k) statuses[index[k]] = ran[k];
+  }
+  const absl::Duration compute = absl::Now() - started;
+  size_t k = 0;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    const bool took_part = k < index.size() && index[k] == i;
+    k += took_part;
+    batch[i]->Finish(statuses[i], started,
+                     took_part ? compute : absl::ZeroDuration());
+    batch[i].reset();
+  }
+  MutexLock lock(&mu_);
+  last_size_ = batch.size();
+  last_answered_ = absl::Now();
+}
+
+}  // namespace attnserve
