@@ -196,26 +196,48 @@ const void* At(const void* base, DType dtype, int64_t offset) {
   return static_cast<const char*>(base) + offset * DTypeSize(dtype);
 }
 
+RowType RowTypeOf(DType dtype) {
+  return dtype == DType::kBFloat16 ? RowType::kBFloat16 : RowType::kFloat32;
+}
+
+// The key (or value) rows j0 .. of key/value head g of batch entry b.
+CachedRows CachedRowsOf(const AttentionProblem& p, bool keys, int64_t b,
+                        int64_t g, int64_t j0) {
+  const OperandLayout& layout = keys ? p.key_layout : p.value_layout;
+  const int64_t offset =
+      b * layout.batch_stride + g * layout.head_stride + j0 * layout.row_stride;
+  const size_t block = static_cast<size_t>(j0 / kCacheBlockKeys);
+  const absl::Span<const void* const> table =
+      keys ? p.key_blocks : p.value_blocks;
+  const void* base = block < table.size() ? table[block]
+                     : keys               ? p.key
+                                          : p.value;
+  if (!p.int8_kv) {
+    return {At(base, p.operand_dtype, offset), layout.row_stride,
+            RowTypeOf(p.operand_dtype), nullptr};
+  }
+  const absl::Span<const float* const> scale_table =
+      keys ? p.key_scale_blocks : p.value_scale_blocks;
+  const float* scales = block < scale_table.size() ? scale_table[block]
+                        : keys                     ? p.key_scales
+                                                   : p.value_scales;
+  return {static_cast<const int8_t*>(base) + offset, layout.row_stride,
+          RowType::kInt8,
+          scales + b * p.scale_layout.batch_stride +
+              g * p.scale_layout.head_stride + j0};
+}
+
 // Key (value) j0 of batch entry b, key/value head g, and the keys after it
-// up to the end of j0's block of kCacheBlockKeys: in `key` (`value`), or
-// at the base the problem's block table gives for that block.
+// up to the end of j0's block, for the tiled path (never INT8: it reads
+// dequantized copies).
 const void* KeyRows(const AttentionProblem& p, int64_t b, int64_t g,
                     int64_t j0) {
-  const size_t block = static_cast<size_t>(j0 / kCacheBlockKeys);
-  const void* base = block < p.key_blocks.size() ? p.key_blocks[block] : p.key;
-  return At(base, p.operand_dtype,
-            b * p.key_layout.batch_stride + g * p.key_layout.head_stride +
-                j0 * p.key_layout.row_stride);
+  return CachedRowsOf(p, /*keys=*/true, b, g, j0).data;
 }
 
 const void* ValueRows(const AttentionProblem& p, int64_t b, int64_t g,
                       int64_t j0) {
-  const size_t block = static_cast<size_t>(j0 / kCacheBlockKeys);
-  const void* base =
-      block < p.value_blocks.size() ? p.value_blocks[block] : p.value;
-  return At(base, p.operand_dtype,
-            b * p.value_layout.batch_stride + g * p.value_layout.head_stride +
-                j0 * p.value_layout.row_stride);
+  return CachedRowsOf(p, /*keys=*/false, b, g, j0).data;
 }
 
 struct BlockOperands {
@@ -765,37 +787,6 @@ struct SplitProblem {
   }
 };
 
-RowType RowTypeOf(DType dtype) {
-  return dtype == DType::kBFloat16 ? RowType::kBFloat16 : RowType::kFloat32;
-}
-
-// The key (or value) rows j0 .. of key/value head g of batch entry b.
-CachedRows CachedRowsOf(const AttentionProblem& p, bool keys, int64_t b,
-                        int64_t g, int64_t j0) {
-  const OperandLayout& layout = keys ? p.key_layout : p.value_layout;
-  const int64_t offset =
-      b * layout.batch_stride + g * layout.head_stride + j0 * layout.row_stride;
-  const size_t block = static_cast<size_t>(j0 / kCacheBlockKeys);
-  const absl::Span<const void* const> table =
-      keys ? p.key_blocks : p.value_blocks;
-  const void* base = block < table.size() ? table[block]
-                     : keys               ? p.key
-                                          : p.value;
-  if (!p.int8_kv) {
-    return {At(base, p.operand_dtype, offset), layout.row_stride,
-            RowTypeOf(p.operand_dtype), nullptr};
-  }
-  const absl::Span<const float* const> scale_table =
-      keys ? p.key_scale_blocks : p.value_scale_blocks;
-  const float* scales = block < scale_table.size() ? scale_table[block]
-                        : keys                     ? p.key_scales
-                                                   : p.value_scales;
-  return {static_cast<const int8_t*>(base) + offset, layout.row_stride,
-          RowType::kInt8,
-          scales + b * p.scale_layout.batch_stride +
-              g * p.scale_layout.head_stride + j0};
-}
-
 // Row r of a split unit: query head g * group + r / query_len, position
 // r % query_len.
 struct SplitRow {
@@ -804,21 +795,6 @@ struct SplitRow {
 
 SplitRow RowOf(const AttentionProblem& p, int64_t g, int64_t r) {
   return {g * p.kv_group + r / p.query_len, r % p.query_len};
-}
-
-// Value element c of key j of a value head.
-float CachedElement(const CachedRows& rows, int64_t j, int64_t c) {
-  const int64_t at = j * rows.stride + c;
-  switch (rows.type) {
-    case RowType::kBFloat16:
-      return BFloat16ToFloat(static_cast<const uint16_t*>(rows.data)[at]);
-    case RowType::kInt8:
-      return static_cast<float>(static_cast<const int8_t*>(rows.data)[at]) *
-             rows.scales[j];
-    case RowType::kFloat32:
-      break;
-  }
-  return static_cast<const float*>(rows.data)[at];
 }
 
 // One item: the partial softmax of unit (b, g)'s rows over keys
@@ -862,7 +838,7 @@ void AccumulateMaskedValues(const SplitProblem& sp, int64_t b, int64_t g,
     for (int64_t j = 0; j < kept[r]; ++j) {
       if (prob[j] == 0.0f && Excluded(p, batch_head, row.i, j0 + j)) continue;
       for (int64_t c = 0; c < dv; ++c) {
-        acc[r * dv + c] += prob[j] * CachedElement(values, j, c);
+        acc[r * dv + c] += prob[j] * CachedValue(values, j, c);
       }
     }
   }
@@ -1144,7 +1120,7 @@ absl::StatusOr<DequantizedCache> Dequantize(const AttentionProblem& p) {
       // A block table's blocks may each be in another cache.
       if (j % kCacheBlockKeys == 0) rows = CachedRowsOf(p, is_key, b, g, j);
       for (int64_t c = 0; c < dim; ++c) {
-        const float x = CachedElement(rows, j % kCacheBlockKeys, c);
+        const float x = CachedValue(rows, j % kCacheBlockKeys, c);
         if (bf16) {
           static_cast<uint16_t*>(dst.data())[first + j * dim + c] =
               FloatToBFloat16(x);

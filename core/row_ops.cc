@@ -79,21 +79,6 @@ bool ScalarAllFinite(const float* x, int64_t n) {
   return true;
 }
 
-// Element c of cached row j as float32.
-float CachedValue(const CachedRows& rows, int64_t j, int64_t c) {
-  const int64_t at = j * rows.stride + c;
-  switch (rows.type) {
-    case RowType::kBFloat16:
-      return BFloat16ToFloat(static_cast<const uint16_t*>(rows.data)[at]);
-    case RowType::kInt8:
-      return static_cast<float>(static_cast<const int8_t*>(rows.data)[at]) *
-             rows.scales[j];
-    case RowType::kFloat32:
-      break;
-  }
-  return static_cast<const float*>(rows.data)[at];
-}
-
 void ScalarDotRows(const float* q, int64_t rows, int64_t dim,
                    const CachedRows& keys, int64_t cols, float* out,
                    int64_t ld) {

@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "core/convert.h"
+
 namespace attnserve {
 
 // The element type of cached key or value rows the decode kernel reads:
@@ -25,6 +27,21 @@ struct CachedRows {
   RowType type = RowType::kFloat32;
   const float* scales = nullptr;
 };
+
+// Element c of cached row j as float32 (scaled, for kInt8).
+inline float CachedValue(const CachedRows& rows, int64_t j, int64_t c) {
+  const int64_t at = j * rows.stride + c;
+  switch (rows.type) {
+    case RowType::kBFloat16:
+      return BFloat16ToFloat(static_cast<const uint16_t*>(rows.data)[at]);
+    case RowType::kInt8:
+      return static_cast<float>(static_cast<const int8_t*>(rows.data)[at]) *
+             rows.scales[j];
+    case RowType::kFloat32:
+      break;
+  }
+  return static_cast<const float*>(rows.data)[at];
+}
 
 // Non-finite values: the max functions ignore NaN (a NaN lane never wins a
 // vector max, so that every implementation agrees), and exp_sum passes NaN
