@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/status_macros.h"
 
 namespace attnserve {
 namespace {
@@ -98,24 +99,30 @@ absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Dims& dims) {
   std::unique_ptr<KvCache> cache(new KvCache());
   cache->dims_ = dims;
   cache->written_.assign(dims.layers, 0);
-  static constexpr absl::string_view kWhat[kRegions] = {
-      "keys", "values", "key scales", "value scales"};
+  // One mapping for every region: a process may hold at most
+  // vm.max_map_count (65530 by default) mappings, malloc's included, and
+  // the sessions and the caches forks share must stay well inside that.
+  size_t offset[kRegions];
+  size_t total = 0;
   for (int region = 0; region < kRegions; ++region) {
     const RegionShape shape = ShapeOf(dims, region);
     cache->plane_[region] = RoundUpToPage(
         static_cast<size_t>(dims.max_length * shape.cols) * shape.elem);
-    auto base = Reserve(cache->plane_[region] * cache->planes(), kWhat[region]);
-    if (!base.ok()) return base.status();
-    cache->base_[region] = *base;
+    offset[region] = total;
+    total += cache->plane_[region] * cache->planes();
+  }
+  ATTN_ASSIGN_OR_RETURN(void* base, Reserve(total, "keys and values"));
+  cache->mapping_ = base;
+  cache->mapping_bytes_ = total;
+  for (int region = 0; region < kRegions; ++region) {
+    if (cache->plane_[region] == 0) continue;
+    cache->base_[region] = static_cast<char*>(base) + offset[region];
   }
   return cache;
 }
 
 KvCache::~KvCache() {
-  for (int region = 0; region < kRegions; ++region) {
-    if (base_[region] != nullptr)
-      munmap(base_[region], plane_[region] * planes());
-  }
+  if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
 }
 
 size_t KvCache::BytesFor(int64_t layer, int64_t tokens) const {

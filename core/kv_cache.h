@@ -147,6 +147,9 @@ class KvCache {
   // (batch, head) plane for max_length tokens, page-rounded.
   void* base_[kRegions] = {};
   size_t plane_[kRegions] = {};
+  // The one mapping the regions are carved from.
+  void* mapping_ = nullptr;
+  size_t mapping_bytes_ = 0;
 };
 
 // Quantizes the n values of `x` to int8 codes in `codes` and returns their

@@ -186,6 +186,7 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
                           slot->session->ForkReservedBytes(length));
     MutexLock lock(&mu_);
     if (!sessions_.contains(key)) return NotFound(key);  // gone meanwhile
+    ATTN_RETURN_IF_ERROR(VerifySharedCacheCount());
     ATTN_RETURN_IF_ERROR(MakeRoomBeside(key, room, freed));
   }
   freed.clear();
@@ -221,6 +222,17 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
   }
   if (forked_length != nullptr) *forked_length = fork_length;
   return fork_id;
+}
+
+absl::Status SessionStore::VerifySharedCacheCount() const {
+  if (options_.max_sessions <= 0 ||
+      static_cast<int64_t>(shared_.size()) < options_.max_sessions) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "session_id: forks already share ", shared_.size(),
+      " frozen caches, as many as max_sessions ", options_.max_sessions,
+      " allows; delete sessions that forked or were forked first"));
 }
 
 absl::Status SessionStore::NotFound(absl::string_view id) const {

@@ -127,7 +127,8 @@ class SessionStore {
   // (every one when unset), sharing them copy-on-write
   // (DecodeSession::Fork); `length` gets the new session's length. Makes
   // room as Add does, never evicting `id` itself: RESOURCE_EXHAUSTED when
-  // the other sessions cannot make it. NOT_FOUND as Step.
+  // the other sessions cannot make it, or when forks already share
+  // max_sessions frozen caches. NOT_FOUND as Step.
   absl::StatusOr<std::string> Fork(absl::string_view id,
                                    std::optional<int64_t> length,
                                    int64_t* forked_length = nullptr)
@@ -177,6 +178,11 @@ class SessionStore {
   absl::StatusOr<Entry*> Lookup(absl::string_view id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status NotFound(absl::string_view id) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when forks share max_sessions frozen caches: each is
+  // one more mapping (and a session's cache can be frozen once per fork),
+  // which must stay within the process's vm.max_map_count.
+  absl::Status VerifySharedCacheCount() const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes `id`, remembering why; its slot is appended to `freed` so that
   // the memory is released after the lock.

@@ -578,6 +578,38 @@ TEST_F(SessionCheckTest, Int8CacheCountsItsScales) {
   EXPECT_EQ(*KvCache::ReservedBytes(*dims), s->reserved_bytes());
 }
 
+// Mappings of this process (lines of /proc/self/maps).
+int MappingCount() {
+  FILE* maps = std::fopen("/proc/self/maps", "r");
+  if (maps == nullptr) return -1;
+  int lines = 0;
+  for (int c = std::fgetc(maps); c != EOF; c = std::fgetc(maps)) {
+    if (c == '\n') ++lines;
+  }
+  std::fclose(maps);
+  return lines;
+}
+
+// A process holds at most vm.max_map_count mappings (malloc's included):
+// a session's cache, keys, values and scales of every layer, is one.
+TEST_F(SessionCheckTest, CacheIsOneMapping) {
+#ifdef ATTNSERVE_SANITIZED
+  GTEST_SKIP() << "a sanitizer's allocator maps memory of its own";
+#endif
+  config_.num_heads = 8;
+  config_.num_kv_heads = 8;
+  config_.key_dim = 64;
+  config_.max_length = 1 << 20;  // far past malloc's arenas
+  config_.dtype = DType::kInt8;
+  config_.num_layers = 4;
+  const int before = MappingCount();
+  auto s = Make();
+  ASSERT_NE(s, nullptr);
+  EXPECT_EQ(MappingCount(), before + 1);
+  s.reset();
+  EXPECT_EQ(MappingCount(), before);
+}
+
 TEST_F(SessionCheckTest, CacheDTypeIsChecked) {
   config_.cache_dtype = DType::kBFloat16;
   EXPECT_EQ(CreateError().message(),

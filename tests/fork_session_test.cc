@@ -553,6 +553,31 @@ TEST(ForkSessionStoreTest, ForkThatCannotMakeRoomIsRefused) {
   EXPECT_EQ(stats.cache_bytes, StoreBytes(0, 11));
 }
 
+// Each fork after the parent wrote freezes the parent's cache once more
+// (one more mapping each): the frozen caches are bounded by max_sessions,
+// and a fork past that is refused with the parent unharmed.
+TEST(ForkSessionStoreTest, FrozenCachesAreBoundedByMaxSessions) {
+  SessionStore::Options options;
+  options.max_sessions = 3;
+  SessionStore store(options);
+  std::mt19937 rng(23);
+  const std::string parent = *store.Add(StoreSession());
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(StoreStep(store, parent, 1, rng).ok());
+    ASSERT_TRUE(store.Fork(parent, std::nullopt).ok()) << i;
+  }
+  EXPECT_EQ(store.stats().shared_caches, 3);
+  ASSERT_TRUE(StoreStep(store, parent, 1, rng).ok());
+  const auto refused = store.Fork(parent, std::nullopt);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.status().message(),
+            "session_id: forks already share 3 frozen caches, as many as "
+            "max_sessions 3 allows; delete sessions that forked or were "
+            "forked first");
+  EXPECT_EQ(store.stats().shared_caches, 3);
+  EXPECT_TRUE(StoreStep(store, parent, 1, rng).ok());
+}
+
 // Resident set size of this process, from /proc/self/statm.
 size_t ResidentBytes() {
   std::ifstream statm("/proc/self/statm");
