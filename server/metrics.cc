@@ -137,7 +137,8 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
       "attnserve_sessions_created_total ",
       gauges.sessions.created,
       "\n# HELP attnserve_sessions_forked_total Decode sessions created by "
-      "ForkSession (counted in attnserve_sessions_created_total too).\n"
+      "ForkSession or a sequence_fork (counted in "
+      "attnserve_sessions_created_total too).\n"
       "# TYPE attnserve_sessions_forked_total counter\n"
       "attnserve_sessions_forked_total ",
       gauges.sessions.forked,

@@ -97,7 +97,10 @@ absl::StatusOr<int64_t> CountOf(const InferParameter& parameter,
   return value;
 }
 
-absl::StatusOr<SequenceId> IdOf(const InferParameter& parameter) {
+// A sequence id parameter (sequence_id, sequence_fork): a uint64, a
+// non-negative int64 or a string.
+absl::StatusOr<SequenceId> IdOf(const InferParameter& parameter,
+                                absl::string_view name) {
   SequenceId id;
   switch (parameter.parameter_choice_case()) {
     case InferParameter::kUint64Param:
@@ -106,7 +109,7 @@ absl::StatusOr<SequenceId> IdOf(const InferParameter& parameter) {
     case InferParameter::kInt64Param:
       if (parameter.int64_param() < 0) {
         return absl::InvalidArgumentError(
-            absl::StrCat(Where(kId), " must not be negative, got ",
+            absl::StrCat(Where(name), " must not be negative, got ",
                          parameter.int64_param()));
       }
       id.number = static_cast<uint64_t>(parameter.int64_param());
@@ -117,7 +120,7 @@ absl::StatusOr<SequenceId> IdOf(const InferParameter& parameter) {
       return id;
     default:
       return absl::InvalidArgumentError(
-          absl::StrCat(Where(kId), " must be a uint64 or a string, got ",
+          absl::StrCat(Where(name), " must be a uint64 or a string, got ",
                        KindOf(parameter)));
   }
 }
@@ -159,8 +162,9 @@ absl::StatusOr<v1::DataType> CacheDtypeOf(const InferParameter& parameter) {
           : std::string(KindOf(parameter))));
 }
 
-// The first request's settings: only with sequence_start, and the rotary
-// and dtype settings only for attention sessions (a model has its own).
+// The first request's settings: only with sequence_start and without
+// sequence_fork (a fork has its parent's), and the rotary and dtype
+// settings only for attention sessions (a model has its own).
 absl::Status ReadSettings(const ParameterMap& parameters,
                           absl::string_view model, SequenceParameters* out) {
   for (absl::string_view name :
@@ -172,6 +176,11 @@ absl::Status ReadSettings(const ParameterMap& parameters,
           absl::StrCat(Where(name),
                        " applies to the first request of a sequence only "
                        "(with sequence_start true)"));
+    }
+    if (!out->fork.none()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Where(name), ": a fork keeps the settings of the sequence it forks (",
+          kFork, " ", out->fork.ToString(), ")"));
     }
     if (name != kMaxLength && model != kAttentionSessionModel) {
       return absl::InvalidArgumentError(
@@ -203,13 +212,14 @@ std::string SequenceOf(absl::string_view model, const SequenceId& id) {
                       EchoString(model));
 }
 
-// A step on a sequence whose session the store no longer has.
-absl::Status GoneError(absl::string_view model, const SequenceId& id,
-                       const absl::Status& not_found) {
+// A step on (`name` sequence_id) or a fork of (`name` sequence_fork) a
+// sequence whose session the store no longer has.
+absl::Status GoneError(absl::string_view name, absl::string_view model,
+                       const SequenceId& id, const absl::Status& not_found) {
   absl::string_view why = not_found.message();
   absl::ConsumeSuffix(&why, "; create a new one and prefill it");
   return absl::NotFoundError(
-      absl::StrCat(kId, ": ", SequenceOf(model, id), " is gone (", why,
+      absl::StrCat(name, ": ", SequenceOf(model, id), " is gone (", why,
                    "); send its first request again with sequence_start"));
 }
 
@@ -285,6 +295,22 @@ RequestCost StartCost(const Model* served, const v1::SessionStepRequest& step) {
   return CostOf(prompt);
 }
 
+// A fork's sequence_position: the parent's tokens it starts with, at most
+// what the parent holds (in each of its layers).
+absl::Status VerifyForkPosition(int64_t position, const DecodeSession& parent,
+                                absl::string_view model,
+                                const SequenceId& parent_id) {
+  int64_t held = parent.length(0);
+  for (int64_t l = 1; l < parent.num_layers(); ++l) {
+    held = std::min(held, parent.length(l));
+  }
+  if (position <= held) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(Where(kPosition), ": ", position, " is not in [0, ", held,
+                   "]: a fork starts with that many tokens of ",
+                   SequenceOf(model, parent_id), ", which holds ", held));
+}
+
 }  // namespace
 
 std::string SequenceId::ToString() const {
@@ -298,8 +324,8 @@ std::string SequenceId::Key() const {
 bool IsSequenceParameter(absl::string_view name, bool in_sequence) {
   if (name == kId || name == kStart || name == kEnd) return true;
   return in_sequence &&
-         (name == kPosition || name == kMaxLength || name == kRotaryDims ||
-          name == kRotaryBase || name == kDtype);
+         (name == kPosition || name == kFork || name == kMaxLength ||
+          name == kRotaryDims || name == kRotaryBase || name == kDtype);
 }
 
 bool TakesSequences(absl::string_view model) {
@@ -308,9 +334,9 @@ bool TakesSequences(absl::string_view model) {
 }
 
 std::vector<std::string> SequenceParameterNames(absl::string_view model) {
-  std::vector<std::string> names = {std::string(kId), std::string(kStart),
-                                    std::string(kEnd), std::string(kPosition),
-                                    std::string(kMaxLength)};
+  std::vector<std::string> names = {
+      std::string(kId),       std::string(kStart), std::string(kEnd),
+      std::string(kPosition), std::string(kFork),  std::string(kMaxLength)};
   if (model == kAttentionSessionModel) {
     for (absl::string_view name : {kRotaryDims, kRotaryBase, kDtype}) {
       names.emplace_back(name);
@@ -322,16 +348,10 @@ std::vector<std::string> SequenceParameterNames(absl::string_view model) {
 absl::StatusOr<SequenceParameters> SequenceParametersOf(
     const ParameterMap& parameters, absl::string_view model) {
   SequenceParameters out;
-  if (const auto it = parameters.find(std::string(kFork));
-      it != parameters.end()) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        Where(kFork),
-        ": forking a sequence is not available on this server; start a new "
-        "sequence and send it the shared prefix"));
-  }
-  if (const auto it = parameters.find(std::string(kId));
-      it != parameters.end()) {
-    ATTN_ASSIGN_OR_RETURN(out.id, IdOf(it->second));
+  for (auto [name, id] : {std::pair{kId, &out.id}, {kFork, &out.fork}}) {
+    const auto it = parameters.find(std::string(name));
+    if (it == parameters.end()) continue;
+    ATTN_ASSIGN_OR_RETURN(*id, IdOf(it->second, name));
   }
   for (auto [name, flag] : {std::pair{kStart, &out.start}, {kEnd, &out.end}}) {
     const auto it = parameters.find(std::string(name));
@@ -342,7 +362,8 @@ absl::StatusOr<SequenceParameters> SequenceParametersOf(
   if (out.id.none()) {
     for (auto [name, set] : {std::pair{kStart, out.start},
                              {kEnd, out.end},
-                             {kPosition, position != parameters.end()}}) {
+                             {kPosition, position != parameters.end()},
+                             {kFork, !out.fork.none()}}) {
       if (!set) continue;
       return absl::InvalidArgumentError(
           absl::StrCat(Where(name),
@@ -357,6 +378,18 @@ absl::StatusOr<SequenceParameters> SequenceParametersOf(
         " keeps no state between requests; sequences run on served models "
         "and on ",
         kAttentionSessionModel));
+  }
+  if (!out.fork.none() && !out.start) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(kFork),
+                     " applies to the first request of a sequence only (with "
+                     "sequence_start true): it starts sequence_id as a fork"));
+  }
+  if (!out.fork.none() && out.fork.Key() == out.id.Key()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(kFork), ": sequence ", out.id.ToString(),
+                     " cannot fork itself; to go back in a sequence, step it "
+                     "with sequence_position"));
   }
   if (position != parameters.end()) {
     ATTN_ASSIGN_OR_RETURN(out.position,
@@ -387,34 +420,89 @@ void SequenceTable::Sweep(Sequences& sequences) {
   });
 }
 
+SequenceTable::Lookup SequenceTable::LookUp(absl::string_view model,
+                                            const SequenceId& id) {
+  MutexLock lock(&mu_);
+  const auto sequences = models_sequences_.find(model);
+  if (sequences == models_sequences_.end()) return {};
+  const auto it = sequences->second.find(id.Key());
+  if (it == sequences->second.end()) return {};
+  Lookup found{Lookup::kOpen, it->second.session_id};
+  if (it->second.session.expired()) {
+    found.state = Lookup::kGone;
+    sequences->second.erase(it);
+  }
+  return found;
+}
+
+absl::Status SequenceTable::Gone(absl::string_view name,
+                                 absl::string_view model, const SequenceId& id,
+                                 const std::string& session_id) {
+  const absl::Status found = sessions_->Find(session_id).status();
+  return GoneError(
+      name, model, id,
+      found.ok() ? absl::NotFoundError("its session was freed") : found);
+}
+
 absl::StatusOr<std::string> SequenceTable::Find(absl::string_view model,
                                                 const SequenceId& id) {
-  std::string session_id;
-  bool gone = false;
-  {
-    MutexLock lock(&mu_);
-    const auto sequences = models_sequences_.find(model);
-    const auto it = sequences == models_sequences_.end()
-                        ? Sequences::iterator()
-                        : sequences->second.find(id.Key());
-    if (sequences == models_sequences_.end() || it == sequences->second.end()) {
+  Lookup found = LookUp(model, id);
+  switch (found.state) {
+    case Lookup::kNone:
       return absl::InvalidArgumentError(absl::StrCat(
           kId, ": inference request for sequence ", id.ToString(), " to model ",
           EchoString(model),
           " must specify the START flag on the first request of the "
           "sequence"));
+    case Lookup::kGone:
+      return Gone(kId, model, id, found.session_id);
+    case Lookup::kOpen:
+      break;
+  }
+  return std::move(found.session_id);
+}
+
+absl::StatusOr<std::string> SequenceTable::FindParent(absl::string_view model,
+                                                      const SequenceId& parent,
+                                                      const SequenceId& child) {
+  Lookup found = LookUp(model, parent);
+  switch (found.state) {
+    case Lookup::kNone: {
+      const std::string forks =
+          absl::StrCat(kFork, ": inference request for sequence ",
+                       child.ToString(), " to model ", EchoString(model),
+                       " forks sequence ", parent.ToString());
+      const std::optional<std::string> other = ModelHolding(parent, model);
+      if (other.has_value()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            forks, ", which is a sequence of model ", EchoString(*other),
+            "; a fork continues a sequence of its own model"));
+      }
+      return absl::InvalidArgumentError(absl::StrCat(
+          forks,
+          ", which has not been started or has ended; a fork continues an "
+          "open sequence of its own model"));
     }
-    session_id = it->second.session_id;
-    gone = it->second.session.expired();
-    if (gone) sequences->second.erase(it);
+    case Lookup::kGone:
+      return Gone(kFork, model, parent, found.session_id);
+    case Lookup::kOpen:
+      break;
   }
-  if (gone) {
-    const absl::Status found = sessions_->Find(session_id).status();
-    return GoneError(
-        model, id,
-        found.ok() ? absl::NotFoundError("its session was freed") : found);
+  return std::move(found.session_id);
+}
+
+std::optional<std::string> SequenceTable::ModelHolding(
+    const SequenceId& id, absl::string_view except) const {
+  MutexLock lock(&mu_);
+  std::optional<std::string> holder;
+  for (const auto& [model, sequences] : models_sequences_) {
+    if (model == except) continue;
+    const auto it = sequences.find(id.Key());
+    if (it == sequences.end() || it->second.session.expired()) continue;
+    // The first by name: the same answer whatever the map's order.
+    if (!holder.has_value() || model < *holder) holder = model;
   }
-  return session_id;
+  return holder;
 }
 
 absl::Status SequenceTable::Insert(absl::string_view model,
@@ -475,6 +563,23 @@ absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
   }
   std::unique_ptr<SequenceCall> call(
       new SequenceCall(table, std::move(model), parameters));
+  if (!parameters.fork.none()) {
+    ATTN_ASSIGN_OR_RETURN(
+        call->session_id_,
+        table->FindParent(call->model_, parameters.fork, parameters.id));
+    v1::SessionStepRequest lookup;
+    lookup.set_session_id(call->session_id_);
+    call->handler_.emplace(lookup, table->sessions());
+    const DecodeSession* parent = call->handler_->session();
+    if (parent != nullptr && parameters.position) {
+      ATTN_RETURN_IF_ERROR(VerifyForkPosition(*parameters.position, *parent,
+                                              call->model_, parameters.fork));
+    }
+    // The first step of a fork reads what its parent holds (up to the
+    // fork's length).
+    call->cost_ = CostOf(step, parent);
+    return call;
+  }
   if (!parameters.start) {
     ATTN_ASSIGN_OR_RETURN(call->session_id_,
                           table->Find(call->model_, parameters.id));
@@ -504,6 +609,7 @@ absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
 absl::Status SequenceCall::Run(v1::SessionStepRequest* step,
                                v1::SessionStepResponse* response,
                                const CallControl& control) {
+  if (!parameters_.fork.none()) return StartFork(step, response, control);
   if (parameters_.position) step->set_position(*parameters_.position);
   return parameters_.start ? Start(step, response, control)
                            : Continue(step, response, control);
@@ -517,11 +623,46 @@ absl::Status SequenceCall::Start(v1::SessionStepRequest* step,
   ATTN_RETURN_IF_ERROR(HandleCreateSession(create_, table_->models(), sessions,
                                            table_->max_session_length(),
                                            &created));
-  const std::string& id = created.session_id();
+  return FirstStep(created.session_id(), step, response, control);
+}
+
+absl::Status SequenceCall::StartFork(v1::SessionStepRequest* step,
+                                     v1::SessionStepResponse* response,
+                                     const CallControl& control) {
+  v1::ForkSessionRequest fork;
+  fork.set_session_id(session_id_);
+  if (parameters_.position) fork.set_length(*parameters_.position);
+  v1::ForkSessionResponse forked;
+  const absl::Status status =
+      HandleForkSession(fork, table_->sessions(), &forked);
+  // The store's NOT_FOUND: the parent's session expired, was evicted or
+  // deleted since the lookup.
+  if (absl::IsNotFound(status) &&
+      absl::StartsWith(status.message(), "session_id:")) {
+    table_->Erase(model_, parameters_.fork, session_id_);
+    return GoneError(kFork, model_, parameters_.fork, status);
+  }
+  // The parent went back (a rewind) since the lookup checked the length.
+  if (absl::IsInvalidArgument(status) &&
+      absl::StartsWith(status.message(), "length: ")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(Where(kPosition), ": ",
+                     absl::StripPrefix(status.message(), "length: ")));
+  }
+  ATTN_RETURN_IF_ERROR(status);
+  return FirstStep(forked.session_id(), step, response, control);
+}
+
+absl::Status SequenceCall::FirstStep(const std::string& id,
+                                     v1::SessionStepRequest* step,
+                                     v1::SessionStepResponse* response,
+                                     const CallControl& control) {
+  SessionStore* sessions = table_->sessions();
   step->set_session_id(id);
   const absl::Status stepped =
       SessionStepHandler(*step, sessions)(*step, response, control);
-  // A failed start leaves no sequence; an end frees it once answered.
+  // A failed start (or fork) leaves no sequence; an end frees it once
+  // answered.
   if (!stepped.ok() || parameters_.end) {
     sessions->Delete(id).IgnoreError();  // evicted meanwhile: nothing to free
     return stepped;
@@ -541,7 +682,7 @@ absl::Status SequenceCall::Continue(v1::SessionStepRequest* step,
   if (absl::IsNotFound(stepped) &&
       absl::StartsWith(stepped.message(), "session_id:")) {
     table_->Erase(model_, parameters_.id, session_id_);
-    return GoneError(model_, parameters_.id, stepped);
+    return GoneError(kId, model_, parameters_.id, stepped);
   }
   if (stepped.ok() && parameters_.end) {
     table_->Erase(model_, parameters_.id, session_id_);

@@ -19,10 +19,22 @@
 // rotary_base and dtype ("FP32" or "BF16": what the cache stores). Every
 // step may set scale and temperature, and sequence_position, a rewind: the
 // step's tokens start there, dropping the cached ones from there on.
-// Forking a sequence is not available (sequence_fork is refused).
 //
-// A request that fails changes nothing: a failed start leaves no sequence,
-// a failed step leaves the session as it was, a failed end leaves the
+// A start may fork: sequence_fork (an id, as sequence_id) names an open
+// sequence of the same model, the parent; the new sequence's session is a
+// fork of the parent's (SessionStore::Fork: the cached tokens shared
+// copy-on-write, nothing copied), holding its first sequence_position
+// tokens (every one when unset), and the request's inputs are its first
+// step after them. The parent stays open and unchanged. A fork has its
+// parent's settings (max_length and the others are refused with it) and
+// may not name itself; like any start it replaces a sequence open under
+// its id. A sequence_fork of 0 or "" forks nothing, as for sequence_id. A
+// parent not open on the model is refused (naming the model it is open on, if
+// any); one whose session is gone is NOT_FOUND.
+//
+// A request that fails changes nothing: a failed start leaves no sequence
+// (a fork whose first step fails is freed; its parent is as it was), a
+// failed step leaves the session as it was, a failed end leaves the
 // sequence open. A step on a sequence that was never started (or has ended)
 // is refused with Triton's message; one whose session expired or was
 // evicted is NOT_FOUND, saying so, and its sequence is forgotten.
@@ -82,7 +94,11 @@ struct SequenceParameters {
   SequenceId id;
   bool start = false;
   bool end = false;
-  std::optional<int64_t> position;  // sequence_position: a rewind
+  // sequence_fork: with start, the sequence to fork (none: a new session).
+  SequenceId fork;
+  // sequence_position: a rewind; with fork, the parent's tokens the fork
+  // starts with.
+  std::optional<int64_t> position;
   // Start only: the session's settings.
   std::optional<int64_t> max_length;
   std::optional<int32_t> rotary_dims;
@@ -94,8 +110,9 @@ struct SequenceParameters {
 // start-only settings when `in_sequence`).
 bool IsSequenceParameter(absl::string_view name, bool in_sequence);
 
-// The sequence parameters of `parameters`, checked: types, a start or end
-// without an id, settings outside a start or on a model that takes none.
+// The sequence parameters of `parameters`, checked: types, a start, end or
+// fork without an id, a fork without a start or of itself, settings
+// outside a start, with a fork or on a model that takes none.
 // INVALID_ARGUMENT naming the parameter.
 absl::StatusOr<SequenceParameters> SequenceParametersOf(
     const google::protobuf::Map<std::string, inference::InferParameter>&
@@ -129,6 +146,12 @@ class SequenceTable {
   // when its session is gone (the entry is dropped then).
   absl::StatusOr<std::string> Find(absl::string_view model,
                                    const SequenceId& id);
+  // The session of sequence `parent` of `model`, which sequence `child`
+  // forks: Find's, the errors naming sequence_fork (INVALID_ARGUMENT
+  // naming the model `parent` is open on instead, if any).
+  absl::StatusOr<std::string> FindParent(absl::string_view model,
+                                         const SequenceId& parent,
+                                         const SequenceId& child);
   // Records `session_id` (open in the store) as sequence `id` of `model`; a
   // sequence already open under that id is replaced and its session freed.
   // RESOURCE_EXHAUSTED when the model holds max_per_model sequences whose
@@ -149,6 +172,20 @@ class SequenceTable {
     std::weak_ptr<const DecodeSession> session;
   };
   using Sequences = absl::flat_hash_map<std::string, Entry>;
+  struct Lookup {
+    enum State { kNone, kOpen, kGone } state = kNone;
+    std::string session_id;  // kOpen, kGone
+  };
+  // Sequence `id` of `model`; an entry found gone is dropped.
+  Lookup LookUp(absl::string_view model, const SequenceId& id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // NOT_FOUND naming parameter `name`: sequence `id`'s session is gone.
+  absl::Status Gone(absl::string_view name, absl::string_view model,
+                    const SequenceId& id, const std::string& session_id);
+  // The first model by name other than `except` with sequence `id` open.
+  std::optional<std::string> ModelHolding(const SequenceId& id,
+                                          absl::string_view except) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Drops the entries of `sequences` whose sessions are gone.
   static void Sweep(Sequences& sequences);
 
@@ -161,14 +198,15 @@ class SequenceTable {
       ABSL_GUARDED_BY(mu_);
 };
 
-// One request of a sequence: its session created (start) or looked up,
-// then one step.
+// One request of a sequence: its session created (start), forked (start
+// with sequence_fork) or looked up, then one step.
 class SequenceCall {
  public:
   // `step` is the request's step (inputs, scale, temperature) without its
   // session; `served` the model (null for attention_session). Looks the
-  // sequence up unless it starts; the errors of SequenceTable::Find and
-  // of the start's settings.
+  // sequence up unless it starts, the parent if it forks; the errors of
+  // SequenceTable::Find and FindParent, of the start's settings and of a
+  // fork's sequence_position past what the parent holds.
   static absl::StatusOr<std::unique_ptr<SequenceCall>> Create(
       SequenceTable* table, std::string model,
       std::shared_ptr<const Model> served, const SequenceParameters& parameters,
@@ -177,8 +215,8 @@ class SequenceCall {
   // What the step will cost: a start as the causal attention of its prompt
   // (what a step on an empty cache computes), a step by its session.
   RequestCost cost() const { return cost_; }
-  // Runs the step (`step` gets its session id), creating the session
-  // first when the sequence starts and freeing it after an end.
+  // Runs the step (`step` gets its session id), creating (or forking) the
+  // session first when the sequence starts and freeing it after an end.
   absl::Status Run(v1::SessionStepRequest* step,
                    v1::SessionStepResponse* response,
                    const CallControl& control);
@@ -190,6 +228,14 @@ class SequenceCall {
   absl::Status Start(v1::SessionStepRequest* step,
                      v1::SessionStepResponse* response,
                      const CallControl& control);
+  absl::Status StartFork(v1::SessionStepRequest* step,
+                         v1::SessionStepResponse* response,
+                         const CallControl& control);
+  // A start's step on new session `id`: records the sequence, or frees
+  // the session if the step fails (or ends the sequence).
+  absl::Status FirstStep(const std::string& id, v1::SessionStepRequest* step,
+                         v1::SessionStepResponse* response,
+                         const CallControl& control);
   absl::Status Continue(v1::SessionStepRequest* step,
                         v1::SessionStepResponse* response,
                         const CallControl& control);
@@ -199,7 +245,8 @@ class SequenceCall {
   const SequenceParameters parameters_;
   // Start: the session to create.
   v1::CreateSessionRequest create_;
-  // Other steps: the session, looked up once for the cost.
+  // Other steps: the session, looked up once for the cost; a fork: its
+  // parent's.
   std::string session_id_;
   std::optional<SessionStepHandler> handler_;
   RequestCost cost_;

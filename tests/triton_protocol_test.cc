@@ -6,10 +6,12 @@
 // simple_http_sequence_sync_infer_client), with only model, input and
 // output names, shapes and dtypes changed: what a Triton user's client
 // sends, and what it must get back.
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <fstream>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -849,7 +851,7 @@ TEST_F(TritonProtocolTest, GrpcSequenceStreamOnAttentionSessions) {
   EXPECT_EQ(
       config.config().parameters().at("sequence_parameters").string_value(),
       "sequence_id, sequence_start, sequence_end, sequence_position, "
-      "max_length, rotary_dims, rotary_base, dtype");
+      "sequence_fork, max_length, rotary_dims, rotary_base, dtype");
 
   const std::vector<int64_t> lengths = {3, 1, 1, 2, 1};
   const inference::InferParameter ids[] = {IntId(1000), StringId("seq-1001")};
@@ -986,6 +988,103 @@ TEST_F(TritonProtocolTest, HttpSequenceSyncOnAServedModel) {
             "sequence");
 }
 
+// Forks of a served model's sequence over HTTP: a parent "beam" (string
+// id) with a 4-token prompt; fork 41 of all of it, fork 42 of its first 2
+// tokens, each stepping its own hidden states; the parent going on. Every
+// step is causal multi-head attention over that sequence's own history
+// (float64 reference). Then the refusals, over HTTP.
+TEST_F(TritonProtocolTest, HttpSequenceForksOnAServedModel) {
+  const RefMultiHeadWeights weights = MhaReference(repo_);
+  const auto body_of = [](json parameters, const std::vector<float>& rows) {
+    json body;
+    body["parameters"] = std::move(parameters);
+    body["inputs"] = json::array(
+        {{{"name", "query"},
+          {"datatype", "FP32"},
+          {"shape", {static_cast<int64_t>(rows.size()) / kEmbed, kEmbed}},
+          {"data", rows}}});
+    return body.dump();
+  };
+  // Appends n random tokens to `history` and sends them: the output must
+  // be the last n rows of causal attention over all of `history`.
+  const auto step = [&](json parameters, std::vector<float>& history,
+                        int64_t n) {
+    const std::vector<float> rows = RandomFloats(n * kEmbed, rng_);
+    history.insert(history.end(), rows.begin(), rows.end());
+    const json answer =
+        Post("/v2/models/mha/infer", body_of(std::move(parameters), rows));
+    ASSERT_TRUE(answer.contains("outputs")) << answer.dump();
+    const int64_t total = static_cast<int64_t>(history.size()) / kEmbed;
+    EXPECT_EQ(answer["outputs"][0]["shape"], json({n, kEmbed}));
+    EXPECT_EQ(answer["parameters"]["sequence_length"], total);
+    const RefTensor all{{1, total, kEmbed},
+                        std::vector<double>(history.begin(), history.end())};
+    ExpectNear(answer["outputs"][0]["data"].get<std::vector<float>>(),
+               RefRows(RefMultiHeadAttend(weights, all, all, all, {}, {},
+                                          {true, {}, {}})
+                           .output,
+                       total - n, n)
+                   .values);
+  };
+  std::vector<float> parent, all_of_it, first_two;
+  step({{"sequence_id", "beam"}, {"sequence_start", true}}, parent, 4);
+  all_of_it = parent;
+  first_two.assign(parent.begin(), parent.begin() + 2 * kEmbed);
+  step({{"sequence_id", 41},
+        {"sequence_start", true},
+        {"sequence_fork", "beam"}},
+       all_of_it, 1);
+  step({{"sequence_id", 42},
+        {"sequence_start", true},
+        {"sequence_fork", "beam"},
+        {"sequence_position", 2}},
+       first_two, 2);
+  for (int round = 0; round < 2; ++round) {
+    step({{"sequence_id", 41}}, all_of_it, 1);
+    step({{"sequence_id", 42}}, first_two, 1);
+    step({{"sequence_id", "beam"}}, parent, 1);
+  }
+
+  const std::vector<float> token = RandomFloats(kEmbed, rng_);
+  const auto refused = [&](json parameters, const std::string& message) {
+    EXPECT_EQ(Post("/v2/models/mha/infer",
+                   body_of(std::move(parameters), token), 400)["error"],
+              message);
+  };
+  refused(
+      {{"sequence_id", 43}, {"sequence_start", true}, {"sequence_fork", 40}},
+      "sequence_fork: inference request for sequence 43 to model 'mha' "
+      "forks sequence 40, which has not been started or has ended; a fork "
+      "continues an open sequence of its own model");
+  refused({{"sequence_id", 41}, {"sequence_fork", "beam"}},
+          "parameters: sequence_fork applies to the first request of a "
+          "sequence only (with sequence_start true): it starts sequence_id as "
+          "a fork");
+  refused(
+      {{"sequence_id", 43}, {"sequence_start", true}, {"sequence_fork", 1.5}},
+      "parameters: sequence_fork must be a uint64 or a string, got double");
+  refused({{"sequence_id", 43},
+           {"sequence_start", true},
+           {"sequence_fork", "beam"},
+           {"sequence_position", 9}},
+          "parameters: sequence_position: 9 is not in [0, 6]: a fork starts "
+          "with that many tokens of sequence \"beam\" of model 'mha', which "
+          "holds 6");
+  refused({{"sequence_id", 43},
+           {"sequence_start", true},
+           {"sequence_fork", "beam"},
+           {"max_length", 64}},
+          "parameters: max_length: a fork keeps the settings of the sequence "
+          "it forks (sequence_fork \"beam\")");
+  // None of them started 43; the others go on and end.
+  refused({{"sequence_id", 43}},
+          "sequence_id: inference request for sequence 43 to model 'mha' must "
+          "specify the START flag on the first request of the sequence");
+  step({{"sequence_id", 41}, {"sequence_end", true}}, all_of_it, 1);
+  step({{"sequence_id", 42}, {"sequence_end", true}}, first_two, 1);
+  step({{"sequence_id", "beam"}, {"sequence_end", true}}, parent, 1);
+}
+
 // Sequences run concurrently, each on its own session: four threads, four
 // sequences, unary calls, every step against its own reference.
 TEST_F(TritonProtocolTest, ConcurrentSequencesAreIsolated) {
@@ -1047,6 +1146,164 @@ TEST_F(TritonProtocolTest, SequencePositionRewinds) {
              reference.Step(step.q, step.k, step.v, 1));
 }
 
+// A start of sequence `id` forking sequence `parent`, of its first
+// `position` tokens when set.
+ModelInferRequest ForkRequest(const inference::InferParameter& id,
+                              const inference::InferParameter& parent,
+                              const AttentionStep& step,
+                              std::optional<int64_t> position = std::nullopt,
+                              bool end = false) {
+  ModelInferRequest request = SequenceRequest(id, true, end, step);
+  (*request.mutable_parameters())["sequence_fork"] = parent;
+  if (position.has_value()) {
+    (*request.mutable_parameters())["sequence_position"].set_int64_param(
+        *position);
+  }
+  return request;
+}
+
+// A value of the server's /metrics page; -1 when it is missing.
+int64_t Metric(int port, const std::string& name) {
+  httplib::Client client("127.0.0.1", port);
+  const auto result = client.Get("/metrics");
+  if (!result || result->status != 200) {
+    ADD_FAILURE() << "GET /metrics: no answer";
+    return -1;
+  }
+  const std::string line = absl::StrCat("\n", name, " ");
+  const size_t at = result->body.find(line);
+  if (at == std::string::npos) return -1;
+  return std::stoll(result->body.substr(at + line.size()));
+}
+
+// Beam search through the protocol: a parent sequence with a prompt; two
+// forks of it (every token, and its first two) stepping different
+// tokens; a one-shot fork of a fork (start and end); the parent going on.
+// Each against the float64 reference of its own history.
+TEST_F(TritonProtocolTest, GrpcSequenceForks) {
+  const auto infer = [&](const ModelInferRequest& request,
+                         AttentionSequenceReference& reference,
+                         const AttentionStep& step) {
+    ModelInferResponse response;
+    const grpc::Status status =
+        triton_->ModelInfer(Context().get(), request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(response.raw_output_contents_size(), 1);
+    EXPECT_THAT(response.outputs(0).shape(),
+                ElementsAre(kSeqHeads, step.n, kSeqDim));
+    ExpectNear(Floats(response.raw_output_contents(0)),
+               reference.Step(step.q, step.k, step.v, step.n));
+    EXPECT_EQ(response.parameters().at("sequence_length").int64_param(),
+              reference.length());
+  };
+  const int metrics = server_.metrics_port();
+  const inference::InferParameter parent = IntId(30);
+  const inference::InferParameter beam_a = StringId("beam-a");
+  const inference::InferParameter beam_b = IntId(31);
+  AttentionSequenceReference parent_ref;
+  AttentionStep step = RandomStep(2, rng_);
+  infer(SequenceRequest(parent, true, false, step), parent_ref, step);
+  AttentionSequenceReference b_ref = parent_ref;  // its first 2 tokens
+  step = RandomStep(3, rng_);
+  infer(SequenceRequest(parent, false, false, step), parent_ref, step);
+
+  AttentionSequenceReference a_ref = parent_ref;  // every token (5)
+  step = RandomStep(1, rng_);
+  infer(ForkRequest(beam_a, parent, step), a_ref, step);
+  step = RandomStep(2, rng_);
+  infer(ForkRequest(beam_b, parent, step, /*position=*/2), b_ref, step);
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_forked_total"), 2);
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_open"), 3);
+
+  for (int round = 0; round < 2; ++round) {
+    for (auto [id, reference] : {std::pair{&beam_a, &a_ref},
+                                 {&beam_b, &b_ref},
+                                 {&parent, &parent_ref}}) {
+      step = RandomStep(1, rng_);
+      infer(SequenceRequest(*id, false, false, step), *reference, step);
+    }
+  }
+  // A fork of a fork, started and ended in one request: scores one more
+  // token after beam-a without keeping it.
+  AttentionSequenceReference c_ref = a_ref;
+  step = RandomStep(1, rng_);
+  infer(ForkRequest(IntId(32), beam_a, step, std::nullopt, /*end=*/true), c_ref,
+        step);
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_forked_total"), 3);
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_open"), 3);
+  for (auto [id, reference] : {std::pair{&beam_a, &a_ref},
+                               {&beam_b, &b_ref},
+                               {&parent, &parent_ref}}) {
+    step = RandomStep(1, rng_);
+    infer(SequenceRequest(*id, false, true, step), *reference, step);
+  }
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_open"), 0);
+}
+
+// A fork that fails changes nothing: a fork whose first step fails is
+// freed, leaving the sequence open under its id as it was, and the parent
+// as it was; a fork onto an open id that succeeds replaces that sequence.
+TEST_F(TritonProtocolTest, FailedSequenceForkChangesNothing) {
+  const auto infer = [&](const ModelInferRequest& request,
+                         AttentionSequenceReference& reference,
+                         const AttentionStep& step) {
+    ModelInferResponse response;
+    const grpc::Status status =
+        triton_->ModelInfer(Context().get(), request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+    ASSERT_EQ(response.raw_output_contents_size(), 1);
+    ExpectNear(Floats(response.raw_output_contents(0)),
+               reference.Step(step.q, step.k, step.v, step.n));
+  };
+  const int metrics = server_.metrics_port();
+  AttentionSequenceReference parent_ref, open_ref;
+  AttentionStep step = RandomStep(2, rng_);
+  infer(SequenceRequest(IntId(60), true, false, step), parent_ref, step);
+  step = RandomStep(3, rng_);
+  infer(SequenceRequest(IntId(61), true, false, step), open_ref, step);
+
+  // Forked, then the first step is refused: two key heads where the
+  // parent's session has one.
+  ModelInferRequest bad =
+      ForkRequest(IntId(61), IntId(60), RandomStep(1, rng_));
+  bad.mutable_inputs(1)->set_shape(0, 2);
+  bad.set_raw_input_contents(1, Bytes(RandomFloats(2 * kSeqDim, rng_)));
+  ModelInferResponse response;
+  grpc::Status status = triton_->ModelInfer(Context().get(), bad, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(), "key: shape [2, 1, 8], expected [1, 1, 8]");
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_forked_total"), 1);
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_open"), 2);
+  // Refused before forking: past the parent's length.
+  status = triton_->ModelInfer(
+      Context().get(), ForkRequest(IntId(62), IntId(60), step, 3), &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  status = triton_->ModelInfer(Context().get(),
+                               SequenceRequest(IntId(62), false, false, step),
+                               &response);
+  EXPECT_EQ(status.error_message(),
+            "sequence_id: inference request for sequence 62 to model "
+            "'attention_session' must specify the START flag on the first "
+            "request of the sequence");
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_open"), 2);
+  for (auto [id, reference] :
+       {std::pair{IntId(60), &parent_ref}, {IntId(61), &open_ref}}) {
+    step = RandomStep(1, rng_);
+    infer(SequenceRequest(id, false, false, step), *reference, step);
+  }
+
+  // A fork onto open sequence 61 replaces it (its session freed).
+  AttentionSequenceReference fork_ref = parent_ref;
+  step = RandomStep(1, rng_);
+  infer(ForkRequest(IntId(61), IntId(60), step), fork_ref, step);
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_open"), 2);
+  step = RandomStep(1, rng_);
+  infer(SequenceRequest(IntId(61), false, true, step), fork_ref, step);
+  step = RandomStep(1, rng_);
+  infer(SequenceRequest(IntId(60), false, true, step), parent_ref, step);
+  EXPECT_EQ(Metric(metrics, "attnserve_sessions_open"), 0);
+}
+
 // Every misuse of the sequence parameters, with its message.
 TEST_F(TritonProtocolTest, SequenceErrors) {
   const AttentionStep step = RandomStep(1, rng_);
@@ -1094,11 +1351,72 @@ TEST_F(TritonProtocolTest, SequenceErrors) {
               IntId(-3)),
          grpc::StatusCode::INVALID_ARGUMENT,
          "parameters: sequence_id must not be negative, got -3");
+  // sequence_fork takes ids as sequence_id does, on a start only.
+  expect(with(SequenceRequest(IntId(7), true, false, step), "sequence_fork",
+              bool_param(true)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_fork must be a uint64 or a string, got bool");
+  expect(with(SequenceRequest(IntId(7), true, false, step), "sequence_fork",
+              IntId(-3)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_fork must not be negative, got -3");
+  // 0 forks nothing, as sequence_id 0 is no sequence: a plain start.
+  EXPECT_TRUE(infer(with(SequenceRequest(IntId(10), true, true, step),
+                         "sequence_fork", IntId(0)))
+                  .ok());
   expect(with(SequenceRequest(IntId(7), false, false, step), "sequence_fork",
               IntId(8)),
          grpc::StatusCode::INVALID_ARGUMENT,
-         "parameters: sequence_fork: forking a sequence is not available on "
-         "this server; start a new sequence and send it the shared prefix");
+         "parameters: sequence_fork applies to the first request of a "
+         "sequence only (with sequence_start true): it starts sequence_id as "
+         "a fork");
+  expect(with(on_attend, "sequence_fork", StringId("8")),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_fork needs a sequence_id (a non-zero uint64 or "
+         "a non-empty string)");
+  expect(ForkRequest(StringId("s"), StringId("s"), step),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_fork: sequence \"s\" cannot fork itself; to go "
+         "back in a sequence, step it with sequence_position");
+  expect(with(ForkRequest(IntId(7), IntId(8), step), "max_length", IntId(16)),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: max_length: a fork keeps the settings of the sequence it "
+         "forks (sequence_fork 8)");
+  expect(ForkRequest(IntId(7), IntId(8), step),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "sequence_fork: inference request for sequence 7 to model "
+         "'attention_session' forks sequence 8, which has not been started or "
+         "has ended; a fork continues an open sequence of its own model");
+  // 8 and "8" are different sequences, of a fork as of a step.
+  ASSERT_TRUE(infer(SequenceRequest(StringId("8"), true, false, step)).ok());
+  expect(ForkRequest(IntId(7), IntId(8), step),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "sequence_fork: inference request for sequence 7 to model "
+         "'attention_session' forks sequence 8, which has not been started or "
+         "has ended; a fork continues an open sequence of its own model");
+  // A sequence of another model.
+  ModelInferRequest mha_start;
+  mha_start.set_model_name("mha");
+  (*mha_start.mutable_parameters())["sequence_id"] = IntId(50);
+  (*mha_start.mutable_parameters())["sequence_start"] = bool_param(true);
+  auto* hidden = mha_start.add_inputs();
+  hidden->set_name("query");
+  hidden->set_datatype("FP32");
+  hidden->add_shape(1);
+  hidden->add_shape(kEmbed);
+  mha_start.add_raw_input_contents(Bytes(RandomFloats(kEmbed, rng_)));
+  ASSERT_TRUE(infer(mha_start).ok());
+  expect(ForkRequest(IntId(7), IntId(50), step),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "sequence_fork: inference request for sequence 7 to model "
+         "'attention_session' forks sequence 50, which is a sequence of model "
+         "'mha'; a fork continues a sequence of its own model");
+  // Past what the parent holds ("8" holds 1 token).
+  expect(ForkRequest(IntId(7), StringId("8"), step, /*position=*/2),
+         grpc::StatusCode::INVALID_ARGUMENT,
+         "parameters: sequence_position: 2 is not in [0, 1]: a fork starts "
+         "with that many tokens of sequence \"8\" of model "
+         "'attention_session', which holds 1");
   ModelInferRequest no_sequence = SequenceRequest(IntId(7), true, false, step);
   no_sequence.mutable_parameters()->clear();
   expect(no_sequence, grpc::StatusCode::INVALID_ARGUMENT,
@@ -1175,6 +1493,69 @@ TEST(TritonSequenceTest, EvictedSequenceIsGone) {
                        SequenceRequest(StringId("b"), false, true, step),
                        &response)
           .ok());
+}
+
+// A fork of a sequence whose session the store evicted is NOT_FOUND,
+// saying so, over gRPC and HTTP; nothing is started, and the parent is
+// forgotten as a step on it would have it.
+TEST(TritonSequenceTest, ForkOfAnEvictedSequenceIsGone) {
+  ServerOptions options;
+  options.max_sessions = 1;
+  TestServer server(options);
+  auto triton = inference::GRPCInferenceService::NewStub(
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  httplib::Client http("127.0.0.1", server.http_port());
+  std::mt19937 rng(6);
+  const AttentionStep step = RandomStep(1, rng);
+  const auto infer = [&](const ModelInferRequest& request) {
+    ModelInferResponse response;
+    return triton->ModelInfer(Context().get(), request, &response);
+  };
+  const auto expect_gone = [](int code, const std::string& message,
+                              const std::string& parent) {
+    EXPECT_EQ(code, grpc::StatusCode::NOT_FOUND) << message;
+    EXPECT_THAT(message, ::testing::StartsWith(absl::StrCat(
+                             "sequence_fork: sequence ", parent,
+                             " of model 'attention_session' is gone "
+                             "(session_id: session \"")));
+    EXPECT_THAT(message,
+                ::testing::EndsWith(
+                    "was evicted (least recently used) to make room for "
+                    "other sessions); send its first request again with "
+                    "sequence_start"));
+  };
+  ASSERT_TRUE(infer(SequenceRequest(IntId(1), true, false, step)).ok());
+  ASSERT_TRUE(infer(SequenceRequest(IntId(2), true, false, step)).ok());
+  ASSERT_TRUE(infer(SequenceRequest(StringId("b"), true, false, step)).ok());
+  // 1 and 2 were evicted to make room.
+  const grpc::Status status = infer(ForkRequest(IntId(3), IntId(1), step));
+  expect_gone(status.error_code(), status.error_message(), "1");
+  json body;
+  body["parameters"] = {
+      {"sequence_id", 3}, {"sequence_start", true}, {"sequence_fork", 2}};
+  body["inputs"] = json::array();
+  const std::vector<float>* values[] = {&step.q, &step.k, &step.v};
+  for (int i = 0; i < 3; ++i) {
+    body["inputs"].push_back(
+        {{"name", kNames[i]},
+         {"datatype", "FP32"},
+         {"shape", {i == 0 ? kSeqHeads : kSeqKvHeads, step.n, kSeqDim}},
+         {"data", *values[i]}});
+  }
+  const auto answer = http.Post("/v2/models/attention_session/infer",
+                                body.dump(), "application/json");
+  ASSERT_TRUE(answer);
+  EXPECT_EQ(answer->status, 404);
+  expect_gone(grpc::StatusCode::NOT_FOUND,
+              json::parse(answer->body)["error"].get<std::string>(), "2");
+  // Forgotten, like a gone sequence a step finds: now not open at all.
+  EXPECT_EQ(infer(ForkRequest(IntId(3), IntId(1), step)).error_message(),
+            "sequence_fork: inference request for sequence 3 to model "
+            "'attention_session' forks sequence 1, which has not been started "
+            "or has ended; a fork continues an open sequence of its own model");
+  EXPECT_EQ(infer(SequenceRequest(IntId(3), false, false, step)).error_code(),
+            grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_TRUE(infer(SequenceRequest(StringId("b"), false, true, step)).ok());
 }
 
 // The logging extension: log_info turns the access log off and on at
