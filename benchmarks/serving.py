@@ -21,9 +21,12 @@ server's resident memory as 16 sessions of 4096 tokens fill and are
 deleted. Then every decode figure as a share of the machine's read
 bandwidth measured in the same run (attn_bench BM_ReadBandwidth, L3- and
 DRAM-sized): N = 1, 4, 16, 64 sessions at 4096 tokens, H8 d64, per cache
-dtype (DECODE_DTYPES), as one batched SessionSteps call and as N concurrent
+dtype (DECODE_DTYPES: float32, bfloat16 and int8 caches, attnctl
+--cache_dtype), as one batched SessionSteps call and as N concurrent
 SessionStep calls (coalesced by the server), end to end and server compute;
-and the coalescing wait (--coalesce_steps_us) compared at 16 sessions.
+one multi-layer row (16 sessions x 4 layers, float32, one batched call per
+layer of each token, attnctl --layers); and the coalescing wait
+(--coalesce_steps_us) compared at 16 sessions.
 
 The size sweep (--part=sizes; --part=all runs both) measures what a user
 sees end to end as messages grow: LayerNorm [rows, 512] moving 0.25 MB to
@@ -456,10 +459,21 @@ def decode_part(args, bench):
     return figures, targets
 
 
-# Cache dtypes of the decode share table: (name, attnctl --dtype, bytes per
-# element). Another dtype is one more entry.
-DECODE_DTYPES = [("float32", "f32", 4), ("bfloat16", "bf16", 2)]
+# The decode share table's sessions: key/value heads, head dim (keys and
+# values alike), cached tokens.
+DECODE_KV_HEADS, DECODE_DIM, DECODE_TOKENS = 8, 64, 4096
+# Cache dtypes of the decode share table: (name, attnctl --dtype,
+# --cache_dtype, bytes per key or value element, bytes of scales per cached
+# token per key/value head). An int8 cache keeps one float32 scale for the
+# key row and one for the value row of each token and head, and a step
+# reads them with the rows. Another dtype is one more entry.
+DECODE_DTYPES = [("float32", "f32", "f32", 4, 0),
+                 ("bfloat16", "bf16", "bf16", 2, 0),
+                 ("int8", "f32", "int8", 1, 2 * 4)]
 DECODE_SESSIONS = (1, 4, 16, 64)
+# The multi-layer row: sessions x layers, float32, one batched call per
+# layer of each token.
+DECODE_LAYERS_CASE = (16, 4)
 # The coalescing waits compared (--coalesce_steps_us) at 16 sessions.
 COALESCE_WAITS_US = (0, 50, 200, 1000)
 
@@ -485,18 +499,30 @@ def decode_server(bench, *flags):
         r"listening on 127\.0\.0\.1:(\d+)")
 
 
-def decode_run(args, bench, port, dtype, sessions, batched):
-    """Steps/s, p50 ms, server compute p50 ms of N sessions at 4096."""
-    flags = ["decode", "--seq=1", "--kv_seq=4096", "--heads=8", "--dim=64",
-             f"--dtype={dtype}", f"--duration_s={args.sweep_duration_s}",
-             "--warmup_s=1"]
+def decode_step_bytes(element_bytes, scale_bytes):
+    """Cache bytes one session-layer step reads: keys, values and scales."""
+    per_token_head = 2 * DECODE_DIM * element_bytes + scale_bytes
+    return DECODE_KV_HEADS * DECODE_TOKENS * per_token_head
+
+
+def decode_run(args, bench, port, dtype, sessions, batched,
+               cache_dtype=None, layers=1):
+    """Steps/s (session-layer steps), tokens/s, p50 ms, server compute p50
+    ms of N sessions at 4096 (a call steps one layer)."""
+    flags = ["decode", "--seq=1", f"--kv_seq={DECODE_TOKENS}",
+             f"--heads={DECODE_KV_HEADS}", f"--dim={DECODE_DIM}",
+             f"--dtype={dtype}", f"--layers={layers}",
+             f"--duration_s={args.sweep_duration_s}", "--warmup_s=1"]
+    if cache_dtype:
+        flags.append(f"--cache_dtype={cache_dtype}")
     if batched:
         flags += [f"--batch_sessions={sessions}", "--concurrency=1",
                   "--connections=1"]
     else:
         flags += [f"--concurrency={sessions}", f"--connections={sessions}"]
     report = bench.load(port, *flags)
-    return {"steps_s": report["qps"] * report.get("steps_per_request", 1),
+    steps_s = report["qps"] * report.get("steps_per_request", 1)
+    return {"steps_s": steps_s, "tokens_s": steps_s / layers,
             "p50_ms": report["latency_us"]["p50"] / 1e3,
             "compute_ms": report["server_compute_us"]["p50"] / 1e3}
 
@@ -508,12 +534,13 @@ def decode_share_part(args, bench):
     lines = []
     server, port = decode_server(bench)
     try:
-        for name, flag, size in DECODE_DTYPES:
-            step_bytes = 2 * 8 * 4096 * 64 * size  # K and V of 8 heads
+        for name, flag, cache_flag, size, scales in DECODE_DTYPES:
+            step_bytes = decode_step_bytes(size, scales)
             for n in DECODE_SESSIONS:
                 for form, batched in (("batched", True),
                                       ("coalesced", False)):
-                    r = decode_run(args, bench, port, flag, n, batched)
+                    r = decode_run(args, bench, port, flag, n, batched,
+                                   cache_flag)
                     gb_s = r["steps_s"] * step_bytes / 1e9
                     # One session's cache fits L3; more stream from DRAM.
                     limit = "l3" if n == 1 else "dram"
@@ -528,6 +555,21 @@ def decode_share_part(args, bench):
                                   f"{r['compute_ms']:.3f}",
                                   f"{outside:.0%}", f"{gb_s:.1f}",
                                   f"{share:.0%} of {limit.upper()}"))
+        # Multi-layer sessions: a token is one SessionSteps call per layer,
+        # each reading one layer's cache of every session.
+        n, layers = DECODE_LAYERS_CASE
+        r = decode_run(args, bench, port, "f32", n, True, "f32", layers)
+        gb_s = r["steps_s"] * decode_step_bytes(4, 0) / 1e9
+        share = gb_s / bandwidth["dram"]
+        outside = 1 - r["compute_ms"] / r["p50_ms"]
+        figures["layers"] = {"dtype": "float32", "sessions": n,
+                             "layers": layers, "form": "batched",
+                             "gb_s": gb_s, "share": share, "limit": "dram",
+                             "outside_compute": outside, **r}
+        lines.append(("float32", f"{n}x{layers} layers", "batched",
+                      f"{r['steps_s']:.0f}", f"{r['p50_ms']:.3f}",
+                      f"{r['compute_ms']:.3f}", f"{outside:.0%}",
+                      f"{gb_s:.1f}", f"{share:.0%} of DRAM"))
     finally:
         bench.stop(server)
     # The coalescing wait, at 16 concurrent sessions and one alone.
@@ -550,9 +592,15 @@ def decode_share_part(args, bench):
     widths = [max(len(str(r[i])) for r in lines + [header])
               for i in range(len(header))]
     print("Decode steps at 4096 cached tokens, H8 d64 (batched: one "
-          "SessionSteps call; coalesced: N concurrent SessionStep calls)\n")
+          "SessionSteps call; coalesced: N concurrent SessionStep calls; "
+          "NxL layers: one batched call per layer, steps are session-layer "
+          "steps)\n")
     for r in [header] + lines:
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    layered = figures["layers"]
+    print(f"\n{layered['sessions']} sessions x {layered['layers']} layers: "
+          f"{layered['tokens_s']:.0f} tokens/s ({layered['steps_s']:.0f} "
+          f"steps/s), {layered['share']:.0%} of the DRAM read bandwidth")
     print("\nCoalescing wait (--coalesce_steps_us), float32\n")
     for w in figures["waits"]:
         print(f"  {w['wait_us']:>5} us: 16 sessions {w['steps_s_16']:.0f} "

@@ -9,6 +9,7 @@
 //   attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|decode|health
 //           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
 //           [--batch_sessions=N (decode: one SessionSteps call of N sessions)]
+//           [--cache_dtype=f32|bf16|int8 --layers=L (decode)]
 //           [--model=NAME] [--shared_memory] [--concurrency=N]
 //           [--connections=M] [--client_threads=T]
 //           [--rate=R --arrival=constant|poisson --late_ms=MS]
@@ -116,6 +117,13 @@ ABSL_FLAG(int, batch_sessions, 0,
           "connection its own sessions); the report adds steps/s.");
 ABSL_FLAG(std::string, dtype, "f32",
           "bench: element type of synthetic inputs: f32, bf16 or f16.");
+ABSL_FLAG(std::string, cache_dtype, "",
+          "bench: decode: what the sessions' caches store: f32, bf16 or int8 "
+          "(empty: the compute dtype, or a model's configured cache dtype).");
+ABSL_FLAG(int, layers, 1,
+          "bench: decode: layers each session holds; a token is one step per "
+          "layer (one call per layer, of all the connection's sessions with "
+          "--batch_sessions); the report adds tokens/s.");
 ABSL_FLAG(int, concurrency, 1,
           "bench: calls in flight (closed loop), or the cap on outstanding "
           "calls (open loop).");
@@ -186,6 +194,10 @@ struct AttnctlOptions {
   // bench --rpc=decode: sessions each SessionSteps call steps (0: single
   // SessionStep calls).
   int batch_sessions = 0;
+  // bench --rpc=decode: --cache_dtype (unset: the server's default) and
+  // --layers.
+  std::optional<DType> cache_dtype;
+  int layers = 1;
   BenchCommandOptions bench;
 };
 
@@ -195,6 +207,17 @@ absl::StatusOr<DType> ParseDtypeFlag(absl::string_view name) {
   if (name == "f16") return DType::kFloat16;
   return absl::InvalidArgumentError(
       absl::StrCat("--dtype: '", name, "' is not one of f32, bf16, f16"));
+}
+
+// --cache_dtype: empty (unset), f32, bf16 or int8.
+absl::StatusOr<std::optional<DType>> ParseCacheDtypeFlag(
+    absl::string_view name) {
+  if (name.empty()) return std::nullopt;
+  if (name == "f32") return DType::kFloat32;
+  if (name == "bf16") return DType::kBFloat16;
+  if (name == "int8") return DType::kInt8;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--cache_dtype: '", name, "' is not one of f32, bf16, int8"));
 }
 
 // The contents of the file a flag names ("" for an empty flag).
@@ -245,6 +268,9 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.batch_sessions = absl::GetFlag(FLAGS_batch_sessions);
   ATTN_ASSIGN_OR_RETURN(options.shape.dtype,
                         ParseDtypeFlag(absl::GetFlag(FLAGS_dtype)));
+  ATTN_ASSIGN_OR_RETURN(options.cache_dtype,
+                        ParseCacheDtypeFlag(absl::GetFlag(FLAGS_cache_dtype)));
+  options.layers = absl::GetFlag(FLAGS_layers);
   LoadOptions& load = options.bench.load;
   load.concurrency = absl::GetFlag(FLAGS_concurrency);
   load.connections = absl::GetFlag(FLAGS_connections);
@@ -262,6 +288,40 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.bench.plot_path = absl::GetFlag(FLAGS_plot);
   options.bench.save_request_path = absl::GetFlag(FLAGS_save_request);
   return options;
+}
+
+// The decode workload --rpc=decode asks for.
+DecodeBenchOptions DecodeOptionsOf(const AttnctlOptions& options) {
+  DecodeBenchOptions decode;
+  decode.model = options.model;
+  decode.kv_seq = options.shape.kv_seq;
+  decode.step_tokens = options.shape.seq;
+  decode.heads = options.shape.heads;
+  decode.kv_heads = options.kv_heads;
+  decode.head_dim = options.shape.dim > 0 ? options.shape.dim : 64;
+  decode.dtype = options.shape.dtype;
+  decode.cache_dtype = options.cache_dtype;
+  decode.layers = options.layers;
+  decode.sessions = options.bench.load.connections;
+  decode.batch_sessions = options.batch_sessions;
+  return decode;
+}
+
+// The flags only --rpc=decode reads are refused elsewhere rather than
+// ignored: a benchmark that silently ran another workload misleads.
+absl::Status VerifyDecodeOnlyFlags(const AttnctlOptions& options) {
+  if (options.rpc == "decode") return absl::OkStatus();
+  if (options.batch_sessions != 0) {
+    return absl::InvalidArgumentError(
+        "--batch_sessions: only for --rpc=decode");
+  }
+  if (options.cache_dtype.has_value()) {
+    return absl::InvalidArgumentError("--cache_dtype: only for --rpc=decode");
+  }
+  if (options.layers != 1) {
+    return absl::InvalidArgumentError("--layers: only for --rpc=decode");
+  }
+  return absl::OkStatus();
 }
 
 absl::Status VerifyOptions(const AttnctlOptions& options) {
@@ -293,6 +353,12 @@ absl::Status VerifyOptions(const AttnctlOptions& options) {
         options.bench.load.connections,
         "; --rpc=decode steps one session per connection, and steps of one "
         "session run one after another"));
+  }
+  if (options.command == "bench") {
+    ATTN_RETURN_IF_ERROR(VerifyDecodeOnlyFlags(options));
+    if (options.rpc == "decode") {
+      ATTN_RETURN_IF_ERROR(VerifyDecodeBenchOptions(DecodeOptionsOf(options)));
+    }
   }
   if (options.command != "health" && options.command != "models" &&
       options.command != "bench" && options.in_path.empty()) {
@@ -408,18 +474,8 @@ absl::StatusOr<Workload> BenchWorkload(
   // The cheapest call the server answers: a baseline for the others.
   if (options.rpc == "health") return HealthCheckWorkload();
   if (options.rpc == "decode") {
-    DecodeBenchOptions decode_options;
-    decode_options.model = options.model;
-    decode_options.kv_seq = options.shape.kv_seq;
-    decode_options.step_tokens = options.shape.seq;
-    decode_options.heads = options.shape.heads;
-    decode_options.kv_heads = options.kv_heads;
-    decode_options.head_dim = options.shape.dim > 0 ? options.shape.dim : 64;
-    decode_options.dtype = options.shape.dtype;
-    decode_options.sessions = options.bench.load.connections;
-    decode_options.batch_sessions = options.batch_sessions;
-    ATTN_ASSIGN_OR_RETURN(*decode,
-                          DecodeSessions::Open(client, decode_options));
+    ATTN_ASSIGN_OR_RETURN(
+        *decode, DecodeSessions::Open(client, DecodeOptionsOf(options)));
     return (*decode)->workload();
   }
   ATTN_ASSIGN_OR_RETURN(Operation op, ParseOperation(options.rpc));
@@ -487,6 +543,7 @@ int main(int argc, char** argv) {
       "attnctl bench --target=HOST:PORT "
       "--rpc=attend|mha|layernorm|decode|health "
       "[--batch --seq --kv_seq --dim --heads --kv_heads --dtype | --in=FILE] "
+      "[decode: --batch_sessions=N --cache_dtype=f32|bf16|int8 --layers=L] "
       "[--model=NAME] [--shared_memory] [--concurrency=N --connections=M "
       "--client_threads=T | --rate=R --arrival=constant|poisson "
       "--late_ms=MS] [--duration_s=S | --requests=N] [--warmup_s=S] "

@@ -491,6 +491,25 @@ TEST(LoadTest, FailedCallsAreCountedByCodeWithTheirMessage) {
               HasSubstr(absl::StrCat(":", server.port())));
 }
 
+TEST(LoadTest, EachConnectionSendsItsRequestsInTurn) {
+  TestServer server;
+  LoadOptions options = QuickLoad(server);
+  options.warmup = absl::ZeroDuration();
+  options.requests = 100;
+  // An empty LayerNorm request fails validation: in turn with a valid one,
+  // exactly every other call fails.
+  Workload workload = TinyLayerNorm();
+  workload.per_connection = {{workload.request, ""}};
+  auto report = RunLoad(workload, options);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(report->requests, 100);
+  EXPECT_EQ(report->ok, 50);
+  EXPECT_EQ(report->errors.at("INVALID_ARGUMENT"), 50);
+  workload.per_connection = {{workload.request}, {}};
+  EXPECT_EQ(RunLoad(workload, options).status().message(),
+            "workload: a connection has no requests to send");
+}
+
 TEST(LoadTest, UnreachableServerFailsFastWithUnavailable) {
   LoadOptions options;
   options.client.target = "127.0.0.1:1";
@@ -646,6 +665,149 @@ TEST(AttnctlBenchTest, CsvAndBadFlags) {
   EXPECT_THAT(err, HasSubstr("--rpc: missing"));
   EXPECT_EQ(RunAttnctl("bench --rpc=layernorm --concurrency=0", &out, &err), 1);
   EXPECT_THAT(err, HasSubstr("--concurrency: 0 is not in [1, 100000]"));
+}
+
+// Runs `attnctl bench --rpc=decode` against `server` with `flags` and a
+// JSON report; fails the test unless it exits 0.
+nlohmann::json DecodeJson(const TestServer& server, const std::string& flags) {
+  std::string out, err;
+  EXPECT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(),
+                                    " --rpc=decode --seq=1 --heads=2 --dim=16 "
+                                    "--warmup_s=0 --format=json ",
+                                    flags),
+                       &out, &err),
+            0)
+      << err;
+  return out.empty() ? nlohmann::json() : nlohmann::json::parse(out);
+}
+
+TEST(AttnctlBenchTest, DecodeLayersCountStepsAndTokens) {
+  TestServer server;
+  // Single form: a token is one SessionStep call per layer.
+  nlohmann::json single = DecodeJson(
+      server,
+      "--kv_seq=64 --layers=2 --connections=2 --concurrency=2 --requests=40");
+  ASSERT_TRUE(single.is_object());
+  EXPECT_EQ(single["rpc"], "SessionStep");
+  EXPECT_EQ(single["requests"], 40);
+  EXPECT_EQ(single["ok"], 40);
+  EXPECT_EQ(single["steps_per_request"], 1);
+  EXPECT_EQ(single["layers"], 2);
+  const double qps = single["qps"];
+  EXPECT_GT(qps, 0);
+  EXPECT_DOUBLE_EQ(single["steps_per_s"].get<double>(), qps);
+  EXPECT_DOUBLE_EQ(single["tokens_per_s"].get<double>(), qps / 2);
+  EXPECT_THAT(single["workload"].get<std::string>(),
+              HasSubstr("2 session(s) of 2 layers (a token is 2 calls"));
+
+  // Batched form: one SessionSteps call of 3 sessions per layer.
+  nlohmann::json batched = DecodeJson(
+      server, "--kv_seq=64 --layers=2 --batch_sessions=3 --requests=30");
+  ASSERT_TRUE(batched.is_object());
+  EXPECT_EQ(batched["rpc"], "SessionSteps");
+  EXPECT_EQ(batched["requests"], 30);
+  EXPECT_EQ(batched["ok"], 30);
+  EXPECT_EQ(batched["steps_per_request"], 3);
+  EXPECT_EQ(batched["layers"], 2);
+  const double calls = batched["qps"];
+  EXPECT_DOUBLE_EQ(batched["steps_per_s"].get<double>(), calls * 3);
+  EXPECT_DOUBLE_EQ(batched["tokens_per_s"].get<double>(), calls * 3 / 2);
+  EXPECT_THAT(batched["workload"].get<std::string>(),
+              HasSubstr("3 session(s) of 2 layers"));
+
+  // The text report states both rates.
+  std::string out, err;
+  ASSERT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(),
+                                    " --rpc=decode --seq=1 --heads=2 --dim=16 "
+                                    "--kv_seq=32 --layers=2 --batch_sessions=2 "
+                                    "--requests=10 --warmup_s=0"),
+                       &out, &err),
+            0)
+      << err;
+  EXPECT_THAT(out, HasSubstr("steps/s (2 steps a call)"));
+  EXPECT_THAT(out, HasSubstr("tokens/s (2 layer steps a token)"));
+  // The sessions are gone once attnctl is.
+  EXPECT_THAT(server.server().RenderMetrics(),
+              HasSubstr("attnserve_session_cache_bytes 0\n"));
+}
+
+TEST(AttnctlBenchTest, DecodeInt8CacheReachesTheServer) {
+  // 2 MiB of session memory: 600 tokens of 8 key/value heads of d64 take
+  // 2.4 MB in float32 and 0.65 MB in int8 (with its scales).
+  ServerOptions options;
+  options.max_session_memory_mb = 2;
+  TestServer server(options);
+  const std::string shape =
+      " --rpc=decode --seq=1 --heads=8 --dim=64 --kv_seq=600 --warmup_s=0 "
+      "--format=json --requests=20";
+  std::string out, err;
+  ASSERT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(), shape),
+                       &out, &err),
+            1);
+  EXPECT_THAT(err, HasSubstr("RESOURCE_EXHAUSTED"));
+  EXPECT_THAT(err, HasSubstr("of FLOAT32 reserve"));
+
+  nlohmann::json int8 =
+      DecodeJson(server,
+                 "--heads=8 --dim=64 --kv_seq=600 --cache_dtype=int8 "
+                 "--requests=20");
+  ASSERT_TRUE(int8.is_object());
+  EXPECT_EQ(int8["ok"], 20);
+  EXPECT_EQ(int8["layers"], 1);
+  EXPECT_THAT(int8["workload"].get<std::string>(), HasSubstr("cache INT8"));
+
+  // Two layers of int8, two sessions stepped by each call: 2.6 MB, so the
+  // second session evicts the first. The call succeeds but its step fails,
+  // and attnctl stops there with the step's error rather than count calls.
+  ASSERT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(), shape,
+                                    " --cache_dtype=int8 --layers=2 "
+                                    "--batch_sessions=2"),
+                       &out, &err),
+            1);
+  EXPECT_THAT(err, HasSubstr("NOT_FOUND: SessionSteps step 0 (layer 0): "
+                             "session_id: session"));
+  EXPECT_THAT(err, HasSubstr("was evicted"));
+  nlohmann::json layers = DecodeJson(
+      server,
+      "--heads=8 --dim=64 --kv_seq=600 --cache_dtype=int8 --layers=2 "
+      "--requests=20");
+  ASSERT_TRUE(layers.is_object());
+  EXPECT_EQ(layers["ok"], 20);
+  EXPECT_DOUBLE_EQ(layers["tokens_per_s"].get<double>(),
+                   layers["qps"].get<double>() / 2);
+}
+
+TEST(AttnctlBenchTest, DecodeFlagsAreCheckedBeforeAnyCall) {
+  // No server: every one of these fails before connecting.
+  const std::string decode =
+      "bench --target=127.0.0.1:1 --rpc=decode --kv_seq=16 ";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--layers=0", "--layers: 0 is not >= 1"},
+      {"--layers=-3", "--layers: -3 is not >= 1"},
+      {"--cache_dtype=q4", "--cache_dtype: 'q4' is not one of f32, bf16, int8"},
+      {"--cache_dtype=bf16",
+       "--cache_dtype: BFLOAT16 is not the sessions' compute dtype FLOAT32 "
+       "(from --dtype); a cache stores the compute dtype or INT8"},
+      {"--dtype=bf16 --cache_dtype=f32",
+       "--cache_dtype: FLOAT32 is not the sessions' compute dtype BFLOAT16"},
+      {"--batch_sessions=-1", "--batch_sessions: must be >= 0, got -1"},
+  };
+  std::string out, err;
+  for (const auto& [flags, message] : cases) {
+    EXPECT_EQ(RunAttnctl(decode + flags, &out, &err), 1) << flags;
+    EXPECT_THAT(err, HasSubstr(absl::StrCat("INVALID_ARGUMENT: ", message)))
+        << flags;
+    EXPECT_THAT(err, ::testing::Not(HasSubstr("UNAVAILABLE"))) << flags;
+  }
+  EXPECT_EQ(RunAttnctl("bench --target=127.0.0.1:1 --rpc=attend --layers=2",
+                       &out, &err),
+            1);
+  EXPECT_THAT(err, HasSubstr("--layers: only for --rpc=decode"));
+  EXPECT_EQ(RunAttnctl("bench --target=127.0.0.1:1 --rpc=mha "
+                       "--cache_dtype=int8",
+                       &out, &err),
+            1);
+  EXPECT_THAT(err, HasSubstr("--cache_dtype: only for --rpc=decode"));
 }
 
 }  // namespace

@@ -79,6 +79,7 @@ absl::StatusOr<BenchReport> RunOne(const Workload& workload, LoadOptions load,
   if (report.ok()) {
     report->step = step;
     report->steps_per_request = workload.steps_per_request;
+    report->layers = workload.layers;
   }
   return report;
 }

@@ -22,6 +22,12 @@ absl::Status RandomWire(Shape shape, DType dtype, std::mt19937& random,
   return absl::OkStatus();
 }
 
+// The dtype attention sessions compute in for inputs of `dtype`: bfloat16
+// inputs compute in bfloat16, every other dtype in float32.
+DType ComputeDType(DType dtype) {
+  return dtype == DType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32;
+}
+
 // A step of `tokens` new tokens with random inputs for `session`.
 absl::StatusOr<v1::SessionStepRequest> StepRequest(
     const v1::CreateSessionResponse& session, int64_t embed, int64_t tokens,
@@ -43,10 +49,32 @@ absl::StatusOr<v1::SessionStepRequest> StepRequest(
   return step;
 }
 
+// Sends `batched` once (one SessionStep call of its only step when
+// `batch_sessions` is 0) and fails with the first step's error: the load
+// test counts calls, and a SessionSteps call succeeds even when its steps
+// fail, so a step the server refuses must stop the benchmark here.
+absl::Status CheckStep(AttnClient& client,
+                       const v1::SessionStepsRequest& batched,
+                       int batch_sessions) {
+  if (batch_sessions == 0) {
+    return client.SessionStep(batched.steps(0)).status();
+  }
+  ATTN_ASSIGN_OR_RETURN(v1::SessionStepsResponse response,
+                        client.SessionSteps(batched));
+  for (int i = 0; i < response.results_size(); ++i) {
+    const v1::SessionStepResult& result = response.results(i);
+    if (result.code() == 0) continue;
+    return absl::Status(
+        static_cast<absl::StatusCode>(result.code()),
+        absl::StrCat("SessionSteps step ", i, " (layer ",
+                     batched.steps(i).layer(), "): ", result.message()));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
-    AttnClient& client, const DecodeBenchOptions& options) {
+absl::Status VerifyDecodeBenchOptions(const DecodeBenchOptions& options) {
   ATTN_RETURN_IF_ERROR(RequirePositive(options.kv_seq, "--kv_seq"));
   ATTN_RETURN_IF_ERROR(RequirePositive(options.step_tokens, "--seq"));
   ATTN_RETURN_IF_ERROR(RequirePositive(options.sessions, "--connections"));
@@ -54,6 +82,39 @@ absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
     return absl::InvalidArgumentError(absl::StrCat(
         "--batch_sessions: must be >= 0, got ", options.batch_sessions));
   }
+  if (options.layers < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--layers: ", options.layers, " is not >= 1"));
+  }
+  if (options.model.empty()) {
+    ATTN_RETURN_IF_ERROR(RequirePositive(options.heads, "--heads"));
+    ATTN_RETURN_IF_ERROR(RequirePositive(options.head_dim, "--dim"));
+  }
+  if (!options.cache_dtype.has_value()) return absl::OkStatus();
+  const DType cache = *options.cache_dtype;
+  if (cache != DType::kFloat32 && cache != DType::kBFloat16 &&
+      cache != DType::kInt8) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cache_dtype: ", DTypeName(cache),
+                     " is not one of FLOAT32, BFLOAT16, INT8"));
+  }
+  // A model's compute dtype is the server's to check.
+  const DType compute = ComputeDType(options.dtype);
+  if (options.model.empty() && cache != DType::kInt8 && cache != compute) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--cache_dtype: ", DTypeName(cache),
+                     " is not the sessions' compute "
+                     "dtype ",
+                     DTypeName(compute),
+                     " (from --dtype); a cache stores the "
+                     "compute dtype or INT8"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
+    AttnClient& client, const DecodeBenchOptions& options) {
+  ATTN_RETURN_IF_ERROR(VerifyDecodeBenchOptions(options));
   const int per_call = std::max(options.batch_sessions, 1);
   v1::CreateSessionRequest create;
   int64_t embed = 0;
@@ -66,59 +127,76 @@ absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
     shapes = absl::StrCat("model=", options.model, " input=[1, ",
                           options.step_tokens, ", ", embed, "]");
   } else {
-    ATTN_RETURN_IF_ERROR(RequirePositive(options.heads, "--heads"));
-    ATTN_RETURN_IF_ERROR(RequirePositive(options.head_dim, "--dim"));
     create.set_num_heads(static_cast<int32_t>(options.heads));
     create.set_num_kv_heads(static_cast<int32_t>(options.kv_heads));
     create.set_head_dim(options.head_dim);
-    create.set_dtype(options.dtype == DType::kBFloat16 ? v1::DATA_TYPE_BFLOAT16
-                                                       : v1::DATA_TYPE_FLOAT32);
+    create.set_dtype(DTypeToProto(ComputeDType(options.dtype)));
     shapes = absl::StrCat(
         "heads=", options.heads,
         " kv_heads=", options.kv_heads > 0 ? options.kv_heads : options.heads,
         " head_dim=", options.head_dim, " ", DTypeName(options.dtype));
   }
+  if (options.cache_dtype.has_value()) {
+    create.set_cache_dtype(DTypeToProto(*options.cache_dtype));
+    absl::StrAppend(&shapes, " cache ", DTypeName(*options.cache_dtype));
+  }
+  create.set_num_layers(options.layers);
   create.set_max_length(options.kv_seq + options.step_tokens);
   std::unique_ptr<DecodeSessions> sessions(new DecodeSessions(client));
   std::mt19937 random(1);
-  v1::SessionStepsRequest batched;
-  for (int i = 0; i < options.sessions * per_call; ++i) {
-    ATTN_ASSIGN_OR_RETURN(v1::CreateSessionResponse session,
-                          client.CreateSession(create));
-    sessions->ids_.push_back(session.session_id());
-    ATTN_ASSIGN_OR_RETURN(
-        v1::SessionStepRequest prefill,
-        StepRequest(session, embed, options.kv_seq, options.dtype, random));
-    ATTN_RETURN_IF_ERROR(client.SessionStep(prefill).status());
-    ATTN_ASSIGN_OR_RETURN(v1::SessionStepRequest step,
-                          StepRequest(session, embed, options.step_tokens,
-                                      options.dtype, random));
-    step.set_position(options.kv_seq);
-    if (i % per_call == 0) batched.Clear();
-    *batched.add_steps() = step;
-    if (i % per_call != per_call - 1) continue;
-    std::string bytes;
-    const bool serialized = options.batch_sessions > 0
-                                ? batched.SerializeToString(&bytes)
-                                : step.SerializeToString(&bytes);
-    if (!serialized) {
-      return absl::InternalError("step request: could not serialize");
+  for (int c = 0; c < options.sessions; ++c) {
+    // One request per layer: its step of each of the connection's sessions.
+    std::vector<v1::SessionStepsRequest> layers(options.layers);
+    for (int i = 0; i < per_call; ++i) {
+      ATTN_ASSIGN_OR_RETURN(v1::CreateSessionResponse session,
+                            client.CreateSession(create));
+      sessions->ids_.push_back(session.session_id());
+      for (int layer = 0; layer < options.layers; ++layer) {
+        ATTN_ASSIGN_OR_RETURN(
+            v1::SessionStepRequest prefill,
+            StepRequest(session, embed, options.kv_seq, options.dtype, random));
+        prefill.set_layer(layer);
+        ATTN_RETURN_IF_ERROR(client.SessionStep(prefill).status());
+        ATTN_ASSIGN_OR_RETURN(v1::SessionStepRequest step,
+                              StepRequest(session, embed, options.step_tokens,
+                                          options.dtype, random));
+        step.set_position(options.kv_seq);
+        step.set_layer(layer);
+        *layers[layer].add_steps() = std::move(step);
+      }
     }
-    sessions->workload_.per_connection.push_back(std::move(bytes));
+    std::vector<std::string>& cycle =
+        sessions->workload_.per_connection.emplace_back();
+    for (const v1::SessionStepsRequest& batched : layers) {
+      ATTN_RETURN_IF_ERROR(CheckStep(client, batched, options.batch_sessions));
+      std::string bytes;
+      const bool serialized = options.batch_sessions > 0
+                                  ? batched.SerializeToString(&bytes)
+                                  : batched.steps(0).SerializeToString(&bytes);
+      if (!serialized) {
+        return absl::InternalError("step request: could not serialize");
+      }
+      cycle.push_back(std::move(bytes));
+    }
   }
   Workload& workload = sessions->workload_;
   workload.rpc = options.batch_sessions > 0 ? "SessionSteps" : "SessionStep";
   workload.method = absl::StrCat("/", v1::AttentionService::service_full_name(),
                                  "/", workload.rpc);
-  workload.request = workload.per_connection.front();
+  workload.request = workload.per_connection.front().front();
   workload.steps_per_request = per_call;
-  workload.description =
-      absl::StrCat("decode: ", options.step_tokens, " token(s) a step after ",
-                   options.kv_seq, " cached, ", shapes, ", ",
-                   options.sessions * per_call, " session(s)",
-                   options.batch_sessions > 0
-                       ? absl::StrCat(", ", per_call, " stepped by each call")
-                       : "");
+  workload.layers = options.layers;
+  workload.description = absl::StrCat(
+      "decode: ", options.step_tokens, " token(s) a step after ",
+      options.kv_seq, " cached, ", shapes, ", ", options.sessions * per_call,
+      " session(s)",
+      options.layers > 1
+          ? absl::StrCat(" of ", options.layers, " layers (a token is ",
+                         options.layers, " calls, one per layer)")
+          : "",
+      options.batch_sessions > 0
+          ? absl::StrCat(", ", per_call, " stepped by each call")
+          : "");
   return sessions;
 }
 

@@ -1,9 +1,10 @@
 // The workload of `attnctl bench --rpc=decode`: decode sessions opened on the
-// server, one per connection, each prefilled with `kv_seq` tokens; every
-// call is a step of `step_tokens` new tokens at position `kv_seq`, so each
-// step replaces the previous one's tokens and the cache stays at kv_seq +
-// step_tokens however many calls run. The report's latency is the latency
-// of one decode step.
+// server, one per connection, each prefilled with `kv_seq` tokens in each of
+// its layers; every call is a step of `step_tokens` new tokens at position
+// `kv_seq`, so each step replaces the previous one's tokens and the cache
+// stays at kv_seq + step_tokens however many calls run. With several layers
+// a token is one call per layer, layer 0 first. The report's latency is the
+// latency of one call (one layer's step).
 //
 // Ownership: DecodeSessions deletes its sessions when destroyed; the client
 // it was opened with must outlive it. Thread-safety: thread-compatible.
@@ -11,6 +12,7 @@
 #define ATTNSERVE_CLIENT_BENCH_DECODE_H_
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -33,14 +35,23 @@ struct DecodeBenchOptions {
   int64_t heads = 8;
   int64_t kv_heads = 0;
   int64_t head_dim = 64;
-  // Element type of the inputs; BFLOAT16 inputs get a bfloat16 cache.
+  // Element type of the inputs; BFLOAT16 inputs compute in bfloat16.
   DType dtype = DType::kFloat32;
+  // What the caches store: unset, the server's default (the compute dtype,
+  // or a model's configured cache dtype); else FLOAT32, BFLOAT16 or INT8.
+  std::optional<DType> cache_dtype;
+  // Layers each session holds; each token is one step per layer.
+  int layers = 1;
   // One per connection.
   int sessions = 1;
   // > 0: each connection's call is one SessionSteps call stepping this many
   // sessions of its own (sessions x batch_sessions in all).
   int batch_sessions = 0;
 };
+
+// OK when `options` can run; INVALID_ARGUMENT naming the flag otherwise,
+// e.g. "--layers: 0 is not >= 1". Asks the server nothing.
+absl::Status VerifyDecodeBenchOptions(const DecodeBenchOptions& options);
 
 class DecodeSessions {
  public:
@@ -51,8 +62,9 @@ class DecodeSessions {
   DecodeSessions(const DecodeSessions&) = delete;
   DecodeSessions& operator=(const DecodeSessions&) = delete;
 
-  // SessionStep requests, one per session, or SessionSteps requests, one
-  // per connection (Workload::per_connection).
+  // Per connection (Workload::per_connection), one request per layer:
+  // SessionStep requests of its session, or SessionSteps requests of its
+  // batch_sessions sessions.
   const Workload& workload() const { return workload_; }
 
  private:

@@ -129,11 +129,17 @@ class LoadRun {
       : workload_(workload), options_(options) {
     grpc::Slice slice(workload.request);
     request_ = grpc::ByteBuffer(&slice, 1);
-    for (const std::string& bytes : workload.per_connection) {
-      grpc::Slice own(bytes);
-      channel_requests_.emplace_back(&own, 1);
+    for (const std::vector<std::string>& cycle : workload.per_connection) {
+      std::vector<grpc::ByteBuffer>& buffers = channel_requests_.emplace_back();
+      for (const std::string& bytes : cycle) {
+        grpc::Slice own(bytes);
+        buffers.emplace_back(&own, 1);
+      }
     }
+    next_request_ =
+        std::make_unique<std::atomic<int64_t>[]>(options.connections);
     for (int i = 0; i < options.connections; ++i) {
+      next_request_[i].store(0);
       channels_.push_back(CreateChannel(options.client, true));
       stubs_.push_back(std::make_unique<grpc::GenericStub>(channels_.back()));
     }
@@ -200,8 +206,10 @@ class LoadRun {
   const Workload& workload_;
   const LoadOptions& options_;
   grpc::ByteBuffer request_;
-  // Workload::per_connection, when given.
-  std::vector<grpc::ByteBuffer> channel_requests_;
+  // Workload::per_connection, when given, and each channel's count of
+  // calls started (the next one in its cycle).
+  std::vector<std::vector<grpc::ByteBuffer>> channel_requests_;
+  std::unique_ptr<std::atomic<int64_t>[]> next_request_;
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
   std::vector<std::unique_ptr<grpc::CompletionQueue>> queues_;
@@ -287,12 +295,13 @@ void LoadRun::Start(int channel, int64_t intended, bool closed) {
   call->channel = channel;
   call->closed = closed;
   PrepareContext(options_.client, &call->context);
+  const grpc::ByteBuffer* request = &request_;
+  if (!channel_requests_.empty()) {
+    const auto& cycle = channel_requests_[channel % channel_requests_.size()];
+    request = &cycle[next_request_[channel].fetch_add(1) % cycle.size()];
+  }
   call->reader = stubs_[channel]->PrepareUnaryCall(
-      &call->context, workload_.method,
-      channel_requests_.empty()
-          ? request_
-          : channel_requests_[channel % channel_requests_.size()],
-      QueueOf(channel));
+      &call->context, workload_.method, *request, QueueOf(channel));
   call->reader->StartCall();
   call->reader->Finish(&call->response, &call->status, call);
 }
@@ -528,6 +537,12 @@ absl::StatusOr<BenchReport> RunLoad(
     const std::function<void(const LoadProgress&)>& progress) {
   if (absl::Status status = VerifyLoadOptions(options); !status.ok()) {
     return status;
+  }
+  for (const std::vector<std::string>& cycle : workload.per_connection) {
+    if (cycle.empty()) {
+      return absl::InvalidArgumentError(
+          "workload: a connection has no requests to send");
+    }
   }
   LoadRun run(workload, options);
   return run.Run(progress);

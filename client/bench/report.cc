@@ -52,6 +52,9 @@ nlohmann::json ReportJson(const BenchReport& r) {
       {"qps", r.qps},
       {"steps_per_request", r.steps_per_request},
       {"steps_per_s", r.qps * r.steps_per_request},
+      {"layers", r.layers},
+      {"tokens_per_s",
+       r.qps * r.steps_per_request / std::max<int64_t>(r.layers, 1)},
       {"latency_us", LatencyJson(r.latency)},
       {"client_cpu_cores", r.client_cpu_cores},
       {"client_cores_available", r.client_cores_available},
@@ -167,9 +170,17 @@ std::string FormatText(const BenchReport& r) {
                           from);
   }
   absl::StrAppendFormat(&out, "throughput  %.1f req/s\n", r.qps);
-  if (r.steps_per_request > 1) {
-    absl::StrAppendFormat(&out, "            %.1f steps/s (%d steps a call)\n",
-                          r.qps * r.steps_per_request, r.steps_per_request);
+  if (r.steps_per_request > 1 || r.layers > 1) {
+    const double steps = r.qps * r.steps_per_request;
+    absl::StrAppendFormat(&out, "            %.1f steps/s (%s a call)\n", steps,
+                          r.steps_per_request == 1
+                              ? std::string("one step")
+                              : absl::StrCat(r.steps_per_request, " steps"));
+    if (r.layers > 1) {
+      absl::StrAppendFormat(
+          &out, "            %.1f tokens/s (%d layer steps a token)\n",
+          steps / r.layers, r.layers);
+    }
   }
   const LatencySummary& l = r.latency;
   absl::StrAppend(&out, "latency     min ", Millis(l.min_us), "  mean ",

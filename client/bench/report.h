@@ -71,6 +71,9 @@ struct BenchReport {
   // Decode steps per call (SessionSteps carries several): steps/s is
   // qps x this.
   int64_t steps_per_request = 1;
+  // Decode steps of one session that make a token (one per layer):
+  // tokens/s is steps/s / this.
+  int64_t layers = 1;
   // Closed loop: from send to completion. Open loop: from the scheduled
   // send time, so that a client falling behind shows up as latency.
   LatencySummary latency;

@@ -27,11 +27,15 @@ struct Workload {
   std::string request;
   // "input=[1, 64] FLOAT32".
   std::string description;
-  // When not empty: connection i sends per_connection[i % size] instead of
-  // `request` (decode steps, each connection on its own session).
-  std::vector<std::string> per_connection;
+  // When not empty: connection i sends the requests of
+  // per_connection[i % size] in turn, over and over, instead of `request`
+  // (decode steps: each connection on its own sessions, one request per
+  // layer of a token).
+  std::vector<std::vector<std::string>> per_connection;
   // Decode steps each call carries (SessionSteps: one per session).
   int64_t steps_per_request = 1;
+  // Decode: steps of one session that make a token (one per layer).
+  int64_t layers = 1;
 };
 
 // Shapes of synthetic requests.
