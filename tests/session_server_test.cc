@@ -815,7 +815,7 @@ TEST(AllocationFailureTest, FailsTheCallNotTheServer) {
       },
       ::testing::ExitedWithCode(0),
       "CreateSession: RESOURCE_EXHAUSTED: session cache: cannot reserve "
-      "1073741824 bytes for keys: Cannot allocate memory\n"
+      "2147483648 bytes for keys and values: Cannot allocate memory\n"
       "LayerNorm: RESOURCE_EXHAUSTED: output: cannot allocate 512 MiB for "
       "the result now; retry later");
 }
