@@ -16,7 +16,9 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
   AddCompute<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>(
       [models = config.models](const v1::MultiHeadAttendRequest& request) {
         MultiHeadAttendHandler handle(request, models);
-        return Bound(CostOf(request, handle.layer()), std::move(handle));
+        // Costed before the move: argument order is unspecified.
+        const RequestCost cost = CostOf(request, handle.layer());
+        return Bound(cost, std::move(handle));
       });
   AddCompute<v1::LayerNormRequest, v1::LayerNormResponse>(
       [](const v1::LayerNormRequest& request) {
@@ -26,7 +28,8 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
       [sessions = config.sessions, coalescer = config.step_coalescer](
           const v1::SessionStepRequest& request) {
         SessionStepHandler handle(request, sessions, coalescer);
-        return Bound(CostOf(request, handle.session()), std::move(handle));
+        const RequestCost cost = CostOf(request, handle.session());
+        return Bound(cost, std::move(handle));
       });
   AddCompute<v1::SessionStepsRequest, v1::SessionStepsResponse>(
       [sessions = config.sessions, max_steps = config.max_steps_per_call](
@@ -34,7 +37,8 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
           -> absl::StatusOr<BoundCall<SessionStepsHandler>> {
         ATTN_RETURN_IF_ERROR(VerifyStepCount(request, max_steps));
         SessionStepsHandler handle(request, sessions, max_steps);
-        return Bound(CostOf(request, handle.sessions()), std::move(handle));
+        const RequestCost cost = CostOf(request, handle.sessions());
+        return Bound(cost, std::move(handle));
       });
   AddState<v1::ListModelsRequest, v1::ListModelsResponse>(
       [models = config.models](const v1::ListModelsRequest&,

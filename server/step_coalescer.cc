@@ -72,7 +72,7 @@ void StepCoalescer::WaitForCompany() {
   const auto until = std::chrono::steady_clock::now() +
                      absl::ToChronoNanoseconds(options_.wait);
   while (pending_.size() < expected) {
-    if (!arrived_.WaitUntil(&mu_, until)) break;
+    if (arrived_.WaitUntil(&mu_, until)) break;  // timed out
   }
 }
 

@@ -5,18 +5,26 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
 #include <random>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "attnserve/v1/attention.pb.h"
 #include "core/attention.h"
 #include "core/buffer_pool.h"
+#include "core/decode_session.h"
 #include "core/primitives.h"
+#include "core/session_store.h"
+#include "core/thread_budget.h"
 #include "gtest/gtest.h"
 #include "server/message_pool.h"
 #include "server/metrics.h"
 #include "server/scheduler.h"
+#include "server/step_coalescer.h"
 #include "tests/core_test_util.h"
 
 namespace attnserve::testing {
@@ -164,6 +172,113 @@ TEST(ConcurrencyTest, MessagePoolReusesClearedMessagesWithinItsBounds) {
   for (std::thread& thread : threads) thread.join();
   EXPECT_GT(pool.reused(), 700u);
   pool.AllocateMessages()->Release();
+}
+
+// A coalesced step of an attention session of 2 heads, d8, one token.
+class OneTokenStep : public StepCoalescer::Step {
+ public:
+  OneTokenStep(std::string id, std::mt19937& rng,
+               std::function<void(const absl::Status&)> done)
+      : id_(std::move(id)),
+        q_(RandomTensor(DType::kFloat32, {2, 1, 8}, rng)),
+        k_(RandomTensor(DType::kFloat32, {2, 1, 8}, rng)),
+        v_(RandomTensor(DType::kFloat32, {2, 1, 8}, rng)),
+        done_(std::move(done)) {}
+  const std::string& session_id() const override { return id_; }
+  double flops() const override { return 1e3; }
+  absl::StatusOr<const SessionStore::StepInput*> Prepare() override {
+    input_.id = id_;
+    input_.inputs.query = q_.view();
+    input_.inputs.key = k_.view();
+    input_.inputs.value = v_.view();
+    input_.results = &results_;
+    return &input_;
+  }
+  void Finish(const absl::Status& status, absl::Time, absl::Duration) override {
+    done_(status);
+  }
+
+ private:
+  std::string id_;
+  Tensor q_, k_, v_;
+  std::function<void(const absl::Status&)> done_;
+  SessionStore::StepInput input_;
+  TensorResults results_;
+};
+
+// After a pass of two steps, a lone step that arrives at once waits at most
+// the coalescing wait for company, then runs, and the runner stops: the
+// wait ends when it times out (it once looped on its timeouts, a core spun
+// and the server could not stop).
+TEST(ConcurrencyTest, CoalescerWaitsForCompanyOnlyAsLongAsItsWait) {
+  // Leaked when the test fails: a runner that never stops still uses them.
+  auto store_owner = std::make_unique<SessionStore>(SessionStore::Options{});
+  SessionStore& store = *store_owner;
+  DecodeSessionConfig config;
+  config.num_heads = 2;
+  config.key_dim = 8;
+  config.max_length = 16;
+  std::string ids[2];
+  for (std::string& id : ids) {
+    auto session = DecodeSession::Create(config);
+    ASSERT_TRUE(session.ok()) << session.status();
+    auto added = store.Add(*std::move(session));
+    ASSERT_TRUE(added.ok()) << added.status();
+    id = *added;
+  }
+  std::vector<std::function<void()>> runners;
+  std::mutex runners_mu;
+  StepCoalescer::Options options;
+  options.wait = absl::Milliseconds(50);
+  auto coalescer_owner = std::make_unique<StepCoalescer>(
+      &store, &ThreadBudget::Global(), options,
+      [&](std::function<void()> runner) {
+        std::lock_guard<std::mutex> lock(runners_mu);
+        runners.push_back(std::move(runner));
+        return true;
+      },
+      [] { return absl::ResourceExhaustedError("busy"); });
+  StepCoalescer& coalescer = *coalescer_owner;
+  std::mt19937 rng(5);
+  std::atomic<int> finished{0};
+  std::atomic<bool> lone_ok{false};
+  const auto count = [&](const absl::Status& status) {
+    EXPECT_TRUE(status.ok()) << status;
+    ++finished;
+  };
+  bool sent_lone = false;
+  // The first step of the pass of two sends the lone one as it is answered,
+  // as a client does with its next token.
+  coalescer.Add(std::make_unique<OneTokenStep>(
+      ids[0], rng, [&](const absl::Status& status) {
+        count(status);
+        if (sent_lone) return;
+        sent_lone = true;
+        coalescer.Add(std::make_unique<OneTokenStep>(
+            ids[0], rng, [&](const absl::Status& lone) {
+              lone_ok = lone.ok();
+              ++finished;
+            }));
+      }));
+  coalescer.Add(std::make_unique<OneTokenStep>(ids[1], rng, count));
+  ASSERT_EQ(runners.size(), 1u);
+  std::thread runner(runners[0]);
+  const auto start = std::chrono::steady_clock::now();
+  while (finished.load() < 3 &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (finished.load() < 3) {
+    // A runner that never stops: fail without waiting for it.
+    runner.detach();
+    coalescer_owner.release();
+    store_owner.release();
+    FAIL() << "the lone step did not run within 10 s";
+  }
+  runner.join();
+  EXPECT_TRUE(lone_ok.load());
+  EXPECT_FALSE(coalescer.active());
+  EXPECT_EQ(runners.size(), 1u);
 }
 
 TEST(ConcurrencyTest, MetricsRecordAndRenderConcurrently) {

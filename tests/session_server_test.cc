@@ -523,6 +523,34 @@ std::string MetricsPage(const TestServer& server) {
   return page ? page->body : "";
 }
 
+// A step is costed by its session (its length, heads and dims): the cost
+// sets its share of the cores and whether it runs on the calling thread,
+// and the successful calls' estimates add up in attnserve_flops_total.
+TEST_F(SessionServerTest, StepCallsAreCostedByTheirSession) {
+  TestServer server(Options());
+  AttnClient client = server.MakeClient();
+  auto created = client.CreateSession(AttentionSession());
+  ASSERT_TRUE(created.ok()) << created.status();
+  Tensor q, k, v;
+  ASSERT_TRUE(
+      client.SessionStep(AttentionStep(created->session_id(), 8, &q, &k, &v))
+          .ok());
+  ASSERT_TRUE(
+      client.SessionStep(AttentionStep(created->session_id(), 1, &q, &k, &v))
+          .ok());
+  v1::SessionStepsRequest steps;
+  *steps.add_steps() = AttentionStep(created->session_id(), 1, &q, &k, &v);
+  auto batched = client.SessionSteps(steps);
+  ASSERT_TRUE(batched.ok()) << batched.status();
+  ASSERT_EQ(batched->results(0).code(), 0) << batched->results(0).message();
+  // 2 x heads x new tokens x keys x (dk + dv) each: keys 8, 9 and 10.
+  const int64_t flops = 2 * 4 * (8 * 8 + 1 * 9 + 1 * 10) * (8 + 8);
+  EXPECT_NE(MetricsPage(server).find(
+                absl::StrCat("\nattnserve_flops_total ", flops, "\n")),
+            std::string::npos)
+      << MetricsPage(server);
+}
+
 TEST_F(SessionServerTest, MemoryLimitEvictsTheLeastRecentlyUsedSession) {
   ServerOptions options = Options();
   options.max_session_memory_mb = 1;
