@@ -92,23 +92,6 @@ absl::StatusOr<std::pair<Message*, const FieldDescriptor*>> FindField(
       EchoString(model), "; expected one of ", absl::StrJoin(expected, ", ")));
 }
 
-absl::string_view ParameterKind(const InferParameter& parameter) {
-  switch (parameter.parameter_choice_case()) {
-    case InferParameter::kBoolParam:
-      return "bool";
-    case InferParameter::kInt64Param:
-      return "int64";
-    case InferParameter::kStringParam:
-      return "string";
-    case InferParameter::kDoubleParam:
-      return "double";
-    case InferParameter::kUint64Param:
-      return "uint64";
-    default:
-      return "empty";
-  }
-}
-
 // A numeric parameter as a double; nullopt for bools, strings and empties.
 std::optional<double> NumericValue(const InferParameter& parameter) {
   switch (parameter.parameter_choice_case()) {
@@ -525,6 +508,23 @@ absl::Status VerifySequenceInputs(const ModelInferRequest& request,
 }
 
 }  // namespace
+
+absl::string_view ParameterKind(const InferParameter& parameter) {
+  switch (parameter.parameter_choice_case()) {
+    case InferParameter::kBoolParam:
+      return "bool";
+    case InferParameter::kInt64Param:
+      return "int64";
+    case InferParameter::kStringParam:
+      return "string";
+    case InferParameter::kDoubleParam:
+      return "double";
+    case InferParameter::kUint64Param:
+      return "uint64";
+    default:
+      return "empty";
+  }
+}
 
 bool IsBuiltInModel(absl::string_view model) {
   return model == kAttendModel || model == kMultiHeadAttendModel ||

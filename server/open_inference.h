@@ -64,6 +64,10 @@ bool IsBuiltInModel(absl::string_view model);
 // The built-in models' names, sorted.
 std::vector<std::string> BuiltInModels();
 
+// What a request parameter holds, for messages: "bool", "int64",
+// "string", "double", "uint64" or "empty".
+absl::string_view ParameterKind(const inference::InferParameter& parameter);
+
 // The protocol's name of a native dtype ("FP32", "BF16", "FP16", "BOOL",
 // "UINT8").
 absl::string_view ProtocolDatatype(v1::DataType dtype);

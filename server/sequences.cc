@@ -45,28 +45,11 @@ std::string Where(absl::string_view name) {
   return absl::StrCat("parameters: ", name);
 }
 
-absl::string_view KindOf(const InferParameter& parameter) {
-  switch (parameter.parameter_choice_case()) {
-    case InferParameter::kBoolParam:
-      return "bool";
-    case InferParameter::kInt64Param:
-      return "int64";
-    case InferParameter::kStringParam:
-      return "string";
-    case InferParameter::kDoubleParam:
-      return "double";
-    case InferParameter::kUint64Param:
-      return "uint64";
-    default:
-      return "empty";
-  }
-}
-
 absl::StatusOr<bool> BoolOf(const InferParameter& parameter,
                             absl::string_view name) {
   if (parameter.parameter_choice_case() != InferParameter::kBoolParam) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(Where(name), " must be a bool, got ", KindOf(parameter)));
+    return absl::InvalidArgumentError(absl::StrCat(
+        Where(name), " must be a bool, got ", ParameterKind(parameter)));
   }
   return parameter.bool_param();
 }
@@ -88,7 +71,7 @@ absl::StatusOr<int64_t> CountOf(const InferParameter& parameter,
       break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
-          Where(name), " must be an integer, got ", KindOf(parameter)));
+          Where(name), " must be an integer, got ", ParameterKind(parameter)));
   }
   if (value < 0 || value > max) {
     return absl::InvalidArgumentError(
@@ -121,7 +104,7 @@ absl::StatusOr<SequenceId> IdOf(const InferParameter& parameter,
     default:
       return absl::InvalidArgumentError(
           absl::StrCat(Where(name), " must be a uint64 or a string, got ",
-                       KindOf(parameter)));
+                       ParameterKind(parameter)));
   }
 }
 
@@ -140,7 +123,7 @@ absl::StatusOr<float> FloatOf(const InferParameter& parameter,
       break;
     default:
       return absl::InvalidArgumentError(absl::StrCat(
-          Where(name), " must be a number, got ", KindOf(parameter)));
+          Where(name), " must be a number, got ", ParameterKind(parameter)));
   }
   if (!std::isfinite(value) ||
       std::abs(value) > std::numeric_limits<float>::max()) {
@@ -159,7 +142,7 @@ absl::StatusOr<v1::DataType> CacheDtypeOf(const InferParameter& parameter) {
       Where(kDtype), " must be the string 'FP32' or 'BF16', got ",
       parameter.parameter_choice_case() == InferParameter::kStringParam
           ? EchoString(parameter.string_param())
-          : std::string(KindOf(parameter))));
+          : std::string(ParameterKind(parameter))));
 }
 
 // The first request's settings: only with sequence_start and without
