@@ -92,8 +92,9 @@ fuzz_one() {
 }
 
 # At most as many at once as there are cores: before starting one more,
-# wait for the oldest still running.
-cores=$(nproc)
+# wait for the oldest still running. (nproc obeys OMP_NUM_THREADS, set to 1
+# above for the fuzzers themselves.)
+cores=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 pids=()
 for target in "${targets[@]}"; do
   if ((${#pids[@]} >= cores)); then
