@@ -1044,7 +1044,12 @@ void RunSplitPass(std::deque<SplitProblem>& problems) {
     std::unique_ptr<float[]> q(new (std::nothrow) float[max_rows * max_dk]);
     std::unique_ptr<float[]> tmp(new (std::nothrow) float[max_dv]);
     if (!logits || !q || !tmp) out_of_memory.store(true);
-#pragma omp for schedule(dynamic, 1)
+      // Guided: each thread takes runs of consecutive items (a unit's blocks
+      // lie end to end in memory, so its prefetches past a block's end serve
+      // its own next item), and the runs shrink towards the end for balance.
+      // One item at a time interleaved the threads' blocks: int8 and bfloat16
+      // caches streamed 10-25% slower.
+#pragma omp for schedule(guided)
     for (int64_t item = 0; item < items; ++item) {
       if (!logits || !q || !tmp) continue;
       SplitProblem& sp = *find(item, /*unit=*/false);

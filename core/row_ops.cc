@@ -501,6 +501,21 @@ inline void PrefetchRow(const char* row, int64_t bytes) {
   }
 }
 
+// Prefetches the first `count` rows of a stream, whose loop then prefetches
+// `count` rows ahead: without it every block of a split-KV pass starts its
+// key and its value stream with misses (a 512-token block of int8 keys is
+// only 32 KiB), which cost int8 caches a quarter of their rate from DRAM.
+inline void PrefetchFirstRows(const char* first, int64_t count,
+                              int64_t stride_bytes, int64_t bytes) {
+  for (int64_t j = 0; j < count; ++j)
+    PrefetchRow(first + j * stride_bytes, bytes);
+}
+
+// Prefetches the int8 scales of row `j` on (one line: 16 rows' scales).
+inline void PrefetchScales(const float* scales, int64_t j) {
+  _mm_prefetch(reinterpret_cast<const char*>(scales + j), _MM_HINT_T0);
+}
+
 int64_t CachedElementBytes(RowType type) {
   return type == RowType::kFloat32 ? 4 : type == RowType::kBFloat16 ? 2 : 1;
 }
@@ -552,6 +567,9 @@ ATTN_AVX512 void Avx512DotRowsOf(const float* q, int64_t rows, int64_t dim,
       std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(row_bytes, 1)) *
       keys.stride;
   const char* base = static_cast<const char*>(keys.data);
+  const int64_t ahead_rows = ahead / std::max<int64_t>(keys.stride, 1);
+  PrefetchFirstRows(base, std::min(cols, ahead_rows), keys.stride * elem,
+                    row_bytes);
   for (int64_t j0 = 0; j0 < cols; j0 += 16) {
     const __mmask16 keep = TailMask(cols - j0);
     // A last tile of fewer keys repeats its last key; the store drops it.
@@ -562,6 +580,7 @@ ATTN_AVX512 void Avx512DotRowsOf(const float* q, int64_t rows, int64_t dim,
     }
     __m512 scale = _mm512_set1_ps(1.0f);
     if constexpr (kType == RowType::kInt8) {
+      PrefetchScales(keys.scales, j0 + ahead_rows);
       scale = _mm512_maskz_loadu_ps(keep, keys.scales + j0);
     }
     for (int64_t r = 0; r < rows; ++r) {
@@ -629,8 +648,13 @@ ATTN_AVX512 void Avx512AddWeightedTile(const float* p, int64_t ld,
   const int64_t ahead =
       std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(dim * elem, 1));
   const char* base = static_cast<const char*>(values.data) + c0 * elem;
+  PrefetchFirstRows(base, std::min(cols, ahead), values.stride * elem,
+                    tile_bytes);
   for (int64_t j = 0; j < cols; ++j) {
     PrefetchRow(base + (j + ahead) * values.stride * elem, tile_bytes);
+    if constexpr (kType == RowType::kInt8) {
+      if (j % 16 == 0) PrefetchScales(values.scales, j + ahead);
+    }
     __m512 v[kChunks];
 #pragma GCC unroll 8
     for (int ch = 0; ch < kChunks; ++ch) {
