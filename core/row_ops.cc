@@ -521,22 +521,36 @@ int64_t CachedElementBytes(RowType type) {
   return type == RowType::kFloat32 ? 4 : type == RowType::kBFloat16 ? 2 : 1;
 }
 
+// a + b lane by lane; kInt32: the lanes are int32 (moved as floats, added
+// as integers).
+template <bool kInt32>
+ATTN_AVX512 inline __m512 AddLanes(__m512 a, __m512 b) {
+  if constexpr (kInt32) {
+    return _mm512_castsi512_ps(
+        _mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
+  } else {
+    return _mm512_add_ps(a, b);
+  }
+}
+
 // Lane j of the result is the sum of the 16 lanes of v[j]: a transpose by
-// pairs, quads and 128-bit lanes, 45 instructions for 16 sums.
+// pairs, quads and 128-bit lanes, 45 instructions for 16 sums (of float32
+// lanes, or of int32 lanes with kInt32).
+template <bool kInt32 = false>
 ATTN_AVX512 inline __m512 SumEach16(const __m512 (&v)[16]) {
   __m512 pairs[8];
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
-    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
-                             _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    pairs[i] = AddLanes<kInt32>(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
+                                _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   }
   __m512 quads[4];
 #pragma GCC unroll 8
   for (int i = 0; i < 4; ++i) {
     const __m512d a = _mm512_castps_pd(pairs[2 * i]);
     const __m512d b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                             _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    quads[i] = AddLanes<kInt32>(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
   // quads[i] holds, in each 128-bit lane L, the sums over lane L of
   // v[4i .. 4i + 3].
@@ -544,12 +558,12 @@ ATTN_AVX512 inline __m512 SumEach16(const __m512 (&v)[16]) {
 #pragma GCC unroll 8
   for (int i = 0; i < 2; ++i) {
     halves[i] =
-        _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1],
-                                           _MM_SHUFFLE(2, 0, 2, 0)),
-                      _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1],
-                                           _MM_SHUFFLE(3, 1, 3, 1)));
+        AddLanes<kInt32>(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1],
+                                              _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1],
+                                              _MM_SHUFFLE(3, 1, 3, 1)));
   }
-  return _mm512_add_ps(
+  return AddLanes<kInt32>(
       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
@@ -618,44 +632,6 @@ ATTN_AVX512 void Avx512DotRowsOf(const float* q, int64_t rows, int64_t dim,
 // 512 * 32767 * 127 < 2^31.
 constexpr int64_t kVnniMaxDim = 512;
 
-// Integer add of float-typed vectors (SumEach16Int32's moves are float
-// shuffles of int32 lanes).
-ATTN_AVX512 inline __m512 AddInt32(__m512 a, __m512 b) {
-  return _mm512_castsi512_ps(
-      _mm512_add_epi32(_mm512_castps_si512(a), _mm512_castps_si512(b)));
-}
-
-// Lane j of the result is the sum of the 16 int32 lanes of v[j], as
-// SumEach16 (the same moves, integer adds).
-ATTN_AVX512 inline __m512i SumEach16Int32(const __m512i (&v)[16]) {
-  __m512 pairs[8];
-#pragma GCC unroll 8
-  for (int i = 0; i < 8; ++i) {
-    const __m512 a = _mm512_castsi512_ps(v[2 * i]);
-    const __m512 b = _mm512_castsi512_ps(v[2 * i + 1]);
-    pairs[i] = AddInt32(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
-  }
-  __m512 quads[4];
-#pragma GCC unroll 8
-  for (int i = 0; i < 4; ++i) {
-    const __m512d a = _mm512_castps_pd(pairs[2 * i]);
-    const __m512d b = _mm512_castps_pd(pairs[2 * i + 1]);
-    quads[i] = AddInt32(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
-                        _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-  }
-  __m512 halves[2];
-#pragma GCC unroll 8
-  for (int i = 0; i < 2; ++i) {
-    halves[i] = AddInt32(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1],
-                                              _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1],
-                                              _MM_SHUFFLE(3, 1, 3, 1)));
-  }
-  return _mm512_castps_si512(AddInt32(
-      _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
-      _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1))));
-}
-
 // Query row q[0..dim) as int16 codes into `codes` (zero-padded to a
 // multiple of 32) and returns their scale; false if the row is not all
 // finite.
@@ -716,7 +692,11 @@ ATTN_AVX512_VNNI void Avx512VnniDotRowsInt8(
           acc[jj] = _mm512_dpwssd_epi32(acc[jj], qv, k);
         }
       }
-      const __m512 sums = _mm512_cvtepi32_ps(SumEach16Int32(acc));
+      __m512 lanes[16];
+#pragma GCC unroll 16
+      for (int jj = 0; jj < 16; ++jj) lanes[jj] = _mm512_castsi512_ps(acc[jj]);
+      const __m512 sums = _mm512_cvtepi32_ps(
+          _mm512_castps_si512(SumEach16</*kInt32=*/true>(lanes)));
       const __m512 scale =
           _mm512_mul_ps(_mm512_set1_ps(q_scales[r]), key_scales);
       _mm512_mask_storeu_ps(out + r * ld + j0, keep,
@@ -729,8 +709,8 @@ ATTN_AVX512 void Avx512DotRows(const float* q, int64_t rows, int64_t dim,
                                const CachedRows& keys, int64_t cols, float* out,
                                int64_t ld);
 
-// Rows of up to 16 queries at a time; a row that is not all finite takes
-// the float path alone.
+// Runs of up to 16 consecutive query rows at a time; a row that is not all
+// finite ends the run and takes the float path alone.
 ATTN_AVX512_VNNI void Avx512VnniDotRows(const float* q, int64_t rows,
                                         int64_t dim, const CachedRows& keys,
                                         int64_t cols, float* out, int64_t ld) {
@@ -741,36 +721,26 @@ ATTN_AVX512_VNNI void Avx512VnniDotRows(const float* q, int64_t rows,
   const int64_t padded = (dim + 31) / 32 * 32;
   alignas(64) int16_t codes[kGroup * kVnniMaxDim];
   float q_scales[kGroup];
-  int64_t query_row[kGroup];
-  int64_t n = 0;
+  int64_t first = 0, n = 0;  // the run: rows first .. first + n
   const auto flush = [&] {
-    for (int64_t i = 0; i < n; ++i) {
-      // Consecutive rows run together; others one by one (rare: only after
-      // a non-finite row).
-      if (query_row[i] != query_row[0] + i) {
-        for (int64_t k = 0; k < n; ++k) {
-          Avx512VnniDotRowsInt8(codes + k * padded, padded, q_scales + k, 1,
-                                dim, keys, cols, out + query_row[k] * ld, ld);
-        }
-        n = 0;
-        return;
-      }
+    if (n > 0) {
+      Avx512VnniDotRowsInt8(codes, padded, q_scales, n, dim, keys, cols,
+                            out + first * ld, ld);
     }
-    Avx512VnniDotRowsInt8(codes, padded, q_scales, n, dim, keys, cols,
-                          out + query_row[0] * ld, ld);
     n = 0;
   };
   for (int64_t r = 0; r < rows; ++r) {
+    if (n == 0) first = r;
     if (!QuantizeQueryInt16(q + r * dim, dim, codes + n * padded,
                             q_scales + n)) {
+      flush();
       Avx512DotRowsOf<RowType::kInt8>(q + r * dim, 1, dim, keys, cols,
                                       out + r * ld, ld);
       continue;
     }
-    query_row[n++] = r;
-    if (n == kGroup) flush();
+    if (++n == kGroup) flush();
   }
-  if (n > 0) flush();
+  flush();
 }
 
 ATTN_AVX512 void Avx512DotRows(const float* q, int64_t rows, int64_t dim,
