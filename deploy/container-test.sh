@@ -33,8 +33,7 @@
 # progress in the working tree do not leak into it; CONTAINER_TEST_SOURCE=
 # worktree builds the working tree instead (.dockerignore applies).
 #
-# Environment: ATTNSERVE_GOLDENS_DIR (default ../shared/goldens next to the
-# checkout), ATTNCTL (default build/bin/attnctl), MAX_IMAGE_MB (300),
+# Environment: ATTNSERVE_GOLDENS_DIR (default tests/goldens), ATTNCTL (default build/bin/attnctl), MAX_IMAGE_MB (300),
 # DEBIAN_MIRROR (http://deb.debian.org/debian), KEEP_TMP=1 keeps the
 # temporary folder, DOCKER (/usr/bin/docker, Debian's client) and DOCKERD
 # (/usr/sbin/dockerd) for --engine=docker.
@@ -52,7 +51,7 @@ for arg in "$@"; do
 done
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-goldens=${ATTNSERVE_GOLDENS_DIR:-$root/../shared/goldens}
+goldens=${ATTNSERVE_GOLDENS_DIR:-$root/tests/goldens}
 attnctl=${ATTNCTL:-$root/build/bin/attnctl}
 max_image_mb=${MAX_IMAGE_MB:-300}
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}

@@ -10,8 +10,9 @@
 # Every build uses Ninja and ccache (CCACHE_BASEDIR is the checkout, so the
 # README check's copy of it hits the same cache). Each stage's minutes are
 # printed at the end.
-# The golden vectors are read from ../shared/goldens (override with
-# ATTNSERVE_GOLDENS_DIR=/path/to/goldens).
+# The golden vectors are read from tests/goldens (override with
+# ATTNSERVE_GOLDENS_DIR=/path/to/goldens), and from ../shared/goldens too when
+# that folder is there.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 quick=0

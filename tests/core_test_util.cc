@@ -204,17 +204,25 @@ Tolerance ToleranceFor(DType dtype) {
 
 std::string GoldensDir() { return ATTNSERVE_GOLDENS_DIR; }
 
-std::vector<std::string> GoldenFiles() {
+std::vector<std::string> GoldenFiles(const std::string& dir) {
   std::vector<std::string> files;
   std::error_code error;
-  for (const auto& entry :
-       std::filesystem::directory_iterator(GoldensDir(), error)) {
+  for (const auto& entry : std::filesystem::directory_iterator(dir, error)) {
     if (entry.path().extension() == ".safetensors") {
       files.push_back(entry.path().string());
     }
   }
   std::sort(files.begin(), files.end());
   return files;
+}
+
+std::vector<std::string> SharedGoldenFiles() {
+  const std::string dir = ATTNSERVE_SHARED_GOLDENS_DIR;
+  std::error_code error;
+  if (dir.empty() || std::filesystem::equivalent(dir, GoldensDir(), error)) {
+    return {};
+  }
+  return GoldenFiles(dir);
 }
 
 std::string GoldenCaseName(const ::testing::TestParamInfo<std::string>& info) {

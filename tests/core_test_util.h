@@ -74,10 +74,16 @@ auto Case(std::string name, Edit edit) {
   return c;
 }
 
-// The golden folder (ATTNSERVE_GOLDENS_DIR) and its *.safetensors files,
-// sorted. Empty if the folder is missing.
+// The golden folder that every golden suite needs (ATTNSERVE_GOLDENS_DIR,
+// by default the committed tests/goldens) and the *.safetensors files of
+// `dir`, sorted. Empty if the folder is missing.
 std::string GoldensDir();
-std::vector<std::string> GoldenFiles();
+std::vector<std::string> GoldenFiles(const std::string& dir = GoldensDir());
+// The files of an extra set that the golden suites also run when its folder
+// (ATTNSERVE_SHARED_GOLDENS_DIR, by default ../shared/goldens beside the
+// checkout) is there: empty when it is missing, or is GoldensDir() itself,
+// so that a checkout alone passes and no set runs twice.
+std::vector<std::string> SharedGoldenFiles();
 // A test name for a golden file: its stem, other characters than letters
 // and digits as '_'.
 std::string GoldenCaseName(const ::testing::TestParamInfo<std::string>& info);

@@ -23,6 +23,11 @@ TEST_P(GoldenTest, ThroughCore) {
 
 INSTANTIATE_TEST_SUITE_P(Goldens, GoldenTest,
                          ::testing::ValuesIn(GoldenFiles()), GoldenCaseName);
+// An independent set's files too, when its folder is there (see
+// SharedGoldenFiles); none otherwise.
+INSTANTIATE_TEST_SUITE_P(SharedGoldens, GoldenTest,
+                         ::testing::ValuesIn(SharedGoldenFiles()),
+                         GoldenCaseName);
 
 // The folder must be there and hold the cases: a missing folder would
 // otherwise make the suites of the goldens silently empty.

@@ -40,6 +40,11 @@ TEST_P(GoldenTest, ThroughSharedMemory) {
 
 INSTANTIATE_TEST_SUITE_P(Goldens, GoldenTest,
                          ::testing::ValuesIn(GoldenFiles()), GoldenCaseName);
+// An independent set's files too, when its folder is there (see
+// SharedGoldenFiles); none otherwise.
+INSTANTIATE_TEST_SUITE_P(SharedGoldens, GoldenTest,
+                         ::testing::ValuesIn(SharedGoldenFiles()),
+                         GoldenCaseName);
 
 }  // namespace
 }  // namespace attnserve::testing
