@@ -139,7 +139,15 @@ void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
   config_.metrics->RecordCall(call.rpc, code, total, queue_wait, compute, flops,
                               bytes);
   if (call.request != nullptr) {
-    statistics_.Record(*call.request, status, total, queue_wait, compute);
+    // Triton's compute_input: the request's translation, which precedes
+    // the queue here.
+    const absl::Duration input = std::clamp(call.decoded - call.arrived,
+                                            absl::ZeroDuration(), queue_wait);
+    statistics_.Record(*call.request, status,
+                       {.total = total,
+                        .input = input,
+                        .queue = queue_wait - input,
+                        .compute = compute});
   }
   if (log_settings_.info()) {
     std::string described =

@@ -82,6 +82,9 @@ struct PipelineCall {
   const google::protobuf::Message* response = nullptr;
   RequestCost cost;
   absl::Time arrived;
+  // When the request had been translated into its native call (the
+  // statistics' compute_input ends there); InfinitePast: no translation.
+  absl::Time decoded = absl::InfinitePast();
   absl::Time deadline = absl::InfiniteFuture();
 };
 

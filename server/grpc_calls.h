@@ -263,6 +263,7 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeCompute(
   auto bound = bind(*request);
   if (!bound.ok()) return Refuse(call, bound.status());
   call.record.cost = bound->cost;
+  call.record.decoded = absl::Now();
   if (!bound->rpc.empty()) call.record.rpc = std::move(bound->rpc);
   if constexpr (requires { bound->handle.coalescer(); }) {
     // A step joins the coalescer's passes, unless it is tiny and would run

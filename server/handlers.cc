@@ -595,8 +595,13 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   }
   ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
                         models->Find(request.name()));
-  const MultiHeadLayer& layer = *model->layer;
-  response->set_name(model->name);
+  DescribeModel(*model, response);
+  return absl::OkStatus();
+}
+
+void DescribeModel(const Model& model, v1::GetModelMetadataResponse* response) {
+  const MultiHeadLayer& layer = *model.layer;
+  response->set_name(model.name);
   response->set_platform("attnserve_multi_head_attention");
   response->set_num_heads(layer.num_heads());
   response->set_query_dim(layer.query_dim());
@@ -606,7 +611,7 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   response->set_head_value_dim(layer.head_value_dim());
   response->set_output_dim(layer.output_dim());
   response->set_compute_dtype(DTypeToProto(layer.compute_dtype()));
-  response->set_description(model->config.description());
+  response->set_description(model.config.description());
   response->set_num_kv_heads(layer.num_kv_heads());
   response->set_rotary_dims(static_cast<int32_t>(layer.rotary().dims));
   if (layer.rotary().dims > 0) response->set_rotary_base(layer.rotary().base);
@@ -629,7 +634,6 @@ absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
   add(response->mutable_outputs(), "output", f32, {-1, -1, layer.output_dim()});
   add(response->mutable_outputs(), "weights", f32,
       {-1, layer.num_heads(), -1, -1});
-  return absl::OkStatus();
 }
 
 absl::Status HandleRegisterSharedMemory(

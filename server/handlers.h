@@ -190,6 +190,9 @@ absl::Status HandleListModels(const ModelRepository* models,
 absl::Status HandleGetModelMetadata(const v1::GetModelMetadataRequest& request,
                                     const ModelRepository* models,
                                     v1::GetModelMetadataResponse* response);
+// A served model's layer and its request's tensors (GetModelMetadata's
+// answer for it).
+void DescribeModel(const Model& model, v1::GetModelMetadataResponse* response);
 
 // `registry` may be null (shared memory off: FAILED_PRECONDITION).
 absl::Status HandleRegisterSharedMemory(

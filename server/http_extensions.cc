@@ -151,6 +151,19 @@ absl::StatusOr<json> AnswerRepository(const ExtensionRoute& route,
 }
 
 // System shared memory: status, register, unregister.
+// CUDA shared memory as a Triton without GPUs answers it: no regions.
+absl::StatusOr<json> AnswerCudaSharedMemory(const ExtensionRoute& route) {
+  switch (route.kind) {
+    case Kind::kSharedMemoryStatus:
+      ATTN_RETURN_IF_ERROR(HandleCudaSharedMemoryStatus(route.region));
+      return json::array();
+    case Kind::kSharedMemoryUnregister:
+      return json::object();
+    default:
+      return HandleCudaSharedMemoryRegister();
+  }
+}
+
 absl::StatusOr<json> AnswerSharedMemory(const ExtensionRoute& route,
                                         absl::string_view body,
                                         SharedMemoryRegistry* registry) {
@@ -229,9 +242,8 @@ absl::StatusOr<json> Answer(const ExtensionRoute& route, absl::string_view body,
     case Kind::kSharedMemoryStatus:
     case Kind::kSharedMemoryRegister:
     case Kind::kSharedMemoryUnregister:
+      if (route.cuda) return AnswerCudaSharedMemory(route);
       return AnswerSharedMemory(route, body, pipeline.config().shared_memory);
-    case Kind::kCudaSharedMemory:
-      return CudaSharedMemoryUnsupported();
     case Kind::kTraceSetting:
     case Kind::kLogSettings:
       return AnswerSettings(route, body, pipeline);
@@ -264,7 +276,7 @@ std::optional<ExtensionRoute> SharedMemoryRoute(absl::string_view rest,
   } else {
     return std::nullopt;
   }
-  if (cuda) route.kind = Kind::kCudaSharedMemory;
+  route.cuda = cuda;
   return route;
 }
 

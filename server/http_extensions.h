@@ -40,13 +40,13 @@ struct ExtensionRoute {
     kSharedMemoryStatus,
     kSharedMemoryRegister,
     kSharedMemoryUnregister,
-    kCudaSharedMemory,
     kTraceSetting,
     kLogSettings,
   } kind;
   std::string model;         // empty: every model (statistics)
   std::string version;       // empty: the server's choice
   std::string region;        // empty: every region (status, unregister)
+  bool cuda = false;         // shared memory: CUDA's, else system's
   bool post = false;         // else GET (and HEAD)
   bool get_or_post = false;  // either: GET reads, POST updates
 };

@@ -328,7 +328,8 @@ class HttpInference {
                         .request = &call->request,
                         .response = &call->response,
                         .cost = call->native->cost(),
-                        .arrived = http.arrived};
+                        .arrived = http.arrived,
+                        .decoded = absl::Now()};
     pipeline_->Run(
         std::move(record),
         [call](const CallControl& control) {

@@ -19,32 +19,42 @@ void SetParameter(inference::ModelConfig* config, const std::string& name,
 }
 
 // What a built-in model computes.
-void BuiltInParameters(absl::string_view model,
+void BuiltInParameters(const ProtocolModel& model,
                        inference::ModelConfig* config) {
-  if (model == kAttendModel) {
-    SetParameter(config, "operation", "scaled dot-product attention");
-  } else if (model == kLayerNormModel) {
-    SetParameter(config, "operation", "layer normalization");
-  } else if (model == kAttentionSessionModel) {
-    SetParameter(config, "operation",
-                 "causal attention over a sequence's cached keys and values");
-  } else {
-    SetParameter(config, "operation",
-                 "multi-head attention with the request's weights");
-    SetParameter(config, "key_default", "query");
-    SetParameter(config, "value_default", "key");
+  switch (model.kind) {
+    case ProtocolModelKind::kAttend:
+      SetParameter(config, "operation", "scaled dot-product attention");
+      return;
+    case ProtocolModelKind::kLayerNorm:
+      SetParameter(config, "operation", "layer normalization");
+      return;
+    case ProtocolModelKind::kAttentionSession:
+      SetParameter(config, "operation",
+                   "causal attention over a sequence's cached keys and values");
+      return;
+    default:
+      SetParameter(config, "operation",
+                   "multi-head attention with the request's weights");
+      SetParameter(config, "key_default", "query");
+      SetParameter(config, "value_default", "key");
   }
 }
 
 // A served model's layer, from the native metadata.
-absl::Status ServedParameters(absl::string_view model,
-                              const ModelRepository* models,
-                              inference::ModelConfig* config) {
-  v1::GetModelMetadataRequest request;
-  request.set_name(std::string(model));
+void ServedParameters(const ProtocolModel& model,
+                      inference::ModelConfig* config) {
   v1::GetModelMetadataResponse native;
-  ATTN_RETURN_IF_ERROR(HandleGetModelMetadata(request, models, &native));
-  SetParameter(config, "operation", "multi-head attention");
+  DescribeModel(*model.served, &native);
+  if (model.kind == ProtocolModelKind::kServedSequences) {
+    SetParameter(config, "operation",
+                 absl::StrCat("multi-head attention of a sequence's steps "
+                              "over its cached keys and values (model ",
+                              model.served->name, ")"));
+  } else {
+    SetParameter(config, "operation", "multi-head attention");
+    SetParameter(config, "key_default", "query");
+    SetParameter(config, "value_default", "key");
+  }
   SetParameter(config, "num_heads", absl::StrCat(native.num_heads()));
   SetParameter(config, "num_kv_heads", absl::StrCat(native.num_kv_heads()));
   SetParameter(config, "query_dim", absl::StrCat(native.query_dim()));
@@ -57,9 +67,6 @@ absl::Status ServedParameters(absl::string_view model,
   if (!native.description().empty()) {
     SetParameter(config, "description", native.description());
   }
-  SetParameter(config, "key_default", "query");
-  SetParameter(config, "value_default", "key");
-  return absl::OkStatus();
 }
 
 using Control = inference::ModelSequenceBatching::Control;
@@ -113,21 +120,11 @@ absl::StatusOr<inference::DataType> ConfigDataType(absl::string_view datatype) {
   return type;
 }
 
-absl::Status HandleModelConfig(const inference::ModelConfigRequest& request,
-                               const SequenceTable* sequences,
-                               inference::ModelConfigResponse* response) {
-  const ModelRepository* models = sequences->models();
-  inference::ModelMetadataRequest metadata_request;
-  metadata_request.set_name(request.name());
-  metadata_request.set_version(request.version());
-  inference::ModelMetadataResponse metadata;
-  ATTN_RETURN_IF_ERROR(
-      HandleModelMetadata(metadata_request, models, &metadata));
-  inference::ModelConfig* config = response->mutable_config();
-  config->set_name(metadata.name());
-  config->set_platform(metadata.platform());
-  config->set_backend("attnserve");
-  config->set_max_batch_size(0);
+namespace {
+
+// The metadata's inputs and outputs as the configuration's.
+absl::Status AddTensors(const inference::ModelMetadataResponse& metadata,
+                        inference::ModelConfig* config) {
   for (const auto& tensor : metadata.inputs()) {
     inference::ModelInput* input = config->add_input();
     input->set_name(tensor.name());
@@ -147,16 +144,40 @@ absl::Status HandleModelConfig(const inference::ModelConfigRequest& request,
     output->set_data_type(type);
     output->mutable_dims()->CopyFrom(tensor.shape());
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::Status HandleModelConfig(const inference::ModelConfigRequest& request,
+                               const SequenceTable* sequences,
+                               inference::ModelConfigResponse* response) {
+  const ModelRepository* models = sequences->models();
+  inference::ModelMetadataRequest metadata_request;
+  metadata_request.set_name(request.name());
+  metadata_request.set_version(request.version());
+  inference::ModelMetadataResponse metadata;
+  ATTN_RETURN_IF_ERROR(
+      HandleModelMetadata(metadata_request, models, &metadata));
+  ATTN_ASSIGN_OR_RETURN(const ProtocolModel model,
+                        FindProtocolModel(request.name(), models, "name"));
+  inference::ModelConfig* config = response->mutable_config();
+  config->set_name(metadata.name());
+  config->set_platform(metadata.platform());
+  config->set_backend("attnserve");
+  config->set_max_batch_size(0);
+  ATTN_RETURN_IF_ERROR(AddTensors(metadata, config));
   SetParameter(config, "request_parameters",
-               absl::StrJoin(RequestParameterNames(metadata.name()), ", "));
-  if (sequences->sessions() != nullptr && TakesSequences(metadata.name())) {
-    SequenceBatching(metadata.name(), *sequences, config);
+               absl::StrJoin(RequestParameterNames(model), ", "));
+  if (sequences->sessions() != nullptr && model.takes_sequences()) {
+    SequenceBatching(model.name, *sequences, config);
   }
-  if (metadata.platform() == "attnserve_builtin") {
-    BuiltInParameters(metadata.name(), config);
-    return absl::OkStatus();
+  if (model.built_in()) {
+    BuiltInParameters(model, config);
+  } else {
+    ServedParameters(model, config);
   }
-  return ServedParameters(metadata.name(), models, config);
+  return absl::OkStatus();
 }
 
 }  // namespace attnserve

@@ -11,6 +11,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/strip.h"
 #include "core/attention_weights.h"
 #include "core/dtype.h"
 #include "core/status_macros.h"
@@ -46,6 +47,24 @@ absl::Status VerifyVersion(absl::string_view model, absl::string_view version,
   return absl::NotFoundError(absl::StrCat(field, ": model ", EchoString(model),
                                           " has only version 1, not ",
                                           EchoString(version)));
+}
+
+// Triton reserves the prefix "triton_" for parameters of its own that its
+// clients add to every request (e.g. triton_enable_empty_final_response):
+// accepted, and honoured where ModelStreamInfer answers them.
+bool IsTritonParameter(absl::string_view name) {
+  return absl::StartsWith(name, "triton_");
+}
+
+// Triton checks the type of the one it reads.
+absl::Status VerifyTritonParameter(absl::string_view name,
+                                   const InferParameter& parameter) {
+  if (name != "triton_enable_empty_final_response" ||
+      parameter.parameter_choice_case() == InferParameter::kBoolParam) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "parameters: ", name, " must be a bool, got ", ParameterKind(parameter)));
 }
 
 // The fields of `message` that the protocol reaches by name: its tensors
@@ -159,6 +178,10 @@ absl::Status ApplyParameters(const ParameterMap& parameters,
     // Triton clients' scheduling hints: accepted and ignored (calls are
     // served in arrival order; the gRPC deadline bounds their time).
     if (entry->first == "priority" || entry->first == "timeout") continue;
+    if (IsTritonParameter(entry->first)) {
+      ATTN_RETURN_IF_ERROR(VerifyTritonParameter(entry->first, entry->second));
+      continue;
+    }
     if (IsSequenceParameter(entry->first, in_sequence)) continue;
     ATTN_ASSIGN_OR_RETURN(
         auto target, FindField(Targets(native), entry->first, IsOptionField,
@@ -192,6 +215,7 @@ absl::StatusOr<std::optional<v1::SharedMemoryRef>> SharedMemoryOf(
   std::optional<v1::SharedMemoryRef> ref;
   bool has_byte_size = false;
   for (const auto& [name, parameter] : parameters) {
+    if (IsTritonParameter(name)) continue;
     const std::string field = absl::StrCat(tensor, ": parameter ", name);
     if (!ref.has_value()) ref.emplace();
     if (name == kRegionParameter) {
@@ -352,11 +376,25 @@ bool IsResultField(const FieldDescriptor& field) {
   return IsTensorField(field);
 }
 
+// Sets return_weights of `native` (where it has one).
+void ReturnWeights(Message* native) {
+  if (const FieldDescriptor* return_weights =
+          native->GetDescriptor()->FindFieldByName("return_weights")) {
+    native->GetReflection()->SetBool(native, return_weights, true);
+  }
+}
+
 // The requested outputs: names checked, "weights" turns return_weights on,
-// shared-memory parameters become result regions.
+// shared-memory parameters become result regions. A request that names no
+// output asks for every output (the protocol's rule): weights too, unless
+// its parameter return_weights says otherwise.
 absl::Status ApplyOutputs(const ModelInferRequest& request,
                           const Descriptor& response_type, Message* native,
                           std::vector<std::string>* requested) {
+  if (request.outputs().empty() &&
+      !request.parameters().contains("return_weights")) {
+    ReturnWeights(native);
+  }
   std::unique_ptr<Message> response_fields(
       google::protobuf::MessageFactory::generated_factory()
           ->GetPrototype(&response_type)
@@ -368,11 +406,7 @@ absl::Status ApplyOutputs(const ModelInferRequest& request,
                              .status());
     requested->push_back(output.name());
     const Descriptor* descriptor = native->GetDescriptor();
-    if (const FieldDescriptor* return_weights =
-            descriptor->FindFieldByName("return_weights");
-        output.name() == "weights" && return_weights != nullptr) {
-      native->GetReflection()->SetBool(native, return_weights, true);
-    }
+    if (output.name() == "weights") ReturnWeights(native);
     ATTN_ASSIGN_OR_RETURN(std::optional<v1::SharedMemoryRef> shared,
                           SharedMemoryOf(output.parameters(), output.name()));
     if (!shared.has_value()) continue;
@@ -410,81 +444,124 @@ using TensorMetadata = inference::ModelMetadataResponse::TensorMetadata;
 // parameters, and for MultiHeadAttend key (the query then) and value (the
 // key then), and the weights of multi_head_attend (any of the two layouts;
 // biases and out_proj_weight as the native request says).
-bool IsOptionalInput(absl::string_view model, absl::string_view input) {
-  if (model == kAttendModel) return input == "attn_mask";
-  if (model == kAttentionSessionModel) return false;
-  if (model == kLayerNormModel) return input == "gamma" || input == "beta";
-  return input != "query";
+bool IsOptionalInput(const ProtocolModel& model, absl::string_view input) {
+  switch (model.kind) {
+    case ProtocolModelKind::kAttend:
+      return input == "attn_mask";
+    case ProtocolModelKind::kAttentionSession:
+    case ProtocolModelKind::kServedSequences:
+      return false;
+    case ProtocolModelKind::kLayerNorm:
+      return input == "gamma" || input == "beta";
+    case ProtocolModelKind::kMultiHeadAttend:
+    case ProtocolModelKind::kServed:
+      return input != "query";
+  }
+  return false;
 }
 
+// One tensor of a model's metadata. `shape` is its full form; a tensor
+// whose leading dims may be left out (e.g. the batch) carries the
+// parameter "min_rank", the fewest dims it takes.
 void AddMetadata(google::protobuf::RepeatedPtrField<TensorMetadata>* list,
                  absl::string_view name, v1::DataType dtype,
-                 std::vector<int64_t> shape, bool optional = false) {
+                 std::vector<int64_t> shape, bool optional = false,
+                 int64_t min_rank = -1) {
   TensorMetadata* tensor = list->Add();
   tensor->set_name(std::string(name));
   tensor->set_datatype(std::string(ProtocolDatatype(dtype)));
   tensor->mutable_shape()->Assign(shape.begin(), shape.end());
-  if (optional)
-    (*tensor->mutable_parameters())["optional"].set_bool_param(true);
+  auto* parameters = tensor->mutable_parameters();
+  if (optional) (*parameters)["optional"].set_bool_param(true);
+  if (min_rank >= 0 && min_rank < static_cast<int64_t>(shape.size())) {
+    (*parameters)["min_rank"].set_int64_param(min_rank);
+  }
 }
 
 // The built-in models' inputs and outputs: any float dtype for values, any
 // mask dtype for masks; -1 for dimensions of any size.
-void BuiltInMetadata(absl::string_view model,
+void BuiltInMetadata(const ProtocolModel& model,
                      inference::ModelMetadataResponse* response) {
   const auto f32 = v1::DATA_TYPE_FLOAT32;
   auto* inputs = response->mutable_inputs();
   auto* outputs = response->mutable_outputs();
   const auto input = [&](absl::string_view name, v1::DataType dtype,
-                         std::vector<int64_t> shape) {
+                         std::vector<int64_t> shape, int64_t min_rank = -1) {
     AddMetadata(inputs, name, dtype, std::move(shape),
-                IsOptionalInput(model, name));
+                IsOptionalInput(model, name), min_rank);
   };
-  if (model == kLayerNormModel) {
-    input("input", f32, {-1, -1});
-    input("gamma", f32, {-1});
-    input("beta", f32, {-1});
-    AddMetadata(outputs, "output", f32, {-1, -1});
-    return;
+  switch (model.kind) {
+    case ProtocolModelKind::kLayerNorm:
+      input("input", f32, {-1, -1}, 1);
+      input("gamma", f32, {-1});
+      input("beta", f32, {-1});
+      AddMetadata(outputs, "output", f32, {-1, -1}, false, 1);
+      return;
+    case ProtocolModelKind::kAttentionSession:
+      // [B, H, n, d]; B may be left out.
+      for (const char* name : {"query", "key", "value"}) {
+        input(name, f32, {-1, -1, -1, -1}, 3);
+      }
+      AddMetadata(outputs, "output", f32, {-1, -1, -1, -1}, false, 3);
+      return;
+    case ProtocolModelKind::kAttend:
+      // [B, H, L, d]: PyTorch's layout; fewer (or more) batch dims work.
+      for (const char* name : {"query", "key", "value"}) {
+        input(name, f32, {-1, -1, -1, -1}, 2);
+      }
+      input("attn_mask", v1::DATA_TYPE_BOOL, {-1, -1, -1, -1}, 0);
+      AddMetadata(outputs, "output", f32, {-1, -1, -1, -1}, false, 2);
+      AddMetadata(outputs, "weights", f32, {-1, -1, -1, -1}, false, 2);
+      return;
+    default:
+      break;
   }
-  if (model == kAttentionSessionModel) {
-    // [B, H, n, d]; B may be left out.
-    for (const char* name : {"query", "key", "value"}) {
-      input(name, f32, {-1, -1, -1, -1});
-    }
-    AddMetadata(outputs, "output", f32, {-1, -1, -1, -1});
-    return;
-  }
+  // multi_head_attend: [B, L, E] or [L, E].
   for (const char* name : {"query", "key", "value"}) {
-    input(name, f32, {-1, -1, -1});
+    input(name, f32, {-1, -1, -1}, 2);
   }
-  input("attn_mask", v1::DATA_TYPE_BOOL, {-1, -1});
-  AddMetadata(outputs, "output", f32, {-1, -1, -1});
-  AddMetadata(outputs, "weights", f32, {-1, -1, -1});
-  if (model != kMultiHeadAttendModel) return;
-  input("key_padding_mask", v1::DATA_TYPE_BOOL, {-1, -1});
+  input("attn_mask", v1::DATA_TYPE_BOOL, {-1, -1, -1, -1}, 2);
+  input("key_padding_mask", v1::DATA_TYPE_BOOL, {-1, -1}, 1);
   for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
     const bool matrix = absl::EndsWith(field.name, "_weight");
     input(field.name, f32,
           matrix ? std::vector<int64_t>{-1, -1} : std::vector<int64_t>{-1});
   }
+  AddMetadata(outputs, "output", f32, {-1, -1, -1}, false, 2);
+  AddMetadata(outputs, "weights", f32, {-1, -1, -1, -1}, false, 2);
 }
 
-// The served model `model` (not a built-in).
-absl::StatusOr<std::shared_ptr<const Model>> FindServed(
-    const std::string& model, const ModelRepository* models) {
-  ATTN_RETURN_IF_ERROR(VerifyModelName(model, "model_name"));
-  // An unknown model is NOT_FOUND whatever its inputs.
-  if (models == nullptr) {
-    return absl::NotFoundError(absl::StrCat(
-        "model_name: ", EchoString(model),
-        " not found: this server has no model repository; the built-in "
-        "models are attend, multi_head_attend, layer_norm and ",
-        kAttentionSessionModel));
+// A served model's inputs and outputs (kServed), or those of its sequences
+// (kServedSequences: the step's hidden states in, its attention out).
+void ServedMetadata(const ProtocolModel& model,
+                    inference::ModelMetadataResponse* response) {
+  v1::GetModelMetadataResponse native;
+  const MultiHeadLayer& layer = *model.served->layer;
+  const auto f32 = v1::DATA_TYPE_FLOAT32;
+  auto* inputs = response->mutable_inputs();
+  auto* outputs = response->mutable_outputs();
+  if (model.kind == ProtocolModelKind::kServedSequences) {
+    AddMetadata(inputs, "query", f32, {-1, -1, layer.query_dim()}, false, 2);
+    AddMetadata(outputs, "output", f32, {-1, -1, layer.output_dim()}, false, 2);
+    return;
   }
-  // Looked up once: the call keeps this model for its cost and its
-  // computation, even if the repository reloads meanwhile.
-  return models->Find(model);
+  DescribeModel(*model.served, &native);
+  // The batch may be left out of every tensor; masks and weights also
+  // take [Lq, Lk] (the same for every batch entry and head).
+  const auto min_rank = [](const v1::TensorMetadata& tensor) -> int64_t {
+    if (tensor.name() == "attn_mask" || tensor.name() == "weights") return 2;
+    return tensor.shape_size() - 1;
+  };
+  for (const v1::TensorMetadata& tensor : native.inputs()) {
+    AddMetadata(inputs, tensor.name(), tensor.datatype(),
+                {tensor.shape().begin(), tensor.shape().end()},
+                IsOptionalInput(model, tensor.name()), min_rank(tensor));
+  }
+  for (const v1::TensorMetadata& tensor : native.outputs()) {
+    AddMetadata(outputs, tensor.name(), tensor.datatype(),
+                {tensor.shape().begin(), tensor.shape().end()}, false,
+                min_rank(tensor));
+  }
 }
 
 // The inputs of a sequence step: a served model's hidden states as
@@ -536,19 +613,75 @@ std::vector<std::string> BuiltInModels() {
           std::string(kLayerNormModel), std::string(kMultiHeadAttendModel)};
 }
 
-std::vector<std::string> RequestParameterNames(absl::string_view model) {
-  std::vector<const Descriptor*> targets;
-  if (model == kAttendModel) {
-    targets = {v1::AttendRequest::descriptor()};
-  } else if (model == kLayerNormModel) {
-    targets = {v1::LayerNormRequest::descriptor()};
-  } else if (model == kAttentionSessionModel) {
-    targets = {v1::SessionStepRequest::descriptor()};
-  } else {
-    targets = {v1::MultiHeadAttendRequest::descriptor()};
-    if (model == kMultiHeadAttendModel) {
-      targets.push_back(v1::AttentionWeights::descriptor());
+absl::StatusOr<ProtocolModel> FindProtocolModel(const std::string& name,
+                                                const ModelRepository* models,
+                                                absl::string_view field) {
+  ProtocolModel model;
+  model.name = name;
+  if (name == kAttendModel) return model;
+  for (auto [built_in, kind] :
+       {std::pair{kMultiHeadAttendModel, ProtocolModelKind::kMultiHeadAttend},
+        {kLayerNormModel, ProtocolModelKind::kLayerNorm},
+        {kAttentionSessionModel, ProtocolModelKind::kAttentionSession}}) {
+    if (name != built_in) continue;
+    model.kind = kind;
+    return model;
+  }
+  ATTN_RETURN_IF_ERROR(VerifyModelName(name, field));
+  if (models != nullptr) {
+    if (auto served = models->Find(name); served.ok()) {
+      model.kind = ProtocolModelKind::kServed;
+      model.served = *std::move(served);
+      return model;
     }
+    absl::string_view base = name;
+    if (absl::ConsumeSuffix(&base, kSequenceModelSuffix)) {
+      if (auto served = models->Find(std::string(base)); served.ok()) {
+        model.kind = ProtocolModelKind::kServedSequences;
+        model.served = *std::move(served);
+        return model;
+      }
+    }
+  }
+  return absl::NotFoundError(absl::StrCat(
+      field, ": model ", EchoString(name), " is not served; served models: ",
+      absl::StrJoin(ProtocolModelNames(models), ", "),
+      models == nullptr ? " (no model repository)" : ""));
+}
+
+std::vector<std::string> ProtocolModelNames(const ModelRepository* models) {
+  std::vector<std::string> names = BuiltInModels();
+  if (models != nullptr) {
+    for (const auto& model : models->List()) {
+      names.push_back(model->name);
+      names.push_back(absl::StrCat(model->name, kSequenceModelSuffix));
+    }
+  }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  return names;
+}
+
+std::vector<std::string> RequestParameterNames(const ProtocolModel& model) {
+  std::vector<const Descriptor*> targets;
+  switch (model.kind) {
+    case ProtocolModelKind::kAttend:
+      targets = {v1::AttendRequest::descriptor()};
+      break;
+    case ProtocolModelKind::kLayerNorm:
+      targets = {v1::LayerNormRequest::descriptor()};
+      break;
+    case ProtocolModelKind::kAttentionSession:
+    case ProtocolModelKind::kServedSequences:
+      targets = {v1::SessionStepRequest::descriptor()};
+      break;
+    case ProtocolModelKind::kMultiHeadAttend:
+      targets = {v1::MultiHeadAttendRequest::descriptor(),
+                 v1::AttentionWeights::descriptor()};
+      break;
+    case ProtocolModelKind::kServed:
+      targets = {v1::MultiHeadAttendRequest::descriptor()};
+      break;
   }
   std::vector<std::string> names;
   for (const Descriptor* descriptor : targets) {
@@ -589,56 +722,47 @@ NativeInferCall::~NativeInferCall() = default;
 absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
     ModelInferRequest* request, const ModelRepository* models,
     SequenceTable* sequences) {
-  const std::string& model = request->model_name();
-  if (model.empty()) {
+  const std::string& name = request->model_name();
+  if (name.empty()) {
     return absl::InvalidArgumentError("model_name: missing");
   }
   ATTN_RETURN_IF_ERROR(
-      VerifyVersion(model, request->model_version(), "model_version"));
+      VerifyVersion(name, request->model_version(), "model_version"));
+  ATTN_ASSIGN_OR_RETURN(ProtocolModel model,
+                        FindProtocolModel(name, models, "model_name"));
   ATTN_ASSIGN_OR_RETURN(const SequenceParameters sequence,
                         SequenceParametersOf(request->parameters(), model));
-  const bool in_sequence = !sequence.id.none();
-  if (model == kAttentionSessionModel && !in_sequence) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "parameters: model ", EchoString(model),
-        " answers requests of a sequence only: set sequence_id (and "
-        "sequence_start on the first request)"));
+  if (model.takes_sequences()) {
+    return FromSequence(request, std::move(model.served), sequences, sequence);
   }
   std::unique_ptr<NativeInferCall> call;
-  std::shared_ptr<const Model> served;  // null: weights sent inline
-  if (model == kAttendModel) {
+  if (model.kind == ProtocolModelKind::kAttend) {
     call.reset(new NativeInferCall(Kind::kAttend,
                                    std::make_unique<v1::AttendRequest>(),
                                    std::make_unique<v1::AttendResponse>()));
-  } else if (model == kLayerNormModel) {
+  } else if (model.kind == ProtocolModelKind::kLayerNorm) {
     call.reset(new NativeInferCall(Kind::kLayerNorm,
                                    std::make_unique<v1::LayerNormRequest>(),
                                    std::make_unique<v1::LayerNormResponse>()));
   } else {
-    if (!IsBuiltInModel(model)) {
-      ATTN_ASSIGN_OR_RETURN(served, FindServed(model, models));
-    }
-    if (in_sequence) {
-      return FromSequence(request, std::move(served), sequences, sequence);
-    }
     auto native = std::make_unique<v1::MultiHeadAttendRequest>();
-    if (model == kMultiHeadAttendModel) {
+    if (model.built_in()) {
       native->mutable_weights();
     } else {
-      native->set_model(model);
+      native->set_model(name);
     }
     call.reset(
         new NativeInferCall(Kind::kMultiHeadAttend, std::move(native),
                             std::make_unique<v1::MultiHeadAttendResponse>()));
   }
   Message* native = call->request_.get();
-  ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, native,
+  ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), name, native,
                                        /*in_sequence=*/false));
   ATTN_RETURN_IF_ERROR(ApplyInputs(request, native));
   ATTN_RETURN_IF_ERROR(ApplyOutputs(*request, *call->response_->GetDescriptor(),
                                     native, &call->requested_outputs_));
   if (call->kind_ == Kind::kMultiHeadAttend) {
-    call->multi_head_.emplace(std::move(served));
+    call->multi_head_.emplace(std::move(model.served));
   }
   return call;
 }
@@ -767,27 +891,16 @@ absl::Status HandleModelMetadata(const inference::ModelMetadataRequest& request,
                                  inference::ModelMetadataResponse* response) {
   ATTN_RETURN_IF_ERROR(
       VerifyVersion(request.name(), request.version(), "version"));
+  ATTN_ASSIGN_OR_RETURN(const ProtocolModel model,
+                        FindProtocolModel(request.name(), models, "name"));
   response->add_versions(std::string(kOnlyVersion));
-  if (IsBuiltInModel(request.name())) {
-    response->set_name(request.name());
+  response->set_name(model.name);
+  if (model.built_in()) {
     response->set_platform("attnserve_builtin");
-    BuiltInMetadata(request.name(), response);
-    return absl::OkStatus();
-  }
-  v1::GetModelMetadataRequest native_request;
-  native_request.set_name(request.name());
-  v1::GetModelMetadataResponse native;
-  ATTN_RETURN_IF_ERROR(HandleGetModelMetadata(native_request, models, &native));
-  response->set_name(native.name());
-  response->set_platform(native.platform());
-  for (const v1::TensorMetadata& input : native.inputs()) {
-    AddMetadata(response->mutable_inputs(), input.name(), input.datatype(),
-                {input.shape().begin(), input.shape().end()},
-                IsOptionalInput(native.name(), input.name()));
-  }
-  for (const v1::TensorMetadata& output : native.outputs()) {
-    AddMetadata(response->mutable_outputs(), output.name(), output.datatype(),
-                {output.shape().begin(), output.shape().end()});
+    BuiltInMetadata(model, response);
+  } else {
+    response->set_platform("attnserve_multi_head_attention");
+    ServedMetadata(model, response);
   }
   return absl::OkStatus();
 }

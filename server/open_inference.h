@@ -21,9 +21,10 @@
 //    requested output read it from or write it to a region registered with
 //    RegisterSharedMemory.
 //
-//  - sequences (Triton's sequence extension) on served models and the
-//    built-in "attention_session" are decode-session steps
-//    (server/sequences.h).
+//  - sequences (Triton's sequence extension) on a served model's sequences
+//    model ("demo_session" for "demo") and the built-in
+//    "attention_session" are decode-session steps (server/sequences.h);
+//  - a request that names no output gets every output of its model.
 //
 // Thread-safety: NativeInferCall is thread-compatible (one call, one
 // thread at a time); the free functions share nothing but the thread-safe
@@ -64,6 +65,50 @@ bool IsBuiltInModel(absl::string_view model);
 // The built-in models' names, sorted.
 std::vector<std::string> BuiltInModels();
 
+// A served model's sequences have a model name of their own, the served
+// model's name and this suffix ("demo_session" for "demo"): a stateless
+// request and a sequence step take different inputs and outputs, and
+// Triton's tools read a model's inputs, outputs and sequence batching from
+// its metadata and configuration. A served model of that name (a folder
+// "demo_session") takes precedence.
+inline constexpr absl::string_view kSequenceModelSuffix = "_session";
+
+// What a protocol model name names.
+enum class ProtocolModelKind {
+  kAttend,
+  kMultiHeadAttend,
+  kLayerNorm,
+  kAttentionSession,
+  kServed,           // a served model, stateless (MultiHeadAttend)
+  kServedSequences,  // the sequences of a served model (model sessions)
+};
+
+struct ProtocolModel {
+  ProtocolModelKind kind = ProtocolModelKind::kAttend;
+  std::string name;  // as the protocol names it
+  // kServed and kServedSequences: the served model, looked up once (a call
+  // keeps it even if the repository reloads meanwhile).
+  std::shared_ptr<const Model> served;
+
+  bool built_in() const { return served == nullptr; }
+  // Whether its requests are steps of sequences (and only those).
+  bool takes_sequences() const {
+    return kind == ProtocolModelKind::kAttentionSession ||
+           kind == ProtocolModelKind::kServedSequences;
+  }
+};
+
+// The model `name` names: a built-in one, a served one, or a served one's
+// sequences. INVALID_ARGUMENT (naming `field`) for a name no model can
+// have; NOT_FOUND listing the models there are for other names. `models`
+// may be null (no repository).
+absl::StatusOr<ProtocolModel> FindProtocolModel(const std::string& name,
+                                                const ModelRepository* models,
+                                                absl::string_view field);
+// Every model name the protocol answers to, sorted: the built-in models,
+// each served model and its sequences' model.
+std::vector<std::string> ProtocolModelNames(const ModelRepository* models);
+
 // What a request parameter holds, for messages: "bool", "int64",
 // "string", "double", "uint64" or "empty".
 absl::string_view ParameterKind(const inference::InferParameter& parameter);
@@ -78,7 +123,7 @@ absl::StatusOr<v1::DataType> NativeDatatype(absl::string_view datatype,
 
 // The request parameters `model` takes (the scalar fields of its native
 // request), in field order.
-std::vector<std::string> RequestParameterNames(absl::string_view model);
+std::vector<std::string> RequestParameterNames(const ProtocolModel& model);
 
 // One ModelInfer call as a native call.
 class NativeInferCall {

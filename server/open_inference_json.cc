@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/convert.h"
@@ -52,8 +53,57 @@ absl::Status VerifyDepth(absl::string_view text) {
   return absl::OkStatus();
 }
 
+// Triton parses JSON with rapidjson's kParseNanAndInfFlag, so NaN, -NaN,
+// Inf, Infinity, -Inf and -Infinity are numbers there, and Triton's Python
+// client writes them for non-finite values. nlohmann's parser refuses
+// them: outside strings they become strings that start with this byte
+// (no JSON text holds it raw), which NonFinite reads back as numbers.
+constexpr char kNonFiniteMark = '\x01';
+
+// The text with its non-finite number tokens marked (see above); nullopt
+// when it has none (parsed as it is).
+std::optional<std::string> MarkNonFinite(absl::string_view text) {
+  std::optional<std::string> out;
+  size_t copied = 0;  // text[0, copied) is in *out
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+      continue;
+    }
+    if (c == '"') {
+      in_string = true;
+      continue;
+    }
+    const absl::string_view rest = text.substr(i);
+    absl::string_view token;
+    for (absl::string_view candidate :
+         {"NaN", "-NaN", "-Infinity", "Infinity", "-Inf", "Inf"}) {
+      if (absl::StartsWith(rest, candidate)) {
+        token = candidate;
+        break;
+      }
+    }
+    if (token.empty()) continue;
+    if (!out.has_value()) out.emplace();
+    absl::StrAppend(&*out, text.substr(copied, i - copied), "\"\\u0001", token,
+                    "\"");
+    i += token.size() - 1;
+    copied = i + 1;
+  }
+  if (out.has_value()) absl::StrAppend(&*out, text.substr(copied));
+  return out;
+}
+
 absl::StatusOr<json> ParseJson(absl::string_view text) {
   ATTN_RETURN_IF_ERROR(VerifyDepth(text));
+  const std::optional<std::string> marked = MarkNonFinite(text);
+  if (marked.has_value()) text = *marked;
   json parsed;
   try {
     parsed = json::parse(text.begin(), text.end());
@@ -67,10 +117,27 @@ absl::StatusOr<json> ParseJson(absl::string_view text) {
   return parsed;
 }
 
+// The value of a non-finite number token (see kNonFiniteMark).
+std::optional<double> NonFinite(const json& value) {
+  if (!value.is_string()) return std::nullopt;
+  const std::string& text = value.get_ref<const std::string&>();
+  if (text.empty() || text[0] != kNonFiniteMark) return std::nullopt;
+  if (absl::EndsWith(text, "NaN")) {
+    return std::numeric_limits<double>::quiet_NaN();
+  }
+  const double infinity = std::numeric_limits<double>::infinity();
+  return text[1] == '-' ? -infinity : infinity;
+}
+
+// What a JSON value is, for messages.
+std::string KindOf(const json& value) {
+  return NonFinite(value).has_value() ? "number" : value.type_name();
+}
+
 absl::Status FieldError(absl::string_view field, absl::string_view expected,
                         const json& got) {
   return absl::InvalidArgumentError(
-      absl::StrCat(field, ": expected ", expected, ", got ", got.type_name()));
+      absl::StrCat(field, ": expected ", expected, ", got ", KindOf(got)));
 }
 
 // A JSON value as a protocol parameter.
@@ -89,6 +156,8 @@ absl::Status ToParameter(const json& value, absl::string_view field,
     parameter->set_int64_param(value.get<int64_t>());
   } else if (value.is_number_float()) {
     parameter->set_double_param(value.get<double>());
+  } else if (const std::optional<double> number = NonFinite(value)) {
+    parameter->set_double_param(*number);
   } else if (value.is_string()) {
     parameter->set_string_param(value.get<std::string>());
   } else {
@@ -154,9 +223,14 @@ absl::Status AppendValue(const json& value, DType dtype,
     }
     bytes->push_back(static_cast<char>(value.get<uint64_t>()));
   } else {
-    if (!value.is_number()) return FieldError(field(), "a number", value);
-    const double wide = value.get<double>();
-    if (std::abs(wide) > std::numeric_limits<float>::max()) {
+    const std::optional<double> non_finite = NonFinite(value);
+    if (!value.is_number() && !non_finite.has_value()) {
+      return FieldError(field(), "a number", value);
+    }
+    const double wide =
+        non_finite.value_or(value.is_number() ? value.get<double>() : 0.0);
+    if (!non_finite.has_value() &&
+        std::abs(wide) > std::numeric_limits<float>::max()) {
       return absl::InvalidArgumentError(absl::StrCat(
           field(), ": ", value.dump(), " is beyond float32's range"));
     }
@@ -433,10 +507,11 @@ HttpBody InferResponseToJson(inference::ModelInferResponse* response,
                  {"datatype", output.datatype()},
                  {"shape", std::vector<int64_t>(output.shape().begin(),
                                                 output.shape().end())}};
+    // An output written to shared memory is its name, datatype and shape
+    // alone, as Triton writes it: Triton's C++ client reads an output's
+    // "parameters" as the binary extension's and needs binary_data_size
+    // there.
     json parameters = json::object();
-    for (const auto& [name, value] : output.parameters()) {
-      parameters[name] = ParameterToJson(value);
-    }
     const std::string* raw = i < response->raw_output_contents_size()
                                  ? response->mutable_raw_output_contents(i)
                                  : nullptr;

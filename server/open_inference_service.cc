@@ -97,16 +97,17 @@ void OpenInferenceService::AddStateRpcs() {
       [pipeline](const auto& request, auto* response) {
         return pipeline->log_settings()->Handle(request, response);
       });
-  // CUDA shared memory: UNIMPLEMENTED, saying to use system shared memory.
-  const auto no_cuda = [](const auto&, auto*) {
-    return CudaSharedMemoryUnsupported();
-  };
+  // CUDA shared memory as a Triton without GPUs answers it.
   AddState<oip::CudaSharedMemoryStatusRequest,
-           oip::CudaSharedMemoryStatusResponse>(no_cuda);
+           oip::CudaSharedMemoryStatusResponse>([](const auto& request, auto*) {
+    return HandleCudaSharedMemoryStatus(request.name());
+  });
   AddState<oip::CudaSharedMemoryRegisterRequest,
-           oip::CudaSharedMemoryRegisterResponse>(no_cuda);
+           oip::CudaSharedMemoryRegisterResponse>(
+      [](const auto&, auto*) { return HandleCudaSharedMemoryRegister(); });
   AddState<oip::CudaSharedMemoryUnregisterRequest,
-           oip::CudaSharedMemoryUnregisterResponse>(no_cuda);
+           oip::CudaSharedMemoryUnregisterResponse>(
+      [](const auto&, auto*) { return absl::OkStatus(); });
 }
 
 void OpenInferenceService::AddInferenceRpcs() {

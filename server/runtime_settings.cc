@@ -165,14 +165,9 @@ absl::Status TraceSettings::Handle(
     const inference::TraceSettingRequest& request,
     inference::TraceSettingResponse* response) {
   const std::string& model = request.model_name();
-  if (!model.empty() && !IsBuiltInModel(model)) {
-    ATTN_RETURN_IF_ERROR(VerifyModelName(model, "model_name"));
-    if (models_ == nullptr) {
-      return absl::NotFoundError(
-          absl::StrCat("model_name: ", EchoString(model),
-                       " not found: this server has no model repository"));
-    }
-    ATTN_RETURN_IF_ERROR(models_->Find(model).status());
+  if (!model.empty()) {
+    ATTN_RETURN_IF_ERROR(
+        FindProtocolModel(model, models_, "model_name").status());
   }
   for (const auto& [name, value] : request.settings()) {
     ATTN_RETURN_IF_ERROR(

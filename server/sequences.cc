@@ -311,11 +311,6 @@ bool IsSequenceParameter(absl::string_view name, bool in_sequence) {
           name == kRotaryDims || name == kRotaryBase || name == kDtype);
 }
 
-bool TakesSequences(absl::string_view model) {
-  return model != kAttendModel && model != kMultiHeadAttendModel &&
-         model != kLayerNormModel;
-}
-
 std::vector<std::string> SequenceParameterNames(absl::string_view model) {
   std::vector<std::string> names = {
       std::string(kId),       std::string(kStart), std::string(kEnd),
@@ -329,7 +324,8 @@ std::vector<std::string> SequenceParameterNames(absl::string_view model) {
 }
 
 absl::StatusOr<SequenceParameters> SequenceParametersOf(
-    const ParameterMap& parameters, absl::string_view model) {
+    const ParameterMap& parameters, const ProtocolModel& protocol_model) {
+  const absl::string_view model = protocol_model.name;
   SequenceParameters out;
   for (auto [name, id] : {std::pair{kId, &out.id}, {kFork, &out.fork}}) {
     const auto it = parameters.find(std::string(name));
@@ -353,14 +349,24 @@ absl::StatusOr<SequenceParameters> SequenceParametersOf(
                        " needs a sequence_id (a non-zero uint64 or a "
                        "non-empty string)"));
     }
+    if (protocol_model.takes_sequences()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "parameters: model ", EchoString(model),
+          " answers requests of a sequence only: set sequence_id (and "
+          "sequence_start on the first request)"));
+    }
     return out;
   }
-  if (!TakesSequences(model)) {
+  if (!protocol_model.takes_sequences()) {
     return absl::InvalidArgumentError(absl::StrCat(
         Where(kId), ": model ", EchoString(model),
-        " keeps no state between requests; sequences run on served models "
-        "and on ",
-        kAttentionSessionModel));
+        " keeps no state between requests; ",
+        protocol_model.built_in()
+            ? absl::StrCat("sequences run on ", kAttentionSessionModel,
+                           " and on the sequence model of each served model")
+            : absl::StrCat(
+                  "its sequences are model ",
+                  EchoString(absl::StrCat(model, kSequenceModelSuffix)))));
   }
   if (!out.fork.none() && !out.start) {
     return absl::InvalidArgumentError(

@@ -112,16 +112,12 @@ bool IsSequenceParameter(absl::string_view name, bool in_sequence);
 
 // The sequence parameters of `parameters`, checked: types, a start, end or
 // fork without an id, a fork without a start or of itself, settings
-// outside a start, with a fork or on a model that takes none.
-// INVALID_ARGUMENT naming the parameter.
+// outside a start, with a fork or on a model that takes none; none on a
+// model that answers sequences only. INVALID_ARGUMENT naming the parameter.
 absl::StatusOr<SequenceParameters> SequenceParametersOf(
     const google::protobuf::Map<std::string, inference::InferParameter>&
         parameters,
-    absl::string_view model);
-
-// Whether requests of `model` may belong to a sequence (served models and
-// attention_session; not the stateless built-ins).
-bool TakesSequences(absl::string_view model);
+    const ProtocolModel& model);
 // The sequence parameters `model` takes, for its configuration.
 std::vector<std::string> SequenceParameterNames(absl::string_view model);
 

@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "attnserve/v1/attention.pb.h"
+#include "core/status_macros.h"
 #include "core/verify.h"
 #include "server/open_inference.h"
 
@@ -44,14 +45,12 @@ std::string ModelOfRequest(const google::protobuf::Message& request) {
 }
 
 bool StatisticsTable::IsServed(const std::string& model) const {
-  if (IsBuiltInModel(model)) return true;
-  return models_ != nullptr && !model.empty() && models_->Find(model).ok();
+  return !model.empty() && FindProtocolModel(model, models_, "name").ok();
 }
 
 void StatisticsTable::Record(const google::protobuf::Message& request,
-                             const absl::Status& status, absl::Duration total,
-                             absl::Duration queue_wait,
-                             absl::Duration compute) {
+                             const absl::Status& status,
+                             const Durations& durations) {
   const std::string model = ModelOfRequest(request);
   if (!IsServed(model)) return;
   const uint64_t now_ms =
@@ -61,17 +60,19 @@ void StatisticsTable::Record(const google::protobuf::Message& request,
   counters.last_inference_ms = now_ms;
   if (!status.ok()) {
     ++counters.fail_count;
-    counters.fail_ns += Nanos(total);
+    counters.fail_ns += Nanos(durations.total);
     return;
   }
   ++counters.success_count;
-  counters.success_ns += Nanos(total);
-  counters.queue_ns += Nanos(queue_wait);
-  counters.compute_ns += Nanos(compute);
+  counters.success_ns += Nanos(durations.total);
+  counters.input_ns += Nanos(durations.input);
+  counters.queue_ns += Nanos(durations.queue);
+  counters.compute_ns += Nanos(durations.compute);
   // What follows the computation until the answer is ready: the result's
   // encoding (and the worker's hand-over), all of the call's time that is
-  // neither queue nor computation.
-  counters.output_ns += Nanos(total - queue_wait - compute);
+  // neither input, queue nor computation.
+  counters.output_ns += Nanos(durations.total - durations.input -
+                              durations.queue - durations.compute);
 }
 
 void StatisticsTable::Fill(const std::string& model,
@@ -88,8 +89,10 @@ void StatisticsTable::Fill(const std::string& model,
   Set(infer->mutable_success(), counters.success_count, counters.success_ns);
   Set(infer->mutable_fail(), counters.fail_count, counters.fail_ns);
   Set(infer->mutable_queue(), counters.success_count, counters.queue_ns);
-  // Inputs are decoded before a call is queued: their time is in `queue`.
-  Set(infer->mutable_compute_input(), 0, 0);
+  // Every execution has its input, infer and output phases (Triton's tools
+  // require the three counts to agree).
+  Set(infer->mutable_compute_input(), counters.success_count,
+      counters.input_ns);
   Set(infer->mutable_compute_infer(), counters.success_count,
       counters.compute_ns);
   Set(infer->mutable_compute_output(), counters.success_count,
@@ -103,18 +106,10 @@ absl::Status StatisticsTable::Handle(
     inference::ModelStatisticsResponse* response) const {
   std::vector<std::string> names;
   if (request.name().empty()) {
-    names = BuiltInModels();
-    if (models_ != nullptr) {
-      for (const auto& model : models_->List()) {
-        if (!IsBuiltInModel(model->name)) names.push_back(model->name);
-      }
-    }
-    std::sort(names.begin(), names.end());
+    names = ProtocolModelNames(models_);
   } else {
-    if (!IsServed(request.name())) {
-      return absl::NotFoundError(absl::StrCat(
-          "name: model ", EchoString(request.name()), " is not served"));
-    }
+    ATTN_RETURN_IF_ERROR(
+        FindProtocolModel(request.name(), models_, "name").status());
     names = {request.name()};
   }
   if (!request.version().empty() && request.version() != "1") {

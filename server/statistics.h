@@ -1,7 +1,8 @@
 // Per-model inference statistics, Triton's statistics extension: for each
 // model, successful and failed calls with their cumulative durations, and
-// where the successful calls' time went (queue, compute, and what follows
-// the computation until the answer is ready), counted from every compute
+// where the successful calls' time went (the request's translation, queue,
+// compute, and what follows the computation until the answer is ready),
+// counted from every compute
 // call that names a model: ModelInfer over gRPC and HTTP, ModelStreamInfer,
 // and the native Attend, LayerNorm and MultiHeadAttend (under "attend",
 // "layer_norm", "multi_head_attend" or the served model they name).
@@ -33,12 +34,16 @@ class StatisticsTable {
  public:
   explicit StatisticsTable(const ModelRepository* models) : models_(models) {}
 
-  // One finished compute call whose request is `request`: `total` from
-  // arrival to answer, `queue_wait` from arrival to the start of its
-  // computation (decoding included), `compute` its computation.
+  // Where one call's time went.
+  struct Durations {
+    absl::Duration total;    // from arrival to answer
+    absl::Duration input;    // the request's translation into a native call
+    absl::Duration queue;    // from then to the start of its computation
+    absl::Duration compute;  // its computation
+  };
+  // One finished compute call whose request is `request`.
   void Record(const google::protobuf::Message& request,
-              const absl::Status& status, absl::Duration total,
-              absl::Duration queue_wait, absl::Duration compute)
+              const absl::Status& status, const Durations& durations)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // ModelStatistics: every served model when `request.name` is empty, else
@@ -54,6 +59,7 @@ class StatisticsTable {
     uint64_t success_ns = 0;
     uint64_t fail_count = 0;
     uint64_t fail_ns = 0;
+    uint64_t input_ns = 0;
     uint64_t queue_ns = 0;
     uint64_t compute_ns = 0;
     uint64_t output_ns = 0;

@@ -67,6 +67,7 @@ class StreamInferReactor final
                                      pipeline_->sequences());
     if (!native.ok()) return Refuse(native.status());
     call_->native = *std::move(native);
+    call_->decoded = absl::Now();
     std::shared_ptr<Call> call = call_;
     pipeline_->Run(
         Record(*call),
@@ -104,6 +105,7 @@ class StreamInferReactor final
     inference::ModelStreamInferResponse response;
     std::unique_ptr<NativeInferCall> native;
     absl::Time arrived;
+    absl::Time decoded = absl::InfinitePast();
   };
 
   PipelineCall Record(const Call& call) const {
@@ -113,6 +115,7 @@ class StreamInferReactor final
         .response = &call.response,
         .cost = call.native != nullptr ? call.native->cost() : RequestCost{},
         .arrived = call.arrived,
+        .decoded = call.decoded,
         .deadline = DeadlineOf(*context_)};
   }
 
@@ -136,6 +139,11 @@ class StreamInferReactor final
       response.mutable_infer_response()->set_model_name(
           call_->request.model_name());
     }
+    // Each request has one response, its last, which Triton marks so:
+    // Triton's C++ clients read the flag to end a request.
+    (*response.mutable_infer_response()
+          ->mutable_parameters())["triton_final_response"]
+        .set_bool_param(true);
     // The previous response's bytes are sent: the buffer takes new ones.
     write_buffer_.Clear();
     bool own_buffer = false;

@@ -89,6 +89,20 @@ json FieldValue(const Message& message, const FieldDescriptor& field,
   return nullptr;
 }
 
+// Load and unload name folders: a served model's sequences model comes and
+// goes with it.
+absl::Status VerifyNotSequenceModel(const std::string& name,
+                                    const ModelRepository* models) {
+  const absl::StatusOr<ProtocolModel> model =
+      FindProtocolModel(name, models, "model_name");
+  if (!model.ok() || model->kind != ProtocolModelKind::kServedSequences) {
+    return absl::OkStatus();
+  }
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model_name: ", EchoString(name), " is the sequences of model ",
+      EchoString(model->served->name), ", which loads and unloads it"));
+}
+
 }  // namespace
 
 json MessageToJson(const Message& message) {
@@ -133,18 +147,15 @@ absl::Status HandleRepositoryIndex(
     const ModelRepository* models,
     inference::RepositoryIndexResponse* response) {
   ATTN_RETURN_IF_ERROR(VerifyRepositoryName(request.repository_name(), models));
-  std::vector<std::string> names = BuiltInModels();
+  // Served models whose folder has gone stay served until a reload.
+  std::vector<std::string> names = ProtocolModelNames(models);
   if (models != nullptr) {
     for (std::string& folder : models->Folders()) names.push_back(folder);
-    // Served models whose folder has gone stay served until a reload.
-    for (const auto& model : models->List()) names.push_back(model->name);
   }
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   for (const std::string& name : names) {
-    const bool built_in = IsBuiltInModel(name);
-    const bool ready =
-        built_in || (models != nullptr && models->Find(name).ok());
+    const bool ready = FindProtocolModel(name, models, "name").ok();
     if (request.ready() && !ready) continue;
     auto* entry = response->add_models();
     entry->set_name(name);
@@ -167,6 +178,7 @@ absl::Status HandleRepositoryModelLoad(
                                                   /*unload=*/false));
   const std::string& name = request.model_name();
   if (name.empty()) return absl::InvalidArgumentError("model_name: missing");
+  ATTN_RETURN_IF_ERROR(VerifyNotSequenceModel(name, models));
   // Built-in models are always loaded.
   if (IsBuiltInModel(name)) return absl::OkStatus();
   if (models == nullptr) return NoRepository();
@@ -181,6 +193,7 @@ absl::Status HandleRepositoryModelUnload(
                                                   /*unload=*/true));
   const std::string& name = request.model_name();
   if (name.empty()) return absl::InvalidArgumentError("model_name: missing");
+  ATTN_RETURN_IF_ERROR(VerifyNotSequenceModel(name, models));
   if (IsBuiltInModel(name)) {
     return absl::FailedPreconditionError(
         absl::StrCat("model_name: ", EchoString(name),
@@ -207,7 +220,8 @@ absl::Status HandleSystemSharedMemoryUnregister(
     SharedMemoryRegistry* registry) {
   v1::UnregisterSharedMemoryRequest native;
   native.set_name(request.name());
-  return HandleUnregisterSharedMemory(native, registry);
+  const absl::Status status = HandleUnregisterSharedMemory(native, registry);
+  return absl::IsNotFound(status) ? absl::OkStatus() : status;
 }
 
 absl::Status HandleSystemSharedMemoryStatus(
@@ -229,7 +243,15 @@ absl::Status HandleSystemSharedMemoryStatus(
   return absl::OkStatus();
 }
 
-absl::Status CudaSharedMemoryUnsupported() {
+absl::Status HandleCudaSharedMemoryStatus(absl::string_view name) {
+  if (name.empty()) return absl::OkStatus();
+  return absl::NotFoundError(
+      absl::StrCat("name: no CUDA shared memory region ", EchoString(name),
+                   " is registered (attnserve computes on CPU and takes "
+                   "system shared memory only)"));
+}
+
+absl::Status HandleCudaSharedMemoryRegister() {
   return absl::UnimplementedError(
       "CUDA shared memory is not supported: attnserve computes on CPU; "
       "register system shared memory instead");

@@ -47,6 +47,8 @@ absl::Status HandleRepositoryModelUnload(
 absl::Status HandleSystemSharedMemoryRegister(
     const inference::SystemSharedMemoryRegisterRequest& request,
     SharedMemoryRegistry* registry);
+// Unregistering a region that is not registered succeeds (as in Triton;
+// the native UnregisterSharedMemory answers NOT_FOUND).
 absl::Status HandleSystemSharedMemoryUnregister(
     const inference::SystemSharedMemoryUnregisterRequest& request,
     SharedMemoryRegistry* registry);
@@ -55,8 +57,12 @@ absl::Status HandleSystemSharedMemoryStatus(
     const SharedMemoryRegistry* registry,
     inference::SystemSharedMemoryStatusResponse* response);
 
-// The answer to every CUDA shared-memory call.
-absl::Status CudaSharedMemoryUnsupported();
+// CUDA shared memory, as a Triton without GPUs answers it: no region is
+// ever registered, so the status lists none (NOT_FOUND for a named one),
+// unregistering succeeds, and registering is UNIMPLEMENTED saying to use
+// system shared memory.
+absl::Status HandleCudaSharedMemoryStatus(absl::string_view name);
+absl::Status HandleCudaSharedMemoryRegister();
 
 // A message as Triton's HTTP endpoints write it: field names as in the
 // .proto, enums by name, 64-bit integers as JSON numbers, every field but

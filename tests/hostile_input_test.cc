@@ -2437,7 +2437,10 @@ void AddEchoCases(std::vector<HostileCase>& cases) {
   infer_case(
       "model_name_200_bytes", "model_name",
       [&](auto& r) { r.set_model_name(std::string(200, 'n')); },
-      Code::kNotFound, not_found);
+      Code::kNotFound,
+      absl::StrCat("model_name: model ", Cut('n', 200),
+                   " is not served; served models: attend, attention_session, "
+                   "demo, demo_session, layer_norm, multi_head_attend"));
   infer_case(
       "input_name_8000_bytes", "inputs.name",
       [&](auto& r) { r.mutable_inputs(0)->set_name(n8k); },

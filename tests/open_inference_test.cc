@@ -130,17 +130,21 @@ TEST_F(OpenInferenceTest, AttendEqualsTheNativeRpc) {
     std::string name;
     std::function<void(v1::AttendRequest*, ModelInferRequest*)> set;
   };
+  // A request that names no output gets every output: the weights too.
   const std::vector<Case> cases = {
-      {"plain", [](auto*, auto*) {}},
-      {"causal",
+      {"plain, every output",
+       [](v1::AttendRequest* n, auto*) { n->set_return_weights(true); }},
+      {"causal, output only",
        [](v1::AttendRequest* n, ModelInferRequest* p) {
          n->set_causal(true);
          (*p->mutable_parameters())["causal"].set_bool_param(true);
+         p->add_outputs()->set_name("output");
        }},
-      {"scale and temperature",
+      {"scale and temperature, every output",
        [](v1::AttendRequest* n, ModelInferRequest* p) {
          n->set_scale(0.3f);
          n->set_temperature(2);
+         n->set_return_weights(true);
          (*p->mutable_parameters())["scale"].set_double_param(0.3);
          (*p->mutable_parameters())["temperature"].set_int64_param(2);
        }},
@@ -337,6 +341,7 @@ TEST_F(OpenInferenceTest, GroupedQueryAttendEqualsRepeatedHeads) {
     AddRaw("value", v, &request);
     (*request.mutable_parameters())["enable_gqa"].set_bool_param(true);
     (*request.mutable_parameters())["causal"].set_bool_param(causal);
+    request.add_outputs()->set_name("output");
     ModelInferResponse response;
     ASSERT_TRUE(Infer(request, &response).ok());
     EXPECT_EQ(RawOutput(response, "output"), native_answer.output().raw_data());
@@ -485,13 +490,13 @@ TEST_F(OpenInferenceTest, BadRequestsNameTheField) {
   };
   const std::vector<Case> cases = {
       {"unknown model", [](auto* r) { r->set_model_name("nope"); },
-       grpc::StatusCode::NOT_FOUND, "model: 'nope' not found"},
+       grpc::StatusCode::NOT_FOUND, "model 'nope' is not served"},
       {"unknown model, before its inputs are checked",
        [](auto* r) {
          r->set_model_name("nope");
          r->mutable_inputs(0)->set_name("input");
        },
-       grpc::StatusCode::NOT_FOUND, "model: 'nope' not found"},
+       grpc::StatusCode::NOT_FOUND, "model 'nope' is not served"},
       {"no model", [](auto* r) { r->clear_model_name(); },
        grpc::StatusCode::INVALID_ARGUMENT, "model_name: missing"},
       {"other version", [](auto* r) { r->set_model_version("2"); },
@@ -601,8 +606,15 @@ TEST_F(OpenInferenceTest, EchoedStringsAreCutTo128Bytes) {
   const std::string n8k(8000, 'n');
   const std::string echo_v = Cut('9', 20000);
   const std::string echo_n = Cut('n', 8000);
+  // The native API's, and the protocol's (which lists its models).
   const std::string not_found =
       absl::StrCat("model: ", Cut('n', 200), " not found; loaded models: mha");
+  const auto not_served = [](const char* field) {
+    return absl::StrCat(field, ": model ", Cut('n', 200),
+                        " is not served; served models: attend, "
+                        "attention_session, layer_norm, mha, mha_session, "
+                        "multi_head_attend");
+  };
   const v1::Tensor q = RandomWireTensor(DType::kFloat32, {2, 8}, rng_);
   const auto attend = [&] {
     ModelInferRequest request;
@@ -652,7 +664,7 @@ TEST_F(OpenInferenceTest, EchoedStringsAreCutTo128Bytes) {
                     echo_v)},
       {"ModelMetadata name",
        [&] { return metadata(std::string(200, 'n'), ""); },
-       grpc::StatusCode::NOT_FOUND, not_found},
+       grpc::StatusCode::NOT_FOUND, not_served("name")},
       // Models and versions not served are not ready: OK, ready false.
       {"ModelReady version", [&] { return ready("attend", v20k); },
        grpc::StatusCode::OK, ""},
@@ -668,7 +680,7 @@ TEST_F(OpenInferenceTest, EchoedStringsAreCutTo128Bytes) {
          return infer(
              [&](auto* r) { r->set_model_name(std::string(200, 'n')); });
        },
-       grpc::StatusCode::NOT_FOUND, not_found},
+       grpc::StatusCode::NOT_FOUND, not_served("model_name")},
       {"ModelInfer input name",
        [&] {
          return infer([&](auto* r) { r->mutable_inputs(2)->set_name(n8k); });

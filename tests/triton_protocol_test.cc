@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -86,6 +87,12 @@ void ExpectNear(const std::vector<float>& actual,
 }
 
 constexpr const char* kNames[] = {"query", "key", "value"};
+
+// What a request naming a model that is not served gets, after its field.
+constexpr const char* kNotServedRest =
+    "model 'wrong_model_name' is not served; served models: attend, "
+    "attention_session, layer_norm, mha, mha_session, multi_head_attend";
+const std::string kNotServed = absl::StrCat("name: ", kNotServedRest);
 
 class TritonProtocolTest : public ::testing::Test {
  protected:
@@ -220,9 +227,14 @@ TEST_F(TritonProtocolTest, GrpcHealthMetadataAndConfig) {
       triton_->ModelMetadata(Context().get(), metadata_request, &metadata)
           .ok());
   ASSERT_EQ(metadata.inputs_size(), 5);
-  EXPECT_TRUE(metadata.inputs(0).parameters().empty());  // query: required
+  EXPECT_FALSE(metadata.inputs(0).parameters().contains("optional"))
+      << "query: required";
+  EXPECT_EQ(metadata.inputs(0).parameters().at("min_rank").int64_param(), 2)
+      << "query: [B, L, E] or [L, E]";
   EXPECT_TRUE(metadata.inputs(2).parameters().at("optional").bool_param())
       << "value may be left out (the key is used)";
+  ASSERT_EQ(metadata.outputs_size(), 2);
+  EXPECT_EQ(metadata.outputs(1).name(), "weights");
 
   inference::ModelConfigRequest config_request;
   config_request.set_name("mha");
@@ -251,6 +263,30 @@ TEST_F(TritonProtocolTest, GrpcHealthMetadataAndConfig) {
   EXPECT_EQ(mha.parameters().at("request_parameters").string_value(),
             "causal, scale, temperature, return_weights, average_weights, "
             "compute_bf16");
+  // A stateless model: Triton's tools would send it sequences otherwise.
+  EXPECT_FALSE(mha.has_sequence_batching());
+
+  // Its sequences are a model of their own: the step's hidden states in,
+  // its attention out.
+  metadata_request.set_name("mha_session");
+  metadata.Clear();
+  ASSERT_TRUE(
+      triton_->ModelMetadata(Context().get(), metadata_request, &metadata)
+          .ok());
+  ASSERT_EQ(metadata.inputs_size(), 1);
+  EXPECT_EQ(metadata.inputs(0).name(), "query");
+  EXPECT_THAT(metadata.inputs(0).shape(), ElementsAre(-1, -1, 16));
+  ASSERT_EQ(metadata.outputs_size(), 1);
+  EXPECT_EQ(metadata.outputs(0).name(), "output");
+  config_request.set_name("mha_session");
+  status = triton_->ModelConfig(Context().get(), config_request, &config);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  EXPECT_THAT(ConfigInputs(config.config()), ElementsAre("query"));
+  EXPECT_TRUE(config.config().has_sequence_batching());
+  EXPECT_EQ(config.config().parameters().at("num_heads").string_value(), "4");
+  EXPECT_THAT(
+      config.config().parameters().at("request_parameters").string_value(),
+      HasSubstr("scale, temperature"));
 
   // The built-in models.
   config_request.set_name("attend");
@@ -259,6 +295,9 @@ TEST_F(TritonProtocolTest, GrpcHealthMetadataAndConfig) {
   EXPECT_THAT(ConfigInputs(config.config()),
               ElementsAre("query", "key", "value", "attn_mask?"));
   EXPECT_EQ(config.config().platform(), "attnserve_builtin");
+  // [B, H, L, d], as PyTorch lays it out; fewer or more batch dims work.
+  EXPECT_THAT(config.config().input(0).dims(), ElementsAre(-1, -1, -1, -1));
+  EXPECT_FALSE(config.config().has_sequence_batching());
   config_request.set_name("layer_norm");
   ASSERT_TRUE(
       triton_->ModelConfig(Context().get(), config_request, &config).ok());
@@ -268,8 +307,7 @@ TEST_F(TritonProtocolTest, GrpcHealthMetadataAndConfig) {
   config_request.set_name("wrong_model_name");
   status = triton_->ModelConfig(Context().get(), config_request, &config);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(status.error_message(),
-            "model: 'wrong_model_name' not found; loaded models: mha");
+  EXPECT_EQ(status.error_message(), kNotServed);
   config_request.set_name("mha");
   config_request.set_version("2");
   status = triton_->ModelConfig(Context().get(), config_request, &config);
@@ -290,8 +328,9 @@ TEST_F(TritonProtocolTest, HttpHealthMetadataAndConfig) {
                   "logging", "trace", "sequence", "sequence(string_id)"}));
   const json metadata = Get("/v2/models/mha");
   EXPECT_EQ(metadata["inputs"][2]["name"], "value");
-  EXPECT_EQ(metadata["inputs"][2]["parameters"], json({{"optional", true}}));
-  EXPECT_FALSE(metadata["inputs"][0].contains("parameters"));
+  EXPECT_EQ(metadata["inputs"][2]["parameters"],
+            json({{"optional", true}, {"min_rank", 2}}));
+  EXPECT_EQ(metadata["inputs"][0]["parameters"], json({{"min_rank", 2}}));
 
   for (const char* path :
        {"/v2/models/mha/config", "/v2/models/mha/versions/1/config"}) {
@@ -310,7 +349,7 @@ TEST_F(TritonProtocolTest, HttpHealthMetadataAndConfig) {
     EXPECT_EQ(config["parameters"]["num_heads"], json({{"string_value", "4"}}));
   }
   EXPECT_EQ(Get("/v2/models/wrong_model_name/config", 404)["error"],
-            "model: 'wrong_model_name' not found; loaded models: mha");
+            kNotServed);
   EXPECT_EQ(Get("/v2/models/mha/versions/2/config", 404)["error"],
             "version: model 'mha' has only version 1, not '2'");
 }
@@ -360,11 +399,14 @@ TEST_F(TritonProtocolTest, InferOverBothProtocolsThenStatistics) {
   EXPECT_EQ(infer.queue().count(), 2);
   EXPECT_EQ(infer.compute_infer().count(), 2);
   EXPECT_EQ(infer.compute_output().count(), 2);
+  // perf_analyzer requires the three compute counts to agree.
+  EXPECT_EQ(infer.compute_input().count(), 2);
+  EXPECT_GT(infer.compute_input().ns(), 0);
   EXPECT_GT(infer.compute_infer().ns(), 0);
-  // Each call's time is its queue, compute and output time.
-  EXPECT_EQ(infer.success().ns(), infer.queue().ns() +
-                                      infer.compute_infer().ns() +
-                                      infer.compute_output().ns());
+  // Each call's time is its input, queue, compute and output time.
+  EXPECT_EQ(infer.success().ns(),
+            infer.compute_input().ns() + infer.queue().ns() +
+                infer.compute_infer().ns() + infer.compute_output().ns());
   // Models with no calls are listed with zero counts.
   EXPECT_EQ(Statistics("mha").inference_stats().success().count(), 0);
 
@@ -374,13 +416,12 @@ TEST_F(TritonProtocolTest, InferOverBothProtocolsThenStatistics) {
   std::vector<std::string> names;
   for (const auto& model : every.model_stats()) names.push_back(model.name());
   EXPECT_THAT(names, ElementsAre("attend", "attention_session", "layer_norm",
-                                 "mha", "multi_head_attend"));
+                                 "mha", "mha_session", "multi_head_attend"));
   inference::ModelStatisticsRequest unknown;
   unknown.set_name("wrong_model_name");
   status = triton_->ModelStatistics(Context().get(), unknown, &every);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
-  EXPECT_EQ(status.error_message(),
-            "name: model 'wrong_model_name' is not served");
+  EXPECT_EQ(status.error_message(), absl::StrCat("name: ", kNotServedRest));
 
   // The native RPC is the same model's call.
   v1::AttendRequest native;
@@ -402,12 +443,11 @@ TEST_F(TritonProtocolTest, InferOverBothProtocolsThenStatistics) {
   EXPECT_EQ(attend["inference_count"], 3);
   EXPECT_EQ(attend["inference_stats"]["success"]["count"], 3);
   EXPECT_EQ(attend["inference_stats"]["fail"]["count"], 1);
-  EXPECT_EQ(attend["inference_stats"]["compute_input"],
-            json({{"count", 0}, {"ns", 0}}));
-  EXPECT_EQ(Get("/v2/models/stats")["model_stats"].size(), 5);
+  EXPECT_EQ(attend["inference_stats"]["compute_input"]["count"], 3);
+  EXPECT_EQ(Get("/v2/models/stats")["model_stats"].size(), 6);
   EXPECT_EQ(Get("/v2/models/attend/versions/1/stats")["model_stats"].size(), 1);
   EXPECT_EQ(Get("/v2/models/wrong_model_name/stats", 404)["error"],
-            "name: model 'wrong_model_name' is not served");
+            absl::StrCat("name: ", kNotServedRest));
 }
 
 // simple_grpc_shm_client: unregister everything, register an output and an
@@ -487,6 +527,39 @@ TEST_F(TritonProtocolTest, GrpcSystemSharedMemory) {
   status =
       triton_->SystemSharedMemoryStatus(Context().get(), one, &status_response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  // Unregistering a region that is not registered succeeds, as in Triton
+  // (its shm examples unregister everything first).
+  inference::SystemSharedMemoryUnregisterRequest unknown;
+  unknown.set_name("no_such_region");
+  EXPECT_TRUE(triton_
+                  ->SystemSharedMemoryUnregister(Context().get(), unknown,
+                                                 &unregistered)
+                  .ok());
+  // CUDA shared memory as a Triton without GPUs answers it: no regions,
+  // unregister succeeds, register is refused.
+  inference::CudaSharedMemoryStatusResponse cuda_status;
+  status = triton_->CudaSharedMemoryStatus(Context().get(), {}, &cuda_status);
+  EXPECT_TRUE(status.ok()) << status.error_message();
+  EXPECT_EQ(cuda_status.regions_size(), 0);
+  inference::CudaSharedMemoryStatusRequest cuda_one;
+  cuda_one.set_name("gpu_region");
+  status =
+      triton_->CudaSharedMemoryStatus(Context().get(), cuda_one, &cuda_status);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(status.error_message(),
+            "name: no CUDA shared memory region 'gpu_region' is registered "
+            "(attnserve computes on CPU and takes system shared memory only)");
+  inference::CudaSharedMemoryUnregisterRequest cuda_unregister;
+  inference::CudaSharedMemoryUnregisterResponse cuda_unregistered;
+  EXPECT_TRUE(triton_
+                  ->CudaSharedMemoryUnregister(Context().get(), cuda_unregister,
+                                               &cuda_unregistered)
+                  .ok());
+  cuda_unregister.set_name("gpu_region");
+  EXPECT_TRUE(triton_
+                  ->CudaSharedMemoryUnregister(Context().get(), cuda_unregister,
+                                               &cuda_unregistered)
+                  .ok());
   inference::CudaSharedMemoryRegisterResponse cuda;
   status = triton_->CudaSharedMemoryRegister(Context().get(), {}, &cuda);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::UNIMPLEMENTED);
@@ -565,9 +638,12 @@ TEST_F(TritonProtocolTest, HttpSystemSharedMemory) {
                        {{"shared_memory_region", "output_data"},
                         {"shared_memory_byte_size", bytes}}}}};
   const json answer = Post("/v2/models/attend/infer", body.dump());
-  EXPECT_EQ(answer["outputs"][0]["parameters"]["shared_memory_region"],
-            "output_data");
-  EXPECT_FALSE(answer["outputs"][0].contains("data"));
+  // Triton's encoding of an output in shared memory: name, datatype and
+  // shape only (Triton's C++ client needs binary_data_size in any
+  // "parameters" of an output).
+  EXPECT_EQ(
+      answer["outputs"][0],
+      json({{"name", "output"}, {"datatype", "FP32"}, {"shape", {2, 3, 8}}}));
   ExpectNear(Floats(std::string((*output_shm)->data(), bytes)), Expected());
 
   EXPECT_THAT(
@@ -583,9 +659,24 @@ TEST_F(TritonProtocolTest, HttpSystemSharedMemory) {
                  json({{"key", (*input_shm)->key()}, {"byte_size", -1}}).dump(),
                  400)["error"],
             "byte_size: expected a non-negative integer");
-  EXPECT_EQ(Get("/v2/cudasharedmemory/status", 400)["error"],
+  EXPECT_EQ(Get("/v2/cudasharedmemory/status"), json::array());
+  EXPECT_EQ(Post("/v2/cudasharedmemory/unregister", ""), json::object());
+  EXPECT_EQ(Post("/v2/cudasharedmemory/region/gpu/unregister", ""),
+            json::object());
+  EXPECT_EQ(Get("/v2/cudasharedmemory/region/gpu/status", 404)["error"],
+            "name: no CUDA shared memory region 'gpu' is registered "
+            "(attnserve computes on CPU and takes system shared memory only)");
+  EXPECT_EQ(Post("/v2/cudasharedmemory/region/gpu/register",
+                 json({{"raw_handle", {{"b64", ""}}},
+                       {"device_id", 0},
+                       {"byte_size", 4}})
+                     .dump(),
+                 400)["error"],
             "CUDA shared memory is not supported: attnserve computes on CPU; "
             "register system shared memory instead");
+  // Unregistering a region that is not registered succeeds.
+  EXPECT_EQ(Post("/v2/systemsharedmemory/region/no_such/unregister", ""),
+            json::object());
   Post("/v2/systemsharedmemory/region/input_data/unregister", "");
   EXPECT_EQ(Get("/v2/systemsharedmemory/status").size(), 1);
   Post("/v2/systemsharedmemory/unregister", "");
@@ -611,10 +702,11 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
     }
     return entries;
   };
-  EXPECT_THAT(index(false),
-              ElementsAre("attend:1:READY:", "attention_session:1:READY:",
-                          "layer_norm:1:READY:", "mha:1:READY:",
-                          "multi_head_attend:1:READY:"));
+  EXPECT_THAT(
+      index(false),
+      ElementsAre("attend:1:READY:", "attention_session:1:READY:",
+                  "layer_norm:1:READY:", "mha:1:READY:", "mha_session:1:READY:",
+                  "multi_head_attend:1:READY:"));
 
   inference::RepositoryModelUnloadRequest unload;
   unload.set_model_name("mha");
@@ -625,6 +717,7 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
       triton_->RepositoryModelUnload(Context().get(), unload, &unloaded);
   ASSERT_TRUE(status.ok()) << status.error_message();
   EXPECT_FALSE(Ready("mha"));
+  EXPECT_FALSE(Ready("mha_session")) << "a model's sequences go with it";
   EXPECT_THAT(index(false),
               ElementsAre("attend:1:READY:", "attention_session:1:READY:",
                           "layer_norm:1:READY:", "mha::UNAVAILABLE:unloaded",
@@ -674,12 +767,18 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
   EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
   EXPECT_EQ(status.error_message(),
             "model_name: 'attend' is built in and cannot be unloaded");
+  unload.set_model_name("mha_session");
+  status = triton_->RepositoryModelUnload(Context().get(), unload, &unloaded);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(status.error_message(),
+            "model_name: 'mha_session' is the sequences of model 'mha', which "
+            "loads and unloads it");
 }
 
 // simple_http_model_control.
 TEST_F(TritonProtocolTest, HttpModelControl) {
   const json index = Post("/v2/repository/index", "");
-  ASSERT_EQ(index.size(), 5);
+  ASSERT_EQ(index.size(), 6);
   EXPECT_EQ(index[3], json({{"name", "mha"},
                             {"version", "1"},
                             {"state", "READY"},
@@ -694,6 +793,7 @@ TEST_F(TritonProtocolTest, HttpModelControl) {
           {{"name", "mha"}, {"state", "UNAVAILABLE"}, {"reason", "unloaded"}}));
   EXPECT_EQ(Post("/v2/repository/index", R"({"ready": true})").size(), 4);
   EXPECT_EQ(Post("/v2/repository/models/mha/load", ""), json::object());
+  EXPECT_EQ(http_.Get("/v2/models/mha_session/ready")->status, 200);
   EXPECT_EQ(http_.Get("/v2/models/mha/ready")->status, 200);
   EXPECT_EQ(Post("/v2/repository/models/mha/unload", "[1]", 400)["error"],
             "body: expected a JSON object");
@@ -743,8 +843,7 @@ TEST_F(TritonProtocolTest, StreamInferAnswersInOrderWithErrorsPerRequest) {
             "FP32, BF16, FP16, BOOL or UINT8");
   EXPECT_EQ(answers[3].infer_response().id(), "3");
   EXPECT_EQ(answers[3].error_message(),
-            "NOT_FOUND: model: 'wrong_model_name' not found; loaded models: "
-            "mha");
+            absl::StrCat("NOT_FOUND: model_name: ", kNotServedRest));
   const inference::ModelStatistics stats = Statistics("attend");
   EXPECT_EQ(stats.inference_stats().success().count(), 3);
   EXPECT_EQ(stats.inference_stats().fail().count(), 1);
@@ -924,7 +1023,7 @@ RefMultiHeadWeights MhaReference(const TempModelRepository& repo) {
 // each step; every step is causal multi-head attention of the sequence so
 // far (float64 reference over the whole sequence).
 TEST_F(TritonProtocolTest, HttpSequenceSyncOnAServedModel) {
-  const json config = Get("/v2/models/mha/config");
+  const json config = Get("/v2/models/mha_session/config");
   EXPECT_EQ(config["sequence_batching"]["max_sequence_idle_microseconds"],
             600'000'000u);
   EXPECT_EQ(config["sequence_batching"]["control_input"][0]["name"],
@@ -966,7 +1065,7 @@ TEST_F(TritonProtocolTest, HttpSequenceSyncOnAServedModel) {
                                      {"datatype", "FP32"},
                                      {"shape", {n, kEmbed}},
                                      {"data", rows}}});
-      const json answer = Post("/v2/models/mha/infer", body.dump());
+      const json answer = Post("/v2/models/mha_session/infer", body.dump());
       ASSERT_TRUE(answer.contains("outputs")) << answer.dump();
       EXPECT_EQ(answer["outputs"][0]["shape"], json({n, kEmbed}));
       EXPECT_EQ(answer["parameters"]["sequence_length"], first + n);
@@ -982,10 +1081,11 @@ TEST_F(TritonProtocolTest, HttpSequenceSyncOnAServedModel) {
                                  {"datatype", "FP32"},
                                  {"shape", {1, kEmbed}},
                                  {"data", RandomFloats(kEmbed, rng_)}}});
-  EXPECT_EQ(Post("/v2/models/mha/infer", step.dump(), 400)["error"],
-            "sequence_id: inference request for sequence \"seq-1001\" to model "
-            "'mha' must specify the START flag on the first request of the "
-            "sequence");
+  EXPECT_EQ(
+      Post("/v2/models/mha_session/infer", step.dump(), 400)["error"],
+      "sequence_id: inference request for sequence \"seq-1001\" to model "
+      "'mha_session' must specify the START flag on the first request of the "
+      "sequence");
 }
 
 // Forks of a served model's sequence over HTTP: a parent "beam" (string
@@ -1011,8 +1111,8 @@ TEST_F(TritonProtocolTest, HttpSequenceForksOnAServedModel) {
                         int64_t n) {
     const std::vector<float> rows = RandomFloats(n * kEmbed, rng_);
     history.insert(history.end(), rows.begin(), rows.end());
-    const json answer =
-        Post("/v2/models/mha/infer", body_of(std::move(parameters), rows));
+    const json answer = Post("/v2/models/mha_session/infer",
+                             body_of(std::move(parameters), rows));
     ASSERT_TRUE(answer.contains("outputs")) << answer.dump();
     const int64_t total = static_cast<int64_t>(history.size()) / kEmbed;
     EXPECT_EQ(answer["outputs"][0]["shape"], json({n, kEmbed}));
@@ -1047,13 +1147,13 @@ TEST_F(TritonProtocolTest, HttpSequenceForksOnAServedModel) {
 
   const std::vector<float> token = RandomFloats(kEmbed, rng_);
   const auto refused = [&](json parameters, const std::string& message) {
-    EXPECT_EQ(Post("/v2/models/mha/infer",
+    EXPECT_EQ(Post("/v2/models/mha_session/infer",
                    body_of(std::move(parameters), token), 400)["error"],
               message);
   };
   refused(
       {{"sequence_id", 43}, {"sequence_start", true}, {"sequence_fork", 40}},
-      "sequence_fork: inference request for sequence 43 to model 'mha' "
+      "sequence_fork: inference request for sequence 43 to model 'mha_session' "
       "forks sequence 40, which has not been started or has ended; a fork "
       "continues an open sequence of its own model");
   refused({{"sequence_id", 41}, {"sequence_fork", "beam"}},
@@ -1068,7 +1168,8 @@ TEST_F(TritonProtocolTest, HttpSequenceForksOnAServedModel) {
            {"sequence_fork", "beam"},
            {"sequence_position", 9}},
           "parameters: sequence_position: 9 is not in [0, 6]: a fork starts "
-          "with that many tokens of sequence \"beam\" of model 'mha', which "
+          "with that many tokens of sequence \"beam\" of model 'mha_session', "
+          "which "
           "holds 6");
   refused({{"sequence_id", 43},
            {"sequence_start", true},
@@ -1078,7 +1179,8 @@ TEST_F(TritonProtocolTest, HttpSequenceForksOnAServedModel) {
           "it forks (sequence_fork \"beam\")");
   // None of them started 43; the others go on and end.
   refused({{"sequence_id", 43}},
-          "sequence_id: inference request for sequence 43 to model 'mha' must "
+          "sequence_id: inference request for sequence 43 to model "
+          "'mha_session' must "
           "specify the START flag on the first request of the sequence");
   step({{"sequence_id", 41}, {"sequence_end", true}}, all_of_it, 1);
   step({{"sequence_id", 42}, {"sequence_end", true}}, first_two, 1);
@@ -1336,7 +1438,8 @@ TEST_F(TritonProtocolTest, SequenceErrors) {
   expect(with(on_attend, "sequence_id", IntId(7)),
          grpc::StatusCode::INVALID_ARGUMENT,
          "parameters: sequence_id: model 'attend' keeps no state between "
-         "requests; sequences run on served models and on attention_session");
+         "requests; sequences run on attention_session and on the sequence "
+         "model of each served model");
   // Id 0 is no sequence: its flags alone mean nothing.
   EXPECT_TRUE(infer(with(on_attend, "sequence_id", IntId(0))).ok());
   expect(with(on_attend, "sequence_end", bool_param(true)),
@@ -1396,7 +1499,7 @@ TEST_F(TritonProtocolTest, SequenceErrors) {
          "has ended; a fork continues an open sequence of its own model");
   // A sequence of another model.
   ModelInferRequest mha_start;
-  mha_start.set_model_name("mha");
+  mha_start.set_model_name("mha_session");
   (*mha_start.mutable_parameters())["sequence_id"] = IntId(50);
   (*mha_start.mutable_parameters())["sequence_start"] = bool_param(true);
   auto* hidden = mha_start.add_inputs();
@@ -1410,7 +1513,7 @@ TEST_F(TritonProtocolTest, SequenceErrors) {
          grpc::StatusCode::INVALID_ARGUMENT,
          "sequence_fork: inference request for sequence 7 to model "
          "'attention_session' forks sequence 50, which is a sequence of model "
-         "'mha'; a fork continues a sequence of its own model");
+         "'mha_session'; a fork continues a sequence of its own model");
   // Past what the parent holds ("8" holds 1 token).
   expect(ForkRequest(IntId(7), StringId("8"), step, /*position=*/2),
          grpc::StatusCode::INVALID_ARGUMENT,
@@ -1429,13 +1532,15 @@ TEST_F(TritonProtocolTest, SequenceErrors) {
          "parameters: max_length applies to the first request of a sequence "
          "only (with sequence_start true)");
   ModelInferRequest on_mha = SequenceRequest(IntId(7), true, false, step);
-  on_mha.set_model_name("mha");
+  on_mha.set_model_name("mha_session");
   expect(with(on_mha, "rotary_dims", IntId(4)),
          grpc::StatusCode::INVALID_ARGUMENT,
-         "parameters: rotary_dims: model 'mha' has its own; only sequences of "
+         "parameters: rotary_dims: model 'mha_session' has its own; only "
+         "sequences of "
          "attention_session take it");
   expect(on_mha, grpc::StatusCode::INVALID_ARGUMENT,
-         "inputs: unknown input 'key' in a sequence of model 'mha'; expected "
+         "inputs: unknown input 'key' in a sequence of model 'mha_session'; "
+         "expected "
          "query (the step's hidden states [B, n, E] or [n, E]; keys and values "
          "are projected from them)");
   // A failed start leaves no sequence.
@@ -1688,7 +1793,7 @@ TEST_F(TritonProtocolTest, TraceSettingsOverBothProtocols) {
   status = trace("wrong_model_name", {}, &response);
   EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(status.error_message(),
-            "model: 'wrong_model_name' not found; loaded models: mha");
+            absl::StrCat("model_name: ", kNotServedRest));
 
   EXPECT_EQ(Get("/v2/trace/setting"), json({{"trace_file", ""},
                                             {"trace_level", {"OFF"}},
@@ -1707,7 +1812,7 @@ TEST_F(TritonProtocolTest, TraceSettingsOverBothProtocols) {
             "settings: trace_level: attnserve does not trace requests; only "
             "OFF is accepted, got 'TENSORS'");
   EXPECT_EQ(Get("/v2/models/wrong_model_name/trace/setting", 404)["error"],
-            "model: 'wrong_model_name' not found; loaded models: mha");
+            absl::StrCat("model_name: ", kNotServedRest));
 }
 
 // The extensions take the server's token like every other call.
@@ -1749,6 +1854,251 @@ TEST(TritonProtocolAuthTest, ExtensionsNeedTheToken) {
       http.Get("/v2/models/attend/config", {{"Authorization", "Bearer secret"}})
           ->status,
       200);
+}
+
+// The requests of Triton's C++ client library and perf_analyzer (r25.12),
+// as they send them: model metadata and configuration, server metadata,
+// statistics before and after a window, every gRPC ModelInfer carrying
+// triton_enable_empty_final_response, every output requested by name.
+// perf_analyzer stops with "Server side statistics compute counts must be
+// the same" unless compute_input, compute_infer and compute_output grow
+// alike.
+TEST_F(TritonProtocolTest, TritonCppClientRequests) {
+  const inference::ModelStatistics before = Statistics("attend");
+  ModelInferRequest request = AttendRequest("pa");
+  request.mutable_outputs()->Clear();
+  request.add_outputs()->set_name("output");
+  request.add_outputs()->set_name("weights");
+  (*request.mutable_parameters())["triton_enable_empty_final_response"]
+      .set_bool_param(true);
+  ModelInferResponse response;
+  for (int i = 0; i < 3; ++i) {
+    const grpc::Status status =
+        triton_->ModelInfer(Context().get(), request, &response);
+    ASSERT_TRUE(status.ok()) << status.error_message();
+  }
+  ASSERT_EQ(response.outputs_size(), 2);
+  ExpectNear(Floats(response.raw_output_contents(0)), Expected());
+  const inference::InferStatistics after =
+      Statistics("attend").inference_stats();
+  const inference::InferStatistics& was = before.inference_stats();
+  EXPECT_EQ(after.compute_input().count() - was.compute_input().count(), 3);
+  EXPECT_EQ(after.compute_infer().count() - was.compute_infer().count(), 3);
+  EXPECT_EQ(after.compute_output().count() - was.compute_output().count(), 3);
+  EXPECT_EQ(after.queue().count() - was.queue().count(), 3);
+
+  // Over a stream (perf_analyzer --streaming): each response is final.
+  auto context = Context();
+  auto stream = triton_->ModelStreamInfer(context.get());
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->WritesDone());
+  inference::ModelStreamInferResponse answer;
+  ASSERT_TRUE(stream->Read(&answer));
+  EXPECT_EQ(answer.error_message(), "");
+  EXPECT_TRUE(answer.infer_response()
+                  .parameters()
+                  .at("triton_final_response")
+                  .bool_param());
+  EXPECT_TRUE(stream->Finish().ok());
+
+  // Triton's own parameters are Triton's to check; attnserve's are still
+  // checked by name.
+  ModelInferRequest wrong_type = request;
+  (*wrong_type.mutable_parameters())["triton_enable_empty_final_response"]
+      .set_string_param("yes");
+  grpc::Status status =
+      triton_->ModelInfer(Context().get(), wrong_type, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "parameters: triton_enable_empty_final_response must be a bool, "
+            "got string");
+  ModelInferRequest other_triton = request;
+  (*other_triton.mutable_parameters())["triton_future_flag"].set_int64_param(1);
+  (*other_triton.mutable_inputs(0)->mutable_parameters())["triton_hint"]
+      .set_bool_param(true);
+  EXPECT_TRUE(
+      triton_->ModelInfer(Context().get(), other_triton, &response).ok());
+  ModelInferRequest misspelled = request;
+  (*misspelled.mutable_parameters())["casual"].set_bool_param(true);
+  status = triton_->ModelInfer(Context().get(), misspelled, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "parameters: unknown parameter 'casual' for model 'attend'; "
+            "expected one of causal, scale, temperature, return_weights, "
+            "compute_bf16, enable_gqa");
+}
+
+// perf_analyzer --shared-memory system over gRPC: every output in a region,
+// and one (empty) raw_output_contents entry per output, as Triton answers.
+TEST_F(TritonProtocolTest, GrpcOutputsInSharedMemoryKeepTheirEntries) {
+  const size_t bytes = 2 * 3 * 8 * sizeof(float);
+  const size_t weight_bytes = 2 * 3 * 3 * sizeof(float);
+  auto shm = SharedMemoryBuffer::Create(UniqueSharedMemoryKey("pa_outputs"),
+                                        bytes + weight_bytes);
+  ASSERT_TRUE(shm.ok()) << shm.status();
+  inference::SystemSharedMemoryRegisterRequest region;
+  region.set_name("outputs");
+  region.set_key((*shm)->key());
+  region.set_byte_size(bytes + weight_bytes);
+  inference::SystemSharedMemoryRegisterResponse registered;
+  ASSERT_TRUE(
+      triton_->SystemSharedMemoryRegister(Context().get(), region, &registered)
+          .ok());
+  ModelInferRequest request = AttendRequest();
+  request.mutable_outputs()->Clear();
+  for (auto [name, offset, size] :
+       {std::tuple{"output", size_t{0}, bytes},
+        std::tuple{"weights", bytes, weight_bytes}}) {
+    auto* output = request.add_outputs();
+    output->set_name(name);
+    auto& parameters = *output->mutable_parameters();
+    parameters["shared_memory_region"].set_string_param("outputs");
+    parameters["shared_memory_byte_size"].set_int64_param(size);
+    if (offset > 0) parameters["shared_memory_offset"].set_int64_param(offset);
+  }
+  ModelInferResponse response;
+  const grpc::Status status =
+      triton_->ModelInfer(Context().get(), request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.outputs_size(), 2);
+  ASSERT_EQ(response.raw_output_contents_size(), 2);
+  EXPECT_EQ(response.raw_output_contents(1), "");
+  ExpectNear(Floats(std::string((*shm)->data(), bytes)), Expected());
+}
+
+// A request that names no output gets every output of its model (the
+// protocol's rule; Triton's examples read "weights" so); a parameter
+// return_weights still decides for itself.
+TEST_F(TritonProtocolTest, RequestWithoutOutputsGetsEveryOutput) {
+  ModelInferRequest request = AttendRequest();
+  request.mutable_outputs()->Clear();
+  ModelInferResponse response;
+  grpc::Status status =
+      triton_->ModelInfer(Context().get(), request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.outputs_size(), 2);
+  EXPECT_EQ(response.outputs(0).name(), "output");
+  EXPECT_EQ(response.outputs(1).name(), "weights");
+  EXPECT_THAT(response.outputs(1).shape(), ElementsAre(2, 3, 3));
+  ExpectNear(Floats(response.raw_output_contents(0)), Expected());
+  const Shape shape = {2, 3, 8};
+  const auto ref = [&](const std::vector<float>& x) {
+    return RefTensor{shape, std::vector<double>(x.begin(), x.end())};
+  };
+  ExpectNear(Floats(response.raw_output_contents(1)),
+             RefAttend(ref(qkv_[0]), ref(qkv_[1]), ref(qkv_[2]), {}, {}, {})
+                 .weights.values);
+
+  (*request.mutable_parameters())["return_weights"].set_bool_param(false);
+  status = triton_->ModelInfer(Context().get(), request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.outputs_size(), 1);
+  EXPECT_EQ(response.outputs(0).name(), "output");
+
+  json body = {{"inputs", json::array()}};
+  for (int i = 0; i < 3; ++i) {
+    body["inputs"].push_back({{"name", kNames[i]},
+                              {"datatype", "FP32"},
+                              {"shape", {2, 3, 8}},
+                              {"data", qkv_[i]}});
+  }
+  const json answer = Post("/v2/models/attend/infer", body.dump());
+  ASSERT_EQ(answer["outputs"].size(), 2);
+  EXPECT_EQ(answer["outputs"][1]["name"], "weights");
+}
+
+// A served model is stateless under its name; its sequences are the model
+// "<name>_session", whose metadata lists only what a step takes.
+TEST_F(TritonProtocolTest, SequencesOfAServedModelHaveTheirOwnModel) {
+  ModelInferRequest request;
+  request.set_model_name("mha");
+  (*request.mutable_parameters())["sequence_id"].set_uint64_param(5);
+  (*request.mutable_parameters())["sequence_start"].set_bool_param(true);
+  auto* hidden = request.add_inputs();
+  hidden->set_name("query");
+  hidden->set_datatype("FP32");
+  hidden->add_shape(2);
+  hidden->add_shape(16);
+  request.add_raw_input_contents(Bytes(RandomFloats(2 * 16, rng_)));
+  ModelInferResponse response;
+  grpc::Status status =
+      triton_->ModelInfer(Context().get(), request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "parameters: sequence_id: model 'mha' keeps no state between "
+            "requests; its sequences are model 'mha_session'");
+  request.set_model_name("mha_session");
+  status = triton_->ModelInfer(Context().get(), request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.outputs_size(), 1);
+  EXPECT_THAT(response.outputs(0).shape(), ElementsAre(2, 16));
+  request.mutable_parameters()->clear();
+  status = triton_->ModelInfer(Context().get(), request, &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "parameters: model 'mha_session' answers requests of a sequence "
+            "only: set sequence_id (and sequence_start on the first request)");
+  request.set_model_name("attend");
+  (*request.mutable_parameters())["sequence_id"].set_uint64_param(5);
+  status = triton_->ModelInfer(Context().get(), request, &response);
+  EXPECT_EQ(status.error_message(),
+            "parameters: sequence_id: model 'attend' keeps no state between "
+            "requests; sequences run on attention_session and on the "
+            "sequence model of each served model");
+}
+
+// JSON's NaN and Infinity as Triton's parser takes them (rapidjson's
+// kParseNanAndInfFlag), in data and in parameters: Triton's Python client
+// writes them.
+TEST_F(TritonProtocolTest, HttpJsonTakesNanAndInfinity) {
+  const std::string body = R"({
+    "inputs": [
+      {"name": "input", "datatype": "FP32", "shape": [2, 4],
+       "data": [1, 2, 3, 4, NaN, Infinity, -Infinity, 0]}],
+    "outputs": [{"name": "output"}]})";
+  const json answer = Post("/v2/models/layer_norm/infer", body);
+  const json& data = answer["outputs"][0]["data"];
+  ASSERT_EQ(data.size(), 8);
+  EXPECT_NEAR(data[0].get<double>(), -1.3416354, 1e-6);
+  EXPECT_NEAR(data[3].get<double>(), 1.3416354, 1e-6);
+  // A row with a non-finite value normalizes to NaN (null in JSON).
+  for (int i = 4; i < 8; ++i) EXPECT_TRUE(data[i].is_null()) << i;
+  for (const char* token : {"-NaN", "Inf", "-Inf"}) {
+    const std::string one = absl::StrCat(
+        R"({"inputs": [{"name": "input", "datatype": "FP32", "shape": [1, 2],)",
+        R"( "data": [1, )", token, R"(]}]})");
+    EXPECT_TRUE(
+        Post("/v2/models/layer_norm/infer", one)["outputs"][0]["data"][0]
+            .is_null())
+        << token;
+  }
+  // As a parameter: a double, checked by the operation (eps must be
+  // finite).
+  const json refused =
+      Post("/v2/models/layer_norm/infer",
+           R"({"parameters": {"eps": Infinity}, "inputs": [{"name": "input",
+          "datatype": "FP32", "shape": [1, 2], "data": [1, 2]}]})",
+           400);
+  EXPECT_EQ(refused["error"],
+            "parameters: eps = inf is not a finite float32 value");
+  // In strings they stay text, and other spellings are not JSON.
+  EXPECT_EQ(Post("/v2/models/layer_norm/infer",
+                 R"({"inputs": [{"name": "NaN", "datatype": "FP32",
+                     "shape": [1], "data": [1]}]})",
+                 400)["error"],
+            "inputs: unknown input 'NaN' for model 'layer_norm'; expected "
+            "one of input, gamma, beta");
+  EXPECT_THAT(Post("/v2/models/layer_norm/infer",
+                   R"({"inputs": [{"name": "input", "datatype": "FP32",
+                       "shape": [1], "data": [nan]}]})",
+                   400)["error"]
+                  .get<std::string>(),
+              HasSubstr("body: not valid JSON"));
+  EXPECT_EQ(Post("/v2/models/layer_norm/infer",
+                 R"({"inputs": [{"name": "input", "datatype": "BOOL",
+                     "shape": [1], "data": [NaN]}]})",
+                 400)["error"],
+            "inputs[0] (input): data[0]: expected true or false, got number");
 }
 
 }  // namespace

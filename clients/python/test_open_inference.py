@@ -281,6 +281,10 @@ class OpenInferenceTest(ProtocolTestCase):
 
     def check_infer(self, model, inputs, native, reference=None,
                     parameters=None, outputs=None, tol=REF_TOL):
+        # A request that names no output gets every output of the model;
+        # these compare with the native answer's outputs, named.
+        if outputs is None:
+            outputs = sorted(native)
         for transport, client in self.transports():
             with self.subTest(transport=transport):
                 result = client.infer(model, inputs, parameters=parameters,
@@ -404,6 +408,18 @@ class OpenInferenceTest(ProtocolTestCase):
         out, _ = attention_reference(q, k, v)
         self.check_infer("attend", dict(query=q, key=k, value=v),
                          self.native_attend(q, k, v), {"output": out})
+
+    def test_attend_without_outputs_returns_every_output(self):
+        q, k, v = self.randn(2, 3, 5, 16), self.randn(2, 3, 7, 16), \
+            self.randn(2, 3, 7, 24)
+        out, weights = attention_reference(q, k, v)
+        native = self.native_attend(q, k, v, return_weights=True)
+        for transport, client in self.transports():
+            with self.subTest(transport=transport):
+                result = client.infer("attend",
+                                      dict(query=q, key=k, value=v))
+                self.assert_matches(result, native,
+                                    {"output": out, "weights": weights})
 
     def test_attend_causal_scale_temperature_weights(self):
         q, k, v = self.randn(1, 2, 6, 8), self.randn(1, 2, 4, 8), \
