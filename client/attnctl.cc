@@ -14,7 +14,8 @@
 //           [--connections=M] [--client_threads=T]
 //           [--rate=R --arrival=constant|poisson --late_ms=MS]
 //           [--duration_s=S | --requests=N] [--warmup_s=S]
-//           [--format=text|json|csv] [--save_request=FILE]
+//           [--format=text|json|csv] [--save_request=FILE] [--csv=FILE]
+//           [--stability_percent=P --max_trials=N --window_s=S]
 //           [--sweep=concurrency=N,N,...|rate=R,R,... --plot=FILE.svg]
 //
 // Every command also takes the connection flags --timeout_s,
@@ -152,6 +153,22 @@ ABSL_FLAG(std::string, plot, "",
 ABSL_FLAG(std::string, save_request, "",
           "bench: write the request as a gRPC-framed HTTP/2 body (for h2load "
           "-d).");
+ABSL_FLAG(std::string, csv, "",
+          "bench: also write perf_analyzer's CSV (its -f FILE) here: one row "
+          "per level (the run, or each sweep value), latencies in "
+          "microseconds.");
+ABSL_FLAG(std::optional<double>, stability_percent, std::nullopt,
+          "bench: measure in windows, under continuous load, until the last 3 "
+          "windows' throughput and mean latency each vary by less than this "
+          "percentage (perf_analyzer's --stability-percentage); the report "
+          "covers those 3 windows. 0 never settles: --max_trials windows.");
+ABSL_FLAG(std::optional<int>, max_trials, std::nullopt,
+          "bench: with --stability_percent, the most windows (default 10); "
+          "unstable after them, the report is still written and attnctl "
+          "exits 1.");
+ABSL_FLAG(std::optional<double>, window_s, std::nullopt,
+          "bench: with --stability_percent, seconds of each window (default: "
+          "--duration_s).");
 
 namespace attnserve {
 namespace {
@@ -287,6 +304,10 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.bench.sweep = absl::GetFlag(FLAGS_sweep);
   options.bench.plot_path = absl::GetFlag(FLAGS_plot);
   options.bench.save_request_path = absl::GetFlag(FLAGS_save_request);
+  options.bench.csv_path = absl::GetFlag(FLAGS_csv);
+  options.bench.stability.percent = absl::GetFlag(FLAGS_stability_percent);
+  options.bench.stability.max_trials = absl::GetFlag(FLAGS_max_trials);
+  options.bench.stability.window_s = absl::GetFlag(FLAGS_window_s);
   return options;
 }
 
@@ -359,6 +380,10 @@ absl::Status VerifyOptions(const AttnctlOptions& options) {
     if (options.rpc == "decode") {
       ATTN_RETURN_IF_ERROR(VerifyDecodeBenchOptions(DecodeOptionsOf(options)));
     }
+    // Before any call: decode sessions are opened before the load starts.
+    BenchCommandOptions bench = options.bench;
+    bench.load.client = options.client;
+    ATTN_RETURN_IF_ERROR(VerifyBenchCommandOptions(bench));
   }
   if (options.command != "health" && options.command != "models" &&
       options.command != "bench" && options.in_path.empty()) {
@@ -548,7 +573,8 @@ int main(int argc, char** argv) {
       "--client_threads=T | --rate=R --arrival=constant|poisson "
       "--late_ms=MS] [--duration_s=S | --requests=N] [--warmup_s=S] "
       "[--format=text|json|csv] [--sweep=concurrency=1,2,4 --plot=FILE.svg] "
-      "[--save_request=FILE]\n"
+      "[--save_request=FILE] [--csv=FILE] [--stability_percent=P "
+      "--max_trials=N --window_s=S]\n"
       "Connection flags for every command: --timeout_s --max_message_mb "
       "--service_config --tls_ca --tls_cert --tls_key --token. "
       "--help lists every flag.");

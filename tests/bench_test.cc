@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -22,6 +23,8 @@
 #include "client/bench/histogram.h"
 #include "client/bench/load.h"
 #include "client/bench/report.h"
+#include "client/bench/server_stats.h"
+#include "client/bench/stability.h"
 #include "client/bench/workload.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -293,6 +296,265 @@ TEST(BenchReportTest, SweepChartPlotsEveryPercentileAtEveryStep) {
   for (int i = 0; i < 3; ++i) EXPECT_LT(lines[3][i].second, lines[0][i].second);
 }
 
+// perf_analyzer's CSV header, as its `-f FILE` writes it (with the mean of
+// its --verbose-csv).
+constexpr char kPerfAnalyzerColumns[] =
+    "Network+Server Send/Recv,Server Queue,Server Compute Input,"
+    "Server Compute Infer,Server Compute Output,Client Recv,p50 latency,"
+    "p90 latency,p95 latency,p99 latency,Avg latency";
+
+// The cells of a CSV line by the header's column names.
+std::map<std::string, std::string> CsvRow(const std::string& header,
+                                          const std::string& line) {
+  const std::vector<std::string> names = absl::StrSplit(header, ',');
+  const std::vector<std::string> cells = absl::StrSplit(line, ',');
+  EXPECT_EQ(names.size(), cells.size()) << line;
+  std::map<std::string, std::string> row;
+  for (size_t i = 0; i < names.size() && i < cells.size(); ++i) {
+    row[names[i]] = cells[i];
+  }
+  return row;
+}
+
+ServerStatsReport SampleServerStats() {
+  ServerStatsReport s;
+  s.model = "layer_norm";
+  s.inference_count = s.execution_count = s.success_count = 990;
+  s.request_us = 300.9;
+  s.queue_us = 100.7;
+  s.compute_input_us = 0;
+  s.compute_infer_us = 150.2;
+  s.compute_output_us = 40.5;
+  s.overhead_us = 9.5;
+  return s;
+}
+
+TEST(BenchReportTest, PerfAnalyzerCsvHasItsColumnsInMicroseconds) {
+  BenchReport with_server = SampleReport("concurrency=8", 5000, 0.5);
+  with_server.latency.mean_us = 600.9;
+  with_server.server_stats = SampleServerStats();
+  BenchReport without = SampleReport("concurrency=16", 5500.5, 1);
+  without.concurrency = 16;
+  without.latency.mean_us = 1000;
+  without.server_stats_note = "no server statistics: ...";
+  const std::vector<std::string> lines = absl::StrSplit(
+      FormatPerfAnalyzerCsv({with_server, without}, CsvLevel::kConcurrency),
+      '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[0], absl::StrCat("Concurrency,Inferences/Second,Client Send,",
+                                   kPerfAnalyzerColumns));
+  auto row = CsvRow(lines[0], lines[1]);
+  EXPECT_EQ(row["Concurrency"], "8");
+  EXPECT_EQ(row["Inferences/Second"], "5000");
+  EXPECT_EQ(row["Client Send"], "0");
+  EXPECT_EQ(row["Client Recv"], "0");
+  // The client's mean less the server's queue and compute, truncated.
+  EXPECT_EQ(row["Network+Server Send/Recv"], "309");
+  EXPECT_EQ(row["Server Queue"], "100");
+  EXPECT_EQ(row["Server Compute Input"], "0");
+  EXPECT_EQ(row["Server Compute Infer"], "150");
+  EXPECT_EQ(row["Server Compute Output"], "40");
+  EXPECT_EQ(row["p50 latency"], "500");
+  EXPECT_EQ(row["p90 latency"], "750");
+  EXPECT_EQ(row["p99 latency"], "1000");
+  EXPECT_EQ(row["Avg latency"], "600");
+  // Without the server's statistics its columns are 0, as perf_analyzer
+  // writes what it did not measure.
+  row = CsvRow(lines[0], lines[2]);
+  EXPECT_EQ(row["Concurrency"], "16");
+  EXPECT_EQ(row["Inferences/Second"], "5500.5");
+  for (const char* column :
+       {"Network+Server Send/Recv", "Server Queue", "Server Compute Input",
+        "Server Compute Infer", "Server Compute Output"}) {
+    EXPECT_EQ(row[column], "0") << column;
+  }
+  EXPECT_EQ(row["Avg latency"], "1000");
+
+  without.target_rate = 250.5;
+  const std::string by_rate =
+      FormatPerfAnalyzerCsv({without}, CsvLevel::kRequestRate);
+  EXPECT_EQ(by_rate.substr(0, by_rate.find('\n')),
+            absl::StrCat("Request Rate,Inferences/Second,Client Send,",
+                         kPerfAnalyzerColumns));
+  EXPECT_EQ(by_rate.substr(by_rate.find('\n') + 1, 6), "250.5,");
+}
+
+TEST(BenchReportTest, TextAndJsonShowServerStatsAndStability) {
+  BenchReport report = SampleReport("", 5000, 0.5);
+  report.server_stats = SampleServerStats();
+  StabilityReport stability;
+  stability.percent = 10;
+  stability.max_windows = 10;
+  stability.window_s = 2;
+  stability.stable = true;
+  stability.window_qps = {4000, 5000, 5100, 4950};
+  stability.window_mean_us = {700, 510, 500, 505};
+  stability.compared_windows = 3;
+  stability.qps_spread_percent = 3.03;
+  stability.latency_spread_percent = 2;
+  report.stability = stability;
+  const std::string text = FormatText(report);
+  EXPECT_THAT(text, HasSubstr("stability   stable after 4 windows of 2.00 s: "
+                              "throughput varied 3.0%, mean latency 2.0% over "
+                              "the last 3 (limit: less than 10%)\n"));
+  EXPECT_THAT(text,
+              HasSubstr("server      model layer_norm: 990 inferences, 990 "
+                        "executions, 990 successful requests\n"));
+  EXPECT_THAT(text, HasSubstr("avg request 300.9 us (overhead 9.5 us + queue "
+                              "100.7 us + compute input 0.0 us + compute "
+                              "infer 150.2 us + compute output 40.5 us)"));
+  const auto json = nlohmann::json::parse(FormatJson({report}));
+  EXPECT_EQ(json["server_stats"]["model"], "layer_norm");
+  EXPECT_EQ(json["server_stats"]["success_count"], 990);
+  EXPECT_EQ(json["server_stats"]["compute_infer_us"], 150.2);
+  EXPECT_EQ(json["stability"]["windows"], 4);
+  EXPECT_EQ(json["stability"]["stable"], true);
+  EXPECT_EQ(json["stability"]["window_qps"][1], 5000);
+
+  report.server_stats.reset();
+  report.server_stats_note = "no server statistics: SessionStep calls ...";
+  report.stability->stable = false;
+  EXPECT_THAT(FormatText(report),
+              HasSubstr("server      no server statistics: SessionStep"));
+  EXPECT_THAT(FormatText(report), HasSubstr("stability   UNSTABLE after 4"));
+  EXPECT_EQ(nlohmann::json::parse(FormatJson({report}))["server_stats_note"],
+            "no server statistics: SessionStep calls ...");
+}
+
+// ---- Stability and the server's statistics ----
+
+// A window's report with `qps` and a mean latency of `mean_us`.
+BenchReport Window(double qps, double mean_us) {
+  BenchReport window;
+  window.qps = qps;
+  window.latency.mean_us = mean_us;
+  return window;
+}
+
+TEST(BenchStabilityTest, SpreadIsMaxOverMinOfTheLastThreeWindows) {
+  EXPECT_EQ(SpreadPercent({}), 0);
+  EXPECT_EQ(SpreadPercent({100}), 0);
+  EXPECT_NEAR(SpreadPercent({1, 100, 110, 105}), 10, 1e-9);
+  EXPECT_NEAR(SpreadPercent({200, 100}), 100, 1e-9);
+  EXPECT_TRUE(std::isinf(SpreadPercent({5, 0, 5})));
+  EXPECT_EQ(SpreadPercent({0, 0, 0}), 0);
+}
+
+TEST(BenchStabilityTest, StableOnceTheLastThreeWindowsAgree) {
+  StabilityOptions options;
+  options.percent = 10;
+  StabilityTracker tracker(options, absl::Seconds(2));
+  EXPECT_TRUE(tracker.Add(Window(500, 900)));    // 1 window: too few
+  EXPECT_TRUE(tracker.Add(Window(1000, 500)));   // 2 windows: too few
+  EXPECT_TRUE(tracker.Add(Window(1050, 480)));   // throughput: 110%
+  EXPECT_TRUE(tracker.Add(Window(1000, 600)));   // latency: 25%
+  EXPECT_TRUE(tracker.Add(Window(1020, 560)));   // latency: 25%
+  EXPECT_FALSE(tracker.Add(Window(1010, 570)));  // 2% and 7.1%
+  const StabilityReport& report = tracker.report();
+  EXPECT_TRUE(report.stable);
+  EXPECT_EQ(report.window_qps.size(), 6u);
+  EXPECT_EQ(report.window_mean_us[5], 570);
+  EXPECT_EQ(report.compared_windows, 3);
+  EXPECT_NEAR(report.qps_spread_percent, 2, 1e-9);
+  EXPECT_NEAR(report.latency_spread_percent, 100.0 * 600 / 560 - 100, 1e-9);
+  EXPECT_EQ(report.window_s, 2);
+  EXPECT_EQ(report.max_windows, kDefaultMaxTrials);
+}
+
+TEST(BenchStabilityTest, ZeroPercentAndIdleWindowsNeverSettle) {
+  StabilityOptions exact;
+  exact.percent = 0;
+  StabilityTracker never(exact, absl::Seconds(1));
+  for (int i = 0; i < 5; ++i) EXPECT_TRUE(never.Add(Window(1000, 500)));
+  EXPECT_FALSE(never.report().stable);
+  StabilityOptions loose;
+  loose.percent = 1000;
+  StabilityTracker idle(loose, absl::Seconds(1));
+  EXPECT_TRUE(idle.Add(Window(0, 0)));
+  EXPECT_TRUE(idle.Add(Window(100, 5)));
+  EXPECT_TRUE(idle.Add(Window(100, 5)));
+  EXPECT_FALSE(idle.Add(Window(100, 5)));
+}
+
+TEST(BenchStabilityTest, RefusesFlagsItCannotRun) {
+  LoadOptions load;
+  const auto message = [&load](StabilityOptions options) {
+    return std::string(VerifyStabilityOptions(options, load).message());
+  };
+  StabilityOptions options;
+  EXPECT_TRUE(VerifyStabilityOptions(options, load).ok());
+  options.max_trials = 5;
+  EXPECT_EQ(message(options), "--max_trials: needs --stability_percent");
+  options = {};
+  options.window_s = 1;
+  EXPECT_EQ(message(options), "--window_s: needs --stability_percent");
+  options = {};
+  options.percent = -1;
+  EXPECT_EQ(message(options),
+            "--stability_percent: must be a number >= 0, got -1");
+  options.percent = 10;
+  options.max_trials = 2;
+  EXPECT_EQ(message(options),
+            "--max_trials: 2 is not in [3, 100] (stability compares the last "
+            "3 windows)");
+  options.max_trials = 101;
+  EXPECT_THAT(message(options), HasSubstr("--max_trials: 101 is not in"));
+  options.max_trials = 3;
+  options.window_s = 0;
+  EXPECT_EQ(message(options), "--window_s: must be > 0, got 0");
+  options.window_s = 0.5;
+  EXPECT_TRUE(VerifyStabilityOptions(options, load).ok());
+  load.requests = 100;
+  EXPECT_THAT(message(options), HasSubstr("--requests: not with "
+                                          "--stability_percent"));
+  // The windows it asks for.
+  load.requests = 0;
+  const LoadOptions windowed = WithWindows(load, options);
+  EXPECT_EQ(windowed.window, absl::Milliseconds(500));
+  EXPECT_EQ(windowed.max_windows, 3);
+  EXPECT_EQ(windowed.report_windows, kStabilityWindows);
+  options.window_s.reset();
+  EXPECT_EQ(WithWindows(load, options).window, load.duration);
+  EXPECT_EQ(WithWindows(load, {}).window, absl::ZeroDuration());
+}
+
+TEST(BenchServerStatsTest, AveragesEachStageOverItsOwnCount) {
+  ModelCounters before;
+  before.inference_count = before.execution_count = 10;
+  before.success = {10, 10'000'000};
+  before.queue = {10, 1'000'000};
+  before.compute_infer = {10, 5'000'000};
+  before.compute_output = {10, 2'000'000};
+  ModelCounters after = before;
+  after.inference_count = after.execution_count = 110;
+  after.success = {110, 40'000'000};  // 100 calls of 300 us
+  after.queue = {110, 6'000'000};     // 50 us
+  // A stage the server does not count: 0, not a division by zero.
+  after.compute_input = {0, 0};
+  after.compute_infer = {110, 25'000'000};  // 200 us
+  after.compute_output = {110, 3'000'000};  // 10 us
+  auto stats = StatsBetween("attend", before, after);
+  ASSERT_TRUE(stats.ok()) << stats.status();
+  EXPECT_EQ(stats->model, "attend");
+  EXPECT_EQ(stats->inference_count, 100);
+  EXPECT_EQ(stats->execution_count, 100);
+  EXPECT_EQ(stats->success_count, 100);
+  EXPECT_DOUBLE_EQ(stats->request_us, 300);
+  EXPECT_DOUBLE_EQ(stats->queue_us, 50);
+  EXPECT_DOUBLE_EQ(stats->compute_input_us, 0);
+  EXPECT_DOUBLE_EQ(stats->compute_infer_us, 200);
+  EXPECT_DOUBLE_EQ(stats->compute_output_us, 10);
+  EXPECT_DOUBLE_EQ(stats->overhead_us, 40);
+  // A restarted server's counters start again from 0.
+  EXPECT_EQ(StatsBetween("attend", after, before).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  // No calls between the readings: all 0.
+  auto idle = StatsBetween("attend", after, after);
+  ASSERT_TRUE(idle.ok());
+  EXPECT_EQ(idle->success_count, 0);
+  EXPECT_EQ(idle->request_us, 0);
+}
+
 TEST(BenchCommandTest, ParsesSweeps) {
   auto sweep = ParseSweep("concurrency=1,2,4");
   ASSERT_TRUE(sweep.ok());
@@ -540,6 +802,93 @@ TEST(LoadTest, RefusesOptionsItCannotRun) {
   EXPECT_TRUE(VerifyLoadOptions(options).ok());
 }
 
+TEST(BenchServerStatsTest, ReadsTheModelOfTheWorkloadFromALiveServer) {
+  TestServer server;
+  ClientOptions client;
+  client.target = server.target();
+  const Workload workload = TinyLayerNorm();
+  EXPECT_EQ(workload.statistics_model, "layer_norm");
+  ServerStatsReader reader(client, workload.statistics_model, workload.rpc);
+  reader.Read();
+  LoadOptions options;
+  options.client = client;
+  options.warmup = absl::ZeroDuration();
+  options.requests = 20;
+  ASSERT_TRUE(RunLoad(workload, options).ok());
+  reader.Read();
+  BenchReport report;
+  reader.Fill(0, 1, &report);
+  ASSERT_TRUE(report.server_stats.has_value()) << report.server_stats_note;
+  EXPECT_EQ(report.server_stats->model, "layer_norm");
+  EXPECT_EQ(report.server_stats->success_count, 20);
+  EXPECT_GT(report.server_stats->compute_infer_us, 0);
+  // Calls of no model: a note, and no call to the server.
+  ServerStatsReader none(client, "", "SessionStep");
+  none.Read();
+  BenchReport decode;
+  none.Fill(0, 1, &decode);
+  EXPECT_FALSE(decode.server_stats.has_value());
+  EXPECT_THAT(decode.server_stats_note,
+              HasSubstr("SessionStep calls belong to no model"));
+  // A model the server does not serve: a note naming the error.
+  ServerStatsReader missing(client, "no_such_model", "MultiHeadAttend");
+  missing.Read();
+  BenchReport unserved;
+  missing.Fill(0, 1, &unserved);
+  EXPECT_THAT(unserved.server_stats_note, HasSubstr("NOT_FOUND"));
+}
+
+TEST(LoadTest, WindowsRunBackToBackUntilAHookEndsThem) {
+  TestServer server;
+  LoadOptions options = QuickLoad(server);
+  options.concurrency = 2;
+  options.window = absl::Milliseconds(150);
+  options.max_windows = 6;
+  options.report_windows = 2;
+  int starts = 0;
+  std::vector<BenchReport> windows;
+  LoadHooks hooks;
+  hooks.measure_start = [&] {
+    EXPECT_TRUE(windows.empty());
+    ++starts;
+  };
+  hooks.window_end = [&](const BenchReport& window) {
+    windows.push_back(window);
+    return windows.size() < 4;
+  };
+  auto report = RunLoad(TinyLayerNorm(), options, hooks);
+  ASSERT_TRUE(report.ok()) << report.status();
+  EXPECT_EQ(starts, 1);
+  ASSERT_EQ(windows.size(), 4u);
+  for (const BenchReport& window : windows) {
+    EXPECT_GT(window.requests, 0);
+    EXPECT_EQ(window.ok, window.requests);
+    EXPECT_DOUBLE_EQ(window.duration_s, 0.15);
+    EXPECT_DOUBLE_EQ(window.qps, window.requests / 0.15);
+    EXPECT_GT(window.client_cpu_cores, 0);
+  }
+  // The report covers the last two windows. A call that ended just before
+  // a boundary may be recorded just after its window's report was made:
+  // at most one per call in flight.
+  const int64_t last_two = windows[2].requests + windows[3].requests;
+  EXPECT_GE(report->requests, last_two);
+  EXPECT_LE(report->requests, last_two + options.concurrency);
+  EXPECT_EQ(report->latency.count, report->requests);
+  EXPECT_DOUBLE_EQ(report->duration_s, 0.3);
+
+  // A hook that never says stop: max_windows windows.
+  int ends = 0;
+  hooks.measure_start = nullptr;
+  hooks.window_end = [&ends](const BenchReport&) { return ++ends > 0; };
+  options.max_windows = 3;
+  ASSERT_TRUE(RunLoad(TinyLayerNorm(), options, hooks).ok());
+  EXPECT_EQ(ends, 3);
+  // Windows are measured in time, not in calls.
+  options.requests = 10;
+  EXPECT_THAT(VerifyLoadOptions(options).message(),
+              HasSubstr("--requests: not with measurement windows"));
+}
+
 // ---- The attnctl bench command line ----
 
 std::string BinDir() {
@@ -667,6 +1016,142 @@ TEST(AttnctlBenchTest, CsvAndBadFlags) {
   EXPECT_THAT(err, HasSubstr("--concurrency: 0 is not in [1, 100000]"));
 }
 
+TEST(AttnctlBenchTest, CsvFileHasOneRowPerLevelWithTheServerBreakdown) {
+  TestServer server;
+  const std::string csv = TempPath("levels.csv");
+  std::string out, err;
+  ASSERT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(),
+                                    " --rpc=attend --seq=32 --heads=2 "
+                                    "--sweep=concurrency=1,2 --duration_s=0.3 "
+                                    "--warmup_s=0.1 --csv=",
+                                    csv),
+                       &out, &err),
+            0)
+      << err;
+  std::vector<std::string> lines =
+      absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 3u);
+  EXPECT_EQ(lines[0], absl::StrCat("Concurrency,Inferences/Second,Client Send,",
+                                   kPerfAnalyzerColumns));
+  for (int i = 1; i <= 2; ++i) {
+    auto row = CsvRow(lines[0], lines[i]);
+    EXPECT_EQ(row["Concurrency"], absl::StrCat(i));
+    EXPECT_GT(std::stod(row["Inferences/Second"]), 0);
+    EXPECT_GT(std::stoll(row["p50 latency"]), 0);
+    EXPECT_LE(std::stoll(row["p50 latency"]), std::stoll(row["p99 latency"]));
+    EXPECT_GT(std::stoll(row["Server Compute Infer"]), 0);
+    EXPECT_LE(std::stoll(row["Server Compute Infer"]),
+              std::stoll(row["Avg latency"]));
+    EXPECT_EQ(row["Client Send"], "0");
+    EXPECT_EQ(row["Client Recv"], "0");
+  }
+  EXPECT_THAT(out, HasSubstr("concurrency=2: server attend avg request"));
+
+  // A single open-loop run: one row, by request rate.
+  ASSERT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(),
+                                    " --rpc=layernorm --seq=0 --dim=64 "
+                                    "--rate=200 --duration_s=0.3 "
+                                    "--warmup_s=0.1 --csv=",
+                                    csv),
+                       &out, &err),
+            0)
+      << err;
+  lines = absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 2u);
+  EXPECT_EQ(lines[0].rfind("Request Rate,Inferences/Second,", 0), 0u);
+  EXPECT_EQ(CsvRow(lines[0], lines[1])["Request Rate"], "200");
+  std::filesystem::remove(csv);
+}
+
+TEST(AttnctlBenchTest, StabilityStopsAtTheFirstStableWindows) {
+  TestServer server;
+  std::string out, err;
+  // 1000%: any three windows with calls in them agree.
+  ASSERT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(),
+                                    " --rpc=layernorm --seq=0 --dim=64 "
+                                    "--stability_percent=1000 --max_trials=10 "
+                                    "--window_s=0.3 --warmup_s=0.1 "
+                                    "--format=json"),
+                       &out, &err),
+            0)
+      << err;
+  const auto json = nlohmann::json::parse(out);
+  EXPECT_EQ(json["stability"]["windows"], 3);
+  EXPECT_EQ(json["stability"]["stable"], true);
+  EXPECT_EQ(json["stability"]["percent"], 1000);
+  EXPECT_EQ(json["stability"]["window_qps"].size(), 3u);
+  EXPECT_THAT(err, HasSubstr("window 3: "));
+  EXPECT_THAT(err, ::testing::Not(HasSubstr("window 4: ")));
+  // The report covers those three windows, and so do the server's counts
+  // (read a little after each boundary).
+  EXPECT_NEAR(json["duration_s"].get<double>(), 0.9, 1e-9);
+  const int64_t requests = json["requests"];
+  EXPECT_GT(requests, 0);
+  EXPECT_EQ(json["server_stats"]["model"], "layer_norm");
+  EXPECT_NEAR(json["server_stats"]["success_count"].get<int64_t>(), requests,
+              10 + requests / 4);
+  EXPECT_GT(json["server_stats"]["compute_infer_us"].get<double>(), 0);
+}
+
+TEST(AttnctlBenchTest, StabilityGivesUpAfterMaxTrialsAndSaysSo) {
+  TestServer server;
+  const std::string csv = TempPath("unstable.csv");
+  std::string out, err;
+  // 0%: no two windows are ever that close.
+  EXPECT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(),
+                                    " --rpc=layernorm --seq=0 --dim=64 "
+                                    "--stability_percent=0 --max_trials=4 "
+                                    "--window_s=0.1 --warmup_s=0 --format=json "
+                                    "--csv=",
+                                    csv),
+                       &out, &err),
+            1);
+  EXPECT_THAT(err, HasSubstr("FAILED_PRECONDITION: --stability_percent: not "
+                             "stable within --max_trials=4 windows; the "
+                             "report shows the last 3"));
+  // Still reported and written: the last three windows.
+  const auto json = nlohmann::json::parse(out);
+  EXPECT_EQ(json["stability"]["windows"], 4);
+  EXPECT_EQ(json["stability"]["stable"], false);
+  EXPECT_NEAR(json["duration_s"].get<double>(), 0.3, 1e-9);
+  const std::vector<std::string> lines =
+      absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
+  EXPECT_EQ(lines.size(), 2u);
+  std::filesystem::remove(csv);
+}
+
+TEST(AttnctlBenchTest, StabilityAndCsvFlagsAreCheckedBeforeAnyCall) {
+  // No server: every one of these fails before connecting, decode sessions
+  // included.
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"--stability_percent=-1",
+       "--stability_percent: must be a number >= 0, got -1"},
+      {"--stability_percent=nan",
+       "--stability_percent: must be a number >= 0, got nan"},
+      {"--max_trials=5", "--max_trials: needs --stability_percent"},
+      {"--window_s=1", "--window_s: needs --stability_percent"},
+      {"--stability_percent=10 --max_trials=2",
+       "--max_trials: 2 is not in [3, 100]"},
+      {"--stability_percent=10 --window_s=-1",
+       "--window_s: must be > 0, got -1"},
+      {"--stability_percent=10 --requests=50",
+       "--requests: not with --stability_percent"},
+      {"--csv=/nonexistent_attnserve_dir/x.csv",
+       "--csv: cannot write '/nonexistent_attnserve_dir/x.csv'"},
+  };
+  std::string out, err;
+  for (const char* rpc : {"layernorm", "decode --kv_seq=16"}) {
+    for (const auto& [flags, message] : cases) {
+      const std::string args =
+          absl::StrCat("bench --target=127.0.0.1:1 --rpc=", rpc, " ", flags);
+      EXPECT_EQ(RunAttnctl(args, &out, &err), 1) << args;
+      EXPECT_THAT(err, HasSubstr(absl::StrCat("INVALID_ARGUMENT: ", message)))
+          << args;
+      EXPECT_THAT(err, ::testing::Not(HasSubstr("UNAVAILABLE"))) << args;
+    }
+  }
+}
+
 // Runs `attnctl bench --rpc=decode` against `server` with `flags` and a
 // JSON report; fails the test unless it exits 0.
 nlohmann::json DecodeJson(const TestServer& server, const std::string& flags) {
@@ -729,6 +1214,28 @@ TEST(AttnctlBenchTest, DecodeLayersCountStepsAndTokens) {
   // The sessions are gone once attnctl is.
   EXPECT_THAT(server.server().RenderMetrics(),
               HasSubstr("attnserve_session_cache_bytes 0\n"));
+}
+
+TEST(AttnctlBenchTest, DecodeHasNoServerBreakdown) {
+  TestServer server;
+  const std::string csv = TempPath("decode.csv");
+  nlohmann::json json =
+      DecodeJson(server, absl::StrCat("--kv_seq=32 --requests=20 --csv=", csv));
+  ASSERT_TRUE(json.is_object());
+  EXPECT_FALSE(json.contains("server_stats"));
+  EXPECT_THAT(json["server_stats_note"].get<std::string>(),
+              HasSubstr("SessionStep calls belong to no model"));
+  const std::vector<std::string> lines =
+      absl::StrSplit(ReadAll(csv), '\n', absl::SkipEmpty());
+  ASSERT_EQ(lines.size(), 2u);
+  auto row = CsvRow(lines[0], lines[1]);
+  EXPECT_GT(std::stod(row["Inferences/Second"]), 0);
+  for (const char* column :
+       {"Network+Server Send/Recv", "Server Queue", "Server Compute Input",
+        "Server Compute Infer", "Server Compute Output"}) {
+    EXPECT_EQ(row[column], "0") << column;
+  }
+  std::filesystem::remove(csv);
 }
 
 TEST(AttnctlBenchTest, DecodeInt8CacheReachesTheServer) {

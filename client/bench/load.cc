@@ -33,6 +33,8 @@ namespace {
 constexpr int kNumCodes =
     static_cast<int>(absl::StatusCode::kUnauthenticated) + 1;
 constexpr int64_t kNever = std::numeric_limits<int64_t>::max();
+// Each window keeps two histograms (about 120 KB): a bound on the memory.
+constexpr int kMaxWindows = 100;
 
 // The slot of `code` among the kNumCodes counters. A peer can send any
 // number as a status; one outside the canonical codes counts as UNKNOWN.
@@ -94,13 +96,58 @@ std::vector<double> ThreadsCpuSeconds(std::vector<std::thread>& threads) {
   return seconds;
 }
 
-// The client's CPU time over the counted period.
+// The client's CPU time: so far (a sample of the clocks), or over a period
+// (the difference of two samples).
 struct CpuUse {
   // The whole process.
   double process_seconds = 0;
   // Each thread driving calls: one busy all the time limits the client even
   // when the process as a whole has cores to spare.
   std::vector<double> poller_seconds;
+};
+
+CpuUse ReadCpu(std::vector<std::thread>& pollers) {
+  return {ProcessCpuSeconds(), ThreadsCpuSeconds(pollers)};
+}
+
+// The CPU used from `start` to `end`.
+CpuUse CpuBetween(const CpuUse& start, const CpuUse& end) {
+  CpuUse used;
+  used.process_seconds = end.process_seconds - start.process_seconds;
+  used.poller_seconds = end.poller_seconds;
+  for (size_t i = 0;
+       i < used.poller_seconds.size() && i < start.poller_seconds.size(); ++i) {
+    used.poller_seconds[i] -= start.poller_seconds[i];
+  }
+  return used;
+}
+
+// What the counted calls that ended in one window did: added to by the
+// threads driving calls, read by the caller's thread.
+struct WindowTally {
+  WindowTally() {
+    for (auto& count : errors) count.store(0);
+  }
+  // Adds what `other` counted.
+  void Add(const WindowTally& other) {
+    latency.Merge(other.latency);
+    compute.Merge(other.compute);
+    ok.fetch_add(other.ok.load());
+    failed.fetch_add(other.failed.load());
+    late.fetch_add(other.late.load());
+    for (int code = 0; code < kNumCodes; ++code) {
+      errors[code].fetch_add(other.errors[code].load());
+    }
+  }
+
+  LatencyHistogram latency;
+  LatencyHistogram compute;
+  std::atomic<int64_t> ok{0};
+  std::atomic<int64_t> failed{0};
+  // Open loop: late sends, in the window they were sent in.
+  std::atomic<int64_t> late{0};
+  // Failed calls by code.
+  std::array<std::atomic<int64_t>, kNumCodes> errors;
 };
 
 // The client_* figures of `report`, whose duration_s and requests are set.
@@ -123,10 +170,19 @@ void AddClientCpu(const CpuUse& cpu, BenchReport* report) {
 // drained by one thread that also starts the next call of a closed loop:
 // the least CPU per call gRPC's C++ API allows (no hand-over between
 // threads). The object outlives every call it starts (Run waits for all).
+//
+// The counted period is one window, or with LoadOptions::window a series of
+// them back to back; a call counts in the window it ends in, so that the
+// load never pauses between windows. Boundaries are crossed on the caller's
+// thread: boundary 0 starts the counted period, boundary i ends window i-1.
 class LoadRun {
  public:
   LoadRun(const Workload& workload, const LoadOptions& options)
-      : workload_(workload), options_(options) {
+      : workload_(workload),
+        options_(options),
+        window_ns_(options.window > absl::ZeroDuration()
+                       ? absl::ToInt64Nanoseconds(options.window)
+                       : kNever) {
     grpc::Slice slice(workload.request);
     request_ = grpc::ByteBuffer(&slice, 1);
     for (const std::vector<std::string>& cycle : workload.per_connection) {
@@ -149,11 +205,14 @@ class LoadRun {
     for (int i = 0; i < pollers; ++i) {
       queues_.push_back(std::make_unique<grpc::CompletionQueue>());
     }
-    for (auto& count : errors_) count.store(0);
+    const int windows = window_ns_ == kNever ? 1 : options.max_windows;
+    for (int i = 0; i < windows; ++i) {
+      windows_.push_back(std::make_unique<WindowTally>());
+    }
+    for (auto& seen : error_seen_) seen.store(false);
   }
 
-  BenchReport Run(const std::function<void(const LoadProgress&)>& progress)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  BenchReport Run(const LoadHooks& hooks) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // One call in flight. Closed loop: `closed` is true and the call's
@@ -188,20 +247,26 @@ class LoadRun {
               int64_t intended) ABSL_LOCKS_EXCLUDED(mu_);
   // One caller (slot, sender or open-loop call) is done.
   void Leave() ABSL_LOCKS_EXCLUDED(mu_);
-  int64_t Completed() const { return ok_.load() + failed_.load(); }
+  // The window a counted call ending at `now` belongs to; null after the
+  // last one.
+  WindowTally* WindowAt(int64_t now) const;
+  // Counted calls finished so far, in every window.
+  int64_t Completed() const;
   LoadProgress Snapshot(int64_t now, int64_t* last_completed,
                         int64_t* last_time) const;
   // The steps of Run: threads draining the completion queues; the first
   // calls (closed loop) or the sender thread (open loop); progress lines
-  // until every caller is done, and the CPU the counted period took.
+  // and window boundaries until every caller is done.
   std::vector<std::thread> StartPollers();
   std::thread StartCallers() ABSL_LOCKS_EXCLUDED(mu_);
-  CpuUse WaitForCallers(
-      std::vector<std::thread>& pollers,
-      const std::function<void(const LoadProgress&)>& progress)
+  void WaitForCallers(std::vector<std::thread>& pollers, const LoadHooks& hooks)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The report but its client_* CPU figures, once every call is done.
-  BenchReport MakeReport() ABSL_LOCKS_EXCLUDED(mu_);
+  // Samples the CPU clocks at the next boundary, calls its hook and sets
+  // the time of the one after (or stops the run).
+  void CrossBoundary(std::vector<std::thread>& pollers, const LoadHooks& hooks)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // What windows [first, last) counted, both boundaries crossed.
+  BenchReport MakeReport(int first, int last) ABSL_LOCKS_EXCLUDED(mu_);
 
   const Workload& workload_;
   const LoadOptions& options_;
@@ -218,6 +283,12 @@ class LoadRun {
   double start_unix_s_ = 0;  // start_ on the wall clock
   int64_t measure_start_ = 0;
   int64_t measure_end_ = kNever;
+  // The length of a window; kNever: the counted period is one window.
+  const int64_t window_ns_;
+  // The caller's thread only: the next boundary to cross (kNever: none but
+  // the end of the run) and the CPU clocks at each boundary crossed.
+  int64_t next_boundary_ = 0;
+  std::vector<CpuUse> cpu_at_;
   std::atomic<bool> stopping_{false};
   std::atomic<int64_t> tickets_{0};
 
@@ -231,15 +302,28 @@ class LoadRun {
     std::string peer;
   };
   std::map<int, FirstError> first_errors_ ABSL_GUARDED_BY(mu_);
+  // Whether first_errors_ has (or is getting) each code.
+  std::array<std::atomic<bool>, kNumCodes> error_seen_;
 
-  LatencyHistogram latency_;
-  LatencyHistogram compute_;
-  std::atomic<int64_t> ok_{0};
-  std::atomic<int64_t> failed_{0};
-  std::atomic<int64_t> late_{0};
+  // One per window, made before the first call.
+  std::vector<std::unique_ptr<WindowTally>> windows_;
   std::atomic<int64_t> last_completion_{0};
-  std::array<std::atomic<int64_t>, kNumCodes> errors_;
 };
+
+WindowTally* LoadRun::WindowAt(int64_t now) const {
+  if (window_ns_ == kNever || now < measure_start_) return windows_[0].get();
+  const int64_t index = (now - measure_start_) / window_ns_;
+  return index < static_cast<int64_t>(windows_.size()) ? windows_[index].get()
+                                                       : nullptr;
+}
+
+int64_t LoadRun::Completed() const {
+  int64_t completed = 0;
+  for (const auto& window : windows_) {
+    completed += window->ok.load() + window->failed.load();
+  }
+  return completed;
+}
 
 bool LoadRun::MayStart(int64_t intended) {
   if (stopping_.load(std::memory_order_relaxed)) return false;
@@ -264,16 +348,19 @@ void LoadRun::Finish(const grpc::ClientContext& context,
                      const grpc::Status& status, int64_t intended) {
   if (!Counted(intended)) return;
   const int64_t now = NowNanos();
-  latency_.Record(now - intended);
+  WindowTally* window = WindowAt(now);
+  if (window == nullptr) return;  // the run is over, the call is not counted
+  window->latency.Record(now - intended);
   if (status.ok()) {
-    ok_.fetch_add(1, std::memory_order_relaxed);
+    window->ok.fetch_add(1, std::memory_order_relaxed);
   } else {
     const int code = CodeSlot(FromGrpcStatus(status).code());
-    if (errors_[code].fetch_add(1) == 0) {
+    window->errors[code].fetch_add(1);
+    if (!error_seen_[code].exchange(true)) {
       MutexLock lock(&mu_);
       first_errors_[code] = {status.error_message(), now, context.peer()};
     }
-    failed_.fetch_add(1, std::memory_order_relaxed);
+    window->failed.fetch_add(1, std::memory_order_relaxed);
   }
   const auto& trailers = context.GetServerTrailingMetadata();
   const auto compute = trailers.find("attnserve-compute-us");
@@ -282,7 +369,7 @@ void LoadRun::Finish(const grpc::ClientContext& context,
       absl::SimpleAtoi(
           absl::string_view(compute->second.data(), compute->second.size()),
           &micros)) {
-    compute_.Record(micros * 1000);
+    window->compute.Record(micros * 1000);
   }
   int64_t last = last_completion_.load(std::memory_order_relaxed);
   while (now > last && !last_completion_.compare_exchange_weak(last, now)) {
@@ -343,8 +430,11 @@ void LoadRun::SendOpenLoop() {
       while (active_ > options_.concurrency) done_.Wait(&mu_);
       ++active_;
     }
-    if (Counted(intended) && NowNanos() - intended > late_after) {
-      late_.fetch_add(1, std::memory_order_relaxed);
+    const int64_t now = NowNanos();
+    if (Counted(intended) && now - intended > late_after) {
+      if (WindowTally* window = WindowAt(now)) {
+        window->late.fetch_add(1, std::memory_order_relaxed);
+      }
     }
     Start(static_cast<int>(sent % stubs_.size()), intended,
           /*closed=*/false);
@@ -358,12 +448,15 @@ LoadProgress LoadRun::Snapshot(int64_t now, int64_t* last_completed,
   p.elapsed = absl::Nanoseconds(now - start_);
   p.warming_up = now < measure_start_;
   p.completed = Completed();
-  p.errors = failed_.load();
+  for (const auto& window : windows_) p.errors += window->failed.load();
   if (now > *last_time) {
     p.qps = (p.completed - *last_completed) * 1e9 / (now - *last_time);
   }
-  p.p50_ns = latency_.Percentile(50);
-  p.p99_ns = latency_.Percentile(99);
+  // The current window's percentiles: the ones its end will judge.
+  const WindowTally* current = WindowAt(now);
+  if (current == nullptr) current = windows_.back().get();
+  p.p50_ns = current->latency.Percentile(50);
+  p.p99_ns = current->latency.Percentile(99);
   *last_completed = p.completed;
   *last_time = std::max(now, measure_start_);
   return p;
@@ -397,48 +490,65 @@ std::thread LoadRun::StartCallers() {
   return sender;
 }
 
-CpuUse LoadRun::WaitForCallers(
-    std::vector<std::thread>& pollers,
-    const std::function<void(const LoadProgress&)>& progress) {
+void LoadRun::WaitForCallers(std::vector<std::thread>& pollers,
+                             const LoadHooks& hooks) {
   const int64_t interval = absl::ToInt64Nanoseconds(options_.progress_interval);
-  double cpu_at_start = ProcessCpuSeconds();
-  std::vector<double> pollers_at_start = ThreadsCpuSeconds(pollers);
-  bool measuring = options_.warmup <= absl::ZeroDuration();
   int64_t last_completed = 0, last_time = measure_start_;
   mu_.Lock();
   while (active_ > 0) {
-    int64_t wake = NowNanos() + interval;
-    if (!measuring) wake = std::min(wake, measure_start_);
+    const int64_t wake = std::min(NowNanos() + interval, next_boundary_);
     const auto deadline =
         std::chrono::steady_clock::time_point(std::chrono::nanoseconds(wake));
     while (active_ > 0 && !done_.WaitUntil(&mu_, deadline)) {
     }
     if (active_ == 0) break;
     const int64_t now = NowNanos();
-    if (!measuring && now >= measure_start_) {
-      // Woken only to read the CPU clock: the next line is an interval on.
-      measuring = true;
-      cpu_at_start = ProcessCpuSeconds();
-      pollers_at_start = ThreadsCpuSeconds(pollers);
-      continue;
+    mu_.Unlock();
+    if (now >= next_boundary_) {
+      // Woken for a boundary: the next progress line is an interval on.
+      CrossBoundary(pollers, hooks);
+    } else if (hooks.progress) {
+      hooks.progress(Snapshot(now, &last_completed, &last_time));
     }
-    if (progress) {
-      mu_.Unlock();
-      progress(Snapshot(now, &last_completed, &last_time));
-      mu_.Lock();
-    }
+    mu_.Lock();
   }
   mu_.Unlock();
-  CpuUse cpu;
-  cpu.process_seconds = ProcessCpuSeconds() - cpu_at_start;
-  cpu.poller_seconds = ThreadsCpuSeconds(pollers);
-  for (size_t i = 0; i < cpu.poller_seconds.size(); ++i) {
-    cpu.poller_seconds[i] -= pollers_at_start[i];
-  }
-  return cpu;
+  // Every caller has left, so every counted call is done; the pollers still
+  // run, so their clocks can be read. The report measures between
+  // boundaries: a run over before its warm-up has an empty counted period.
+  if (cpu_at_.empty()) CrossBoundary(pollers, hooks);
+  // The one window of a run without windows ends with its last call.
+  if (window_ns_ == kNever) CrossBoundary(pollers, hooks);
 }
 
-BenchReport LoadRun::MakeReport() {
+void LoadRun::CrossBoundary(std::vector<std::thread>& pollers,
+                            const LoadHooks& hooks) {
+  cpu_at_.push_back(ReadCpu(pollers));
+  const int boundary = static_cast<int>(cpu_at_.size()) - 1;
+  bool go_on = true;
+  if (boundary == 0) {
+    if (hooks.measure_start) hooks.measure_start();
+  } else if (hooks.window_end) {
+    go_on = hooks.window_end(MakeReport(boundary - 1, boundary));
+  }
+  if (window_ns_ == kNever) {
+    next_boundary_ = kNever;
+  } else if (!go_on || boundary >= static_cast<int>(windows_.size())) {
+    // Callers stop; calls still in flight end after the last window.
+    stopping_.store(true);
+    next_boundary_ = kNever;
+  } else {
+    next_boundary_ = measure_start_ + window_ns_ * (boundary + 1);
+  }
+}
+
+BenchReport LoadRun::MakeReport(int first, int last) {
+  std::unique_ptr<WindowTally> merged;
+  if (last - first != 1) {
+    merged = std::make_unique<WindowTally>();
+    for (int i = first; i < last; ++i) merged->Add(*windows_[i]);
+  }
+  const WindowTally& tally = merged != nullptr ? *merged : *windows_[first];
   BenchReport report;
   report.rpc = workload_.rpc;
   report.workload = workload_.description;
@@ -450,47 +560,79 @@ BenchReport LoadRun::MakeReport() {
     report.arrival = std::string(ArrivalName(options_.arrival));
   report.start_unix_s = start_unix_s_;
   report.warmup_s = absl::ToDoubleSeconds(options_.warmup);
-  report.ok = ok_.load();
-  report.requests = Completed();
+  report.ok = tally.ok.load();
+  report.requests = report.ok + tally.failed.load();
   for (int code = 0; code < kNumCodes; ++code) {
-    if (errors_[code].load() == 0) continue;
+    if (tally.errors[code].load() == 0) continue;
     const std::string name =
         absl::StatusCodeToString(static_cast<absl::StatusCode>(code));
-    report.errors[name] = errors_[code].load();
-    MutexLock lock(&mu_);  // uncontended: every caller is done
-    const FirstError& first = first_errors_[code];
-    report.error_messages[name] = first.message;
-    report.error_first_at_s[name] = (first.at - start_) / 1e9;
-    report.error_first_peer[name] = first.peer;
+    report.errors[name] = tally.errors[code].load();
+    MutexLock lock(&mu_);
+    // Missing only while its call is still being recorded.
+    const auto first_error = first_errors_.find(code);
+    if (first_error == first_errors_.end()) continue;
+    report.error_messages[name] = first_error->second.message;
+    report.error_first_at_s[name] = (first_error->second.at - start_) / 1e9;
+    report.error_first_peer[name] = first_error->second.peer;
   }
-  const int64_t end = std::max(last_completion_.load(), measure_start_);
-  report.duration_s = (end - measure_start_) / 1e9;
+  if (window_ns_ == kNever) {
+    const int64_t end = std::max(last_completion_.load(), measure_start_);
+    report.duration_s = (end - measure_start_) / 1e9;
+  } else {
+    report.duration_s = (last - first) * window_ns_ / 1e9;
+  }
   report.qps = report.duration_s > 0 ? report.requests / report.duration_s : 0;
-  report.latency = Summarize(latency_);
-  if (compute_.count() > 0) report.server_compute = Summarize(compute_);
-  report.late = late_.load();
+  report.latency = Summarize(tally.latency);
+  if (tally.compute.count() > 0) {
+    report.server_compute = Summarize(tally.compute);
+  }
+  report.late = tally.late.load();
   report.late_threshold_ms =
       absl::ToDoubleMilliseconds(options_.late_threshold);
+  AddClientCpu(CpuBetween(cpu_at_[first], cpu_at_[last]), &report);
   return report;
 }
 
-BenchReport LoadRun::Run(
-    const std::function<void(const LoadProgress&)>& progress) {
+BenchReport LoadRun::Run(const LoadHooks& hooks) {
   start_ = NowNanos();
   start_unix_s_ = absl::ToUnixMicros(absl::Now()) / 1e6;
   measure_start_ = start_ + absl::ToInt64Nanoseconds(options_.warmup);
-  if (options_.requests == 0) {
+  if (options_.requests == 0 && window_ns_ == kNever) {
     measure_end_ = measure_start_ + absl::ToInt64Nanoseconds(options_.duration);
   }
+  next_boundary_ = measure_start_;
   std::vector<std::thread> pollers = StartPollers();
+  // Without a warm-up the counted period starts before the first call.
+  if (options_.warmup <= absl::ZeroDuration()) CrossBoundary(pollers, hooks);
   std::thread sender = StartCallers();
-  const CpuUse cpu = WaitForCallers(pollers, progress);
+  WaitForCallers(pollers, hooks);
   if (sender.joinable()) sender.join();
   for (auto& queue : queues_) queue->Shutdown();
   for (std::thread& poller : pollers) poller.join();
-  BenchReport report = MakeReport();
-  AddClientCpu(cpu, &report);
-  return report;
+  const int last = static_cast<int>(cpu_at_.size()) - 1;
+  return MakeReport(std::max(0, last - options_.report_windows), last);
+}
+
+// The window options of a windowed run (and none of a single period).
+absl::Status VerifyWindows(const LoadOptions& options) {
+  if (options.window < absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("--window_s: must be > 0");
+  }
+  if (options.window == absl::ZeroDuration()) return absl::OkStatus();
+  if (options.requests > 0) {
+    return absl::InvalidArgumentError(
+        "--requests: not with measurement windows (they are measured in "
+        "time: --window_s)");
+  }
+  if (options.max_windows < 1 || options.max_windows > kMaxWindows) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_trials: ", options.max_windows, " is not in [1, ",
+                     kMaxWindows, "]"));
+  }
+  if (options.report_windows < 1) {
+    return absl::InvalidArgumentError("report windows: must be >= 1");
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -529,12 +671,20 @@ absl::Status VerifyLoadOptions(const LoadOptions& options) {
   if (options.progress_interval <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("progress interval: must be > 0");
   }
-  return absl::OkStatus();
+  return VerifyWindows(options);
 }
 
 absl::StatusOr<BenchReport> RunLoad(
     const Workload& workload, const LoadOptions& options,
     const std::function<void(const LoadProgress&)>& progress) {
+  LoadHooks hooks;
+  hooks.progress = progress;
+  return RunLoad(workload, options, hooks);
+}
+
+absl::StatusOr<BenchReport> RunLoad(const Workload& workload,
+                                    const LoadOptions& options,
+                                    const LoadHooks& hooks) {
   if (absl::Status status = VerifyLoadOptions(options); !status.ok()) {
     return status;
   }
@@ -545,7 +695,7 @@ absl::StatusOr<BenchReport> RunLoad(
     }
   }
   LoadRun run(workload, options);
-  return run.Run(progress);
+  return run.Run(hooks);
 }
 
 }  // namespace attnserve

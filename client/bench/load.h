@@ -1,12 +1,13 @@
 // The load generator of attnctl bench: one pre-serialized request sent over
 // several channels, closed loop (a fixed number of calls in flight) or open
 // loop (calls sent on a schedule, whatever the server's pace), with a
-// warm-up, a duration or request count, and per-call deadlines.
+// warm-up, a duration, a request count or a series of measurement windows,
+// and per-call deadlines.
 //
 // Thread-safety: RunLoad blocks its caller; it runs calls on its own
-// completion-queue threads, a sender thread (open loop) and calls
-// `progress` on the caller's thread. Ownership: everything it creates is gone
-// when it returns.
+// completion-queue threads, a sender thread (open loop) and calls its hooks
+// on the caller's thread. Ownership: everything it creates is gone when it
+// returns.
 #ifndef ATTNSERVE_CLIENT_BENCH_LOAD_H_
 #define ATTNSERVE_CLIENT_BENCH_LOAD_H_
 
@@ -49,6 +50,14 @@ struct LoadOptions {
   int threads = 0;
   // How often `progress` is called.
   absl::Duration progress_interval = absl::Seconds(1);
+  // > 0: the counted period is a series of windows this long, one after
+  // another while the load goes on, until LoadHooks::window_end says stop
+  // or `max_windows` have run (instead of `duration` or `requests`). A call
+  // belongs to the window it ends in; the report covers the last
+  // `report_windows` windows.
+  absl::Duration window = absl::ZeroDuration();
+  int max_windows = 10;
+  int report_windows = 3;
 };
 
 // OK when the options can run; INVALID_ARGUMENT naming the flag otherwise.
@@ -67,8 +76,25 @@ struct LoadProgress {
   int64_t p99_ns = 0;
 };
 
+// What RunLoad tells its caller as it goes, on the caller's thread; each
+// hook may be empty.
+struct LoadHooks {
+  // Every LoadOptions::progress_interval.
+  std::function<void(const LoadProgress&)> progress;
+  // When the counted period starts: the warm-up is over.
+  std::function<void()> measure_start;
+  // At the end of each window with what it measured, before the next one
+  // starts; false ends the run there. Without LoadOptions::window the run is
+  // one window, which ends once its last counted call is done (the result
+  // is then ignored).
+  std::function<bool(const BenchReport& window)> window_end;
+};
+
 // Runs the load test. Fails only for options or a workload it cannot run;
 // failed calls are counted in the report, by status code.
+absl::StatusOr<BenchReport> RunLoad(const Workload& workload,
+                                    const LoadOptions& options,
+                                    const LoadHooks& hooks);
 absl::StatusOr<BenchReport> RunLoad(
     const Workload& workload, const LoadOptions& options,
     const std::function<void(const LoadProgress&)>& progress = nullptr);

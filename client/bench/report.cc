@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -25,11 +27,87 @@ int64_t TotalErrors(const BenchReport& report) {
   return total;
 }
 
+// The figures of a LatencySummary by name, for every format that lists
+// them all.
+constexpr std::pair<const char*, double LatencySummary::*> kLatencyFields[] = {
+    {"min", &LatencySummary::min_us},       {"mean", &LatencySummary::mean_us},
+    {"stddev", &LatencySummary::stddev_us}, {"p50", &LatencySummary::p50_us},
+    {"p90", &LatencySummary::p90_us},       {"p95", &LatencySummary::p95_us},
+    {"p99", &LatencySummary::p99_us},       {"p999", &LatencySummary::p999_us},
+    {"max", &LatencySummary::max_us}};
+
 nlohmann::json LatencyJson(const LatencySummary& s) {
-  return {{"count", s.count},      {"min", s.min_us}, {"mean", s.mean_us},
-          {"stddev", s.stddev_us}, {"p50", s.p50_us}, {"p90", s.p90_us},
-          {"p95", s.p95_us},       {"p99", s.p99_us}, {"p999", s.p999_us},
-          {"max", s.max_us}};
+  nlohmann::json j = {{"count", s.count}};
+  for (const auto& [name, field] : kLatencyFields) j[name] = s.*field;
+  return j;
+}
+
+nlohmann::json ServerStatsJson(const ServerStatsReport& s) {
+  return {{"model", s.model},
+          {"inference_count", s.inference_count},
+          {"execution_count", s.execution_count},
+          {"success_count", s.success_count},
+          {"request_us", s.request_us},
+          {"overhead_us", s.overhead_us},
+          {"queue_us", s.queue_us},
+          {"compute_input_us", s.compute_input_us},
+          {"compute_infer_us", s.compute_infer_us},
+          {"compute_output_us", s.compute_output_us}};
+}
+
+nlohmann::json StabilityJson(const StabilityReport& s) {
+  return {{"percent", s.percent},
+          {"max_windows", s.max_windows},
+          {"window_s", s.window_s},
+          {"windows", s.window_qps.size()},
+          {"compared_windows", s.compared_windows},
+          {"stable", s.stable},
+          {"window_qps", s.window_qps},
+          {"window_mean_us", s.window_mean_us},
+          {"qps_spread_percent", s.qps_spread_percent},
+          {"latency_spread_percent", s.latency_spread_percent}};
+}
+
+// "stable after 4 windows of 2.00 s: ..." or "UNSTABLE after 10 ...".
+std::string StabilityLine(const StabilityReport& s) {
+  return absl::StrFormat(
+      "%s after %d windows of %.2f s: throughput varied %.1f%%, mean "
+      "latency %.1f%% over the last %d (limit: less than %g%%)",
+      s.stable ? "stable" : "UNSTABLE", s.window_qps.size(), s.window_s,
+      s.qps_spread_percent, s.latency_spread_percent, s.compared_windows,
+      s.percent);
+}
+
+// perf_analyzer's "Server:" section in two lines.
+std::string ServerStatsText(const ServerStatsReport& s) {
+  return absl::StrFormat(
+      "server      model %s: %d inferences, %d executions, %d successful "
+      "requests\n"
+      "            avg request %.1f us (overhead %.1f us + queue %.1f us + "
+      "compute input %.1f us + compute infer %.1f us + compute output %.1f "
+      "us)\n",
+      s.model, s.inference_count, s.execution_count, s.success_count,
+      s.request_us, s.overhead_us, s.queue_us, s.compute_input_us,
+      s.compute_infer_us, s.compute_output_us);
+}
+
+// Each failing code: its count and first message, when and from where.
+void AppendErrorLines(const BenchReport& r, std::string* out) {
+  for (const auto& [code, count] : r.errors) {
+    const auto message = r.error_messages.find(code);
+    absl::StrAppendFormat(
+        out, "  %-22s %d  %s\n", code, count,
+        message != r.error_messages.end() ? message->second : "");
+    const auto at = r.error_first_at_s.find(code);
+    if (at == r.error_first_at_s.end()) continue;
+    const auto peer = r.error_first_peer.find(code);
+    const std::string from =
+        peer != r.error_first_peer.end() && !peer->second.empty()
+            ? absl::StrCat(" from ", peer->second)
+            : "";
+    absl::StrAppendFormat(out, "  %-22s first at %.3f s%s\n", "", at->second,
+                          from);
+  }
 }
 
 nlohmann::json ReportJson(const BenchReport& r) {
@@ -73,7 +151,151 @@ nlohmann::json ReportJson(const BenchReport& r) {
   if (r.server_compute) {
     j["server_compute_us"] = LatencyJson(*r.server_compute);
   }
+  if (r.server_stats) j["server_stats"] = ServerStatsJson(*r.server_stats);
+  if (!r.server_stats_note.empty()) {
+    j["server_stats_note"] = r.server_stats_note;
+  }
+  if (r.stability) j["stability"] = StabilityJson(*r.stability);
   return j;
+}
+
+// One CSV column: its header and how a report's row shows it.
+struct CsvColumn {
+  std::string header;
+  std::function<std::string(const BenchReport&)> value;
+};
+
+std::string CsvTable(const std::vector<CsvColumn>& columns,
+                     const std::vector<BenchReport>& reports) {
+  std::string out = absl::StrJoin(
+      columns, ",", [](std::string* line, const CsvColumn& column) {
+        line->append(column.header);
+      });
+  out += "\n";
+  for (const BenchReport& r : reports) {
+    absl::StrAppend(&out,
+                    absl::StrJoin(columns, ",",
+                                  [&r](std::string* line, const CsvColumn& c) {
+                                    line->append(c.value(r));
+                                  }),
+                    "\n");
+  }
+  return out;
+}
+
+std::string Fixed(double value, int decimals) {
+  return absl::StrFormat("%.*f", decimals, value);
+}
+
+std::vector<CsvColumn> NativeCsvColumns() {
+  std::vector<CsvColumn> columns = {
+      {"step", [](const BenchReport& r) { return r.step; }},
+      {"rpc", [](const BenchReport& r) { return r.rpc; }},
+      {"concurrency",
+       [](const BenchReport& r) { return absl::StrCat(r.concurrency); }},
+      {"connections",
+       [](const BenchReport& r) { return absl::StrCat(r.connections); }},
+      {"target_rate",
+       [](const BenchReport& r) {
+         return absl::StrFormat("%g", r.target_rate);
+       }},
+      {"requests",
+       [](const BenchReport& r) { return absl::StrCat(r.requests); }},
+      {"ok", [](const BenchReport& r) { return absl::StrCat(r.ok); }},
+      {"errors",
+       [](const BenchReport& r) { return absl::StrCat(TotalErrors(r)); }},
+      {"duration_s",
+       [](const BenchReport& r) { return Fixed(r.duration_s, 3); }},
+      {"qps", [](const BenchReport& r) { return Fixed(r.qps, 1); }},
+  };
+  for (const auto& [name, field] : kLatencyFields) {
+    columns.push_back(
+        {absl::StrCat(name, "_us"), [field = field](const BenchReport& r) {
+           return Fixed(r.latency.*field, 1);
+         }});
+  }
+  for (const auto& [name, field] :
+       {std::pair{"compute_p50_us", &LatencySummary::p50_us},
+        std::pair{"compute_p99_us", &LatencySummary::p99_us}}) {
+    columns.push_back(
+        {name, [field = field](const BenchReport& r) {
+           return Fixed(r.server_compute ? (*r.server_compute).*field : 0, 1);
+         }});
+  }
+  columns.push_back(
+      {"late", [](const BenchReport& r) { return absl::StrCat(r.late); }});
+  columns.push_back({"client_cpu_cores", [](const BenchReport& r) {
+                       return Fixed(r.client_cpu_cores, 2);
+                     }});
+  columns.push_back({"client_saturated", [](const BenchReport& r) {
+                       return absl::StrCat(r.client_saturated ? 1 : 0);
+                     }});
+  return columns;
+}
+
+// Whole microseconds, as perf_analyzer writes every duration (truncated).
+std::string WholeMicros(double micros) {
+  return absl::StrCat(static_cast<int64_t>(std::max(micros, 0.0)));
+}
+
+// A server stage's average, 0 without the server's statistics.
+CsvColumn ServerColumn(std::string header, double ServerStatsReport::*field) {
+  return {std::move(header), [field](const BenchReport& r) {
+            return WholeMicros(r.server_stats ? (*r.server_stats).*field : 0);
+          }};
+}
+
+// perf_analyzer's "Network+Server Send/Recv": the client's mean latency less
+// the server's queue and compute (and the client's send and receive, 0
+// here), at least 0 since the two sides measure apart.
+double NetworkMicros(const BenchReport& r) {
+  if (!r.server_stats) return 0;
+  const ServerStatsReport& s = *r.server_stats;
+  return std::max(0.0, r.latency.mean_us - s.queue_us - s.compute_input_us -
+                           s.compute_infer_us - s.compute_output_us);
+}
+
+std::vector<CsvColumn> PerfAnalyzerCsvColumns(CsvLevel level) {
+  std::vector<CsvColumn> columns;
+  if (level == CsvLevel::kConcurrency) {
+    columns.push_back({"Concurrency", [](const BenchReport& r) {
+                         return absl::StrCat(r.concurrency);
+                       }});
+  } else {
+    columns.push_back({"Request Rate", [](const BenchReport& r) {
+                         return absl::StrFormat("%g", r.target_rate);
+                       }});
+  }
+  columns.push_back({"Inferences/Second", [](const BenchReport& r) {
+                       return absl::StrFormat("%g", r.qps);
+                     }});
+  // The request is serialized once before the run and responses are not
+  // parsed: attnctl has no per-call send or receive time to report.
+  const auto unmeasured = [](const BenchReport&) { return std::string("0"); };
+  columns.push_back({"Client Send", unmeasured});
+  columns.push_back({"Network+Server Send/Recv", [](const BenchReport& r) {
+                       return WholeMicros(NetworkMicros(r));
+                     }});
+  columns.push_back(ServerColumn("Server Queue", &ServerStatsReport::queue_us));
+  columns.push_back(ServerColumn("Server Compute Input",
+                                 &ServerStatsReport::compute_input_us));
+  columns.push_back(ServerColumn("Server Compute Infer",
+                                 &ServerStatsReport::compute_infer_us));
+  columns.push_back(ServerColumn("Server Compute Output",
+                                 &ServerStatsReport::compute_output_us));
+  columns.push_back({"Client Recv", unmeasured});
+  // perf_analyzer's percentiles, then the mean it adds with --verbose-csv.
+  for (const auto& [header, field] :
+       {std::pair{"p50 latency", &LatencySummary::p50_us},
+        std::pair{"p90 latency", &LatencySummary::p90_us},
+        std::pair{"p95 latency", &LatencySummary::p95_us},
+        std::pair{"p99 latency", &LatencySummary::p99_us},
+        std::pair{"Avg latency", &LatencySummary::mean_us}}) {
+    columns.push_back({header, [field = field](const BenchReport& r) {
+                         return WholeMicros(r.latency.*field);
+                       }});
+  }
+  return columns;
 }
 
 // 1, 2 or 5 times a power of ten, about range / 5.
@@ -152,23 +374,12 @@ std::string FormatText(const BenchReport& r) {
   }
   absl::StrAppendFormat(&out, ", %.2f s measured after %.2f s warm-up\n",
                         r.duration_s, r.warmup_s);
+  if (r.stability) {
+    absl::StrAppend(&out, "stability   ", StabilityLine(*r.stability), "\n");
+  }
   absl::StrAppendFormat(&out, "requests    %d (ok %d, errors %d)\n", r.requests,
                         r.ok, TotalErrors(r));
-  for (const auto& [code, count] : r.errors) {
-    const auto message = r.error_messages.find(code);
-    absl::StrAppendFormat(
-        &out, "  %-22s %d  %s\n", code, count,
-        message != r.error_messages.end() ? message->second : "");
-    const auto at = r.error_first_at_s.find(code);
-    if (at == r.error_first_at_s.end()) continue;
-    const auto peer = r.error_first_peer.find(code);
-    const std::string from =
-        peer != r.error_first_peer.end() && !peer->second.empty()
-            ? absl::StrCat(" from ", peer->second)
-            : "";
-    absl::StrAppendFormat(&out, "  %-22s first at %.3f s%s\n", "", at->second,
-                          from);
-  }
+  AppendErrorLines(r, &out);
   absl::StrAppendFormat(&out, "throughput  %.1f req/s\n", r.qps);
   if (r.steps_per_request > 1 || r.layers > 1) {
     const double steps = r.qps * r.steps_per_request;
@@ -194,6 +405,11 @@ std::string FormatText(const BenchReport& r) {
     absl::StrAppend(&out, "server compute (attnserve-compute-us): mean ",
                     Millis(c.mean_us), "  p50 ", Millis(c.p50_us), "  p99 ",
                     Millis(c.p99_us), "\n");
+  }
+  if (r.server_stats) {
+    absl::StrAppend(&out, ServerStatsText(*r.server_stats));
+  } else if (!r.server_stats_note.empty()) {
+    absl::StrAppend(&out, "server      ", r.server_stats_note, "\n");
   }
   if (r.target_rate > 0) {
     absl::StrAppendFormat(
@@ -226,26 +442,12 @@ std::string FormatJson(const std::vector<BenchReport>& reports) {
 }
 
 std::string FormatCsv(const std::vector<BenchReport>& reports) {
-  std::string out =
-      "step,rpc,concurrency,connections,target_rate,requests,ok,errors,"
-      "duration_s,qps,min_us,mean_us,stddev_us,p50_us,p90_us,p95_us,p99_us,"
-      "p999_us,max_us,compute_p50_us,compute_p99_us,late,client_cpu_cores,"
-      "client_saturated\n";
-  for (const BenchReport& r : reports) {
-    const LatencySummary& l = r.latency;
-    const double compute_p50 = r.server_compute ? r.server_compute->p50_us : 0;
-    const double compute_p99 = r.server_compute ? r.server_compute->p99_us : 0;
-    absl::StrAppendFormat(
-        &out,
-        "%s,%s,%d,%d,%g,%d,%d,%d,%.3f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,%.1f,"
-        "%.1f,%.1f,%.1f,%.1f,%.1f,%d,%.2f,%d\n",
-        r.step, r.rpc, r.concurrency, r.connections, r.target_rate, r.requests,
-        r.ok, TotalErrors(r), r.duration_s, r.qps, l.min_us, l.mean_us,
-        l.stddev_us, l.p50_us, l.p90_us, l.p95_us, l.p99_us, l.p999_us,
-        l.max_us, compute_p50, compute_p99, r.late, r.client_cpu_cores,
-        r.client_saturated ? 1 : 0);
-  }
-  return out;
+  return CsvTable(NativeCsvColumns(), reports);
+}
+
+std::string FormatPerfAnalyzerCsv(const std::vector<BenchReport>& reports,
+                                  CsvLevel level) {
+  return CsvTable(PerfAnalyzerCsvColumns(level), reports);
 }
 
 std::string FormatSweepTable(const std::vector<BenchReport>& reports) {
@@ -259,6 +461,20 @@ std::string FormatSweepTable(const std::vector<BenchReport>& reports) {
         r.qps, l.p50_us / 1e3, l.p90_us / 1e3, l.p99_us / 1e3, l.p999_us / 1e3,
         TotalErrors(r), r.requests > 0 ? 100.0 * r.late / r.requests : 0.0,
         r.client_saturated ? "SATURATED" : "ok");
+  }
+  for (const BenchReport& r : reports) {
+    if (r.server_stats) {
+      const ServerStatsReport& s = *r.server_stats;
+      absl::StrAppendFormat(
+          &out,
+          "%s: server %s avg request %.1f us: queue %.1f + compute input %.1f "
+          "+ infer %.1f + output %.1f us\n",
+          r.step, s.model, s.request_us, s.queue_us, s.compute_input_us,
+          s.compute_infer_us, s.compute_output_us);
+    }
+    if (r.stability) {
+      absl::StrAppend(&out, r.step, ": ", StabilityLine(*r.stability), "\n");
+    }
   }
   return out;
 }

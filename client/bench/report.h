@@ -33,6 +33,49 @@ struct LatencySummary {
 
 LatencySummary Summarize(const LatencyHistogram& histogram);
 
+// The server's own account of the counted calls, from the Open Inference
+// Protocol's statistics extension (ModelStatistics read before and after
+// the measurement): counts and per-request averages, like perf_analyzer's
+// "Server:" section. It counts every client's calls to the model, not only
+// this run's.
+struct ServerStatsReport {
+  // The model the calls are counted under ("attend", "layer_norm",
+  // "multi_head_attend" or a served model's name).
+  std::string model;
+  int64_t inference_count = 0;
+  int64_t execution_count = 0;
+  int64_t success_count = 0;
+  // Averages in microseconds: each duration's nanoseconds over its own
+  // count, 0 where the server counted none (it may count some stages
+  // zero times, e.g. compute input when inputs are decoded before the
+  // queue).
+  double request_us = 0;
+  // Request time that is neither queue nor compute (never below 0).
+  double overhead_us = 0;
+  double queue_us = 0;
+  double compute_input_us = 0;
+  double compute_infer_us = 0;
+  double compute_output_us = 0;
+};
+
+// perf_analyzer's stability criterion, as one run met it (or not).
+struct StabilityReport {
+  // The limit: the last windows' throughputs, and their mean latencies,
+  // must each vary by less than this (max / min - 1, in percent).
+  double percent = 0;
+  int max_windows = 0;
+  double window_s = 0;
+  bool stable = false;
+  // Each window that ran, in order: its throughput and mean latency.
+  std::vector<double> window_qps;
+  std::vector<double> window_mean_us;
+  // The last windows, which the spreads and the report cover.
+  int compared_windows = 0;
+  // Over those windows: max / min - 1, in percent.
+  double qps_spread_percent = 0;
+  double latency_spread_percent = 0;
+};
+
 struct BenchReport {
   // The sweep step ("concurrency=8"); empty for a single run.
   std::string step;
@@ -79,6 +122,15 @@ struct BenchReport {
   LatencySummary latency;
   // From the server's `attnserve-compute-us` trailer, when it sends one.
   std::optional<LatencySummary> server_compute;
+  // From the server's statistics extension; when absent, the note says why
+  // (decode sessions and health checks belong to no model, or the server
+  // could not be asked).
+  std::optional<ServerStatsReport> server_stats;
+  std::string server_stats_note;
+  // With a stability criterion: the measurement windows it took. The
+  // figures above then cover the last windows only (perf_analyzer's
+  // merge), not the ones before the run settled.
+  std::optional<StabilityReport> stability;
   // Open loop: calls sent more than the late threshold after their
   // scheduled time (a full client, or waiting for an outstanding slot).
   int64_t late = 0;
@@ -106,6 +158,17 @@ std::string FormatText(const BenchReport& report);
 std::string FormatJson(const std::vector<BenchReport>& reports);
 // A header line and one line per report.
 std::string FormatCsv(const std::vector<BenchReport>& reports);
+
+// What the rows of a perf_analyzer CSV vary: the first column.
+enum class CsvLevel { kConcurrency, kRequestRate };
+
+// The columns of perf_analyzer's `-f FILE` CSV, one row per report in the
+// order given: the level, Inferences/Second, the latency breakdown and
+// client latency percentiles, in integer microseconds. Columns attnctl
+// does not measure (Client Send, Client Recv, and the server's without
+// server_stats) are 0, as perf_analyzer writes what it did not measure.
+std::string FormatPerfAnalyzerCsv(const std::vector<BenchReport>& reports,
+                                  CsvLevel level);
 // Throughput against latency, one line per sweep step.
 std::string FormatSweepTable(const std::vector<BenchReport>& reports);
 // Latency percentiles (p50, p90, p99, p99.9) against achieved throughput,

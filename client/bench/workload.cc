@@ -141,6 +141,7 @@ absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
     case Operation::kAttend: {
       ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(tensors, params));
       workload.rpc = "Attend";
+      workload.statistics_model = "attend";
       if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
       serialized = request.SerializeToString(&workload.request);
       break;
@@ -149,6 +150,8 @@ absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
       ATTN_ASSIGN_OR_RETURN(auto request,
                             BuildMultiHeadAttendRequest(tensors, params));
       workload.rpc = "MultiHeadAttend";
+      workload.statistics_model =
+          params.model.empty() ? "multi_head_attend" : params.model;
       if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
       serialized = request.SerializeToString(&workload.request);
       break;
@@ -157,6 +160,7 @@ absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
       ATTN_ASSIGN_OR_RETURN(auto request,
                             BuildLayerNormRequest(tensors, params));
       workload.rpc = "LayerNorm";
+      workload.statistics_model = "layer_norm";
       if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
       serialized = request.SerializeToString(&workload.request);
       break;

@@ -36,6 +36,11 @@ struct Workload {
   int64_t steps_per_request = 1;
   // Decode: steps of one session that make a token (one per layer).
   int64_t layers = 1;
+  // The model the server's statistics extension counts these calls under
+  // (server/statistics.cc): "attend", "layer_norm", "multi_head_attend" or
+  // the served model an MHA request names; empty for calls of no model
+  // (decode sessions, health checks).
+  std::string statistics_model;
 };
 
 // Shapes of synthetic requests.
