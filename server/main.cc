@@ -55,6 +55,9 @@ ABSL_FLAG(bool, reflection, attnserve::ServerOptions().reflection,
 ABSL_FLAG(std::string, model_repository, "",
           "Folder of models: NAME/config.pbtxt and NAME/weights.safetensors. "
           "SIGHUP reloads it.");
+ABSL_FLAG(int64_t, max_model_mb, attnserve::ServerOptions().max_model_mb,
+          "Largest model file (config.pbtxt, weights.safetensors) loaded, "
+          "MiB; a larger one is refused before it is read.");
 ABSL_FLAG(int, threads, attnserve::ServerOptions().threads,
           "Compute threads shared by concurrent calls (0: all cores).");
 ABSL_FLAG(int, drain_seconds, attnserve::ServerOptions().drain_seconds,
@@ -129,6 +132,7 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.coalesce_steps_us = absl::GetFlag(FLAGS_coalesce_steps_us);
   options.threads = absl::GetFlag(FLAGS_threads);
   options.model_repository = absl::GetFlag(FLAGS_model_repository);
+  options.max_model_mb = absl::GetFlag(FLAGS_max_model_mb);
   options.metrics_port = absl::GetFlag(FLAGS_metrics_port);
   options.http_port = absl::GetFlag(FLAGS_http_port);
   options.http_header_timeout_s = absl::GetFlag(FLAGS_http_header_timeout_s);

@@ -3,8 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
+#include <system_error>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -133,6 +132,46 @@ std::string WeightsPath(const std::string& dir) {
   return (fs::path(dir) / "weights.safetensors").string();
 }
 
+// How the files of the model folder `dir` are read: each at most
+// `max_model_mb` MiB, resolving inside the repository that holds `dir` (its
+// parent), as `dir` itself must: a symlink can then share a folder or file
+// between models, but not serve anything from outside the repository.
+absl::StatusOr<RegularFileLimits> ModelFileLimits(const std::string& dir,
+                                                  int64_t max_model_mb) {
+  RegularFileLimits limits;
+  limits.max_bytes = static_cast<uint64_t>(max_model_mb) << 20;
+  limits.limit_name = absl::StrCat("--max_model_mb=", max_model_mb);
+  const fs::path repository = fs::path(dir).parent_path();
+  ATTN_ASSIGN_OR_RETURN(
+      limits.within,
+      CanonicalPath(repository.empty() ? "." : repository.string()));
+  ATTN_ASSIGN_OR_RETURN(const std::string folder, CanonicalPath(dir));
+  ATTN_RETURN_IF_ERROR(VerifyResolvesWithin(dir, folder, limits.within));
+  return limits;
+}
+
+// The names of the folders in `root` (symlinks to folders included),
+// sorted. std::filesystem's error codes throughout: an exception here would
+// end a SIGHUP reload, or answer RepositoryModelLoad UNIMPLEMENTED with no
+// message. An entry that cannot be examined (a symlink loop) is no folder.
+absl::StatusOr<std::vector<std::string>> ListFolders(const std::string& root) {
+  std::vector<std::string> names;
+  std::error_code error;
+  fs::directory_iterator it(root, error);
+  for (; !error && it != fs::directory_iterator(); it.increment(error)) {
+    std::error_code entry_error;
+    if (it->is_directory(entry_error)) {
+      names.push_back(it->path().filename().string());
+    }
+  }
+  if (error) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        root, ": cannot list the model repository: ", error.message()));
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 }  // namespace
 
 absl::Status VerifyModelName(absl::string_view name, absl::string_view field) {
@@ -165,13 +204,14 @@ absl::Status VerifyModelName(absl::string_view name, absl::string_view field) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir) {
-  const std::string config_path = ConfigPath(dir);
-  const std::string weights_path = WeightsPath(dir);
+absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir,
+                                                       int64_t max_model_mb) {
+  ATTN_ASSIGN_OR_RETURN(const RegularFileLimits limits,
+                        ModelFileLimits(dir, max_model_mb));
   ATTN_ASSIGN_OR_RETURN(const std::string config_text,
-                        ReadFileToString(config_path, config_path));
+                        ReadRegularFile(ConfigPath(dir), limits));
   ATTN_ASSIGN_OR_RETURN(const std::string weights_bytes,
-                        ReadFileToString(weights_path, weights_path));
+                        ReadRegularFile(WeightsPath(dir), limits));
   return ParseModel(dir, config_text, weights_bytes);
 }
 
@@ -208,8 +248,10 @@ absl::StatusOr<std::shared_ptr<const Model>> ParseModel(
   return model;
 }
 
-ModelRepository::ModelRepository(std::string root)
-    : root_(std::move(root)), models_(std::make_shared<const ModelMap>()) {}
+ModelRepository::ModelRepository(std::string root, int64_t max_model_mb)
+    : root_(std::move(root)),
+      max_model_mb_(max_model_mb),
+      models_(std::make_shared<const ModelMap>()) {}
 
 absl::Status ModelRepository::Reload() {
   MutexLock reload_lock(&reload_mu_);
@@ -220,13 +262,12 @@ absl::Status ModelRepository::Reload() {
       return absl::NotFoundError(
           absl::StrCat(root_, ": model repository is not a directory"));
     }
-    std::vector<std::string> dirs;
-    for (const auto& entry : fs::directory_iterator(root_, error)) {
-      if (entry.is_directory()) dirs.push_back(entry.path().string());
-    }
-    std::sort(dirs.begin(), dirs.end());
-    for (const std::string& dir : dirs) {
-      ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, LoadModel(dir));
+    ATTN_ASSIGN_OR_RETURN(const std::vector<std::string> names,
+                          ListFolders(root_));
+    for (const std::string& name : names) {
+      ATTN_ASSIGN_OR_RETURN(
+          std::shared_ptr<const Model> model,
+          LoadModel((fs::path(root_) / name).string(), max_model_mb_));
       (*loaded)[model->name] = std::move(model);
     }
   }
@@ -250,7 +291,8 @@ absl::Status ModelRepository::LoadOne(absl::string_view name) {
                                             root_));
   }
   MutexLock reload_lock(&reload_mu_);
-  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model, LoadModel(dir));
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> model,
+                        LoadModel(dir, max_model_mb_));
   auto updated = std::make_shared<ModelMap>(*Snapshot());
   (*updated)[model->name] = std::move(model);
   MutexLock lock(&mu_);
@@ -272,16 +314,10 @@ absl::Status ModelRepository::Unload(absl::string_view name) {
 }
 
 std::vector<std::string> ModelRepository::Folders() const {
-  std::vector<std::string> names;
-  if (root_.empty()) return names;
-  std::error_code error;
-  for (const auto& entry : fs::directory_iterator(root_, error)) {
-    if (entry.is_directory(error)) {
-      names.push_back(entry.path().filename().string());
-    }
-  }
-  std::sort(names.begin(), names.end());
-  return names;
+  if (root_.empty()) return {};
+  absl::StatusOr<std::vector<std::string>> names = ListFolders(root_);
+  if (!names.ok()) return {};
+  return *std::move(names);
 }
 
 std::shared_ptr<const ModelRepository::ModelMap> ModelRepository::Snapshot()

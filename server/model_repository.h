@@ -5,6 +5,12 @@
 // out_proj.weight, out_proj.bias, q_proj_weight, k_proj_weight,
 // v_proj_weight). Weights are validated and packed once, at load.
 //
+// Whoever can write into the repository must not be able to hang or exhaust
+// the server through it: both files are read as regular files only (a FIFO,
+// a directory or a device is refused before it is read), each at most
+// --max_model_mb, and a model folder or file may be a symlink only if it
+// resolves inside the repository (so that nothing outside it is served).
+//
 // Ownership: the repository owns the current set of models; callers hold a
 // model through a shared_ptr, so a reload never pulls weights from under a
 // request that started on them. Thread-safety: all methods may be called
@@ -13,6 +19,7 @@
 #define ATTNSERVE_SERVER_MODEL_REPOSITORY_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,9 +51,17 @@ inline constexpr size_t kMaxModelNameBytes = 255;
 // model, so NOT_FOUND would tell the caller to look elsewhere.
 absl::Status VerifyModelName(absl::string_view name, absl::string_view field);
 
-// Loads the model in `dir` (named after the folder). Errors name the file
-// and the problem.
-absl::StatusOr<std::shared_ptr<const Model>> LoadModel(const std::string& dir);
+// The default of --max_model_mb: the largest model file, MiB.
+inline constexpr int64_t kDefaultMaxModelMb = 4096;
+
+// Loads the model in `dir`, a folder REPOSITORY/NAME (the model is named
+// NAME). Errors name the file (or the folder) and the problem: NOT_FOUND
+// for a missing file; FAILED_PRECONDITION for a file that is not a regular
+// file, is larger than `max_model_mb` MiB, or resolves (through symlinks)
+// outside REPOSITORY, as for a folder that does; INVALID_ARGUMENT for
+// contents that are not a valid model.
+absl::StatusOr<std::shared_ptr<const Model>> LoadModel(
+    const std::string& dir, int64_t max_model_mb = kDefaultMaxModelMb);
 // LoadModel on the contents of `dir`'s two files, already in memory:
 // `config_text` (config.pbtxt) and `weights_bytes` (weights.safetensors).
 // `dir` names the model and, with the file names, the errors; nothing is
@@ -57,19 +72,23 @@ absl::StatusOr<std::shared_ptr<const Model>> ParseModel(
 
 class ModelRepository {
  public:
-  // `root` empty: no repository, no models.
-  explicit ModelRepository(std::string root);
+  // `root` empty: no repository, no models. `max_model_mb`
+  // (--max_model_mb): the largest model file loaded, MiB, at least 1.
+  explicit ModelRepository(std::string root,
+                           int64_t max_model_mb = kDefaultMaxModelMb);
 
   // Loads every model under the root and, only if all load, replaces the
   // served set with them; otherwise keeps the current set and returns the
-  // first error.
+  // first error (NOT_FOUND or FAILED_PRECONDITION when the root itself
+  // cannot be listed).
   absl::Status Reload() ABSL_LOCKS_EXCLUDED(reload_mu_, mu_);
 
   // Loads (or reloads) the one model `name` from its folder under the root
   // and serves it, the other models unchanged; if it does not load, the
-  // served set stays as it was and the error names the file at fault.
-  // INVALID_ARGUMENT for a name no folder can have, FAILED_PRECONDITION
-  // without a root, NOT_FOUND when the root has no such folder.
+  // served set stays as it was and the error names the file at fault (as
+  // LoadModel's). INVALID_ARGUMENT for a name no folder can have,
+  // FAILED_PRECONDITION without a root, NOT_FOUND when the root has no such
+  // folder.
   absl::Status LoadOne(absl::string_view name)
       ABSL_LOCKS_EXCLUDED(reload_mu_, mu_);
   // Stops serving `name` (calls already holding it finish on it); NOT_FOUND
@@ -92,6 +111,7 @@ class ModelRepository {
   std::shared_ptr<const ModelMap> Snapshot() const ABSL_LOCKS_EXCLUDED(mu_);
 
   const std::string root_;
+  const int64_t max_model_mb_;
   // One reload at a time; taken before mu_, which a reload holds only to
   // swap in the new set.
   Mutex reload_mu_ ABSL_ACQUIRED_BEFORE(mu_);

@@ -159,6 +159,11 @@ absl::Status VerifyLimits(const ServerOptions& options) {
         absl::StrCat("--coalesce_steps_us: ", options.coalesce_steps_us,
                      " is not in [0, 100000] (0: off)"));
   }
+  if (options.max_model_mb < 1 || options.max_model_mb > (int64_t{1} << 20)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_model_mb: ", options.max_model_mb,
+                     " is out of range, expected 1 to 2^20 (1 TiB)"));
+  }
   if (options.max_request_memory_mb <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_request_memory_mb: ", options.max_request_memory_mb,

@@ -113,6 +113,10 @@ struct ServerOptions {
   // Model repository folder: NAME/config.pbtxt and NAME/weights.safetensors
   // per model. Empty: no models (weights come with each request).
   std::string model_repository;
+  // Largest model file (config.pbtxt, weights.safetensors) loaded, MiB; a
+  // larger one is refused before it is read (1 to 2^20). The same value as
+  // kDefaultMaxModelMb (server/model_repository.h).
+  int64_t max_model_mb = 4096;
   // Compute threads shared by all calls (0: the cores this process may
   // use). A call alone uses all of them; n concurrent calls get about
   // threads / n each (see core/thread_budget.h).

@@ -191,7 +191,8 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
 absl::Status AttnServer::StartState(const ServerOptions& options) {
   if (!options.model_repository.empty()) {
     // A broken model stops start-up: better no server than a wrong one.
-    models_ = std::make_unique<ModelRepository>(options.model_repository);
+    models_ = std::make_unique<ModelRepository>(options.model_repository,
+                                                options.max_model_mb);
     ATTN_RETURN_IF_ERROR(models_->Reload());
   }
   const int threads = ThreadBudget::Global().total();

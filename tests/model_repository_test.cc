@@ -1,12 +1,19 @@
 // The model repository: loading (both weight namings), refusing broken
-// models with the file and the problem, atomic reloads, and the model RPCs;
-// the table of weight fields both namings and the wire go through.
+// models with the file and the problem, refusing model files that are no
+// regular files, too large or symlinked out of the repository, atomic
+// reloads, and the model RPCs; the table of weight fields both namings and
+// the wire go through.
 #include "server/model_repository.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <random>
 #include <string>
 #include <thread>
@@ -17,9 +24,12 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/attention_weights.h"
+#include "core/files.h"
 #include "core/safetensors.h"
 #include "google/protobuf/descriptor.h"
+#include "grpcpp/grpcpp.h"
 #include "gtest/gtest.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "proto/tensor_codec.h"
 #include "server/handlers.h"
 #include "tests/test_util.h"
@@ -345,6 +355,215 @@ TEST(ModelRepositoryTest, ListAndMetadataRpcs) {
   EXPECT_EQ(missing.code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(missing.message(),
             "model: 'beta' not found; loaded models: alpha, zeta");
+}
+
+// Model files that are not regular files, too large, or symlinked out of
+// the repository: refused at once with the file named, the served models
+// unchanged.
+
+// The model "m" (seed 1) in `repo`, loaded into `models`.
+void ServeModelM(const TempRepository& repo, ModelRepository& models) {
+  repo.Write("m", kConfig, StateDict(1));
+  ASSERT_TRUE(models.Reload().ok());
+}
+
+// Whether `models` still serves "m" as loaded by ServeModelM.
+void ExpectModelMServes(const ModelRepository& models) {
+  v1::MultiHeadAttendRequest request = QueryRequest(2);
+  request.set_model("m");
+  v1::MultiHeadAttendResponse response;
+  EXPECT_TRUE(HandleMultiHeadAttend(request, &models, &response).ok());
+  auto model = models.Find("m");
+  ASSERT_TRUE(model.ok());
+  EXPECT_EQ((*model)->layer->query_dim(), 16);
+}
+
+// models.LoadOne(name), failing the test (rather than hanging it) if it
+// takes more than 10 s; `fifo`, if given, is then opened for writing, which
+// releases a load blocked on opening it.
+absl::Status LoadOneInTime(ModelRepository& models, const std::string& name,
+                           const std::string& fifo = "") {
+  std::promise<absl::Status> done;
+  std::future<absl::Status> status = done.get_future();
+  std::thread load([&] { done.set_value(models.LoadOne(name)); });
+  if (status.wait_for(std::chrono::seconds(10)) != std::future_status::ready) {
+    ADD_FAILURE() << "LoadOne(" << name << ") blocked for 10 s";
+    // O_NONBLOCK: opens only if the load holds the read end, never waits.
+    const int writer =
+        fifo.empty() ? -1 : ::open(fifo.c_str(), O_WRONLY | O_NONBLOCK);
+    if (writer >= 0) ::close(writer);
+  }
+  load.join();
+  return status.get();
+}
+
+void ExpectRefused(const absl::Status& status, const std::string& message) {
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition) << status;
+  EXPECT_EQ(status.message(), message);
+}
+
+TEST(ModelRepositoryFilesTest,
+     WeightsSymlinkedToDevZeroAreRefusedBeforeAnyRead) {
+  TempRepository repo;
+  ModelRepository models(repo.root());
+  ServeModelM(repo, models);
+  const std::string weights = repo.root() + "/m/weights.safetensors";
+  fs::remove(weights);
+  fs::create_symlink("/dev/zero", weights);
+  const std::string refusal = weights + ": resolves to '/dev/zero', outside '" +
+                              fs::canonical(repo.root()).string() +
+                              "' (symlinks may lead only within it)";
+  ExpectRefused(LoadOneInTime(models, "m"), refusal);
+  ExpectRefused(models.Reload(), refusal);
+  ExpectModelMServes(models);
+}
+
+TEST(ModelRepositoryFilesTest, DevicesAreRefusedByKind) {
+  RegularFileLimits limits;
+  limits.max_bytes = 1 << 20;
+  limits.limit_name = "--max_model_mb=1";
+  ExpectRefused(ReadRegularFile("/dev/zero", limits).status(),
+                "/dev/zero: is a character device, not a regular file");
+  EXPECT_EQ(ReadRegularFile("/nonexistent/x", limits).status(),
+            absl::NotFoundError(
+                "/nonexistent/x: cannot open: No such file or directory"));
+}
+
+TEST(ModelRepositoryFilesTest, FifosAreRefusedAtOnce) {
+  for (const char* file : {"weights.safetensors", "config.pbtxt"}) {
+    TempRepository repo;
+    ModelRepository models(repo.root());
+    ServeModelM(repo, models);
+    const std::string path = repo.root() + "/m/" + file;
+    fs::remove(path);
+    ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0) << path;
+    const std::string refusal = path + ": is a FIFO, not a regular file";
+    ExpectRefused(LoadOneInTime(models, "m", path), refusal);
+    ExpectRefused(models.Reload(), refusal);
+    ExpectModelMServes(models);
+  }
+}
+
+TEST(ModelRepositoryFilesTest, DirectoriesAreRefusedNamingTheFile) {
+  for (const char* file : {"weights.safetensors", "config.pbtxt"}) {
+    TempRepository repo;
+    ModelRepository models(repo.root());
+    ServeModelM(repo, models);
+    const std::string path = repo.root() + "/m/" + file;
+    fs::remove(path);
+    fs::create_directory(path);
+    const std::string refusal = path + ": is a directory, not a regular file";
+    ExpectRefused(LoadOneInTime(models, "m"), refusal);
+    ExpectRefused(models.Reload(), refusal);
+    ExpectModelMServes(models);
+  }
+}
+
+// The refusal reaches a gRPC client as it is (an exception escaping the
+// read used to answer UNIMPLEMENTED with no message).
+TEST(ModelRepositoryFilesTest, RepositoryModelLoadAnswersTheRefusal) {
+  TempRepository repo;
+  repo.Write("m", kConfig, StateDict(1));
+  ServerOptions options;
+  options.model_repository = repo.root();
+  TestServer server(options);
+  const std::string weights = repo.root() + "/m/weights.safetensors";
+  fs::remove(weights);
+  fs::create_directory(weights);
+  auto triton = inference::GRPCInferenceService::NewStub(
+      grpc::CreateChannel(server.target(), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(30));
+  inference::RepositoryModelLoadRequest load;
+  load.set_model_name("m");
+  inference::RepositoryModelLoadResponse loaded;
+  const grpc::Status status =
+      triton->RepositoryModelLoad(&context, load, &loaded);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::FAILED_PRECONDITION);
+  EXPECT_EQ(status.error_message(),
+            weights + ": is a directory, not a regular file");
+  v1::MultiHeadAttendRequest request = QueryRequest(2);
+  request.set_model("m");
+  EXPECT_TRUE(server.MakeClient().MultiHeadAttend(request).ok());
+}
+
+TEST(ModelRepositoryFilesTest, FilesOverMaxModelMbAreRefusedNamingTheFlag) {
+  TempRepository repo;
+  ModelRepository models(repo.root(), /*max_model_mb=*/1);
+  ServeModelM(repo, models);
+  repo.Write("m", kConfig, StateDict(2, /*e=*/512));  // 4 MiB of weights
+  const std::string weights = repo.root() + "/m/weights.safetensors";
+  const std::string refusal =
+      absl::StrCat(weights, ": ", fs::file_size(weights),
+                   " bytes, more than the 1048576 bytes --max_model_mb=1 "
+                   "allows");
+  ExpectRefused(LoadOneInTime(models, "m"), refusal);
+  ExpectRefused(models.Reload(), refusal);
+  ExpectModelMServes(models);
+  ModelRepository larger(repo.root(), /*max_model_mb=*/5);
+  EXPECT_TRUE(larger.Reload().ok());
+}
+
+TEST(ModelRepositoryFilesTest, SymlinksMayLeadOnlyWithinTheRepository) {
+  TempRepository repo;
+  TempRepository outside;
+  outside.Write("elsewhere", kConfig, StateDict(3));
+  ModelRepository models(repo.root());
+  ServeModelM(repo, models);
+  // Within: a second name for a folder, and weights shared between models.
+  fs::create_directory_symlink("m", repo.root() + "/alias");
+  fs::create_directory(repo.root() + "/shared");
+  std::ofstream(repo.root() + "/shared/config.pbtxt") << kConfig;
+  fs::create_symlink("../m/weights.safetensors",
+                     repo.root() + "/shared/weights.safetensors");
+  ASSERT_TRUE(models.Reload().ok()) << models.Reload();
+  EXPECT_EQ(models.List().size(), 3u);
+  EXPECT_TRUE(models.Find("alias").ok());
+  EXPECT_TRUE(models.Find("shared").ok());
+
+  // Out: a folder symlinked to one outside, as a whole or file by file.
+  const std::string link = repo.root() + "/out";
+  fs::create_directory_symlink(outside.root() + "/elsewhere", link);
+  const std::string refusal =
+      link + ": resolves to '" +
+      fs::canonical(outside.root() + "/elsewhere").string() + "', outside '" +
+      fs::canonical(repo.root()).string() +
+      "' (symlinks may lead only within it)";
+  ExpectRefused(LoadOneInTime(models, "out"), refusal);
+  ExpectRefused(models.Reload(), refusal);
+  EXPECT_EQ(models.Find("out").status().code(), absl::StatusCode::kNotFound);
+  ExpectModelMServes(models);
+  fs::remove(link);
+  fs::create_directory(link);
+  fs::create_symlink(outside.root() + "/elsewhere/config.pbtxt",
+                     link + "/config.pbtxt");
+  fs::copy_file(outside.root() + "/elsewhere/weights.safetensors",
+                link + "/weights.safetensors");
+  const absl::Status file_out = LoadOneInTime(models, "out");
+  EXPECT_EQ(file_out.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(absl::StartsWith(file_out.message(),
+                               link + "/config.pbtxt: resolves to '"))
+      << file_out;
+  ExpectModelMServes(models);
+}
+
+TEST(ModelRepositoryFilesTest, UnreadableEntriesDoNotThrow) {
+  TempRepository repo;
+  ModelRepository models(repo.root());
+  ServeModelM(repo, models);
+  // A symlink loop is no folder: listed by nothing, loaded by nothing.
+  fs::create_directory_symlink("loop", repo.root() + "/loop");
+  EXPECT_TRUE(models.Reload().ok());
+  EXPECT_EQ(models.Folders(), std::vector<std::string>{"m"});
+  EXPECT_EQ(models.LoadOne("loop").code(), absl::StatusCode::kNotFound);
+  // ReadFileToString reads anything readable, and reports a directory.
+  const absl::Status directory =
+      ReadFileToString(repo.root(), "--auth_token_file").status();
+  EXPECT_EQ(directory.code(), absl::StatusCode::kDataLoss) << directory;
+  EXPECT_TRUE(absl::StartsWith(directory.message(), "--auth_token_file: "))
+      << directory;
+  ExpectModelMServes(models);
 }
 
 TEST(AttentionWeightsTableTest, CoversEveryTensorFieldOfTheProto) {
