@@ -369,7 +369,7 @@ bool ServeSessionSteps(const v1::SessionStepsRequest& request,
                        SessionStore* sessions,
                        const SharedMemoryRegistry* registry) {
   const int max_steps = FuzzServerOptions().max_steps_per_call;
-  const absl::Status count = VerifyStepCount(request, max_steps);
+  const absl::Status count = VerifyStepCount(request.steps_size(), max_steps);
   CheckStatus("SessionSteps", count);
   if (!count.ok()) return false;
   const SessionStepsHandler handle(request, sessions, max_steps);

@@ -32,11 +32,13 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
         return Bound(cost, std::move(handle));
       });
   AddCompute<v1::SessionStepsRequest, v1::SessionStepsResponse>(
-      [sessions = config.sessions, max_steps = config.max_steps_per_call](
+      [sessions = config.sessions, max_steps = config.max_steps_per_call,
+       limits =
+           StepLimits{config.max_tensor_elements, config.max_request_bytes}](
           const v1::SessionStepsRequest& request)
           -> absl::StatusOr<BoundCall<SessionStepsHandler>> {
-        ATTN_RETURN_IF_ERROR(VerifyStepCount(request, max_steps));
-        SessionStepsHandler handle(request, sessions, max_steps);
+        ATTN_RETURN_IF_ERROR(VerifyStepCount(request.steps_size(), max_steps));
+        SessionStepsHandler handle(request, sessions, max_steps, limits);
         const RequestCost cost = CostOf(request, handle.sessions());
         return Bound(cost, std::move(handle));
       });

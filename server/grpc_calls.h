@@ -132,10 +132,17 @@ class GrpcCalls {
   // Answers `call` with `status` (not OK) before it computes.
   grpc::ServerUnaryReactor* Refuse(const Call& call,
                                    const absl::Status& status) const;
-  // Authenticates, then parses `raw_request` into `request`.
+  // Authenticates, checks the limits VerifyBeforeParse checks, then
+  // parses `raw_request` into `request`.
   absl::Status Accept(const grpc::CallbackServerContext& context,
                       const grpc::ByteBuffer& raw_request,
                       google::protobuf::Message* request) const;
+  // The limits on a request's repeated fields, checked on its bytes before
+  // it is decoded (decoding is what costs memory): a SessionSteps call's
+  // steps (--max_steps_per_call).
+  absl::Status VerifyBeforeParse(
+      const grpc::ByteBuffer& raw_request,
+      const google::protobuf::Message& request) const;
 
   CallPipeline* const pipeline_;
 };

@@ -16,6 +16,7 @@
 #include "core/status_macros.h"
 #include "core/verify.h"
 #include "proto/tensor_codec.h"
+#include "server/request_cost.h"
 
 namespace attnserve {
 namespace {
@@ -479,29 +480,36 @@ absl::Status SessionStepHandler::Complete(const DecodedStep& step,
   return VerifySharedMemoryIntact(control);
 }
 
-absl::Status VerifyStepCount(const v1::SessionStepsRequest& request,
-                             int max_steps) {
-  if (request.steps_size() == 0) {
+absl::Status VerifyStepCount(int64_t steps, int max_steps) {
+  if (steps == 0) {
     return absl::InvalidArgumentError("steps: empty, expected at least one");
   }
-  if (request.steps_size() > max_steps) {
+  if (steps > max_steps) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "steps: ", request.steps_size(), " steps, more than the ", max_steps,
+        "steps: ", steps, " steps, more than the ", max_steps,
         " one call may carry (--max_steps_per_call); split the call"));
   }
   return absl::OkStatus();
 }
 
 SessionStepsHandler::SessionStepsHandler(const v1::SessionStepsRequest& request,
-                                         SessionStore* sessions, int max_steps)
+                                         SessionStore* sessions, int max_steps,
+                                         const StepLimits& limits)
     : sessions_(sessions), max_steps_(max_steps) {
-  if (sessions == nullptr || !VerifyStepCount(request, max_steps).ok()) {
+  if (sessions == nullptr ||
+      !VerifyStepCount(request.steps_size(), max_steps).ok()) {
     return;
   }
   found_.reserve(request.steps_size());
-  for (const v1::SessionStepRequest& step : request.steps()) {
-    auto session = sessions->Find(step.session_id());
+  refused_.resize(request.steps_size());
+  for (int i = 0; i < request.steps_size(); ++i) {
+    auto session = sessions->Find(request.steps(i).session_id());
     found_.push_back(session.ok() ? *std::move(session) : nullptr);
+    // A step over the limits fails alone, and costs the call nothing.
+    refused_[i] = VerifyWithinLimits(
+        CostOf(request.steps(i), found_[i].get()), limits.max_tensor_elements,
+        limits.max_request_bytes, absl::StrCat("steps[", i, "]"));
+    if (!refused_[i].ok()) found_[i] = nullptr;
   }
 }
 
@@ -534,7 +542,7 @@ absl::Status SessionStepsHandler::operator()(
     const v1::SessionStepsRequest& request, v1::SessionStepsResponse* response,
     const CallControl& control) const {
   if (sessions_ == nullptr) return NoSessions();
-  ATTN_RETURN_IF_ERROR(VerifyStepCount(request, max_steps_));
+  ATTN_RETURN_IF_ERROR(VerifyStepCount(request.steps_size(), max_steps_));
   const int count = request.steps_size();
   for (int i = 0; i < count; ++i) response->add_results();
   // Decoded steps point into themselves: a deque never moves them.
@@ -545,6 +553,9 @@ absl::Status SessionStepsHandler::operator()(
   for (int i = 0; i < count; ++i) {
     v1::SessionStepResult* result = response->mutable_results(i);
     absl::Status status = VerifyFirstStepOfSession(request, i, first_step);
+    if (status.ok() && i < static_cast<int>(refused_.size())) {
+      status = refused_[i];
+    }
     if (status.ok()) {
       status = decoded[i].Decode(request.steps(i), result->mutable_output(),
                                  control);

@@ -14,6 +14,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -156,20 +157,26 @@ class SessionStepHandler {
 inline constexpr int kDefaultMaxStepsPerCall = 256;
 
 // RESOURCE_EXHAUSTED past `max_steps`, INVALID_ARGUMENT for no steps.
-absl::Status VerifyStepCount(const v1::SessionStepsRequest& request,
-                             int max_steps);
+absl::Status VerifyStepCount(int64_t steps, int max_steps);
+
+// The limits one step of a SessionSteps call is held to on its own.
+struct StepLimits {
+  int64_t max_tensor_elements = std::numeric_limits<int64_t>::max();
+  int64_t max_request_bytes = std::numeric_limits<int64_t>::max();
+};
 
 // SessionSteps: the request's steps in one pass (SessionStore::StepMany),
 // one result per step in the request's order, each with its own status: a
-// step that fails (its session gone, its inputs wrong, its session named
-// by an earlier step) fails alone. The call itself fails only as a whole
-// (sessions off, too many steps, cancelled, shared memory gone). The
-// sessions are looked up when the call arrives, for its cost estimate.
-// Copyable.
+// step that fails (its session gone, its inputs wrong or over `limits`,
+// its session named by an earlier step) fails alone. The call itself fails
+// only as a whole (sessions off, too many steps, cancelled, shared memory
+// gone). The sessions are looked up and each step is held to `limits`
+// when the call arrives, for its cost estimate. Copyable.
 class SessionStepsHandler {
  public:
   SessionStepsHandler(const v1::SessionStepsRequest& request,
-                      SessionStore* sessions, int max_steps);
+                      SessionStore* sessions, int max_steps,
+                      const StepLimits& limits = {});
   // The sessions found, one per step (null: not found).
   const std::vector<std::shared_ptr<const DecodeSession>>& sessions() const {
     return found_;
@@ -181,7 +188,10 @@ class SessionStepsHandler {
  private:
   SessionStore* sessions_;
   int max_steps_;
+  // Null for a step not found or refused.
   std::vector<std::shared_ptr<const DecodeSession>> found_;
+  // Each step's refusal at arrival (OK: none).
+  std::vector<absl::Status> refused_;
 };
 
 // `models` may be null (no repository).

@@ -246,15 +246,16 @@ RequestCost CostOf(const v1::LayerNormRequest& r) {
 
 absl::Status VerifyWithinLimits(const RequestCost& cost,
                                 int64_t max_tensor_elements,
-                                int64_t max_request_bytes) {
+                                int64_t max_request_bytes,
+                                absl::string_view field) {
   if (cost.largest_tensor > max_tensor_elements) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "request: a tensor of ", cost.largest_tensor,
+        field, ": a tensor of ", cost.largest_tensor,
         " elements exceeds --max_tensor_elements ", max_tensor_elements));
   }
   if (cost.bytes > max_request_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "request: needs about ", cost.bytes >> 20,
+        field, ": needs about ", cost.bytes >> 20,
         " MiB for results and intermediates, above --max_request_memory_mb ",
         max_request_bytes >> 20));
   }

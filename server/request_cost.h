@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/decode_session.h"
@@ -75,10 +76,12 @@ RequestCost CostOf(
 
 // RESOURCE_EXHAUSTED when `cost` exceeds the server's limits on the
 // elements of one tensor or the bytes a call allocates; checked before
-// anything is decoded or allocated.
+// anything is decoded or allocated. The message names `field` (the
+// request, or one entry of it).
 absl::Status VerifyWithinLimits(const RequestCost& cost,
                                 int64_t max_tensor_elements,
-                                int64_t max_request_bytes);
+                                int64_t max_request_bytes,
+                                absl::string_view field = "request");
 
 // The server's compute rate, learned from the calls it served, to estimate
 // how long a call will take.

@@ -98,6 +98,13 @@ absl::StatusOr<SequenceId> IdOf(const InferParameter& parameter,
       id.number = static_cast<uint64_t>(parameter.int64_param());
       return id;
     case InferParameter::kStringParam:
+      // The table keeps ids of ended sequences too (until their sessions
+      // are gone): bounded in bytes as in count.
+      if (parameter.string_param().size() > kMaxSequenceIdBytes) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            Where(name), ": a string id of ", parameter.string_param().size(),
+            " bytes; a sequence id has at most ", kMaxSequenceIdBytes));
+      }
       id.is_string = true;
       id.text = parameter.string_param();
       return id;
@@ -417,10 +424,10 @@ SequenceTable::Lookup SequenceTable::LookUp(absl::string_view model,
   const auto it = sequences->second.find(id.Key());
   if (it == sequences->second.end()) return {};
   Lookup found{Lookup::kOpen, it->second.session_id};
-  if (it->second.session.expired()) {
-    found.state = Lookup::kGone;
-    sequences->second.erase(it);
-  }
+  // A sequence whose session is gone stays so until it starts again (or
+  // the table, full, sweeps it): every request naming it meanwhile gets
+  // the same answer, as a request that fails changes nothing.
+  if (it->second.session.expired()) found.state = Lookup::kGone;
   return found;
 }
 

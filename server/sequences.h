@@ -74,6 +74,9 @@
 
 namespace attnserve {
 
+// The longest string sequence id, in bytes (a UUID has 36).
+inline constexpr size_t kMaxSequenceIdBytes = 256;
+
 // A sequence id as the protocol sends it: a number or a string; 42 and
 // "42" are different sequences.
 struct SequenceId {
@@ -172,7 +175,8 @@ class SequenceTable {
     enum State { kNone, kOpen, kGone } state = kNone;
     std::string session_id;  // kOpen, kGone
   };
-  // Sequence `id` of `model`; an entry found gone is dropped.
+  // Sequence `id` of `model`; an entry found gone stays (kGone) until a
+  // start replaces it or a full table sweeps it.
   Lookup LookUp(absl::string_view model, const SequenceId& id)
       ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND naming parameter `name`: sequence `id`'s session is gone.

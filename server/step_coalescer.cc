@@ -55,8 +55,17 @@ void StepCoalescer::FailPending(const absl::Status& status) {
 
 void StepCoalescer::Run() {
   for (;;) {
-    std::vector<std::unique_ptr<Step>> batch = TakeBatch();
-    if (batch.empty()) return;
+    std::vector<std::unique_ptr<Step>> expired;
+    std::vector<std::unique_ptr<Step>> batch = TakeBatch(expired);
+    // Expired steps are answered before the pass, not after it.
+    for (auto& step : expired) {
+      step->Finish(step->Expired(), absl::Now(), absl::ZeroDuration());
+      step.reset();
+    }
+    if (batch.empty()) {
+      if (expired.empty()) return;
+      continue;
+    }
     RunPass(batch);
   }
 }
@@ -76,12 +85,24 @@ void StepCoalescer::WaitForCompany() {
   }
 }
 
-std::vector<std::unique_ptr<StepCoalescer::Step>> StepCoalescer::TakeBatch() {
+std::vector<std::unique_ptr<StepCoalescer::Step>> StepCoalescer::TakeBatch(
+    std::vector<std::unique_ptr<Step>>& expired) {
   MutexLock lock(&mu_);
   WaitForCompany();
   std::vector<std::unique_ptr<Step>> batch;
+  // Steps whose deadline passed (or whose client left) while they waited.
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    if ((*it)->Expired().ok()) {
+      ++it;
+      continue;
+    }
+    expired.push_back(std::move(*it));
+    it = pending_.erase(it);
+  }
   if (pending_.empty()) {
-    runner_ = false;
+    // The runner stays on while it has expired steps to answer: Run takes
+    // another batch after answering them.
+    runner_ = !expired.empty();
     return batch;
   }
   // A session's second step waits for the next pass: it must see the
@@ -114,7 +135,9 @@ void StepCoalescer::RunPass(std::vector<std::unique_ptr<Step>>& batch) {
   for (size_t i = 0; i < batch.size(); ++i) {
     absl::StatusOr<const SessionStore::StepInput*> input = batch[i]->Prepare();
     if (!input.ok()) {
-      statuses[i] = input.status();
+      // Answered now: the pass has nothing to give it.
+      batch[i]->Finish(input.status(), started, absl::ZeroDuration());
+      batch[i].reset();
       continue;
     }
     inputs.push_back(**input);
@@ -135,13 +158,9 @@ void StepCoalescer::RunPass(std::vector<std::unique_ptr<Step>>& batch) {
     for (size_t k = 0; k < index.size(); ++k) statuses[index[k]] = ran[k];
   }
   const absl::Duration compute = absl::Now() - started;
-  size_t k = 0;
-  for (size_t i = 0; i < batch.size(); ++i) {
-    const bool took_part = k < index.size() && index[k] == i;
-    k += took_part;
-    batch[i]->Finish(statuses[i], started,
-                     took_part ? compute : absl::ZeroDuration());
-    batch[i].reset();
+  for (size_t k = 0; k < index.size(); ++k) {
+    batch[index[k]]->Finish(statuses[index[k]], started, compute);
+    batch[index[k]].reset();
   }
   MutexLock lock(&mu_);
   last_size_ = batch.size();

@@ -59,6 +59,10 @@ class StepCoalescer {
     // which must stay valid until Finish. Not OK: the step is left out and
     // finishes with that status.
     virtual absl::StatusOr<const SessionStore::StepInput*> Prepare() = 0;
+    // Why the step can no longer run (cancelled, deadline passed), or OK;
+    // cheap, and safe to call under the coalescer's lock. Such steps are
+    // answered as soon as a pass is formed, not after it.
+    virtual absl::Status Expired() const = 0;
     // Called once: the step's status, when its pass started and how long it
     // computed (zero when the step was left out). The step is destroyed
     // right after.
@@ -96,7 +100,10 @@ class StepCoalescer {
   void Run() ABSL_LOCKS_EXCLUDED(mu_);
   // The next pass's steps, after the wait for company; empty (and the runner
   // done) when none are pending.
-  std::vector<std::unique_ptr<Step>> TakeBatch() ABSL_LOCKS_EXCLUDED(mu_);
+  // The next pass's steps; moves the pending steps that expired meanwhile
+  // into `expired`.
+  std::vector<std::unique_ptr<Step>> TakeBatch(
+      std::vector<std::unique_ptr<Step>>& expired) ABSL_LOCKS_EXCLUDED(mu_);
   void WaitForCompany() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPass(std::vector<std::unique_ptr<Step>>& batch)
       ABSL_LOCKS_EXCLUDED(mu_);

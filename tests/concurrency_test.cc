@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "attnserve/v1/attention.pb.h"
 #include "core/attention.h"
 #include "core/buffer_pool.h"
@@ -186,7 +187,10 @@ class OneTokenStep : public StepCoalescer::Step {
         done_(std::move(done)) {}
   const std::string& session_id() const override { return id_; }
   double flops() const override { return 1e3; }
+  absl::Status Expired() const override { return expired_; }
+  void set_expired(absl::Status status) { expired_ = std::move(status); }
   absl::StatusOr<const SessionStore::StepInput*> Prepare() override {
+    if (!expired_.ok()) return expired_;
     input_.id = id_;
     input_.inputs.query = q_.view();
     input_.inputs.key = k_.view();
@@ -202,6 +206,7 @@ class OneTokenStep : public StepCoalescer::Step {
   std::string id_;
   Tensor q_, k_, v_;
   std::function<void(const absl::Status&)> done_;
+  absl::Status expired_;
   SessionStore::StepInput input_;
   TensorResults results_;
 };
@@ -279,6 +284,51 @@ TEST(ConcurrencyTest, CoalescerWaitsForCompanyOnlyAsLongAsItsWait) {
   EXPECT_TRUE(lone_ok.load());
   EXPECT_FALSE(coalescer.active());
   EXPECT_EQ(runners.size(), 1u);
+}
+
+// Steps whose deadline passed while they waited are answered before the
+// pass runs, not after it: the late answers the coalescer once gave.
+TEST(ConcurrencyTest, CoalescerAnswersExpiredStepsBeforeThePass) {
+  SessionStore store(SessionStore::Options{});
+  DecodeSessionConfig config;
+  config.num_heads = 2;
+  config.key_dim = 8;
+  config.max_length = 16;
+  std::string ids[3];
+  for (std::string& id : ids) {
+    auto added = store.Add(*DecodeSession::Create(config));
+    ASSERT_TRUE(added.ok()) << added.status();
+    id = *added;
+  }
+  std::vector<std::function<void()>> runners;
+  StepCoalescer coalescer(
+      &store, &ThreadBudget::Global(), StepCoalescer::Options{},
+      [&](std::function<void()> runner) {
+        runners.push_back(std::move(runner));
+        return true;
+      },
+      [] { return absl::ResourceExhaustedError("busy"); });
+  std::mt19937 rng(6);
+  std::vector<std::string> order;
+  std::mutex order_mu;
+  const auto record = [&](std::string name) {
+    return [&, name](const absl::Status& status) {
+      std::lock_guard<std::mutex> lock(order_mu);
+      order.push_back(absl::StrCat(name, ":", static_cast<int>(status.code())));
+    };
+  };
+  coalescer.Add(std::make_unique<OneTokenStep>(ids[0], rng, record("a")));
+  auto late = std::make_unique<OneTokenStep>(ids[1], rng, record("late"));
+  late->set_expired(absl::DeadlineExceededError("deadline passed"));
+  coalescer.Add(std::move(late));
+  coalescer.Add(std::make_unique<OneTokenStep>(ids[2], rng, record("c")));
+  ASSERT_EQ(runners.size(), 1u);
+  runners[0]();
+  const std::string deadline =
+      absl::StrCat(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+  EXPECT_EQ(order, (std::vector<std::string>{absl::StrCat("late:", deadline),
+                                             "a:0", "c:0"}));
+  EXPECT_FALSE(coalescer.active());
 }
 
 TEST(ConcurrencyTest, MetricsRecordAndRenderConcurrently) {

@@ -29,6 +29,7 @@
 #include "inference/grpc_service.grpc.pb.h"
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
+#include "server/sequences.h"
 #include "tests/reference.h"
 #include "tests/test_util.h"
 
@@ -1552,8 +1553,84 @@ TEST_F(TritonProtocolTest, SequenceErrors) {
             grpc::StatusCode::INVALID_ARGUMENT);
 }
 
-// A sequence whose session the store evicted is gone, saying so, and is
-// forgotten: the next step must start it again.
+// A SessionSteps entry over the server's tensor limit fails alone, in its
+// result; the good entries around it step as usual.
+TEST_F(TritonProtocolTest, SessionStepsEntryOverTheLimitsFailsAlone) {
+  v1::CreateSessionRequest create;
+  create.set_num_heads(2);
+  create.set_num_kv_heads(1);
+  create.set_head_dim(8);
+  create.set_max_length(16);
+  std::string ids[3];
+  for (std::string& id : ids) {
+    v1::CreateSessionResponse created;
+    ASSERT_TRUE(native_->CreateSession(Context().get(), create, &created).ok());
+    id = created.session_id();
+  }
+  const auto step = [&](const std::string& id, int64_t n) {
+    v1::SessionStepRequest request;
+    request.set_session_id(id);
+    for (auto [tensor, heads] : {std::pair{request.mutable_query(), 2},
+                                 {request.mutable_key(), 1},
+                                 {request.mutable_value(), 1}}) {
+      tensor->set_dtype(v1::DATA_TYPE_FLOAT32);
+      for (int64_t d : {int64_t{1}, int64_t{heads}, n, int64_t{8}}) {
+        tensor->add_shape(d);
+      }
+      if (n == 1) tensor->set_raw_data(Bytes(RandomFloats(heads * 8, rng_)));
+    }
+    return request;
+  };
+  v1::SessionStepsRequest request;
+  *request.add_steps() = step(ids[0], 1);
+  *request.add_steps() = step(ids[1], int64_t{1} << 40);  // and no data
+  *request.add_steps() = step(ids[2], 1);
+  v1::SessionStepsResponse response;
+  const grpc::Status status =
+      native_->SessionSteps(Context().get(), request, &response);
+  ASSERT_TRUE(status.ok()) << status.error_message();
+  ASSERT_EQ(response.results_size(), 3);
+  EXPECT_EQ(response.results(0).code(), 0) << response.results(0).message();
+  EXPECT_EQ(response.results(0).length(), 1);
+  EXPECT_EQ(response.results(1).code(), grpc::StatusCode::RESOURCE_EXHAUSTED);
+  EXPECT_THAT(response.results(1).message(),
+              ::testing::StartsWith(
+                  "steps[1]: a tensor of 17592186044416 elements exceeds "
+                  "--max_tensor_elements "));
+  EXPECT_EQ(response.results(2).code(), 0) << response.results(2).message();
+}
+
+// String sequence ids are bounded in bytes, as the table of them is in
+// count: 1 MiB ids once held memory past their sequences' end.
+TEST_F(TritonProtocolTest, LongSequenceIdsAreRefused) {
+  const AttentionStep step = RandomStep(1, rng_);
+  ModelInferResponse response;
+  const std::string longest(kMaxSequenceIdBytes, 's');
+  EXPECT_TRUE(
+      triton_
+          ->ModelInfer(Context().get(),
+                       SequenceRequest(StringId(longest), true, true, step),
+                       &response)
+          .ok());
+  const grpc::Status status = triton_->ModelInfer(
+      Context().get(),
+      SequenceRequest(StringId(std::string(1 << 20, 's')), true, false, step),
+      &response);
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(status.error_message(),
+            "parameters: sequence_id: a string id of 1048576 bytes; a "
+            "sequence id has at most 256");
+  const grpc::Status fork = triton_->ModelInfer(
+      Context().get(),
+      ForkRequest(IntId(5), StringId(std::string(300, 'p')), step), &response);
+  EXPECT_EQ(fork.error_message(),
+            "parameters: sequence_fork: a string id of 300 bytes; a sequence "
+            "id has at most 256");
+}
+
+// A sequence whose session the store evicted is gone, saying so, to every
+// request naming it until a start begins it again (a request that fails
+// changes nothing).
 TEST(TritonSequenceTest, EvictedSequenceIsGone) {
   ServerOptions options;
   options.max_sessions = 1;
@@ -1587,10 +1664,14 @@ TEST(TritonSequenceTest, EvictedSequenceIsGone) {
                   "was evicted (least recently used) to make room for other "
                   "sessions); send its first request again with "
                   "sequence_start"));
-  status = triton->ModelInfer(Context().get(),
-                              SequenceRequest(IntId(1), false, false, step),
-                              &response);
-  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  const std::string gone = status.error_message();
+  for (int i = 0; i < 2; ++i) {
+    status = triton->ModelInfer(Context().get(),
+                                SequenceRequest(IntId(1), false, false, step),
+                                &response);
+    EXPECT_EQ(status.error_code(), grpc::StatusCode::NOT_FOUND);
+    EXPECT_EQ(status.error_message(), gone);
+  }
   // The other sequence goes on.
   EXPECT_TRUE(
       triton
@@ -1598,11 +1679,17 @@ TEST(TritonSequenceTest, EvictedSequenceIsGone) {
                        SequenceRequest(StringId("b"), false, true, step),
                        &response)
           .ok());
+  // A start begins it again.
+  EXPECT_TRUE(triton
+                  ->ModelInfer(Context().get(),
+                               SequenceRequest(IntId(1), true, false, step),
+                               &response)
+                  .ok());
 }
 
 // A fork of a sequence whose session the store evicted is NOT_FOUND,
-// saying so, over gRPC and HTTP; nothing is started, and the parent is
-// forgotten as a step on it would have it.
+// saying so, over gRPC and HTTP; nothing is started, and the parent stays
+// gone for every later request naming it.
 TEST(TritonSequenceTest, ForkOfAnEvictedSequenceIsGone) {
   ServerOptions options;
   options.max_sessions = 1;
@@ -1653,11 +1740,12 @@ TEST(TritonSequenceTest, ForkOfAnEvictedSequenceIsGone) {
   EXPECT_EQ(answer->status, 404);
   expect_gone(grpc::StatusCode::NOT_FOUND,
               json::parse(answer->body)["error"].get<std::string>(), "2");
-  // Forgotten, like a gone sequence a step finds: now not open at all.
-  EXPECT_EQ(infer(ForkRequest(IntId(3), IntId(1), step)).error_message(),
-            "sequence_fork: inference request for sequence 3 to model "
-            "'attention_session' forks sequence 1, which has not been started "
-            "or has ended; a fork continues an open sequence of its own model");
+  // Still gone: a failed fork used nothing up.
+  const grpc::Status again = infer(ForkRequest(IntId(3), IntId(1), step));
+  expect_gone(again.error_code(), again.error_message(), "1");
+  const grpc::Status step_on_parent =
+      infer(SequenceRequest(IntId(1), false, false, step));
+  EXPECT_EQ(step_on_parent.error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(infer(SequenceRequest(IntId(3), false, false, step)).error_code(),
             grpc::StatusCode::INVALID_ARGUMENT);
   EXPECT_TRUE(infer(SequenceRequest(StringId("b"), false, true, step)).ok());
