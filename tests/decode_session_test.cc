@@ -659,13 +659,15 @@ TEST(QuantizeInt8Test, SymmetricRoundToNearestAndNeverNaNFromFiniteRows) {
   EXPECT_TRUE(std::isnan(QuantizeInt8(bad, 2, bad_codes)));
 }
 
-// The stated accuracy of INT8 caches: for unit-variance (standard normal)
+// The stated accuracy of INT8 caches, for unit-variance (standard normal)
 // queries, keys and values, d64, 8 heads (and 8 over 2 key/value heads),
-// the output of a 2048-token prefill (tiled path, dequantized) and of the
-// one-token steps after it (split-KV path, int8 rows read directly) is
-// within 1e-2 relative (Frobenius norm of the error over the reference's)
-// of float64 attention over the unquantized history.
-TEST(Int8CacheAccuracyTest, RelativeErrorAgainstFloat64IsBelowOnePercent) {
+// against float64 attention over the unquantized history (relative error:
+// Frobenius norm of the error over the reference's): a 2048-token prefill
+// (tiled path, dequantized) within 1e-2; 200 one-token steps after it
+// (split-KV path, int8 rows read directly) within 1e-2 taken together and
+// within 2e-2 each (a single token's 512 outputs scatter: about 3% of
+// steps pass 1e-2).
+TEST(Int8CacheAccuracyTest, RelativeErrorAgainstFloat64) {
   for (int kv_heads : {8, 2}) {
     std::mt19937 rng(kv_heads);
     std::normal_distribution<float> normal(0.0f, 1.0f);
@@ -687,7 +689,10 @@ TEST(Int8CacheAccuracyTest, RelativeErrorAgainstFloat64IsBelowOnePercent) {
     RefTensor keys, values;
     int64_t first = 0;
     double worst = 0;
-    for (int64_t n : {2048, 1, 1, 1, 1, 4}) {
+    double steps_error = 0, steps_norm = 0;
+    std::vector<int64_t> lengths = {2048};
+    lengths.resize(201, 1);
+    for (int64_t n : lengths) {
       Tensor q = random({1, 8, n, 64});
       Tensor k = random({1, kv_heads, n, 64});
       Tensor v = random({1, kv_heads, n, 64});
@@ -712,14 +717,23 @@ TEST(Int8CacheAccuracyTest, RelativeErrorAgainstFloat64IsBelowOnePercent) {
         norm += ref.output.values[i] * ref.output.values[i];
       }
       const double relative = std::sqrt(error / norm);
-      worst = std::max(worst, relative);
-      EXPECT_LE(relative, 1e-2) << n << " tokens at " << first;
+      if (n == 1) {
+        worst = std::max(worst, relative);
+        steps_error += error;
+        steps_norm += norm;
+        EXPECT_LE(relative, 2e-2) << "one-token step at " << first;
+      } else {
+        EXPECT_LE(relative, 1e-2) << "prefill of " << n;
+      }
       first += n;
     }
+    const double steps = std::sqrt(steps_error / steps_norm);
+    EXPECT_LE(steps, 1e-2) << "200 one-token steps together";
     std::printf(
-        "int8 cache, 8 heads over %d, d64, 2053 tokens: relative "
-        "error vs float64 at most %.2e\n",
-        kv_heads, worst);
+        "int8 cache, 8 heads over %d, d64: 200 one-token steps after 2048 "
+        "tokens: relative error vs float64 %.2e together, at most %.2e in "
+        "one step\n",
+        kv_heads, steps, worst);
   }
 }
 
