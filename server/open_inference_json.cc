@@ -28,8 +28,10 @@ using ParameterMap = google::protobuf::Map<std::string, InferParameter>;
 // before parsing: the parser recurses once per level.
 constexpr int kMaxJsonDepth = 80;
 
-absl::Status VerifyDepth(absl::string_view text) {
-  int depth = 0;
+// Calls `visit(i)` for each byte text[i] outside JSON strings; `visit`
+// returns how many bytes after it to pass over (text.size() stops).
+template <typename Visit>
+void ForEachOutsideStrings(absl::string_view text, Visit visit) {
   bool in_string = false;
   for (size_t i = 0; i < text.size(); ++i) {
     const char c = text[i];
@@ -41,16 +43,24 @@ absl::Status VerifyDepth(absl::string_view text) {
       }
     } else if (c == '"') {
       in_string = true;
-    } else if (c == '[' || c == '{') {
-      if (++depth > kMaxJsonDepth) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
-      }
-    } else if (c == ']' || c == '}') {
-      --depth;
+    } else {
+      i += visit(i);
     }
   }
-  return absl::OkStatus();
+}
+
+absl::Status VerifyDepth(absl::string_view text) {
+  int depth = 0;
+  absl::Status status;
+  ForEachOutsideStrings(text, [&](size_t i) -> size_t {
+    const char c = text[i];
+    if (c == ']' || c == '}') --depth;
+    if ((c != '[' && c != '{') || ++depth <= kMaxJsonDepth) return 0;
+    status = absl::InvalidArgumentError(absl::StrCat(
+        "body: JSON nested deeper than ", kMaxJsonDepth, " levels"));
+    return text.size();
+  });
+  return status;
 }
 
 // Triton parses JSON with rapidjson's kParseNanAndInfFlag, so NaN, -NaN,
@@ -65,37 +75,19 @@ constexpr char kNonFiniteMark = '\x01';
 std::optional<std::string> MarkNonFinite(absl::string_view text) {
   std::optional<std::string> out;
   size_t copied = 0;  // text[0, copied) is in *out
-  bool in_string = false;
-  for (size_t i = 0; i < text.size(); ++i) {
-    const char c = text[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-      continue;
-    }
-    if (c == '"') {
-      in_string = true;
-      continue;
-    }
+  ForEachOutsideStrings(text, [&](size_t i) -> size_t {
     const absl::string_view rest = text.substr(i);
-    absl::string_view token;
-    for (absl::string_view candidate :
+    for (absl::string_view token :
          {"NaN", "-NaN", "-Infinity", "Infinity", "-Inf", "Inf"}) {
-      if (absl::StartsWith(rest, candidate)) {
-        token = candidate;
-        break;
-      }
+      if (!absl::StartsWith(rest, token)) continue;
+      if (!out.has_value()) out.emplace();
+      absl::StrAppend(&*out, text.substr(copied, i - copied), "\"\\u0001",
+                      token, "\"");
+      copied = i + token.size();
+      return token.size() - 1;
     }
-    if (token.empty()) continue;
-    if (!out.has_value()) out.emplace();
-    absl::StrAppend(&*out, text.substr(copied, i - copied), "\"\\u0001", token,
-                    "\"");
-    i += token.size() - 1;
-    copied = i + 1;
-  }
+    return 0;
+  });
   if (out.has_value()) absl::StrAppend(&*out, text.substr(copied));
   return out;
 }
