@@ -198,6 +198,11 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.batch, "batch"));
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.max_length, "max_length"));
   ATTN_RETURN_IF_ERROR(VerifyPositive(config.num_layers, "num_layers"));
+  if (config.num_layers > kMaxSessionLayers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_layers: ", config.num_layers, " is more than the ",
+                     kMaxSessionLayers, " layers a session may hold"));
+  }
   if (config.layer != nullptr) {
     const MultiHeadLayer& layer = *config.layer;
     ATTN_RETURN_IF_ERROR(VerifyModelLayer(layer));
@@ -209,6 +214,7 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
     rotary_ = layer.rotary();
     ATTN_ASSIGN_OR_RETURN(cache_dtype_,
                           CacheDTypeOf(config.cache_dtype, dtype_, dtype_));
+    model_bytes_ = ModelBytes(layer);
   } else {
     ATTN_RETURN_IF_ERROR(VerifyAttentionConfig(config));
     heads_ = config.num_heads;
@@ -244,7 +250,30 @@ absl::StatusOr<KvCache::Dims> DecodeSession::Configure(
   ATTN_RETURN_IF_ERROR(
       CheckedNumElements(reserved, dims.dtype, "max_length").status());
   ATTN_RETURN_IF_ERROR(KvCache::ReservedBytes(dims).status());
+  dims_ = dims;
   return dims;
+}
+
+size_t DecodeSession::ModelBytes(const MultiHeadLayer& layer) {
+  // Rows x (inputs + a bias) per projection.
+  const size_t in = static_cast<size_t>(layer.query_dim());
+  const size_t heads = static_cast<size_t>(layer.num_heads());
+  const size_t kv_heads = static_cast<size_t>(layer.num_kv_heads());
+  const size_t dk = static_cast<size_t>(layer.head_key_dim());
+  const size_t dv = static_cast<size_t>(layer.head_value_dim());
+  size_t elements = (heads * dk + kv_heads * (dk + dv)) * (in + 1);
+  // A layer given PyTorch's fused [3E, E] in_proj_weight keeps q, k and v
+  // packed twice (apart, and fused for self-attention calls). The layer
+  // does not tell which it was given: a shape that allows it counts both.
+  if (kv_heads == heads && dk == dv && heads * dk == in &&
+      layer.key_input_dim() == layer.query_dim() &&
+      layer.value_input_dim() == layer.query_dim()) {
+    elements *= 2;
+  }
+  if (layer.has_output_projection()) {
+    elements += static_cast<size_t>(layer.output_dim()) * (heads * dv + 1);
+  }
+  return elements * sizeof(float);
 }
 
 absl::StatusOr<KvCache::Dims> DecodeSession::CacheDims(
@@ -257,9 +286,10 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Create(
     const DecodeSessionConfig& config) {
   std::unique_ptr<DecodeSession> s(new DecodeSession());
   ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims, s->Configure(config));
+  ATTN_ASSIGN_OR_RETURN(SessionLayers layers, SessionLayers::Create(dims));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(dims));
   MutexLock lock(&s->mu_);
-  s->Adopt(std::move(cache));
+  s->Adopt(std::move(cache), std::move(layers));
   return s;
 }
 
@@ -268,14 +298,20 @@ size_t DecodeSession::reserved_bytes() const {
   return cache_->reserved_bytes();
 }
 
+size_t DecodeSession::OwnBytes(int64_t layer, int64_t first,
+                               int64_t tokens) const {
+  return cache_->BytesBetween(first,
+                              std::max(tokens, layers_.layer(layer).written));
+}
+
 size_t DecodeSession::BytesAt(int64_t tokens, int64_t layer) const {
   MutexLock lock(&mu_);
   size_t bytes = 0;
   for (int64_t l = 0; l < config_.num_layers; ++l) {
-    bytes += cache_->BytesBetween(
-        l, tables_[l].own_from,
-        l == layer ? std::clamp<int64_t>(tokens, 0, config_.max_length)
-                   : length(l));
+    bytes +=
+        OwnBytes(l, layers_.layer(l).own_from,
+                 l == layer ? std::clamp<int64_t>(tokens, 0, config_.max_length)
+                            : length(l));
   }
   return bytes;
 }
@@ -289,17 +325,16 @@ int64_t BlocksOf(int64_t tokens) {
 }  // namespace
 
 bool DecodeSession::OwnsBlock(int64_t layer, size_t block) const {
-  return tables_[layer].keys[block] == cache_->keys(layer);
+  return layers_.keys(layer)[block] == cache_->keys(layer);
 }
 
 void DecodeSession::PointBlock(int64_t layer, size_t block,
                                const KvCache& cache) {
-  BlockTable& table = tables_[layer];
-  table.keys[block] = cache.keys(layer);
-  table.values[block] = cache.values(layer);
+  layers_.keys(layer)[block] = cache.keys(layer);
+  layers_.values(layer)[block] = cache.values(layer);
   if (cache.quantized()) {
-    table.key_scales[block] = cache.key_scales(layer);
-    table.value_scales[block] = cache.value_scales(layer);
+    layers_.key_scales(layer)[block] = cache.key_scales(layer);
+    layers_.value_scales(layer)[block] = cache.value_scales(layer);
   }
 }
 
@@ -314,21 +349,20 @@ size_t DecodeSession::BytesAfter(const DecodeStepInputs& inputs,
   MutexLock lock(&mu_);
   size_t bytes = 0;
   for (int64_t l = 0; l < config_.num_layers; ++l) {
-    const BlockTable& table = tables_[l];
+    const SessionLayers::Layer& state = layers_.layer(l);
     if (l != layer) {
-      bytes += cache_->BytesBetween(l, table.own_from, length(l));
+      bytes += OwnBytes(l, state.own_from, length(l));
       continue;
     }
-    int64_t from = table.own_from;
-    const int64_t last =
-        std::min(BlocksOf(end), static_cast<int64_t>(table.keys.size()));
+    int64_t from = state.own_from;
+    const int64_t last = std::min(BlocksOf(end), state.blocks);
     for (int64_t i = start / kCacheBlockKeys; new_tokens > 0 && i < last; ++i) {
       if (!OwnsBlock(l, i)) {
         from = std::min(from, i * kCacheBlockKeys);  // copied by OwnBlocks
         break;
       }
     }
-    bytes += cache_->BytesBetween(l, from, end);
+    bytes += OwnBytes(l, from, end);
   }
   return bytes;
 }
@@ -358,7 +392,7 @@ bool DecodeSession::ReadsOwnCache(absl::Span<const int64_t> tokens) const {
   for (int64_t l = 0; l < config_.num_layers; ++l) {
     if (tokens[l] == 0) continue;
     const size_t blocks = static_cast<size_t>(BlocksOf(tokens[l]));
-    if (tables_[l].keys.size() < blocks) return true;
+    if (static_cast<size_t>(layers_.layer(l).blocks) < blocks) return true;
     for (size_t i = 0; i < blocks; ++i) {
       if (OwnsBlock(l, i)) return true;
     }
@@ -373,20 +407,13 @@ void DecodeSession::FreezeFor(absl::Span<const int64_t> lengths,
   for (int64_t l = 0; l < config_.num_layers; ++l) {
     // Every block up to the layer's length gets an entry: those past the
     // old table were in cache_, which stays where it is, frozen.
-    BlockTable& table = tables_[l];
-    const size_t blocks = static_cast<size_t>(BlocksOf(length(l)));
-    const size_t old = table.keys.size();
-    if (old < blocks) {
-      table.keys.resize(blocks);
-      table.values.resize(blocks);
-      if (cache_->quantized()) {
-        table.key_scales.resize(blocks);
-        table.value_scales.resize(blocks);
-      }
-      for (size_t i = old; i < blocks; ++i) PointBlock(l, i, *cache_);
-    }
-    bytes += cache_->BytesBetween(l, table.own_from, 0);
-    table.own_from = static_cast<int64_t>(blocks) * kCacheBlockKeys;
+    SessionLayers::Layer& state = layers_.layer(l);
+    const int64_t blocks = BlocksOf(length(l));
+    for (int64_t i = state.blocks; i < blocks; ++i) PointBlock(l, i, *cache_);
+    state.blocks = std::max(state.blocks, blocks);
+    bytes += OwnBytes(l, state.own_from, 0);
+    state.own_from = blocks * kCacheBlockKeys;
+    state.written = 0;  // of `fresh`, which holds nothing yet
   }
   frozen_.push_back({std::move(cache_), bytes});
   cache_ = std::move(fresh);
@@ -400,35 +427,29 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> DecodeSession::Fork(
   // Both new caches are reserved before anything changes.
   std::unique_ptr<DecodeSession> fork(new DecodeSession());
   ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims, fork->Configure(config_));
+  ATTN_ASSIGN_OR_RETURN(SessionLayers layers, SessionLayers::Create(dims));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<KvCache> cache, KvCache::Create(dims));
   std::unique_ptr<KvCache> fresh;
   if (ReadsOwnCache(shared)) {
     ATTN_ASSIGN_OR_RETURN(fresh, KvCache::Create(dims));
   }
   MutexLock fork_lock(&fork->mu_);
-  fork->Adopt(std::move(cache));
+  fork->Adopt(std::move(cache), std::move(layers));
   FreezeFor(shared, fresh);
   for (int64_t l = 0; l < config_.num_layers; ++l) {
-    const BlockTable& from = tables_[l];
-    BlockTable& to = fork->tables_[l];
-    const size_t blocks = static_cast<size_t>(BlocksOf(shared[l]));
-    to.keys.assign(from.keys.begin(), from.keys.begin() + blocks);
-    to.values.assign(from.values.begin(), from.values.begin() + blocks);
-    if (cache_->quantized()) {
-      to.key_scales.assign(from.key_scales.begin(),
-                           from.key_scales.begin() + blocks);
-      to.value_scales.assign(from.value_scales.begin(),
-                             from.value_scales.begin() + blocks);
-    }
-    to.own_from = static_cast<int64_t>(blocks) * kCacheBlockKeys;
-    fork->lengths_[l].store(shared[l], std::memory_order_release);
+    const int64_t blocks = BlocksOf(shared[l]);
+    fork->layers_.CopyTables(layers_, l, blocks);
+    SessionLayers::Layer& state = fork->layers_.layer(l);
+    state.blocks = blocks;
+    state.own_from = blocks * kCacheBlockKeys;
+    state.length.store(shared[l], std::memory_order_release);
   }
   // The frozen caches the fork reads, and only those.
   for (const FrozenCache& frozen : frozen_) {
     for (int64_t l = 0; l < config_.num_layers; ++l) {
-      const std::vector<const void*>& keys = fork->tables_[l].keys;
-      if (std::find(keys.begin(), keys.end(), frozen.cache->keys(l)) !=
-          keys.end()) {
+      const void** keys = fork->layers_.keys(l);
+      const void** end = keys + fork->layers_.layer(l).blocks;
+      if (std::find(keys, end, frozen.cache->keys(l)) != end) {
         fork->frozen_.push_back(frozen);
         break;
       }
@@ -457,34 +478,32 @@ std::vector<DecodeSession::SharedCache> DecodeSession::shared_caches() const {
 
 void DecodeSession::OwnBlocks(int64_t layer, int64_t first, int64_t end,
                               int64_t held) {
-  BlockTable& table = tables_[layer];
-  const int64_t last =
-      std::min(BlocksOf(end), static_cast<int64_t>(table.keys.size()));
+  SessionLayers::Layer& state = layers_.layer(layer);
+  const int64_t last = std::min(BlocksOf(end), state.blocks);
   for (int64_t i = first / kCacheBlockKeys; i < last; ++i) {
     if (OwnsBlock(layer, i)) continue;
     const int64_t from = i * kCacheBlockKeys;
-    cache_->CopyTokens(*SharedCacheAt(layer, i), layer, from,
-                       std::min(held, from + kCacheBlockKeys));
+    const int64_t copied = std::min(held, from + kCacheBlockKeys);
+    cache_->CopyTokens(*SharedCacheAt(layer, i), layer, from, copied);
+    state.written = std::max(state.written, copied);
     PointBlock(layer, i, *cache_);
-    table.own_from = std::min(table.own_from, from);
+    state.own_from = std::min(state.own_from, from);
   }
 }
 
 const KvCache* DecodeSession::SharedCacheAt(int64_t layer, size_t block) const {
   for (const FrozenCache& frozen : frozen_) {
-    if (frozen.cache->keys(layer) == tables_[layer].keys[block]) {
+    if (frozen.cache->keys(layer) == layers_.keys(layer)[block]) {
       return frozen.cache.get();
     }
   }
   return nullptr;  // unreachable: a block not owned is in a frozen cache
 }
 
-void DecodeSession::Adopt(std::unique_ptr<KvCache> cache) {
-  const int64_t layers = cache->dims().layers;
+void DecodeSession::Adopt(std::unique_ptr<KvCache> cache,
+                          SessionLayers layers) {
   cache_ = std::move(cache);
-  tables_.assign(layers, BlockTable{});
-  lengths_.reset(new std::atomic<int64_t>[layers]);
-  for (int64_t l = 0; l < layers; ++l) lengths_[l].store(0);
+  layers_ = std::move(layers);
 }
 
 double DecodeSession::StepFlops(int64_t new_tokens, int64_t layer) const {
@@ -681,9 +700,12 @@ absl::Status DecodeSession::Finish(PendingStep& step, absl::Status status) {
   }
   step.output->Finish();
   const int64_t end = step.start + step.n;
-  if (end < step.held) cache_->Truncate(step.layer, end);
-  cache_->Wrote(step.layer, end);
-  lengths_[step.layer].store(end, std::memory_order_release);
+  SessionLayers::Layer& state = layers_.layer(step.layer);
+  if (end < step.held) {
+    state.written = cache_->Truncate(step.layer, state.written, end);
+  }
+  state.written = std::max(state.written, end);
+  state.length.store(end, std::memory_order_release);
   return absl::OkStatus();
 }
 
@@ -922,16 +944,16 @@ void DecodeSession::SetProblem(const void* query,
   p.key_layout = cache_->key_layout();
   p.value = cache_->values(step.layer);
   p.value_layout = cache_->value_layout();
-  const BlockTable& table = tables_[step.layer];
-  p.key_blocks = table.keys;
-  p.value_blocks = table.values;
+  const size_t blocks = static_cast<size_t>(layers_.layer(step.layer).blocks);
+  p.key_blocks = {layers_.keys(step.layer), blocks};
+  p.value_blocks = {layers_.values(step.layer), blocks};
   if (cache_->quantized()) {
     p.int8_kv = true;
     p.key_scales = cache_->key_scales(step.layer);
     p.value_scales = cache_->value_scales(step.layer);
     p.scale_layout = cache_->scale_layout();
-    p.key_scale_blocks = table.key_scales;
-    p.value_scale_blocks = table.value_scales;
+    p.key_scale_blocks = {layers_.key_scales(step.layer), blocks};
+    p.value_scale_blocks = {layers_.value_scales(step.layer), blocks};
   }
   p.output = output;
   p.output_dtype = output_dtype;

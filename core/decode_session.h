@@ -23,8 +23,13 @@
 // that block's earlier tokens into the writer's own cache first, so that
 // sharers never see each other's writes.
 //
-// Ownership: owns its cache; shares frozen caches with the sessions forked
-// from and of it; a model session shares its layer. Thread-safety: Step,
+// Memory: the cache (KvCache), and the per-layer bookkeeping
+// (SessionLayers: lengths and block tables), whose size follows from the
+// config alone (BookkeepingBytes) and is fixed at Create.
+//
+// Ownership: owns its cache and bookkeeping; shares frozen caches with the
+// sessions forked from and of it; a model session shares its layer (and so
+// keeps that model's weights alive). Thread-safety: Step,
 // Fork and the accessors may be called from any thread; steps and forks on
 // one session run one at a time, in the order they take its lock.
 #ifndef ATTNSERVE_CORE_DECODE_SESSION_H_
@@ -72,7 +77,8 @@ struct DecodeSessionConfig {
   int64_t max_length = 0;
   // Layers of a model whose caches the session holds, each with its own
   // length: a token is stepped layer by layer (DecodeStepInputs.layer).
-  // Model sessions run every layer with the one `layer` above.
+  // Model sessions run every layer with the one `layer` above. At most
+  // kMaxSessionLayers.
   int64_t num_layers = 1;
   // The scale of steps that give none (a model's default_scale); unset:
   // 1/sqrt(dk).
@@ -115,6 +121,11 @@ struct DecodeStepOptions {
 
 class DecodeSession;
 
+// The most layers one session holds: eight times the deepest models' (126),
+// so that a session's per-layer bookkeeping and the work a step does per
+// layer stay bounded whatever a request asks.
+inline constexpr int64_t kMaxSessionLayers = 1024;
+
 // One entry of a batched step (StepSessions).
 struct SessionStepInput {
   DecodeSession* session = nullptr;  // not owned
@@ -147,6 +158,16 @@ class DecodeSession {
   // but for the reservation itself.
   static absl::StatusOr<KvCache::Dims> CacheDims(
       const DecodeSessionConfig& config);
+  // The per-layer bookkeeping a session of cache `dims` holds
+  // (SessionLayers::BytesFor), allocated by Create beside the cache.
+  static size_t BookkeepingBytes(const KvCache::Dims& dims) {
+    return SessionLayers::BytesFor(dims);
+  }
+  // The memory a model layer's weights take once packed: every
+  // projection's weight and bias elements at 4 bytes (float32, an upper
+  // bound of the packed size), q, k and v twice when the layer may have
+  // been given a fused in_proj_weight (it then keeps both packings).
+  static size_t ModelBytes(const MultiHeadLayer& layer);
 
   // Result "output": [B, H, n, dv] in the query's dtype (attention
   // sessions) or [B, n, Eo] in the input's dtype (model sessions), without
@@ -197,9 +218,16 @@ class DecodeSession {
   // Tokens cached per sequence in `layer` (0 outside [0, num_layers)).
   int64_t length(int64_t layer = 0) const {
     return layer >= 0 && layer < config_.num_layers
-               ? lengths_[layer].load(std::memory_order_acquire)
+               ? layers_.layer(layer).length.load(std::memory_order_acquire)
                : 0;
   }
+  // The dims of its cache (CacheDims of its config).
+  const KvCache::Dims& cache_dims() const { return dims_; }
+  // Its per-layer bookkeeping (BookkeepingBytes of cache_dims()), fixed;
+  // counted by none of the byte counts below.
+  size_t bookkeeping_bytes() const { return layers_.bytes(); }
+  // A model session's ModelBytes of its layer; 0 for attention sessions.
+  size_t model_bytes() const { return model_bytes_; }
   // The address space the cache reserves (its whole max_length, every
   // layer), of which it commits what its tokens fill. A forked session's:
   // its own cache's, not counting shared_caches().
@@ -274,10 +302,13 @@ class DecodeSession {
   bool ReadsOwnCache(absl::Span<const int64_t> tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Whether `layer`'s block `block` of the table is in cache_; points it
-  // at `cache`'s.
+  // at `cache`'s; the bytes the own cache commits in `layer` when it holds
+  // `tokens` (and the pages a rewind kept).
   bool OwnsBlock(int64_t layer, size_t block) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void PointBlock(int64_t layer, size_t block, const KvCache& cache)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  size_t OwnBytes(int64_t layer, int64_t first, int64_t tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The frozen cache `layer`'s block `block` is read from.
   const KvCache* SharedCacheAt(int64_t layer, size_t block) const
@@ -286,8 +317,9 @@ class DecodeSession {
   absl::Status VerifyForkLength(int64_t length) const;
   // Per layer, the tokens a fork at `length` shares (unset: all).
   std::vector<int64_t> ForkLengths(std::optional<int64_t> length) const;
-  // Takes `cache` as cache_, with empty tables and lengths 0.
-  void Adopt(std::unique_ptr<KvCache> cache) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `cache` as cache_ and `layers` (empty tables, lengths 0).
+  void Adopt(std::unique_ptr<KvCache> cache, SessionLayers layers)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The problem of `n` queries at positions first .. first + n - 1 (layout
   // `query_layout` at `query`) over the cache's first `first + n` tokens,
   // writing [B, H, n, dv] at `output` by `output_layout`.
@@ -306,33 +338,26 @@ class DecodeSession {
   DType dtype_ = DType::kFloat32;
   DType cache_dtype_ = DType::kFloat32;
   RotaryOptions rotary_;
+  KvCache::Dims dims_;
+  size_t model_bytes_ = 0;
   // Serializes steps: a step writes the cache past its length, then moves
   // the length.
   mutable Mutex mu_;
   // Set by Create, replaced by a fork that freezes it; its dims never
   // change, its contents are written under mu_.
   std::unique_ptr<KvCache> cache_ ABSL_GUARDED_BY(mu_);
-  // A forked session's frozen caches, and, per layer, where each block of
-  // kCacheBlockKeys tokens is read: in a frozen cache or in cache_ (the
-  // keys', values' and an INT8 cache's scales' bases). Blocks past a
-  // layer's table are in cache_; no table: every block is.
+  // A forked session's frozen caches.
   struct FrozenCache {
     std::shared_ptr<const KvCache> cache;
     size_t bytes = 0;  // what it commits, fixed once frozen
   };
   std::vector<FrozenCache> frozen_ ABSL_GUARDED_BY(mu_);
-  struct BlockTable {
-    std::vector<const void*> keys;
-    std::vector<const void*> values;
-    std::vector<const float*> key_scales;  // INT8 caches only
-    std::vector<const float*> value_scales;
-    // The first token cache_ may hold in this layer: it has written none
-    // below.
-    int64_t own_from = 0;
-  };
-  std::vector<BlockTable> tables_ ABSL_GUARDED_BY(mu_);
-  // Each layer's length, readable without the lock.
-  std::unique_ptr<std::atomic<int64_t>[]> lengths_;
+  // Per layer, its length (readable without the lock), and where each
+  // block of kCacheBlockKeys tokens is read: in a frozen cache or in
+  // cache_. Blocks past a layer's table are in cache_; no table: every
+  // block is. Set by Create (or Fork) before the session is shared; its
+  // contents but the lengths are read and written under mu_.
+  SessionLayers layers_;
 };
 
 }  // namespace attnserve

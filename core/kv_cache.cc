@@ -7,6 +7,9 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <new>
+#include <type_traits>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
@@ -98,7 +101,6 @@ size_t KvCache::reserved_bytes() const {
 absl::StatusOr<std::unique_ptr<KvCache>> KvCache::Create(const Dims& dims) {
   std::unique_ptr<KvCache> cache(new KvCache());
   cache->dims_ = dims;
-  cache->written_.assign(dims.layers, 0);
   // One mapping for every region: a process may hold at most
   // vm.max_map_count (65530 by default) mappings, malloc's included, and
   // the sessions and the caches forks share must stay well inside that.
@@ -125,8 +127,7 @@ KvCache::~KvCache() {
   if (mapping_ != nullptr) munmap(mapping_, mapping_bytes_);
 }
 
-size_t KvCache::BytesFor(int64_t layer, int64_t tokens) const {
-  tokens = std::max(tokens, written_[layer]);
+size_t KvCache::BytesFor(int64_t tokens) const {
   size_t per_plane = 0;
   for (int region = 0; region < kRegions; ++region) {
     const RegionShape shape = ShapeOf(dims_, region);
@@ -136,9 +137,7 @@ size_t KvCache::BytesFor(int64_t layer, int64_t tokens) const {
   return per_plane * layer_planes();
 }
 
-size_t KvCache::BytesBetween(int64_t layer, int64_t first,
-                             int64_t tokens) const {
-  tokens = std::max(tokens, written_[layer]);
+size_t KvCache::BytesBetween(int64_t first, int64_t tokens) const {
   if (tokens <= first) return 0;
   const size_t page = PageSize();
   size_t per_plane = 0;
@@ -166,14 +165,13 @@ void KvCache::CopyTokens(const KvCache& from, int64_t layer, int64_t first,
       }
     }
   }
-  Wrote(layer, end);
 }
 
-void KvCache::Truncate(int64_t layer, int64_t new_length) {
+int64_t KvCache::Truncate(int64_t layer, int64_t written, int64_t new_length) {
   const size_t elem = DTypeSize(dims_.dtype);
-  const size_t dropped = static_cast<size_t>(written_[layer] - new_length) *
+  const size_t dropped = static_cast<size_t>(written - new_length) *
                          std::max(dims_.key_dim, dims_.value_dim) * elem;
-  if (dropped < kReleaseBytes) return;
+  if (dropped < kReleaseBytes) return written;
   for (int region = 0; region < kRegions; ++region) {
     const RegionShape shape = ShapeOf(dims_, region);
     const size_t keep = RoundUpToPage(
@@ -186,7 +184,7 @@ void KvCache::Truncate(int64_t layer, int64_t new_length) {
               MADV_DONTNEED);
     }
   }
-  written_[layer] = new_length;
+  return new_length;
 }
 
 OperandLayout KvCache::key_layout() const {
@@ -231,6 +229,94 @@ float* KvCache::key_scale(int64_t layer, int64_t b, int64_t h, int64_t token) {
 float* KvCache::value_scale(int64_t layer, int64_t b, int64_t h,
                             int64_t token) {
   return static_cast<float*>(At(kValueScales, layer, b, h, token));
+}
+
+namespace {
+
+// Pointer tables of a layer: keys and values, and an INT8 cache's scales.
+int TablesOf(const KvCache::Dims& dims) {
+  return dims.dtype == DType::kInt8 ? 4 : 2;
+}
+
+int64_t CapacityOf(const KvCache::Dims& dims) {
+  return (dims.max_length + kCacheBlockKeys - 1) / kCacheBlockKeys;
+}
+
+}  // namespace
+
+size_t SessionLayers::LayerBytes(const KvCache::Dims& dims) {
+  return sizeof(Layer) + static_cast<size_t>(TablesOf(dims)) * sizeof(void*) *
+                             static_cast<size_t>(CapacityOf(dims));
+}
+
+size_t SessionLayers::BytesFor(const KvCache::Dims& dims) {
+  const size_t bytes = static_cast<size_t>(dims.layers) * LayerBytes(dims);
+  return bytes >= PageSize() ? RoundUpToPage(bytes) : bytes;
+}
+
+absl::StatusOr<SessionLayers> SessionLayers::Create(const KvCache::Dims& dims) {
+  SessionLayers layers;
+  layers.layers_ = dims.layers;
+  layers.capacity_ = CapacityOf(dims);
+  layers.tables_ = TablesOf(dims);
+  layers.bytes_ = BytesFor(dims);
+  layers.mapped_ = layers.bytes_ >= PageSize();
+  if (layers.mapped_) {
+    // Zero pages until written: the tables commit what forks fill.
+    ATTN_ASSIGN_OR_RETURN(void* p, Reserve(layers.bytes_, "per-layer tables"));
+    layers.base_ = static_cast<std::byte*>(p);
+  } else {
+    layers.base_ = new (std::nothrow) std::byte[layers.bytes_]();
+    if (layers.base_ == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("session cache: cannot allocate ", layers.bytes_,
+                       " bytes for per-layer tables"));
+    }
+  }
+  for (int64_t l = 0; l < layers.layers_; ++l) {
+    new (&layers.layer(l)) Layer();
+  }
+  return layers;
+}
+
+SessionLayers& SessionLayers::operator=(SessionLayers&& other) noexcept {
+  if (this == &other) return *this;
+  Free();
+  base_ = std::exchange(other.base_, nullptr);
+  bytes_ = std::exchange(other.bytes_, 0);
+  mapped_ = std::exchange(other.mapped_, false);
+  layers_ = std::exchange(other.layers_, 0);
+  capacity_ = std::exchange(other.capacity_, 0);
+  tables_ = std::exchange(other.tables_, 0);
+  return *this;
+}
+
+void SessionLayers::Free() {
+  if (base_ == nullptr) return;
+  static_assert(std::is_trivially_destructible_v<Layer>);
+  if (mapped_) {
+    munmap(base_, bytes_);
+  } else {
+    delete[] base_;
+  }
+  base_ = nullptr;
+}
+
+void SessionLayers::CopyTables(const SessionLayers& from, int64_t l,
+                               int64_t blocks) {
+  // Bytes: a table holds pointers of its own type (void or float).
+  for (int table = 0; table < tables_; ++table) {
+    std::memcpy(Table(table, l), from.Table(table, l),
+                static_cast<size_t>(blocks) * sizeof(void*));
+  }
+}
+
+const void** SessionLayers::Table(int table, int64_t l) const {
+  if (table >= tables_) return nullptr;
+  // The records, then table by table, layer by layer.
+  const void** tables = reinterpret_cast<const void**>(
+      base_ + static_cast<size_t>(layers_) * sizeof(Layer));
+  return tables + (static_cast<size_t>(table) * layers_ + l) * capacity_;
 }
 
 float QuantizeInt8(const float* x, int64_t n, int8_t* codes) {

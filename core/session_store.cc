@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -70,6 +72,8 @@ void SessionStore::ReaperLoop() {
       if (stopping_) return;
     }
     ExpireIdle(absl::Now());
+    // A reload may have replaced models that sessions hold.
+    RecountModels();
   }
 }
 
@@ -88,21 +92,94 @@ absl::Status SessionStore::VerifyReservation(size_t bytes) const {
                    " bytes one session may hold"));
 }
 
+namespace {
+
+// What a limit of one session is, for messages: the budget's flag, or the
+// address space.
+std::string SessionLimit(size_t limit, size_t max_bytes) {
+  if (limit != max_bytes) {
+    return absl::StrCat("the ", limit,
+                        " bytes of address space one session may reserve");
+  }
+  constexpr size_t kMiB = size_t{1} << 20;
+  if (limit % kMiB == 0) {
+    return absl::StrCat("--max_session_memory_mb ", limit / kMiB,
+                        " allows one session");
+  }
+  return absl::StrCat("the session memory limit of ", limit,
+                      " bytes (--max_session_memory_mb) allows one session");
+}
+
+// A session's cache reservation and bookkeeping together.
+size_t SessionBytes(const KvCache::Dims& dims) {
+  const absl::StatusOr<size_t> reserved = KvCache::ReservedBytes(dims);
+  if (!reserved.ok()) return std::numeric_limits<size_t>::max();
+  return *reserved + DecodeSession::BookkeepingBytes(dims);
+}
+
+}  // namespace
+
+absl::Status SessionStore::VerifyFits(const KvCache::Dims& dims) const {
+  ATTN_ASSIGN_OR_RETURN(const size_t reserved, KvCache::ReservedBytes(dims));
+  ATTN_RETURN_IF_ERROR(VerifyReservation(reserved));
+  const size_t limit = max_session_bytes();
+  const size_t bookkeeping = DecodeSession::BookkeepingBytes(dims);
+  if (limit == 0 || reserved + bookkeeping <= limit) return absl::OkStatus();
+  if (dims.layers == 1) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "max_length: its cache reserves ", reserved, " bytes and its ",
+        "bookkeeping (lengths and block tables) ", bookkeeping, ", ",
+        reserved + bookkeeping, " in all, more than ",
+        SessionLimit(limit, options_.max_bytes)));
+  }
+  // The most layers that fit: fewer layers need less of both.
+  int64_t fits = 0, too_many = dims.layers;
+  while (too_many - fits > 1) {
+    KvCache::Dims fewer = dims;
+    fewer.layers = fits + (too_many - fits) / 2;
+    (SessionBytes(fewer) <= limit ? fits : too_many) = fewer.layers;
+  }
+  return absl::ResourceExhaustedError(
+      absl::StrCat("num_layers: ", dims.layers, " layers reserve ", reserved,
+                   " bytes of cache and ", bookkeeping,
+                   " of bookkeeping (lengths and block tables, ",
+                   SessionLayers::LayerBytes(dims), " bytes a layer), ",
+                   reserved + bookkeeping, " in all, more than ",
+                   SessionLimit(limit, options_.max_bytes), "; ",
+                   fits > 0 ? absl::StrCat("at most ", fits, " layers fit")
+                            : std::string("not one layer fits")));
+}
+
+absl::Status SessionStore::VerifyConfig(
+    const DecodeSessionConfig& config) const {
+  ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims,
+                        DecodeSession::CacheDims(config));
+  return VerifyFits(dims);
+}
+
 absl::StatusOr<std::string> SessionStore::Add(
     std::unique_ptr<DecodeSession> session) {
+  ATTN_RETURN_IF_ERROR(VerifyFits(session->cache_dims()));
   const size_t reserved = session->reserved_bytes();
-  ATTN_RETURN_IF_ERROR(VerifyReservation(reserved));
+  const size_t bookkeeping = session->bookkeeping_bytes();
+  const size_t bytes = session->cache_bytes();
   auto slot = std::make_shared<Slot>();
   slot->session = std::move(session);
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
-  while (options_.max_sessions > 0 &&
-         static_cast<int64_t>(sessions_.size()) >= options_.max_sessions &&
-         !lru_.empty()) {
-    Remove(lru_.back(), GoneReason::kEvicted, freed);
-  }
-  while (options_.max_reserved_bytes > 0 &&
-         reserved_ + reserved > options_.max_reserved_bytes && !lru_.empty()) {
+  // Held first, so that evicting its other holders keeps it.
+  HoldModel(*slot->session);
+  CountSupersededModels();
+  const auto no_room = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return (options_.max_sessions > 0 &&
+            static_cast<int64_t>(sessions_.size()) >= options_.max_sessions) ||
+           (options_.max_reserved_bytes > 0 &&
+            reserved_space() + reserved + bookkeeping >
+                options_.max_reserved_bytes) ||
+           (options_.max_bytes > 0 &&
+            budget_bytes() + bookkeeping + bytes > options_.max_bytes);
+  };
+  while (no_room() && !lru_.empty()) {
     Remove(lru_.back(), GoneReason::kEvicted, freed);
   }
   return Open(std::move(slot), reserved);
@@ -114,14 +191,63 @@ std::string SessionStore::Open(std::shared_ptr<Slot> slot, size_t reserved) {
     id = absl::StrFormat("%016x%016x", id_bits_(), id_bits_());
   } while (sessions_.contains(id) || gone_.contains(id));
   lru_.push_front(id);
+  const DecodeSession& session = *slot->session;
   Entry& entry = sessions_[id];
-  entry.slot = std::move(slot);
   entry.last_used = absl::Now();
   entry.lru = lru_.begin();
   entry.reserved_bytes = reserved;
   reserved_ += reserved;
+  entry.bookkeeping = session.bookkeeping_bytes();
+  bookkeeping_ += entry.bookkeeping;
+  entry.accounted_bytes = session.cache_bytes();
+  bytes_ += entry.accounted_bytes;
+  entry.model = session.config().layer.get();
+  entry.slot = std::move(slot);
   ++counts_.created;
   return id;
+}
+
+void SessionStore::HoldModel(const DecodeSession& session) {
+  const MultiHeadLayer* layer = session.config().layer.get();
+  if (layer == nullptr) return;
+  HeldModel& model = models_[layer];
+  if (model.holders++ == 0) model.bytes = session.model_bytes();
+}
+
+void SessionStore::ReleaseModel(const MultiHeadLayer* layer) {
+  if (layer == nullptr) return;
+  const auto it = models_.find(layer);
+  if (--it->second.holders > 0) return;
+  if (it->second.superseded) superseded_ -= it->second.bytes;
+  models_.erase(it);
+}
+
+bool SessionStore::CountSupersededModels() {
+  if (!options_.model_served) return false;
+  const size_t before = superseded_;
+  for (auto& [layer, model] : models_) {
+    const bool superseded = !options_.model_served(*layer);
+    if (superseded == model.superseded) continue;
+    model.superseded = superseded;
+    if (superseded) {
+      superseded_ += model.bytes;
+    } else {
+      superseded_ -= model.bytes;
+    }
+  }
+  return superseded_ > before;
+}
+
+void SessionStore::RecountModels() {
+  std::vector<std::shared_ptr<Slot>> freed;
+  MutexLock lock(&mu_);
+  // Only newly counted weights make room here: steps and creates make their
+  // own.
+  if (!CountSupersededModels()) return;
+  while (options_.max_bytes > 0 && budget_bytes() > options_.max_bytes &&
+         !lru_.empty()) {
+    Remove(lru_.back(), GoneReason::kEvicted, freed);
+  }
 }
 
 void SessionStore::AccountShared(Entry& entry, const DecodeSession& session) {
@@ -142,25 +268,37 @@ void SessionStore::AccountShared(Entry& entry, const DecodeSession& session) {
 }
 
 absl::Status SessionStore::MakeRoomBeside(
-    const std::string& keep, size_t reserved,
+    const std::string& keep, size_t reserved, size_t bytes,
     std::vector<std::shared_ptr<Slot>>& freed) {
   while (true) {
     const bool too_many =
         options_.max_sessions > 0 &&
         static_cast<int64_t>(sessions_.size()) >= options_.max_sessions;
-    const bool too_large = options_.max_reserved_bytes > 0 &&
-                           reserved_ + reserved > options_.max_reserved_bytes;
-    if (!too_many && !too_large) return absl::OkStatus();
+    const bool too_large =
+        options_.max_reserved_bytes > 0 &&
+        reserved_space() + reserved > options_.max_reserved_bytes;
+    const bool too_full =
+        options_.max_bytes > 0 && budget_bytes() + bytes > options_.max_bytes;
+    if (!too_many && !too_large && !too_full) return absl::OkStatus();
     auto victim = lru_.rbegin();
     if (victim != lru_.rend() && *victim == keep) ++victim;
     if (victim == lru_.rend()) {
+      std::string why;
+      if (too_many) {
+        why = absl::StrCat(": max_sessions ", options_.max_sessions,
+                           " would be passed");
+      } else if (too_large) {
+        why = absl::StrCat(": its cache would reserve ", reserved,
+                           " bytes past max_reserved_bytes ",
+                           options_.max_reserved_bytes);
+      } else {
+        why = absl::StrCat(": its ", bytes,
+                           " bytes of bookkeeping would pass the session "
+                           "memory limit of ",
+                           options_.max_bytes, " bytes");
+      }
       return absl::ResourceExhaustedError(absl::StrCat(
-          "session_id: no room to fork session ", EchoString(keep, '"'),
-          too_many ? absl::StrCat(": max_sessions ", options_.max_sessions,
-                                  " would be passed")
-                   : absl::StrCat(": its cache would reserve ", reserved,
-                                  " bytes past max_reserved_bytes ",
-                                  options_.max_reserved_bytes)));
+          "session_id: no room to fork session ", EchoString(keep, '"'), why));
     }
     Remove(std::string(*victim), GoneReason::kEvicted, freed);
   }
@@ -184,16 +322,20 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
     // for nothing (a later write copies a block of it).
     ATTN_ASSIGN_OR_RETURN(const size_t room,
                           slot->session->ForkReservedBytes(length));
+    const size_t bookkeeping = slot->session->bookkeeping_bytes();
     MutexLock lock(&mu_);
     if (!sessions_.contains(key)) return NotFound(key);  // gone meanwhile
     ATTN_RETURN_IF_ERROR(VerifySharedCacheCount());
-    ATTN_RETURN_IF_ERROR(MakeRoomBeside(key, room, freed));
+    CountSupersededModels();
+    ATTN_RETURN_IF_ERROR(
+        MakeRoomBeside(key, room + bookkeeping, bookkeeping, freed));
   }
   freed.clear();
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> fork,
                         slot->session->Fork(length));
   const int64_t fork_length = fork->length();
   const size_t reserved = fork->reserved_bytes();
+  const size_t bookkeeping = fork->bookkeeping_bytes();
   auto fork_slot = std::make_shared<Slot>();
   fork_slot->session = std::move(fork);
   std::string fork_id;
@@ -214,7 +356,9 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
     reserved_ = reserved_ - entry.reserved_bytes + own_reserved;
     entry.reserved_bytes = own_reserved;
     // Room was made above; a session opened since may have taken it.
-    ATTN_RETURN_IF_ERROR(MakeRoomBeside(key, reserved, freed));
+    ATTN_RETURN_IF_ERROR(
+        MakeRoomBeside(key, reserved + bookkeeping, bookkeeping, freed));
+    HoldModel(*fork_slot->session);
     fork_id = Open(std::move(fork_slot), reserved);
     Entry& forked = sessions_.at(fork_id);
     AccountShared(forked, *forked.slot->session);
@@ -279,6 +423,8 @@ void SessionStore::Remove(std::string id, GoneReason reason,
   if (it == sessions_.end()) return;
   bytes_ -= it->second.accounted_bytes;
   reserved_ -= it->second.reserved_bytes;
+  bookkeeping_ -= it->second.bookkeeping;
+  ReleaseModel(it->second.model);
   for (const void* key : it->second.shared) {
     const auto shared = shared_.find(key);
     if (--shared->second.holders > 0) continue;
@@ -309,18 +455,39 @@ void SessionStore::Remove(std::string id, GoneReason reason,
   gone_order_.push_back(std::move(id));
 }
 
+absl::Status SessionStore::VerifyNeed(const std::string& id, const Entry& entry,
+                                      size_t bytes) const {
+  // What evicting every other session cannot free: its own cache, its
+  // bookkeeping, and its model's weights if no longer served.
+  const auto model = models_.find(entry.model);
+  const size_t weights = model != models_.end() && model->second.superseded
+                             ? model->second.bytes
+                             : 0;
+  if (options_.max_bytes == 0 ||
+      bytes + entry.bookkeeping + weights <= options_.max_bytes) {
+    return absl::OkStatus();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "session_id: session ", EchoString(id, '"'), " would need ", bytes,
+      " bytes of cache", weights > 0 ? ", " : " and ", entry.bookkeeping,
+      " of bookkeeping",
+      weights > 0
+          ? absl::StrCat(" and ", weights,
+                         " of the weights of its model, which the repository "
+                         "no longer serves")
+          : "",
+      ", more than the server's session memory limit of ", options_.max_bytes,
+      " bytes", weights > 0 ? "; open a new session on the served model" : ""));
+}
+
 absl::Status SessionStore::Reserve(const std::string& id, size_t bytes,
                                    std::vector<std::shared_ptr<Slot>>& freed) {
   Entry* entry = &sessions_.at(id);
   if (bytes <= entry->accounted_bytes) return absl::OkStatus();
   const size_t extra = bytes - entry->accounted_bytes;
-  if (options_.max_bytes > 0 && bytes > options_.max_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "session_id: session ", EchoString(id, '"'), " would need ", bytes,
-        " bytes of cache, more than the server's session memory limit of ",
-        options_.max_bytes, " bytes"));
-  }
-  while (options_.max_bytes > 0 && bytes_ + extra > options_.max_bytes) {
+  ATTN_RETURN_IF_ERROR(VerifyNeed(id, *entry, bytes));
+  while (options_.max_bytes > 0 &&
+         budget_bytes() + extra > options_.max_bytes) {
     // The least recently used other session goes (this one is at the front).
     const std::string victim = lru_.back();
     if (victim == id) break;
@@ -558,6 +725,12 @@ SessionStore::Stats SessionStore::stats() const {
   s.reserved_bytes = reserved_;
   s.shared_caches = static_cast<int64_t>(shared_.size());
   for (const auto& [key, shared] : shared_) s.shared_bytes += shared.bytes;
+  s.bookkeeping_bytes = bookkeeping_;
+  for (const auto& [layer, model] : models_) {
+    if (model.superseded) ++s.superseded_models;
+  }
+  s.superseded_model_bytes = superseded_;
+  s.budget_bytes = budget_bytes();
   return s;
 }
 

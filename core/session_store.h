@@ -17,6 +17,17 @@
 // holds it, and freed when the last one goes; evicting one of its holders
 // frees that session's own cache only.
 //
+// The budget (max_bytes) counts, besides the caches' memory, what else a
+// session makes the server hold: its per-layer bookkeeping
+// (DecodeSession::bookkeeping_bytes, counted from Add on), and the weights
+// of a model that only sessions keep alive. A model session holds its
+// model's layer; when the repository replaces that model (a reload), the
+// old weights stay as long as a session holds them: such a superseded model
+// is counted once (DecodeSession::ModelBytes), however many sessions hold
+// it, and released with the last of them. Which models are still served is
+// asked of Options::model_served on Add, on Fork, by the background thread
+// and on RecountModels.
+//
 // Ownership: owns its sessions. Thread-safety: every method may be called
 // concurrently; steps on one session run one at a time, steps on different
 // sessions in parallel. A background thread expires idle sessions.
@@ -26,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <list>
 #include <memory>
 #include <optional>
@@ -42,6 +54,8 @@
 #include "absl/time/time.h"
 #include "absl/types/span.h"
 #include "core/decode_session.h"
+#include "core/kv_cache.h"
+#include "core/multi_head_attention.h"
 #include "core/mutex.h"
 #include "core/results.h"
 
@@ -61,6 +75,12 @@ class SessionStore {
     // limit. It must stay well inside the process's address space: malloc
     // fails for everything else once mappings fill it.
     size_t max_reserved_bytes = 0;
+    // Whether the model whose layer this is is served (the repository
+    // holds it); a model that is not is counted in the budget while
+    // sessions hold it. Called with the store's lock held: it must not
+    // call into the store. Unset: every model is taken as served (none is
+    // counted).
+    std::function<bool(const MultiHeadLayer&)> model_served;
   };
 
   struct Stats {
@@ -76,6 +96,15 @@ class SessionStore {
     // (counted once each, in cache_bytes too).
     int64_t shared_caches = 0;
     size_t shared_bytes = 0;
+    // The open sessions' per-layer bookkeeping (not in cache_bytes).
+    size_t bookkeeping_bytes = 0;
+    // Models no longer served that sessions hold: how many, and their
+    // weights (counted once each; not in cache_bytes).
+    int64_t superseded_models = 0;
+    size_t superseded_model_bytes = 0;
+    // What max_bytes limits: cache_bytes + bookkeeping_bytes +
+    // superseded_model_bytes.
+    size_t budget_bytes = 0;
   };
 
   explicit SessionStore(const Options& options);
@@ -84,19 +113,35 @@ class SessionStore {
   SessionStore& operator=(const SessionStore&) = delete;
 
   // Opens `session` under a new id, evicting the least recently used
-  // sessions first if max_sessions are open or its reservation would pass
-  // max_reserved_bytes; RESOURCE_EXHAUSTED (VerifyReservation) if it alone
-  // could never fit.
+  // sessions first if max_sessions are open, its reservation and
+  // bookkeeping would pass max_reserved_bytes or its bookkeeping (and a
+  // superseded model it holds) max_bytes; RESOURCE_EXHAUSTED (VerifyFits)
+  // if it alone could never fit.
   absl::StatusOr<std::string> Add(std::unique_ptr<DecodeSession> session)
       ABSL_LOCKS_EXCLUDED(mu_);
 
-  // The most address space one session's cache may reserve: max_bytes (its
-  // full cache must fit the budget) or max_reserved_bytes, the smaller of
-  // those set; 0: no limit.
+  // The most one session's cache may reserve together with its
+  // bookkeeping: max_bytes (its full cache must fit the budget) or
+  // max_reserved_bytes, the smaller of those set; 0: no limit.
   size_t max_session_bytes() const;
   // RESOURCE_EXHAUSTED when a cache reserving `bytes` passes
   // max_session_bytes().
   absl::Status VerifyReservation(size_t bytes) const;
+  // RESOURCE_EXHAUSTED when a session of cache `dims` could never fit: its
+  // cache's reservation (VerifyReservation's message, naming max_length)
+  // or, with its per-layer bookkeeping, max_session_bytes() (naming
+  // num_layers, the limit and how many layers fit).
+  absl::Status VerifyFits(const KvCache::Dims& dims) const;
+  // The errors of DecodeSession::CacheDims(config), then VerifyFits: the
+  // checks Add makes, made before the session's memory is allocated.
+  absl::Status VerifyConfig(const DecodeSessionConfig& config) const;
+
+  // Asks Options::model_served which of the models sessions hold are no
+  // longer served, counts those in the budget (and stops counting any
+  // served again), and, when that counted more, evicts the least recently
+  // used sessions while the budget is passed. The background thread calls it,
+  // Add and Fork count likewise; a server may call it after replacing models.
+  void RecountModels() ABSL_LOCKS_EXCLUDED(mu_);
 
   // Runs one step of session `id` (see DecodeSession::Step), having made
   // room for the cache memory it adds: NOT_FOUND if the session is gone,
@@ -159,8 +204,10 @@ class SessionStore {
   };
   struct Entry {
     std::shared_ptr<Slot> slot;
-    size_t accounted_bytes = 0;  // counted in bytes_
-    size_t reserved_bytes = 0;   // counted in reserved_
+    size_t accounted_bytes = 0;             // counted in bytes_
+    size_t reserved_bytes = 0;              // counted in reserved_
+    size_t bookkeeping = 0;                 // counted in bookkeeping_
+    const MultiHeadLayer* model = nullptr;  // a key of models_, or null
     absl::Time last_used;
     int active_steps = 0;                  // running steps never expire
     std::list<std::string>::iterator lru;  // in lru_
@@ -172,6 +219,13 @@ class SessionStore {
     size_t bytes = 0;
     size_t reserved_bytes = 0;
     int holders = 0;
+  };
+  // A model layer sessions hold, counted once in superseded_ while it is
+  // no longer served.
+  struct HeldModel {
+    size_t bytes = 0;
+    int holders = 0;
+    bool superseded = false;
   };
   enum class GoneReason { kExpired, kEvicted, kDeleted };
 
@@ -189,6 +243,12 @@ class SessionStore {
   void Remove(std::string id, GoneReason reason,
               std::vector<std::shared_ptr<Slot>>& freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RESOURCE_EXHAUSTED when `id`'s entry could not hold `bytes` of cache
+  // even alone: beside its bookkeeping and, if no longer served, its
+  // model's weights.
+  absl::Status VerifyNeed(const std::string& id, const Entry& entry,
+                          size_t bytes) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Accounts `bytes` for `id`'s entry, evicting least recently used others
   // as needed; RESOURCE_EXHAUSTED if they cannot make room.
   absl::Status Reserve(const std::string& id, size_t bytes,
@@ -203,10 +263,29 @@ class SessionStore {
   void AccountShared(Entry& entry, const DecodeSession& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status MakeRoomBeside(const std::string& keep, size_t reserved,
+                              size_t bytes,
                               std::vector<std::shared_ptr<Slot>>& freed)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Opens `slot` under a new id, accounting its reservation and
+  // bookkeeping; its model must be held already (HoldModel).
   std::string Open(std::shared_ptr<Slot> slot, size_t reserved)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The memory max_bytes limits, and the address space max_reserved_bytes
+  // does.
+  size_t budget_bytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return bytes_ + bookkeeping_ + superseded_;
+  }
+  size_t reserved_space() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return reserved_ + bookkeeping_;
+  }
+  // Counts one more (fewer) session holding `session`'s model, if any.
+  void HoldModel(const DecodeSession& session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void ReleaseModel(const MultiHeadLayer* model)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // RecountModels without the eviction; true when it counted more weights
+  // than before.
+  bool CountSupersededModels() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // StepMany's parts: takes each entry's session lock once, in address
   // order (a session named again fails that entry); then steps the
   // entries still OK in one kernel pass and settles their accounts.
@@ -227,6 +306,12 @@ class SessionStore {
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);
   size_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   size_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t bookkeeping_ ABSL_GUARDED_BY(mu_) = 0;
+  // The models sessions hold, by layer, and the weights of those
+  // superseded.
+  absl::flat_hash_map<const MultiHeadLayer*, HeldModel> models_
+      ABSL_GUARDED_BY(mu_);
+  size_t superseded_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<const void*, Shared> shared_ ABSL_GUARDED_BY(mu_);
   Stats counts_ ABSL_GUARDED_BY(mu_);
   // Why recent sessions are gone, for the NOT_FOUND message (bounded).

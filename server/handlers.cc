@@ -321,6 +321,7 @@ absl::Status CreateSession(const v1::CreateSessionRequest& request,
   ATTN_ASSIGN_OR_RETURN(const DecodeSessionConfig config,
                         SessionConfigOf(request, models, max_length));
   ATTN_RETURN_IF_ERROR(VerifySessionReservation(config, *sessions));
+  ATTN_RETURN_IF_ERROR(sessions->VerifyConfig(config));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
                         DecodeSession::Create(config));
   response->set_max_length(session->max_length());

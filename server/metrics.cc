@@ -152,6 +152,26 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
       "# TYPE attnserve_session_shared_bytes gauge\n"
       "attnserve_session_shared_bytes ",
       gauges.sessions.shared_bytes,
+      "\n# HELP attnserve_session_bookkeeping_bytes Per-layer lengths and "
+      "block tables of the open decode sessions.\n"
+      "# TYPE attnserve_session_bookkeeping_bytes gauge\n"
+      "attnserve_session_bookkeeping_bytes ",
+      gauges.sessions.bookkeeping_bytes,
+      "\n# HELP attnserve_session_superseded_models Models no longer served "
+      "(replaced by a reload) that decode sessions keep alive.\n"
+      "# TYPE attnserve_session_superseded_models gauge\n"
+      "attnserve_session_superseded_models ",
+      gauges.sessions.superseded_models,
+      "\n# HELP attnserve_session_superseded_model_bytes Weights of those "
+      "models, counted once each.\n"
+      "# TYPE attnserve_session_superseded_model_bytes gauge\n"
+      "attnserve_session_superseded_model_bytes ",
+      gauges.sessions.superseded_model_bytes,
+      "\n# HELP attnserve_session_memory_bytes What --max_session_memory_mb "
+      "limits: cache, bookkeeping and superseded models' weights.\n"
+      "# TYPE attnserve_session_memory_bytes gauge\n"
+      "attnserve_session_memory_bytes ",
+      gauges.sessions.budget_bytes,
       "\n# HELP attnserve_build_info Build information.\n"
       "# TYPE attnserve_build_info gauge\n"
       "attnserve_build_info{version=\"" ATTNSERVE_VERSION

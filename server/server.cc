@@ -218,6 +218,16 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
     sessions.idle_timeout = absl::Seconds(options.session_idle_timeout_s);
     sessions.max_sessions = options.max_sessions;
     sessions.max_reserved_bytes = SessionAddressSpace();
+    if (models_ != nullptr) {
+      // A model a reload replaced, kept alive by sessions, takes budget.
+      const ModelRepository* models = models_.get();
+      sessions.model_served = [models](const MultiHeadLayer& layer) {
+        for (const auto& model : models->List()) {
+          if (model->layer.get() == &layer) return true;
+        }
+        return false;
+      };
+    }
     sessions_ = std::make_unique<SessionStore>(sessions);
   }
   if (sessions_ != nullptr && options.coalesce_steps_us > 0) {

@@ -591,7 +591,9 @@ int MappingCount() {
 }
 
 // A process holds at most vm.max_map_count mappings (malloc's included):
-// a session's cache, keys, values and scales of every layer, is one.
+// a session's cache, keys, values and scales of every layer, is one; its
+// per-layer bookkeeping is another only from a page on (so that it goes
+// back to the system when the session ends).
 TEST_F(SessionCheckTest, CacheIsOneMapping) {
 #ifdef ATTNSERVE_SANITIZED
   GTEST_SKIP() << "a sanitizer's allocator maps memory of its own";
@@ -599,13 +601,23 @@ TEST_F(SessionCheckTest, CacheIsOneMapping) {
   config_.num_heads = 8;
   config_.num_kv_heads = 8;
   config_.key_dim = 64;
-  config_.max_length = 1 << 20;  // far past malloc's arenas
+  config_.max_length = 4096;
   config_.dtype = DType::kInt8;
-  config_.num_layers = 4;
-  const int before = MappingCount();
+  int before = MappingCount();
   auto s = Make();
   ASSERT_NE(s, nullptr);
+  EXPECT_LT(s->bookkeeping_bytes(), 4096u);
   EXPECT_EQ(MappingCount(), before + 1);
+  s.reset();
+  EXPECT_EQ(MappingCount(), before);
+  config_.max_length = 1 << 20;  // far past malloc's arenas
+  config_.num_layers = 4;
+  before = MappingCount();
+  s = Make();
+  ASSERT_NE(s, nullptr);
+  // 4 layers x (32 + 4 tables x 8 bytes x 2048 blocks), 64.03 pages.
+  EXPECT_EQ(s->bookkeeping_bytes(), 65u * 4096);
+  EXPECT_EQ(MappingCount(), before + 2);
   s.reset();
   EXPECT_EQ(MappingCount(), before);
 }
@@ -813,6 +825,16 @@ TEST(MultiLayerSessionTest, EqualsOneSessionPerLayer) {
 TEST_F(SessionCheckTest, LayersAreChecked) {
   config_.num_layers = 0;
   EXPECT_EQ(CreateError().message(), "num_layers: must be > 0, got 0");
+  // Bounded, so that the per-layer bookkeeping and a step's per-layer
+  // work are too.
+  config_.num_layers = kMaxSessionLayers + 1;
+  EXPECT_EQ(CreateError().message(),
+            "num_layers: 1025 is more than the 1024 layers a session may "
+            "hold");
+  EXPECT_EQ(DecodeSession::CacheDims(config_).status().message(),
+            CreateError().message());
+  config_.num_layers = kMaxSessionLayers;
+  EXPECT_NE(Make(), nullptr);
   config_.num_layers = 4;
   auto s = Make();
   ASSERT_NE(s, nullptr);

@@ -557,8 +557,8 @@ TEST_F(SessionServerTest, MemoryLimitEvictsTheLeastRecentlyUsedSession) {
   TestServer server(options);
   AttnClient client = server.MakeClient();
   // 2 key/value heads x 8 x 4 bytes = 64 bytes a token for K and for V:
-  // 2000 tokens (and 2001) commit 128 KiB of each, so four sessions of them
-  // fill the 1 MiB.
+  // 1900 tokens (and 1901) commit 120 KiB of each, so four sessions of them
+  // and their bookkeeping (160 bytes each) fit the 1 MiB, and five do not.
   std::vector<std::string> ids;
   for (int i = 0; i < 5; ++i) {
     v1::CreateSessionRequest create = AttentionSession();
@@ -568,7 +568,7 @@ TEST_F(SessionServerTest, MemoryLimitEvictsTheLeastRecentlyUsedSession) {
     ids.push_back(created->session_id());
     Tensor q, k, v;
     ASSERT_TRUE(
-        client.SessionStep(AttentionStep(ids.back(), 2000, &q, &k, &v)).ok());
+        client.SessionStep(AttentionStep(ids.back(), 1900, &q, &k, &v)).ok());
   }
   Tensor q, k, v;
   auto gone = client.SessionStep(AttentionStep(ids[0], 1, &q, &k, &v));
@@ -802,6 +802,79 @@ TEST_F(SessionServerTest, SessionsThatReserveTooMuchAreRefusedUpFront) {
   auto stepped = client.SessionStep(step);
   ASSERT_TRUE(stepped.ok()) << stepped.status();
   EXPECT_EQ(stepped->length(), 3);
+}
+
+// Whether the metrics page has `gauge` at `value`.
+bool HasGauge(const std::string& page, absl::string_view gauge, size_t value) {
+  return page.find(absl::StrCat("\n", gauge, " ", value, "\n")) !=
+         std::string::npos;
+}
+
+// Everything a session makes the server hold counts in
+// --max_session_memory_mb: its per-layer bookkeeping, a layer count past
+// any model's is refused before anything is allocated, and a model a
+// reload replaced is counted (once) while sessions keep it alive.
+TEST_F(SessionServerTest, BookkeepingAndReplacedModelsAreCounted) {
+  ServerOptions options = Options();
+  options.max_session_memory_mb = 8;
+  TestServer server(options);
+  AttnClient client = server.MakeClient();
+  v1::CreateSessionRequest deep;
+  deep.set_num_heads(1);
+  deep.set_head_dim(1);
+  deep.set_max_length(1);
+  deep.set_num_layers(524287);
+  auto refused = client.CreateSession(deep);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(refused.status().message(),
+            "num_layers: 524287 is more than the 1024 layers a session may "
+            "hold");
+  // 1024 layers x 2 pages of cache fill the 8 MiB; their bookkeeping
+  // (1024 x 48 bytes) does not fit beside it.
+  deep.set_num_layers(1024);
+  refused = client.CreateSession(deep);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.status().message(),
+            "num_layers: 1024 layers reserve 8388608 bytes of cache and 49152 "
+            "of bookkeeping (lengths and block tables, 48 bytes a layer), "
+            "8437760 in all, more than --max_session_memory_mb 8 allows one "
+            "session; at most 1018 layers fit");
+  deep.set_num_layers(1018);
+  auto fits = client.CreateSession(deep);
+  ASSERT_TRUE(fits.ok()) << fits.status();
+  std::string page = MetricsPage(server);
+  EXPECT_TRUE(HasGauge(page, "attnserve_session_bookkeeping_bytes", 49152))
+      << page;
+  ASSERT_TRUE(client.DeleteSession(fits->session_id()).ok());
+
+  v1::CreateSessionRequest model;
+  model.set_model("llama_block");
+  model.set_max_length(64);
+  auto old_session = client.CreateSession(model);
+  ASSERT_TRUE(old_session.ok()) << old_session.status();
+  page = MetricsPage(server);
+  EXPECT_TRUE(HasGauge(page, "attnserve_session_superseded_models", 0));
+  EXPECT_TRUE(HasGauge(page, "attnserve_session_memory_bytes", 48)) << page;
+  // The reload replaces the model: the session and its fork keep the old
+  // weights, (16 + 8 + 8) rows of 16 and a bias and 16 rows of 16 and a
+  // bias, at 4 bytes, counted once from the fork on; a session on the new
+  // model adds none.
+  ASSERT_TRUE(server.ReloadModels().ok());
+  auto fork = client.ForkSession(old_session->session_id());
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  auto new_session = client.CreateSession(model);
+  ASSERT_TRUE(new_session.ok()) << new_session.status();
+  page = MetricsPage(server);
+  EXPECT_TRUE(HasGauge(page, "attnserve_session_superseded_models", 1)) << page;
+  EXPECT_TRUE(HasGauge(page, "attnserve_session_superseded_model_bytes", 3264));
+  EXPECT_TRUE(HasGauge(page, "attnserve_session_memory_bytes", 3264 + 3 * 48));
+  ASSERT_TRUE(client.DeleteSession(old_session->session_id()).ok());
+  EXPECT_TRUE(HasGauge(MetricsPage(server),
+                       "attnserve_session_superseded_model_bytes", 3264));
+  ASSERT_TRUE(client.DeleteSession(fork->session_id()).ok());
+  page = MetricsPage(server);
+  EXPECT_TRUE(HasGauge(page, "attnserve_session_superseded_models", 0));
+  EXPECT_TRUE(HasGauge(page, "attnserve_session_memory_bytes", 48)) << page;
 }
 
 // With the address space or memory the process may use nearly exhausted

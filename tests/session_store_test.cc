@@ -20,6 +20,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/decode_session.h"
+#include "core/kv_cache.h"
+#include "core/multi_head_attention.h"
+#include "core/mutex.h"
 #include "gtest/gtest.h"
 #include "tests/core_test_util.h"
 
@@ -59,6 +62,12 @@ absl::Status StepTokens(SessionStore& store, const std::string& id, int64_t n,
 // The bytes of one session of kHeads x kDim holding `tokens` tokens.
 size_t CacheBytes(int64_t tokens) {
   return NewSession(/*max_length=*/tokens)->BytesAt(tokens);
+}
+
+// The budget a session of `max_length` needs to fill its cache: the cache
+// and the session's bookkeeping.
+size_t BudgetFor(int64_t max_length) {
+  return CacheBytes(max_length) + NewSession(max_length)->bookkeeping_bytes();
 }
 
 TEST(SessionStoreTest, StepsDeleteAndSayWhySessionsAreGone) {
@@ -150,7 +159,7 @@ TEST(SessionStoreTest, MemoryBudgetEvictsTheLeastRecentlyUsed) {
 // one that can is bounded by its max_length.
 TEST(SessionStoreTest, SessionWhoseCacheCannotFitTheBudgetIsRefused) {
   SessionStore::Options options;
-  options.max_bytes = CacheBytes(100);
+  options.max_bytes = BudgetFor(100);
   SessionStore store(options);
   std::unique_ptr<DecodeSession> large = NewSession(4096);
   const size_t reserved = large->reserved_bytes();
@@ -288,7 +297,7 @@ TEST(SessionStoreTest, StepPastMaxLengthEvictsNobody) {
 
 TEST(SessionStoreTest, StepManyIsStepForEachEntry) {
   SessionStore::Options options;
-  options.max_bytes = CacheBytes(900);
+  options.max_bytes = BudgetFor(900);
   SessionStore batched(options), single(options);
   std::mt19937 rng_a(5), rng_b(5);
   std::vector<std::string> a_ids, b_ids;
@@ -428,6 +437,294 @@ TEST(SessionStoreTest, FreedSessionsGiveTheirMemoryBack) {
   EXPECT_GE(full, before + size_t{30} * 1024 * 1024);
   EXPECT_LE(after, before + size_t{2} * 1024 * 1024)
       << "before " << before << " full " << full << " after " << after;
+}
+
+// A tiny session of `layers` layers (1 head of 1 dim): its cache reserves
+// 2 pages a layer (keys and values) and commits nothing until stepped.
+DecodeSessionConfig TinyLayers(int64_t layers, int64_t max_length = 1) {
+  DecodeSessionConfig config;
+  config.num_heads = 1;
+  config.key_dim = 1;
+  config.max_length = max_length;
+  config.num_layers = layers;
+  return config;
+}
+
+// A layer count past any model's is refused before anything is allocated;
+// one whose bookkeeping does not fit beside its cache is too, naming
+// num_layers, the flag and how many layers fit; both by the store's check
+// (what a server asks before creating the session) and by Add.
+TEST(SessionStoreTest, SessionsOfTooManyLayersAreRefused) {
+  if (sysconf(_SC_PAGESIZE) != 4096) GTEST_SKIP() << "messages for 4 KiB";
+  SessionStore::Options options;
+  options.max_bytes = size_t{8} << 20;
+  SessionStore store(options);
+  const DecodeSessionConfig huge = TinyLayers(524287);
+  EXPECT_EQ(store.VerifyConfig(huge).message(),
+            "num_layers: 524287 is more than the 1024 layers a session may "
+            "hold");
+  EXPECT_EQ(DecodeSession::Create(huge).status().message(),
+            store.VerifyConfig(huge).message());
+  // 1024 layers x 2 pages of cache fill the 8 MiB exactly; their 1024 x
+  // 48 bytes of bookkeeping (12 pages) do not fit beside them.
+  const DecodeSessionConfig config = TinyLayers(1024);
+  const absl::Status refused = store.VerifyConfig(config);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.message(),
+            "num_layers: 1024 layers reserve 8388608 bytes of cache and 49152 "
+            "of bookkeeping (lengths and block tables, 48 bytes a layer), "
+            "8437760 in all, more than --max_session_memory_mb 8 allows one "
+            "session; at most 1018 layers fit");
+  EXPECT_EQ(store.Add(*DecodeSession::Create(config)).status(), refused);
+  EXPECT_EQ(store.stats().open, 0);
+  EXPECT_TRUE(store.VerifyConfig(TinyLayers(1018)).ok());
+  EXPECT_FALSE(store.VerifyConfig(TinyLayers(1019)).ok());
+  EXPECT_TRUE(store.Add(*DecodeSession::Create(TinyLayers(1018))).ok());
+  // One layer of 2^20 tokens: 2 x 4 MiB of cache, and 2 x 2048 block
+  // pointers (9 pages); what does not fit is its max_length.
+  EXPECT_EQ(store.VerifyConfig(TinyLayers(1, 1 << 20)).message(),
+            "max_length: its cache reserves 8388608 bytes and its bookkeeping "
+            "(lengths and block tables) 36864, 8425472 in all, more than "
+            "--max_session_memory_mb 8 allows one session");
+}
+
+// A session's bookkeeping is, per layer, its length, written tokens, first
+// own token and table size (4 x 8 bytes) and one pointer per block of 512
+// tokens for keys and for values (and for an INT8 cache's key and value
+// scales); from a page on, whole pages. The budget counts it from Add on
+// and gives it back when the session goes.
+TEST(SessionStoreTest, BudgetCountsPerLayerBookkeeping) {
+  DecodeSessionConfig config;
+  config.num_heads = kHeads;
+  config.key_dim = kDim;
+  config.max_length = 1000;  // 2 blocks
+  config.num_layers = 3;
+  const KvCache::Dims dims = *DecodeSession::CacheDims(config);
+  EXPECT_EQ(sizeof(SessionLayers::Layer), 32u);
+  EXPECT_EQ(DecodeSession::BookkeepingBytes(dims), 3u * (32 + 2 * 8 * 2));
+  KvCache::Dims int8 = dims;
+  int8.dtype = DType::kInt8;
+  EXPECT_EQ(DecodeSession::BookkeepingBytes(int8), 3u * (32 + 4 * 8 * 2));
+  KvCache::Dims deep = dims;
+  deep.layers = 64;
+  deep.max_length = 32768;  // 64 blocks: 64 x 1056 bytes, 16.5 pages
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGESIZE));
+  EXPECT_EQ(DecodeSession::BookkeepingBytes(deep),
+            (64 * 1056 + page - 1) / page * page);
+
+  SessionStore store({});
+  std::mt19937 rng(11);
+  auto session = DecodeSession::Create(config);
+  ASSERT_TRUE(session.ok()) << session.status();
+  EXPECT_EQ((*session)->bookkeeping_bytes(), 192u);
+  const std::string id = *store.Add(*std::move(session));
+  SessionStore::Stats stats = store.stats();
+  EXPECT_EQ(stats.bookkeeping_bytes, 192u);
+  EXPECT_EQ(stats.cache_bytes, 0u);
+  EXPECT_EQ(stats.budget_bytes, 192u);
+  ASSERT_TRUE(StepTokens(store, id, 10, rng).ok());
+  stats = store.stats();
+  EXPECT_EQ(stats.budget_bytes, stats.cache_bytes + 192u);
+  ASSERT_TRUE(store.Delete(id).ok());
+  stats = store.stats();
+  EXPECT_EQ(stats.bookkeeping_bytes, 0u);
+  EXPECT_EQ(stats.budget_bytes, 0u);
+}
+
+// Sessions that hold nothing but bookkeeping still fill the budget: past
+// it, the least recently used go.
+TEST(SessionStoreTest, BookkeepingEvictsTheLeastRecentlyUsed) {
+  const KvCache::Dims dims = *DecodeSession::CacheDims(TinyLayers(1024));
+  const size_t bookkeeping = DecodeSession::BookkeepingBytes(dims);
+  const size_t one = *KvCache::ReservedBytes(dims) + bookkeeping;
+  SessionStore::Options options;
+  options.max_bytes = one;  // the bookkeeping of one / bookkeeping sessions
+  SessionStore store(options);
+  const size_t fit = one / bookkeeping;
+  std::vector<std::string> ids;
+  for (size_t i = 0; i <= fit; ++i) {
+    auto id = store.Add(*DecodeSession::Create(TinyLayers(1024)));
+    ASSERT_TRUE(id.ok()) << id.status();
+    ids.push_back(*id);
+  }
+  SessionStore::Stats stats = store.stats();
+  EXPECT_EQ(stats.evicted, 1);
+  EXPECT_EQ(stats.bookkeeping_bytes, fit * bookkeeping);
+  EXPECT_LE(stats.budget_bytes, options.max_bytes);
+  EXPECT_EQ(store.Find(ids[0]).status().code(), absl::StatusCode::kNotFound);
+  store.Clear();
+  EXPECT_EQ(store.stats().budget_bytes, 0u);
+}
+
+// The bookkeeping of a deep session is a mapping of its own: deleting
+// sessions gives its pages back to the system, whatever malloc keeps.
+TEST(SessionStoreTest, FreedBookkeepingGoesBackToTheSystem) {
+#ifdef ATTNSERVE_SANITIZED
+  GTEST_SKIP() << "resident memory under a sanitizer measures its allocator";
+#endif
+  SessionStore store({});
+  const size_t before = ResidentBytes();
+  std::vector<std::string> ids;
+  // 512 sessions x 1024 layers x 32 bytes of records written at creation.
+  for (int i = 0; i < 512; ++i) {
+    ids.push_back(*store.Add(*DecodeSession::Create(TinyLayers(1024, 512))));
+  }
+  const size_t full = ResidentBytes();
+  EXPECT_EQ(store.stats().bookkeeping_bytes, 512u * 48 * 1024);
+  for (const std::string& id : ids) ASSERT_TRUE(store.Delete(id).ok());
+  const size_t after = ResidentBytes();
+  EXPECT_GE(full, before + size_t{14} * 1024 * 1024);
+  EXPECT_LE(after, before + size_t{2} * 1024 * 1024)
+      << "before " << before << " full " << full << " after " << after;
+}
+
+// A self-attention layer of width 16: 4 heads (2 key/value heads) of 4
+// dims, biases and an output projection.
+std::shared_ptr<const MultiHeadLayer> NewModelLayer(int seed) {
+  std::mt19937 rng(seed);
+  Tensor wq = RandomTensor(DType::kFloat32, {16, 16}, rng);
+  Tensor wk = RandomTensor(DType::kFloat32, {8, 16}, rng);
+  Tensor wv = RandomTensor(DType::kFloat32, {8, 16}, rng);
+  Tensor wo = RandomTensor(DType::kFloat32, {16, 16}, rng);
+  Tensor bq = RandomTensor(DType::kFloat32, {16}, rng);
+  Tensor bk = RandomTensor(DType::kFloat32, {8}, rng);
+  Tensor bv = RandomTensor(DType::kFloat32, {8}, rng);
+  MultiHeadWeights w;
+  w.num_heads = 4;
+  w.num_kv_heads = 2;
+  w.q_proj_weight = wq.view();
+  w.k_proj_weight = wk.view();
+  w.v_proj_weight = wv.view();
+  w.out_proj_weight = wo.view();
+  w.q_proj_bias = bq.view();
+  w.k_proj_bias = bk.view();
+  w.v_proj_bias = bv.view();
+  auto layer = MultiHeadLayer::Create(w, {});
+  EXPECT_TRUE(layer.ok()) << layer.status();
+  return *layer;
+}
+
+std::unique_ptr<DecodeSession> ModelSession(
+    std::shared_ptr<const MultiHeadLayer> layer) {
+  DecodeSessionConfig config;
+  config.layer = std::move(layer);
+  config.max_length = 64;
+  return *DecodeSession::Create(config);
+}
+
+// A model replaced in the repository stays alive while sessions hold it:
+// its weights are counted in the budget once, however many sessions hold
+// it, from the moment it is no longer served, and released with the last
+// of them.
+TEST(SessionStoreTest, SupersededModelIsCountedOnceUntilItsLastSession) {
+  std::shared_ptr<const MultiHeadLayer> old_model = NewModelLayer(1);
+  std::shared_ptr<const MultiHeadLayer> new_model = NewModelLayer(2);
+  // (16 + 8 + 8) rows of 16 weights and a bias, and 16 of 16 + 1.
+  const size_t weights = ((16 + 8 + 8) * 17 + 16 * 17) * sizeof(float);
+  EXPECT_EQ(DecodeSession::ModelBytes(*old_model), weights);
+  Mutex mu;
+  const MultiHeadLayer* served = old_model.get();
+  SessionStore::Options options;
+  options.model_served = [&](const MultiHeadLayer& layer) {
+    MutexLock lock(&mu);
+    return &layer == served;
+  };
+  SessionStore store(options);
+  const std::string a = *store.Add(ModelSession(old_model));
+  const std::string b = *store.Add(ModelSession(old_model));
+  EXPECT_EQ(store.stats().superseded_models, 0);
+  const size_t bookkeeping = store.stats().bookkeeping_bytes;
+  {
+    MutexLock lock(&mu);
+    served = new_model.get();  // a reload
+  }
+  store.RecountModels();
+  SessionStore::Stats stats = store.stats();
+  EXPECT_EQ(stats.superseded_models, 1);
+  EXPECT_EQ(stats.superseded_model_bytes, weights);
+  EXPECT_EQ(stats.budget_bytes, bookkeeping + weights);
+  // A fork and a session on the new model add no weights; a session
+  // opened on the old one is counted at once, with it.
+  const std::string fork = *store.Fork(a, std::nullopt);
+  const std::string c = *store.Add(ModelSession(new_model));
+  const std::string d = *store.Add(ModelSession(old_model));
+  stats = store.stats();
+  EXPECT_EQ(stats.superseded_models, 1);
+  EXPECT_EQ(stats.superseded_model_bytes, weights);
+  for (const std::string& id : {a, b, fork}) {
+    ASSERT_TRUE(store.Delete(id).ok());
+    EXPECT_EQ(store.stats().superseded_model_bytes, weights);
+  }
+  ASSERT_TRUE(store.Delete(d).ok());
+  stats = store.stats();
+  EXPECT_EQ(stats.superseded_models, 0);
+  EXPECT_EQ(stats.superseded_model_bytes, 0u);
+  ASSERT_TRUE(store.Delete(c).ok());
+  EXPECT_EQ(store.stats().budget_bytes, 0u);
+}
+
+// A superseded model's weights take budget: when they pass it, the least
+// recently used sessions go; a step that could not fit beside them even
+// alone is refused, saying why.
+TEST(SessionStoreTest, SupersededModelTakesBudget) {
+  std::shared_ptr<const MultiHeadLayer> model = NewModelLayer(3);
+  std::atomic<bool> served{true};
+  SessionStore::Options options;
+  options.model_served = [&](const MultiHeadLayer&) { return served.load(); };
+  const size_t weights = DecodeSession::ModelBytes(*model);
+  const size_t bookkeeping = ModelSession(model)->bookkeeping_bytes();
+  const size_t reserved = ModelSession(model)->reserved_bytes();
+  // One model session's whole cache and bookkeeping, and the weights.
+  options.max_bytes = reserved + bookkeeping + weights;
+  SessionStore store(options);
+  std::mt19937 rng(12);
+  const std::string holder = *store.Add(ModelSession(model));
+  std::vector<std::string> others;
+  for (int i = 0; i < 2; ++i) {
+    others.push_back(*store.Add(*DecodeSession::Create(TinyLayers(1))));
+    Tensor t = RandomTensor(DType::kFloat32, {1, 1, 1}, rng);
+    DecodeStepInputs in;
+    in.query = in.key = in.value = t.view();
+    TensorResults results;
+    ASSERT_TRUE(store.Step(others.back(), in, {}, results, nullptr).ok());
+  }
+  ASSERT_TRUE(store.Find(holder).ok());  // others[0] is the oldest
+  served = false;
+  store.RecountModels();
+  SessionStore::Stats stats = store.stats();
+  EXPECT_EQ(stats.evicted, 1);
+  EXPECT_EQ(stats.superseded_model_bytes, weights);
+  EXPECT_EQ(store.Find(others[0]).status().code(), absl::StatusCode::kNotFound);
+  // The holder's whole cache fits beside its model's weights alone.
+  Tensor x = RandomTensor(DType::kFloat32, {64, 16}, rng);
+  DecodeStepInputs in;
+  in.input = x.view();
+  TensorResults results;
+  EXPECT_TRUE(store.Step(holder, in, {}, results, nullptr).ok());
+  stats = store.stats();
+  EXPECT_EQ(stats.evicted, 2);
+  EXPECT_EQ(stats.budget_bytes, options.max_bytes);
+  ASSERT_TRUE(store.Delete(holder).ok());
+  EXPECT_EQ(store.stats().budget_bytes, 0u);
+
+  // One byte less: its cache does not, and the step says so.
+  options.max_bytes -= 1;
+  SessionStore tight(options);
+  served = true;
+  const std::string id = *tight.Add(ModelSession(model));
+  served = false;
+  tight.RecountModels();
+  const absl::Status refused = tight.Step(id, in, {}, results, nullptr);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(refused.message(),
+            absl::StrCat("session_id: session \"", id, "\" would need ",
+                         reserved, " bytes of cache, ", bookkeeping,
+                         " of bookkeeping and ", weights,
+                         " of the weights of its model, which the repository "
+                         "no longer serves, more than the server's session "
+                         "memory limit of ",
+                         options.max_bytes,
+                         " bytes; open a new session on the served model"));
 }
 
 }  // namespace
