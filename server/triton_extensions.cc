@@ -147,10 +147,15 @@ absl::Status HandleRepositoryIndex(
     const ModelRepository* models,
     inference::RepositoryIndexResponse* response) {
   ATTN_RETURN_IF_ERROR(VerifyRepositoryName(request.repository_name(), models));
-  // Served models whose folder has gone stay served until a reload.
+  // Served models whose folder has gone stay served until a reload; every
+  // folder is listed with its sequences model, loaded or not (the index
+  // lists the repository's models whatever their state, as Triton's does).
   std::vector<std::string> names = ProtocolModelNames(models);
   if (models != nullptr) {
-    for (std::string& folder : models->Folders()) names.push_back(folder);
+    for (std::string& folder : models->Folders()) {
+      names.push_back(absl::StrCat(folder, kSequenceModelSuffix));
+      names.push_back(std::move(folder));
+    }
   }
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());

@@ -722,6 +722,7 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
   EXPECT_THAT(index(false),
               ElementsAre("attend:1:READY:", "attention_session:1:READY:",
                           "layer_norm:1:READY:", "mha::UNAVAILABLE:unloaded",
+                          "mha_session::UNAVAILABLE:unloaded",
                           "multi_head_attend:1:READY:"));
   EXPECT_EQ(index(true).size(), 4);
   ModelInferRequest on_mha = AttendRequest();
@@ -792,6 +793,8 @@ TEST_F(TritonProtocolTest, HttpModelControl) {
       Post("/v2/repository/index", R"({"ready": false})")[3],
       json(
           {{"name", "mha"}, {"state", "UNAVAILABLE"}, {"reason", "unloaded"}}));
+  // Listed whatever their state: the index keeps its length.
+  EXPECT_EQ(Post("/v2/repository/index", R"({"ready": false})").size(), 6);
   EXPECT_EQ(Post("/v2/repository/index", R"({"ready": true})").size(), 4);
   EXPECT_EQ(Post("/v2/repository/models/mha/load", ""), json::object());
   EXPECT_EQ(http_.Get("/v2/models/mha_session/ready")->status, 200);
