@@ -2550,10 +2550,11 @@ void AddBatchedStepCases(std::vector<HostileCase>& cases) {
                        "steps: 257 steps, more than the 256 one call may "
                        "carry (--max_steps_per_call); split the call"));
   // Refused from its bytes, before a million step messages are decoded.
-  HostileCase million = Case(v1::SessionStepsRequest(), "steps_1000000_empty",
-                             "steps", Code::kResourceExhausted,
-                             "steps: 1000000 steps, more than the 256 one call "
-                             "may carry (--max_steps_per_call); split the call");
+  HostileCase million =
+      Case(v1::SessionStepsRequest(), "steps_1000000_empty", "steps",
+           Code::kResourceExhausted,
+           "steps: 1000000 steps, more than the 256 one call "
+           "may carry (--max_steps_per_call); split the call");
   for (int i = 0; i < 1000000; ++i) million.request.append("\x0a\x00", 2);
   cases.push_back(std::move(million));
   v1::SessionStepsRequest twice;
