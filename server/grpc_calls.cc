@@ -213,6 +213,10 @@ class GrpcCalls::CoalescedCall final : public StepCoalescer::Step {
     return absl::OkStatus();
   }
 
+  absl::Time deadline() const override {
+    return absl::Now() + UntilDeadline(*call_.context);
+  }
+
   absl::StatusOr<const SessionStore::StepInput*> Prepare() override {
     ATTN_RETURN_IF_ERROR(Expired());
     return prepare_(control());

@@ -238,6 +238,13 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
     coalescing.max_pending = static_cast<size_t>(scheduler_->max_queue() +
                                                  scheduler_->max_inflight() +
                                                  options.max_steps_per_call);
+    coalescing.estimate = [model = cost_model_.get()](double flops) {
+      return model->Estimate(flops);
+    };
+    coalescing.observe = [model = cost_model_.get()](double flops,
+                                                     absl::Duration took) {
+      model->Observe(flops, took);
+    };
     step_coalescer_ = std::make_unique<StepCoalescer>(
         sessions_.get(), &ThreadBudget::Global(), coalescing,
         [scheduler = scheduler_.get()](std::function<void()> runner) {

@@ -5,6 +5,7 @@
 #include <utility>
 
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "server/scheduler.h"
 
@@ -55,19 +56,23 @@ void StepCoalescer::FailPending(const absl::Status& status) {
 
 void StepCoalescer::Run() {
   for (;;) {
-    std::vector<std::unique_ptr<Step>> expired;
-    std::vector<std::unique_ptr<Step>> batch = TakeBatch(expired);
-    // Expired steps are answered before the pass, not after it.
-    for (auto& step : expired) {
-      step->Finish(step->Expired(), absl::Now(), absl::ZeroDuration());
-      step.reset();
+    std::vector<Refusal> refused;
+    std::vector<std::unique_ptr<Step>> batch = TakeBatch(refused);
+    // Answered before the pass, not after it.
+    for (Refusal& refusal : refused) {
+      refusal.step->Finish(refusal.status, absl::Now(), absl::ZeroDuration());
+      refusal.step.reset();
     }
     if (batch.empty()) {
-      if (expired.empty()) return;
+      if (refused.empty()) return;
       continue;
     }
     RunPass(batch);
   }
+}
+
+absl::Duration StepCoalescer::Estimate(double flops) const {
+  return options_.estimate ? options_.estimate(flops) : absl::ZeroDuration();
 }
 
 void StepCoalescer::WaitForCompany() {
@@ -85,26 +90,35 @@ void StepCoalescer::WaitForCompany() {
   }
 }
 
-std::vector<std::unique_ptr<StepCoalescer::Step>> StepCoalescer::TakeBatch(
-    std::vector<std::unique_ptr<Step>>& expired) {
-  MutexLock lock(&mu_);
-  WaitForCompany();
-  std::vector<std::unique_ptr<Step>> batch;
-  // Steps whose deadline passed (or whose client left) while they waited.
+void StepCoalescer::TakeExpired(std::vector<Refusal>& refused) {
+  const absl::Time now = absl::Now();
   for (auto it = pending_.begin(); it != pending_.end();) {
-    if ((*it)->Expired().ok()) {
+    absl::Status status = (*it)->Expired();
+    const absl::Duration own = Estimate((*it)->flops());
+    if (status.ok() && now + own > (*it)->deadline()) {
+      status = absl::DeadlineExceededError(absl::StrCat(
+          "step needs about ", absl::ToInt64Milliseconds(own),
+          " ms at this server's measured rate; its deadline is in ",
+          absl::ToInt64Milliseconds((*it)->deadline() - now), " ms"));
+    }
+    if (status.ok()) {
       ++it;
       continue;
     }
-    expired.push_back(std::move(*it));
+    refused.push_back({std::move(*it), std::move(status)});
     it = pending_.erase(it);
   }
-  if (pending_.empty()) {
-    // The runner stays on while it has expired steps to answer: Run takes
-    // another batch after answering them.
-    runner_ = !expired.empty();
-    return batch;
-  }
+}
+
+std::vector<std::unique_ptr<StepCoalescer::Step>> StepCoalescer::TakeBatch(
+    std::vector<Refusal>& refused) {
+  MutexLock lock(&mu_);
+  WaitForCompany();
+  TakeExpired(refused);
+  std::vector<std::unique_ptr<Step>> batch;
+  const absl::Time now = absl::Now();
+  absl::Duration pass = absl::ZeroDuration();  // the batch's estimate
+  absl::Time due = absl::InfiniteFuture();     // its earliest deadline
   // A session's second step waits for the next pass: it must see the
   // first one's tokens, as it would if the calls ran one after the other.
   absl::flat_hash_set<absl::string_view> sessions;
@@ -113,16 +127,31 @@ std::vector<std::unique_ptr<StepCoalescer::Step>> StepCoalescer::TakeBatch(
          batch.size() < static_cast<size_t>(options_.max_batch)) {
     std::unique_ptr<Step> step = std::move(pending_.front());
     pending_.pop_front();
-    if (sessions.insert(step->session_id()).second) {
-      batch.push_back(std::move(step));
-    } else {
+    if (sessions.contains(step->session_id())) {
       later.push_back(std::move(step));
+      continue;
     }
+    const absl::Duration own = Estimate(step->flops());
+    // Full: by the pass's length, or the earliest deadline in it.
+    if (!batch.empty() &&
+        (pass + own > options_.max_pass ||
+         now + pass + own > std::min(due, step->deadline()))) {
+      later.push_back(std::move(step));
+      break;
+    }
+    sessions.insert(step->session_id());
+    pass += own;
+    due = std::min(due, step->deadline());
+    batch.push_back(std::move(step));
   }
   while (!later.empty()) {
     pending_.push_front(std::move(later.back()));
     later.pop_back();
   }
+  // An empty batch means nothing is pending (its first step always fits).
+  // The runner stays on while it has refusals to answer: Run takes another
+  // batch after answering them.
+  if (batch.empty()) runner_ = !refused.empty();
   return batch;
 }
 
@@ -158,6 +187,7 @@ void StepCoalescer::RunPass(std::vector<std::unique_ptr<Step>>& batch) {
     for (size_t k = 0; k < index.size(); ++k) statuses[index[k]] = ran[k];
   }
   const absl::Duration compute = absl::Now() - started;
+  if (!inputs.empty() && options_.observe) options_.observe(flops, compute);
   for (size_t k = 0; k < index.size(); ++k) {
     batch[index[k]]->Finish(statuses[index[k]], started, compute);
     batch[index[k]].reset();

@@ -19,6 +19,14 @@
 // own record of the call (its Finish). Results are those of the steps run
 // one at a time, bit for bit (StepMany's guarantee).
 //
+// Deadlines: a pass is estimated (through the cost model) to take at most
+// `max_pass`, or one step's time, and to end before the earliest deadline
+// in it; steps that do not fit wait for the next pass. A step that could not
+// end before its deadline even alone is answered DEADLINE_EXCEEDED at once,
+// as are steps whose deadline passed or whose client left while they
+// waited: no answer waits behind a pass it has no part in for longer than
+// about `max_pass`.
+//
 // Ownership: owns each step from Add until it has called its Finish; the
 // session store and thread budget must outlive it, and so must it every
 // runner it queued (declare it before the scheduler that runs them).
@@ -63,6 +71,8 @@ class StepCoalescer {
     // cheap, and safe to call under the coalescer's lock. Such steps are
     // answered as soon as a pass is formed, not after it.
     virtual absl::Status Expired() const = 0;
+    // When its answer is due (absl::InfiniteFuture() when never).
+    virtual absl::Time deadline() const = 0;
     // Called once: the step's status, when its pass started and how long it
     // computed (zero when the step was left out). The step is destroyed
     // right after.
@@ -77,6 +87,13 @@ class StepCoalescer {
     int max_batch = 256;
     // Steps pending at most; more are refused with the busy status.
     size_t max_pending = 1024;
+    // How long `flops` will take at the server's measured rate, and the
+    // rate's update with a pass that took `took` (the server's CostModel).
+    // Without `estimate`, only max_batch bounds a pass.
+    std::function<absl::Duration(double flops)> estimate;
+    std::function<void(double flops, absl::Duration took)> observe;
+    // The longest a pass of several steps is estimated to take.
+    absl::Duration max_pass = absl::Milliseconds(50);
   };
   // Queues `runner` on a worker; false when the server is too busy to.
   using Submit = std::function<bool(std::function<void()> runner)>;
@@ -96,14 +113,24 @@ class StepCoalescer {
   bool active() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  // A step taken out of the queue to be answered at once, and why.
+  struct Refusal {
+    std::unique_ptr<Step> step;
+    absl::Status status;
+  };
   // The runner: passes while steps are pending.
   void Run() ABSL_LOCKS_EXCLUDED(mu_);
   // The next pass's steps, after the wait for company; empty (and the runner
-  // done) when none are pending.
-  // The next pass's steps; moves the pending steps that expired meanwhile
-  // into `expired`.
-  std::vector<std::unique_ptr<Step>> TakeBatch(
-      std::vector<std::unique_ptr<Step>>& expired) ABSL_LOCKS_EXCLUDED(mu_);
+  // done) when none are pending. Moves the pending steps that expired
+  // meanwhile, or cannot end before their deadline, into `refused`.
+  std::vector<std::unique_ptr<Step>> TakeBatch(std::vector<Refusal>& refused)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Moves the pending steps that expired, or cannot end before their
+  // deadline even alone, into `refused`.
+  void TakeExpired(std::vector<Refusal>& refused)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // How long `flops` are estimated to take (zero without `estimate`).
+  absl::Duration Estimate(double flops) const;
   void WaitForCompany() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void RunPass(std::vector<std::unique_ptr<Step>>& batch)
       ABSL_LOCKS_EXCLUDED(mu_);

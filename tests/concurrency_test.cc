@@ -21,6 +21,7 @@
 #include "core/primitives.h"
 #include "core/session_store.h"
 #include "core/thread_budget.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/message_pool.h"
 #include "server/metrics.h"
@@ -186,9 +187,12 @@ class OneTokenStep : public StepCoalescer::Step {
         v_(RandomTensor(DType::kFloat32, {2, 1, 8}, rng)),
         done_(std::move(done)) {}
   const std::string& session_id() const override { return id_; }
-  double flops() const override { return 1e3; }
+  double flops() const override { return flops_; }
+  void set_flops(double flops) { flops_ = flops; }
   absl::Status Expired() const override { return expired_; }
   void set_expired(absl::Status status) { expired_ = std::move(status); }
+  absl::Time deadline() const override { return deadline_; }
+  void set_deadline(absl::Time deadline) { deadline_ = deadline; }
   absl::StatusOr<const SessionStore::StepInput*> Prepare() override {
     if (!expired_.ok()) return expired_;
     input_.id = id_;
@@ -198,14 +202,21 @@ class OneTokenStep : public StepCoalescer::Step {
     input_.results = &results_;
     return &input_;
   }
-  void Finish(const absl::Status& status, absl::Time, absl::Duration) override {
+  void Finish(const absl::Status& status, absl::Time started,
+              absl::Duration) override {
+    started_ = started;
     done_(status);
   }
+  // When its pass started (steps of one pass share it).
+  absl::Time started() const { return started_; }
 
  private:
   std::string id_;
   Tensor q_, k_, v_;
   std::function<void(const absl::Status&)> done_;
+  double flops_ = 1e3;
+  absl::Time deadline_ = absl::InfiniteFuture();
+  absl::Time started_;
   absl::Status expired_;
   SessionStore::StepInput input_;
   TensorResults results_;
@@ -328,6 +339,69 @@ TEST(ConcurrencyTest, CoalescerAnswersExpiredStepsBeforeThePass) {
       absl::StrCat(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
   EXPECT_EQ(order, (std::vector<std::string>{absl::StrCat("late:", deadline),
                                              "a:0", "c:0"}));
+  EXPECT_FALSE(coalescer.active());
+}
+
+// A pass is estimated to take at most max_pass (or one step's time), and a
+// step that could not end before its deadline even alone is answered at once:
+// 200 steps of 990 tokens once waited behind passes of a second, answered
+// up to 0.6 s past their deadline.
+TEST(ConcurrencyTest, CoalescerKeepsPassesShortAndAnswersHopelessStepsAtOnce) {
+  SessionStore store(SessionStore::Options{});
+  DecodeSessionConfig config;
+  config.num_heads = 2;
+  config.key_dim = 8;
+  config.max_length = 16;
+  std::vector<std::string> ids(5);
+  for (std::string& id : ids) {
+    auto added = store.Add(*DecodeSession::Create(config));
+    ASSERT_TRUE(added.ok()) << added.status();
+    id = *added;
+  }
+  std::vector<std::function<void()>> runners;
+  StepCoalescer::Options options;
+  options.max_pass = absl::Milliseconds(50);
+  // 1 GFLOP/s: a step of 2e7 FLOPs is estimated at 20 ms.
+  options.estimate = [](double flops) { return absl::Seconds(flops / 1e9); };
+  StepCoalescer coalescer(
+      &store, &ThreadBudget::Global(), options,
+      [&](std::function<void()> runner) {
+        runners.push_back(std::move(runner));
+        return true;
+      },
+      [] { return absl::ResourceExhaustedError("busy"); });
+  std::mt19937 rng(7);
+  std::vector<absl::Status> statuses(ids.size());
+  std::vector<OneTokenStep*> steps;  // alive until each finishes
+  std::vector<absl::Time> started(ids.size());
+  std::vector<int> order;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    auto step = std::make_unique<OneTokenStep>(
+        ids[i], rng, [&, i](const absl::Status& status) {
+          statuses[i] = status;
+          started[i] = steps[i]->started();
+          order.push_back(static_cast<int>(i));
+        });
+    step->set_flops(2e7);
+    // The last one is due in 10 ms: it cannot make it.
+    if (i + 1 == ids.size()) {
+      step->set_deadline(absl::Now() + absl::Milliseconds(10));
+    }
+    steps.push_back(step.get());
+    coalescer.Add(std::move(step));
+  }
+  ASSERT_EQ(runners.size(), 1u);
+  runners[0]();
+  EXPECT_EQ(order, (std::vector<int>{4, 0, 1, 2, 3}));
+  EXPECT_EQ(statuses[4].code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(statuses[4].message()),
+              ::testing::HasSubstr("step needs about 20 ms at this server's "
+                                   "measured rate; its deadline is in "));
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(statuses[i].ok()) << statuses[i];
+  // Passes of two: 40 ms estimated, a third would make 60.
+  EXPECT_EQ(started[0], started[1]);
+  EXPECT_EQ(started[2], started[3]);
+  EXPECT_NE(started[1], started[2]);
   EXPECT_FALSE(coalescer.active());
 }
 
