@@ -19,7 +19,8 @@
 //                the client writes there
 //   kSteps       a count byte c (% 9), c session index bytes, then a
 //                SessionStepsRequest whose first c steps' ids are replaced
-//                by those sessions'
+//                by those sessions' (its steps counted on its bytes first,
+//                as the server counts them)
 //   kFork        a session index byte (0xff: the request's own id), then a
 //                ForkSessionRequest whose id is replaced by that session's
 //
@@ -45,6 +46,8 @@
 #include "attnserve/v1/attention.pb.h"
 #include "core/session_store.h"
 #include "fuzz/fuzz_support.h"
+#include "google/protobuf/io/zero_copy_stream_impl_lite.h"
+#include "proto/wire_scan.h"
 #include "server/handlers.h"
 
 namespace attnserve::fuzz {
@@ -180,8 +183,23 @@ class Sequence {
     if (payload.empty()) return;
     const size_t count = static_cast<uint8_t>(payload[0]) % 9;
     if (payload.size() < 1 + count) return;
+    // The server counts the steps on the bytes, before it parses them.
+    const absl::string_view bytes = payload.substr(1 + count);
+    google::protobuf::io::ArrayInputStream stream(
+        bytes.data(), static_cast<int>(bytes.size()));
+    const int64_t counted =
+        CountTopLevelField(&stream, v1::SessionStepsRequest::kStepsFieldNumber);
+    const int max_steps = FuzzServerOptions().max_steps_per_call;
+    if (counted > max_steps) {
+      CheckStatus("SessionSteps", VerifyStepCount(counted, max_steps));
+      return;
+    }
     v1::SessionStepsRequest request;
-    if (!Parse(payload.substr(1 + count), &request)) return;
+    if (!Parse(bytes, &request)) return;
+    if (request.steps_size() > counted) {
+      Die(absl::StrCat("SessionSteps: ", request.steps_size(),
+                       " steps parsed where the bytes counted ", counted));
+    }
     for (size_t i = 0;
          i < count && i < static_cast<size_t>(request.steps_size()); ++i) {
       const std::string id = Id(payload[1 + i]);

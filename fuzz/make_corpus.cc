@@ -1045,6 +1045,16 @@ void AddCallSequenceSeeds(Seeds* seeds) {
        remove(1),
        Record(kSteps, std::string("\x03\x00\x01\x02", 4) + Bytes(batched))});
 
+  // Steps counted on the bytes before they are parsed: 257 empty ones (one
+  // more than the limit) are refused unparsed; fields numbered as steps but
+  // not messages count without parsing as steps.
+  std::string empty_steps;
+  for (int i = 0; i < 257; ++i) empty_steps += std::string("\x0a\x00", 2);
+  (*seeds)["call_sequence/steps_counted_before_parsing"] = Join(
+      {create(2, 4, 16), Record(kSteps, std::string(1, '\0') + empty_steps),
+       Record(kSteps, std::string("\x01\x00", 2) + "\x08\x01\x08\x02" +
+                          Bytes(batched))});
+
   // Forks across a block boundary, stepped and rewound into the shared
   // tokens on both sides, a fork of a fork, the parent deleted first.
   const auto fork = [](uint8_t index, int64_t length = -1) {
