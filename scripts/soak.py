@@ -18,6 +18,11 @@ quarter of the rest). At the end it prints the figures, and exits 1 unless:
     malformed requests with the expected message;
   - the server's resident memory (VmRSS, the largest reading in a window)
     grew by at most --max_rss_growth (5%) from the first window to the last;
+  - every reading of VmRSS is within what the server's limits count (its
+    session memory, the registered shared memory, the models' files twice:
+    old and new during a reload) plus --rss_overhead_mb (256 MiB: the
+    binary and its libraries, threads, primitive caches, and the allocator's
+    pools for the calls in flight, each bounded by --max_request_memory_mb);
   - the p99 latency of the tiny compute calls in the last window is within
     --max_p99_ratio (1.5x) of the first (not judged when other work on the
     machine demonstrably took the cores: see judge());
@@ -135,6 +140,8 @@ class Soak:
         self.stop = threading.Event()
         self.start = time.monotonic()
         self.stats = Stats(self.start)
+        # Bytes of shared memory registered now (what the shm worker holds).
+        self.shm_registered = 0
         self.rng = np.random.default_rng(0)
         self.stub = connect(args.target)
         self.meta = self.stub.GetModelMetadata(
@@ -440,6 +447,7 @@ class Soak:
                 continue
             self.stats.record("shm_register", OK, "", t0,
                               time.monotonic() - t0)
+            self.shm_registered = 4 << 20
             with region:
                 for i in range(6):
                     region.reset()
@@ -464,6 +472,7 @@ class Soak:
                           [name] else f"listed {r.regions}")
                 self.call("shm_unregister", self.stub.UnregisterSharedMemory,
                           pb.UnregisterSharedMemoryRequest(name=name))
+            self.shm_registered = 0
             self.stop.wait(0.2)
 
     @staticmethod
@@ -589,11 +598,16 @@ class Soak:
 
     def sample(self):
         usage = resource.getrusage(resource.RUSAGE_SELF)
+        # Counted before the memory is read: what the limits allowed then.
+        counted = (server_gauge(self.args.metrics_port,
+                                "attnserve_session_memory_bytes") +
+                   self.shm_registered + 2 * files_bytes(self.args.repository))
         return Sample(time.monotonic() - self.start,
                       *memory_kb(self.args.server_pid),
                       server_cpu_seconds(self.args.server_pid),
                       usage.ru_utime + usage.ru_stime, machine_busy_seconds(),
-                      run_queue_seconds(self.args.server_pid))
+                      run_queue_seconds(self.args.server_pid),
+                      counted // 1024)
 
     # ---- the verdict ----
 
@@ -668,6 +682,18 @@ class Soak:
         if growth > args.max_rss_growth:
             failures.append(f"resident memory grew {growth:.1f}% after the "
                             f"warm-up (> {args.max_rss_growth:g}%)")
+        # Against the limits: what no limit counts stays under a constant.
+        worst = max(samples, key=lambda x: x.rss_kb - x.counted_kb)
+        uncounted_mb = (worst.rss_kb - worst.counted_kb) / 1024
+        print(f"resident memory beyond what the limits count: at most "
+              f"{uncounted_mb:.1f} MiB (at {worst.t:.0f} s: VmRSS "
+              f"{worst.rss_kb / 1024:.1f} MiB, counted "
+              f"{worst.counted_kb / 1024:.1f} MiB; bound "
+              f"{args.rss_overhead_mb:g} MiB)")
+        if uncounted_mb > args.rss_overhead_mb:
+            failures.append(f"resident memory {uncounted_mb:.1f} MiB beyond "
+                            f"what the limits count (> "
+                            f"{args.rss_overhead_mb:g} MiB)")
 
         # CPU, in cores: of the server, this client, and every other
         # process on the machine (what is busy minus the two); how many of
@@ -753,7 +779,7 @@ class Soak:
 Sample = collections.namedtuple("Sample", [
     "t", "rss_kb", "hwm_kb", "anon_kb", "file_kb", "shmem_kb", "threads",
     "server_cpu_s",
-    "client_cpu_s", "busy_s", "server_wait_s"])
+    "client_cpu_s", "busy_s", "server_wait_s", "counted_kb"])
 
 
 def shape_check(shape):
@@ -807,6 +833,34 @@ def server_cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def server_gauge(port, name):
+    """The value of gauge `name` on the server's /metrics (0 if absent or
+    unreachable)."""
+    if port <= 0:
+        return 0
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                    timeout=5) as page:
+            text = page.read().decode()
+    except OSError:
+        return 0
+    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    return int(float(match[1])) if match else 0
+
+
+def files_bytes(folder):
+    """Bytes of the regular files under `folder` (files that vanish while
+    it is walked, in a reload's edit, do not count)."""
+    total = 0
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            try:
+                total += os.stat(os.path.join(parent, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
 def server_metric_codes(port):
     """{(rpc, code): calls} from the server's /metrics; {} if unreachable."""
     if port <= 0:
@@ -840,6 +894,9 @@ def main():
     parser.add_argument("--samples", default="",
                         help="CSV file for the memory samples")
     parser.add_argument("--max_rss_growth", type=float, default=5.0)
+    parser.add_argument("--rss_overhead_mb", type=float, default=256.0,
+                        help="resident memory allowed beyond what the "
+                        "server's limits count")
     parser.add_argument("--max_p99_ratio", type=float, default=1.5)
     parser.add_argument("--max_wait_rise", type=float, default=1.25,
                         help="a p99 rise is not judged when the server's "
