@@ -187,7 +187,13 @@ void StepCoalescer::RunPass(std::vector<std::unique_ptr<Step>>& batch) {
     for (size_t k = 0; k < index.size(); ++k) statuses[index[k]] = ran[k];
   }
   const absl::Duration compute = absl::Now() - started;
-  if (!inputs.empty() && options_.observe) options_.observe(flops, compute);
+  // The rate is learned from the steps that computed: a refused or
+  // cancelled one takes no time for its FLOPs.
+  double computed = 0;
+  for (size_t k = 0; k < index.size(); ++k) {
+    if (statuses[index[k]].ok()) computed += batch[index[k]]->flops();
+  }
+  if (computed > 0 && options_.observe) options_.observe(computed, compute);
   for (size_t k = 0; k < index.size(); ++k) {
     batch[index[k]]->Finish(statuses[index[k]], started, compute);
     batch[index[k]].reset();
