@@ -11,7 +11,7 @@ RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       build-essential cmake pkg-config \
       libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler \
-      libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev \
+      libabsl-dev libdnnl-dev libhwy-dev ocl-icd-opencl-dev nlohmann-json3-dev \
       libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev libgoogle-perftools-dev \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
@@ -28,7 +28,7 @@ RUN cmake -S . -B build -DCMAKE_BUILD_TYPE=Release -DATTNSERVE_BUILD_TESTS=OFF -
 FROM debian:bookworm-slim
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
-      libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libdnnl2 libgomp1 \
+      libgrpc++1.51 libgrpc29 libprotobuf32 libabsl20220623 libdnnl2 libhwy1 libgomp1 \
       libcpp-httplib0.11 libtcmalloc-minimal4 \
  && rm -rf /var/lib/apt/lists/* /var/cache/debconf/*-old /var/log/* \
  && useradd --uid 10001 --user-group --no-create-home --shell /usr/sbin/nologin attnserve

@@ -6,7 +6,9 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #endif
+#if defined(__x86_64__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -15,10 +17,20 @@
 #include <limits>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/convert.h"
+#include "core/row_ops_internal.h"
 
 namespace attnserve {
 namespace {
+
+using row_ops_internal::CachedElementBytes;
+using row_ops_internal::FinishLayerNormRow;
+using row_ops_internal::kIntegerDotMaxDim;
+using row_ops_internal::kPrefetchBytes;
+using row_ops_internal::LayerNormRow;
+using row_ops_internal::RmsNormInverse;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
@@ -107,28 +119,6 @@ void ScalarAddWeightedRows(const float* p, int64_t ld, int64_t rows,
   }
 }
 
-// A LayerNorm row's statistics in the form the output pass uses: y =
-// (x - high) * rstd + offset, where high + low is the mean (high the float
-// nearest it, low the float nearest the rest) and offset = -low * rstd.
-// x - high is exact for the values near the mean (Sterbenz), so a mean
-// much larger than the spread costs no accuracy; a constant row has
-// x - high = 0, low = 0 and gives exactly 0 (then beta).
-struct LayerNormRow {
-  float high;
-  float rstd;
-  float offset;
-};
-
-LayerNormRow FinishLayerNormRow(double mean, double squares, int64_t n,
-                                float eps) {
-  const double n_double = static_cast<double>(n);
-  const float high = static_cast<float>(mean);
-  const float low = static_cast<float>(mean - high);
-  const float rstd =
-      static_cast<float>(1.0 / std::sqrt(squares / n_double + eps));
-  return {high, rstd, -low * rstd};
-}
-
 void ScalarLayerNorm(const float* x, int64_t n, float eps, const float* gamma,
                      const float* beta, float* y) {
   // Summed in double: n < 2^29 equal floats sum exactly, in any order.
@@ -151,11 +141,6 @@ void ScalarLayerNorm(const float* x, int64_t n, float eps, const float* gamma,
   }
 }
 
-float RmsNormInverse(double squares, int64_t n, float eps) {
-  return static_cast<float>(1.0 /
-                            std::sqrt(squares / static_cast<double>(n) + eps));
-}
-
 void ScalarRmsNorm(const float* x, int64_t n, float eps, const float* gamma,
                    float* y) {
   double squares = 0;
@@ -170,6 +155,8 @@ void ScalarRmsNorm(const float* x, int64_t n, float eps, const float* gamma,
     for (int64_t i = 0; i < n; ++i) y[i] = x[i] * inverse;
   }
 }
+
+#if defined(__x86_64__)  // the hand-written AVX-512 kernels
 
 #define ATTN_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl")))
 
@@ -489,12 +476,6 @@ ATTN_AVX512 inline __m512 LoadCached16(const void* data, int64_t offset,
   }
 }
 
-// Software prefetch of cached rows this far ahead: a decode step streams
-// its cache from DRAM, and the hardware prefetchers stop at every 4 KiB
-// page (and lose track of the 16-row tiles' strided order); measured
-// against a read of the same bytes.
-constexpr int64_t kPrefetchBytes = 4096;
-
 // Prefetches row j's `bytes` (lines of 64 bytes) into L1.
 inline void PrefetchRow(const char* row, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) {
@@ -515,10 +496,6 @@ inline void PrefetchFirstRows(const char* first, int64_t count,
 // Prefetches the int8 scales of row `j` on (one line: 16 rows' scales).
 inline void PrefetchScales(const float* scales, int64_t j) {
   _mm_prefetch(reinterpret_cast<const char*>(scales + j), _MM_HINT_T0);
-}
-
-int64_t CachedElementBytes(RowType type) {
-  return type == RowType::kFloat32 ? 4 : type == RowType::kBFloat16 ? 2 : 1;
 }
 
 // a + b lane by lane; kInt32: the lanes are int32 (moved as floats, added
@@ -629,8 +606,7 @@ ATTN_AVX512 void Avx512DotRowsOf(const float* q, int64_t rows, int64_t dim,
 // longer row, takes the float path, which keeps their IEEE results.
 #define ATTN_AVX512_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
-// 512 * 32767 * 127 < 2^31.
-constexpr int64_t kVnniMaxDim = 512;
+constexpr int64_t kVnniMaxDim = kIntegerDotMaxDim;
 
 // Query row q[0..dim) as int16 codes into `codes` (zero-padded to a
 // multiple of 32) and returns their scale; false if the row is not all
@@ -907,6 +883,8 @@ ATTN_AVX512_BF16 void Avx512Bf16ScaleToBFloat16(const float* x, int64_t n,
   }
 }
 
+#endif  // defined(__x86_64__)
+
 }  // namespace
 
 const RowOps& ScalarRowOps() {
@@ -922,6 +900,8 @@ const RowOps& ScalarRowOps() {
                           ScalarRmsNorm,
                           ScalarDotRows,
                           ScalarAddWeightedRows,
+                          /*int8_keys_round_queries=*/false,
+                          "scalar",
                           "scalar"};
   return ops;
 }
@@ -930,6 +910,7 @@ namespace {
 
 std::atomic<const RowOps*> row_ops_for_testing{nullptr};
 
+#if defined(__x86_64__)
 bool CpuHasAvx512() {
   __builtin_cpu_init();
   return __builtin_cpu_supports("avx512f") &&
@@ -953,7 +934,9 @@ const RowOps kAvx512Bf16RowOps{Avx512ScaleMax,
                                Avx512RmsNorm,
                                Avx512DotRows,
                                Avx512AddWeightedRows,
-                               "avx512_bf16"};
+                               /*int8_keys_round_queries=*/false,
+                               "avx512_bf16",
+                               "avx512"};
 const RowOps kAvx512VnniRowOps{Avx512ScaleMax,
                                Avx512MaxScaled,
                                Avx512Max,
@@ -966,7 +949,9 @@ const RowOps kAvx512VnniRowOps{Avx512ScaleMax,
                                Avx512RmsNorm,
                                Avx512VnniDotRows,
                                Avx512AddWeightedRows,
-                               "avx512_vnni"};
+                               /*int8_keys_round_queries=*/true,
+                               "avx512_vnni",
+                               "avx512"};
 const RowOps kAvx512RowOps{Avx512ScaleMax,
                            Avx512MaxScaled,
                            Avx512Max,
@@ -979,26 +964,81 @@ const RowOps kAvx512RowOps{Avx512ScaleMax,
                            Avx512RmsNorm,
                            Avx512DotRows,
                            Avx512AddWeightedRows,
+                           /*int8_keys_round_queries=*/false,
+                           "avx512",
                            "avx512"};
+#endif  // defined(__x86_64__)
+
+// The rank of `isa` among KnownCpuIsas() (-1: not one of them).
+int IsaRank(const std::string& isa) {
+  const std::vector<std::string>& known = KnownCpuIsas();
+  const auto it = std::find(known.begin(), known.end(), isa);
+  return it == known.end() ? -1 : static_cast<int>(it - known.begin());
+}
+
+// ATTNSERVE_CPU_ISA's value, or "" when it is unset or empty.
+std::string CpuIsaSetting() {
+  const char* value = std::getenv("ATTNSERVE_CPU_ISA");
+  return value == nullptr ? "" : value;
+}
 
 }  // namespace
+
+const std::vector<std::string>& KnownCpuIsas() {
+#if defined(__aarch64__)
+  static const std::vector<std::string> known = {"scalar", "neon", "sve",
+                                                 "sve2"};
+#else
+  static const std::vector<std::string> known = {"scalar", "sse4", "avx2",
+                                                 "avx512"};
+#endif
+  return known;
+}
+
+absl::Status ApplyCpuIsaSetting() {
+  const std::string isa = CpuIsaSetting();
+  if (isa.empty()) return absl::OkStatus();
+  if (IsaRank(isa) < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("ATTNSERVE_CPU_ISA: '", isa, "' is not one of ",
+                     absl::StrJoin(KnownCpuIsas(), ", "),
+                     " (or unset: the widest the CPU has)"));
+  }
+#if !defined(__aarch64__)
+  // oneDNN's own names for the same levels; avx512 leaves it uncapped.
+  const char* onednn = isa == "avx2" ? "AVX2" : isa == "avx512" ? "" : "SSE41";
+  if (*onednn != '\0') setenv("ONEDNN_MAX_CPU_ISA", onednn, /*overwrite=*/0);
+#endif
+  return absl::OkStatus();
+}
 
 void SetRowOpsForTesting(const RowOps* ops) { row_ops_for_testing = ops; }
 
 const RowOps& GetRowOps() {
   if (const RowOps* forced = row_ops_for_testing.load()) return *forced;
-  static const RowOps& ops = *SupportedRowOps().front();
+  static const RowOps& ops = []() -> const RowOps& {
+    const int cap = IsaRank(CpuIsaSetting());
+    for (const RowOps* ops : SupportedRowOps()) {
+      if (cap < 0 || IsaRank(ops->isa) <= cap) return *ops;
+    }
+    return ScalarRowOps();
+  }();
   return ops;
 }
 
 const std::vector<const RowOps*>& SupportedRowOps() {
   static const std::vector<const RowOps*> supported = [] {
     std::vector<const RowOps*> all;
+#if defined(__x86_64__)
     if (CpuHasAvx512Bf16() && __builtin_cpu_supports("avx512vnni")) {
       all.push_back(&kAvx512VnniRowOps);
     }
     if (CpuHasAvx512Bf16()) all.push_back(&kAvx512Bf16RowOps);
     if (CpuHasAvx512()) all.push_back(&kAvx512RowOps);
+#endif
+    for (const RowOps* ops : row_ops_internal::PortableRowOps()) {
+      all.push_back(ops);
+    }
     all.push_back(&ScalarRowOps());
     return all;
   }();

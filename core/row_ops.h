@@ -1,15 +1,21 @@
-// Vectorized row operations of the softmax and of the normalizations:
-// AVX-512 where the CPU has it (chosen once, at first use), portable scalar
-// code elsewhere.
+// Vectorized row operations of the softmax, of the normalizations and of
+// the decode kernel's products with cached rows, chosen once, at first use,
+// for the CPU: hand-written AVX-512 where the CPU has it, the portable
+// implementation (one source, core/row_ops_hwy.cc, compiled for SSE4, AVX2,
+// AVX-512, NEON, SVE and SVE2) for the widest instruction set the CPU has
+// elsewhere, scalar code last. The environment variable ATTNSERVE_CPU_ISA
+// caps the choice (see ApplyCpuIsaSetting).
 //
-// Thread-safety: the table is built once (thread-safe static) and is
+// Thread-safety: the tables are built once (thread-safe statics) and are
 // read-only afterwards.
 #ifndef ATTNSERVE_CORE_ROW_OPS_H_
 #define ATTNSERVE_CORE_ROW_OPS_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "core/convert.h"
 
 namespace attnserve {
@@ -98,12 +104,31 @@ struct RowOps {
   void (*add_weighted_rows)(const float* p, int64_t ld, int64_t rows,
                             const CachedRows& values, int64_t cols, int64_t dim,
                             float* acc);
-  // Name of the implementation, e.g. "avx512".
+  // Whether dot_rows rounds each all-finite query row to int16 codes (one
+  // scale per row: max |q| / 32767) for INT8 keys of head dims up to 512,
+  // and sums the products in int32, exactly: the integer path, whose error
+  // is at most half a code step times the key row's L1 norm.
+  bool int8_keys_round_queries;
+  // Name of the implementation, e.g. "avx512" or "avx2".
   const char* name;
+  // The instruction set it needs, as ATTNSERVE_CPU_ISA names it: "scalar",
+  // "sse4", "avx2", "avx512", "neon", "sve" or "sve2".
+  const char* isa;
 };
 
-// The fastest implementation this CPU runs (or the one set for testing).
+// The fastest implementation this CPU runs within ATTNSERVE_CPU_ISA (or the
+// one set for testing).
 const RowOps& GetRowOps();
+// The instruction sets ATTNSERVE_CPU_ISA may name on this architecture,
+// narrowest first ("scalar", "sse4", "avx2", "avx512" on x86-64; "scalar",
+// "neon", "sve", "sve2" on AArch64). A value above what the CPU has is
+// capped at what it has.
+const std::vector<std::string>& KnownCpuIsas();
+// Checks ATTNSERVE_CPU_ISA (INVALID_ARGUMENT naming it and the values it
+// takes) and caps oneDNN alike: sets ONEDNN_MAX_CPU_ISA, unless it is set,
+// to the matching oneDNN level. Call at start, before oneDNN's first
+// primitive.
+absl::Status ApplyCpuIsaSetting();
 // Makes GetRowOps return `ops` (null: the CPU's choice again), so that tests
 // can run the kernels on the fallback path. Not for use while computing.
 void SetRowOpsForTesting(const RowOps* ops);

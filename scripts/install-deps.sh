@@ -20,7 +20,7 @@ set -euo pipefail
 packages=(
   build-essential cmake pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
-  libabsl-dev libdnnl-dev ocl-icd-opencl-dev nlohmann-json3-dev
+  libabsl-dev libdnnl-dev libhwy-dev ocl-icd-opencl-dev nlohmann-json3-dev
   libcpp-httplib-dev libssl-dev zlib1g-dev libbrotli-dev openssl
   libgtest-dev libgmock-dev googletest libbenchmark-dev libgoogle-perftools-dev
   clang libomp-dev ninja-build libclang-rt-14-dev lld ccache bc

@@ -74,7 +74,7 @@ for _ in $(seq 1 200); do
   sleep 0.1
 done
 [[ -n $banner ]] || fail "attnserve did not start within 20 s"
-# "attnserve listening on 127.0.0.1:PORT (N compute threads, metrics port M, http port H)"
+# "attnserve listening on 127.0.0.1:PORT (N compute threads, metrics port M, http port H, isa I)"
 target=$(awk '{ print $4 }' <<<"$banner")
 metrics_port=$(sed -n 's/.*metrics port \([0-9]*\),.*/\1/p' <<<"$banner")
 log "$banner"

@@ -10,6 +10,7 @@
 #include "absl/flags/usage.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "core/row_ops.h"
 #include "core/thread_budget.h"
 #include "server/options.h"
 #include "server/server.h"
@@ -162,6 +163,11 @@ int main(int argc, char** argv) {
   // tests, not something to pay for on every request.
   absl::SetMutexDeadlockDetectionMode(absl::OnDeadlockCycle::kIgnore);
   const attnserve::ServerOptions options = OptionsFromFlags();
+  // Before oneDNN's first primitive, which the cap must reach.
+  if (const absl::Status isa = attnserve::ApplyCpuIsaSetting(); !isa.ok()) {
+    std::fprintf(stderr, "attnserve: %s\n", std::string(isa.message()).c_str());
+    return EXIT_FAILURE;
+  }
 
   // Block the stop signals in every thread (gRPC's threads inherit this
   // mask), then wait for them synchronously below.
@@ -180,10 +186,10 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "attnserve listening on %s (%d compute threads, metrics port %d, http "
-      "port %d)\n",
+      "port %d, isa %s)\n",
       attnserve::ListenAddress(options.host, (*server)->port()).c_str(),
       attnserve::ThreadBudget::Global().total(), (*server)->metrics_port(),
-      (*server)->http_port());
+      (*server)->http_port(), attnserve::GetRowOps().isa);
   std::fflush(stdout);
 
   int signal_number = 0;

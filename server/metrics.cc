@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "absl/strings/str_cat.h"
+#include "core/row_ops.h"
 
 namespace attnserve {
 namespace {
@@ -172,9 +173,12 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
       "# TYPE attnserve_session_memory_bytes gauge\n"
       "attnserve_session_memory_bytes ",
       gauges.sessions.budget_bytes,
-      "\n# HELP attnserve_build_info Build information.\n"
+      "\n# HELP attnserve_build_info Build information: the version, the "
+      "instruction set the row kernels use (ATTNSERVE_CPU_ISA caps it) and "
+      "their implementation.\n"
       "# TYPE attnserve_build_info gauge\n"
-      "attnserve_build_info{version=\"" ATTNSERVE_VERSION
+      "attnserve_build_info{version=\"" ATTNSERVE_VERSION "\",isa=\"",
+      GetRowOps().isa, "\",row_kernels=\"", GetRowOps().name,
       "\"} 1\n"
       "# HELP process_resident_memory_bytes Resident memory size.\n"
       "# TYPE process_resident_memory_bytes gauge\n"

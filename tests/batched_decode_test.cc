@@ -452,7 +452,7 @@ TEST_P(SplitAttendTest, RowProductsMatchFloat64) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   const RowOps& ops = *SupportedRowOps()[GetParam()];
-  const bool int16_queries = std::string(ops.name) == "avx512_vnni";
+  const bool int16_queries = ops.int8_keys_round_queries;
   for (RowType type : {RowType::kFloat32, RowType::kBFloat16, RowType::kInt8}) {
     for (int64_t dim : {int64_t{5}, int64_t{64}, int64_t{72}, int64_t{128}}) {
       const int64_t rows = 3, cols = 37, stride = dim + 3;
@@ -498,7 +498,7 @@ TEST_P(SplitAttendTest, RowProductsMatchFloat64) {
             max_q = std::max(max_q, std::abs(double{q[r * dim + c]}));
             key_l1 += std::abs(element[j * stride + c]);
           }
-          // The VNNI path rounds a query row to int16 codes of step
+          // The integer path rounds a query row to int16 codes of step
           // max|q| / 32767 (each code within half a step) for int8 keys.
           const double rounding = type == RowType::kInt8 && int16_queries
                                       ? 0.5 * max_q / 32767 * key_l1

@@ -21,6 +21,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
+#include "core/row_ops.h"
 #include "core/safetensors.h"
 #include "grpcpp/create_channel.h"
 #include "grpcpp/generic/generic_stub.h"
@@ -69,6 +70,7 @@ class ServerProcess {
     if (out_ != nullptr &&
         std::fgets(line.data(), line.size(), out_) != nullptr) {
       const std::string text = line.data();
+      banner_ = text;
       const size_t colon = text.rfind(':');
       if (text.find("listening on") != std::string::npos &&
           colon != std::string::npos) {
@@ -85,6 +87,8 @@ class ServerProcess {
   }
   int port() const { return port_; }
   pid_t pid() const { return pid_; }
+  // The server's first line ("attnserve listening on ...").
+  const std::string& banner() const { return banner_; }
   std::string target() const { return absl::StrCat("127.0.0.1:", port_); }
 
   // Sends `signal` and waits up to `timeout` for the exit; returns the exit
@@ -121,6 +125,7 @@ class ServerProcess {
   FILE* out_ = nullptr;
   int port_ = 0;
   bool exited_ = false;
+  std::string banner_;
 };
 
 struct CommandResult {
@@ -251,6 +256,41 @@ TEST(BinariesTest, ResidentMemoryPlateausUnderMixedLoad) {
   EXPECT_LE(after, warm + warm * 15 / 100)
       << "warm " << (warm >> 20) << " MiB, after 4 more rounds "
       << (after >> 20) << " MiB";
+}
+
+// ATTNSERVE_CPU_ISA caps the row kernels' instruction set, at what the CPU
+// has: the start-up line and /metrics name the one chosen; a value that is
+// not an instruction set of this architecture stops the server at start.
+TEST(BinariesTest, CpuIsaSettingCapsTheKernels) {
+  for (const std::string& isa : KnownCpuIsas()) {
+    // The widest implementation this CPU runs within `isa`.
+    const auto rank = [](const std::string& name) {
+      const auto& known = KnownCpuIsas();
+      return std::find(known.begin(), known.end(), name) - known.begin();
+    };
+    std::string expected = "scalar";
+    for (const RowOps* ops : SupportedRowOps()) {
+      if (rank(ops->isa) <= rank(isa)) {
+        expected = ops->isa;
+        break;
+      }
+    }
+    setenv("ATTNSERVE_CPU_ISA", isa.c_str(), 1);
+    ServerProcess server;
+    unsetenv("ATTNSERVE_CPU_ISA");
+    ASSERT_GT(server.port(), 0) << isa;
+    EXPECT_NE(server.banner().find(absl::StrCat(", isa ", expected, ")")),
+              std::string::npos)
+        << isa << ": " << server.banner();
+  }
+  const CommandResult bad =
+      RunCommand(absl::StrCat("ATTNSERVE_CPU_ISA=avx3 ", BinDir(),
+                              "/attnserve --port=0 --http_port=-1"));
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("attnserve: ATTNSERVE_CPU_ISA: 'avx3' is not "
+                            "one of scalar, "),
+            std::string::npos)
+      << bad.output;
 }
 
 TEST(BinariesTest, AttnctlReportsServerErrors) {

@@ -11,6 +11,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "client/client.h"
+#include "core/row_ops.h"
 #include "grpc/grpc.h"
 #include "grpcpp/client_context.h"
 #include "grpcpp/create_channel.h"
@@ -278,6 +279,9 @@ TEST(ServingTest, MetricsPageCountsCallsByRpcAndCode) {
   ASSERT_TRUE(page) << "GET /metrics failed";
   EXPECT_EQ(page->status, 200);
   const std::string& text = page->body;
+  const std::string build_info =
+      absl::StrCat("\",isa=\"", GetRowOps().isa, "\",row_kernels=\"",
+                   GetRowOps().name, "\"} 1\n");
   for (const char* line : {
            "attnserve_requests_total{rpc=\"LayerNorm\",code=\"OK\"} 2\n",
            "attnserve_requests_total{rpc=\"LayerNorm\",code=\"INVALID_"
@@ -290,6 +294,7 @@ TEST(ServingTest, MetricsPageCountsCallsByRpcAndCode) {
            "attnserve_queued_requests 0\n",
            "attnserve_models_loaded 0\n",
            "attnserve_build_info{version=\"",
+           build_info.c_str(),
            "# TYPE attnserve_queue_wait_seconds histogram\n",
            "process_resident_memory_bytes ",
        }) {

@@ -1,0 +1,745 @@
+// The row operations written once for every instruction set with Highway
+// (SSE4, AVX2, AVX-512, NEON, SVE...): this file is compiled once per
+// target Highway's foreach_target.h names, each copy in its own namespace,
+// and PortableRowOps lists the copies this CPU runs.
+//
+// Results follow RowOps' contract on every target; the bits depend on the
+// target's vector width (summation order), never on anything else.
+// Compiled with -ffp-contract=off: a multiply the code keeps apart from an
+// add (the rounded logit of the shifted exp) must stay rounded.
+
+// clang-format off
+#undef HWY_TARGET_INCLUDE
+#define HWY_TARGET_INCLUDE "core/row_ops_hwy.cc"
+#include "hwy/foreach_target.h"  // IWYU pragma: keep
+// clang-format on
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "core/row_ops.h"
+#include "core/row_ops_internal.h"
+#include "hwy/cache_control.h"
+#include "hwy/highway.h"
+
+HWY_BEFORE_NAMESPACE();
+namespace attnserve {
+namespace HWY_NAMESPACE {
+namespace {
+
+namespace hn = hwy::HWY_NAMESPACE;
+using row_ops_internal::CachedElementBytes;
+using row_ops_internal::FinishLayerNormRow;
+using row_ops_internal::kIntegerDotMaxDim;
+using row_ops_internal::kPrefetchBytes;
+using row_ops_internal::LayerNormRow;
+using row_ops_internal::RmsNormInverse;
+
+using D = hn::ScalableTag<float>;
+using V = hn::Vec<D>;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+// The most lanes of any vector of this target (bytes of a tail buffer).
+constexpr size_t kMaxBytes = HWY_MAX_BYTES;
+
+int64_t Lanes() { return static_cast<int64_t>(hn::Lanes(D())); }
+
+// The n < Lanes() elements at p, the other lanes `fill`: tails are read
+// through a buffer, never past the end of a row.
+V LoadTail(const float* p, int64_t n, float fill) {
+  const D d;
+  HWY_ALIGN float buffer[kMaxBytes / sizeof(float)];
+  hn::Store(hn::Set(d, fill), d, buffer);
+  std::memcpy(buffer, p, static_cast<size_t>(n) * sizeof(float));
+  return hn::Load(d, buffer);
+}
+
+void StoreTail(V v, float* p, int64_t n) {
+  HWY_ALIGN float buffer[kMaxBytes / sizeof(float)];
+  hn::Store(v, D(), buffer);
+  std::memcpy(p, buffer, static_cast<size_t>(n) * sizeof(float));
+}
+
+// m, raised to v where v is larger; NaN lanes of v leave m (the max
+// functions ignore NaN on every target, whatever its max instruction does).
+V MaxIgnoringNaN(V m, V v) {
+  return hn::IfThenElse(hn::IsNaN(v), m, hn::Max(m, v));
+}
+
+float MaxOfLanes(V m) { return hn::GetLane(hn::MaxOfLanes(D(), m)); }
+float SumOfLanes(V s) { return hn::GetLane(hn::SumOfLanes(D(), s)); }
+
+// Calls f(v, i, n) for the vectors of x[0..n): whole ones, then the tail
+// (n - i < Lanes(), loaded with `fill`). f returns what to store, or
+// nothing for a reading function.
+template <class F>
+void ForEachVector(const float* x, int64_t n, float fill, F&& f) {
+  const D d;
+  const int64_t lanes = Lanes();
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) f(hn::LoadU(d, x + i), i, lanes);
+  if (i < n) f(LoadTail(x + i, n - i, fill), i, n - i);
+}
+
+// Lanes from `count` on: -inf (scaled tails: a negative multiplier turns
+// a -inf fill into +inf).
+V NegInfFrom(V v, int64_t count) {
+  const D d;
+  return hn::IfThenElse(hn::FirstN(d, static_cast<size_t>(count)), v,
+                        hn::Set(d, kNegInf));
+}
+
+float ScaleMax(float* x, int64_t n, float multiplier) {
+  const D d;
+  const V mul = hn::Set(d, multiplier);
+  V m = hn::Set(d, kNegInf);
+  ForEachVector(x, n, kNegInf, [&](V v, int64_t i, int64_t count) {
+    v = hn::Mul(v, mul);
+    if (count == Lanes()) {
+      hn::StoreU(v, d, x + i);
+    } else {
+      StoreTail(v, x + i, count);
+    }
+    m = MaxIgnoringNaN(m, count == Lanes() ? v : NegInfFrom(v, count));
+  });
+  return MaxOfLanes(m);
+}
+
+float Max(const float* x, int64_t n) {
+  V m = hn::Set(D(), kNegInf);
+  ForEachVector(x, n, kNegInf,
+                [&](V v, int64_t, int64_t) { m = MaxIgnoringNaN(m, v); });
+  return MaxOfLanes(m);
+}
+
+float MaxScaled(const float* x, int64_t n, float multiplier) {
+  const V mul = hn::Set(D(), multiplier);
+  V m = hn::Set(D(), kNegInf);
+  ForEachVector(x, n, kNegInf, [&](V v, int64_t, int64_t count) {
+    v = hn::Mul(v, mul);
+    m = MaxIgnoringNaN(m, count == Lanes() ? v : NegInfFrom(v, count));
+  });
+  return MaxOfLanes(m);
+}
+
+// exp(x) for x <= 0 (the softmax only needs that range): 2^k * p(r) with
+// x = k*ln2 + r, |r| <= ln2/2, p Cephes' degree-7 polynomial (about 1 ulp).
+// exp(-inf) is exactly 0 and NaN stays NaN. kFull: float32 accuracy.
+// Otherwise enough for values rounded to bfloat16 next (one-step ln2 and a
+// degree-4 Taylor polynomial: relative error below 5e-5, against
+// bfloat16's 4e-3), at about two thirds of the cost.
+template <bool kFull>
+V ExpNonPositive(V x) {
+  const D d;
+  const hn::RebindToSigned<D> di;
+  // Below -110 the result rounds to exactly 0, which is what -inf (a
+  // masked logit) must give; between -87.3 and -110 it is a denormal.
+  const V clamped = hn::Max(hn::Set(d, -110.0f), x);
+  const V k = hn::Round(hn::Mul(clamped, hn::Set(d, 1.44269504088896341f)));
+  V p;
+  if constexpr (kFull) {
+    V r = hn::NegMulAdd(k, hn::Set(d, 0.693359375f), clamped);
+    r = hn::NegMulAdd(k, hn::Set(d, -2.12194440e-4f), r);
+    p = hn::Set(d, 1.9875691500e-4f);
+    p = hn::MulAdd(p, r, hn::Set(d, 1.3981999507e-3f));
+    p = hn::MulAdd(p, r, hn::Set(d, 8.3334519073e-3f));
+    p = hn::MulAdd(p, r, hn::Set(d, 4.1665795894e-2f));
+    p = hn::MulAdd(p, r, hn::Set(d, 1.6666665459e-1f));
+    p = hn::MulAdd(p, r, hn::Set(d, 5.0000001201e-1f));
+    p = hn::MulAdd(p, hn::Mul(r, r), hn::Add(r, hn::Set(d, 1.0f)));
+  } else {
+    const V r = hn::NegMulAdd(k, hn::Set(d, 0.69314718f), clamped);
+    p = hn::Set(d, 1.0f / 24);
+    p = hn::MulAdd(p, r, hn::Set(d, 1.0f / 6));
+    p = hn::MulAdd(p, r, hn::Set(d, 0.5f));
+    p = hn::MulAdd(p, r, hn::Set(d, 1.0f));
+    p = hn::MulAdd(p, r, hn::Set(d, 1.0f));
+  }
+  // 2^k as two normal powers (k >= -159: halves >= -80), so that the one
+  // rounding into the denormals is the last multiply's, as a scalef's.
+  const auto ki = hn::ConvertTo(di, k);
+  const auto k1 = hn::ShiftRight<1>(ki);
+  const auto k2 = hn::Sub(ki, k1);
+  const auto bias = hn::Set(di, 127);
+  const V pow1 = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(k1, bias)));
+  const V pow2 = hn::BitCast(d, hn::ShiftLeft<23>(hn::Add(k2, bias)));
+  const V result = hn::Mul(hn::Mul(p, pow1), pow2);
+  return hn::IfThenElse(hn::IsNaN(x), x, result);
+}
+
+// exp(x * multiplier - shift): the product is rounded before the shift, as
+// in max_scaled (`shift` is the largest rounded product; a fused product
+// differs from it by up to half an ulp, which for logits above ~1e9
+// overflows exp or underflows every term).
+template <bool kFull>
+V ShiftedExp(V x, V mul, V neg_shift) {
+  return ExpNonPositive<kFull>(hn::Add(hn::Mul(x, mul), neg_shift));
+}
+
+// Float32 lanes rounded to bfloat16, nearest even, as FloatToBFloat16: NaN
+// lanes are quieted (the rounding add would carry a NaN's payload into the
+// exponent or the sign). The bfloat16 bits are in the low half of each
+// 32-bit lane.
+hn::Vec<hn::RebindToSigned<D>> ToBFloat16Bits(V v) {
+  const hn::RebindToSigned<D> di;
+  const auto bits = hn::BitCast(di, v);
+  // Logical shifts: the sign bit must not spread.
+  const hn::RebindToUnsigned<D> du;
+  const auto high = hn::BitCast(di, hn::ShiftRight<16>(hn::BitCast(du, bits)));
+  const auto rounding =
+      hn::Add(hn::Set(di, 0x7fff), hn::And(high, hn::Set(di, 1)));
+  const auto rounded = hn::BitCast(
+      di, hn::ShiftRight<16>(hn::BitCast(du, hn::Add(bits, rounding))));
+  return hn::IfThenElse(hn::RebindMask(di, hn::IsNaN(v)),
+                        hn::Or(high, hn::Set(di, 0x40)), rounded);
+}
+
+// Stores `count` lanes of v as bfloat16 at out.
+void StoreBFloat16(V v, uint16_t* out, int64_t count) {
+  const hn::Rebind<uint16_t, D> d16;
+  const auto narrow = hn::DemoteTo(d16, ToBFloat16Bits(v));
+  if (count == Lanes()) {
+    hn::StoreU(narrow, d16, out);
+    return;
+  }
+  HWY_ALIGN uint16_t buffer[kMaxBytes / sizeof(float)];
+  hn::StoreU(narrow, d16, buffer);
+  std::memcpy(out, buffer, static_cast<size_t>(count) * sizeof(uint16_t));
+}
+
+// Lanes from `count` on: 0.
+V KeepFirst(V v, int64_t count) {
+  return hn::IfThenElseZero(hn::FirstN(D(), static_cast<size_t>(count)), v);
+}
+
+float ExpSum(float* x, int64_t n, float multiplier, float shift) {
+  const D d;
+  const V mul = hn::Set(d, multiplier);
+  const V neg_shift = hn::Set(d, -shift);
+  V sum = hn::Zero(d);
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
+    v = ShiftedExp<true>(v, mul, neg_shift);
+    if (count == Lanes()) {
+      hn::StoreU(v, d, x + i);
+      sum = hn::Add(sum, v);
+    } else {
+      StoreTail(v, x + i, count);
+      sum = hn::Add(sum, KeepFirst(v, count));
+    }
+  });
+  return SumOfLanes(sum);
+}
+
+float ExpSumBFloat16(const float* x, int64_t n, float multiplier, float shift,
+                     uint16_t* out) {
+  const D d;
+  const V mul = hn::Set(d, multiplier);
+  const V neg_shift = hn::Set(d, -shift);
+  V sum = hn::Zero(d);
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
+    v = ShiftedExp<false>(v, mul, neg_shift);
+    StoreBFloat16(v, out + i, count);
+    sum = hn::Add(sum, count == Lanes() ? v : KeepFirst(v, count));
+  });
+  return SumOfLanes(sum);
+}
+
+void Scale(float* x, int64_t n, float a) {
+  const D d;
+  const V va = hn::Set(d, a);
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
+    if (count == Lanes()) {
+      hn::StoreU(hn::Mul(v, va), d, x + i);
+    } else {
+      StoreTail(hn::Mul(v, va), x + i, count);
+    }
+  });
+}
+
+void ScaleToBFloat16(const float* x, int64_t n, float a, uint16_t* out) {
+  const V va = hn::Set(D(), a);
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
+    StoreBFloat16(hn::Mul(v, va), out + i, count);
+  });
+}
+
+bool AllFinite(const float* x, int64_t n) {
+  const D d;
+  bool finite = true;
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t, int64_t) {
+    finite = finite && hn::AllTrue(d, hn::IsFinite(v));
+  });
+  return finite;
+}
+
+// Sums of x[0..n) and of (x - mean)^2 in double, two accumulators each.
+// Without float64 vectors (some targets), in scalar double.
+#if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
+using DD = hn::Repartition<double, D>;
+template <class F>
+double SumInDouble(const float* x, int64_t n, F&& term) {
+  const DD dd;
+  const hn::Half<D> dh;
+  auto s0 = hn::Zero(dd), s1 = hn::Zero(dd);
+  // Tail lanes load as 0 and are masked out of the terms by `count`.
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t, int64_t count) {
+    auto lo = term(hn::PromoteTo(dd, hn::LowerHalf(dh, v)));
+    auto hi = term(hn::PromoteTo(dd, hn::UpperHalf(dh, v)));
+    if (count < Lanes()) {
+      const int64_t half = Lanes() / 2;
+      lo = hn::IfThenElseZero(
+          hn::FirstN(dd, static_cast<size_t>(std::min(count, half))), lo);
+      hi = hn::IfThenElseZero(
+          hn::FirstN(dd,
+                     static_cast<size_t>(std::max<int64_t>(count - half, 0))),
+          hi);
+    }
+    s0 = hn::Add(s0, lo);
+    s1 = hn::Add(s1, hi);
+  });
+  return hn::GetLane(hn::SumOfLanes(dd, hn::Add(s0, s1)));
+}
+#endif
+
+double SumOf(const float* x, int64_t n) {
+#if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
+  return SumInDouble(x, n, [](auto v) { return v; });
+#else
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += x[i];
+  return sum;
+#endif
+}
+
+double SquaredDeviations(const float* x, int64_t n, double mean) {
+#if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
+  const auto m = hn::Set(DD(), mean);
+  return SumInDouble(x, n, [&](auto v) {
+    const auto dev = hn::Sub(v, m);
+    return hn::Mul(dev, dev);
+  });
+#else
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += (x[i] - mean) * (x[i] - mean);
+  return sum;
+#endif
+}
+
+// y = v * a (+ b), with gamma and beta where given.
+void LayerNormOutput(const float* x, int64_t n, const LayerNormRow& row,
+                     const float* gamma, const float* beta, float* y) {
+  const D d;
+  const V high = hn::Set(d, row.high);
+  const V rstd = hn::Set(d, row.rstd);
+  const V offset = hn::Set(d, row.offset);
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
+    const bool whole = count == Lanes();
+    V r = hn::MulAdd(hn::Sub(v, high), rstd, offset);
+    if (gamma != nullptr) {
+      r = hn::Mul(r, whole ? hn::LoadU(d, gamma + i)
+                           : LoadTail(gamma + i, count, 0.0f));
+    }
+    if (beta != nullptr) {
+      r = hn::Add(
+          r, whole ? hn::LoadU(d, beta + i) : LoadTail(beta + i, count, 0.0f));
+    }
+    if (whole) {
+      hn::StoreU(r, d, y + i);
+    } else {
+      StoreTail(r, y + i, count);
+    }
+  });
+}
+
+void LayerNorm(const float* x, int64_t n, float eps, const float* gamma,
+               const float* beta, float* y) {
+  const double mean = SumOf(x, n) / static_cast<double>(n);
+  const LayerNormRow row =
+      FinishLayerNormRow(mean, SquaredDeviations(x, n, mean), n, eps);
+  LayerNormOutput(x, n, row, gamma, beta, y);
+}
+
+void RmsNorm(const float* x, int64_t n, float eps, const float* gamma,
+             float* y) {
+  const LayerNormRow row{
+      0.0f, RmsNormInverse(SquaredDeviations(x, n, 0.0), n, eps), 0.0f};
+  // y = (x - 0) * inverse + 0, times gamma: x * inverse * gamma.
+  LayerNormOutput(x, n, row, gamma, nullptr, y);
+}
+
+// Lanes() elements of a cached row from `offset` on, as float32 (kInt8
+// unscaled); `count` < Lanes() reads only that many (the rest 0).
+template <RowType kType>
+V LoadCached(const void* data, int64_t offset, int64_t count) {
+  const D d;
+  using T = std::conditional_t<
+      kType == RowType::kFloat32, float,
+      std::conditional_t<kType == RowType::kBFloat16, uint16_t, int8_t>>;
+  const T* p = static_cast<const T*>(data) + offset;
+  HWY_ALIGN T buffer[kMaxBytes / sizeof(float)];
+  if (count < Lanes()) {
+    std::memset(buffer, 0, sizeof(buffer));
+    std::memcpy(buffer, p, static_cast<size_t>(count) * sizeof(T));
+    p = buffer;
+  }
+  if constexpr (kType == RowType::kFloat32) {
+    return hn::LoadU(d, p);
+  } else if constexpr (kType == RowType::kBFloat16) {
+    const hn::RebindToUnsigned<D> du;
+    const auto wide =
+        hn::PromoteTo(du, hn::LoadU(hn::Rebind<uint16_t, D>(), p));
+    return hn::BitCast(d, hn::ShiftLeft<16>(wide));
+  } else {
+    const hn::RebindToSigned<D> di;
+    return hn::ConvertTo(
+        d, hn::PromoteTo(di, hn::LoadU(hn::Rebind<int8_t, D>(), p)));
+  }
+}
+
+// Prefetches `bytes` of a row (lines of 64 bytes).
+void PrefetchRow(const char* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) hwy::Prefetch(row + b);
+}
+
+// kKeys keys at a time against each query row: their accumulators are
+// independent chains, and the query's vectors are read once for all.
+template <RowType kType, int kKeys>
+void DotKeys(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
+             int64_t j, float* out, int64_t ld) {
+  const D d;
+  const int64_t lanes = Lanes();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * dim;
+    V acc[kKeys];
+    for (int k = 0; k < kKeys; ++k) acc[k] = hn::Zero(d);
+    for (int64_t c = 0; c < dim; c += lanes) {
+      const int64_t count = std::min(lanes, dim - c);
+      const V qv =
+          count == lanes ? hn::LoadU(d, qr + c) : LoadTail(qr + c, count, 0);
+      for (int k = 0; k < kKeys; ++k) {
+        acc[k] = hn::MulAdd(
+            qv, LoadCached<kType>(keys.data, (j + k) * keys.stride + c, count),
+            acc[k]);
+      }
+    }
+    for (int k = 0; k < kKeys; ++k) {
+      float sum = SumOfLanes(acc[k]);
+      if constexpr (kType == RowType::kInt8) sum *= keys.scales[j + k];
+      out[r * ld + j + k] = sum;
+    }
+  }
+}
+
+template <RowType kType>
+void DotRowsOf(const float* q, int64_t rows, int64_t dim,
+               const CachedRows& keys, int64_t cols, float* out, int64_t ld) {
+  const int64_t elem = CachedElementBytes(kType);
+  const int64_t row_bytes = dim * elem;
+  const int64_t ahead =
+      std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(row_bytes, 1));
+  const char* base = static_cast<const char*>(keys.data);
+  const int64_t stride_bytes = keys.stride * elem;
+  for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
+    PrefetchRow(base + j * stride_bytes, row_bytes);
+  }
+  constexpr int kKeys = 4;
+  int64_t j = 0;
+  for (; j + kKeys <= cols; j += kKeys) {
+    for (int k = 0; k < kKeys; ++k) {
+      PrefetchRow(base + (j + k + ahead) * stride_bytes, row_bytes);
+    }
+    if constexpr (kType == RowType::kInt8)
+      hwy::Prefetch(keys.scales + j + ahead);
+    DotKeys<kType, kKeys>(q, rows, dim, keys, j, out, ld);
+  }
+  for (; j < cols; ++j) DotKeys<kType, 1>(q, rows, dim, keys, j, out, ld);
+}
+
+// The int8 keys' integer path: `codes` holds the query rows rounded to
+// int16 (`padded` apart, zero beyond dim), and each key's int8 codes
+// widened to int16 meet them in a widening multiply-add (pmaddwd on x86,
+// smlal on NEON): a key's dot product is exact in int32.
+using D16 = hn::ScalableTag<int16_t>;
+using D32 = hn::Repartition<int32_t, D16>;
+
+template <int kKeys>
+void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
+                    int64_t rows, int64_t dim, const CachedRows& keys,
+                    int64_t j, float* out, int64_t ld) {
+  const D16 d16;
+  const D32 d32;
+  const hn::Rebind<int8_t, D16> d8;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d16));
+  for (int64_t r = 0; r < rows; ++r) {
+    hn::Vec<D32> sum0[kKeys], sum1[kKeys];
+    for (int k = 0; k < kKeys; ++k) sum0[k] = sum1[k] = hn::Zero(d32);
+    for (int64_t c = 0; c < dim; c += lanes) {
+      const auto qv = hn::LoadU(d16, codes + r * padded + c);
+      const int64_t count = std::min(lanes, dim - c);
+      for (int k = 0; k < kKeys; ++k) {
+        const int8_t* p =
+            static_cast<const int8_t*>(keys.data) + (j + k) * keys.stride + c;
+        HWY_ALIGN int8_t buffer[kMaxBytes / sizeof(int16_t)];
+        if (count < lanes) {
+          std::memset(buffer, 0, sizeof(buffer));
+          std::memcpy(buffer, p, static_cast<size_t>(count));
+          p = buffer;
+        }
+        const auto kv = hn::PromoteTo(d16, hn::LoadU(d8, p));
+        sum0[k] = hn::ReorderWidenMulAccumulate(d32, qv, kv, sum0[k], sum1[k]);
+      }
+    }
+    for (int k = 0; k < kKeys; ++k) {
+      const int32_t dot =
+          hn::GetLane(hn::SumOfLanes(d32, hn::Add(sum0[k], sum1[k])));
+      out[r * ld + j + k] =
+          static_cast<float>(dot) * (scales[r] * keys.scales[j + k]);
+    }
+  }
+}
+
+// Query row q[0..dim) as int16 codes (zero up to `padded`) and their scale;
+// false if the row is not all finite.
+bool QuantizeQuery(const float* q, int64_t dim, int64_t padded, int16_t* codes,
+                   float* scale) {
+  float max_abs = 0.0f;
+  for (int64_t c = 0; c < dim; ++c) {
+    if (!std::isfinite(q[c])) return false;
+    max_abs = std::max(max_abs, std::abs(q[c]));
+  }
+  *scale = max_abs / 32767.0f;
+  const float inverse = max_abs > 0.0f ? 32767.0f / max_abs : 0.0f;
+  for (int64_t c = 0; c < padded; ++c) {
+    codes[c] = c < dim
+                   ? static_cast<int16_t>(std::clamp(
+                         std::nearbyint(q[c] * inverse), -32767.0f, 32767.0f))
+                   : 0;
+  }
+  return true;
+}
+
+// Int8 keys: rows in groups of up to 16 take the integer path; a row that
+// is not all finite takes the float path alone.
+void IntegerDotRows(const float* q, int64_t rows, int64_t dim,
+                    const CachedRows& keys, int64_t cols, float* out,
+                    int64_t ld) {
+  constexpr int64_t kGroup = 16;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(D16()));
+  const int64_t padded = (dim + lanes - 1) / lanes * lanes;
+  HWY_ALIGN int16_t codes[kGroup * (kIntegerDotMaxDim + 128)];
+  float scales[kGroup];
+  const char* base = static_cast<const char*>(keys.data);
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / dim);
+  for (int64_t r0 = 0; r0 < rows; r0 += kGroup) {
+    const int64_t n = std::min(kGroup, rows - r0);
+    bool finite = true;
+    for (int64_t r = 0; r < n && finite; ++r) {
+      finite = QuantizeQuery(q + (r0 + r) * dim, dim, padded,
+                             codes + r * padded, scales + r);
+    }
+    if (!finite) {
+      DotRowsOf<RowType::kInt8>(q + r0 * dim, n, dim, keys, cols, out + r0 * ld,
+                                ld);
+      continue;
+    }
+    for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
+      PrefetchRow(base + j * keys.stride, dim);
+    }
+    int64_t j = 0;
+    for (; j + 4 <= cols; j += 4) {
+      for (int k = 0; k < 4; ++k) {
+        PrefetchRow(base + (j + k + ahead) * keys.stride, dim);
+      }
+      hwy::Prefetch(keys.scales + j + ahead);
+      IntegerDotKeys<4>(codes, padded, scales, n, dim, keys, j, out + r0 * ld,
+                        ld);
+    }
+    for (; j < cols; ++j) {
+      IntegerDotKeys<1>(codes, padded, scales, n, dim, keys, j, out + r0 * ld,
+                        ld);
+    }
+  }
+}
+
+void DotRows(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
+             int64_t cols, float* out, int64_t ld) {
+  switch (keys.type) {
+    case RowType::kFloat32:
+      return DotRowsOf<RowType::kFloat32>(q, rows, dim, keys, cols, out, ld);
+    case RowType::kBFloat16:
+      return DotRowsOf<RowType::kBFloat16>(q, rows, dim, keys, cols, out, ld);
+    case RowType::kInt8:
+      if (dim > 0 && dim <= kIntegerDotMaxDim) {
+        return IntegerDotRows(q, rows, dim, keys, cols, out, ld);
+      }
+      return DotRowsOf<RowType::kInt8>(q, rows, dim, keys, cols, out, ld);
+  }
+}
+
+// kRows rows x kChunks vectors of acc (from column c0) in registers, over
+// every value row: kChunks loads of a value row and kRows broadcasts feed
+// kRows * kChunks multiply-adds. `count`: the columns left from c0 (the
+// last vector may be partial).
+template <RowType kType, int kRows, int kChunks>
+void AddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
+                     int64_t cols, int64_t c0, int64_t dim, float* acc) {
+  const D d;
+  const int64_t lanes = Lanes();
+  int64_t count[kChunks];
+  for (int ch = 0; ch < kChunks; ++ch) {
+    count[ch] = std::clamp<int64_t>(dim - c0 - ch * lanes, 0, lanes);
+  }
+  V a[kRows][kChunks];
+  for (int r = 0; r < kRows; ++r) {
+    for (int ch = 0; ch < kChunks; ++ch) {
+      const float* at = acc + r * dim + c0 + ch * lanes;
+      a[r][ch] =
+          count[ch] == lanes ? hn::LoadU(d, at) : LoadTail(at, count[ch], 0.0f);
+    }
+  }
+  const int64_t elem = CachedElementBytes(kType);
+  const int64_t tile_bytes = std::min(dim - c0, kChunks * lanes) * elem;
+  const int64_t ahead =
+      std::max<int64_t>(1, kPrefetchBytes / std::max<int64_t>(dim * elem, 1));
+  const char* base = static_cast<const char*>(values.data) + c0 * elem;
+  const int64_t stride_bytes = values.stride * elem;
+  for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
+    PrefetchRow(base + j * stride_bytes, tile_bytes);
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    PrefetchRow(base + (j + ahead) * stride_bytes, tile_bytes);
+    V v[kChunks];
+    for (int ch = 0; ch < kChunks; ++ch) {
+      v[ch] = LoadCached<kType>(values.data,
+                                j * values.stride + c0 + ch * lanes, count[ch]);
+    }
+    for (int r = 0; r < kRows; ++r) {
+      float w = p[r * ld + j];
+      if constexpr (kType == RowType::kInt8) w *= values.scales[j];
+      const V wv = hn::Set(d, w);
+      for (int ch = 0; ch < kChunks; ++ch) {
+        a[r][ch] = hn::MulAdd(wv, v[ch], a[r][ch]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int ch = 0; ch < kChunks; ++ch) {
+      float* at = acc + r * dim + c0 + ch * lanes;
+      if (count[ch] == lanes) {
+        hn::StoreU(a[r][ch], d, at);
+      } else if (count[ch] > 0) {
+        StoreTail(a[r][ch], at, count[ch]);
+      }
+    }
+  }
+}
+
+// Tiles of 4 vectors' columns, 2 rows at a time (12 of 16 registers on
+// targets with 16; those with 32 would fit more, at no gain from memory).
+template <RowType kType>
+void AddWeightedRowsOf(const float* p, int64_t ld, int64_t rows,
+                       const CachedRows& values, int64_t cols, int64_t dim,
+                       float* acc) {
+  constexpr int kChunks = 4;
+  const int64_t width = kChunks * Lanes();
+  for (int64_t c0 = 0; c0 < dim; c0 += width) {
+    int64_t r0 = 0;
+    for (; r0 + 2 <= rows; r0 += 2) {
+      AddWeightedTile<kType, 2, kChunks>(p + r0 * ld, ld, values, cols, c0, dim,
+                                         acc + r0 * dim);
+    }
+    if (r0 < rows) {
+      AddWeightedTile<kType, 1, kChunks>(p + r0 * ld, ld, values, cols, c0, dim,
+                                         acc + r0 * dim);
+    }
+  }
+}
+
+void AddWeightedRows(const float* p, int64_t ld, int64_t rows,
+                     const CachedRows& values, int64_t cols, int64_t dim,
+                     float* acc) {
+  switch (values.type) {
+    case RowType::kFloat32:
+      return AddWeightedRowsOf<RowType::kFloat32>(p, ld, rows, values, cols,
+                                                  dim, acc);
+    case RowType::kBFloat16:
+      return AddWeightedRowsOf<RowType::kBFloat16>(p, ld, rows, values, cols,
+                                                   dim, acc);
+    case RowType::kInt8:
+      return AddWeightedRowsOf<RowType::kInt8>(p, ld, rows, values, cols, dim,
+                                               acc);
+  }
+}
+
+}  // namespace
+
+// This target's table.
+const RowOps* TargetRowOps(const char* name, const char* isa) {
+  static const RowOps ops{ScaleMax,
+                          MaxScaled,
+                          Max,
+                          ExpSum,
+                          ExpSumBFloat16,
+                          Scale,
+                          ScaleToBFloat16,
+                          AllFinite,
+                          LayerNorm,
+                          RmsNorm,
+                          DotRows,
+                          AddWeightedRows,
+                          /*int8_keys_round_queries=*/true,
+                          name,
+                          isa};
+  return &ops;
+}
+
+}  // namespace HWY_NAMESPACE
+}  // namespace attnserve
+HWY_AFTER_NAMESPACE();
+
+#if HWY_ONCE
+namespace attnserve::row_ops_internal {
+
+const std::vector<const RowOps*>& PortableRowOps() {
+  static const std::vector<const RowOps*> supported = [] {
+    const uint32_t cpu = hwy::SupportedTargets();
+    std::vector<const RowOps*> all;
+    // Widest first; only targets this build compiled and this CPU runs.
+    const auto add = [&](uint32_t target, auto table) {
+      if ((HWY_TARGETS & target) != 0 && (cpu & target) != 0) {
+        all.push_back(table());
+      }
+    };
+    (void)add;
+#if HWY_TARGETS & HWY_AVX3_DL
+    add(HWY_AVX3_DL,
+        [] { return N_AVX3_DL::TargetRowOps("avx512_dl_portable", "avx512"); });
+#endif
+#if HWY_TARGETS & HWY_AVX3
+    add(HWY_AVX3,
+        [] { return N_AVX3::TargetRowOps("avx512_portable", "avx512"); });
+#endif
+#if HWY_TARGETS & HWY_AVX2
+    add(HWY_AVX2, [] { return N_AVX2::TargetRowOps("avx2", "avx2"); });
+#endif
+#if HWY_TARGETS & HWY_SSE4
+    add(HWY_SSE4, [] { return N_SSE4::TargetRowOps("sse4", "sse4"); });
+#endif
+#if HWY_TARGETS & HWY_SVE2
+    add(HWY_SVE2, [] { return N_SVE2::TargetRowOps("sve2", "sve2"); });
+#endif
+#if HWY_TARGETS & HWY_SVE
+    add(HWY_SVE, [] { return N_SVE::TargetRowOps("sve", "sve"); });
+#endif
+#if HWY_TARGETS & HWY_NEON
+    add(HWY_NEON, [] { return N_NEON::TargetRowOps("neon", "neon"); });
+#endif
+    return all;
+  }();
+  return supported;
+}
+
+}  // namespace attnserve::row_ops_internal
+#endif  // HWY_ONCE

@@ -1,0 +1,67 @@
+// Pieces the row-operation implementations share (core/row_ops.cc, the
+// hand-written AVX-512 and scalar ones; core/row_ops_hwy.cc, the portable
+// ones for every instruction set): not for use outside them.
+//
+// Thread-safety: constants and pure functions; the tables are immutable.
+#ifndef ATTNSERVE_CORE_ROW_OPS_INTERNAL_H_
+#define ATTNSERVE_CORE_ROW_OPS_INTERNAL_H_
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "core/row_ops.h"
+
+namespace attnserve::row_ops_internal {
+
+// Software prefetch of cached rows this far ahead: a decode step streams
+// its cache from DRAM, and the hardware prefetchers stop at every 4 KiB
+// page (and lose track of the tiles' strided order); measured against a
+// read of the same bytes.
+inline constexpr int64_t kPrefetchBytes = 4096;
+
+inline int64_t CachedElementBytes(RowType type) {
+  return type == RowType::kFloat32 ? 4 : type == RowType::kBFloat16 ? 2 : 1;
+}
+
+// A LayerNorm row's statistics in the form the output pass uses: y =
+// (x - high) * rstd + offset, where high + low is the mean (high the float
+// nearest it, low the float nearest the rest) and offset = -low * rstd.
+// x - high is exact for the values near the mean (Sterbenz), so a mean
+// much larger than the spread costs no accuracy; a constant row has
+// x - high = 0, low = 0 and gives exactly 0 (then beta).
+struct LayerNormRow {
+  float high;
+  float rstd;
+  float offset;
+};
+
+inline LayerNormRow FinishLayerNormRow(double mean, double squares, int64_t n,
+                                       float eps) {
+  const double n_double = static_cast<double>(n);
+  const float high = static_cast<float>(mean);
+  const float low = static_cast<float>(mean - high);
+  const float rstd =
+      static_cast<float>(1.0 / std::sqrt(squares / n_double + eps));
+  return {high, rstd, -low * rstd};
+}
+
+inline float RmsNormInverse(double squares, int64_t n, float eps) {
+  return static_cast<float>(1.0 /
+                            std::sqrt(squares / static_cast<double>(n) + eps));
+}
+
+// Integer dot products of int8 keys with a query row rounded to int16 (one
+// scale per row: max |q| / 32767, a relative error of 1.5e-5 of its largest
+// element against int8's 1/254) are exact in int32 for head dims up to this:
+// 512 * 32767 * 127 < 2^31. Rows holding NaN or +-Inf, and longer rows,
+// take the float path, which keeps their IEEE results.
+inline constexpr int64_t kIntegerDotMaxDim = 512;
+
+// The portable implementations (core/row_ops_hwy.cc) this CPU runs, widest
+// instruction set first.
+const std::vector<const RowOps*>& PortableRowOps();
+
+}  // namespace attnserve::row_ops_internal
+
+#endif  // ATTNSERVE_CORE_ROW_OPS_INTERNAL_H_
