@@ -457,6 +457,78 @@ void DotRowsOf(const float* q, int64_t rows, int64_t dim,
   for (; j < cols; ++j) DotKeys<kType, 1>(q, rows, dim, keys, j, out, ld);
 }
 
+// Bfloat16 keys, two elements a 32-bit load: the even element is its low
+// half shifted up, the odd one its high half masked, which costs two
+// instructions for two vectors where widening costs four. The query rows
+// are split to match (`split`: per 2 * Lanes() elements, the even ones
+// then the odd ones); each key sums its even and odd products apart.
+template <int kKeys>
+void PairedDotKeys(const float* split, int64_t rows, int64_t dim,
+                   const CachedRows& keys, int64_t j, float* out, int64_t ld) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  const auto high = hn::Set(du, 0xffff0000u);
+  const int64_t lanes = Lanes();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = split + r * dim;
+    V even[kKeys], odd[kKeys];
+    for (int k = 0; k < kKeys; ++k) even[k] = odd[k] = hn::Zero(d);
+    for (int64_t c = 0; c < dim; c += 2 * lanes) {
+      const V qe = hn::LoadU(d, qr + c);
+      const V qo = hn::LoadU(d, qr + c + lanes);
+      for (int k = 0; k < kKeys; ++k) {
+        const auto pairs =
+            hn::LoadU(du, reinterpret_cast<const uint32_t*>(
+                              static_cast<const uint16_t*>(keys.data) +
+                              (j + k) * keys.stride + c));
+        even[k] =
+            hn::MulAdd(qe, hn::BitCast(d, hn::ShiftLeft<16>(pairs)), even[k]);
+        odd[k] = hn::MulAdd(qo, hn::BitCast(d, hn::And(pairs, high)), odd[k]);
+      }
+    }
+    for (int k = 0; k < kKeys; ++k) {
+      out[r * ld + j + k] = SumOfLanes(hn::Add(even[k], odd[k]));
+    }
+  }
+}
+
+// Whether bfloat16 rows of `dim` take the paired path: whole pairs of
+// vectors.
+bool PairsFit(int64_t dim) { return dim > 0 && dim % (2 * Lanes()) == 0; }
+
+void PairedDotRows(const float* q, int64_t rows, int64_t dim,
+                   const CachedRows& keys, int64_t cols, float* out,
+                   int64_t ld) {
+  // Reused by the thread's next call: no allocation per block of keys.
+  thread_local std::vector<float> split;
+  split.resize(static_cast<size_t>(rows * dim));
+  const int64_t lanes = Lanes();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < dim; c += 2 * lanes) {
+      for (int64_t i = 0; i < lanes; ++i) {
+        split[r * dim + c + i] = q[r * dim + c + 2 * i];
+        split[r * dim + c + lanes + i] = q[r * dim + c + 2 * i + 1];
+      }
+    }
+  }
+  const int64_t row_bytes = dim * 2;
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / row_bytes);
+  const char* base = static_cast<const char*>(keys.data);
+  const int64_t stride_bytes = keys.stride * 2;
+  for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
+    PrefetchRow(base + j * stride_bytes, row_bytes);
+  }
+  int64_t j = 0;
+  for (; j + 4 <= cols; j += 4) {
+    for (int k = 0; k < 4; ++k) {
+      PrefetchRow(base + (j + k + ahead) * stride_bytes, row_bytes);
+    }
+    PairedDotKeys<4>(split.data(), rows, dim, keys, j, out, ld);
+  }
+  for (; j < cols; ++j)
+    PairedDotKeys<1>(split.data(), rows, dim, keys, j, out, ld);
+}
+
 // The int8 keys' integer path: `codes` holds the query rows rounded to
 // int16 (`padded` apart, zero beyond dim), and each key's int8 codes
 // widened to int16 meet them in a widening multiply-add (pmaddwd on x86,
@@ -569,6 +641,9 @@ void DotRows(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
     case RowType::kFloat32:
       return DotRowsOf<RowType::kFloat32>(q, rows, dim, keys, cols, out, ld);
     case RowType::kBFloat16:
+      if (PairsFit(dim)) {
+        return PairedDotRows(q, rows, dim, keys, cols, out, ld);
+      }
       return DotRowsOf<RowType::kBFloat16>(q, rows, dim, keys, cols, out, ld);
     case RowType::kInt8:
       if (dim > 0 && dim <= kIntegerDotMaxDim) {
@@ -636,23 +711,124 @@ void AddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
   }
 }
 
-// Tiles of 4 vectors' columns, 2 rows at a time (12 of 16 registers on
-// targets with 16; those with 32 would fit more, at no gain from memory).
+// A tile's columns: 64 floats where registers allow (a value row of a
+// head dim up to 64 is read whole, front to back, for the prefetchers;
+// narrower tiles read each row in parts, in passes over the block), in
+// vectors of this target. Rows: as many as the registers hold with them
+// (16 registers on x86 before AVX-512, 32 elsewhere).
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr int kTileChunks = 4;  // 4 x 16 lanes
+constexpr int kTileRows = 4;
+#elif HWY_ARCH_X86
+constexpr int kTileChunks = 8;  // 8 x 8 lanes (AVX2), 8 x 4 (SSE4)
+constexpr int kTileRows = 1;
+#else
+constexpr int kTileChunks = 8;  // 8 x 4 lanes (NEON, 128-bit SVE)
+constexpr int kTileRows = 2;
+#endif
+
+// AddWeightedTile for bfloat16 values in pairs (see PairedDotKeys): the
+// even and odd columns of kPairs * 2 * Lanes() columns from c0 (all below
+// dim) accumulate apart, deinterleaved on load and interleaved on store.
+template <int kRows, int kPairs>
+void PairedAddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
+                           int64_t cols, int64_t c0, int64_t dim, float* acc) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  const auto high = hn::Set(du, 0xffff0000u);
+  const int64_t lanes = Lanes();
+  V even[kRows][kPairs], odd[kRows][kPairs];
+  for (int r = 0; r < kRows; ++r) {
+    for (int ch = 0; ch < kPairs; ++ch) {
+      hn::LoadInterleaved2(d, acc + r * dim + c0 + ch * 2 * lanes, even[r][ch],
+                           odd[r][ch]);
+    }
+  }
+  const int64_t tile_bytes = kPairs * 2 * lanes * 2;
+  const int64_t ahead = std::max<int64_t>(1, kPrefetchBytes / (dim * 2));
+  const uint16_t* base = static_cast<const uint16_t*>(values.data) + c0;
+  for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
+    PrefetchRow(reinterpret_cast<const char*>(base + j * values.stride),
+                tile_bytes);
+  }
+  for (int64_t j = 0; j < cols; ++j) {
+    PrefetchRow(
+        reinterpret_cast<const char*>(base + (j + ahead) * values.stride),
+        tile_bytes);
+    V ve[kPairs], vo[kPairs];
+    for (int ch = 0; ch < kPairs; ++ch) {
+      const auto pairs =
+          hn::LoadU(du, reinterpret_cast<const uint32_t*>(
+                            base + j * values.stride + ch * 2 * lanes));
+      ve[ch] = hn::BitCast(d, hn::ShiftLeft<16>(pairs));
+      vo[ch] = hn::BitCast(d, hn::And(pairs, high));
+    }
+    for (int r = 0; r < kRows; ++r) {
+      const V w = hn::Set(d, p[r * ld + j]);
+      for (int ch = 0; ch < kPairs; ++ch) {
+        even[r][ch] = hn::MulAdd(w, ve[ch], even[r][ch]);
+        odd[r][ch] = hn::MulAdd(w, vo[ch], odd[r][ch]);
+      }
+    }
+  }
+  for (int r = 0; r < kRows; ++r) {
+    for (int ch = 0; ch < kPairs; ++ch) {
+      hn::StoreInterleaved2(even[r][ch], odd[r][ch], d,
+                            acc + r * dim + c0 + ch * 2 * lanes);
+    }
+  }
+}
+
+// Rows of the paired tile: what the registers hold with 2 * kTileChunks
+// accumulators a row.
+#if HWY_TARGET == HWY_AVX3 || HWY_TARGET == HWY_AVX3_DL
+constexpr int kPairedTileRows = 2;
+#else
+constexpr int kPairedTileRows = 1;
+#endif
+
+void PairedAddWeightedRows(const float* p, int64_t ld, int64_t rows,
+                           const CachedRows& values, int64_t cols, int64_t dim,
+                           float* acc) {
+  constexpr int kPairs = kTileChunks / 2;
+  const int64_t width = kPairs * 2 * Lanes();
+  for (int64_t c0 = 0; c0 < dim; c0 += width) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kPairedTileRows) {
+      const float* pr = p + r0 * ld;
+      float* ar = acc + r0 * dim;
+      const bool whole = dim - c0 >= width;
+      if (whole && rows - r0 >= kPairedTileRows) {
+        PairedAddWeightedTile<kPairedTileRows, kPairs>(pr, ld, values, cols, c0,
+                                                       dim, ar);
+        continue;
+      }
+      for (int64_t r = r0; r < std::min(rows, r0 + kPairedTileRows); ++r) {
+        if (whole) {
+          PairedAddWeightedTile<1, kPairs>(p + r * ld, ld, values, cols, c0,
+                                           dim, acc + r * dim);
+        } else {
+          AddWeightedTile<RowType::kBFloat16, 1, kTileChunks>(
+              p + r * ld, ld, values, cols, c0, dim, acc + r * dim);
+        }
+      }
+    }
+  }
+}
+
 template <RowType kType>
 void AddWeightedRowsOf(const float* p, int64_t ld, int64_t rows,
                        const CachedRows& values, int64_t cols, int64_t dim,
                        float* acc) {
-  constexpr int kChunks = 4;
-  const int64_t width = kChunks * Lanes();
+  const int64_t width = kTileChunks * Lanes();
   for (int64_t c0 = 0; c0 < dim; c0 += width) {
     int64_t r0 = 0;
-    for (; r0 + 2 <= rows; r0 += 2) {
-      AddWeightedTile<kType, 2, kChunks>(p + r0 * ld, ld, values, cols, c0, dim,
-                                         acc + r0 * dim);
+    for (; r0 + kTileRows <= rows; r0 += kTileRows) {
+      AddWeightedTile<kType, kTileRows, kTileChunks>(
+          p + r0 * ld, ld, values, cols, c0, dim, acc + r0 * dim);
     }
-    if (r0 < rows) {
-      AddWeightedTile<kType, 1, kChunks>(p + r0 * ld, ld, values, cols, c0, dim,
-                                         acc + r0 * dim);
+    for (; r0 < rows; ++r0) {
+      AddWeightedTile<kType, 1, kTileChunks>(p + r0 * ld, ld, values, cols, c0,
+                                             dim, acc + r0 * dim);
     }
   }
 }
@@ -665,6 +841,9 @@ void AddWeightedRows(const float* p, int64_t ld, int64_t rows,
       return AddWeightedRowsOf<RowType::kFloat32>(p, ld, rows, values, cols,
                                                   dim, acc);
     case RowType::kBFloat16:
+      if (PairsFit(dim)) {
+        return PairedAddWeightedRows(p, ld, rows, values, cols, dim, acc);
+      }
       return AddWeightedRowsOf<RowType::kBFloat16>(p, ld, rows, values, cols,
                                                    dim, acc);
     case RowType::kInt8:
