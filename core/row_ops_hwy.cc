@@ -405,6 +405,7 @@ void PrefetchRow(const char* row, int64_t bytes) {
 
 // kKeys keys at a time against each query row: their accumulators are
 // independent chains, and the query's vectors are read once for all.
+#if !HWY_HAVE_SCALABLE
 template <RowType kType, int kKeys>
 void DotKeys(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
              int64_t j, float* out, int64_t ld) {
@@ -431,6 +432,31 @@ void DotKeys(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
     }
   }
 }
+
+#else   // Sizeless vectors (SVE) form no arrays: one accumulator at a time.
+template <RowType kType, int kKeys>
+void DotKeys(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
+             int64_t j, float* out, int64_t ld) {
+  const D d;
+  const int64_t lanes = Lanes();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int k = 0; k < kKeys; ++k) {
+      V acc = hn::Zero(d);
+      for (int64_t c = 0; c < dim; c += lanes) {
+        const int64_t count = std::min(lanes, dim - c);
+        const float* qc = q + r * dim + c;
+        acc = hn::MulAdd(
+            count == lanes ? hn::LoadU(d, qc) : LoadTail(qc, count, 0),
+            LoadCached<kType>(keys.data, (j + k) * keys.stride + c, count),
+            acc);
+      }
+      float sum = SumOfLanes(acc);
+      if constexpr (kType == RowType::kInt8) sum *= keys.scales[j + k];
+      out[r * ld + j + k] = sum;
+    }
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE
 
 template <RowType kType>
 void DotRowsOf(const float* q, int64_t rows, int64_t dim,
@@ -462,6 +488,7 @@ void DotRowsOf(const float* q, int64_t rows, int64_t dim,
 // instructions for two vectors where widening costs four. The query rows
 // are split to match (`split`: per 2 * Lanes() elements, the even ones
 // then the odd ones); each key sums its even and odd products apart.
+#if !HWY_HAVE_SCALABLE
 template <int kKeys>
 void PairedDotKeys(const float* split, int64_t rows, int64_t dim,
                    const CachedRows& keys, int64_t j, float* out, int64_t ld) {
@@ -491,6 +518,33 @@ void PairedDotKeys(const float* split, int64_t rows, int64_t dim,
     }
   }
 }
+
+#else   // Sizeless vectors (SVE) form no arrays: one accumulator at a time.
+template <int kKeys>
+void PairedDotKeys(const float* split, int64_t rows, int64_t dim,
+                   const CachedRows& keys, int64_t j, float* out, int64_t ld) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  const auto high = hn::Set(du, 0xffff0000u);
+  const int64_t lanes = Lanes();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int k = 0; k < kKeys; ++k) {
+      V even = hn::Zero(d), odd = hn::Zero(d);
+      for (int64_t c = 0; c < dim; c += 2 * lanes) {
+        const auto pairs =
+            hn::LoadU(du, reinterpret_cast<const uint32_t*>(
+                              static_cast<const uint16_t*>(keys.data) +
+                              (j + k) * keys.stride + c));
+        even = hn::MulAdd(hn::LoadU(d, split + r * dim + c),
+                          hn::BitCast(d, hn::ShiftLeft<16>(pairs)), even);
+        odd = hn::MulAdd(hn::LoadU(d, split + r * dim + c + lanes),
+                         hn::BitCast(d, hn::And(pairs, high)), odd);
+      }
+      out[r * ld + j + k] = SumOfLanes(hn::Add(even, odd));
+    }
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE
 
 // Whether bfloat16 rows of `dim` take the paired path: whole pairs of
 // vectors.
@@ -536,6 +590,7 @@ void PairedDotRows(const float* q, int64_t rows, int64_t dim,
 using D16 = hn::ScalableTag<int16_t>;
 using D32 = hn::Repartition<int32_t, D16>;
 
+#if !HWY_HAVE_SCALABLE
 template <int kKeys>
 void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
                     int64_t rows, int64_t dim, const CachedRows& keys,
@@ -571,6 +626,40 @@ void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
     }
   }
 }
+
+#else   // Sizeless vectors (SVE) form no arrays: one accumulator at a time.
+template <int kKeys>
+void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
+                    int64_t rows, int64_t dim, const CachedRows& keys,
+                    int64_t j, float* out, int64_t ld) {
+  const D16 d16;
+  const D32 d32;
+  const hn::Rebind<int8_t, D16> d8;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d16));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int k = 0; k < kKeys; ++k) {
+      auto sum0 = hn::Zero(d32), sum1 = hn::Zero(d32);
+      for (int64_t c = 0; c < dim; c += lanes) {
+        const int64_t count = std::min(lanes, dim - c);
+        const int8_t* p =
+            static_cast<const int8_t*>(keys.data) + (j + k) * keys.stride + c;
+        HWY_ALIGN int8_t buffer[kMaxBytes / sizeof(int16_t)];
+        if (count < lanes) {
+          std::memset(buffer, 0, sizeof(buffer));
+          std::memcpy(buffer, p, static_cast<size_t>(count));
+          p = buffer;
+        }
+        sum0 = hn::ReorderWidenMulAccumulate(
+            d32, hn::LoadU(d16, codes + r * padded + c),
+            hn::PromoteTo(d16, hn::LoadU(d8, p)), sum0, sum1);
+      }
+      const int32_t dot = hn::GetLane(hn::SumOfLanes(d32, hn::Add(sum0, sum1)));
+      out[r * ld + j + k] =
+          static_cast<float>(dot) * (scales[r] * keys.scales[j + k]);
+    }
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE
 
 // Query row q[0..dim) as int16 codes (zero up to `padded`) and their scale;
 // false if the row is not all finite.
@@ -653,6 +742,7 @@ void DotRows(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
   }
 }
 
+#if !HWY_HAVE_SCALABLE
 // kRows rows x kChunks vectors of acc (from column c0) in registers, over
 // every value row: kChunks loads of a value row and kRows broadcasts feed
 // kRows * kChunks multiply-adds. `count`: the columns left from c0 (the
@@ -711,6 +801,36 @@ void AddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
   }
 }
 
+#else   // Sizeless vectors (SVE) form no arrays: one accumulator at a time.
+template <RowType kType, int kRows, int kChunks>
+void AddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
+                     int64_t cols, int64_t c0, int64_t dim, float* acc) {
+  const D d;
+  const int64_t lanes = Lanes();
+  for (int r = 0; r < kRows; ++r) {
+    for (int ch = 0; ch < kChunks; ++ch) {
+      const int64_t c = c0 + ch * lanes;
+      const int64_t count = std::clamp<int64_t>(dim - c, 0, lanes);
+      if (count == 0) continue;
+      float* at = acc + r * dim + c;
+      V a = count == lanes ? hn::LoadU(d, at) : LoadTail(at, count, 0.0f);
+      for (int64_t j = 0; j < cols; ++j) {
+        float w = p[r * ld + j];
+        if constexpr (kType == RowType::kInt8) w *= values.scales[j];
+        a = hn::MulAdd(
+            hn::Set(d, w),
+            LoadCached<kType>(values.data, j * values.stride + c, count), a);
+      }
+      if (count == lanes) {
+        hn::StoreU(a, d, at);
+      } else {
+        StoreTail(a, at, count);
+      }
+    }
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE
+
 // A tile's columns: 64 floats where registers allow (a value row of a
 // head dim up to 64 is read whole, front to back, for the prefetchers;
 // narrower tiles read each row in parts, in passes over the block), in
@@ -727,6 +847,7 @@ constexpr int kTileChunks = 8;  // 8 x 4 lanes (NEON, 128-bit SVE)
 constexpr int kTileRows = 2;
 #endif
 
+#if !HWY_HAVE_SCALABLE
 // AddWeightedTile for bfloat16 values in pairs (see PairedDotKeys): the
 // even and odd columns of kPairs * 2 * Lanes() columns from c0 (all below
 // dim) accumulate apart, deinterleaved on load and interleaved on store.
@@ -778,6 +899,34 @@ void PairedAddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
     }
   }
 }
+
+#else   // Sizeless vectors (SVE) form no arrays: one accumulator at a time.
+template <int kRows, int kPairs>
+void PairedAddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
+                           int64_t cols, int64_t c0, int64_t dim, float* acc) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  const auto high = hn::Set(du, 0xffff0000u);
+  const int64_t lanes = Lanes();
+  const uint16_t* base = static_cast<const uint16_t*>(values.data) + c0;
+  for (int r = 0; r < kRows; ++r) {
+    for (int ch = 0; ch < kPairs; ++ch) {
+      float* at = acc + r * dim + c0 + ch * 2 * lanes;
+      V even, odd;
+      hn::LoadInterleaved2(d, at, even, odd);
+      for (int64_t j = 0; j < cols; ++j) {
+        const auto pairs =
+            hn::LoadU(du, reinterpret_cast<const uint32_t*>(
+                              base + j * values.stride + ch * 2 * lanes));
+        const V w = hn::Set(d, p[r * ld + j]);
+        even = hn::MulAdd(w, hn::BitCast(d, hn::ShiftLeft<16>(pairs)), even);
+        odd = hn::MulAdd(w, hn::BitCast(d, hn::And(pairs, high)), odd);
+      }
+      hn::StoreInterleaved2(even, odd, d, at);
+    }
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE
 
 // Rows of the paired tile: what the registers hold with 2 * kTileChunks
 // accumulators a row.

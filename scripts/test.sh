@@ -4,8 +4,9 @@
 # quick start's server; with CI=true a one-minute soak; then one clang tree
 # with AddressSanitizer, UndefinedBehaviorSanitizer, libFuzzer's coverage
 # hooks and -Wthread-safety as errors, whose test suite runs and whose fuzz
-# targets then run ATTNSERVE_CI_FUZZ_SECONDS (35) each with CI=true; and the
-# concurrency tests built with ThreadSanitizer. --quick runs the Release
+# targets then run ATTNSERVE_CI_FUZZ_SECONDS (35) each with CI=true; the
+# kernel suite cross-compiled for AArch64 and run under qemu (NEON, SVE,
+# SVE2); and the concurrency tests built with ThreadSanitizer. --quick runs the Release
 # build and tests and the lock-annotation check only.
 # Every build uses Ninja and ccache (CCACHE_BASEDIR is the checkout, so the
 # README check's copy of it hits the same cache). Each stage's minutes are
@@ -105,6 +106,11 @@ if [[ "${CI:-}" == "true" ]]; then
   ATTNSERVE_FUZZ_BUILD=$sanitize \
     "$root/scripts/fuzz.sh" "${ATTNSERVE_CI_FUZZ_SECONDS:-35}"
 fi
+
+# The kernels on ARM: the core cross-compiled for AArch64, its kernel suite
+# under qemu-user with SVE/SVE2 and with NEON alone.
+stage "AArch64 cross build and kernel tests under qemu (NEON, SVE, SVE2)"
+"$root/scripts/test-arm.sh"
 
 # ThreadSanitizer sees only instrumented code. Debian's libgomp, gRPC and
 # abseil are not instrumented, so their synchronization is invisible and

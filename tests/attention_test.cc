@@ -551,48 +551,6 @@ TEST(AttendTest, PrimitivesAreCreatedOncePerShape) {
   EXPECT_EQ(PrimitiveCache::Global().creations(), after_first);
 }
 
-TEST(RowOpsTest, VectorizedMatchesScalar) {
-  const RowOps& fast = GetRowOps();
-  const RowOps& scalar = ScalarRowOps();
-  std::mt19937 rng(8);
-  std::uniform_real_distribution<float> uniform(-30.0f, 5.0f);
-  for (int64_t n : {1, 7, 16, 17, 100, 1000}) {
-    std::vector<float> a(n), b(n);
-    for (int64_t i = 0; i < n; ++i)
-      a[i] = i % 5 == 3 ? -INFINITY : uniform(rng);
-    b = a;
-    EXPECT_EQ(fast.scale_max(a.data(), n, 0.5f),
-              scalar.scale_max(b.data(), n, 0.5f));
-    EXPECT_EQ(fast.max(a.data(), n), scalar.max(b.data(), n));
-    const float shift = scalar.max(b.data(), n);
-    std::vector<uint16_t> fast_bf16(n), scalar_bf16(n);
-    EXPECT_NEAR(
-        fast.exp_sum_bf16(a.data(), n, 0.5f, shift, fast_bf16.data()),
-        scalar.exp_sum_bf16(b.data(), n, 0.5f, shift, scalar_bf16.data()),
-        1e-5f * n);
-    for (int64_t i = 0; i < n; ++i) {
-      EXPECT_NEAR(BFloat16ToFloat(fast_bf16[i]),
-                  BFloat16ToFloat(scalar_bf16[i]),
-                  1e-2f * BFloat16ToFloat(scalar_bf16[i]) + 1e-30f);
-    }
-    EXPECT_EQ(fast.max_scaled(a.data(), n, -2.0f),
-              scalar.max_scaled(b.data(), n, -2.0f));
-    const float fast_sum = fast.exp_sum(a.data(), n, 1.0f, shift);
-    const float scalar_sum = scalar.exp_sum(b.data(), n, 1.0f, shift);
-    EXPECT_NEAR(fast_sum, scalar_sum, 1e-6f * scalar_sum) << n;
-    for (int64_t i = 0; i < n; ++i) {
-      if (i % 5 == 3) {
-        EXPECT_EQ(a[i], 0.0f) << "exp(-inf) must be exactly 0";
-      } else {
-        EXPECT_NEAR(a[i], b[i], 2e-7f * b[i] + 1e-30f) << n << " " << i;
-      }
-    }
-    fast.scale(a.data(), n, 3.0f);
-    scalar.scale(b.data(), n, 3.0f);
-    EXPECT_NEAR(a[0], b[0], 1e-6f * std::abs(b[0]) + 1e-30f);
-  }
-}
-
 TEST(AttendTest, CancelledCallStopsWithCancelled) {
   std::mt19937 rng(12);
   Tensor q = RandomTensor(DType::kFloat32, {2, 300, 16}, rng);
@@ -1090,64 +1048,6 @@ TEST(AttendTest, MaskRejectsNaNAndPlusInfNamingTheIndex) {
     auto r = Attend({q.view(), k.view(), v.view(), mask.view()}, {});
     EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
     EXPECT_EQ(r.status().message(), c.message);
-  }
-}
-
-// Every row-ops implementation: maxima ignore NaN, exp passes it through,
-// and conversions to bfloat16 keep NaN a NaN and Inf an Inf of its sign.
-TEST(RowOpsTest, NonFiniteValues) {
-  const uint32_t nan_bits[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u,
-                               0x7fffffffu, 0xffffffffu, 0x7fbfffffu};
-  for (const RowOps* ops : SupportedRowOps()) {
-    SCOPED_TRACE(ops->name);
-    for (int64_t n : {1, 5, 16, 17, 40}) {
-      for (int64_t at = 0; at < n; at += 7) {
-        std::vector<float> x(n);
-        for (int64_t i = 0; i < n; ++i) x[i] = -0.25f * static_cast<float>(i);
-        x[at] = NAN;
-        const float expected_max = at == 0 ? (n > 1 ? -0.25f : -INFINITY) : 0;
-        EXPECT_EQ(ops->max(x.data(), n), expected_max) << n << " " << at;
-        EXPECT_EQ(ops->max_scaled(x.data(), n, 2.0f), 2 * expected_max);
-        std::vector<float> y = x;
-        EXPECT_EQ(ops->scale_max(y.data(), n, 2.0f), 2 * expected_max);
-        EXPECT_TRUE(std::isnan(y[at]));
-        EXPECT_FALSE(ops->all_finite(x.data(), n));
-        std::vector<uint16_t> bf16(n);
-        EXPECT_TRUE(std::isnan(
-            ops->exp_sum_bf16(x.data(), n, 1.0f, 0.0f, bf16.data())));
-        EXPECT_TRUE(std::isnan(BFloat16ToFloat(bf16[at])));
-        y = x;
-        EXPECT_TRUE(std::isnan(ops->exp_sum(y.data(), n, 1.0f, 0.0f)));
-        EXPECT_TRUE(std::isnan(y[at]));
-        if (n > 1) {
-          EXPECT_NEAR(y[at == 0 ? 1 : 0], at == 0 ? std::exp(-0.25f) : 1.0f,
-                      1e-6f);
-        }
-        x[at] = -INFINITY;
-        y = x;
-        EXPECT_FALSE(std::isnan(ops->exp_sum(y.data(), n, 1.0f, 0.0f)));
-        EXPECT_EQ(y[at], 0.0f);
-        x[at] = 1.0f;
-        EXPECT_TRUE(ops->all_finite(x.data(), n));
-        x[at] = -INFINITY;
-        EXPECT_FALSE(ops->all_finite(x.data(), n));
-      }
-    }
-    for (uint32_t bits : nan_bits) {
-      std::vector<float> x(20, 1.5f);
-      std::memcpy(&x[17], &bits, sizeof(float));
-      x[3] = INFINITY;
-      x[4] = -INFINITY;
-      x[5] = 3.4028235e38f;  // rounds up to +Inf
-      std::vector<uint16_t> out(20);
-      ops->scale_to_bf16(x.data(), 20, 1.0f, out.data());
-      EXPECT_TRUE(std::isnan(BFloat16ToFloat(out[17]))) << std::hex << bits;
-      EXPECT_EQ(out[17] & 0x8000u, (bits >> 16) & 0x8000u) << std::hex << bits;
-      EXPECT_EQ(BFloat16ToFloat(out[3]), INFINITY);
-      EXPECT_EQ(BFloat16ToFloat(out[4]), -INFINITY);
-      EXPECT_EQ(BFloat16ToFloat(out[5]), INFINITY);
-      EXPECT_EQ(BFloat16ToFloat(out[0]), 1.5f);
-    }
   }
 }
 

@@ -1,0 +1,261 @@
+// The row kernels (core/row_ops.h) on every implementation this CPU runs
+// (hand-written AVX-512, each instruction set of the portable one, scalar),
+// against float64 and the non-finite rules: small inputs, so that the suite
+// also runs under emulation (scripts/test-arm.sh).
+#include "core/row_ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/convert.h"
+#include "gtest/gtest.h"
+
+namespace attnserve::testing {
+namespace {
+
+class RowOpsTest : public ::testing::TestWithParam<int> {
+ protected:
+  const RowOps& ops() const { return *SupportedRowOps()[GetParam()]; }
+};
+
+// The softmax's row operations agree with the scalar ones: maxima exactly,
+// exp to 2e-7, bfloat16 values to their rounding.
+TEST_P(RowOpsTest, MatchesScalar) {
+  const RowOps& fast = ops();
+  const RowOps& scalar = ScalarRowOps();
+  std::mt19937 rng(8);
+  std::uniform_real_distribution<float> uniform(-30.0f, 5.0f);
+  for (int64_t n : {1, 7, 16, 17, 100, 1000}) {
+    std::vector<float> a(n), b(n);
+    for (int64_t i = 0; i < n; ++i)
+      a[i] = i % 5 == 3 ? -INFINITY : uniform(rng);
+    b = a;
+    EXPECT_EQ(fast.scale_max(a.data(), n, 0.5f),
+              scalar.scale_max(b.data(), n, 0.5f));
+    EXPECT_EQ(fast.max(a.data(), n), scalar.max(b.data(), n));
+    const float shift = scalar.max(b.data(), n);
+    std::vector<uint16_t> fast_bf16(n), scalar_bf16(n);
+    EXPECT_NEAR(
+        fast.exp_sum_bf16(a.data(), n, 0.5f, shift, fast_bf16.data()),
+        scalar.exp_sum_bf16(b.data(), n, 0.5f, shift, scalar_bf16.data()),
+        1e-5f * n);
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_NEAR(BFloat16ToFloat(fast_bf16[i]),
+                  BFloat16ToFloat(scalar_bf16[i]),
+                  1e-2f * BFloat16ToFloat(scalar_bf16[i]) + 1e-30f);
+    }
+    EXPECT_EQ(fast.max_scaled(a.data(), n, -2.0f),
+              scalar.max_scaled(b.data(), n, -2.0f));
+    const float fast_sum = fast.exp_sum(a.data(), n, 1.0f, shift);
+    const float scalar_sum = scalar.exp_sum(b.data(), n, 1.0f, shift);
+    EXPECT_NEAR(fast_sum, scalar_sum, 1e-6f * scalar_sum) << n;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i % 5 == 3) {
+        EXPECT_EQ(a[i], 0.0f) << "exp(-inf) must be exactly 0";
+      } else {
+        EXPECT_NEAR(a[i], b[i], 2e-7f * b[i] + 1e-30f) << n << " " << i;
+      }
+    }
+    fast.scale(a.data(), n, 3.0f);
+    scalar.scale(b.data(), n, 3.0f);
+    EXPECT_NEAR(a[0], b[0], 1e-6f * std::abs(b[0]) + 1e-30f);
+  }
+}
+
+// Every row-ops implementation: maxima ignore NaN, exp passes it through,
+// and conversions to bfloat16 keep NaN a NaN and Inf an Inf of its sign.
+TEST_P(RowOpsTest, NonFiniteValues) {
+  const uint32_t nan_bits[] = {0x7fc00000u, 0xffc00000u, 0x7f800001u,
+                               0x7fffffffu, 0xffffffffu, 0x7fbfffffu};
+  {
+    const RowOps* ops = &this->ops();
+    for (int64_t n : {1, 5, 16, 17, 40}) {
+      for (int64_t at = 0; at < n; at += 7) {
+        std::vector<float> x(n);
+        for (int64_t i = 0; i < n; ++i) x[i] = -0.25f * static_cast<float>(i);
+        x[at] = NAN;
+        const float expected_max = at == 0 ? (n > 1 ? -0.25f : -INFINITY) : 0;
+        EXPECT_EQ(ops->max(x.data(), n), expected_max) << n << " " << at;
+        EXPECT_EQ(ops->max_scaled(x.data(), n, 2.0f), 2 * expected_max);
+        std::vector<float> y = x;
+        EXPECT_EQ(ops->scale_max(y.data(), n, 2.0f), 2 * expected_max);
+        EXPECT_TRUE(std::isnan(y[at]));
+        EXPECT_FALSE(ops->all_finite(x.data(), n));
+        std::vector<uint16_t> bf16(n);
+        EXPECT_TRUE(std::isnan(
+            ops->exp_sum_bf16(x.data(), n, 1.0f, 0.0f, bf16.data())));
+        EXPECT_TRUE(std::isnan(BFloat16ToFloat(bf16[at])));
+        y = x;
+        EXPECT_TRUE(std::isnan(ops->exp_sum(y.data(), n, 1.0f, 0.0f)));
+        EXPECT_TRUE(std::isnan(y[at]));
+        if (n > 1) {
+          EXPECT_NEAR(y[at == 0 ? 1 : 0], at == 0 ? std::exp(-0.25f) : 1.0f,
+                      1e-6f);
+        }
+        x[at] = -INFINITY;
+        y = x;
+        EXPECT_FALSE(std::isnan(ops->exp_sum(y.data(), n, 1.0f, 0.0f)));
+        EXPECT_EQ(y[at], 0.0f);
+        x[at] = 1.0f;
+        EXPECT_TRUE(ops->all_finite(x.data(), n));
+        x[at] = -INFINITY;
+        EXPECT_FALSE(ops->all_finite(x.data(), n));
+      }
+    }
+    for (uint32_t bits : nan_bits) {
+      std::vector<float> x(20, 1.5f);
+      std::memcpy(&x[17], &bits, sizeof(float));
+      x[3] = INFINITY;
+      x[4] = -INFINITY;
+      x[5] = 3.4028235e38f;  // rounds up to +Inf
+      std::vector<uint16_t> out(20);
+      ops->scale_to_bf16(x.data(), 20, 1.0f, out.data());
+      EXPECT_TRUE(std::isnan(BFloat16ToFloat(out[17]))) << std::hex << bits;
+      EXPECT_EQ(out[17] & 0x8000u, (bits >> 16) & 0x8000u) << std::hex << bits;
+      EXPECT_EQ(BFloat16ToFloat(out[3]), INFINITY);
+      EXPECT_EQ(BFloat16ToFloat(out[4]), -INFINITY);
+      EXPECT_EQ(BFloat16ToFloat(out[5]), INFINITY);
+      EXPECT_EQ(BFloat16ToFloat(out[0]), 1.5f);
+    }
+  }
+}
+
+// The decode kernel's row products on every row type (FLOAT32, BFLOAT16,
+// INT8 with a scale per row) against float64 sums of the same (rounded)
+// elements, over lengths that are not multiples of the vectors' and odd
+// strides.
+TEST_P(RowOpsTest, RowProductsMatchFloat64) {
+  std::mt19937 rng(11);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  const RowOps& ops = this->ops();
+  const bool int16_queries = ops.int8_keys_round_queries;
+  for (RowType type : {RowType::kFloat32, RowType::kBFloat16, RowType::kInt8}) {
+    for (int64_t dim : {int64_t{5}, int64_t{64}, int64_t{72}, int64_t{128}}) {
+      const int64_t rows = 3, cols = 37, stride = dim + 3;
+      std::vector<float> f32(cols * stride);
+      std::vector<uint16_t> bf16(cols * stride);
+      std::vector<int8_t> i8(cols * stride);
+      std::vector<float> scales(cols);
+      std::vector<double> element(cols * stride);  // what each one stands for
+      for (int64_t j = 0; j < cols; ++j) {
+        scales[j] = 0.01f * static_cast<float>(j + 1);
+        for (int64_t c = 0; c < stride; ++c) {
+          const int64_t at = j * stride + c;
+          f32[at] = uniform(rng);
+          bf16[at] = FloatToBFloat16(f32[at]);
+          i8[at] = static_cast<int8_t>(std::lround(127 * f32[at]));
+          element[at] = type == RowType::kFloat32 ? f32[at]
+                        : type == RowType::kBFloat16
+                            ? BFloat16ToFloat(bf16[at])
+                            : static_cast<double>(i8[at]) * scales[j];
+        }
+      }
+      CachedRows cached;
+      cached.data =
+          type == RowType::kFloat32    ? static_cast<const void*>(f32.data())
+          : type == RowType::kBFloat16 ? static_cast<const void*>(bf16.data())
+                                       : static_cast<const void*>(i8.data());
+      cached.stride = stride;
+      cached.type = type;
+      cached.scales = scales.data();
+      std::vector<float> q(rows * dim), p(rows * cols);
+      for (float& x : q) x = uniform(rng);
+      for (float& x : p) x = uniform(rng);
+      std::vector<float> logits(rows * cols, -1.0f);
+      ops.dot_rows(q.data(), rows, dim, cached, cols, logits.data(), cols);
+      std::vector<float> acc(rows * dim, 0.5f);
+      ops.add_weighted_rows(p.data(), cols, rows, cached, cols, dim,
+                            acc.data());
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t j = 0; j < cols; ++j) {
+          double want = 0, max_q = 0, key_l1 = 0;
+          for (int64_t c = 0; c < dim; ++c) {
+            want += double{q[r * dim + c]} * element[j * stride + c];
+            max_q = std::max(max_q, std::abs(double{q[r * dim + c]}));
+            key_l1 += std::abs(element[j * stride + c]);
+          }
+          // The integer path rounds a query row to int16 codes of step
+          // max|q| / 32767 (each code within half a step) for int8 keys.
+          const double rounding = type == RowType::kInt8 && int16_queries
+                                      ? 0.5 * max_q / 32767 * key_l1
+                                      : 0.0;
+          EXPECT_NEAR(logits[r * cols + j], want, 1e-5 * dim + rounding)
+              << ops.name << " type " << static_cast<int>(type) << " dim "
+              << dim << " row " << r << " key " << j;
+        }
+        for (int64_t c = 0; c < dim; ++c) {
+          double want = 0.5;
+          for (int64_t j = 0; j < cols; ++j) {
+            want += double{p[r * cols + j]} * element[j * stride + c];
+          }
+          EXPECT_NEAR(acc[r * dim + c], want, 1e-5 * cols)
+              << ops.name << " type " << static_cast<int>(type) << " dim "
+              << dim << " row " << r << " column " << c;
+        }
+      }
+    }
+  }
+}
+
+// LayerNorm and RMSNorm rows against float64, with and without gamma and
+// beta, over lengths around the vectors'; a constant row gives beta exactly,
+// and a mean large against the spread costs no accuracy.
+TEST_P(RowOpsTest, NormsMatchFloat64) {
+  std::mt19937 rng(21);
+  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+  for (int64_t n : {1, 3, 8, 17, 64, 100, 768}) {
+    for (const float offset : {0.0f, 1000.0f}) {
+      std::vector<float> x(n), gamma(n), beta(n), y(n);
+      for (int64_t i = 0; i < n; ++i) {
+        x[i] = offset + uniform(rng);
+        gamma[i] = uniform(rng);
+        beta[i] = uniform(rng);
+      }
+      double mean = 0, squares = 0, rms = 0;
+      for (float v : x) mean += v;
+      mean /= static_cast<double>(n);
+      for (float v : x) {
+        squares += (v - mean) * (v - mean);
+        rms += double{v} * v;
+      }
+      const double rstd = 1 / std::sqrt(squares / n + 1e-5);
+      const double rms_inverse = 1 / std::sqrt(rms / n + 1e-5);
+      for (bool affine : {false, true}) {
+        ops().layer_norm(x.data(), n, 1e-5f, affine ? gamma.data() : nullptr,
+                         affine ? beta.data() : nullptr, y.data());
+        for (int64_t i = 0; i < n; ++i) {
+          double want = (x[i] - mean) * rstd;
+          if (affine) want = want * gamma[i] + beta[i];
+          EXPECT_NEAR(y[i], want, 2e-5 * (1 + std::abs(want)))
+              << ops().name << " layer_norm n " << n << " offset " << offset
+              << " i " << i;
+        }
+        ops().rms_norm(x.data(), n, 1e-5f, affine ? gamma.data() : nullptr,
+                       y.data());
+        for (int64_t i = 0; i < n; ++i) {
+          const double want = x[i] * rms_inverse * (affine ? gamma[i] : 1.0);
+          EXPECT_NEAR(y[i], want, 2e-6 * (1 + std::abs(want)))
+              << ops().name << " rms_norm n " << n << " i " << i;
+        }
+      }
+    }
+    std::vector<float> constant(n, 3.25f), y(n), beta(n, 0.5f);
+    ops().layer_norm(constant.data(), n, 1e-5f, nullptr, beta.data(), y.data());
+    for (float v : y) EXPECT_EQ(v, 0.5f) << ops().name << " n " << n;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Implementations, RowOpsTest,
+    ::testing::Range(0, static_cast<int>(SupportedRowOps().size())),
+    [](const auto& info) {
+      return std::string(SupportedRowOps()[info.param]->name);
+    });
+
+}  // namespace
+}  // namespace attnserve::testing
