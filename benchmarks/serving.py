@@ -29,6 +29,12 @@ one multi-layer row (16 sessions x 4 layers, float32, one batched call per
 layer of each token, attnctl --layers); and the coalescing wait
 (--coalesce_steps_us) compared at 16 sessions.
 
+The instruction sets (--part=isa) compare, in one run, the decode rows
+that carry targets (one session, and 16 batched, per cache dtype) with the
+server's row kernels capped at each instruction set the CPU has
+(ATTNSERVE_CPU_ISA: scalar, sse4, avx2, avx512 on x86-64), each as a share
+of the read bandwidth measured right before it.
+
 The size sweep (--part=sizes; --part=all runs both) measures what a user
 sees end to end as messages grow: LayerNorm [rows, 512] moving 0.25 MB to
 128 MB (input plus output) and the large cases of the serving targets,
@@ -69,7 +75,8 @@ def parse_args():
     parser.add_argument("--no_pin", action="store_true")
     parser.add_argument("--json", help="also write the figures here")
     parser.add_argument("--part",
-                        choices=("all", "baselines", "sizes", "decode"),
+                        choices=("all", "baselines", "sizes", "decode",
+                                 "isa"),
                         default="all")
     parser.add_argument("--sweep_duration_s", type=float, default=3,
                         help="measured seconds per size-sweep case")
@@ -496,12 +503,82 @@ def read_bandwidth(bench, sizes=("l3", "dram"), min_time=1):
     return {s: best[size_bytes[s]] for s in sizes}
 
 
-def decode_server(bench, *flags):
+def decode_server(bench, *flags, isa=None):
+    env = None
+    if isa:
+        env = dict(os.environ, ATTNSERVE_CPU_ISA=isa)
     return bench.start([
         os.path.join(bench.bin, "attnserve"), "--host=127.0.0.1",
         "--port=0", "--metrics_port=-1", "--http_port=-1",
         "--log_level=warning", *flags],
-        r"listening on 127\.0\.0\.1:(\d+)")
+        r"listening on 127\.0\.0\.1:(\d+)", env=env)
+
+
+# ATTNSERVE_CPU_ISA's values on x86-64, widest first.
+ISAS = ("avx512", "avx2", "sse4", "scalar")
+
+
+def cpu_isas(bench):
+    """The instruction sets the row kernels run on this CPU, widest first:
+    each value the server starts with and names unchanged (a value above
+    what the CPU has is capped, and named as the cap)."""
+    found = []
+    for isa in ISAS:
+        server, _ = decode_server(bench, isa=isa)
+        bench.stop(server)
+        named = re.search(r"isa (\w+)\)", bench.last_match.string)
+        if named and named[1] == isa:
+            found.append(isa)
+    return found
+
+
+def isa_part(args, bench):
+    """The decode rows with targets, per instruction set, in one run."""
+    figures = []
+    lines = []
+    for isa in cpu_isas(bench):
+        server, port = decode_server(bench, isa=isa)
+        try:
+            for name, flag, cache_flag, size, scales in DECODE_DTYPES:
+                for n in (1, 16):
+                    limit = "l3" if n == 1 else "dram"
+                    limit_gb_s = read_bandwidth(bench, (limit,), 0.3)[limit]
+                    r = decode_run(args, bench, port, flag, n, True,
+                                   cache_flag)
+                    # One session: the server's compute against L3 (the
+                    # cache stays there); more: end to end against DRAM.
+                    seconds = (r["compute_ms"] / 1e3 if n == 1
+                               else 1 / r["steps_s"] * n)
+                    gb_s = n * decode_step_bytes(size, scales) / seconds / 1e9
+                    figures.append({"isa": isa, "dtype": name, "sessions": n,
+                                    "gb_s": gb_s, "limit": limit,
+                                    "limit_gb_s": limit_gb_s, **r})
+                    lines.append((isa, name, n, f"{r['steps_s']:.0f}",
+                                  f"{r['compute_ms']:.3f}", f"{gb_s:.1f}",
+                                  f"{limit_gb_s:.1f}",
+                                  f"{gb_s / limit_gb_s:.0%} of "
+                                  f"{limit.upper()}"))
+        finally:
+            bench.stop(server)
+    header = ("isa", "dtype", "sessions", "steps/s", "compute p50 ms",
+              "cache GB/s", "limit GB/s", "share")
+    widths = [max(len(str(r[i])) for r in lines + [header])
+              for i in range(len(header))]
+    print("\nDecode steps at 4096 cached tokens, H8 d64, per instruction "
+          "set (ATTNSERVE_CPU_ISA); one session: server compute against L3 "
+          "read; 16 sessions in one SessionSteps call: end to end against "
+          "DRAM read\n")
+    for r in [header] + lines:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    by = {(f["isa"], f["dtype"], f["sessions"]): f for f in figures}
+    print()
+    for isa in dict.fromkeys(f["isa"] for f in figures):
+        f32 = by[(isa, "float32", 16)]["steps_s"]
+        print(f"{isa}: 16 sessions, bfloat16 "
+              f"{by[(isa, 'bfloat16', 16)]['steps_s'] / f32:.2f}x and int8 "
+              f"{by[(isa, 'int8', 16)]['steps_s'] / f32:.2f}x the float32 "
+              f"steps/s")
+    return figures
 
 
 def decode_step_bytes(element_bytes, scale_bytes):
@@ -690,6 +767,12 @@ def main():
     bench = Bench(args)
     rows = []
     figures = {}
+    if args.part == "isa":
+        figures["isa"] = isa_part(args, bench)
+        if args.json:
+            with open(args.json, "w") as out:
+                json.dump(figures, out, indent=2)
+        return 0
     if args.part in ("all", "decode"):
         decode, targets = decode_part(args, bench)
         figures["decode"] = decode
