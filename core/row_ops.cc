@@ -30,6 +30,7 @@ using row_ops_internal::FinishLayerNormRow;
 using row_ops_internal::kIntegerDotMaxDim;
 using row_ops_internal::kPrefetchBytes;
 using row_ops_internal::LayerNormRow;
+using row_ops_internal::QuantizeQueryInt16;
 using row_ops_internal::RmsNormInverse;
 
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
@@ -608,29 +609,6 @@ ATTN_AVX512 void Avx512DotRowsOf(const float* q, int64_t rows, int64_t dim,
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 constexpr int64_t kVnniMaxDim = kIntegerDotMaxDim;
 
-// Query row q[0..dim) as int16 codes into `codes` (zero-padded to a
-// multiple of 32) and returns their scale; false if the row is not all
-// finite.
-ATTN_AVX512 bool QuantizeQueryInt16(const float* q, int64_t dim, int16_t* codes,
-                                    float* scale) {
-  float max_abs = 0.0f;
-  for (int64_t c = 0; c < dim; ++c) {
-    if (!std::isfinite(q[c])) return false;
-    max_abs = std::max(max_abs, std::abs(q[c]));
-  }
-  *scale = max_abs / 32767.0f;
-  const float inverse = max_abs > 0.0f ? 32767.0f / max_abs : 0.0f;
-  const int64_t padded = (dim + 31) / 32 * 32;
-  for (int64_t c = 0; c < padded; ++c) {
-    // |q * inverse| <= 32767 up to rounding: clamp keeps it an int16.
-    codes[c] = c < dim
-                   ? static_cast<int16_t>(std::clamp(
-                         std::nearbyint(q[c] * inverse), -32767.0f, 32767.0f))
-                   : 0;
-  }
-  return true;
-}
-
 // dot_rows of `rows` query rows of int16 codes (`padded` apart, each with
 // its scale) against int8 keys: 16 keys at a time, 32 dims a step, the
 // keys' tile staying in L1 for the next row.
@@ -707,7 +685,7 @@ ATTN_AVX512_VNNI void Avx512VnniDotRows(const float* q, int64_t rows,
   };
   for (int64_t r = 0; r < rows; ++r) {
     if (n == 0) first = r;
-    if (!QuantizeQueryInt16(q + r * dim, dim, codes + n * padded,
+    if (!QuantizeQueryInt16(q + r * dim, dim, padded, codes + n * padded,
                             q_scales + n)) {
       flush();
       Avx512DotRowsOf<RowType::kInt8>(q + r * dim, 1, dim, keys, cols,

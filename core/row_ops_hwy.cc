@@ -36,6 +36,7 @@ using row_ops_internal::FinishLayerNormRow;
 using row_ops_internal::kIntegerDotMaxDim;
 using row_ops_internal::kPrefetchBytes;
 using row_ops_internal::LayerNormRow;
+using row_ops_internal::QuantizeQueryInt16;
 using row_ops_internal::RmsNormInverse;
 
 using D = hn::ScalableTag<float>;
@@ -661,26 +662,6 @@ void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
 }
 #endif  // !HWY_HAVE_SCALABLE
 
-// Query row q[0..dim) as int16 codes (zero up to `padded`) and their scale;
-// false if the row is not all finite.
-bool QuantizeQuery(const float* q, int64_t dim, int64_t padded, int16_t* codes,
-                   float* scale) {
-  float max_abs = 0.0f;
-  for (int64_t c = 0; c < dim; ++c) {
-    if (!std::isfinite(q[c])) return false;
-    max_abs = std::max(max_abs, std::abs(q[c]));
-  }
-  *scale = max_abs / 32767.0f;
-  const float inverse = max_abs > 0.0f ? 32767.0f / max_abs : 0.0f;
-  for (int64_t c = 0; c < padded; ++c) {
-    codes[c] = c < dim
-                   ? static_cast<int16_t>(std::clamp(
-                         std::nearbyint(q[c] * inverse), -32767.0f, 32767.0f))
-                   : 0;
-  }
-  return true;
-}
-
 // Int8 keys: rows in groups of up to 16 take the integer path; a row that
 // is not all finite takes the float path alone.
 void IntegerDotRows(const float* q, int64_t rows, int64_t dim,
@@ -697,8 +678,8 @@ void IntegerDotRows(const float* q, int64_t rows, int64_t dim,
     const int64_t n = std::min(kGroup, rows - r0);
     bool finite = true;
     for (int64_t r = 0; r < n && finite; ++r) {
-      finite = QuantizeQuery(q + (r0 + r) * dim, dim, padded,
-                             codes + r * padded, scales + r);
+      finite = QuantizeQueryInt16(q + (r0 + r) * dim, dim, padded,
+                                  codes + r * padded, scales + r);
     }
     if (!finite) {
       DotRowsOf<RowType::kInt8>(q + r0 * dim, n, dim, keys, cols, out + r0 * ld,

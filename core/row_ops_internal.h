@@ -6,6 +6,7 @@
 #ifndef ATTNSERVE_CORE_ROW_OPS_INTERNAL_H_
 #define ATTNSERVE_CORE_ROW_OPS_INTERNAL_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -57,6 +58,28 @@ inline float RmsNormInverse(double squares, int64_t n, float eps) {
 // 512 * 32767 * 127 < 2^31. Rows holding NaN or +-Inf, and longer rows,
 // take the float path, which keeps their IEEE results.
 inline constexpr int64_t kIntegerDotMaxDim = 512;
+
+// Query row q[0..dim) as int16 codes into codes[0..padded) (zero beyond
+// dim; padded >= dim) with their scale (max |q| / 32767), for the integer
+// path; false if the row is not all finite.
+inline bool QuantizeQueryInt16(const float* q, int64_t dim, int64_t padded,
+                               int16_t* codes, float* scale) {
+  float max_abs = 0.0f;
+  for (int64_t c = 0; c < dim; ++c) {
+    if (!std::isfinite(q[c])) return false;
+    max_abs = std::max(max_abs, std::abs(q[c]));
+  }
+  *scale = max_abs / 32767.0f;
+  const float inverse = max_abs > 0.0f ? 32767.0f / max_abs : 0.0f;
+  for (int64_t c = 0; c < padded; ++c) {
+    // |q * inverse| <= 32767 up to rounding: clamp keeps it an int16.
+    codes[c] = c < dim
+                   ? static_cast<int16_t>(std::clamp(
+                         std::nearbyint(q[c] * inverse), -32767.0f, 32767.0f))
+                   : 0;
+  }
+  return true;
+}
 
 // The portable implementations (core/row_ops_hwy.cc) this CPU runs, widest
 // instruction set first.
