@@ -293,8 +293,8 @@ std::vector<std::unique_ptr<DecodeSession>>& SessionPool(int64_t count,
 
 // One decode step of N sessions in one StepSessions call (each rewinds to
 // Lk, as BM_DecodeStep). Args: N, H, Hkv, d, Lk, cache (0 float32, 1
-// bfloat16, 2 int8), ops (as BM_DecodeStep). bytes_per_second: the caches read, all sessions
-// together.
+// bfloat16, 2 int8), ops (as BM_DecodeStep). bytes_per_second: the caches read,
+// all sessions together.
 void BM_DecodeBatch(benchmark::State& state) {
   const int64_t count = state.range(0), h = state.range(1),
                 hkv = state.range(2), d = state.range(3), lk = state.range(4);
