@@ -83,6 +83,14 @@ def parse_args():
     return parser.parse_args()
 
 
+def print_table(header, rows):
+    """Prints `rows` under `header` in left-aligned columns."""
+    widths = [max(len(str(r[i])) for r in rows + [header])
+              for i in range(len(header))]
+    for r in [header] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+
+
 class Bench:
     """Runs servers and clients for one benchmark session."""
 
@@ -320,12 +328,9 @@ def size_sweep(args, bench):
         bench.stop(server)
     header = ("case", "via", "MB moved", "attnctl ms", "compute ms",
               "compute/e2e", "ms/MB", "TCP ms", "python ms", "python/attnctl")
-    widths = [max(len(str(r[i])) for r in lines + [header])
-              for i in range(len(header))]
     print("\nEnd to end by size (p50, one call in flight, unpinned; TCP: "
           "plain loopback socket moving the same bytes)\n")
-    for r in [header] + lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(header, lines)
     return figures, targets
 
 
@@ -429,11 +434,8 @@ def decode_part(args, bench):
     finally:
         bench.stop(server)
     header = ("case", "MB sent", "e2e p50 ms", "compute p50 ms", "e2e/compute")
-    widths = [max(len(str(r[i])) for r in lines + [header])
-              for i in range(len(header))]
     print("\nDecode steps (p50, one call in flight, unpinned)\n")
-    for r in [header] + lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(header, lines)
     print(f"\n16 sessions x 4096 tokens (8 heads, d64, float32): needed "
           f"{memory['needed_mb']:.1f} MiB, cache {memory['cache_mb']:.1f} "
           f"MiB; resident {memory['rss_before_mb']:.1f} -> "
@@ -562,14 +564,11 @@ def isa_part(args, bench):
             bench.stop(server)
     header = ("isa", "dtype", "sessions", "steps/s", "compute p50 ms",
               "cache GB/s", "limit GB/s", "share")
-    widths = [max(len(str(r[i])) for r in lines + [header])
-              for i in range(len(header))]
     print("\nDecode steps at 4096 cached tokens, H8 d64, per instruction "
           "set (ATTNSERVE_CPU_ISA); one session: server compute against L3 "
           "read; 16 sessions in one SessionSteps call: end to end against "
           "DRAM read\n")
-    for r in [header] + lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(header, lines)
     by = {(f["isa"], f["dtype"], f["sessions"]): f for f in figures}
     print()
     for isa in dict.fromkeys(f["isa"] for f in figures):
@@ -682,14 +681,11 @@ def decode_share_part(args, bench):
     header = ("dtype", "sessions", "form", "steps/s", "e2e p50 ms",
               "compute p50 ms", "outside compute", "cache GB/s",
               "limit GB/s", "share")
-    widths = [max(len(str(r[i])) for r in lines + [header])
-              for i in range(len(header))]
     print("Decode steps at 4096 cached tokens, H8 d64 (batched: one "
           "SessionSteps call; coalesced: N concurrent SessionStep calls; "
           "NxL layers: one batched call per layer, steps are session-layer "
           "steps)\n")
-    for r in [header] + lines:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(header, lines)
     layered = figures["layers"]
     print(f"\n{layered['sessions']} sessions x {layered['layers']} layers: "
           f"{layered['tokens_s']:.0f} tokens/s ({layered['steps_s']:.0f} "
@@ -891,10 +887,7 @@ def main():
     print(f"\nattnserve serving benchmark ({pin}, {args.duration_s:g} s per "
           f"run after {args.warmup_s:g} s warm-up)\n")
     header = ("case", "attnserve", "baseline", "ratio", "target", "")
-    widths = [max(len(str(r[i])) for r in rows + [header])
-              for i in range(len(header))]
-    for r in [header] + rows:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
+    print_table(header, rows)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(figures, out, indent=2)

@@ -833,18 +833,24 @@ def server_cpu_seconds(pid):
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def metrics_page(port):
+    """The server's /metrics page; None if it has none or is unreachable
+    (OSError: why)."""
+    if port <= 0:
+        return None
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
+                                timeout=5) as page:
+        return page.read().decode()
+
+
 def server_gauge(port, name):
     """The value of gauge `name` on the server's /metrics (0 if absent or
     unreachable)."""
-    if port <= 0:
-        return 0
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                    timeout=5) as page:
-            text = page.read().decode()
+        text = metrics_page(port)
     except OSError:
         return 0
-    match = re.search(rf"^{name} (\S+)$", text, re.M)
+    match = text and re.search(rf"^{name} (\S+)$", text, re.M)
     return int(float(match[1])) if match else 0
 
 
@@ -863,14 +869,12 @@ def files_bytes(folder):
 
 def server_metric_codes(port):
     """{(rpc, code): calls} from the server's /metrics; {} if unreachable."""
-    if port <= 0:
-        return {}
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics",
-                                    timeout=5) as page:
-            text = page.read().decode()
+        text = metrics_page(port)
     except OSError as error:
         print(f"soak: /metrics not read: {error}")
+        return {}
+    if text is None:
         return {}
     codes = {}
     for match in re.finditer(r'^attnserve_requests_total\{rpc="([^"]+)",'
