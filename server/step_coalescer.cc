@@ -90,7 +90,7 @@ void StepCoalescer::WaitForCompany() {
   }
 }
 
-void StepCoalescer::TakeExpired(std::vector<Refusal>& refused) {
+void StepCoalescer::TakeRefused(std::vector<Refusal>& refused) {
   const absl::Time now = absl::Now();
   for (auto it = pending_.begin(); it != pending_.end();) {
     absl::Status status = (*it)->Expired();
@@ -114,7 +114,7 @@ std::vector<std::unique_ptr<StepCoalescer::Step>> StepCoalescer::TakeBatch(
     std::vector<Refusal>& refused) {
   MutexLock lock(&mu_);
   WaitForCompany();
-  TakeExpired(refused);
+  TakeRefused(refused);
   std::vector<std::unique_ptr<Step>> batch;
   const absl::Time now = absl::Now();
   absl::Duration pass = absl::ZeroDuration();  // the batch's estimate

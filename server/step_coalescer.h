@@ -127,7 +127,7 @@ class StepCoalescer {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Moves the pending steps that expired, or cannot end before their
   // deadline even alone, into `refused`.
-  void TakeExpired(std::vector<Refusal>& refused)
+  void TakeRefused(std::vector<Refusal>& refused)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // How long `flops` are estimated to take (zero without `estimate`).
   absl::Duration Estimate(double flops) const;
