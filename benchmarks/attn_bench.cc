@@ -84,6 +84,47 @@ void SetRate(benchmark::State& state, double flops, double bytes) {
   }
 }
 
+// The decode kernels alone on one block of cached rows that stays in the
+// L1/L2 caches (512 keys, one query row): the compute rate each kernel
+// reaches when memory is not the bound. Args: d, cache (0 float32, 1
+// bfloat16, 2 int8), kernel (0 dot_rows, 1 add_weighted_rows), ops (as
+// BM_DecodeStep). bytes_per_second: the cached rows read.
+void BM_RowKernel(benchmark::State& state) {
+  const int64_t dim = state.range(0), cols = 512;
+  const DType dtype = state.range(1) == 0   ? DType::kFloat32
+                      : state.range(1) == 1 ? DType::kBFloat16
+                                            : DType::kFloat32;
+  const bool int8 = state.range(1) == 2;
+  const bool dot = state.range(2) == 0;
+  ScopedRowOps scoped(state, 3);
+  const RowOps& ops = GetRowOps();
+  Tensor rows = Random(dtype, {cols, dim}, 3);
+  std::vector<int8_t> codes(static_cast<size_t>(cols * dim));
+  std::vector<float> scales(static_cast<size_t>(cols), 1.0f / 127);
+  std::mt19937 rng(4);
+  for (int8_t& c : codes) c = static_cast<int8_t>(rng() % 255 - 127);
+  CachedRows cached{rows.data(), dim,
+                    int8                        ? RowType::kInt8
+                    : dtype == DType::kBFloat16 ? RowType::kBFloat16
+                                                : RowType::kFloat32,
+                    scales.data()};
+  if (int8) cached.data = codes.data();
+  Tensor q = Random(DType::kFloat32, {dim}, 5);
+  Tensor p = Random(DType::kFloat32, {cols}, 6);
+  std::vector<float> out(static_cast<size_t>(std::max(cols, dim)));
+  for (auto _ : state) {
+    if (dot) {
+      ops.dot_rows(q.data_as<float>(), 1, dim, cached, cols, out.data(), cols);
+    } else {
+      ops.add_weighted_rows(p.data_as<float>(), cols, 1, cached, cols, dim,
+                            out.data());
+    }
+    benchmark::DoNotOptimize(out.data());
+  }
+  const double element = int8 ? 1 : dtype == DType::kBFloat16 ? 2 : 4;
+  SetRate(state, 2.0 * cols * dim, element * cols * dim);
+}
+
 int64_t MaxRssKiB() {
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
@@ -549,9 +590,10 @@ void BM_MultiHeadServedShape(benchmark::State& state) {
       benchmark::Counter(state.iterations(), benchmark::Counter::kIsRate);
 }
 
-// Args: rows, cols.
+// Args: rows, cols, ops (as BM_DecodeStep).
 void BM_LayerNorm(benchmark::State& state) {
   const int64_t rows = state.range(0), cols = state.range(1);
+  ScopedRowOps scoped(state, 2);
   Tensor x = Random(DType::kFloat32, {rows, cols}, 1);
   Tensor gamma = Random(DType::kFloat32, {cols}, 2);
   Tensor beta = Random(DType::kFloat32, {cols}, 3);
@@ -562,9 +604,11 @@ void BM_LayerNorm(benchmark::State& state) {
   SetRate(state, 0, 2.0 * rows * cols * 4);
 }
 
-// Args: rows, cols. RMSNorm with gamma: reads x, writes y.
+// Args: rows, cols, ops (as BM_DecodeStep). RMSNorm with gamma: reads x, writes
+// y.
 void BM_RmsNorm(benchmark::State& state) {
   const int64_t rows = state.range(0), cols = state.range(1);
+  ScopedRowOps scoped(state, 2);
   Tensor x = Random(DType::kFloat32, {rows, cols}, 1);
   Tensor gamma = Random(DType::kFloat32, {cols}, 2);
   LayerNormOptions options;
@@ -599,6 +643,12 @@ BENCHMARK(BM_DecodeStep)->ArgNames({"H", "Hkv", "d", "Lk", "cache", "ops"})
       PerRowOps(b, {{8, 8, 64, 4096, 0}, {8, 8, 64, 4096, 1},
                     {8, 8, 64, 4096, 2}, {32, 8, 128, 4096, 0},
                     {32, 32, 128, 4096, 0}});
+    })
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_RowKernel)->ArgNames({"d", "cache", "kernel", "ops"})
+    ->Apply([](auto* b) {
+      PerRowOps(b, {{64, 0, 0}, {64, 1, 0}, {64, 2, 0}, {64, 0, 1},
+                    {64, 1, 1}, {64, 2, 1}, {128, 2, 0}, {128, 2, 1}});
     })
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ForkSession)->ArgNames({"Lk", "mode"})
@@ -640,12 +690,11 @@ BENCHMARK(BM_MultiHeadServedShape)->ArgNames({"L", "E", "H"})
     ->Args({16, 512, 8})
     ->Threads(1)->Threads(2)->Threads(8)
     ->UseRealTime()->Unit(benchmark::kMillisecond);
-BENCHMARK(BM_LayerNorm)->ArgNames({"rows", "cols"})
-    ->Args({32 * 128, 768})
+BENCHMARK(BM_LayerNorm)->ArgNames({"rows", "cols", "ops"})
+    ->Apply([](auto* b) { PerRowOps(b, {{32 * 128, 768}}); })
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
-BENCHMARK(BM_RmsNorm)->ArgNames({"rows", "cols"})
-    ->Args({32 * 128, 768})
-    ->Args({8, 4096})
+BENCHMARK(BM_RmsNorm)->ArgNames({"rows", "cols", "ops"})
+    ->Apply([](auto* b) { PerRowOps(b, {{32 * 128, 768}, {8, 4096}}); })
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 // clang-format on
 

@@ -275,32 +275,45 @@ bool AllFinite(const float* x, int64_t n) {
   return finite;
 }
 
-// Sums of x[0..n) and of (x - mean)^2 in double, two accumulators each.
-// Without float64 vectors (some targets), in scalar double.
+// Sums of x[0..n) and of (x - mean)^2 in double, in four accumulators (two
+// vectors of floats a step: the adds' latency, not their throughput, bounds
+// fewer). Without float64 vectors (some targets), in scalar double.
 #if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
 using DD = hn::Repartition<double, D>;
 template <class F>
 double SumInDouble(const float* x, int64_t n, F&& term) {
+  const D d;
   const DD dd;
   const hn::Half<D> dh;
-  auto s0 = hn::Zero(dd), s1 = hn::Zero(dd);
-  // Tail lanes load as 0 and are masked out of the terms by `count`.
-  ForEachVector(x, n, 0.0f, [&](V v, int64_t, int64_t count) {
-    auto lo = term(hn::PromoteTo(dd, hn::LowerHalf(dh, v)));
-    auto hi = term(hn::PromoteTo(dd, hn::UpperHalf(dh, v)));
-    if (count < Lanes()) {
-      const int64_t half = Lanes() / 2;
-      lo = hn::IfThenElseZero(
-          hn::FirstN(dd, static_cast<size_t>(std::min(count, half))), lo);
-      hi = hn::IfThenElseZero(
-          hn::FirstN(dd,
-                     static_cast<size_t>(std::max<int64_t>(count - half, 0))),
-          hi);
-    }
+  const int64_t lanes = Lanes();
+  auto s0 = hn::Zero(dd), s1 = hn::Zero(dd), s2 = hn::Zero(dd),
+       s3 = hn::Zero(dd);
+  int64_t i = 0;
+  for (; i + 2 * lanes <= n; i += 2 * lanes) {
+    const V a = hn::LoadU(d, x + i), b = hn::LoadU(d, x + i + lanes);
+    s0 = hn::Add(s0, term(hn::PromoteTo(dd, hn::LowerHalf(dh, a))));
+    s1 = hn::Add(s1, term(hn::PromoteTo(dd, hn::UpperHalf(dh, a))));
+    s2 = hn::Add(s2, term(hn::PromoteTo(dd, hn::LowerHalf(dh, b))));
+    s3 = hn::Add(s3, term(hn::PromoteTo(dd, hn::UpperHalf(dh, b))));
+  }
+  // The rest, a vector at a time; tail lanes load as 0 and are masked out
+  // of the terms.
+  const int64_t half = lanes / 2;
+  for (; i < n; i += lanes) {
+    const int64_t count = std::min(lanes, n - i);
+    const V v =
+        count == lanes ? hn::LoadU(d, x + i) : LoadTail(x + i, count, 0);
+    const auto lo = hn::IfThenElseZero(
+        hn::FirstN(dd, static_cast<size_t>(std::min(count, half))),
+        term(hn::PromoteTo(dd, hn::LowerHalf(dh, v))));
+    const auto hi = hn::IfThenElseZero(
+        hn::FirstN(dd, static_cast<size_t>(std::max<int64_t>(count - half, 0))),
+        term(hn::PromoteTo(dd, hn::UpperHalf(dh, v))));
     s0 = hn::Add(s0, lo);
     s1 = hn::Add(s1, hi);
-  });
-  return hn::GetLane(hn::SumOfLanes(dd, hn::Add(s0, s1)));
+  }
+  return hn::GetLane(
+      hn::SumOfLanes(dd, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3))));
 }
 #endif
 
@@ -328,30 +341,50 @@ double SquaredDeviations(const float* x, int64_t n, double mean) {
 #endif
 }
 
-// y = v * a (+ b), with gamma and beta where given.
-void LayerNormOutput(const float* x, int64_t n, const LayerNormRow& row,
-                     const float* gamma, const float* beta, float* y) {
+// y = (x - high) * rstd + offset, times gamma and plus beta where given.
+// A plain loop per combination: through a capturing lambda, the compiler
+// reloaded the pointers from the closure for every vector (y might alias
+// them), which cost 3x.
+template <bool kGamma, bool kBeta>
+void LayerNormOutputOf(const float* x, int64_t n, const LayerNormRow& row,
+                       const float* gamma, const float* beta, float* y) {
   const D d;
+  const int64_t lanes = Lanes();
   const V high = hn::Set(d, row.high);
   const V rstd = hn::Set(d, row.rstd);
   const V offset = hn::Set(d, row.offset);
-  ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
-    const bool whole = count == Lanes();
+  const auto output = [&](V v, V g, V b) {
     V r = hn::MulAdd(hn::Sub(v, high), rstd, offset);
-    if (gamma != nullptr) {
-      r = hn::Mul(r, whole ? hn::LoadU(d, gamma + i)
-                           : LoadTail(gamma + i, count, 0.0f));
-    }
-    if (beta != nullptr) {
-      r = hn::Add(
-          r, whole ? hn::LoadU(d, beta + i) : LoadTail(beta + i, count, 0.0f));
-    }
-    if (whole) {
-      hn::StoreU(r, d, y + i);
-    } else {
-      StoreTail(r, y + i, count);
-    }
-  });
+    if constexpr (kGamma) r = hn::Mul(r, g);
+    if constexpr (kBeta) r = hn::Add(r, b);
+    return r;
+  };
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    hn::StoreU(
+        output(hn::LoadU(d, x + i), kGamma ? hn::LoadU(d, gamma + i) : high,
+               kBeta ? hn::LoadU(d, beta + i) : high),
+        d, y + i);
+  }
+  if (i < n) {
+    const int64_t count = n - i;
+    StoreTail(output(LoadTail(x + i, count, 0.0f),
+                     kGamma ? LoadTail(gamma + i, count, 0.0f) : high,
+                     kBeta ? LoadTail(beta + i, count, 0.0f) : high),
+              y + i, count);
+  }
+}
+
+void LayerNormOutput(const float* x, int64_t n, const LayerNormRow& row,
+                     const float* gamma, const float* beta, float* y) {
+  if (gamma != nullptr) {
+    return beta != nullptr
+               ? LayerNormOutputOf<true, true>(x, n, row, gamma, beta, y)
+               : LayerNormOutputOf<true, false>(x, n, row, gamma, beta, y);
+  }
+  return beta != nullptr
+             ? LayerNormOutputOf<false, true>(x, n, row, gamma, beta, y)
+             : LayerNormOutputOf<false, false>(x, n, row, gamma, beta, y);
 }
 
 void LayerNorm(const float* x, int64_t n, float eps, const float* gamma,
@@ -373,18 +406,14 @@ void RmsNorm(const float* x, int64_t n, float eps, const float* gamma,
 // Lanes() elements of a cached row from `offset` on, as float32 (kInt8
 // unscaled); `count` < Lanes() reads only that many (the rest 0).
 template <RowType kType>
-V LoadCached(const void* data, int64_t offset, int64_t count) {
+using CachedElement = std::conditional_t<
+    kType == RowType::kFloat32, float,
+    std::conditional_t<kType == RowType::kBFloat16, uint16_t, int8_t>>;
+
+// Lanes() elements of cached row data at p, as float32 (kInt8 unscaled).
+template <RowType kType>
+V LoadWhole(const CachedElement<kType>* p) {
   const D d;
-  using T = std::conditional_t<
-      kType == RowType::kFloat32, float,
-      std::conditional_t<kType == RowType::kBFloat16, uint16_t, int8_t>>;
-  const T* p = static_cast<const T*>(data) + offset;
-  HWY_ALIGN T buffer[kMaxBytes / sizeof(float)];
-  if (count < Lanes()) {
-    std::memset(buffer, 0, sizeof(buffer));
-    std::memcpy(buffer, p, static_cast<size_t>(count) * sizeof(T));
-    p = buffer;
-  }
   if constexpr (kType == RowType::kFloat32) {
     return hn::LoadU(d, p);
   } else if constexpr (kType == RowType::kBFloat16) {
@@ -397,6 +426,19 @@ V LoadCached(const void* data, int64_t offset, int64_t count) {
     return hn::ConvertTo(
         d, hn::PromoteTo(di, hn::LoadU(hn::Rebind<int8_t, D>(), p)));
   }
+}
+
+template <RowType kType>
+V LoadCached(const void* data, int64_t offset, int64_t count) {
+  using T = CachedElement<kType>;
+  const T* p = static_cast<const T*>(data) + offset;
+  HWY_ALIGN T buffer[kMaxBytes / sizeof(float)];
+  if (count < Lanes()) {
+    std::memset(buffer, 0, sizeof(buffer));
+    std::memcpy(buffer, p, static_cast<size_t>(count) * sizeof(T));
+    p = buffer;
+  }
+  return LoadWhole<kType>(p);
 }
 
 // Prefetches `bytes` of a row (lines of 64 bytes).
@@ -459,6 +501,84 @@ void DotKeys(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
 }
 #endif  // !HWY_HAVE_SCALABLE
 
+#if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+// Targets whose vectors hold one or two 128-bit blocks of 32-bit lanes
+// take the lane sums of eight accumulators together (StoreSumsOfEight).
+constexpr bool kSumsOfEight = hn::MaxLanes(D()) == 4 || hn::MaxLanes(D()) == 8;
+constexpr int kEightKeys = 8;
+
+// Per 128-bit block, the lane sums of a, b, c and e in its lanes 0..3,
+// each (l0 + l2) + (l1 + l3): the same tree for every argument.
+template <class DL, class VL = hn::Vec<DL>>
+VL BlockSumsOfFour(DL d, VL a, VL b, VL c, VL e) {
+  const hn::Repartition<uint64_t, DL> d64;
+  const VL ab =
+      hn::Add(hn::InterleaveLower(d, a, b), hn::InterleaveUpper(d, a, b));
+  const VL ce =
+      hn::Add(hn::InterleaveLower(d, c, e), hn::InterleaveUpper(d, c, e));
+  const auto ab64 = hn::BitCast(d64, ab), ce64 = hn::BitCast(d64, ce);
+  return hn::Add(hn::BitCast(d, hn::InterleaveLower(d64, ab64, ce64)),
+                 hn::BitCast(d, hn::InterleaveUpper(d64, ab64, ce64)));
+}
+
+// Stores the lane sums of acc[0..8) at out[0..8), for 32-bit lanes. A
+// key's sum takes the same tree in every slot (pairs within a block, then
+// the blocks), so its bits do not depend on the keys beside it. One tree
+// for eight keys costs about a third of eight SumOfLanes.
+template <class DL>
+void StoreSumsOfEight(DL d, const hn::Vec<DL> (&acc)[kEightKeys],
+                      hn::TFromD<DL>* out) {
+  const auto x = BlockSumsOfFour(d, acc[0], acc[1], acc[2], acc[3]);
+  const auto y = BlockSumsOfFour(d, acc[4], acc[5], acc[6], acc[7]);
+  if constexpr (hn::MaxLanes(DL()) == 4) {
+    hn::StoreU(x, d, out);
+    hn::StoreU(y, d, out + 4);
+  } else {
+    hn::StoreU(
+        hn::Add(hn::ConcatLowerLower(d, y, x), hn::ConcatUpperUpper(d, y, x)),
+        d, out);
+  }
+}
+
+// Eight keys from j against each query row, for head dims of whole
+// vectors: eight independent chains, each query vector read once for all,
+// no tail branch in the loop (the compiler keeps every accumulator in a
+// register). Keys past `last` repeat it; their sums are dropped.
+template <RowType kType>
+void DotEightKeys(const float* q, int64_t rows, int64_t dim,
+                  const CachedRows& keys, int64_t j, int64_t last, float* out,
+                  int64_t ld) {
+  const D d;
+  const int64_t lanes = Lanes();
+  const auto* data = static_cast<const CachedElement<kType>*>(keys.data);
+  const CachedElement<kType>* row[kEightKeys];
+  for (int k = 0; k < kEightKeys; ++k) {
+    row[k] = data + std::min(j + k, last) * keys.stride;
+  }
+  const int64_t n = std::min<int64_t>(kEightKeys, last + 1 - j);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = q + r * dim;
+    V acc[kEightKeys];
+    for (V& a : acc) a = hn::Zero(d);
+    for (int64_t c = 0; c < dim; c += lanes) {
+      const V qv = hn::LoadU(d, qr + c);
+      for (int k = 0; k < kEightKeys; ++k) {
+        acc[k] = hn::MulAdd(qv, LoadWhole<kType>(row[k] + c), acc[k]);
+      }
+    }
+    HWY_ALIGN float sums[kEightKeys];
+    StoreSumsOfEight(d, acc, sums);
+    for (int64_t k = 0; k < n; ++k) {
+      float sum = sums[k];
+      if constexpr (kType == RowType::kInt8) sum *= keys.scales[j + k];
+      out[r * ld + j + k] = sum;
+    }
+  }
+}
+#else
+constexpr bool kSumsOfEight = false;
+#endif  // !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+
 template <RowType kType>
 void DotRowsOf(const float* q, int64_t rows, int64_t dim,
                const CachedRows& keys, int64_t cols, float* out, int64_t ld) {
@@ -471,6 +591,22 @@ void DotRowsOf(const float* q, int64_t rows, int64_t dim,
   for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
     PrefetchRow(base + j * stride_bytes, row_bytes);
   }
+#if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+  if constexpr (kSumsOfEight) {
+    if (dim % Lanes() == 0) {
+      for (int64_t j = 0; j < cols; j += kEightKeys) {
+        for (int k = 0; k < kEightKeys; ++k) {
+          PrefetchRow(base + (j + k + ahead) * stride_bytes, row_bytes);
+        }
+        if constexpr (kType == RowType::kInt8) {
+          hwy::Prefetch(keys.scales + j + ahead);
+        }
+        DotEightKeys<kType>(q, rows, dim, keys, j, cols - 1, out, ld);
+      }
+      return;
+    }
+  }
+#endif
   constexpr int kKeys = 4;
   int64_t j = 0;
   for (; j + kKeys <= cols; j += kKeys) {
@@ -547,6 +683,45 @@ void PairedDotKeys(const float* split, int64_t rows, int64_t dim,
 }
 #endif  // !HWY_HAVE_SCALABLE
 
+#if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+// PairedDotKeys for eight keys from j (see DotEightKeys): each key's even
+// and odd products share one accumulator, so that eight keys fit the
+// registers.
+void PairedDotEightKeys(const float* split, int64_t rows, int64_t dim,
+                        const CachedRows& keys, int64_t j, int64_t last,
+                        float* out, int64_t ld) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  const auto high = hn::Set(du, 0xffff0000u);
+  const int64_t lanes = Lanes();
+  const uint32_t* row[kEightKeys];
+  for (int k = 0; k < kEightKeys; ++k) {
+    row[k] = reinterpret_cast<const uint32_t*>(
+        static_cast<const uint16_t*>(keys.data) +
+        std::min(j + k, last) * keys.stride);
+  }
+  const int64_t n = std::min<int64_t>(kEightKeys, last + 1 - j);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* qr = split + r * dim;
+    V acc[kEightKeys];
+    for (V& a : acc) a = hn::Zero(d);
+    for (int64_t c = 0; c < dim; c += 2 * lanes) {
+      const V qe = hn::LoadU(d, qr + c);
+      const V qo = hn::LoadU(d, qr + c + lanes);
+      for (int k = 0; k < kEightKeys; ++k) {
+        const auto pairs = hn::LoadU(du, row[k] + c / 2);
+        acc[k] =
+            hn::MulAdd(qe, hn::BitCast(d, hn::ShiftLeft<16>(pairs)), acc[k]);
+        acc[k] = hn::MulAdd(qo, hn::BitCast(d, hn::And(pairs, high)), acc[k]);
+      }
+    }
+    HWY_ALIGN float sums[kEightKeys];
+    StoreSumsOfEight(d, acc, sums);
+    for (int64_t k = 0; k < n; ++k) out[r * ld + j + k] = sums[k];
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+
 // Whether bfloat16 rows of `dim` take the paired path: whole pairs of
 // vectors.
 bool PairsFit(int64_t dim) { return dim > 0 && dim % (2 * Lanes()) == 0; }
@@ -573,6 +748,17 @@ void PairedDotRows(const float* q, int64_t rows, int64_t dim,
   for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
     PrefetchRow(base + j * stride_bytes, row_bytes);
   }
+#if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+  if constexpr (kSumsOfEight) {
+    for (int64_t j = 0; j < cols; j += kEightKeys) {
+      for (int k = 0; k < kEightKeys; ++k) {
+        PrefetchRow(base + (j + k + ahead) * stride_bytes, row_bytes);
+      }
+      PairedDotEightKeys(split.data(), rows, dim, keys, j, cols - 1, out, ld);
+    }
+    return;
+  }
+#endif
   int64_t j = 0;
   for (; j + 4 <= cols; j += 4) {
     for (int k = 0; k < 4; ++k) {
@@ -662,6 +848,44 @@ void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
 }
 #endif  // !HWY_HAVE_SCALABLE
 
+#if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+// IntegerDotKeys for eight keys from j (see DotEightKeys), for head dims of
+// whole int16 vectors.
+void IntegerDotEightKeys(const int16_t* codes, int64_t padded,
+                         const float* scales, int64_t rows, int64_t dim,
+                         const CachedRows& keys, int64_t j, int64_t last,
+                         float* out, int64_t ld) {
+  const D16 d16;
+  const D32 d32;
+  const hn::Rebind<int8_t, D16> d8;
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(d16));
+  const int8_t* row[kEightKeys];
+  for (int k = 0; k < kEightKeys; ++k) {
+    row[k] = static_cast<const int8_t*>(keys.data) +
+             std::min(j + k, last) * keys.stride;
+  }
+  const int64_t n = std::min<int64_t>(kEightKeys, last + 1 - j);
+  for (int64_t r = 0; r < rows; ++r) {
+    hn::Vec<D32> sum0[kEightKeys], sum1[kEightKeys];
+    for (int k = 0; k < kEightKeys; ++k) sum0[k] = sum1[k] = hn::Zero(d32);
+    for (int64_t c = 0; c < dim; c += lanes) {
+      const auto qv = hn::LoadU(d16, codes + r * padded + c);
+      for (int k = 0; k < kEightKeys; ++k) {
+        const auto kv = hn::PromoteTo(d16, hn::LoadU(d8, row[k] + c));
+        sum0[k] = hn::ReorderWidenMulAccumulate(d32, qv, kv, sum0[k], sum1[k]);
+      }
+    }
+    for (int k = 0; k < kEightKeys; ++k) sum0[k] = hn::Add(sum0[k], sum1[k]);
+    HWY_ALIGN int32_t dots[kEightKeys];
+    StoreSumsOfEight(d32, sum0, dots);
+    for (int64_t k = 0; k < n; ++k) {
+      out[r * ld + j + k] =
+          static_cast<float>(dots[k]) * (scales[r] * keys.scales[j + k]);
+    }
+  }
+}
+#endif  // !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+
 // Int8 keys: rows in groups of up to 16 take the integer path; a row that
 // is not all finite takes the float path alone.
 void IntegerDotRows(const float* q, int64_t rows, int64_t dim,
@@ -689,6 +913,19 @@ void IntegerDotRows(const float* q, int64_t rows, int64_t dim,
     for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
       PrefetchRow(base + j * keys.stride, dim);
     }
+#if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
+    if (kSumsOfEight && dim % lanes == 0) {
+      for (int64_t j = 0; j < cols; j += kEightKeys) {
+        for (int k = 0; k < kEightKeys; ++k) {
+          PrefetchRow(base + (j + k + ahead) * keys.stride, dim);
+        }
+        hwy::Prefetch(keys.scales + j + ahead);
+        IntegerDotEightKeys(codes, padded, scales, n, dim, keys, j, cols - 1,
+                            out + r0 * ld, ld);
+      }
+      continue;
+    }
+#endif
     int64_t j = 0;
     for (; j + 4 <= cols; j += 4) {
       for (int k = 0; k < 4; ++k) {
@@ -727,15 +964,18 @@ void DotRows(const float* q, int64_t rows, int64_t dim, const CachedRows& keys,
 // kRows rows x kChunks vectors of acc (from column c0) in registers, over
 // every value row: kChunks loads of a value row and kRows broadcasts feed
 // kRows * kChunks multiply-adds. `count`: the columns left from c0 (the
-// last vector may be partial).
-template <RowType kType, int kRows, int kChunks>
+// last vector may be partial). kWhole: every vector is whole, and the loop
+// has no tail branch (with one, the compiler kept the accumulators on the
+// stack: the tile ran at half the speed).
+template <RowType kType, int kRows, int kChunks, bool kWhole = false>
 void AddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
                      int64_t cols, int64_t c0, int64_t dim, float* acc) {
   const D d;
   const int64_t lanes = Lanes();
   int64_t count[kChunks];
   for (int ch = 0; ch < kChunks; ++ch) {
-    count[ch] = std::clamp<int64_t>(dim - c0 - ch * lanes, 0, lanes);
+    count[ch] =
+        kWhole ? lanes : std::clamp<int64_t>(dim - c0 - ch * lanes, 0, lanes);
   }
   V a[kRows][kChunks];
   for (int r = 0; r < kRows; ++r) {
@@ -754,12 +994,17 @@ void AddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
   for (int64_t j = 0; j < std::min(cols, ahead); ++j) {
     PrefetchRow(base + j * stride_bytes, tile_bytes);
   }
+  const auto* data = static_cast<const CachedElement<kType>*>(values.data);
   for (int64_t j = 0; j < cols; ++j) {
     PrefetchRow(base + (j + ahead) * stride_bytes, tile_bytes);
     V v[kChunks];
     for (int ch = 0; ch < kChunks; ++ch) {
-      v[ch] = LoadCached<kType>(values.data,
-                                j * values.stride + c0 + ch * lanes, count[ch]);
+      const int64_t at = j * values.stride + c0 + ch * lanes;
+      if constexpr (kWhole) {
+        v[ch] = LoadWhole<kType>(data + at);
+      } else {
+        v[ch] = LoadCached<kType>(data, at, count[ch]);
+      }
     }
     for (int r = 0; r < kRows; ++r) {
       float w = p[r * ld + j];
@@ -783,7 +1028,7 @@ void AddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
 }
 
 #else   // Sizeless vectors (SVE) form no arrays: one accumulator at a time.
-template <RowType kType, int kRows, int kChunks>
+template <RowType kType, int kRows, int kChunks, bool kWhole = false>
 void AddWeightedTile(const float* p, int64_t ld, const CachedRows& values,
                      int64_t cols, int64_t c0, int64_t dim, float* acc) {
   const D d;
@@ -945,20 +1190,32 @@ void PairedAddWeightedRows(const float* p, int64_t ld, int64_t rows,
   }
 }
 
+// The tiles of columns c0.. of every row.
+template <RowType kType, bool kWhole>
+void AddWeightedTiles(const float* p, int64_t ld, int64_t rows,
+                      const CachedRows& values, int64_t cols, int64_t c0,
+                      int64_t dim, float* acc) {
+  int64_t r0 = 0;
+  for (; r0 + kTileRows <= rows; r0 += kTileRows) {
+    AddWeightedTile<kType, kTileRows, kTileChunks, kWhole>(
+        p + r0 * ld, ld, values, cols, c0, dim, acc + r0 * dim);
+  }
+  for (; r0 < rows; ++r0) {
+    AddWeightedTile<kType, 1, kTileChunks, kWhole>(
+        p + r0 * ld, ld, values, cols, c0, dim, acc + r0 * dim);
+  }
+}
+
 template <RowType kType>
 void AddWeightedRowsOf(const float* p, int64_t ld, int64_t rows,
                        const CachedRows& values, int64_t cols, int64_t dim,
                        float* acc) {
   const int64_t width = kTileChunks * Lanes();
   for (int64_t c0 = 0; c0 < dim; c0 += width) {
-    int64_t r0 = 0;
-    for (; r0 + kTileRows <= rows; r0 += kTileRows) {
-      AddWeightedTile<kType, kTileRows, kTileChunks>(
-          p + r0 * ld, ld, values, cols, c0, dim, acc + r0 * dim);
-    }
-    for (; r0 < rows; ++r0) {
-      AddWeightedTile<kType, 1, kTileChunks>(p + r0 * ld, ld, values, cols, c0,
-                                             dim, acc + r0 * dim);
+    if (dim - c0 >= width) {
+      AddWeightedTiles<kType, true>(p, ld, rows, values, cols, c0, dim, acc);
+    } else {
+      AddWeightedTiles<kType, false>(p, ld, rows, values, cols, c0, dim, acc);
     }
   }
 }
