@@ -25,9 +25,8 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
         return Bound(CostOf(request), &HandleLayerNorm);
       });
   AddCompute<v1::SessionStepRequest, v1::SessionStepResponse>(
-      [sessions = config.sessions, coalescer = config.step_coalescer](
-          const v1::SessionStepRequest& request) {
-        SessionStepHandler handle(request, sessions, coalescer);
+      [sessions = config.sessions](const v1::SessionStepRequest& request) {
+        SessionStepHandler handle(request, sessions);
         const RequestCost cost = CostOf(request, handle.session());
         return Bound(cost, std::move(handle));
       });

@@ -51,6 +51,61 @@ absl::Duration Until(absl::Time deadline) {
                                             : deadline - absl::Now();
 }
 
+// A session step in the coalescer, from any front end: its cancellation,
+// deadline and shared memory; decoded just before its pass, answered after.
+class CoalescedStep final : public StepCoalescer::Step {
+ public:
+  CoalescedStep(const PipelineCall& call, SessionStepCall step,
+                const std::atomic<bool>* cancelled,
+                const SharedMemoryRegistry* shared_memory,
+                CallPipeline::StepAnswer answer)
+      : arrived_(call.arrived),
+        deadline_(call.deadline),
+        flops_(call.cost.flops),
+        step_(std::move(step)),
+        cancelled_(cancelled),
+        shared_memory_(shared_memory),
+        answer_(std::move(answer)) {}
+
+  const std::string& session_id() const override { return step_.session_id; }
+  double flops() const override { return flops_; }
+  absl::Time deadline() const override { return deadline_; }
+
+  absl::Status Expired() const override {
+    if (cancelled_ != nullptr && cancelled_->load()) {
+      return absl::CancelledError("call cancelled while queued");
+    }
+    if (absl::Now() >= deadline_) {
+      return absl::DeadlineExceededError(
+          "deadline passed while the call waited for a worker");
+    }
+    return absl::OkStatus();
+  }
+
+  absl::StatusOr<const SessionStore::StepInput*> Prepare() override {
+    ATTN_RETURN_IF_ERROR(Expired());
+    return step_.decode(control());
+  }
+
+  void Finish(const absl::Status& status, absl::Time started,
+              absl::Duration compute) override {
+    const absl::Status answer = step_.complete(status, control());
+    answer_(answer, std::max(started - arrived_, absl::ZeroDuration()),
+            compute);
+  }
+
+ private:
+  CallControl control() { return CallControl{cancelled_, &shared_memory_}; }
+
+  const absl::Time arrived_;
+  const absl::Time deadline_;
+  const double flops_;
+  const SessionStepCall step_;
+  const std::atomic<bool>* const cancelled_;
+  CallSharedMemory shared_memory_;
+  const CallPipeline::StepAnswer answer_;
+};
+
 }  // namespace
 
 std::string RpcName(const google::protobuf::Message& request) {
@@ -159,10 +214,39 @@ void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
   }
 }
 
+bool CallPipeline::Coalesces(const RequestCost& cost) const {
+  return config_.step_coalescer != nullptr &&
+         (config_.step_coalescer->active() || !IsTiny(cost));
+}
+
+void CallPipeline::Coalesce(PipelineCall call, SessionStepCall step,
+                            const std::atomic<bool>* cancelled,
+                            StepAnswer answer) const {
+  const absl::Status admitted = Admit(call.cost, Until(call.deadline));
+  if (!admitted.ok()) {
+    answer(admitted, absl::ZeroDuration(), absl::ZeroDuration());
+    return;
+  }
+  config_.step_coalescer->Add(std::make_unique<CoalescedStep>(
+      call, std::move(step), cancelled, config_.shared_memory,
+      std::move(answer)));
+}
+
 void CallPipeline::Run(PipelineCall call,
                        std::function<absl::Status(const CallControl&)> handle,
                        const std::atomic<bool>* cancelled,
-                       std::function<void(const absl::Status&)> finish) const {
+                       std::function<void(const absl::Status&)> finish,
+                       std::optional<SessionStepCall> step) const {
+  if (step.has_value() && Coalesces(call.cost)) {
+    Coalesce(call, *std::move(step), cancelled,
+             [this, call, finish = std::move(finish)](
+                 const absl::Status& status, absl::Duration queue_wait,
+                 absl::Duration compute) {
+               Record(call, status, queue_wait, compute, call.cost.flops);
+               finish(status);
+             });
+    return;
+  }
   const absl::Status admitted = Admit(call.cost, Until(call.deadline));
   if (!admitted.ok()) {
     Record(call, admitted, absl::ZeroDuration(), absl::ZeroDuration(), 0);

@@ -130,11 +130,28 @@ class CallPipeline {
   // `call`, computes `handle` (here when tiny and a worker is free, else
   // on a worker), records it, then calls `finish` once with the status, on
   // whichever thread computed. `cancelled` (may be null) must live until
-  // `finish` is called.
+  // `finish` is called. A call that is also a session `step` joins the
+  // step coalescer's passes when Coalesces says so (`handle` is then not
+  // called).
   void Run(PipelineCall call,
            std::function<absl::Status(const CallControl&)> handle,
            const std::atomic<bool>* cancelled,
-           std::function<void(const absl::Status&)> finish) const;
+           std::function<void(const absl::Status&)> finish,
+           std::optional<SessionStepCall> step = std::nullopt) const;
+
+  // Whether a session step of `cost` goes to the step coalescer: there is
+  // one, and a pass is forming or the step is not tiny (a tiny step alone
+  // runs on the thread that received it).
+  bool Coalesces(const RequestCost& cost) const;
+  // The answer to a coalesced call: its status, how long it waited for its
+  // pass and how long the pass computed. Called once; it records the call.
+  using StepAnswer = std::function<void(
+      const absl::Status&, absl::Duration queue_wait, absl::Duration compute)>;
+  // Admits `call` and hands `step` to the coalescer for its next pass;
+  // `answer` is called once, at once when the call is refused, else on the
+  // pass's thread. `cancelled` (may be null) must live until then.
+  void Coalesce(PipelineCall call, SessionStepCall step,
+                const std::atomic<bool>* cancelled, StepAnswer answer) const;
 
   // Whether the server takes compute calls and wants more: false from
   // MarkNotReady (the drain's lame duck) or StopAcceptingCalls on.

@@ -174,80 +174,17 @@ void GrpcCalls::Answer(Call& call, absl::Status status,
   reactor->Finish(ToGrpcStatus(status));
 }
 
-// A SessionStep call in the coalescer: its own reactor (for cancellation),
-// shared memory and record; decoded just before its pass, answered after.
-class GrpcCalls::CoalescedCall final : public StepCoalescer::Step {
- public:
-  CoalescedCall(const GrpcCalls* calls, Call call, CallReactor* reactor,
-                std::string session_id, PrepareStep prepare,
-                CompleteStep complete)
-      : calls_(calls),
-        call_(std::move(call)),
-        reactor_(reactor),
-        session_id_(std::move(session_id)),
-        prepare_(std::move(prepare)),
-        complete_(std::move(complete)),
-        shared_memory_(calls->pipeline_->config().shared_memory) {}
-
-  const std::string& session_id() const override { return session_id_; }
-  double flops() const override { return call_.record.cost.flops; }
-
-  absl::Status Expired() const override {
-    if (reactor_->cancelled()->load()) {
-      return absl::CancelledError("call cancelled while queued");
-    }
-    if (UntilDeadline(*call_.context) <= absl::ZeroDuration()) {
-      return absl::DeadlineExceededError(
-          "deadline passed while the call waited for a worker");
-    }
-    return absl::OkStatus();
-  }
-
-  absl::Time deadline() const override {
-    return absl::Now() + UntilDeadline(*call_.context);
-  }
-
-  absl::StatusOr<const SessionStore::StepInput*> Prepare() override {
-    ATTN_RETURN_IF_ERROR(Expired());
-    return prepare_(control());
-  }
-
-  void Finish(const absl::Status& status, absl::Time started,
-              absl::Duration compute) override {
-    absl::Status answer = status;
-    if (answer.ok()) answer = complete_(control());
-    calls_->Answer(
-        call_, std::move(answer),
-        std::max(started - call_.record.arrived, absl::ZeroDuration()), compute,
-        reactor_);
-  }
-
- private:
-  CallControl control() {
-    return CallControl{reactor_->cancelled(), &shared_memory_};
-  }
-
-  const GrpcCalls* const calls_;
-  Call call_;
-  CallReactor* const reactor_;  // deletes itself once finished
-  const std::string session_id_;
-  const PrepareStep prepare_;
-  const CompleteStep complete_;
-  CallSharedMemory shared_memory_;
-};
-
-grpc::ServerUnaryReactor* GrpcCalls::Coalesce(Call call,
-                                              StepCoalescer* coalescer,
-                                              std::string session_id,
-                                              PrepareStep prepare,
-                                              CompleteStep complete) const {
-  const absl::Status admitted =
-      pipeline_->Admit(call.record.cost, UntilDeadline(*call.context));
-  if (!admitted.ok()) return Refuse(call, admitted);
+grpc::ServerUnaryReactor* GrpcCalls::Coalesce(
+    Call call, SessionStepCall step, std::shared_ptr<const void> owner) const {
+  call.record.deadline = absl::Now() + UntilDeadline(*call.context);
   auto* reactor = new CallReactor();
-  coalescer->Add(std::make_unique<CoalescedCall>(
-      this, std::move(call), reactor, std::move(session_id), std::move(prepare),
-      std::move(complete)));
+  auto shared = std::make_shared<Call>(std::move(call));
+  pipeline_->Coalesce(shared->record, std::move(step), reactor->cancelled(),
+                      [this, shared, reactor, owner = std::move(owner)](
+                          const absl::Status& status, absl::Duration queue_wait,
+                          absl::Duration compute) {
+                        Answer(*shared, status, queue_wait, compute, reactor);
+                      });
   return reactor;
 }
 

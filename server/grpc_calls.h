@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -96,12 +97,6 @@ class GrpcCalls {
     PooledMessagesPtr messages;
   };
   using Handle = absl::FunctionRef<absl::Status(const CallControl&)>;
-  // A SessionStep call waiting in the step coalescer (defined in the .cc).
-  class CoalescedCall;
-  using PrepareStep =
-      std::function<absl::StatusOr<const SessionStore::StepInput*>(
-          const CallControl&)>;
-  using CompleteStep = std::function<absl::Status(const CallControl&)>;
 
   // Admits `call`, then computes it here if it is tiny and a worker is
   // free, or queues it. `handle` is a template parameter so that the tiny
@@ -119,11 +114,11 @@ class GrpcCalls {
   // returned its messages to their pool.
   void Compute(Call& call, Handle handle, grpc::ServerUnaryReactor* reactor,
                const std::atomic<bool>* cancelled) const;
-  // Admits `call`, then hands it to `coalescer` for its next pass.
-  grpc::ServerUnaryReactor* Coalesce(Call call, StepCoalescer* coalescer,
-                                     std::string session_id,
-                                     PrepareStep prepare,
-                                     CompleteStep complete) const;
+  // Hands `call` to the pipeline's step coalescer (CallPipeline::Coalesce)
+  // with a reactor that watches for cancellation; `owner` (what `step`'s
+  // functions use) lives until the call is answered.
+  grpc::ServerUnaryReactor* Coalesce(Call call, SessionStepCall step,
+                                     std::shared_ptr<const void> owner) const;
   // Answers a call that computed (or was refused on its way to computing):
   // serializes its response if `status` is OK, records it and finishes
   // `reactor`, having returned its messages to their pool.
@@ -272,27 +267,18 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeCompute(
   call.record.cost = bound->cost;
   call.record.decoded = absl::Now();
   if (!bound->rpc.empty()) call.record.rpc = std::move(bound->rpc);
-  if constexpr (requires { bound->handle.coalescer(); }) {
-    // A step joins the coalescer's passes, unless it is tiny and would run
-    // alone anyway (then it may run here, on gRPC's thread).
-    StepCoalescer* coalescer = bound->handle.coalescer();
-    if (coalescer != nullptr &&
-        (coalescer->active() || !CallPipeline::IsTiny(call.record.cost))) {
-      auto decoded = std::make_shared<DecodedStep>();
-      auto handle =
-          std::make_shared<decltype(bound->handle)>(std::move(bound->handle));
-      return Coalesce(
-          std::move(call), coalescer, request->session_id(),
-          [request, response, handle, decoded](const CallControl& control)
-              -> absl::StatusOr<const SessionStore::StepInput*> {
-            absl::Status status =
-                handle->Decode(*request, response, control, decoded.get());
-            if (!status.ok()) return status;
-            return &decoded->input();
-          },
-          [response, handle, decoded](const CallControl& control) {
-            return handle->Complete(*decoded, response, control);
-          });
+  if constexpr (requires { bound->handle.StepCall(*request, response); }) {
+    // A call that steps a session joins the coalescer's passes, unless it
+    // is tiny and would run alone anyway (then it may run here, on gRPC's
+    // thread).
+    if (pipeline_->Coalesces(call.record.cost)) {
+      std::optional<SessionStepCall> step =
+          bound->handle.StepCall(*request, response);
+      if (step.has_value()) {
+        return Coalesce(std::move(call), *std::move(step),
+                        std::make_shared<decltype(bound->handle)>(
+                            std::move(bound->handle)));
+      }
     }
   }
   return Dispatch(std::move(call),

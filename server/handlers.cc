@@ -410,9 +410,8 @@ absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
 }
 
 SessionStepHandler::SessionStepHandler(const v1::SessionStepRequest& request,
-                                       SessionStore* sessions,
-                                       StepCoalescer* coalescer)
-    : sessions_(sessions), coalescer_(coalescer) {
+                                       SessionStore* sessions)
+    : sessions_(sessions) {
   if (sessions == nullptr) return;
   auto found = sessions->Find(request.session_id());
   if (found.ok()) session_ = *std::move(found);
@@ -466,19 +465,27 @@ absl::Status SessionStepHandler::operator()(
   return VerifySharedMemoryIntact(control);
 }
 
-absl::Status SessionStepHandler::Decode(const v1::SessionStepRequest& request,
-                                        v1::SessionStepResponse* response,
-                                        const CallControl& control,
-                                        DecodedStep* step) const {
-  if (sessions_ == nullptr) return NoSessions();
-  return step->Decode(request, response->mutable_output(), control);
-}
-
-absl::Status SessionStepHandler::Complete(const DecodedStep& step,
-                                          v1::SessionStepResponse* response,
-                                          const CallControl& control) const {
-  response->set_length(step.length());
-  return VerifySharedMemoryIntact(control);
+SessionStepCall SessionStepHandler::StepCall(
+    const v1::SessionStepRequest& request,
+    v1::SessionStepResponse* response) const {
+  // Shared by the two functions: decoded before the pass, read after it.
+  auto decoded = std::make_shared<DecodedStep>();
+  return SessionStepCall{.session_id = request.session_id(),
+                         .decode = [sessions = sessions_, &request, response,
+                                    decoded](const CallControl& control)
+                             -> absl::StatusOr<const SessionStore::StepInput*> {
+                           if (sessions == nullptr) return NoSessions();
+                           ATTN_RETURN_IF_ERROR(decoded->Decode(
+                               request, response->mutable_output(), control));
+                           return &decoded->input();
+                         },
+                         .complete =
+                             [response, decoded](const absl::Status& stepped,
+                                                 const CallControl& control) {
+                               ATTN_RETURN_IF_ERROR(stepped);
+                               response->set_length(decoded->length());
+                               return VerifySharedMemoryIntact(control);
+                             }};
 }
 
 absl::Status VerifyStepCount(int64_t steps, int max_steps) {

@@ -14,9 +14,11 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -27,7 +29,6 @@
 #include "proto/tensor_codec.h"
 #include "server/model_repository.h"
 #include "server/shared_memory.h"
-#include "server/step_coalescer.h"
 
 namespace attnserve {
 
@@ -121,34 +122,43 @@ class DecodedStep {
   SessionStore::StepInput input_;
 };
 
+// A call that steps one decode session, as the step coalescer takes it
+// (CallPipeline::Coalesce): decoded just before its pass, completed after
+// it. Front ends offer it beside the call's handler; with a coalescer the
+// pipeline runs the step in a shared pass, whichever front end received it.
+struct SessionStepCall {
+  std::string session_id;
+  // The step's input, valid until `complete` has returned; not OK: the
+  // step is left out of the pass and answered with that status.
+  std::function<absl::StatusOr<const SessionStore::StepInput*>(
+      const CallControl&)>
+      decode;
+  // The call's status from its step's (`stepped`: the pass's status for
+  // it, or why it was left out); fills the response when OK.
+  std::function<absl::Status(const absl::Status& stepped, const CallControl&)>
+      complete;
+};
+
 // SessionStep with the session looked up when the call arrives, for its
 // cost estimate; the step itself looks it up again (it may be gone by
-// then). With a coalescer, the service runs the call in the coalescer's
-// passes through Decode and Complete instead of operator(). Copyable.
+// then). Runs alone through operator(), or in the coalescer's passes
+// through StepCall. Copyable.
 class SessionStepHandler {
  public:
-  // `coalescer` null: each call steps on its own.
   SessionStepHandler(const v1::SessionStepRequest& request,
-                     SessionStore* sessions,
-                     StepCoalescer* coalescer = nullptr);
+                     SessionStore* sessions);
   // Null when the session was not found (the step will say why).
   const DecodeSession* session() const;
-  StepCoalescer* coalescer() const { return coalescer_; }
   absl::Status operator()(const v1::SessionStepRequest& request,
                           v1::SessionStepResponse* response,
                           const CallControl& control) const;
-  // The coalesced call: `step` decoded before its pass, then, when the pass
-  // stepped it, the response completed.
-  absl::Status Decode(const v1::SessionStepRequest& request,
-                      v1::SessionStepResponse* response,
-                      const CallControl& control, DecodedStep* step) const;
-  absl::Status Complete(const DecodedStep& step,
-                        v1::SessionStepResponse* response,
-                        const CallControl& control) const;
+  // The call as the coalescer takes it: `request` decoded before its pass,
+  // then `response` completed. Both must outlive the call's answer.
+  SessionStepCall StepCall(const v1::SessionStepRequest& request,
+                           v1::SessionStepResponse* response) const;
 
  private:
   SessionStore* sessions_;
-  StepCoalescer* coalescer_;
   std::shared_ptr<const DecodeSession> session_;
 };
 

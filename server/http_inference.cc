@@ -340,7 +340,9 @@ class HttpInference {
           if (!status.ok()) return responder.Send(StatusResponse(status));
           call->native->ToResponse(call->request, &call->response);
           responder.Send(Encode(call.get()));
-        });
+        },
+        // `finish` holds the call until the step is answered.
+        call->native->StepCall());
   }
 
   // The HTTP request as the protocol's message and its native call.

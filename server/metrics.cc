@@ -76,6 +76,79 @@ void Metrics::RenderHistogram(const std::string& name, const std::string& help,
   }
 }
 
+namespace {
+
+// The decode sessions' gauges and counters.
+void RenderSessionGauges(const SessionStore::Stats& sessions,
+                         std::string* out) {
+  absl::StrAppend(
+      out,
+      "# HELP attnserve_sessions_open Decode sessions open.\n"
+      "# TYPE attnserve_sessions_open gauge\nattnserve_sessions_open ",
+      sessions.open,
+      "\n# HELP attnserve_session_cache_bytes Key/value cache memory of the "
+      "open decode sessions.\n"
+      "# TYPE attnserve_session_cache_bytes gauge\n"
+      "attnserve_session_cache_bytes ",
+      sessions.cache_bytes,
+      "\n# HELP attnserve_session_reserved_bytes Address space the open "
+      "decode sessions' caches reserve (their max_length).\n"
+      "# TYPE attnserve_session_reserved_bytes gauge\n"
+      "attnserve_session_reserved_bytes ",
+      sessions.reserved_bytes,
+      "\n# HELP attnserve_sessions_closed_total Decode sessions freed, by "
+      "why.\n"
+      "# TYPE attnserve_sessions_closed_total counter\n"
+      "attnserve_sessions_closed_total{reason=\"deleted\"} ",
+      sessions.deleted,
+      "\nattnserve_sessions_closed_total{reason=\"expired\"} ",
+      sessions.expired,
+      "\nattnserve_sessions_closed_total{reason=\"evicted\"} ",
+      sessions.evicted,
+      "\n# HELP attnserve_sessions_created_total Decode sessions created.\n"
+      "# TYPE attnserve_sessions_created_total counter\n"
+      "attnserve_sessions_created_total ",
+      sessions.created,
+      "\n# HELP attnserve_sessions_forked_total Decode sessions created by "
+      "ForkSession or a sequence_fork (counted in "
+      "attnserve_sessions_created_total too).\n"
+      "# TYPE attnserve_sessions_forked_total counter\n"
+      "attnserve_sessions_forked_total ",
+      sessions.forked,
+      "\n# HELP attnserve_session_shared_caches Frozen caches that forked "
+      "decode sessions share.\n"
+      "# TYPE attnserve_session_shared_caches gauge\n"
+      "attnserve_session_shared_caches ",
+      sessions.shared_caches,
+      "\n# HELP attnserve_session_shared_bytes Memory of the shared caches, "
+      "counted once each (part of attnserve_session_cache_bytes).\n"
+      "# TYPE attnserve_session_shared_bytes gauge\n"
+      "attnserve_session_shared_bytes ",
+      sessions.shared_bytes,
+      "\n# HELP attnserve_session_bookkeeping_bytes Per-layer lengths and "
+      "block tables of the open decode sessions.\n"
+      "# TYPE attnserve_session_bookkeeping_bytes gauge\n"
+      "attnserve_session_bookkeeping_bytes ",
+      sessions.bookkeeping_bytes,
+      "\n# HELP attnserve_session_superseded_models Models no longer served "
+      "(replaced by a reload) that decode sessions keep alive.\n"
+      "# TYPE attnserve_session_superseded_models gauge\n"
+      "attnserve_session_superseded_models ",
+      sessions.superseded_models,
+      "\n# HELP attnserve_session_superseded_model_bytes Weights of those "
+      "models, counted once each.\n"
+      "# TYPE attnserve_session_superseded_model_bytes gauge\n"
+      "attnserve_session_superseded_model_bytes ",
+      sessions.superseded_model_bytes,
+      "\n# HELP attnserve_session_memory_bytes What --max_session_memory_mb "
+      "limits: cache, bookkeeping and superseded models' weights.\n"
+      "# TYPE attnserve_session_memory_bytes gauge\n"
+      "attnserve_session_memory_bytes ",
+      sessions.budget_bytes, "\n");
+}
+
+}  // namespace
+
 std::string Metrics::Render(const ServingGauges& gauges) const {
   std::string out;
   MutexLock lock(&mu_);
@@ -110,69 +183,21 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
       gauges.queued,
       "\n# HELP attnserve_models_loaded Models in the repository.\n"
       "# TYPE attnserve_models_loaded gauge\nattnserve_models_loaded ",
-      gauges.models_loaded,
-      "\n# HELP attnserve_sessions_open Decode sessions open.\n"
-      "# TYPE attnserve_sessions_open gauge\nattnserve_sessions_open ",
-      gauges.sessions.open,
-      "\n# HELP attnserve_session_cache_bytes Key/value cache memory of the "
-      "open decode sessions.\n"
-      "# TYPE attnserve_session_cache_bytes gauge\n"
-      "attnserve_session_cache_bytes ",
-      gauges.sessions.cache_bytes,
-      "\n# HELP attnserve_session_reserved_bytes Address space the open "
-      "decode sessions' caches reserve (their max_length).\n"
-      "# TYPE attnserve_session_reserved_bytes gauge\n"
-      "attnserve_session_reserved_bytes ",
-      gauges.sessions.reserved_bytes,
-      "\n# HELP attnserve_sessions_closed_total Decode sessions freed, by "
-      "why.\n"
-      "# TYPE attnserve_sessions_closed_total counter\n"
-      "attnserve_sessions_closed_total{reason=\"deleted\"} ",
-      gauges.sessions.deleted,
-      "\nattnserve_sessions_closed_total{reason=\"expired\"} ",
-      gauges.sessions.expired,
-      "\nattnserve_sessions_closed_total{reason=\"evicted\"} ",
-      gauges.sessions.evicted,
-      "\n# HELP attnserve_sessions_created_total Decode sessions created.\n"
-      "# TYPE attnserve_sessions_created_total counter\n"
-      "attnserve_sessions_created_total ",
-      gauges.sessions.created,
-      "\n# HELP attnserve_sessions_forked_total Decode sessions created by "
-      "ForkSession or a sequence_fork (counted in "
-      "attnserve_sessions_created_total too).\n"
-      "# TYPE attnserve_sessions_forked_total counter\n"
-      "attnserve_sessions_forked_total ",
-      gauges.sessions.forked,
-      "\n# HELP attnserve_session_shared_caches Frozen caches that forked "
-      "decode sessions share.\n"
-      "# TYPE attnserve_session_shared_caches gauge\n"
-      "attnserve_session_shared_caches ",
-      gauges.sessions.shared_caches,
-      "\n# HELP attnserve_session_shared_bytes Memory of the shared caches, "
-      "counted once each (part of attnserve_session_cache_bytes).\n"
-      "# TYPE attnserve_session_shared_bytes gauge\n"
-      "attnserve_session_shared_bytes ",
-      gauges.sessions.shared_bytes,
-      "\n# HELP attnserve_session_bookkeeping_bytes Per-layer lengths and "
-      "block tables of the open decode sessions.\n"
-      "# TYPE attnserve_session_bookkeeping_bytes gauge\n"
-      "attnserve_session_bookkeeping_bytes ",
-      gauges.sessions.bookkeeping_bytes,
-      "\n# HELP attnserve_session_superseded_models Models no longer served "
-      "(replaced by a reload) that decode sessions keep alive.\n"
-      "# TYPE attnserve_session_superseded_models gauge\n"
-      "attnserve_session_superseded_models ",
-      gauges.sessions.superseded_models,
-      "\n# HELP attnserve_session_superseded_model_bytes Weights of those "
-      "models, counted once each.\n"
-      "# TYPE attnserve_session_superseded_model_bytes gauge\n"
-      "attnserve_session_superseded_model_bytes ",
-      gauges.sessions.superseded_model_bytes,
-      "\n# HELP attnserve_session_memory_bytes What --max_session_memory_mb "
-      "limits: cache, bookkeeping and superseded models' weights.\n"
-      "# TYPE attnserve_session_memory_bytes gauge\n"
-      "attnserve_session_memory_bytes ",
-      gauges.sessions.budget_bytes,
+      gauges.models_loaded, "\n");
+  RenderSessionGauges(gauges.sessions, &out);
+  absl::StrAppend(
+      &out,
+      "# HELP attnserve_step_passes_total Passes of the step coalescer: "
+      "session steps of concurrent calls, from every front end, run "
+      "together.\n"
+      "# TYPE attnserve_step_passes_total counter\n"
+      "attnserve_step_passes_total ",
+      gauges.step_passes,
+      "\n# HELP attnserve_coalesced_steps_total Session steps run in those "
+      "passes.\n"
+      "# TYPE attnserve_coalesced_steps_total counter\n"
+      "attnserve_coalesced_steps_total ",
+      gauges.coalesced_steps,
       "\n# HELP attnserve_build_info Build information: the version, the "
       "instruction set the row kernels use (ATTNSERVE_CPU_ISA caps it) and "
       "their implementation.\n"

@@ -28,6 +28,9 @@ struct ServingGauges {
   int queued = 0;
   int models_loaded = 0;
   SessionStore::Stats sessions;
+  // The step coalescer's passes, and the steps they ran.
+  int64_t step_passes = 0;
+  int64_t coalesced_steps = 0;
 };
 
 class Metrics {

@@ -844,6 +844,13 @@ absl::Status NativeInferCall::Run(const CallControl& control) {
   return absl::InternalError("unknown native call kind");
 }
 
+std::optional<SessionStepCall> NativeInferCall::StepCall() {
+  if (kind_ != Kind::kSequenceStep) return std::nullopt;
+  return sequence_->StepCall(
+      static_cast<v1::SessionStepRequest*>(request_.get()),
+      static_cast<v1::SessionStepResponse*>(response_.get()));
+}
+
 void NativeInferCall::ToResponse(const ModelInferRequest& request,
                                  ModelInferResponse* response) {
   response->set_model_name(request.model_name());

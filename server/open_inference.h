@@ -146,6 +146,9 @@ class NativeInferCall {
   std::string label() const;
   // Computes the native call.
   absl::Status Run(const CallControl& control);
+  // A continuing sequence's step as the step coalescer takes it, in place
+  // of Run (this call must outlive the answer); nullopt for other calls.
+  std::optional<SessionStepCall> StepCall();
   // The native response as the protocol's, its result bytes moved into
   // raw_output_contents; model name, version and id from `request`.
   void ToResponse(const inference::ModelInferRequest& request,

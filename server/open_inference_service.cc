@@ -2,6 +2,8 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
+#include <string>
 
 #include "core/status_macros.h"
 #include "server/model_config.h"
@@ -110,27 +112,52 @@ void OpenInferenceService::AddStateRpcs() {
       [](const auto&, auto*) { return absl::OkStatus(); });
 }
 
+namespace {
+
+// ModelInfer's handler: the native call it translates to, run alone or, for
+// a continuing sequence, in the step coalescer's passes. Copyable.
+struct InferHandler {
+  std::shared_ptr<NativeInferCall> native;
+
+  absl::Status operator()(const oip::ModelInferRequest& request,
+                          oip::ModelInferResponse* response,
+                          const CallControl& control) const {
+    ATTN_RETURN_IF_ERROR(native->Run(control));
+    native->ToResponse(request, response);
+    return absl::OkStatus();
+  }
+
+  std::optional<SessionStepCall> StepCall(
+      const oip::ModelInferRequest& request,
+      oip::ModelInferResponse* response) const {
+    std::optional<SessionStepCall> step = native->StepCall();
+    if (!step.has_value()) return std::nullopt;
+    step->complete = [native = native, &request, response,
+                      complete = std::move(step->complete)](
+                         const absl::Status& stepped,
+                         const CallControl& control) {
+      ATTN_RETURN_IF_ERROR(complete(stepped, control));
+      native->ToResponse(request, response);
+      return absl::OkStatus();
+    };
+    return step;
+  }
+};
+
+}  // namespace
+
 void OpenInferenceService::AddInferenceRpcs() {
   const CallPipeline* pipeline = calls()->pipeline();
   const ModelRepository* models = pipeline->config().models;
-  using Handle =
-      std::function<absl::Status(const oip::ModelInferRequest&,
-                                 oip::ModelInferResponse*, const CallControl&)>;
   AddCompute<oip::ModelInferRequest, oip::ModelInferResponse>(
       [models, pipeline](oip::ModelInferRequest& request)
-          -> absl::StatusOr<BoundCall<Handle>> {
+          -> absl::StatusOr<BoundCall<InferHandler>> {
         ATTN_ASSIGN_OR_RETURN(std::shared_ptr<NativeInferCall> native,
                               NativeInferCall::FromRequest(
                                   &request, models, pipeline->sequences()));
-        return Bound(native->cost(),
-                     Handle([native](const oip::ModelInferRequest& request,
-                                     oip::ModelInferResponse* response,
-                                     const CallControl& control) {
-                       ATTN_RETURN_IF_ERROR(native->Run(control));
-                       native->ToResponse(request, response);
-                       return absl::OkStatus();
-                     }),
-                     native->label());
+        const RequestCost cost = native->cost();
+        std::string label = native->label();
+        return Bound(cost, InferHandler{std::move(native)}, std::move(label));
       });
   AddStream("ModelStreamInfer",
             [pipeline](grpc::CallbackServerContext* context) {

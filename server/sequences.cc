@@ -668,11 +668,27 @@ absl::Status SequenceCall::FirstStep(const std::string& id,
   return recorded;
 }
 
+std::optional<SessionStepCall> SequenceCall::StepCall(
+    v1::SessionStepRequest* step, v1::SessionStepResponse* response) {
+  if (!parameters_.fork.none() || parameters_.start) return std::nullopt;
+  if (parameters_.position) step->set_position(*parameters_.position);
+  step->set_session_id(session_id_);
+  SessionStepCall call = handler_->StepCall(*step, response);
+  call.complete = [this, complete = std::move(call.complete)](
+                      const absl::Status& stepped, const CallControl& control) {
+    return Continued(complete(stepped, control));
+  };
+  return call;
+}
+
 absl::Status SequenceCall::Continue(v1::SessionStepRequest* step,
                                     v1::SessionStepResponse* response,
                                     const CallControl& control) {
   step->set_session_id(session_id_);
-  const absl::Status stepped = (*handler_)(*step, response, control);
+  return Continued((*handler_)(*step, response, control));
+}
+
+absl::Status SequenceCall::Continued(const absl::Status& stepped) {
   // The store's NOT_FOUND (its messages name session_id): the session
   // expired, was evicted or deleted since the lookup.
   if (absl::IsNotFound(stepped) &&

@@ -220,6 +220,11 @@ class SequenceCall {
   absl::Status Run(v1::SessionStepRequest* step,
                    v1::SessionStepResponse* response,
                    const CallControl& control);
+  // A continuing step as the step coalescer takes it (`step` gets its
+  // session id; it, `response` and this call must outlive the answer);
+  // nullopt for a start or a fork, which create their session first.
+  std::optional<SessionStepCall> StepCall(v1::SessionStepRequest* step,
+                                          v1::SessionStepResponse* response);
 
  private:
   SequenceCall(SequenceTable* table, std::string model,
@@ -239,6 +244,10 @@ class SequenceCall {
   absl::Status Continue(v1::SessionStepRequest* step,
                         v1::SessionStepResponse* response,
                         const CallControl& control);
+  // The sequence after a continuing step that gave `stepped`: forgotten
+  // when its session is gone (the protocol's status for that) or when the
+  // step ended it.
+  absl::Status Continued(const absl::Status& stepped);
 
   SequenceTable* const table_;
   const std::string model_;

@@ -321,6 +321,11 @@ std::string AttnServer::RenderMetrics() const {
   gauges.models_loaded =
       models_ != nullptr ? static_cast<int>(models_->List().size()) : 0;
   if (sessions_ != nullptr) gauges.sessions = sessions_->stats();
+  if (step_coalescer_ != nullptr) {
+    const StepCoalescer::Stats coalesced = step_coalescer_->stats();
+    gauges.step_passes = coalesced.passes;
+    gauges.coalesced_steps = coalesced.steps;
+  }
   return metrics_->Render(gauges);
 }
 

@@ -37,6 +37,11 @@ void StepCoalescer::Add(std::unique_ptr<Step> step) {
   if (queue_runner && !submit_([this] { Run(); })) FailPending(busy_());
 }
 
+StepCoalescer::Stats StepCoalescer::stats() const {
+  MutexLock lock(&mu_);
+  return stats_;
+}
+
 bool StepCoalescer::active() const {
   MutexLock lock(&mu_);
   return runner_;
@@ -201,6 +206,10 @@ void StepCoalescer::RunPass(std::vector<std::unique_ptr<Step>>& batch) {
   MutexLock lock(&mu_);
   last_size_ = batch.size();
   last_answered_ = absl::Now();
+  if (!index.empty()) {
+    ++stats_.passes;
+    stats_.steps += static_cast<int64_t>(index.size());
+  }
 }
 
 }  // namespace attnserve

@@ -35,6 +35,7 @@
 #define ATTNSERVE_SERVER_STEP_COALESCER_H_
 
 #include <cstddef>
+#include <cstdint>
 #include <deque>
 #include <functional>
 #include <memory>
@@ -111,6 +112,12 @@ class StepCoalescer {
   void Add(std::unique_ptr<Step> step) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether a runner is queued or running: a step added now joins a pass.
   bool active() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Passes run so far, and the steps they computed.
+  struct Stats {
+    int64_t passes = 0;
+    int64_t steps = 0;
+  };
+  Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   // A step taken out of the queue to be answered at once, and why.
@@ -149,6 +156,7 @@ class StepCoalescer {
   // The last pass: its steps, and when they had been answered.
   size_t last_size_ ABSL_GUARDED_BY(mu_) = 0;
   absl::Time last_answered_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();
+  Stats stats_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace attnserve

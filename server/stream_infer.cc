@@ -83,7 +83,9 @@ class StreamInferReactor final
                                      call->response.mutable_infer_response());
           }
           Answer(status);
-        });
+        },
+        // `finish` holds the call until the step is answered.
+        call->native->StepCall());
   }
 
   void OnWriteDone(bool ok) override {

@@ -1219,6 +1219,133 @@ TEST_F(TritonProtocolTest, ConcurrentSequencesAreIsolated) {
   for (auto& thread : threads) thread.join();
 }
 
+// The number after `series` on `server`'s metrics page (-1 when absent).
+int64_t Metric(const TestServer& server, const std::string& series) {
+  httplib::Client http("127.0.0.1", server.metrics_port());
+  auto page = http.Get("/metrics");
+  if (!page) return -1;
+  const size_t at = page->body.find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::strtoll(page->body.c_str() + at + series.size() + 2, nullptr, 10);
+}
+
+// The JSON body of an attention_session step over HTTP with `parameters`
+// (as SequenceRequest's inputs).
+json HttpSequenceStep(json parameters, const AttentionStep& step) {
+  json body;
+  body["parameters"] = std::move(parameters);
+  const std::vector<float>* values[] = {&step.q, &step.k, &step.v};
+  body["inputs"] = json::array();
+  for (int i = 0; i < 3; ++i) {
+    body["inputs"].push_back(
+        {{"name", kNames[i]},
+         {"datatype", "FP32"},
+         {"shape", {i == 0 ? kSeqHeads : kSeqKvHeads, step.n, kSeqDim}},
+         {"data", *values[i]}});
+  }
+  return body;
+}
+
+// Sequence steps from every front end (gRPC ModelInfer, ModelStreamInfer,
+// HTTP) and native SessionStep calls, concurrently, all run in the step
+// coalescer's passes: every step too large to run inline is counted in
+// attnserve_coalesced_steps_total whichever protocol sent it, and every
+// output matches float64.
+TEST_F(TritonProtocolTest, StepsOfEveryFrontEndRunInTheCoalescersPasses) {
+  // Steps of 32 tokens on 1024 and more cached ones: above the inline
+  // threshold, so every one goes to the coalescer.
+  constexpr int64_t kPrompt = 1024, kTokens = 32;
+  constexpr int kSteps = 4;
+  const int64_t passes_before = Metric(server_, "attnserve_step_passes_total");
+  const int64_t steps_before =
+      Metric(server_, "attnserve_coalesced_steps_total");
+  ASSERT_GE(steps_before, 0);
+  const auto run = [&](int front_end) {
+    std::mt19937 rng(300 + front_end);
+    AttentionSequenceReference reference;
+    const int64_t id = 3000 + front_end;
+    auto stream_context = Context();
+    auto stream = triton_->ModelStreamInfer(stream_context.get());
+    httplib::Client http("127.0.0.1", server_.http_port());
+    std::string session;
+    for (int i = 0; i <= kSteps; ++i) {
+      const AttentionStep step = RandomStep(i == 0 ? kPrompt : kTokens, rng);
+      const std::vector<double> expected =
+          reference.Step(step.q, step.k, step.v, step.n);
+      const ModelInferRequest request =
+          SequenceRequest(IntId(id), i == 0, false, step);
+      std::vector<float> output;
+      if (front_end == 0) {
+        ModelInferResponse response;
+        const grpc::Status status =
+            triton_->ModelInfer(Context().get(), request, &response);
+        ASSERT_TRUE(status.ok()) << status.error_message();
+        output = Floats(response.raw_output_contents(0));
+      } else if (front_end == 1) {
+        inference::ModelStreamInferResponse answer;
+        ASSERT_TRUE(stream->Write(request));
+        ASSERT_TRUE(stream->Read(&answer));
+        ASSERT_EQ(answer.error_message(), "");
+        output = Floats(answer.infer_response().raw_output_contents(0));
+      } else if (front_end == 2) {
+        auto answer = http.Post(
+            "/v2/models/attention_session/infer",
+            HttpSequenceStep({{"sequence_id", id}, {"sequence_start", i == 0}},
+                             step)
+                .dump(),
+            "application/json");
+        ASSERT_TRUE(answer && answer->status == 200)
+            << (answer ? answer->body : "no answer");
+        output = json::parse(answer->body)["outputs"][0]["data"]
+                     .get<std::vector<float>>();
+      } else {
+        if (i == 0) {
+          v1::CreateSessionRequest create;
+          create.set_num_heads(kSeqHeads);
+          create.set_num_kv_heads(kSeqKvHeads);
+          create.set_head_dim(kSeqDim);
+          v1::CreateSessionResponse created;
+          ASSERT_TRUE(
+              native_->CreateSession(Context().get(), create, &created).ok());
+          session = created.session_id();
+        }
+        v1::SessionStepRequest native_step;
+        native_step.set_session_id(session);
+        v1::Tensor* tensors[] = {native_step.mutable_query(),
+                                 native_step.mutable_key(),
+                                 native_step.mutable_value()};
+        for (int t = 0; t < 3; ++t) {
+          tensors[t]->set_dtype(v1::DATA_TYPE_FLOAT32);
+          for (const auto& d : request.inputs(t).shape()) {
+            tensors[t]->add_shape(d);
+          }
+          tensors[t]->set_raw_data(request.raw_input_contents(t));
+        }
+        v1::SessionStepResponse response;
+        const grpc::Status status =
+            native_->SessionStep(Context().get(), native_step, &response);
+        ASSERT_TRUE(status.ok()) << status.error_message();
+        output = Floats(response.output().raw_data());
+      }
+      ExpectNear(output, expected);
+    }
+    ASSERT_TRUE(stream->WritesDone());
+    ASSERT_TRUE(stream->Finish().ok());
+  };
+  std::vector<std::thread> threads;
+  for (int front_end = 0; front_end < 4; ++front_end) {
+    threads.emplace_back(run, front_end);
+  }
+  for (auto& thread : threads) thread.join();
+  // Each front end's continuing steps, and the native session's prompt (a
+  // protocol start creates its session first, outside the passes).
+  const int64_t steps = Metric(server_, "attnserve_coalesced_steps_total");
+  EXPECT_EQ(steps - steps_before, 4 * kSteps + 1);
+  const int64_t passes = Metric(server_, "attnserve_step_passes_total");
+  EXPECT_GE(passes - passes_before, 1);
+  EXPECT_LE(passes - passes_before, steps - steps_before);
+}
+
 // A rewind (sequence_position) drops the cached tokens from there on.
 TEST_F(TritonProtocolTest, SequencePositionRewinds) {
   AttentionStep prompt = RandomStep(3, rng_);
@@ -1725,18 +1852,9 @@ TEST(TritonSequenceTest, ForkOfAnEvictedSequenceIsGone) {
   // 1 and 2 were evicted to make room.
   const grpc::Status status = infer(ForkRequest(IntId(3), IntId(1), step));
   expect_gone(status.error_code(), status.error_message(), "1");
-  json body;
-  body["parameters"] = {
-      {"sequence_id", 3}, {"sequence_start", true}, {"sequence_fork", 2}};
-  body["inputs"] = json::array();
-  const std::vector<float>* values[] = {&step.q, &step.k, &step.v};
-  for (int i = 0; i < 3; ++i) {
-    body["inputs"].push_back(
-        {{"name", kNames[i]},
-         {"datatype", "FP32"},
-         {"shape", {i == 0 ? kSeqHeads : kSeqKvHeads, step.n, kSeqDim}},
-         {"data", *values[i]}});
-  }
+  const json body = HttpSequenceStep(
+      {{"sequence_id", 3}, {"sequence_start", true}, {"sequence_fork", 2}},
+      step);
   const auto answer = http.Post("/v2/models/attention_session/infer",
                                 body.dump(), "application/json");
   ASSERT_TRUE(answer);
