@@ -6,9 +6,26 @@
 
 namespace attnserve {
 
+namespace {
+
+// A new session would die with a draining server: refused there.
+absl::Status RefuseNewSessionsWhileDraining(const CallPipeline& pipeline) {
+  if (!pipeline.draining()) return absl::OkStatus();
+  return absl::UnavailableError(
+      "server is shutting down; create the session on another replica");
+}
+
+}  // namespace
+
 AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
     : RawService(calls) {
-  const ServiceConfig& config = calls->pipeline()->config();
+  AddComputeRpcs(calls->pipeline()->config());
+  AddStateRpcs(calls->pipeline()->config());
+  AddSessionRpcs(calls->pipeline());
+  VerifyEveryRpcAdded();
+}
+
+void AttentionServiceImpl::AddComputeRpcs(const ServiceConfig& config) {
   AddCompute<v1::AttendRequest, v1::AttendResponse>(
       [](const v1::AttendRequest& request) {
         return Bound(CostOf(request), &HandleAttend);
@@ -41,6 +58,9 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
         const RequestCost cost = CostOf(request, handle.sessions());
         return Bound(cost, std::move(handle));
       });
+}
+
+void AttentionServiceImpl::AddStateRpcs(const ServiceConfig& config) {
   AddState<v1::ListModelsRequest, v1::ListModelsResponse>(
       [models = config.models](const v1::ListModelsRequest&,
                                v1::ListModelsResponse* response) {
@@ -70,37 +90,30 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
           v1::ListSharedMemoryResponse* response) {
         return HandleListSharedMemory(request, registry, response);
       });
-  // A new session would die with a draining server: refused there.
+}
+
+void AttentionServiceImpl::AddSessionRpcs(const CallPipeline* pipeline) {
+  const ServiceConfig& config = pipeline->config();
   AddState<v1::CreateSessionRequest, v1::CreateSessionResponse>(
-      [pipeline = calls->pipeline()](const v1::CreateSessionRequest& request,
-                                     v1::CreateSessionResponse* response) {
-        if (pipeline->draining()) {
-          return absl::UnavailableError(
-              "server is shutting down; create the session on another "
-              "replica");
-        }
-        const ServiceConfig& config = pipeline->config();
-        return HandleCreateSession(request, config.models, config.sessions,
-                                   config.max_session_length, response);
+      [pipeline = pipeline](const v1::CreateSessionRequest& request,
+                            v1::CreateSessionResponse* response) {
+        ATTN_RETURN_IF_ERROR(RefuseNewSessionsWhileDraining(*pipeline));
+        const ServiceConfig& served = pipeline->config();
+        return HandleCreateSession(request, served.models, served.sessions,
+                                   served.max_session_length, response);
       });
   AddState<v1::DeleteSessionRequest, v1::DeleteSessionResponse>(
       [sessions = config.sessions](const v1::DeleteSessionRequest& request,
                                    v1::DeleteSessionResponse*) {
         return HandleDeleteSession(request, sessions);
       });
-  // As CreateSession: a new session would die with a draining server.
   AddState<v1::ForkSessionRequest, v1::ForkSessionResponse>(
-      [pipeline = calls->pipeline()](const v1::ForkSessionRequest& request,
-                                     v1::ForkSessionResponse* response) {
-        if (pipeline->draining()) {
-          return absl::UnavailableError(
-              "server is shutting down; create the session on another "
-              "replica");
-        }
+      [pipeline = pipeline](const v1::ForkSessionRequest& request,
+                            v1::ForkSessionResponse* response) {
+        ATTN_RETURN_IF_ERROR(RefuseNewSessionsWhileDraining(*pipeline));
         return HandleForkSession(request, pipeline->config().sessions,
                                  response);
       });
-  VerifyEveryRpcAdded();
 }
 
 }  // namespace attnserve

@@ -23,6 +23,14 @@ namespace attnserve {
 class AttentionServiceImpl final : public RawService<v1::AttentionService> {
  public:
   explicit AttentionServiceImpl(GrpcCalls* calls);
+
+ private:
+  // The compute RPCs (through the call pipeline).
+  void AddComputeRpcs(const ServiceConfig& config);
+  // Models and shared memory.
+  void AddStateRpcs(const ServiceConfig& config);
+  // Creating, forking and deleting decode sessions.
+  void AddSessionRpcs(const CallPipeline* pipeline);
 };
 
 }  // namespace attnserve

@@ -18,6 +18,7 @@ namespace oip = inference;
 OpenInferenceService::OpenInferenceService(GrpcCalls* calls)
     : RawService(calls) {
   AddStateRpcs();
+  AddExtensionRpcs();
   AddInferenceRpcs();
   VerifyEveryRpcAdded();
 }
@@ -25,8 +26,6 @@ OpenInferenceService::OpenInferenceService(GrpcCalls* calls)
 void OpenInferenceService::AddStateRpcs() {
   const CallPipeline* pipeline = calls()->pipeline();
   const ModelRepository* models = pipeline->config().models;
-  ModelRepository* repository = pipeline->config().repository;
-  SharedMemoryRegistry* regions = pipeline->config().shared_memory;
   AddState<oip::ServerLiveRequest, oip::ServerLiveResponse>(
       [](const auto&, auto* response) {
         response->set_live(true);
@@ -61,6 +60,13 @@ void OpenInferenceService::AddStateRpcs() {
       [pipeline](const auto& request, auto* response) {
         return pipeline->statistics().Handle(request, response);
       });
+}
+
+void OpenInferenceService::AddExtensionRpcs() {
+  const CallPipeline* pipeline = calls()->pipeline();
+  const ModelRepository* models = pipeline->config().models;
+  ModelRepository* repository = pipeline->config().repository;
+  SharedMemoryRegistry* regions = pipeline->config().shared_memory;
   // Index, load and unload run on gRPC's thread: a load reads and packs
   // the model's weights before it answers.
   AddState<oip::RepositoryIndexRequest, oip::RepositoryIndexResponse>(

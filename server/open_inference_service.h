@@ -28,9 +28,12 @@ class OpenInferenceService final
   explicit OpenInferenceService(GrpcCalls* calls);
 
  private:
-  // The protocol's state RPCs: health, metadata, configuration,
-  // statistics, repository and shared memory.
+  // The protocol's state RPCs: health, metadata, configuration and
+  // statistics.
   void AddStateRpcs();
+  // Its extensions' RPCs: repository, shared memory, trace and log
+  // settings.
+  void AddExtensionRpcs();
   // ModelInfer and ModelStreamInfer.
   void AddInferenceRpcs();
 };

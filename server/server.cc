@@ -188,29 +188,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   return server;
 }
 
-absl::Status AttnServer::StartState(const ServerOptions& options) {
-  if (!options.model_repository.empty()) {
-    // A broken model stops start-up: better no server than a wrong one.
-    models_ = std::make_unique<ModelRepository>(options.model_repository,
-                                                options.max_model_mb);
-    ATTN_RETURN_IF_ERROR(models_->Reload());
-  }
-  const int threads = ThreadBudget::Global().total();
-  scheduler_ = std::make_unique<Scheduler>(
-      options.max_inflight > 0 ? options.max_inflight : threads,
-      options.max_queue);
-  // A conservative first guess of the compute rate (20 GFLOP/s per thread),
-  // replaced by measurements as calls complete.
-  cost_model_ = std::make_unique<CostModel>(20e9 * threads);
-  metrics_ = std::make_unique<Metrics>();
-  if (!options.auth_token_file.empty()) {
-    ATTN_ASSIGN_OR_RETURN(
-        auth_, TokenAuthenticator::FromFile(options.auth_token_file));
-  }
-  if (options.max_shared_memory_mb > 0) {
-    shared_memory_ = std::make_unique<SharedMemoryRegistry>(
-        static_cast<uint64_t>(options.max_shared_memory_mb) << 20);
-  }
+void AttnServer::StartSessions(const ServerOptions& options) {
   if (options.max_session_memory_mb > 0) {
     SessionStore::Options sessions;
     sessions.max_bytes = static_cast<size_t>(options.max_session_memory_mb)
@@ -253,6 +231,32 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
         // Steps arrive only once the pipeline below exists.
         [this] { return pipeline_->BusyError(); });
   }
+}
+
+absl::Status AttnServer::StartState(const ServerOptions& options) {
+  if (!options.model_repository.empty()) {
+    // A broken model stops start-up: better no server than a wrong one.
+    models_ = std::make_unique<ModelRepository>(options.model_repository,
+                                                options.max_model_mb);
+    ATTN_RETURN_IF_ERROR(models_->Reload());
+  }
+  const int threads = ThreadBudget::Global().total();
+  scheduler_ = std::make_unique<Scheduler>(
+      options.max_inflight > 0 ? options.max_inflight : threads,
+      options.max_queue);
+  // A conservative first guess of the compute rate (20 GFLOP/s per thread),
+  // replaced by measurements as calls complete.
+  cost_model_ = std::make_unique<CostModel>(20e9 * threads);
+  metrics_ = std::make_unique<Metrics>();
+  if (!options.auth_token_file.empty()) {
+    ATTN_ASSIGN_OR_RETURN(
+        auth_, TokenAuthenticator::FromFile(options.auth_token_file));
+  }
+  if (options.max_shared_memory_mb > 0) {
+    shared_memory_ = std::make_unique<SharedMemoryRegistry>(
+        static_cast<uint64_t>(options.max_shared_memory_mb) << 20);
+  }
+  StartSessions(options);
   ServiceConfig config;
   config.step_coalescer = step_coalescer_.get();
   config.shared_memory = shared_memory_.get();

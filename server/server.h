@@ -69,6 +69,8 @@ class AttnServer {
   // Start's steps: the models, scheduler, metrics, registries and the
   // call pipeline; the gRPC services and port; the HTTP ports.
   absl::Status StartState(const ServerOptions& options);
+  // StartState's decode sessions and their step coalescer (when on).
+  void StartSessions(const ServerOptions& options);
   absl::Status StartGrpc(const ServerOptions& options);
   absl::Status StartHttp(const ServerOptions& options);
   // Declared before server_: destroyed after it, once every call is done.
