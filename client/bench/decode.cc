@@ -112,36 +112,57 @@ absl::Status VerifyDecodeBenchOptions(const DecodeBenchOptions& options) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
-    AttnClient& client, const DecodeBenchOptions& options) {
-  ATTN_RETURN_IF_ERROR(VerifyDecodeBenchOptions(options));
-  const int per_call = std::max(options.batch_sessions, 1);
+namespace {
+
+// The sessions' CreateSession request, their model's embedding (0 for
+// attention sessions) and a description of their shape.
+struct SessionShape {
   v1::CreateSessionRequest create;
   int64_t embed = 0;
-  std::string shapes;
+  std::string description;
+};
+
+absl::StatusOr<SessionShape> ShapeOfSessions(
+    AttnClient& client, const DecodeBenchOptions& options) {
+  SessionShape shape;
   if (!options.model.empty()) {
     ATTN_ASSIGN_OR_RETURN(auto metadata,
                           client.GetModelMetadata(options.model));
-    embed = metadata.query_dim();
-    create.set_model(options.model);
-    shapes = absl::StrCat("model=", options.model, " input=[1, ",
-                          options.step_tokens, ", ", embed, "]");
+    shape.embed = metadata.query_dim();
+    shape.create.set_model(options.model);
+    shape.description =
+        absl::StrCat("model=", options.model, " input=[1, ",
+                     options.step_tokens, ", ", shape.embed, "]");
   } else {
-    create.set_num_heads(static_cast<int32_t>(options.heads));
-    create.set_num_kv_heads(static_cast<int32_t>(options.kv_heads));
-    create.set_head_dim(options.head_dim);
-    create.set_dtype(DTypeToProto(ComputeDType(options.dtype)));
-    shapes = absl::StrCat(
+    shape.create.set_num_heads(static_cast<int32_t>(options.heads));
+    shape.create.set_num_kv_heads(static_cast<int32_t>(options.kv_heads));
+    shape.create.set_head_dim(options.head_dim);
+    shape.create.set_dtype(DTypeToProto(ComputeDType(options.dtype)));
+    shape.description = absl::StrCat(
         "heads=", options.heads,
         " kv_heads=", options.kv_heads > 0 ? options.kv_heads : options.heads,
         " head_dim=", options.head_dim, " ", DTypeName(options.dtype));
   }
   if (options.cache_dtype.has_value()) {
-    create.set_cache_dtype(DTypeToProto(*options.cache_dtype));
-    absl::StrAppend(&shapes, " cache ", DTypeName(*options.cache_dtype));
+    shape.create.set_cache_dtype(DTypeToProto(*options.cache_dtype));
+    absl::StrAppend(&shape.description, " cache ",
+                    DTypeName(*options.cache_dtype));
   }
-  create.set_num_layers(options.layers);
-  create.set_max_length(options.kv_seq + options.step_tokens);
+  shape.create.set_num_layers(options.layers);
+  shape.create.set_max_length(options.kv_seq + options.step_tokens);
+  return shape;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
+    AttnClient& client, const DecodeBenchOptions& options) {
+  ATTN_RETURN_IF_ERROR(VerifyDecodeBenchOptions(options));
+  const int per_call = std::max(options.batch_sessions, 1);
+  ATTN_ASSIGN_OR_RETURN(SessionShape shape, ShapeOfSessions(client, options));
+  const v1::CreateSessionRequest& create = shape.create;
+  const int64_t embed = shape.embed;
+  const std::string& shapes = shape.description;
   std::unique_ptr<DecodeSessions> sessions(new DecodeSessions(client));
   std::mt19937 random(1);
   for (int c = 0; c < options.sessions; ++c) {
