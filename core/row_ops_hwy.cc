@@ -407,8 +407,7 @@ void RmsNorm(const float* x, int64_t n, float eps, const float* gamma,
   LayerNormOutput(x, n, row, gamma, nullptr, y);
 }
 
-// Lanes() elements of a cached row from `offset` on, as float32 (kInt8
-// unscaled); `count` < Lanes() reads only that many (the rest 0).
+// The element type of a cached row.
 template <RowType kType>
 using CachedElement = std::conditional_t<
     kType == RowType::kFloat32, float,
@@ -432,6 +431,8 @@ V LoadWhole(const CachedElement<kType>* p) {
   }
 }
 
+// Lanes() elements of a cached row from `offset` on, as float32 (kInt8
+// unscaled); `count` < Lanes() reads only that many (the rest 0).
 template <RowType kType>
 V LoadCached(const void* data, int64_t offset, int64_t count) {
   using T = CachedElement<kType>;
@@ -544,6 +545,31 @@ void StoreSumsOfEight(DL d, const hn::Vec<DL> (&acc)[kEightKeys],
   }
 }
 
+// The rows of keys j..j+7 (those past `last` repeat it: their sums are
+// dropped) into row[]; returns how many are real.
+template <typename T>
+int64_t EightRows(const void* data, int64_t stride, int64_t j, int64_t last,
+                  const T* (&row)[kEightKeys]) {
+  for (int k = 0; k < kEightKeys; ++k) {
+    row[k] = static_cast<const T*>(data) + std::min(j + k, last) * stride;
+  }
+  return std::min<int64_t>(kEightKeys, last + 1 - j);
+}
+
+// Calls group(j) for j = 0, 8, 16... below cols, each after prefetching
+// the eight rows `ahead` of it (rows of `row_bytes`, `stride_bytes` apart
+// from `base`).
+template <class F>
+void ForEachEightKeys(const char* base, int64_t stride_bytes, int64_t row_bytes,
+                      int64_t ahead, int64_t cols, F&& group) {
+  for (int64_t j = 0; j < cols; j += kEightKeys) {
+    for (int k = 0; k < kEightKeys; ++k) {
+      PrefetchRow(base + (j + k + ahead) * stride_bytes, row_bytes);
+    }
+    group(j);
+  }
+}
+
 // Eight keys from j against each query row, for head dims of whole
 // vectors: eight independent chains, each query vector read once for all,
 // no tail branch in the loop (the compiler keeps every accumulator in a
@@ -554,12 +580,8 @@ void DotEightKeys(const float* q, int64_t rows, int64_t dim,
                   int64_t ld) {
   const D d;
   const int64_t lanes = Lanes();
-  const auto* data = static_cast<const CachedElement<kType>*>(keys.data);
   const CachedElement<kType>* row[kEightKeys];
-  for (int k = 0; k < kEightKeys; ++k) {
-    row[k] = data + std::min(j + k, last) * keys.stride;
-  }
-  const int64_t n = std::min<int64_t>(kEightKeys, last + 1 - j);
+  const int64_t n = EightRows(keys.data, keys.stride, j, last, row);
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = q + r * dim;
     V acc[kEightKeys];
@@ -598,15 +620,13 @@ void DotRowsOf(const float* q, int64_t rows, int64_t dim,
 #if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
   if constexpr (kSumsOfEight) {
     if (dim % Lanes() == 0) {
-      for (int64_t j = 0; j < cols; j += kEightKeys) {
-        for (int k = 0; k < kEightKeys; ++k) {
-          PrefetchRow(base + (j + k + ahead) * stride_bytes, row_bytes);
-        }
-        if constexpr (kType == RowType::kInt8) {
-          hwy::Prefetch(keys.scales + j + ahead);
-        }
-        DotEightKeys<kType>(q, rows, dim, keys, j, cols - 1, out, ld);
-      }
+      ForEachEightKeys(
+          base, stride_bytes, row_bytes, ahead, cols, [&](int64_t j) {
+            if constexpr (kType == RowType::kInt8) {
+              hwy::Prefetch(keys.scales + j + ahead);
+            }
+            DotEightKeys<kType>(q, rows, dim, keys, j, cols - 1, out, ld);
+          });
       return;
     }
   }
@@ -698,13 +718,8 @@ void PairedDotEightKeys(const float* split, int64_t rows, int64_t dim,
   const hn::RebindToUnsigned<D> du;
   const auto high = hn::Set(du, 0xffff0000u);
   const int64_t lanes = Lanes();
-  const uint32_t* row[kEightKeys];
-  for (int k = 0; k < kEightKeys; ++k) {
-    row[k] = reinterpret_cast<const uint32_t*>(
-        static_cast<const uint16_t*>(keys.data) +
-        std::min(j + k, last) * keys.stride);
-  }
-  const int64_t n = std::min<int64_t>(kEightKeys, last + 1 - j);
+  const uint16_t* row[kEightKeys];
+  const int64_t n = EightRows(keys.data, keys.stride, j, last, row);
   for (int64_t r = 0; r < rows; ++r) {
     const float* qr = split + r * dim;
     V acc[kEightKeys];
@@ -713,7 +728,8 @@ void PairedDotEightKeys(const float* split, int64_t rows, int64_t dim,
       const V qe = hn::LoadU(d, qr + c);
       const V qo = hn::LoadU(d, qr + c + lanes);
       for (int k = 0; k < kEightKeys; ++k) {
-        const auto pairs = hn::LoadU(du, row[k] + c / 2);
+        const auto pairs =
+            hn::LoadU(du, reinterpret_cast<const uint32_t*>(row[k] + c));
         acc[k] =
             hn::MulAdd(qe, hn::BitCast(d, hn::ShiftLeft<16>(pairs)), acc[k]);
         acc[k] = hn::MulAdd(qo, hn::BitCast(d, hn::And(pairs, high)), acc[k]);
@@ -754,12 +770,11 @@ void PairedDotRows(const float* q, int64_t rows, int64_t dim,
   }
 #if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
   if constexpr (kSumsOfEight) {
-    for (int64_t j = 0; j < cols; j += kEightKeys) {
-      for (int k = 0; k < kEightKeys; ++k) {
-        PrefetchRow(base + (j + k + ahead) * stride_bytes, row_bytes);
-      }
-      PairedDotEightKeys(split.data(), rows, dim, keys, j, cols - 1, out, ld);
-    }
+    ForEachEightKeys(base, stride_bytes, row_bytes, ahead, cols,
+                     [&](int64_t j) {
+                       PairedDotEightKeys(split.data(), rows, dim, keys, j,
+                                          cols - 1, out, ld);
+                     });
     return;
   }
 #endif
@@ -864,11 +879,7 @@ void IntegerDotEightKeys(const int16_t* codes, int64_t padded,
   const hn::Rebind<int8_t, D16> d8;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d16));
   const int8_t* row[kEightKeys];
-  for (int k = 0; k < kEightKeys; ++k) {
-    row[k] = static_cast<const int8_t*>(keys.data) +
-             std::min(j + k, last) * keys.stride;
-  }
-  const int64_t n = std::min<int64_t>(kEightKeys, last + 1 - j);
+  const int64_t n = EightRows(keys.data, keys.stride, j, last, row);
   for (int64_t r = 0; r < rows; ++r) {
     hn::Vec<D32> sum0[kEightKeys], sum1[kEightKeys];
     for (int k = 0; k < kEightKeys; ++k) sum0[k] = sum1[k] = hn::Zero(d32);
@@ -919,14 +930,11 @@ void IntegerDotRows(const float* q, int64_t rows, int64_t dim,
     }
 #if !HWY_HAVE_SCALABLE && HWY_TARGET != HWY_SCALAR
     if (kSumsOfEight && dim % lanes == 0) {
-      for (int64_t j = 0; j < cols; j += kEightKeys) {
-        for (int k = 0; k < kEightKeys; ++k) {
-          PrefetchRow(base + (j + k + ahead) * keys.stride, dim);
-        }
+      ForEachEightKeys(base, keys.stride, dim, ahead, cols, [&](int64_t j) {
         hwy::Prefetch(keys.scales + j + ahead);
         IntegerDotEightKeys(codes, padded, scales, n, dim, keys, j, cols - 1,
                             out + r0 * ld, ld);
-      }
+      });
       continue;
     }
 #endif
