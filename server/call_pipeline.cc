@@ -232,21 +232,31 @@ void CallPipeline::Coalesce(PipelineCall call, SessionStepCall step,
       std::move(answer)));
 }
 
+void CallPipeline::Run(
+    PipelineCall call, std::function<absl::Status(const CallControl&)> handle,
+    const std::atomic<bool>* cancelled,
+    std::function<void(const absl::Status&)> finish,
+    absl::FunctionRef<std::optional<SessionStepCall>()> step) const {
+  // Asked only when it would be coalesced: a step call allocates.
+  std::optional<SessionStepCall> stepped =
+      Coalesces(call.cost) ? step() : std::nullopt;
+  if (!stepped.has_value()) {
+    return Run(std::move(call), std::move(handle), cancelled,
+               std::move(finish));
+  }
+  Coalesce(call, *std::move(stepped), cancelled,
+           [this, call, finish = std::move(finish)](const absl::Status& status,
+                                                    absl::Duration queue_wait,
+                                                    absl::Duration compute) {
+             Record(call, status, queue_wait, compute, call.cost.flops);
+             finish(status);
+           });
+}
+
 void CallPipeline::Run(PipelineCall call,
                        std::function<absl::Status(const CallControl&)> handle,
                        const std::atomic<bool>* cancelled,
-                       std::function<void(const absl::Status&)> finish,
-                       std::optional<SessionStepCall> step) const {
-  if (step.has_value() && Coalesces(call.cost)) {
-    Coalesce(call, *std::move(step), cancelled,
-             [this, call, finish = std::move(finish)](
-                 const absl::Status& status, absl::Duration queue_wait,
-                 absl::Duration compute) {
-               Record(call, status, queue_wait, compute, call.cost.flops);
-               finish(status);
-             });
-    return;
-  }
+                       std::function<void(const absl::Status&)> finish) const {
   const absl::Status admitted = Admit(call.cost, Until(call.deadline));
   if (!admitted.ok()) {
     Record(call, admitted, absl::ZeroDuration(), absl::ZeroDuration(), 0);

@@ -130,14 +130,20 @@ class CallPipeline {
   // `call`, computes `handle` (here when tiny and a worker is free, else
   // on a worker), records it, then calls `finish` once with the status, on
   // whichever thread computed. `cancelled` (may be null) must live until
-  // `finish` is called. A call that is also a session `step` joins the
-  // step coalescer's passes when Coalesces says so (`handle` is then not
-  // called).
+  // `finish` is called.
+  void Run(PipelineCall call,
+           std::function<absl::Status(const CallControl&)> handle,
+           const std::atomic<bool>* cancelled,
+           std::function<void(const absl::Status&)> finish) const;
+  // Run for a call that may step a decode session: when Coalesces says so,
+  // `step()` is asked (here, once) for its SessionStepCall, and a call that
+  // has one joins the step coalescer's passes (`handle` is then not
+  // called). Other calls, and all when the coalescer is off, take Run.
   void Run(PipelineCall call,
            std::function<absl::Status(const CallControl&)> handle,
            const std::atomic<bool>* cancelled,
            std::function<void(const absl::Status&)> finish,
-           std::optional<SessionStepCall> step = std::nullopt) const;
+           absl::FunctionRef<std::optional<SessionStepCall>()> step) const;
 
   // Whether a session step of `cost` goes to the step coalescer: there is
   // one, and a pass is forming or the step is not tiny (a tiny step alone

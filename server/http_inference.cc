@@ -342,7 +342,7 @@ class HttpInference {
           responder.Send(Encode(call.get()));
         },
         // `finish` holds the call until the step is answered.
-        call->native->StepCall());
+        [&call] { return call->native->StepCall(); });
   }
 
   // The HTTP request as the protocol's message and its native call.

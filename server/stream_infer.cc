@@ -85,7 +85,7 @@ class StreamInferReactor final
           Answer(status);
         },
         // `finish` holds the call until the step is answered.
-        call->native->StepCall());
+        [&call] { return call->native->StepCall(); });
   }
 
   void OnWriteDone(bool ok) override {
