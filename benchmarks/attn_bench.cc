@@ -91,24 +91,25 @@ void SetRate(benchmark::State& state, double flops, double bytes) {
 // BM_DecodeStep). bytes_per_second: the cached rows read.
 void BM_RowKernel(benchmark::State& state) {
   const int64_t dim = state.range(0), cols = 512;
-  const DType dtype = state.range(1) == 0   ? DType::kFloat32
-                      : state.range(1) == 1 ? DType::kBFloat16
-                                            : DType::kFloat32;
-  const bool int8 = state.range(1) == 2;
+  constexpr RowType kTypes[] = {RowType::kFloat32, RowType::kBFloat16,
+                                RowType::kInt8};
+  const RowType type = kTypes[state.range(1)];
   const bool dot = state.range(2) == 0;
   ScopedRowOps scoped(state, 3);
   const RowOps& ops = GetRowOps();
-  Tensor rows = Random(dtype, {cols, dim}, 3);
-  std::vector<int8_t> codes(static_cast<size_t>(cols * dim));
+  // Float rows from Random; int8 rows as codes with one scale a row.
+  Tensor rows =
+      Random(type == RowType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32,
+             {type == RowType::kInt8 ? 1 : cols, dim}, 3);
+  std::vector<int8_t> codes;
   std::vector<float> scales(static_cast<size_t>(cols), 1.0f / 127);
-  std::mt19937 rng(4);
-  for (int8_t& c : codes) c = static_cast<int8_t>(rng() % 255 - 127);
-  CachedRows cached{rows.data(), dim,
-                    int8                        ? RowType::kInt8
-                    : dtype == DType::kBFloat16 ? RowType::kBFloat16
-                                                : RowType::kFloat32,
-                    scales.data()};
-  if (int8) cached.data = codes.data();
+  if (type == RowType::kInt8) {
+    std::mt19937 rng(4);
+    codes.resize(static_cast<size_t>(cols * dim));
+    for (int8_t& c : codes) c = static_cast<int8_t>(rng() % 255 - 127);
+  }
+  const CachedRows cached{type == RowType::kInt8 ? codes.data() : rows.data(),
+                          dim, type, scales.data()};
   Tensor q = Random(DType::kFloat32, {dim}, 5);
   Tensor p = Random(DType::kFloat32, {cols}, 6);
   std::vector<float> out(static_cast<size_t>(std::max(cols, dim)));
@@ -121,7 +122,9 @@ void BM_RowKernel(benchmark::State& state) {
     }
     benchmark::DoNotOptimize(out.data());
   }
-  const double element = int8 ? 1 : dtype == DType::kBFloat16 ? 2 : 4;
+  const double element = type == RowType::kInt8       ? 1
+                         : type == RowType::kBFloat16 ? 2
+                                                      : 4;
   SetRate(state, 2.0 * cols * dim, element * cols * dim);
 }
 
