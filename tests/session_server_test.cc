@@ -1309,9 +1309,9 @@ int64_t MetricValue(const std::string& page, const std::string& series) {
 // Concurrent 990-token steps on forks of one session, each due in 400 ms,
 // more than the server computes in time: each is answered (OK, or
 // DEADLINE_EXCEEDED) no later than 100 ms past its deadline by the server's
-// own clock. (200 such steps were once answered up to 0.6 s past their
-// deadline, intermittently, after waiting through a pass of a second; the
-// coalescer now keeps passes short, see ConcurrencyTest.)
+// own clock (600 ms under the sanitizers). (200 such steps were once answered
+// up to 0.6 s past their deadline, intermittently, after waiting through a pass
+// of a second; the coalescer now keeps passes short, see ConcurrencyTest.)
 TEST_F(SessionServerTest, CoalescedStepsAreAnsweredByTheirDeadline) {
   ServerOptions options = Options();
   options.threads = 1;
@@ -1377,7 +1377,14 @@ TEST_F(SessionServerTest, CoalescedStepsAreAnsweredByTheirDeadline) {
     total = MetricValue(page, series + "\"+Inf\"}");
   }
   ASSERT_EQ(total, kSteps + 9) << page;
-  EXPECT_EQ(MetricValue(page, series + "\"0.5\"}"), total) << page;
+#ifdef ATTNSERVE_SANITIZED
+  // A pass runs several times slower under the sanitizers, and a step
+  // already in one when the machine stalls is answered when it ends.
+  const std::string bound = "\"1\"}";
+#else
+  const std::string bound = "\"0.5\"}";
+#endif
+  EXPECT_EQ(MetricValue(page, series + bound), total) << page;
 }
 
 }  // namespace attnserve::testing
