@@ -25,7 +25,9 @@ right before each row since other tenants move it): N = 1, 4, 16, 64 sessions at
 dtype (DECODE_DTYPES: float32, bfloat16 and int8 caches, attnctl
 --cache_dtype), as one batched SessionSteps call and as N concurrent
 SessionStep calls (coalesced by the server), end to end and server compute;
-one multi-layer row (16 sessions x 4 layers, float32, one batched call per
+for float32, also as N concurrent sequences of the Open Inference Protocol
+(ModelInfer on attention_session, attnctl --protocol=open_inference), whose
+steps join the same passes; one multi-layer row (16 sessions x 4 layers, float32, one batched call per
 layer of each token, attnctl --layers); and the coalescing wait
 (--coalesce_steps_us) compared at 16 sessions.
 
@@ -484,6 +486,11 @@ DECODE_SESSIONS = (1, 4, 16, 64)
 # The multi-layer row: sessions x layers, float32, one batched call per
 # layer of each token.
 DECODE_LAYERS_CASE = (16, 4)
+# The forms of a decode row: one batched SessionSteps call, N concurrent
+# SessionStep calls, N concurrent Open Inference sequences (float32 only).
+DECODE_FORMS = {"batched": (True, "native"),
+                "coalesced": (False, "native"),
+                "sequences": (False, "open_inference")}
 # The coalescing waits compared (--coalesce_steps_us) at 16 sessions.
 COALESCE_WAITS_US = (0, 50, 200, 1000)
 
@@ -587,15 +594,18 @@ def decode_step_bytes(element_bytes, scale_bytes):
 
 
 def decode_run(args, bench, port, dtype, sessions, batched,
-               cache_dtype=None, layers=1):
+               cache_dtype=None, layers=1, protocol="native"):
     """Steps/s (session-layer steps), tokens/s, p50 ms, server compute p50
-    ms of N sessions at 4096 (a call steps one layer)."""
+    ms of N sessions at 4096 (a call steps one layer); protocol
+    open_inference: N sequences stepped with ModelInfer."""
     flags = ["decode", "--seq=1", f"--kv_seq={DECODE_TOKENS}",
              f"--heads={DECODE_KV_HEADS}", f"--dim={DECODE_DIM}",
              f"--dtype={dtype}", f"--layers={layers}",
              f"--duration_s={args.sweep_duration_s}", "--warmup_s=1"]
     if cache_dtype:
         flags.append(f"--cache_dtype={cache_dtype}")
+    if protocol != "native":
+        flags.append(f"--protocol={protocol}")
     if batched:
         flags += [f"--batch_sessions={sessions}", "--concurrency=1",
                   "--connections=1"]
@@ -618,15 +628,17 @@ def decode_share_part(args, bench):
         for name, flag, cache_flag, size, scales in DECODE_DTYPES:
             step_bytes = decode_step_bytes(size, scales)
             for n in DECODE_SESSIONS:
-                for form, batched in (("batched", True),
-                                      ("coalesced", False)):
+                forms = [f for f in DECODE_FORMS
+                         if f != "sequences" or name == "float32"]
+                for form in forms:
+                    batched, protocol = DECODE_FORMS[form]
                     # One session's cache fits L3; more stream from DRAM.
                     limit = "l3" if n == 1 else "dram"
                     # The machine's bandwidth drifts (other tenants): the
                     # limit is measured again right before each row.
                     limit_gb_s = read_bandwidth(bench, (limit,), 0.3)[limit]
                     r = decode_run(args, bench, port, flag, n, batched,
-                                   cache_flag)
+                                   cache_flag, protocol=protocol)
                     gb_s = r["steps_s"] * step_bytes / 1e9
                     share = gb_s / limit_gb_s
                     outside = 1 - r["compute_ms"] / r["p50_ms"]
@@ -683,6 +695,7 @@ def decode_share_part(args, bench):
               "limit GB/s", "share")
     print("Decode steps at 4096 cached tokens, H8 d64 (batched: one "
           "SessionSteps call; coalesced: N concurrent SessionStep calls; "
+          "sequences: N concurrent Open Inference sequences, ModelInfer; "
           "NxL layers: one batched call per layer, steps are session-layer "
           "steps)\n")
     print_table(header, lines)
@@ -701,6 +714,10 @@ def decode_share_part(args, bench):
     batched16 = by[("float32", 16, "batched")]
     coalesced16 = by[("float32", 16, "coalesced")]
     ratio = coalesced16["steps_s"] / batched16["steps_s"]
+    sequences16 = by[("float32", 16, "sequences")]
+    sequences_ratio = sequences16["steps_s"] / batched16["steps_s"]
+    alone = (by[("float32", 1, "sequences")]["p50_ms"],
+             by[("float32", 1, "coalesced")]["p50_ms"])
     off, on = figures["waits"][0], next(
         w for w in figures["waits"] if w["wait_us"] == 200)
     one = by[("float32", 1, "batched")]
@@ -729,6 +746,11 @@ def decode_share_part(args, bench):
          batched16["outside_compute"] <= 0.10),
         ("16 coalesced calls vs one batched call of 16 (steps/s)",
          f"{ratio:.2f}", ">= 0.80", ratio >= 0.80),
+        ("16 Open Inference sequences vs one batched call of 16 (steps/s)",
+         f"{sequences_ratio:.2f}", ">= 0.80", sequences_ratio >= 0.80),
+        ("one sequence step alone vs one SessionStep alone (p50)",
+         f"{alone[0]:.3f} vs {alone[1]:.3f} ms", "<= 1.05x",
+         alone[0] <= 1.05 * alone[1]),
         ("one call alone, coalescing on vs off (p50)",
          f"{on['p50_ms_1']:.3f} vs {off['p50_ms_1']:.3f} ms", "<= 1.05x",
          on["p50_ms_1"] <= 1.05 * off["p50_ms_1"]),

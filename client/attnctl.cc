@@ -10,6 +10,7 @@
 //           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
 //           [--batch_sessions=N (decode: one SessionSteps call of N sessions)]
 //           [--cache_dtype=f32|bf16|int8 --layers=L (decode)]
+//           [--protocol=native|open_inference (decode)]
 //           [--model=NAME] [--shared_memory] [--concurrency=N]
 //           [--connections=M] [--client_threads=T]
 //           [--rate=R --arrival=constant|poisson --late_ms=MS]
@@ -121,6 +122,10 @@ ABSL_FLAG(std::string, dtype, "f32",
 ABSL_FLAG(std::string, cache_dtype, "",
           "bench: decode: what the sessions' caches store: f32, bf16 or int8 "
           "(empty: the compute dtype, or a model's configured cache dtype).");
+ABSL_FLAG(std::string, protocol, "native",
+          "bench --rpc=decode: native (SessionStep, SessionSteps) or "
+          "open_inference (ModelInfer steps of sequences of attention_session "
+          "or of --model's NAME_session).");
 ABSL_FLAG(int, layers, 1,
           "bench: decode: layers each session holds; a token is one step per "
           "layer (one call per layer, of all the connection's sessions with "
@@ -215,6 +220,8 @@ struct AttnctlOptions {
   // --layers.
   std::optional<DType> cache_dtype;
   int layers = 1;
+  // bench --rpc=decode: the wire API of the steps (--protocol).
+  DecodeProtocol protocol = DecodeProtocol::kNative;
   BenchCommandOptions bench;
 };
 
@@ -288,6 +295,8 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   ATTN_ASSIGN_OR_RETURN(options.cache_dtype,
                         ParseCacheDtypeFlag(absl::GetFlag(FLAGS_cache_dtype)));
   options.layers = absl::GetFlag(FLAGS_layers);
+  ATTN_ASSIGN_OR_RETURN(options.protocol,
+                        ParseDecodeProtocol(absl::GetFlag(FLAGS_protocol)));
   LoadOptions& load = options.bench.load;
   load.concurrency = absl::GetFlag(FLAGS_concurrency);
   load.connections = absl::GetFlag(FLAGS_connections);
@@ -325,6 +334,7 @@ DecodeBenchOptions DecodeOptionsOf(const AttnctlOptions& options) {
   decode.layers = options.layers;
   decode.sessions = options.bench.load.connections;
   decode.batch_sessions = options.batch_sessions;
+  decode.protocol = options.protocol;
   return decode;
 }
 
@@ -341,6 +351,9 @@ absl::Status VerifyDecodeOnlyFlags(const AttnctlOptions& options) {
   }
   if (options.layers != 1) {
     return absl::InvalidArgumentError("--layers: only for --rpc=decode");
+  }
+  if (options.protocol != DecodeProtocol::kNative) {
+    return absl::InvalidArgumentError("--protocol: only for --rpc=decode");
   }
   return absl::OkStatus();
 }
@@ -568,7 +581,8 @@ int main(int argc, char** argv) {
       "attnctl bench --target=HOST:PORT "
       "--rpc=attend|mha|layernorm|decode|health "
       "[--batch --seq --kv_seq --dim --heads --kv_heads --dtype | --in=FILE] "
-      "[decode: --batch_sessions=N --cache_dtype=f32|bf16|int8 --layers=L] "
+      "[decode: --batch_sessions=N --cache_dtype=f32|bf16|int8 --layers=L "
+      "--protocol=native|open_inference] "
       "[--model=NAME] [--shared_memory] [--concurrency=N --connections=M "
       "--client_threads=T | --rate=R --arrival=constant|poisson "
       "--late_ms=MS] [--duration_s=S | --requests=N] [--warmup_s=S] "

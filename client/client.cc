@@ -58,6 +58,7 @@ AttnClient::AttnClient(const ClientOptions& options)
     : options_(options), channel_(CreateChannel(options)) {
   stub_ = v1::AttentionService::NewStub(channel_);
   health_stub_ = grpc::health::v1::Health::NewStub(channel_);
+  inference_stub_ = inference::GRPCInferenceService::NewStub(channel_);
 }
 
 template <typename Stub, typename Request, typename Response>
@@ -93,6 +94,12 @@ absl::StatusOr<v1::LayerNormResponse> AttnClient::LayerNorm(
 absl::StatusOr<v1::CreateSessionResponse> AttnClient::CreateSession(
     const v1::CreateSessionRequest& request) {
   return Call(stub_.get(), &v1::AttentionService::Stub::CreateSession, request);
+}
+
+absl::StatusOr<inference::ModelInferResponse> AttnClient::ModelInfer(
+    const inference::ModelInferRequest& request) {
+  return Call(inference_stub_.get(),
+              &inference::GRPCInferenceService::Stub::ModelInfer, request);
 }
 
 absl::StatusOr<v1::SessionStepResponse> AttnClient::SessionStep(

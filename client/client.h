@@ -20,6 +20,7 @@
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "grpcpp/channel.h"
 #include "grpcpp/client_context.h"
+#include "inference/grpc_service.grpc.pb.h"
 
 namespace attnserve {
 
@@ -133,6 +134,10 @@ class AttnClient {
       const std::string& session_id,
       std::optional<int64_t> length = std::nullopt);
 
+  // One Open Inference Protocol ModelInfer call (e.g. a step of a sequence).
+  absl::StatusOr<inference::ModelInferResponse> ModelInfer(
+      const inference::ModelInferRequest& request);
+
   // The server's health for `service` ("" for the whole server).
   absl::StatusOr<grpc::health::v1::HealthCheckResponse::ServingStatus> Health(
       const std::string& service);
@@ -165,6 +170,7 @@ class AttnClient {
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
   std::unique_ptr<grpc::health::v1::Health::Stub> health_stub_;
+  std::unique_ptr<inference::GRPCInferenceService::Stub> inference_stub_;
 };
 
 }  // namespace attnserve

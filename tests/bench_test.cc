@@ -1298,6 +1298,19 @@ TEST(AttnctlBenchTest, DecodeFlagsAreCheckedBeforeAnyCall) {
       {"--dtype=bf16 --cache_dtype=f32",
        "--cache_dtype: FLOAT32 is not the sessions' compute dtype BFLOAT16"},
       {"--batch_sessions=-1", "--batch_sessions: must be >= 0, got -1"},
+      {"--protocol=http",
+       "--protocol: 'http' is not one of native, open_inference"},
+      {"--protocol=open_inference --batch_sessions=2",
+       "--batch_sessions: a ModelInfer request steps one sequence; only with "
+       "--protocol=native"},
+      {"--protocol=open_inference --layers=2",
+       "--layers: a sequence holds one layer; only with --protocol=native"},
+      {"--protocol=open_inference --cache_dtype=int8",
+       "--cache_dtype: sequences of attention_session cache FP32 or BF16; "
+       "INT8 only with --protocol=native"},
+      {"--protocol=open_inference --model=demo --cache_dtype=f32",
+       "--cache_dtype: a served model's sequences cache its configured "
+       "dtype; only with --protocol=native"},
   };
   std::string out, err;
   for (const auto& [flags, message] : cases) {
@@ -1315,6 +1328,47 @@ TEST(AttnctlBenchTest, DecodeFlagsAreCheckedBeforeAnyCall) {
                        &out, &err),
             1);
   EXPECT_THAT(err, HasSubstr("--cache_dtype: only for --rpc=decode"));
+  EXPECT_EQ(RunAttnctl("bench --target=127.0.0.1:1 --rpc=layernorm "
+                       "--protocol=open_inference",
+                       &out, &err),
+            1);
+  EXPECT_THAT(err, HasSubstr("--protocol: only for --rpc=decode"));
+}
+
+// Decode through the Open Inference Protocol: each connection steps a
+// sequence of attention_session with ModelInfer, rewinding to --kv_seq.
+TEST(AttnctlBenchTest, DecodeOverOpenInferenceSequences) {
+  TestServer server;
+  nlohmann::json json = DecodeJson(
+      server,
+      "--protocol=open_inference --kv_seq=48 --connections=3 --concurrency=3 "
+      "--requests=30");
+  ASSERT_TRUE(json.is_object());
+  EXPECT_EQ(json["rpc"], "ModelInfer");
+  EXPECT_EQ(json["requests"], 30);
+  EXPECT_EQ(json["ok"], 30);
+  EXPECT_EQ(json["steps_per_request"], 1);
+  EXPECT_THAT(json["workload"].get<std::string>(),
+              HasSubstr("decode over Open Inference sequences of "
+                        "attention_session: 1 token(s) a step after 48 "
+                        "cached, heads=2 kv_heads=2 head_dim=16 FLOAT32, 3 "
+                        "sequence(s)"));
+  // The statistics extension counts the steps under their model: the
+  // starts, each sequence's checked first step, the measured steps and
+  // (after the report) the ends.
+  ASSERT_TRUE(json.contains("server_stats")) << json.dump();
+  EXPECT_GE(json["server_stats"]["success_count"].get<int64_t>(), 30);
+  // The sequences are ended once attnctl is: no cache is left.
+  const std::string metrics = server.server().RenderMetrics();
+  EXPECT_THAT(metrics, HasSubstr("attnserve_session_cache_bytes 0\n"));
+  // A cache of bfloat16 is asked for on each sequence's start.
+  nlohmann::json bf16 = DecodeJson(
+      server,
+      "--protocol=open_inference --kv_seq=48 --dtype=bf16 --cache_dtype=bf16 "
+      "--requests=10");
+  ASSERT_TRUE(bf16.is_object());
+  EXPECT_EQ(bf16["ok"], 10);
+  EXPECT_THAT(bf16["workload"].get<std::string>(), HasSubstr("cache BFLOAT16"));
 }
 
 }  // namespace

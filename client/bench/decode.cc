@@ -1,6 +1,7 @@
 #include "client/bench/decode.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <random>
 #include <utility>
 #include <vector>
@@ -74,6 +75,42 @@ absl::Status CheckStep(AttnClient& client,
 
 }  // namespace
 
+absl::StatusOr<DecodeProtocol> ParseDecodeProtocol(absl::string_view text) {
+  if (text == "native") return DecodeProtocol::kNative;
+  if (text == "open_inference") return DecodeProtocol::kOpenInference;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--protocol: '", text, "' is not one of native, open_inference"));
+}
+
+namespace {
+
+// The native flags a sequence of the Open Inference Protocol has no
+// counterpart for.
+absl::Status VerifySequenceOptions(const DecodeBenchOptions& options) {
+  if (options.batch_sessions != 0) {
+    return absl::InvalidArgumentError(
+        "--batch_sessions: a ModelInfer request steps one sequence; only "
+        "with --protocol=native");
+  }
+  if (options.layers != 1) {
+    return absl::InvalidArgumentError(
+        "--layers: a sequence holds one layer; only with --protocol=native");
+  }
+  if (options.cache_dtype.has_value() && !options.model.empty()) {
+    return absl::InvalidArgumentError(
+        "--cache_dtype: a served model's sequences cache its configured "
+        "dtype; only with --protocol=native");
+  }
+  if (options.cache_dtype == DType::kInt8) {
+    return absl::InvalidArgumentError(
+        "--cache_dtype: sequences of attention_session cache FP32 or BF16; "
+        "INT8 only with --protocol=native");
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::Status VerifyDecodeBenchOptions(const DecodeBenchOptions& options) {
   ATTN_RETURN_IF_ERROR(RequirePositive(options.kv_seq, "--kv_seq"));
   ATTN_RETURN_IF_ERROR(RequirePositive(options.step_tokens, "--seq"));
@@ -89,6 +126,9 @@ absl::Status VerifyDecodeBenchOptions(const DecodeBenchOptions& options) {
   if (options.model.empty()) {
     ATTN_RETURN_IF_ERROR(RequirePositive(options.heads, "--heads"));
     ATTN_RETURN_IF_ERROR(RequirePositive(options.head_dim, "--dim"));
+  }
+  if (options.protocol == DecodeProtocol::kOpenInference) {
+    ATTN_RETURN_IF_ERROR(VerifySequenceOptions(options));
   }
   if (!options.cache_dtype.has_value()) return absl::OkStatus();
   const DType cache = *options.cache_dtype;
@@ -153,11 +193,106 @@ absl::StatusOr<SessionShape> ShapeOfSessions(
   return shape;
 }
 
+// Adds `name` to `request`'s inputs, its values in raw_input_contents.
+void AddInput(const std::string& name, const Tensor& tensor,
+              inference::ModelInferRequest* request) {
+  inference::ModelInferRequest::InferInputTensor* input = request->add_inputs();
+  input->set_name(name);
+  input->set_datatype(tensor.dtype() == DType::kBFloat16 ? "BF16" : "FP32");
+  for (int64_t d : tensor.shape()) input->add_shape(d);
+  request->add_raw_input_contents(static_cast<const char*>(tensor.data()),
+                                  tensor.num_bytes());
+}
+
+// A request of sequence `id` of `model` stepping `tokens` new tokens with
+// random inputs of the sessions' `shape`: hidden states [1, n, E] for a
+// served model's sequences, else query, key and value [1, heads, n, d].
+absl::StatusOr<inference::ModelInferRequest> SequenceRequest(
+    const std::string& model, uint64_t id, const SessionShape& shape,
+    int64_t tokens, DType dtype, std::mt19937& random) {
+  inference::ModelInferRequest request;
+  request.set_model_name(model);
+  (*request.mutable_parameters())["sequence_id"].set_uint64_param(id);
+  if (shape.embed > 0) {
+    ATTN_ASSIGN_OR_RETURN(
+        Tensor input, RandomUniform({1, tokens, shape.embed}, dtype, &random));
+    AddInput("query", input, &request);
+    return request;
+  }
+  const v1::CreateSessionRequest& create = shape.create;
+  const int64_t heads = create.num_heads();
+  const int64_t kv_heads =
+      create.num_kv_heads() > 0 ? create.num_kv_heads() : heads;
+  const int64_t d = create.head_dim();
+  const std::pair<const char*, int64_t> inputs[] = {
+      {"query", heads}, {"key", kv_heads}, {"value", kv_heads}};
+  for (const auto& [name, h] : inputs) {
+    ATTN_ASSIGN_OR_RETURN(Tensor t,
+                          RandomUniform({1, h, tokens, d}, dtype, &random));
+    AddInput(name, t, &request);
+  }
+  return request;
+}
+
 }  // namespace
+
+absl::Status DecodeSessions::StartSequences(const DecodeBenchOptions& options) {
+  ATTN_ASSIGN_OR_RETURN(SessionShape shape, ShapeOfSessions(client_, options));
+  const std::string model = options.model.empty()
+                                ? std::string("attention_session")
+                                : absl::StrCat(options.model, "_session");
+  // Ids of their own, so that two benchmarks of one server never meet.
+  std::mt19937 random(1);
+  const uint64_t first_id =
+      (static_cast<uint64_t>(std::random_device()()) << 32) | 1;
+  for (int c = 0; c < options.sessions; ++c) {
+    const uint64_t id = first_id + static_cast<uint64_t>(c);
+    ATTN_ASSIGN_OR_RETURN(inference::ModelInferRequest start,
+                          SequenceRequest(model, id, shape, options.kv_seq,
+                                          options.dtype, random));
+    auto& parameters = *start.mutable_parameters();
+    parameters["sequence_start"].set_bool_param(true);
+    parameters["max_length"].set_int64_param(shape.create.max_length());
+    if (options.cache_dtype.has_value()) {
+      parameters["dtype"].set_string_param(
+          *options.cache_dtype == DType::kBFloat16 ? "BF16" : "FP32");
+    }
+    ATTN_RETURN_IF_ERROR(client_.ModelInfer(start).status());
+    ATTN_ASSIGN_OR_RETURN(inference::ModelInferRequest step,
+                          SequenceRequest(model, id, shape, options.step_tokens,
+                                          options.dtype, random));
+    (*step.mutable_parameters())["sequence_position"].set_int64_param(
+        options.kv_seq);
+    sequence_ends_.push_back(step);
+    (*sequence_ends_.back().mutable_parameters())["sequence_end"]
+        .set_bool_param(true);
+    ATTN_RETURN_IF_ERROR(client_.ModelInfer(step).status());
+    std::string bytes;
+    if (!step.SerializeToString(&bytes)) {
+      return absl::InternalError("step request: could not serialize");
+    }
+    workload_.per_connection.push_back({std::move(bytes)});
+  }
+  workload_.rpc = "ModelInfer";
+  workload_.method = absl::StrCat(
+      "/", inference::GRPCInferenceService::service_full_name(), "/ModelInfer");
+  workload_.request = workload_.per_connection.front().front();
+  workload_.statistics_model = model;
+  workload_.description = absl::StrCat(
+      "decode over Open Inference sequences of ", model, ": ",
+      options.step_tokens, " token(s) a step after ", options.kv_seq,
+      " cached, ", shape.description, ", ", options.sessions, " sequence(s)");
+  return absl::OkStatus();
+}
 
 absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
     AttnClient& client, const DecodeBenchOptions& options) {
   ATTN_RETURN_IF_ERROR(VerifyDecodeBenchOptions(options));
+  if (options.protocol == DecodeProtocol::kOpenInference) {
+    std::unique_ptr<DecodeSessions> sequences(new DecodeSessions(client));
+    ATTN_RETURN_IF_ERROR(sequences->StartSequences(options));
+    return sequences;
+  }
   const int per_call = std::max(options.batch_sessions, 1);
   ATTN_ASSIGN_OR_RETURN(SessionShape shape, ShapeOfSessions(client, options));
   const v1::CreateSessionRequest& create = shape.create;
@@ -223,6 +358,9 @@ absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
 
 DecodeSessions::~DecodeSessions() {
   for (const std::string& id : ids_) client_.DeleteSession(id).IgnoreError();
+  for (const inference::ModelInferRequest& end : sequence_ends_) {
+    client_.ModelInfer(end).IgnoreError();
+  }
 }
 
 }  // namespace attnserve

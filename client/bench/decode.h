@@ -6,6 +6,11 @@
 // a token is one call per layer, layer 0 first. The report's latency is the
 // latency of one call (one layer's step).
 //
+// Over the Open Inference Protocol, each connection steps a sequence of
+// `attention_session` (or of the served model's `NAME_session`) with
+// ModelInfer: the prefill is the sequence's start, and every measured call
+// carries `sequence_position` kv_seq, as the native step carries position.
+//
 // Ownership: DecodeSessions deletes its sessions when destroyed; the client
 // it was opened with must outlive it. Thread-safety: thread-compatible.
 #ifndef ATTNSERVE_CLIENT_BENCH_DECODE_H_
@@ -17,13 +22,24 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "client/bench/workload.h"
 #include "client/client.h"
 #include "core/tensor.h"
 
 namespace attnserve {
 
+// The wire API the steps are sent through.
+enum class DecodeProtocol {
+  kNative,         // SessionStep / SessionSteps
+  kOpenInference,  // ModelInfer on a sequence (gRPC)
+};
+
+// "native" or "open_inference"; INVALID_ARGUMENT naming --protocol else.
+absl::StatusOr<DecodeProtocol> ParseDecodeProtocol(absl::string_view text);
+
 struct DecodeBenchOptions {
+  DecodeProtocol protocol = DecodeProtocol::kNative;
   // A served model (steps send hidden states), or empty for attention
   // sessions of the shapes below.
   std::string model;
@@ -50,12 +66,15 @@ struct DecodeBenchOptions {
 };
 
 // OK when `options` can run; INVALID_ARGUMENT naming the flag otherwise,
-// e.g. "--layers: 0 is not >= 1". Asks the server nothing.
+// e.g. "--layers: 0 is not >= 1" (and the native-only flags with
+// kOpenInference: --batch_sessions, --layers, an INT8 --cache_dtype). Asks
+// the server nothing.
 absl::Status VerifyDecodeBenchOptions(const DecodeBenchOptions& options);
 
 class DecodeSessions {
  public:
-  // Creates and prefills the sessions; fails with the server's error.
+  // Creates and prefills the sessions (or starts the sequences); fails with
+  // the server's error.
   static absl::StatusOr<std::unique_ptr<DecodeSessions>> Open(
       AttnClient& client, const DecodeBenchOptions& options);
   ~DecodeSessions();
@@ -69,9 +88,13 @@ class DecodeSessions {
 
  private:
   explicit DecodeSessions(AttnClient& client) : client_(client) {}
+  // kOpenInference: starts one sequence per connection.
+  absl::Status StartSequences(const DecodeBenchOptions& options);
 
   AttnClient& client_;
   std::vector<std::string> ids_;
+  // Open Inference sequences: a step with sequence_end, one per sequence.
+  std::vector<inference::ModelInferRequest> sequence_ends_;
   Workload workload_;
 };
 
