@@ -114,9 +114,10 @@ stage "AArch64 cross build and kernel tests under qemu (NEON, SVE, SVE2)"
 
 # ThreadSanitizer sees only instrumented code. Debian's libgomp, gRPC and
 # abseil are not instrumented, so their synchronization is invisible and
-# shows up as races that are not there: the TSan suite drives the core and
-# the server's scheduling pieces from plain threads (no gRPC between), and
-# runs with one OpenMP thread, with which libgomp starts no team threads.
+# shows up as races that are not there: the TSan suite drives the core, the
+# engine and the server's runtime pieces from plain threads (no gRPC
+# between), and runs with one OpenMP thread, with which libgomp starts no
+# team threads.
 stage "ThreadSanitizer build and concurrency tests"
 cmake -S "$root" -B "$root/build-tsan" -G Ninja \
   -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -125,8 +126,8 @@ cmake -S "$root" -B "$root/build-tsan" -G Ninja \
   -DATTNSERVE_TSAN=ON -DATTNSERVE_BUILD_TESTS=ON \
   -DATTNSERVE_BUILD_BENCHMARKS=OFF "${extra[@]}" >/dev/null
 cmake --build "$root/build-tsan" -j"$jobs" \
-  --target concurrency_test thread_budget_test
+  --target concurrency_test thread_budget_test engine_test
 (cd "$root/build-tsan" &&
   OMP_NUM_THREADS=1 TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
   ctest --output-on-failure -j"$jobs" --timeout 600 \
-    -R '^(ConcurrencyTest|ThreadBudgetTest)\.')
+    -R '^(ConcurrencyTest|ThreadBudgetTest|EngineTest)\.')

@@ -10,7 +10,7 @@ namespace {
 
 // A new session would die with a draining server: refused there.
 absl::Status RefuseNewSessionsWhileDraining(const CallPipeline& pipeline) {
-  if (!pipeline.draining()) return absl::OkStatus();
+  if (!pipeline.engine().draining()) return absl::OkStatus();
   return absl::UnavailableError(
       "server is shutting down; create the session on another replica");
 }
@@ -49,8 +49,8 @@ void AttentionServiceImpl::AddComputeRpcs(const ServiceConfig& config) {
       });
   AddCompute<v1::SessionStepsRequest, v1::SessionStepsResponse>(
       [sessions = config.sessions, max_steps = config.max_steps_per_call,
-       limits =
-           StepLimits{config.max_tensor_elements, config.max_request_bytes}](
+       limits = StepLimits{config.engine->options().max_tensor_elements,
+                           config.engine->options().max_request_bytes}](
           const v1::SessionStepsRequest& request)
           -> absl::StatusOr<BoundCall<SessionStepsHandler>> {
         ATTN_RETURN_IF_ERROR(VerifyStepCount(request.steps_size(), max_steps));

@@ -46,11 +46,6 @@ std::string Describe(const google::protobuf::Message& request) {
   return out;
 }
 
-absl::Duration Until(absl::Time deadline) {
-  return deadline == absl::InfiniteFuture() ? absl::InfiniteDuration()
-                                            : deadline - absl::Now();
-}
-
 // A session step in the coalescer, from any front end: its cancellation,
 // deadline and shared memory; decoded just before its pass, answered after.
 class CoalescedStep final : public StepCoalescer::Step {
@@ -121,64 +116,17 @@ absl::Status CallPipeline::CheckAuthorization(
              : absl::OkStatus();
 }
 
-absl::Status CallPipeline::Admit(const RequestCost& cost,
-                                 absl::Duration until_deadline) const {
-  if (draining_.load()) {
-    last_refused_ns_.store(absl::ToUnixNanos(absl::Now()));
-    return absl::UnavailableError(
-        "server is shutting down; retry on another replica");
-  }
-  ATTN_RETURN_IF_ERROR(VerifyWithinLimits(cost, config_.max_tensor_elements,
-                                          config_.max_request_bytes));
-  if (until_deadline <= absl::ZeroDuration()) {
-    return absl::DeadlineExceededError(
-        "deadline passed before the call started");
-  }
-  const absl::Duration estimate = config_.cost_model->Estimate(cost.effort());
-  if (estimate > until_deadline) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("call needs about ", absl::ToInt64Milliseconds(estimate),
-                     " ms at this server's measured rate; the deadline is in ",
-                     absl::ToInt64Milliseconds(until_deadline), " ms"));
-  }
-  return absl::OkStatus();
-}
-
-bool CallPipeline::IsTiny(const RequestCost& cost) { return RunsInline(cost); }
-
-absl::Status CallPipeline::BusyError() const {
-  return absl::ResourceExhaustedError(
-      absl::StrCat("server busy: ", config_.scheduler->max_inflight(),
-                   " calls computing and ", config_.scheduler->max_queue(),
-                   " waiting (--max_inflight, --max_queue); retry later"));
-}
-
 absl::Status CallPipeline::Compute(
-    const RequestCost& cost, const std::atomic<bool>* cancelled,
-    absl::Duration until_deadline,
+    const PipelineCall& call, const std::atomic<bool>* cancelled,
     absl::FunctionRef<absl::Status(const CallControl&)> handle,
     absl::Duration* compute) const {
-  *compute = absl::ZeroDuration();
-  if (cancelled != nullptr && cancelled->load()) {
-    return absl::CancelledError("call cancelled while queued");
-  }
-  if (until_deadline <= absl::ZeroDuration()) {
-    return absl::DeadlineExceededError(
-        "deadline passed while the call waited for a worker");
-  }
-  const absl::Time started = absl::Now();
-  absl::Status status;
-  {
-    // This call's share of the cores while it computes, no more threads
-    // than its size keeps busy.
-    ThreadBudget::Lease lease =
-        config_.thread_budget->Acquire(UsefulThreads(cost.flops));
-    CallSharedMemory shared_memory(config_.shared_memory);
-    status = handle(CallControl{cancelled, &shared_memory});
-  }
-  *compute = absl::Now() - started;
-  if (status.ok()) config_.cost_model->Observe(cost.effort(), *compute);
-  return status;
+  return engine().Compute(
+      call.cost, cancelled, call.deadline,
+      [&] {
+        CallSharedMemory shared_memory(config_.shared_memory);
+        return handle(CallControl{cancelled, &shared_memory});
+      },
+      compute);
 }
 
 void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
@@ -214,22 +162,15 @@ void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
   }
 }
 
-bool CallPipeline::Coalesces(const RequestCost& cost) const {
-  return config_.step_coalescer != nullptr &&
-         (config_.step_coalescer->active() || !IsTiny(cost));
-}
-
 void CallPipeline::Coalesce(PipelineCall call, SessionStepCall step,
                             const std::atomic<bool>* cancelled,
                             StepAnswer answer) const {
-  const absl::Status admitted = Admit(call.cost, Until(call.deadline));
-  if (!admitted.ok()) {
-    answer(admitted, absl::ZeroDuration(), absl::ZeroDuration());
-    return;
-  }
-  config_.step_coalescer->Add(std::make_unique<CoalescedStep>(
-      call, std::move(step), cancelled, config_.shared_memory,
-      std::move(answer)));
+  const absl::Status refused = engine().Coalesce(call.cost, call.deadline, [&] {
+    return std::make_unique<CoalescedStep>(call, std::move(step), cancelled,
+                                           config_.shared_memory, answer);
+  });
+  if (!refused.ok())
+    answer(refused, absl::ZeroDuration(), absl::ZeroDuration());
 }
 
 void CallPipeline::Run(
@@ -239,7 +180,7 @@ void CallPipeline::Run(
     absl::FunctionRef<std::optional<SessionStepCall>()> step) const {
   // Asked only when it would be coalesced: a step call allocates.
   std::optional<SessionStepCall> stepped =
-      Coalesces(call.cost) ? step() : std::nullopt;
+      engine().Coalesces(call.cost) ? step() : std::nullopt;
   if (!stepped.has_value()) {
     return Run(std::move(call), std::move(handle), cancelled,
                std::move(finish));
@@ -253,35 +194,40 @@ void CallPipeline::Run(
            });
 }
 
+absl::Status CallPipeline::ComputeAndRecord(
+    const PipelineCall& call, const std::atomic<bool>* cancelled,
+    absl::FunctionRef<absl::Status(const CallControl&)> handle) const {
+  const absl::Time started = absl::Now();
+  absl::Duration compute;
+  const absl::Status status = Compute(call, cancelled, handle, &compute);
+  Record(call, status, started - call.arrived, compute, call.cost.flops);
+  return status;
+}
+
 void CallPipeline::Run(PipelineCall call,
                        std::function<absl::Status(const CallControl&)> handle,
                        const std::atomic<bool>* cancelled,
                        std::function<void(const absl::Status&)> finish) const {
-  const absl::Status admitted = Admit(call.cost, Until(call.deadline));
-  if (!admitted.ok()) {
-    Record(call, admitted, absl::ZeroDuration(), absl::ZeroDuration(), 0);
-    finish(admitted);
-    return;
-  }
-  // Shared by the work and the refusal of a full queue.
+  // Shared by the queued work and the refusal of a full queue.
   auto shared_finish =
       std::make_shared<std::function<void(const absl::Status&)>>(
           std::move(finish));
-  std::function<void()> work = [this, call, handle = std::move(handle),
-                                cancelled, shared_finish]() {
-    const absl::Time started = absl::Now();
-    absl::Duration compute;
-    const absl::Status status =
-        Compute(call.cost, cancelled, Until(call.deadline), handle, &compute);
-    Record(call, status, started - call.arrived, compute, call.cost.flops);
-    (*shared_finish)(status);
-  };
-  if (IsTiny(call.cost) && config_.scheduler->RunHereIfIdle(work)) return;
-  if (!config_.scheduler->Submit(std::move(work))) {
-    const absl::Status busy = BusyError();
-    Record(call, busy, absl::ZeroDuration(), absl::ZeroDuration(), 0);
-    (*shared_finish)(busy);
-  }
+  engine().Dispatch(
+      call.cost, call.deadline,
+      {.refuse =
+           [&](const absl::Status& status) {
+             Record(call, status, absl::ZeroDuration(), absl::ZeroDuration(),
+                    0);
+             (*shared_finish)(status);
+           },
+       .here =
+           [&] { (*shared_finish)(ComputeAndRecord(call, cancelled, handle)); },
+       .queued = [&]() -> std::function<void()> {
+         return [this, call, handle = std::move(handle), cancelled,
+                 shared_finish] {
+           (*shared_finish)(ComputeAndRecord(call, cancelled, handle));
+         };
+       }});
 }
 
 }  // namespace attnserve

@@ -1,14 +1,14 @@
 // The path every compute call takes, whichever front end received it
-// (native gRPC, the Open Inference Protocol over gRPC or HTTP): admission
-// (drain, limits, deadline against the estimated compute time), the
-// scheduler's queue, computation with the call's share of the cores and
-// cancellation, then metrics and the access log. Front ends authenticate
-// and decode; they hand the pipeline a decoded request and its bound
-// handler, and answer the client with what it returns.
+// (native gRPC, the Open Inference Protocol over gRPC or HTTP): the engine
+// (engine/engine.h: admission, dispatch, computation, step coalescing)
+// with what the server keeps around it: the call's shared memory, then
+// metrics, statistics and the access log. Front ends authenticate and
+// decode; they hand the pipeline a decoded request and its bound handler,
+// and answer the client with what it returns.
 //
-// Thread-safety: every method may be called from any thread (the drain
-// flags are atomic; everything ServiceConfig points to is thread-safe).
-// Ownership: owns nothing ServiceConfig points to; those must outlive it.
+// Thread-safety: every method may be called from any thread (everything
+// ServiceConfig points to is thread-safe). Ownership: owns nothing
+// ServiceConfig points to; those must outlive it.
 #ifndef ATTNSERVE_SERVER_CALL_PIPELINE_H_
 #define ATTNSERVE_SERVER_CALL_PIPELINE_H_
 
@@ -23,7 +23,7 @@
 #include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "core/session_store.h"
-#include "core/thread_budget.h"
+#include "engine/engine.h"
 #include "google/protobuf/message.h"
 #include "server/auth.h"
 #include "server/handlers.h"
@@ -31,11 +31,9 @@
 #include "server/model_repository.h"
 #include "server/request_cost.h"
 #include "server/runtime_settings.h"
-#include "server/scheduler.h"
 #include "server/sequences.h"
 #include "server/shared_memory.h"
 #include "server/statistics.h"
-#include "server/step_coalescer.h"
 
 namespace attnserve {
 
@@ -47,20 +45,15 @@ struct ServiceConfig {
   ModelRepository* repository = nullptr;
   // Null: no shared memory (its RPCs answer FAILED_PRECONDITION).
   SharedMemoryRegistry* shared_memory = nullptr;
-  Scheduler* scheduler = nullptr;   // required
-  CostModel* cost_model = nullptr;  // required
-  Metrics* metrics = nullptr;       // required
-  // Required: the cores compute calls share. Each call leases its share
-  // (no more threads than its size keeps busy) while it computes.
-  ThreadBudget* thread_budget = nullptr;
+  // Required: admits, dispatches and computes the calls.
+  Engine* engine = nullptr;
+  Metrics* metrics = nullptr;  // required
   // Null: decode sessions are off (their RPCs answer FAILED_PRECONDITION).
   SessionStore* sessions = nullptr;
   // The longest session, and the length of sessions created without one.
   int64_t max_session_length = 0;
   // Steps one SessionSteps call may carry.
   int max_steps_per_call = 256;
-  // Null: each SessionStep call steps on its own.
-  StepCoalescer* step_coalescer = nullptr;
   // Null: no authentication.
   const TokenAuthenticator* auth = nullptr;
   // Write one access-log line per call to stderr (at start: the logging
@@ -69,9 +62,6 @@ struct ServiceConfig {
   // What --log_level lets through, for the logging extension's answer.
   bool log_warnings = true;
   bool log_errors = true;
-  // Refused with RESOURCE_EXHAUSTED before any allocation.
-  int64_t max_tensor_elements = 0;
-  int64_t max_request_bytes = 0;
 };
 
 // A decoded call, for admission and the record of it.
@@ -93,6 +83,7 @@ class CallPipeline {
   explicit CallPipeline(const ServiceConfig& config) : config_(config) {}
 
   const ServiceConfig& config() const { return config_; }
+  Engine& engine() const { return *config_.engine; }
   // Per-model statistics of the calls Record sees.
   const StatisticsTable& statistics() const { return statistics_; }
   // The open sequences of the protocol's sequence extension (thread-safe).
@@ -104,23 +95,17 @@ class CallPipeline {
   // Checks an `authorization` header's value (nullopt: none sent).
   absl::Status CheckAuthorization(
       std::optional<absl::string_view> authorization) const;
-  // Whether the call may start: not draining, within the limits, and
-  // its estimated compute time within `until_deadline`.
-  absl::Status Admit(const RequestCost& cost,
-                     absl::Duration until_deadline) const;
-  // Whether a call is small enough to compute on the thread that received
-  // it (when a worker would be free at once).
-  static bool IsTiny(const RequestCost& cost);
-  // RESOURCE_EXHAUSTED naming --max_inflight and --max_queue.
-  absl::Status BusyError() const;
-  // Computes an admitted call with its share of the cores: refused if
-  // cancelled or past its deadline before it starts; `*compute` is the
-  // time it computed (zero when refused).
+  // Engine::Compute of `handle` with the call's shared memory (mapped
+  // for the call).
   absl::Status Compute(
-      const RequestCost& cost, const std::atomic<bool>* cancelled,
-      absl::Duration until_deadline,
+      const PipelineCall& call, const std::atomic<bool>* cancelled,
       absl::FunctionRef<absl::Status(const CallControl&)> handle,
       absl::Duration* compute) const;
+  // Compute, then Record: the status of an admitted call that ran (or was
+  // refused when its turn came).
+  absl::Status ComputeAndRecord(
+      const PipelineCall& call, const std::atomic<bool>* cancelled,
+      absl::FunctionRef<absl::Status(const CallControl&)> handle) const;
   // Metrics and the access log for one finished call.
   void Record(const PipelineCall& call, const absl::Status& status,
               absl::Duration queue_wait, absl::Duration compute,
@@ -145,10 +130,6 @@ class CallPipeline {
            std::function<void(const absl::Status&)> finish,
            absl::FunctionRef<std::optional<SessionStepCall>()> step) const;
 
-  // Whether a session step of `cost` goes to the step coalescer: there is
-  // one, and a pass is forming or the step is not tiny (a tiny step alone
-  // runs on the thread that received it).
-  bool Coalesces(const RequestCost& cost) const;
   // The answer to a coalesced call: its status, how long it waited for its
   // pass and how long the pass computed. Called once; it records the call.
   using StepAnswer = std::function<void(
@@ -159,19 +140,6 @@ class CallPipeline {
   void Coalesce(PipelineCall call, SessionStepCall step,
                 const std::atomic<bool>* cancelled, StepAnswer answer) const;
 
-  // Whether the server takes compute calls and wants more: false from
-  // MarkNotReady (the drain's lame duck) or StopAcceptingCalls on.
-  bool ready() const { return !not_ready_.load() && !draining_.load(); }
-  void MarkNotReady() { not_ready_.store(true); }
-  // From now on compute calls are refused with UNAVAILABLE "server is
-  // shutting down; retry on another replica"; accepted calls finish.
-  void StopAcceptingCalls() { draining_.store(true); }
-  bool draining() const { return draining_.load(); }
-  // When a call was last refused for that (absl::UnixEpoch(): never).
-  absl::Time last_refused() const {
-    return absl::FromUnixNanos(last_refused_ns_.load());
-  }
-
  private:
   ServiceConfig config_;
   mutable StatisticsTable statistics_{config_.models};
@@ -180,9 +148,6 @@ class CallPipeline {
   mutable LogSettings log_settings_{config_.access_log, config_.log_warnings,
                                     config_.log_errors};
   mutable TraceSettings trace_settings_{config_.models};
-  std::atomic<bool> draining_{false};
-  std::atomic<bool> not_ready_{false};
-  mutable std::atomic<int64_t> last_refused_ns_{0};
 };
 
 // "AttendRequest" -> "Attend": the RPC a request message is for.

@@ -31,14 +31,6 @@ class CallReactor : public grpc::ServerUnaryReactor {
   std::atomic<bool> cancelled_{false};
 };
 
-absl::Duration UntilDeadline(const grpc::CallbackServerContext& context) {
-  const auto deadline = context.deadline();
-  if (deadline == std::chrono::system_clock::time_point::max()) {
-    return absl::InfiniteDuration();
-  }
-  return absl::FromChrono(deadline - std::chrono::system_clock::now());
-}
-
 // Parses the bytes of a call's request into `request`. Bytes that are not
 // such a message: INVALID_ARGUMENT, and `request` is left empty (not
 // half-parsed, for the access log).
@@ -82,6 +74,15 @@ absl::Status Serialize(const google::protobuf::Message& response,
 
 }  // namespace
 
+absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
+  const auto deadline = context.deadline();
+  if (deadline == std::chrono::system_clock::time_point::max()) {
+    return absl::InfiniteFuture();
+  }
+  return absl::Now() +
+         absl::FromChrono(deadline - std::chrono::system_clock::now());
+}
+
 absl::Status GrpcCalls::Accept(const grpc::CallbackServerContext& context,
                                const grpc::ByteBuffer& raw_request,
                                google::protobuf::Message* request) const {
@@ -109,41 +110,15 @@ absl::Status GrpcCalls::VerifyBeforeParse(
                            : absl::OkStatus();
 }
 
-bool GrpcCalls::TryFinishHere(Call& call, Handle handle,
-                              grpc::ServerUnaryReactor** reactor) const {
-  const absl::Status admitted =
-      pipeline_->Admit(call.record.cost, UntilDeadline(*call.context));
-  if (!admitted.ok()) {
-    *reactor = Refuse(call, admitted);
-    return true;
-  }
-  // A tiny call computes in less time than a hand-over to a worker takes,
-  // and on gRPC's default reactor: a reactor of our own that watches for
-  // cancellation costs gRPC about 15 us of CPU per call, several times
-  // what such a call computes.
-  if (!CallPipeline::IsTiny(call.record.cost)) return false;
-  return pipeline_->config().scheduler->RunHereIfIdle([&] {
-    *reactor = call.context->DefaultReactor();
-    Compute(call, handle, *reactor, nullptr);
-  });
-}
-
-grpc::ServerUnaryReactor* GrpcCalls::Queue(
-    Call call, std::function<absl::Status(const CallControl&)> handle) const {
-  auto* reactor = new CallReactor();
-  // Shared with the queued work, which the scheduler drops when it refuses.
-  auto queued_call = std::make_shared<Call>(std::move(call));
-  const bool queued = pipeline_->config().scheduler->Submit(
-      [this, queued_call, handle = std::move(handle), reactor] {
-        Compute(*queued_call, handle, reactor, reactor->cancelled());
-      });
-  if (!queued) {
-    const absl::Status busy = pipeline_->BusyError();
-    pipeline_->Record(queued_call->record, busy, absl::ZeroDuration(),
-                      absl::ZeroDuration(), 0);
-    reactor->Finish(ToGrpcStatus(busy));
-  }
-  return reactor;
+std::function<void()> GrpcCalls::QueuedWork(
+    std::shared_ptr<Call> call,
+    std::function<absl::Status(const CallControl&)> handle,
+    grpc::ServerUnaryReactor** reactor) const {
+  auto* own = new CallReactor();
+  *reactor = own;
+  return [this, call = std::move(call), handle = std::move(handle), own] {
+    Compute(*call, handle, own, own->cancelled());
+  };
 }
 
 void GrpcCalls::Compute(Call& call, Handle handle,
@@ -152,8 +127,7 @@ void GrpcCalls::Compute(Call& call, Handle handle,
   const absl::Time started = absl::Now();
   absl::Duration compute;
   absl::Status status =
-      pipeline_->Compute(call.record.cost, cancelled,
-                         UntilDeadline(*call.context), handle, &compute);
+      pipeline_->Compute(call.record, cancelled, handle, &compute);
   Answer(call, std::move(status), started - call.record.arrived, compute,
          reactor);
 }
@@ -176,7 +150,6 @@ void GrpcCalls::Answer(Call& call, absl::Status status,
 
 grpc::ServerUnaryReactor* GrpcCalls::Coalesce(
     Call call, SessionStepCall step, std::shared_ptr<const void> owner) const {
-  call.record.deadline = absl::Now() + UntilDeadline(*call.context);
   auto* reactor = new CallReactor();
   auto shared = std::make_shared<Call>(std::move(call));
   pipeline_->Coalesce(shared->record, std::move(step), reactor->cancelled(),

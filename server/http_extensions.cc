@@ -11,7 +11,7 @@
 #include "core/status_macros.h"
 #include "inference/grpc_service.pb.h"
 #include "nlohmann/json.hpp"
-#include "server/http_inference.h"
+#include "server/http_status.h"
 #include "server/model_config.h"
 #include "server/open_inference_json.h"
 #include "server/runtime_settings.h"
@@ -28,10 +28,6 @@ HttpResponse JsonAnswer(const json& body) {
   response.fields.emplace_back("Content-Type", "application/json");
   response.body = body.dump(-1, ' ', false, json::error_handler_t::replace);
   return response;
-}
-
-HttpResponse Error(const absl::Status& status) {
-  return JsonErrorResponse(HttpStatusOf(status.code()), status.message());
 }
 
 // The body as a JSON object; an empty body is an empty object.
@@ -355,7 +351,7 @@ HttpResponse HandleExtension(const ExtensionRoute& route,
     if (absl::IsUnimplemented(answer.status())) {
       return JsonErrorResponse(400, answer.status().message());
     }
-    return Error(answer.status());
+    return StatusResponse(answer.status());
   }
   return JsonAnswer(*answer);
 }

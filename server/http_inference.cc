@@ -14,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "inference/grpc_service.pb.h"
 #include "server/http_extensions.h"
+#include "server/http_status.h"
 #include "server/open_inference.h"
 #include "server/open_inference_json.h"
 
@@ -89,10 +90,6 @@ HttpResponse JsonResponse(int status, std::string body) {
   response.fields.emplace_back("Content-Type", kJson);
   response.body = std::move(body);
   return response;
-}
-
-HttpResponse StatusResponse(const absl::Status& status) {
-  return JsonErrorResponse(HttpStatusOf(status.code()), status.message());
 }
 
 // The coding of a Content-Encoding or Accept-Encoding element, lowercased,
@@ -245,7 +242,7 @@ class HttpInference {
       case Route::Kind::kLive:
         return responder.Send(JsonResponse(200, R"({"live":true})"));
       case Route::Kind::kReady: {
-        const bool ready = pipeline_->ready();
+        const bool ready = pipeline_->engine().ready();
         return responder.Send(
             JsonResponse(ready ? 200 : 503,
                          ready ? R"({"ready":true})" : R"({"ready":false})"));
@@ -411,34 +408,6 @@ class HttpInference {
 };
 
 }  // namespace
-
-int HttpStatusOf(absl::StatusCode code) {
-  switch (code) {
-    case absl::StatusCode::kOk:
-      return 200;
-    case absl::StatusCode::kInvalidArgument:
-    case absl::StatusCode::kFailedPrecondition:
-    case absl::StatusCode::kOutOfRange:
-    case absl::StatusCode::kAlreadyExists:
-      return 400;
-    case absl::StatusCode::kUnauthenticated:
-      return 401;
-    case absl::StatusCode::kPermissionDenied:
-      return 403;
-    case absl::StatusCode::kNotFound:
-      return 404;
-    case absl::StatusCode::kResourceExhausted:
-      return 429;
-    case absl::StatusCode::kCancelled:
-      return 499;
-    case absl::StatusCode::kUnavailable:
-      return 503;
-    case absl::StatusCode::kDeadlineExceeded:
-      return 504;
-    default:
-      return 500;
-  }
-}
 
 absl::StatusOr<std::unique_ptr<HttpServer>> StartHttpInference(
     const HttpServerOptions& options, const CallPipeline* pipeline) {

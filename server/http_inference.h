@@ -43,9 +43,6 @@ namespace attnserve {
 absl::StatusOr<std::unique_ptr<HttpServer>> StartHttpInference(
     const HttpServerOptions& options, const CallPipeline* pipeline);
 
-// The HTTP status for a status code.
-int HttpStatusOf(absl::StatusCode code);
-
 }  // namespace attnserve
 
 #endif  // ATTNSERVE_SERVER_HTTP_INFERENCE_H_

@@ -44,6 +44,7 @@
 #include "inference/grpc_service.pb.h"
 #include "server/handlers.h"
 #include "server/model_repository.h"
+#include "server/protocol_models.h"
 #include "server/request_cost.h"
 
 namespace attnserve {
@@ -51,75 +52,6 @@ namespace attnserve {
 class SequenceCall;
 class SequenceTable;
 struct SequenceParameters;
-
-// Names of the built-in models: the native operations that need no served
-// model. They take precedence over served models of the same name.
-inline constexpr absl::string_view kAttendModel = "attend";
-inline constexpr absl::string_view kMultiHeadAttendModel = "multi_head_attend";
-inline constexpr absl::string_view kLayerNormModel = "layer_norm";
-// Its requests are steps of sequences on attention sessions
-// (server/sequences.h).
-inline constexpr absl::string_view kAttentionSessionModel = "attention_session";
-
-bool IsBuiltInModel(absl::string_view model);
-// The built-in models' names, sorted.
-std::vector<std::string> BuiltInModels();
-
-// A served model's sequences have a model name of their own, the served
-// model's name and this suffix ("demo_session" for "demo"): a stateless
-// request and a sequence step take different inputs and outputs, and
-// Triton's tools read a model's inputs, outputs and sequence batching from
-// its metadata and configuration. A served model of that name (a folder
-// "demo_session") takes precedence.
-inline constexpr absl::string_view kSequenceModelSuffix = "_session";
-
-// What a protocol model name names.
-enum class ProtocolModelKind {
-  kAttend,
-  kMultiHeadAttend,
-  kLayerNorm,
-  kAttentionSession,
-  kServed,           // a served model, stateless (MultiHeadAttend)
-  kServedSequences,  // the sequences of a served model (model sessions)
-};
-
-struct ProtocolModel {
-  ProtocolModelKind kind = ProtocolModelKind::kAttend;
-  std::string name;  // as the protocol names it
-  // kServed and kServedSequences: the served model, looked up once (a call
-  // keeps it even if the repository reloads meanwhile).
-  std::shared_ptr<const Model> served;
-
-  bool built_in() const { return served == nullptr; }
-  // Whether its requests are steps of sequences (and only those).
-  bool takes_sequences() const {
-    return kind == ProtocolModelKind::kAttentionSession ||
-           kind == ProtocolModelKind::kServedSequences;
-  }
-};
-
-// The model `name` names: a built-in one, a served one, or a served one's
-// sequences. INVALID_ARGUMENT (naming `field`) for a name no model can
-// have; NOT_FOUND listing the models there are for other names. `models`
-// may be null (no repository).
-absl::StatusOr<ProtocolModel> FindProtocolModel(const std::string& name,
-                                                const ModelRepository* models,
-                                                absl::string_view field);
-// Every model name the protocol answers to, sorted: the built-in models,
-// each served model and its sequences' model.
-std::vector<std::string> ProtocolModelNames(const ModelRepository* models);
-
-// What a request parameter holds, for messages: "bool", "int64",
-// "string", "double", "uint64" or "empty".
-absl::string_view ParameterKind(const inference::InferParameter& parameter);
-
-// The protocol's name of a native dtype ("FP32", "BF16", "FP16", "BOOL",
-// "UINT8").
-absl::string_view ProtocolDatatype(v1::DataType dtype);
-// The native dtype of a protocol datatype; INVALID_ARGUMENT naming `field`
-// for others.
-absl::StatusOr<v1::DataType> NativeDatatype(absl::string_view datatype,
-                                            absl::string_view field);
 
 // The request parameters `model` takes (the scalar fields of its native
 // request), in field order.

@@ -35,7 +35,7 @@ void OpenInferenceService::AddStateRpcs() {
   // Not ready once the server starts draining.
   AddState<oip::ServerReadyRequest, oip::ServerReadyResponse>(
       [pipeline](const auto&, auto* response) {
-        response->set_ready(pipeline->ready());
+        response->set_ready(pipeline->engine().ready());
         return absl::OkStatus();
       },
       /*authenticate=*/false);

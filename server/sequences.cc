@@ -11,7 +11,7 @@
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
-#include "server/open_inference.h"
+#include "server/protocol_models.h"
 
 namespace attnserve {
 namespace {

@@ -69,7 +69,7 @@
 #include "inference/grpc_service.pb.h"
 #include "server/handlers.h"
 #include "server/model_repository.h"
-#include "server/open_inference.h"
+#include "server/protocol_models.h"
 #include "server/request_cost.h"
 
 namespace attnserve {

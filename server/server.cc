@@ -208,29 +208,24 @@ void AttnServer::StartSessions(const ServerOptions& options) {
     }
     sessions_ = std::make_unique<SessionStore>(sessions);
   }
-  if (sessions_ != nullptr && options.coalesce_steps_us > 0) {
-    StepCoalescer::Options coalescing;
-    coalescing.wait = absl::Microseconds(options.coalesce_steps_us);
-    coalescing.max_batch = options.max_steps_per_call;
-    // As many as the scheduler would hold, and a full pass more.
-    coalescing.max_pending = static_cast<size_t>(scheduler_->max_queue() +
-                                                 scheduler_->max_inflight() +
-                                                 options.max_steps_per_call);
-    coalescing.estimate = [model = cost_model_.get()](double flops) {
-      return model->Estimate(flops);
-    };
-    coalescing.observe = [model = cost_model_.get()](double flops,
-                                                     absl::Duration took) {
-      model->Observe(flops, took);
-    };
-    step_coalescer_ = std::make_unique<StepCoalescer>(
-        sessions_.get(), &ThreadBudget::Global(), coalescing,
-        [scheduler = scheduler_.get()](std::function<void()> runner) {
-          return scheduler->Submit(std::move(runner));
-        },
-        // Steps arrive only once the pipeline below exists.
-        [this] { return pipeline_->BusyError(); });
-  }
+}
+
+void AttnServer::StartEngine(const ServerOptions& options) {
+  const int threads = ThreadBudget::Global().total();
+  EngineOptions engine;
+  engine.max_inflight =
+      options.max_inflight > 0 ? options.max_inflight : threads;
+  engine.max_queue = options.max_queue;
+  // A conservative first guess of the compute rate (20 GFLOP/s per thread),
+  // replaced by measurements as calls complete.
+  engine.initial_flops_per_second = 20e9 * threads;
+  engine.thread_budget = &ThreadBudget::Global();
+  engine.sessions = sessions_.get();
+  engine.coalesce_wait = absl::Microseconds(options.coalesce_steps_us);
+  engine.max_steps_per_pass = options.max_steps_per_call;
+  engine.max_tensor_elements = options.max_tensor_elements;
+  engine.max_request_bytes = options.max_request_memory_mb << 20;
+  engine_ = std::make_unique<Engine>(engine);
 }
 
 absl::Status AttnServer::StartState(const ServerOptions& options) {
@@ -240,13 +235,6 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
                                                 options.max_model_mb);
     ATTN_RETURN_IF_ERROR(models_->Reload());
   }
-  const int threads = ThreadBudget::Global().total();
-  scheduler_ = std::make_unique<Scheduler>(
-      options.max_inflight > 0 ? options.max_inflight : threads,
-      options.max_queue);
-  // A conservative first guess of the compute rate (20 GFLOP/s per thread),
-  // replaced by measurements as calls complete.
-  cost_model_ = std::make_unique<CostModel>(20e9 * threads);
   metrics_ = std::make_unique<Metrics>();
   if (!options.auth_token_file.empty()) {
     ATTN_ASSIGN_OR_RETURN(
@@ -257,8 +245,9 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
         static_cast<uint64_t>(options.max_shared_memory_mb) << 20);
   }
   StartSessions(options);
+  StartEngine(options);
   ServiceConfig config;
-  config.step_coalescer = step_coalescer_.get();
+  config.engine = engine_.get();
   config.shared_memory = shared_memory_.get();
   config.sessions = sessions_.get();
   config.max_session_length = options.max_session_length;
@@ -270,11 +259,6 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
   config.log_errors = ShouldLog(options, LogSeverity::kError);
   config.models = models_.get();
   config.repository = models_.get();
-  config.scheduler = scheduler_.get();
-  config.cost_model = cost_model_.get();
-  config.thread_budget = &ThreadBudget::Global();
-  config.max_tensor_elements = options.max_tensor_elements;
-  config.max_request_bytes = options.max_request_memory_mb << 20;
   pipeline_ = std::make_unique<CallPipeline>(config);
   return absl::OkStatus();
 }
@@ -320,13 +304,13 @@ absl::Status AttnServer::StartHttp(const ServerOptions& options) {
 
 std::string AttnServer::RenderMetrics() const {
   ServingGauges gauges;
-  gauges.inflight = scheduler_->inflight();
-  gauges.queued = scheduler_->queued();
+  gauges.inflight = engine_->scheduler().inflight();
+  gauges.queued = engine_->scheduler().queued();
   gauges.models_loaded =
       models_ != nullptr ? static_cast<int>(models_->List().size()) : 0;
   if (sessions_ != nullptr) gauges.sessions = sessions_->stats();
-  if (step_coalescer_ != nullptr) {
-    const StepCoalescer::Stats coalesced = step_coalescer_->stats();
+  if (engine_->step_coalescer() != nullptr) {
+    const StepCoalescer::Stats coalesced = engine_->step_coalescer()->stats();
     gauges.step_passes = coalesced.passes;
     gauges.coalesced_steps = coalesced.steps;
   }
@@ -352,10 +336,10 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   // Load balancers and health-checking clients stop sending calls here
   // when they see NOT_SERVING; until they do, calls are served.
   server_->GetHealthCheckService()->SetServingStatus(false);
-  pipeline_->MarkNotReady();
+  engine_->MarkNotReady();
   absl::SleepFor(std::min(lame_duck, grace));
   // Calls that still come get a status that clients' retry policies retry.
-  pipeline_->StopAcceptingCalls();
+  engine_->StopAcceptingCalls();
   // gRPC 1.51's Server::Shutdown drops as CANCELLED, which clients do not
   // retry, every call not yet handed to a handler: requests still arriving
   // when it starts or while it tells connections to stop. So stop listening
@@ -368,7 +352,7 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   const absl::Time stop_refusing =
       std::min(deadline, refusing_since + kMaxRefusing);
   while (absl::Now() < stop_refusing &&
-         absl::Now() - std::max(refusing_since, pipeline_->last_refused()) <
+         absl::Now() - std::max(refusing_since, engine_->last_refused()) <
              kQuiet) {
     absl::SleepFor(absl::Milliseconds(10));
   }

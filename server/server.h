@@ -13,6 +13,7 @@
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
 #include "core/session_store.h"
+#include "engine/engine.h"
 #include "grpcpp/server.h"
 #include "server/attention_service.h"
 #include "server/http/http_server.h"
@@ -66,20 +67,16 @@ class AttnServer {
 
  private:
   AttnServer() = default;
-  // Start's steps: the models, scheduler, metrics, registries and the
-  // call pipeline; the gRPC services and port; the HTTP ports.
+  // Start's steps: the models, metrics, registries, sessions, the engine and
+  // the call pipeline; the gRPC services and port; the HTTP ports.
   absl::Status StartState(const ServerOptions& options);
-  // StartState's decode sessions and their step coalescer (when on).
+  // StartState's decode sessions (when on), then the engine over them.
   void StartSessions(const ServerOptions& options);
+  void StartEngine(const ServerOptions& options);
   absl::Status StartGrpc(const ServerOptions& options);
   absl::Status StartHttp(const ServerOptions& options);
   // Declared before server_: destroyed after it, once every call is done.
   std::unique_ptr<ModelRepository> models_;  // null: no repository
-  // Null when sessions or coalescing are off. Declared before the
-  // scheduler: its runners, queued there, finish before it goes.
-  std::unique_ptr<StepCoalescer> step_coalescer_;
-  std::unique_ptr<Scheduler> scheduler_;
-  std::unique_ptr<CostModel> cost_model_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<TokenAuthenticator> auth_;
   // Null when shared memory is off. Declared before the service and the
@@ -88,6 +85,9 @@ class AttnServer {
   // Null when sessions are off; destroyed after the service, freeing every
   // session's cache.
   std::unique_ptr<SessionStore> sessions_;
+  // Declared after the session store: destroyed (its queued work run, its
+  // workers joined) before it.
+  std::unique_ptr<Engine> engine_;
   std::unique_ptr<CallPipeline> pipeline_;
   std::unique_ptr<GrpcCalls> grpc_calls_;
   std::unique_ptr<AttentionServiceImpl> service_;

@@ -25,8 +25,8 @@
 #include "gtest/gtest.h"
 #include "server/message_pool.h"
 #include "server/metrics.h"
-#include "server/scheduler.h"
-#include "server/step_coalescer.h"
+#include "engine/scheduler.h"
+#include "engine/step_coalescer.h"
 #include "tests/core_test_util.h"
 
 namespace attnserve::testing {

@@ -1,4 +1,4 @@
-#include "server/step_coalescer.h"
+#include "engine/step_coalescer.h"
 
 #include <algorithm>
 #include <new>
@@ -7,7 +7,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "server/scheduler.h"
+#include "engine/scheduler.h"
 
 namespace attnserve {
 

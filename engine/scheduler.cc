@@ -1,4 +1,4 @@
-#include "server/scheduler.h"
+#include "engine/scheduler.h"
 
 #include <utility>
 

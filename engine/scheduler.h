@@ -12,8 +12,8 @@
 // Thread-safety: Submit and the counters may be called from any thread.
 // Ownership: the scheduler owns its workers; destruction runs what is queued,
 // then joins them.
-#ifndef ATTNSERVE_SERVER_SCHEDULER_H_
-#define ATTNSERVE_SERVER_SCHEDULER_H_
+#ifndef ATTNSERVE_ENGINE_SCHEDULER_H_
+#define ATTNSERVE_ENGINE_SCHEDULER_H_
 
 #include <algorithm>
 #include <deque>
@@ -80,4 +80,4 @@ class Scheduler {
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_SCHEDULER_H_
+#endif  // ATTNSERVE_ENGINE_SCHEDULER_H_

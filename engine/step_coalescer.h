@@ -31,8 +31,8 @@
 // session store and thread budget must outlive it, and so must it every
 // runner it queued (declare it before the scheduler that runs them).
 // Thread-safety: Add and active() may be called from any thread.
-#ifndef ATTNSERVE_SERVER_STEP_COALESCER_H_
-#define ATTNSERVE_SERVER_STEP_COALESCER_H_
+#ifndef ATTNSERVE_ENGINE_STEP_COALESCER_H_
+#define ATTNSERVE_ENGINE_STEP_COALESCER_H_
 
 #include <cstddef>
 #include <cstdint>
@@ -161,4 +161,4 @@ class StepCoalescer {
 
 }  // namespace attnserve
 
-#endif  // ATTNSERVE_SERVER_STEP_COALESCER_H_
+#endif  // ATTNSERVE_ENGINE_STEP_COALESCER_H_
