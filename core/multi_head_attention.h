@@ -23,12 +23,15 @@
 #include "core/attention.h"
 #include "core/attention_kernel.h"
 #include "core/convert.h"
-#include "core/primitives.h"
 #include "core/results.h"
 #include "core/rotary.h"
 #include "core/tensor.h"
 
 namespace attnserve {
+
+// A projection's weight packed for oneDNN (core/primitives.h): declared
+// here only, so that this header does not bring oneDNN's into its users.
+class PackedLinear;
 
 class MultiHeadLayer {
  public:

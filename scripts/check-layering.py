@@ -7,7 +7,9 @@ naming the files, when:
   - modules include each other in a cycle (through any number of others);
   - a folder includes one it must not: core/ includes only core/, engine/
     only core/ and engine/, and neither includes gRPC or protobuf headers
-    (grpcpp/, google/protobuf/, generated *.pb.h).
+    (grpcpp/, google/protobuf/, generated *.pb.h);
+  - a header other than core/primitives.h includes oneDNN's headers or
+    core/primitives.h: oneDNN stays inside the .cc files that use it.
 
 Usage: check-layering.py [ROOT]   (default: the repository of this script)
 """
@@ -23,7 +25,9 @@ ALLOWED = {
     "engine": {"core", "engine"},
 }
 WIRE = re.compile(r'^(grpcpp/|grpc/|google/protobuf/)|\.pb\.h$')
-INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"')
+ONEDNN = re.compile(r'^(dnnl|oneapi/dnnl/)|^core/primitives\.h$')
+ONEDNN_HEADER = "core/primitives.h"
+INCLUDE = re.compile(r'^\s*#\s*include\s+[<"]([^>"]+)[>"]')
 
 
 def sources(root):
@@ -86,6 +90,10 @@ def main():
         folder = path.split("/")[0]
         for included in includes(root, path):
             target = module_of(included)
+            if (path.endswith(".h") and path != ONEDNN_HEADER and
+                    ONEDNN.search(included)):
+                errors.append(f"{path}: includes {included}; only .cc files "
+                              f"may bring in oneDNN")
             if folder in ALLOWED:
                 if WIRE.search(included):
                     errors.append(f"{path}: includes {included}, a wire "
