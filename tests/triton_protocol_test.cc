@@ -1250,7 +1250,9 @@ json HttpSequenceStep(json parameters, const AttentionStep& step) {
 // HTTP) and native SessionStep calls, concurrently, all run in the step
 // coalescer's passes: every step too large to run inline is counted in
 // attnserve_coalesced_steps_total whichever protocol sent it, and every
-// output matches float64.
+// output matches float64. All front ends step the same history, and so do
+// entries of native SessionSteps calls (a batched pass of their own): the
+// outputs are equal bit for bit, however the passes grouped the steps.
 TEST_F(TritonProtocolTest, StepsOfEveryFrontEndRunInTheCoalescersPasses) {
   // Steps of 32 tokens on 1024 and more cached ones: above the inline
   // threshold, so every one goes to the coalescer.
@@ -1260,8 +1262,12 @@ TEST_F(TritonProtocolTest, StepsOfEveryFrontEndRunInTheCoalescersPasses) {
   const int64_t steps_before =
       Metric(server_, "attnserve_coalesced_steps_total");
   ASSERT_GE(steps_before, 0);
+  constexpr int kFrontEnds = 5;
+  // outputs[front end][step]
+  std::vector<std::vector<std::vector<float>>> outputs(
+      kFrontEnds, std::vector<std::vector<float>>(kSteps + 1));
   const auto run = [&](int front_end) {
-    std::mt19937 rng(300 + front_end);
+    std::mt19937 rng(300);
     AttentionSequenceReference reference;
     const int64_t id = 3000 + front_end;
     auto stream_context = Context();
@@ -1298,7 +1304,7 @@ TEST_F(TritonProtocolTest, StepsOfEveryFrontEndRunInTheCoalescersPasses) {
             << (answer ? answer->body : "no answer");
         output = json::parse(answer->body)["outputs"][0]["data"]
                      .get<std::vector<float>>();
-      } else {
+      } else {  // native SessionStep (3) or a SessionSteps entry (4)
         if (i == 0) {
           v1::CreateSessionRequest create;
           create.set_num_heads(kSeqHeads);
@@ -1321,22 +1327,41 @@ TEST_F(TritonProtocolTest, StepsOfEveryFrontEndRunInTheCoalescersPasses) {
           }
           tensors[t]->set_raw_data(request.raw_input_contents(t));
         }
-        v1::SessionStepResponse response;
-        const grpc::Status status =
-            native_->SessionStep(Context().get(), native_step, &response);
-        ASSERT_TRUE(status.ok()) << status.error_message();
-        output = Floats(response.output().raw_data());
+        if (front_end == 3) {
+          v1::SessionStepResponse response;
+          const grpc::Status status =
+              native_->SessionStep(Context().get(), native_step, &response);
+          ASSERT_TRUE(status.ok()) << status.error_message();
+          output = Floats(response.output().raw_data());
+        } else {
+          v1::SessionStepsRequest batched;
+          *batched.add_steps() = native_step;
+          v1::SessionStepsResponse response;
+          const grpc::Status status =
+              native_->SessionSteps(Context().get(), batched, &response);
+          ASSERT_TRUE(status.ok()) << status.error_message();
+          ASSERT_EQ(response.results(0).code(), 0)
+              << response.results(0).message();
+          output = Floats(response.results(0).output().raw_data());
+        }
       }
       ExpectNear(output, expected);
+      outputs[front_end][i] = std::move(output);
     }
     ASSERT_TRUE(stream->WritesDone());
     ASSERT_TRUE(stream->Finish().ok());
   };
   std::vector<std::thread> threads;
-  for (int front_end = 0; front_end < 4; ++front_end) {
+  for (int front_end = 0; front_end < kFrontEnds; ++front_end) {
     threads.emplace_back(run, front_end);
   }
   for (auto& thread : threads) thread.join();
+  for (int front_end = 1; front_end < kFrontEnds; ++front_end) {
+    for (int i = 0; i <= kSteps; ++i) {
+      EXPECT_EQ(outputs[front_end][i], outputs[0][i])
+          << "front end " << front_end << ", step " << i;
+    }
+  }
   // Each front end's continuing steps, and the native session's prompt (a
   // protocol start creates its session first, outside the passes).
   const int64_t steps = Metric(server_, "attnserve_coalesced_steps_total");
