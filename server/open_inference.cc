@@ -618,11 +618,82 @@ std::vector<std::string> RequestParameterNames(const ProtocolModel& model) {
   return names;
 }
 
-NativeInferCall::NativeInferCall(Kind kind, std::unique_ptr<Message> request,
-                                 std::unique_ptr<Message> response)
-    : kind_(kind),
-      request_(std::move(request)),
-      response_(std::move(response)) {}
+struct NativeInferCall::Operation {
+  absl::string_view label;  // in the metrics and the access log
+  std::unique_ptr<Message> (*new_request)();
+  std::unique_ptr<Message> (*new_response)();
+  RequestCost (*cost)(const NativeInferCall& call);
+  absl::Status (*run)(NativeInferCall& call, const CallControl& control);
+};
+
+namespace {
+
+template <typename T>
+std::unique_ptr<Message> New() {
+  return std::make_unique<T>();
+}
+
+template <typename T>
+const T& As(const std::unique_ptr<Message>& message) {
+  return static_cast<const T&>(*message);
+}
+
+template <typename T>
+T* AsMutable(const std::unique_ptr<Message>& message) {
+  return static_cast<T*>(message.get());
+}
+
+}  // namespace
+
+// The operations a protocol model runs (FromRequest picks one by the
+// model's kind; a sequence's step is kSessionStep).
+const NativeInferCall::Operation NativeInferCall::kAttend = {
+    "ModelInfer/Attend", &New<v1::AttendRequest>, &New<v1::AttendResponse>,
+    [](const NativeInferCall& call) {
+      return CostOf(As<v1::AttendRequest>(call.request_));
+    },
+    [](NativeInferCall& call, const CallControl& control) {
+      return HandleAttend(As<v1::AttendRequest>(call.request_),
+                          AsMutable<v1::AttendResponse>(call.response_),
+                          control);
+    }};
+const NativeInferCall::Operation NativeInferCall::kLayerNorm = {
+    "ModelInfer/LayerNorm", &New<v1::LayerNormRequest>,
+    &New<v1::LayerNormResponse>,
+    [](const NativeInferCall& call) {
+      return CostOf(As<v1::LayerNormRequest>(call.request_));
+    },
+    [](NativeInferCall& call, const CallControl& control) {
+      return HandleLayerNorm(As<v1::LayerNormRequest>(call.request_),
+                             AsMutable<v1::LayerNormResponse>(call.response_),
+                             control);
+    }};
+const NativeInferCall::Operation NativeInferCall::kMultiHeadAttend = {
+    "ModelInfer/MultiHeadAttend", &New<v1::MultiHeadAttendRequest>,
+    &New<v1::MultiHeadAttendResponse>,
+    [](const NativeInferCall& call) {
+      return CostOf(As<v1::MultiHeadAttendRequest>(call.request_),
+                    call.multi_head_->layer());
+    },
+    [](NativeInferCall& call, const CallControl& control) {
+      return (*call.multi_head_)(
+          As<v1::MultiHeadAttendRequest>(call.request_),
+          AsMutable<v1::MultiHeadAttendResponse>(call.response_), control);
+    }};
+const NativeInferCall::Operation NativeInferCall::kSessionStep = {
+    "ModelInfer/SessionStep", &New<v1::SessionStepRequest>,
+    &New<v1::SessionStepResponse>,
+    [](const NativeInferCall& call) { return call.sequence_->cost(); },
+    [](NativeInferCall& call, const CallControl& control) {
+      return call.sequence_->Run(
+          AsMutable<v1::SessionStepRequest>(call.request_),
+          AsMutable<v1::SessionStepResponse>(call.response_), control);
+    }};
+
+NativeInferCall::NativeInferCall(const Operation& operation)
+    : operation_(operation),
+      request_(operation.new_request()),
+      response_(operation.new_response()) {}
 
 NativeInferCall::~NativeInferCall() = default;
 
@@ -642,33 +713,26 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
   if (model.takes_sequences()) {
     return FromSequence(request, std::move(model.served), sequences, sequence);
   }
-  std::unique_ptr<NativeInferCall> call;
-  if (model.kind == ProtocolModelKind::kAttend) {
-    call.reset(new NativeInferCall(Kind::kAttend,
-                                   std::make_unique<v1::AttendRequest>(),
-                                   std::make_unique<v1::AttendResponse>()));
-  } else if (model.kind == ProtocolModelKind::kLayerNorm) {
-    call.reset(new NativeInferCall(Kind::kLayerNorm,
-                                   std::make_unique<v1::LayerNormRequest>(),
-                                   std::make_unique<v1::LayerNormResponse>()));
-  } else {
-    auto native = std::make_unique<v1::MultiHeadAttendRequest>();
-    if (model.built_in()) {
-      native->mutable_weights();
-    } else {
-      native->set_model(name);
-    }
-    call.reset(
-        new NativeInferCall(Kind::kMultiHeadAttend, std::move(native),
-                            std::make_unique<v1::MultiHeadAttendResponse>()));
-  }
+  const Operation& operation =
+      model.kind == ProtocolModelKind::kAttend      ? kAttend
+      : model.kind == ProtocolModelKind::kLayerNorm ? kLayerNorm
+                                                    : kMultiHeadAttend;
+  std::unique_ptr<NativeInferCall> call(new NativeInferCall(operation));
   Message* native = call->request_.get();
+  if (&operation == &kMultiHeadAttend) {
+    auto* multi_head = static_cast<v1::MultiHeadAttendRequest*>(native);
+    if (model.built_in()) {
+      multi_head->mutable_weights();
+    } else {
+      multi_head->set_model(name);
+    }
+  }
   ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), name, native,
                                        /*in_sequence=*/false));
   ATTN_RETURN_IF_ERROR(ApplyInputs(request, native));
   ATTN_RETURN_IF_ERROR(ApplyOutputs(*request, *call->response_->GetDescriptor(),
                                     native, &call->requested_outputs_));
-  if (call->kind_ == Kind::kMultiHeadAttend) {
+  if (&operation == &kMultiHeadAttend) {
     call->multi_head_.emplace(std::move(model.served));
   }
   return call;
@@ -679,80 +743,36 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromSequence(
     SequenceTable* sequences, const SequenceParameters& sequence) {
   const std::string& model = request->model_name();
   ATTN_RETURN_IF_ERROR(VerifySequenceInputs(*request, served != nullptr));
-  auto step = std::make_unique<v1::SessionStepRequest>();
-  ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, step.get(),
+  std::unique_ptr<NativeInferCall> call(new NativeInferCall(kSessionStep));
+  auto* step = static_cast<v1::SessionStepRequest*>(call->request_.get());
+  ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, step,
                                        /*in_sequence=*/true));
-  ATTN_RETURN_IF_ERROR(ApplyInputs(request, step.get()));
+  ATTN_RETURN_IF_ERROR(ApplyInputs(request, step));
   if (served != nullptr && step->has_query()) {
     // A model session's step is its hidden states, sent as the query.
     step->mutable_input()->Swap(step->mutable_query());
     step->clear_query();
   }
-  std::unique_ptr<NativeInferCall> call(
-      new NativeInferCall(Kind::kSequenceStep, nullptr,
-                          std::make_unique<v1::SessionStepResponse>()));
   ATTN_RETURN_IF_ERROR(ApplyOutputs(*request, *call->response_->GetDescriptor(),
-                                    step.get(), &call->requested_outputs_));
+                                    step, &call->requested_outputs_));
   ATTN_ASSIGN_OR_RETURN(
       call->sequence_, SequenceCall::Create(sequences, model, std::move(served),
                                             sequence, *step));
-  call->request_ = std::move(step);
   return call;
 }
 
 std::string NativeInferCall::label() const {
-  switch (kind_) {
-    case Kind::kAttend:
-      return "ModelInfer/Attend";
-    case Kind::kMultiHeadAttend:
-      return "ModelInfer/MultiHeadAttend";
-    case Kind::kLayerNorm:
-      return "ModelInfer/LayerNorm";
-    case Kind::kSequenceStep:
-      return "ModelInfer/SessionStep";
-  }
-  return "ModelInfer";
+  return std::string(operation_.label);
 }
 
-RequestCost NativeInferCall::cost() const {
-  switch (kind_) {
-    case Kind::kAttend:
-      return CostOf(static_cast<const v1::AttendRequest&>(*request_));
-    case Kind::kMultiHeadAttend:
-      return CostOf(static_cast<const v1::MultiHeadAttendRequest&>(*request_),
-                    multi_head_->layer());
-    case Kind::kLayerNorm:
-      return CostOf(static_cast<const v1::LayerNormRequest&>(*request_));
-    case Kind::kSequenceStep:
-      return sequence_->cost();
-  }
-  return {};
-}
+RequestCost NativeInferCall::cost() const { return operation_.cost(*this); }
 
 absl::Status NativeInferCall::Run(const CallControl& control) {
-  switch (kind_) {
-    case Kind::kAttend:
-      return HandleAttend(static_cast<const v1::AttendRequest&>(*request_),
-                          static_cast<v1::AttendResponse*>(response_.get()),
-                          control);
-    case Kind::kMultiHeadAttend:
-      return (*multi_head_)(
-          static_cast<const v1::MultiHeadAttendRequest&>(*request_),
-          static_cast<v1::MultiHeadAttendResponse*>(response_.get()), control);
-    case Kind::kLayerNorm:
-      return HandleLayerNorm(
-          static_cast<const v1::LayerNormRequest&>(*request_),
-          static_cast<v1::LayerNormResponse*>(response_.get()), control);
-    case Kind::kSequenceStep:
-      return sequence_->Run(
-          static_cast<v1::SessionStepRequest*>(request_.get()),
-          static_cast<v1::SessionStepResponse*>(response_.get()), control);
-  }
-  return absl::InternalError("unknown native call kind");
+  return operation_.run(*this, control);
 }
 
 std::optional<SessionStepCall> NativeInferCall::StepCall() {
-  if (kind_ != Kind::kSequenceStep) return std::nullopt;
+  if (sequence_ == nullptr) return std::nullopt;
   return sequence_->StepCall(
       static_cast<v1::SessionStepRequest*>(request_.get()),
       static_cast<v1::SessionStepResponse*>(response_.get()));
@@ -763,7 +783,7 @@ void NativeInferCall::ToResponse(const ModelInferRequest& request,
   response->set_model_name(request.model_name());
   response->set_model_version(std::string(kOnlyVersion));
   response->set_id(request.id());
-  if (kind_ == Kind::kSequenceStep) {
+  if (sequence_ != nullptr) {
     // Tokens the sequence holds after this step.
     (*response->mutable_parameters())["sequence_length"].set_int64_param(
         static_cast<const v1::SessionStepResponse&>(*response_).length());
