@@ -18,11 +18,11 @@ if [[ -z "$pa" || ! -x "$pa" ]]; then
   echo "SKIPPED: perf_analyzer not found (set PERF_ANALYZER=/path/to/perf_analyzer)"
   exit 77
 fi
+# shellcheck source=../scripts/lib/server.sh
+source "$root/scripts/lib/server.sh"
 tmp=$(mktemp -d)
-server_pid=""
 cleanup() {
-  [[ -n "$server_pid" ]] && kill -TERM "$server_pid" 2>/dev/null || true
-  wait 2>/dev/null || true
+  stop_attnserve
   rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -51,14 +51,9 @@ with open(f"{out}/attend.json", "w") as f:
                          for n, a in tensors.items()}]}, f)
 EOF
 
-"$build/bin/attnserve" --host=127.0.0.1 --port=0 --http_port=-1 \
-  --metrics_port=-1 --lame_duck_seconds=0 >"$tmp/server.log" 2>&1 &
-server_pid=$!
-for _ in $(seq 100); do
-  grep -q "listening on" "$tmp/server.log" && break
-  sleep 0.1
-done
-port=$(sed -nE 's/.*listening on [^ ]*:([0-9]+) .*/\1/p' "$tmp/server.log")
+start_attnserve "$tmp/server.log" "$build/bin/attnserve" --http_port=-1 \
+  --metrics_port=-1 --lame_duck_seconds=0
+port=$grpc_port
 echo "attnserve on 127.0.0.1:$port; $(lscpu | sed -n 's/^Model name: *//p'), $(nproc) cores"
 
 for concurrency in 1 2; do

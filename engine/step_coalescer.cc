@@ -199,6 +199,13 @@ void StepCoalescer::RunPass(std::vector<std::unique_ptr<Step>>& batch) {
     if (statuses[index[k]].ok()) computed += batch[index[k]]->flops();
   }
   if (computed > 0 && options_.observe) options_.observe(computed, compute);
+  if (!index.empty()) {
+    // Counted before any step is answered: a client that has its answer
+    // sees its step in the statistics.
+    MutexLock lock(&mu_);
+    ++stats_.passes;
+    stats_.steps += static_cast<int64_t>(index.size());
+  }
   for (size_t k = 0; k < index.size(); ++k) {
     batch[index[k]]->Finish(statuses[index[k]], started, compute);
     batch[index[k]].reset();
@@ -206,10 +213,6 @@ void StepCoalescer::RunPass(std::vector<std::unique_ptr<Step>>& batch) {
   MutexLock lock(&mu_);
   last_size_ = batch.size();
   last_answered_ = absl::Now();
-  if (!index.empty()) {
-    ++stats_.passes;
-    stats_.steps += static_cast<int64_t>(index.size());
-  }
 }
 
 }  // namespace attnserve

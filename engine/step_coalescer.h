@@ -112,7 +112,8 @@ class StepCoalescer {
   void Add(std::unique_ptr<Step> step) ABSL_LOCKS_EXCLUDED(mu_);
   // Whether a runner is queued or running: a step added now joins a pass.
   bool active() const ABSL_LOCKS_EXCLUDED(mu_);
-  // Passes run so far, and the steps they computed.
+  // Passes run so far, and the steps they computed (counted before the
+  // pass's steps are answered).
   struct Stats {
     int64_t passes = 0;
     int64_t steps = 0;

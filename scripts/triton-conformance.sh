@@ -20,31 +20,18 @@ if [[ -z "$pa" || ! -x "$pa" ]]; then
   exit 77
 fi
 
+# shellcheck source=lib/server.sh
+source "$root/scripts/lib/server.sh"
 tmp=$(mktemp -d)
-server_pid=""
 cleanup() {
-  if [[ -n "$server_pid" ]]; then
-    kill -TERM "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-  fi
+  stop_attnserve
   if [[ "${KEEP_TMP:-}" == 1 ]]; then echo "kept $tmp"; else rm -rf "$tmp"; fi
 }
 trap cleanup EXIT
 
-"$build/bin/attnserve" --host=127.0.0.1 --port=0 --http_port=0 \
+start_attnserve "$tmp/server.log" "$build/bin/attnserve" --http_port=0 \
   --metrics_port=-1 --lame_duck_seconds=0 \
-  --model_repository="$build/models" >"$tmp/server.log" 2>&1 &
-server_pid=$!
-for _ in $(seq 100); do
-  grep -q "listening on" "$tmp/server.log" && break
-  sleep 0.1
-done
-line=$(grep -m1 "listening on" "$tmp/server.log") || {
-  cat "$tmp/server.log"
-  exit 1
-}
-grpc_port=$(sed -E 's/.*listening on [^ ]*:([0-9]+) .*/\1/' <<<"$line")
-http_port=$(sed -E 's/.*http port ([0-9]+).*/\1/' <<<"$line")
+  --model_repository="$build/models"
 echo "attnserve: gRPC 127.0.0.1:$grpc_port, HTTP 127.0.0.1:$http_port; $("$pa" --version 2>&1 | head -1)"
 
 # Short windows; the stability bound is wide because these machines are
