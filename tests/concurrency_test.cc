@@ -21,12 +21,12 @@
 #include "core/primitives.h"
 #include "core/session_store.h"
 #include "core/thread_budget.h"
+#include "engine/scheduler.h"
+#include "engine/step_coalescer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "server/message_pool.h"
 #include "server/metrics.h"
-#include "engine/scheduler.h"
-#include "engine/step_coalescer.h"
 #include "tests/core_test_util.h"
 
 namespace attnserve::testing {
