@@ -95,8 +95,8 @@ void AttentionServiceImpl::AddStateRpcs(const ServiceConfig& config) {
 void AttentionServiceImpl::AddSessionRpcs(const CallPipeline* pipeline) {
   const ServiceConfig& config = pipeline->config();
   AddState<v1::CreateSessionRequest, v1::CreateSessionResponse>(
-      [pipeline = pipeline](const v1::CreateSessionRequest& request,
-                            v1::CreateSessionResponse* response) {
+      [pipeline](const v1::CreateSessionRequest& request,
+                 v1::CreateSessionResponse* response) {
         ATTN_RETURN_IF_ERROR(RefuseNewSessionsWhileDraining(*pipeline));
         const ServiceConfig& served = pipeline->config();
         return HandleCreateSession(request, served.models, served.sessions,
@@ -108,8 +108,8 @@ void AttentionServiceImpl::AddSessionRpcs(const CallPipeline* pipeline) {
         return HandleDeleteSession(request, sessions);
       });
   AddState<v1::ForkSessionRequest, v1::ForkSessionResponse>(
-      [pipeline = pipeline](const v1::ForkSessionRequest& request,
-                            v1::ForkSessionResponse* response) {
+      [pipeline](const v1::ForkSessionRequest& request,
+                 v1::ForkSessionResponse* response) {
         ATTN_RETURN_IF_ERROR(RefuseNewSessionsWhileDraining(*pipeline));
         return HandleForkSession(request, pipeline->config().sessions,
                                  response);

@@ -165,12 +165,16 @@ void CallPipeline::Record(const PipelineCall& call, const absl::Status& status,
 void CallPipeline::Coalesce(PipelineCall call, SessionStepCall step,
                             const std::atomic<bool>* cancelled,
                             StepAnswer answer) const {
+  // `answer` moves into the step only when it is admitted; a refused call
+  // is answered here.
   const absl::Status refused = engine().Coalesce(call.cost, call.deadline, [&] {
     return std::make_unique<CoalescedStep>(call, std::move(step), cancelled,
-                                           config_.shared_memory, answer);
+                                           config_.shared_memory,
+                                           std::move(answer));
   });
-  if (!refused.ok())
+  if (!refused.ok()) {
     answer(refused, absl::ZeroDuration(), absl::ZeroDuration());
+  }
 }
 
 void CallPipeline::Run(

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/convert.h"
+#include "core/dtype.h"
 #include "core/status_macros.h"
 #include "proto/tensor_codec.h"
 
@@ -198,7 +199,7 @@ void AddInput(const std::string& name, const Tensor& tensor,
               inference::ModelInferRequest* request) {
   inference::ModelInferRequest::InferInputTensor* input = request->add_inputs();
   input->set_name(name);
-  input->set_datatype(tensor.dtype() == DType::kBFloat16 ? "BF16" : "FP32");
+  input->set_datatype(std::string(DTypeInfoOf(tensor.dtype()).protocol));
   for (int64_t d : tensor.shape()) input->add_shape(d);
   request->add_raw_input_contents(static_cast<const char*>(tensor.data()),
                                   tensor.num_bytes());
@@ -255,7 +256,7 @@ absl::Status DecodeSessions::StartSequences(const DecodeBenchOptions& options) {
     parameters["max_length"].set_int64_param(shape.create.max_length());
     if (options.cache_dtype.has_value()) {
       parameters["dtype"].set_string_param(
-          *options.cache_dtype == DType::kBFloat16 ? "BF16" : "FP32");
+          std::string(DTypeInfoOf(*options.cache_dtype).protocol));
     }
     ATTN_RETURN_IF_ERROR(client_.ModelInfer(start).status());
     ATTN_ASSIGN_OR_RETURN(inference::ModelInferRequest step,
