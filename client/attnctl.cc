@@ -2,11 +2,13 @@
 // operation on tensors from a safetensors file (and writes the results to
 // one), checks health, lists models, and measures the server under load.
 //
-//   attnctl attend|mha|layernorm --target=HOST:PORT --in=FILE.safetensors
+//   attnctl attend|mha|layernorm|rmsnorm --target=HOST:PORT
+//   --in=FILE.safetensors
 //           [--out=RESULT.safetensors] [--shared_memory] [operation flags]
 //   attnctl health --target=HOST:PORT [--service=NAME]
 //   attnctl models --target=HOST:PORT [--model=NAME]
-//   attnctl bench --target=HOST:PORT --rpc=attend|mha|layernorm|decode|health
+//   attnctl bench --target=HOST:PORT
+//   --rpc=attend|mha|layernorm|rmsnorm|decode|health
 //           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
 //           [--batch_sessions=N (decode: one SessionSteps call of N sessions)]
 //           [--cache_dtype=f32|bf16|int8 --layers=L (decode)]
@@ -25,7 +27,8 @@
 //
 // Operation flags: --causal, --scale, --temperature, --return_weights and
 // --compute_bf16 (attend, mha); --num_heads, --average_weights and --model
-// (mha); --eps, --normalized_ndim and --rms_norm (layernorm). bench takes them
+// (mha); --eps and --normalized_ndim (layernorm, rmsnorm); --rms_norm
+// (layernorm computing RMSNorm, as rmsnorm does). bench takes them
 // too, but its synthetic mha requests take the head count from --heads.
 // Operation parameters come from the flags, else from the input file's
 // __metadata__ (causal, scale, temperature, num_heads, eps,
@@ -80,14 +83,16 @@ ABSL_FLAG(bool, average_weights, false,
           "mha: return weights averaged over heads.");
 ABSL_FLAG(std::optional<int>, num_heads, std::nullopt, "mha: number of heads.");
 ABSL_FLAG(bool, shared_memory, false,
-          "attend, mha, layernorm and bench: send tensors and receive results "
+          "attend, mha, layernorm, rmsnorm and bench: send tensors and receive "
+          "results "
           "through a POSIX shared-memory object (server on this host only).");
 ABSL_FLAG(std::string, model, "",
           "mha: the server-side model to use; models: the model to describe.");
 ABSL_FLAG(std::optional<float>, eps, std::nullopt,
-          "layernorm: epsilon (default 1e-5).");
+          "layernorm and rmsnorm: epsilon (default 1e-5; rmsnorm: the "
+          "machine epsilon of the input's dtype).");
 ABSL_FLAG(std::optional<int>, normalized_ndim, std::nullopt,
-          "layernorm: trailing dims normalized (default 1).");
+          "layernorm and rmsnorm: trailing dims normalized (default 1).");
 ABSL_FLAG(bool, rms_norm, false,
           "layernorm: RMSNorm (torch.nn.RMSNorm) instead of LayerNorm.");
 ABSL_FLAG(std::string, service, "",
@@ -95,20 +100,22 @@ ABSL_FLAG(std::string, service, "",
 ABSL_FLAG(std::string, service_config, "",
           "JSON file with a gRPC service config (load balancing policy, "
           "retry policy), e.g. round_robin over an ipv4:A,B,C target.");
-ABSL_FLAG(std::string, rpc, "",
-          "bench: attend, mha, layernorm, decode (steps of decode sessions "
-          "holding --kv_seq tokens, --seq new tokens a step, one session per "
-          "connection; --model or --heads/--kv_heads/--dim), or health (an "
-          "empty gRPC health Check, the baseline of a call that computes "
-          "nothing).");
+ABSL_FLAG(
+    std::string, rpc, "",
+    "bench: attend, mha, layernorm, rmsnorm, decode (steps of decode sessions "
+    "holding --kv_seq tokens, --seq new tokens a step, one session per "
+    "connection; --model or --heads/--kv_heads/--dim), or health (an "
+    "empty gRPC health Check, the baseline of a call that computes "
+    "nothing).");
 ABSL_FLAG(int64_t, batch, 1, "bench: batch size of synthetic requests.");
-ABSL_FLAG(int64_t, seq, 128,
-          "bench: query length (layernorm: rows per batch entry; 0 sends "
-          "[batch, dim]).");
+ABSL_FLAG(
+    int64_t, seq, 128,
+    "bench: query length (layernorm, rmsnorm: rows per batch entry; 0 sends "
+    "[batch, dim]).");
 ABSL_FLAG(int64_t, kv_seq, 0, "bench: key/value length (0: --seq).");
 ABSL_FLAG(int64_t, dim, 0,
           "bench: attend head dim (default 64), mha embedding dim (default "
-          "512), layernorm normalized dim (default 512).");
+          "512), layernorm and rmsnorm normalized dim (default 512).");
 ABSL_FLAG(int64_t, heads, 8, "bench: attend, mha and decode heads.");
 ABSL_FLAG(int64_t, kv_heads, 0,
           "bench: decode key/value heads (grouped-query attention; 0: "
@@ -180,13 +187,13 @@ namespace {
 
 // Everything attnctl takes from its command line.
 struct AttnctlOptions {
-  // attend, mha, layernorm, health, models or bench.
+  // attend, mha, layernorm, rmsnorm, health, models or bench.
   std::string command;
   // --target, --timeout_s, --max_message_mb, --tls_ca, --tls_cert,
   // --tls_key, --token and --service_config.
   ClientOptions client;
-  // --in: the request's tensors (required by attend, mha and layernorm;
-  // bench uses it instead of synthetic shapes).
+  // --in: the request's tensors (required by attend, mha, layernorm and
+  // rmsnorm; bench uses it instead of synthetic shapes).
   std::string in_path;
   // --out: where to write the results; empty: only print a summary.
   std::string out_path;
@@ -378,7 +385,7 @@ absl::Status VerifyOptions(const AttnctlOptions& options) {
   }
   if (options.command == "bench" && options.rpc.empty()) {
     return absl::InvalidArgumentError(
-        "--rpc: missing (attend, mha, layernorm, decode or health)");
+        "--rpc: missing (attend, mha, layernorm, rmsnorm, decode or health)");
   }
   if (options.rpc == "decode" &&
       options.bench.load.concurrency > options.bench.load.connections) {
@@ -573,13 +580,14 @@ absl::Status Run(const std::string& command) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
-      "attnctl attend|mha|layernorm --target=HOST:PORT --in=FILE.safetensors "
+      "attnctl attend|mha|layernorm|rmsnorm --target=HOST:PORT "
+      "--in=FILE.safetensors "
       "[--out=FILE.safetensors] [--shared_memory] [--model=NAME] "
       "[operation flags]\n"
       "attnctl health --target=HOST:PORT [--service=NAME]\n"
       "attnctl models --target=HOST:PORT [--model=NAME]\n"
       "attnctl bench --target=HOST:PORT "
-      "--rpc=attend|mha|layernorm|decode|health "
+      "--rpc=attend|mha|layernorm|rmsnorm|decode|health "
       "[--batch --seq --kv_seq --dim --heads --kv_heads --dtype | --in=FILE] "
       "[decode: --batch_sessions=N --cache_dtype=f32|bf16|int8 --layers=L "
       "--protocol=native|open_inference] "
@@ -604,7 +612,8 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   if (command != "health" && command != "models" && command != "attend" &&
-      command != "mha" && command != "layernorm" && command != "bench") {
+      command != "mha" && command != "layernorm" && command != "rmsnorm" &&
+      command != "bench") {
     std::fprintf(stderr, "attnctl: unknown command '%s'\n%s\n", command.c_str(),
                  absl::ProgramUsageMessage().data());
     return 2;

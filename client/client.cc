@@ -91,6 +91,11 @@ absl::StatusOr<v1::LayerNormResponse> AttnClient::LayerNorm(
   return Call(stub_.get(), &v1::AttentionService::Stub::LayerNorm, request);
 }
 
+absl::StatusOr<v1::RmsNormResponse> AttnClient::RmsNorm(
+    const v1::RmsNormRequest& request) {
+  return Call(stub_.get(), &v1::AttentionService::Stub::RmsNorm, request);
+}
+
 absl::StatusOr<v1::CreateSessionResponse> AttnClient::CreateSession(
     const v1::CreateSessionRequest& request) {
   return Call(stub_.get(), &v1::AttentionService::Stub::CreateSession, request);
@@ -190,67 +195,64 @@ AttnClient::PlaceInSharedMemory(google::protobuf::Message* request,
   return session;
 }
 
+namespace {
+
+// A response's weights, when it has some.
+template <typename Response>
+const v1::Tensor* WeightsOf(const Response& response) {
+  if constexpr (requires { response.weights(); }) {
+    if (response.has_weights()) return &response.weights();
+  }
+  return nullptr;
+}
+
+}  // namespace
+
 template <typename Request>
 absl::StatusOr<NamedTensors> AttnClient::RunInSharedMemory(
     Request request, const v1::GetModelMetadataResponse* model) {
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<SharedMemorySession> session,
                         PlaceInSharedMemory(&request, model));
   ATTN_ASSIGN_OR_RETURN(auto response, Send(request));
-  const v1::Tensor* weights = nullptr;
-  if constexpr (!std::is_same_v<Request, v1::LayerNormRequest>) {
-    if (response.has_weights()) weights = &response.weights();
-  }
-  return ResultTensors(response.output(), weights, &session->placer());
+  return ResultTensors(response.output(), WeightsOf(response),
+                       &session->placer());
+}
+
+template <typename Request>
+absl::StatusOr<NamedTensors> AttnClient::RunRequest(
+    Request request, bool shared_memory,
+    const v1::GetModelMetadataResponse* model) {
+  if (shared_memory) return RunInSharedMemory(std::move(request), model);
+  ATTN_ASSIGN_OR_RETURN(auto response, Send(request));
+  return ResultTensors(response.output(), WeightsOf(response));
 }
 
 absl::StatusOr<NamedTensors> AttnClient::Run(Operation op,
                                              const NamedViews& tensors,
                                              const OpParams& params,
                                              bool shared_memory) {
-  if (shared_memory) {
-    switch (op) {
-      case Operation::kAttend: {
-        ATTN_ASSIGN_OR_RETURN(auto request,
-                              BuildAttendRequest(tensors, params));
-        return RunInSharedMemory(std::move(request), nullptr);
-      }
-      case Operation::kMultiHeadAttend: {
-        ATTN_ASSIGN_OR_RETURN(auto request,
-                              BuildMultiHeadAttendRequest(tensors, params));
-        if (params.model.empty()) {
-          return RunInSharedMemory(std::move(request), nullptr);
-        }
-        ATTN_ASSIGN_OR_RETURN(auto model, GetModelMetadata(params.model));
-        return RunInSharedMemory(std::move(request), &model);
-      }
-      case Operation::kLayerNorm: {
-        ATTN_ASSIGN_OR_RETURN(auto request,
-                              BuildLayerNormRequest(tensors, params));
-        return RunInSharedMemory(std::move(request), nullptr);
-      }
-    }
-  }
   switch (op) {
     case Operation::kAttend: {
       ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(tensors, params));
-      ATTN_ASSIGN_OR_RETURN(auto response, Attend(request));
-      return ResultTensors(response.output(), response.has_weights()
-                                                  ? &response.weights()
-                                                  : nullptr);
+      return RunRequest(std::move(request), shared_memory, nullptr);
     }
     case Operation::kMultiHeadAttend: {
       ATTN_ASSIGN_OR_RETURN(auto request,
                             BuildMultiHeadAttendRequest(tensors, params));
-      ATTN_ASSIGN_OR_RETURN(auto response, MultiHeadAttend(request));
-      return ResultTensors(response.output(), response.has_weights()
-                                                  ? &response.weights()
-                                                  : nullptr);
+      if (!shared_memory || params.model.empty()) {
+        return RunRequest(std::move(request), shared_memory, nullptr);
+      }
+      ATTN_ASSIGN_OR_RETURN(auto model, GetModelMetadata(params.model));
+      return RunRequest(std::move(request), shared_memory, &model);
     }
     case Operation::kLayerNorm: {
       ATTN_ASSIGN_OR_RETURN(auto request,
                             BuildLayerNormRequest(tensors, params));
-      ATTN_ASSIGN_OR_RETURN(auto response, LayerNorm(request));
-      return ResultTensors(response.output(), nullptr);
+      return RunRequest(std::move(request), shared_memory, nullptr);
+    }
+    case Operation::kRmsNorm: {
+      ATTN_ASSIGN_OR_RETURN(auto request, BuildRmsNormRequest(tensors, params));
+      return RunRequest(std::move(request), shared_memory, nullptr);
     }
   }
   return absl::InvalidArgumentError("unknown operation");

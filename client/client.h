@@ -91,6 +91,8 @@ class AttnClient {
       const v1::MultiHeadAttendRequest& request);
   absl::StatusOr<v1::LayerNormResponse> LayerNorm(
       const v1::LayerNormRequest& request);
+  absl::StatusOr<v1::RmsNormResponse> RmsNorm(
+      const v1::RmsNormRequest& request);
   absl::StatusOr<v1::ListModelsResponse> ListModels();
   absl::StatusOr<v1::GetModelMetadataResponse> GetModelMetadata(
       const std::string& name);
@@ -165,6 +167,16 @@ class AttnClient {
   absl::StatusOr<v1::LayerNormResponse> Send(const v1::LayerNormRequest& r) {
     return LayerNorm(r);
   }
+  absl::StatusOr<v1::RmsNormResponse> Send(const v1::RmsNormRequest& r) {
+    return RmsNorm(r);
+  }
+  // Sends `request` (through shared memory when `shared_memory`; `model`:
+  // the metadata of the model it names, else null) and returns its
+  // results.
+  template <typename Request>
+  absl::StatusOr<NamedTensors> RunRequest(
+      Request request, bool shared_memory,
+      const v1::GetModelMetadataResponse* model);
 
   ClientOptions options_;
   std::shared_ptr<grpc::Channel> channel_;

@@ -145,6 +145,22 @@ absl::StatusOr<v1::LayerNormRequest> BuildLayerNormRequest(
   return request;
 }
 
+absl::StatusOr<v1::RmsNormRequest> BuildRmsNormRequest(
+    const NamedViews& tensors, const OpParams& params) {
+  using R = v1::RmsNormRequest;
+  ATTN_RETURN_IF_ERROR(RequireTensor(tensors, "input"));
+  if (tensors.contains("beta")) {
+    return absl::InvalidArgumentError(
+        "beta: RMSNorm has no shift (torch.nn.RMSNorm); leave beta out");
+  }
+  R request;
+  Encode(tensors, "input", &R::mutable_input, &request);
+  Encode(tensors, "gamma", &R::mutable_gamma, &request);
+  if (params.eps.has_value()) request.set_eps(*params.eps);
+  request.set_normalized_ndim(params.normalized_ndim);
+  return request;
+}
+
 absl::StatusOr<NamedTensors> ResultTensors(
     const v1::Tensor& output, const v1::Tensor* weights,
     SharedMemoryResolver* shared_memory) {
@@ -166,8 +182,9 @@ absl::StatusOr<Operation> ParseOperation(absl::string_view name) {
     return Operation::kMultiHeadAttend;
   }
   if (name == "layernorm" || name == "layer_norm") return Operation::kLayerNorm;
-  return absl::InvalidArgumentError(
-      absl::StrCat("operation '", name, "' is not attend, mha or layernorm"));
+  if (name == "rmsnorm" || name == "rms_norm") return Operation::kRmsNorm;
+  return absl::InvalidArgumentError(absl::StrCat(
+      "operation '", name, "' is not attend, mha, layernorm or rmsnorm"));
 }
 
 }  // namespace attnserve

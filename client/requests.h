@@ -46,12 +46,15 @@ NamedViews ViewsOf(const NamedTensors& tensors);
 absl::Status ApplyMetadata(const std::map<std::string, std::string>& metadata,
                            OpParams* params);
 
-// The requests; tensor names not used by the operation are ignored.
+// The requests; tensor names not used by the operation are ignored, except
+// a beta for RmsNorm (INVALID_ARGUMENT: RMSNorm has no shift).
 absl::StatusOr<v1::AttendRequest> BuildAttendRequest(const NamedViews& tensors,
                                                      const OpParams& params);
 absl::StatusOr<v1::MultiHeadAttendRequest> BuildMultiHeadAttendRequest(
     const NamedViews& tensors, const OpParams& params);
 absl::StatusOr<v1::LayerNormRequest> BuildLayerNormRequest(
+    const NamedViews& tensors, const OpParams& params);
+absl::StatusOr<v1::RmsNormRequest> BuildRmsNormRequest(
     const NamedViews& tensors, const OpParams& params);
 
 // "output" and, when present, "weights" of a response; `shared_memory`
@@ -60,11 +63,11 @@ absl::StatusOr<NamedTensors> ResultTensors(
     const v1::Tensor& output, const v1::Tensor* weights,
     SharedMemoryResolver* shared_memory = nullptr);
 
-enum class Operation { kAttend, kMultiHeadAttend, kLayerNorm };
+enum class Operation { kAttend, kMultiHeadAttend, kLayerNorm, kRmsNorm };
 
 // The operation called `name`: attnctl's command names (attend, mha,
-// layernorm) or the golden files' "op" values (multi_head_attend,
-// layer_norm); INVALID_ARGUMENT otherwise.
+// layernorm, rmsnorm) or the golden files' "op" values (multi_head_attend,
+// layer_norm, rms_norm); INVALID_ARGUMENT otherwise.
 absl::StatusOr<Operation> ParseOperation(absl::string_view name);
 
 }  // namespace attnserve

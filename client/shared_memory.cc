@@ -224,6 +224,12 @@ absl::StatusOr<SharedMemoryPlan> PlanSharedMemory(
 }
 
 absl::StatusOr<SharedMemoryPlan> PlanSharedMemory(
+    const v1::RmsNormRequest& request) {
+  return Finish(request,
+                Elements(request.input(), 0, request.input().shape_size()), 0);
+}
+
+absl::StatusOr<SharedMemoryPlan> PlanSharedMemory(
     const google::protobuf::Message& request,
     const v1::GetModelMetadataResponse* model) {
   if (auto* attend = dynamic_cast<const v1::AttendRequest*>(&request)) {
@@ -233,6 +239,9 @@ absl::StatusOr<SharedMemoryPlan> PlanSharedMemory(
     return PlanSharedMemory(*mha, model);
   }
   if (auto* norm = dynamic_cast<const v1::LayerNormRequest*>(&request)) {
+    return PlanSharedMemory(*norm);
+  }
+  if (auto* norm = dynamic_cast<const v1::RmsNormRequest*>(&request)) {
     return PlanSharedMemory(*norm);
   }
   return absl::InvalidArgumentError(

@@ -93,8 +93,10 @@ absl::StatusOr<SharedMemoryPlan> PlanSharedMemory(
     const v1::GetModelMetadataResponse* model);
 absl::StatusOr<SharedMemoryPlan> PlanSharedMemory(
     const v1::LayerNormRequest& request);
+absl::StatusOr<SharedMemoryPlan> PlanSharedMemory(
+    const v1::RmsNormRequest& request);
 
-// The plan of any of the three compute requests, by its type.
+// The plan of any of the stateless compute requests, by its type.
 absl::StatusOr<SharedMemoryPlan> PlanSharedMemory(
     const google::protobuf::Message& request,
     const v1::GetModelMetadataResponse* model);

@@ -102,7 +102,7 @@ void Serve(absl::string_view rpc, const Request& request,
              absl::Status answered = handle(request, &response, control);
              if (!answered.ok()) return answered;
              CheckResult(rpc, "output", response.output(), resolver);
-             if constexpr (!std::is_same_v<Response, v1::LayerNormResponse>) {
+             if constexpr (requires { request.return_weights(); }) {
                if (request.return_weights()) {
                  CheckResult(rpc, "weights", response.weights(), resolver);
                }
@@ -322,6 +322,12 @@ void ServeLayerNorm(const v1::LayerNormRequest& request,
                     const SharedMemoryRegistry* registry) {
   Serve<v1::LayerNormRequest, v1::LayerNormResponse>(
       "LayerNorm", request, CostOf(request), registry, &HandleLayerNorm);
+}
+
+void ServeRmsNorm(const v1::RmsNormRequest& request,
+                  const SharedMemoryRegistry* registry) {
+  Serve<v1::RmsNormRequest, v1::RmsNormResponse>(
+      "RmsNorm", request, CostOf(request), registry, &HandleRmsNorm);
 }
 
 bool ServeModelInfer(inference::ModelInferRequest* request,

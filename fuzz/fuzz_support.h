@@ -79,6 +79,8 @@ void ServeMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
                           const SharedMemoryRegistry* registry);
 void ServeLayerNorm(const v1::LayerNormRequest& request,
                     const SharedMemoryRegistry* registry);
+void ServeRmsNorm(const v1::RmsNormRequest& request,
+                  const SharedMemoryRegistry* registry);
 // SessionStep on `sessions` the same way (cost from the session the
 // request names). True when it answered OK.
 bool ServeSessionStep(const v1::SessionStepRequest& request,

@@ -236,7 +236,20 @@ def layer_norm(t, metadata):
     return out, None
 
 
-OPS = {"attend": attend, "multi_head_attend": multi_head_attend, "layer_norm": layer_norm}
+def rms_norm(t, metadata):
+    """torch.nn.RMSNorm: x / sqrt(mean(x^2) + eps) * gamma over the trailing
+    dims, in float64 (written out: the Debian PyTorch predates RMSNorm)."""
+    x = f64(t["input"])
+    dims = tuple(range(-int(metadata.get("normalized_ndim", 1)), 0))
+    eps = float(metadata["eps"])
+    out = x / torch.sqrt(torch.mean(x * x, dim=dims, keepdim=True) + eps)
+    if "gamma" in t:
+        out = out * f64(t["gamma"])
+    return out, None
+
+
+OPS = {"attend": attend, "multi_head_attend": multi_head_attend, "layer_norm": layer_norm,
+       "rms_norm": rms_norm}
 
 
 def expected(tensors, metadata):
@@ -329,6 +342,17 @@ def layer_norm_eps1e_6_affine(rng):
 def layer_norm_two_trailing_dims_no_affine(rng):
     t = {"input": rng.normal((4, 3, 5, 6))}
     return t, {"op": "layer_norm", "eps": "1e-05", "normalized_ndim": "2"}
+
+
+def rms_norm_eps1e_6_affine(rng):
+    t = {"input": rng.normal((2, 5, 64), std=10.0, mean=3.0),
+         "gamma": rng.normal((64,), std=0.1, mean=1.0)}
+    return t, {"op": "rms_norm", "eps": "1e-06"}
+
+
+def rms_norm_two_trailing_dims_no_gamma(rng):
+    t = {"input": rng.normal((4, 3, 5, 6))}
+    return t, {"op": "rms_norm", "eps": "1e-05", "normalized_ndim": "2"}
 
 
 def projections(rng, t, embed, inner, out_embed=None, qkv_bias=True, out_bias=True):
@@ -424,6 +448,8 @@ CASES = [
     ("mha_single_head_key_padding_mask", mha_single_head_key_padding_mask),
     ("mha_single_head_out_proj_mask_b_lq_lk", mha_single_head_out_proj_mask_b_lq_lk),
     ("mha_single_head_tiny_no_bias", mha_single_head_tiny_no_bias),
+    ("rms_norm_eps1e-6_affine", rms_norm_eps1e_6_affine),
+    ("rms_norm_two_trailing_dims_no_gamma", rms_norm_two_trailing_dims_no_gamma),
 ]
 
 

@@ -2,6 +2,7 @@
 
 #include "core/status_macros.h"
 #include "server/handlers.h"
+#include "server/operations.h"
 #include "server/request_cost.h"
 
 namespace attnserve {
@@ -26,20 +27,15 @@ AttentionServiceImpl::AttentionServiceImpl(GrpcCalls* calls)
 }
 
 void AttentionServiceImpl::AddComputeRpcs(const ServiceConfig& config) {
-  AddCompute<v1::AttendRequest, v1::AttendResponse>(
-      [](const v1::AttendRequest& request) {
-        return Bound(CostOf(request), &HandleAttend);
-      });
+  AddOperation<v1::AttendRequest, v1::AttendResponse>();
+  AddOperation<v1::LayerNormRequest, v1::LayerNormResponse>();
+  AddOperation<v1::RmsNormRequest, v1::RmsNormResponse>();
   AddCompute<v1::MultiHeadAttendRequest, v1::MultiHeadAttendResponse>(
       [models = config.models](const v1::MultiHeadAttendRequest& request) {
         MultiHeadAttendHandler handle(request, models);
         // Costed before the move: argument order is unspecified.
         const RequestCost cost = CostOf(request, handle.layer());
         return Bound(cost, std::move(handle));
-      });
-  AddCompute<v1::LayerNormRequest, v1::LayerNormResponse>(
-      [](const v1::LayerNormRequest& request) {
-        return Bound(CostOf(request), &HandleLayerNorm);
       });
   AddCompute<v1::SessionStepRequest, v1::SessionStepResponse>(
       [sessions = config.sessions](const v1::SessionStepRequest& request) {

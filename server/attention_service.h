@@ -5,9 +5,8 @@
 // share of the cores, cancelled when the client goes, counted and logged;
 // the others answer from server state on gRPC's thread.
 //
-// Adding a compute RPC: the request and response in the proto, a handler
-// in server/handlers.h with a CostOf in server/request_cost.h, and one
-// AddCompute line in the constructor.
+// Adding a stateless operation: see server/operations.h; its RPC is one
+// AddOperation line in AddComputeRpcs.
 //
 // Thread-safety: gRPC calls the RPCs concurrently; the service holds only
 // the glue. Ownership: the server owns the service; `calls` (and what its
@@ -17,6 +16,7 @@
 
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "server/grpc_calls.h"
+#include "server/operations.h"
 
 namespace attnserve {
 
@@ -27,6 +27,21 @@ class AttentionServiceImpl final : public RawService<v1::AttentionService> {
  private:
   // The compute RPCs (through the call pipeline).
   void AddComputeRpcs(const ServiceConfig& config);
+  // The RPC of the stateless operation whose native request is Request
+  // (server/operations.h): its declared cost and computation.
+  template <typename Request, typename Response>
+  void AddOperation() {
+    const OperationSpec* operation =
+        FindOperationByRequest(*Request::descriptor());
+    GPR_ASSERT(operation != nullptr && operation->stateless());
+    AddCompute<Request, Response>([operation](const Request& request) {
+      return Bound(operation->cost(request),
+                   [operation](const Request& request, Response* response,
+                               const CallControl& control) {
+                     return operation->run(request, response, control);
+                   });
+    });
+  }
   // Models and shared memory.
   void AddStateRpcs(const ServiceConfig& config);
   // Creating, forking and deleting decode sessions.

@@ -286,20 +286,17 @@ absl::Status RunAttend(const v1::AttendRequest& request,
   return VerifySharedMemoryIntact(control);
 }
 
-absl::Status RunLayerNorm(const v1::LayerNormRequest& request,
-                          v1::LayerNormResponse* response,
-                          const CallControl& control) {
-  ATTN_ASSIGN_OR_RETURN(TensorView input,
-                        ATTN_REQUIRED_TENSOR(request, input, control));
-  std::optional<TensorView> gamma, beta;
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, control, &beta));
+// The options LayerNorm and RmsNorm share: eps (by default 1e-5, for
+// RMSNorm the machine epsilon of the input's dtype) and normalized_ndim.
+template <typename Request>
+absl::StatusOr<LayerNormOptions> NormOptions(const Request& request,
+                                             DType dtype, bool rms_norm) {
   LayerNormOptions options;
-  options.rms_norm = request.rms_norm();
+  options.rms_norm = rms_norm;
   if (request.has_eps()) {
     options.eps = request.eps();
-  } else if (options.rms_norm) {
-    options.eps = DefaultRmsNormEps(input.dtype);
+  } else if (rms_norm) {
+    options.eps = DefaultRmsNormEps(dtype);
   }
   if (request.normalized_ndim() < 0) {
     return absl::InvalidArgumentError(
@@ -308,8 +305,35 @@ absl::Status RunLayerNorm(const v1::LayerNormRequest& request,
   }
   options.normalized_ndim =
       request.normalized_ndim() == 0 ? 1 : request.normalized_ndim();
+  return options;
+}
+
+absl::Status RunLayerNorm(const v1::LayerNormRequest& request,
+                          v1::LayerNormResponse* response,
+                          const CallControl& control) {
+  ATTN_ASSIGN_OR_RETURN(TensorView input,
+                        ATTN_REQUIRED_TENSOR(request, input, control));
+  std::optional<TensorView> gamma, beta;
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, control, &beta));
+  ATTN_ASSIGN_OR_RETURN(const LayerNormOptions options,
+                        NormOptions(request, input.dtype, request.rms_norm()));
   WireResults results = ResultsOf(request, response, nullptr, control);
   ATTN_RETURN_IF_ERROR(LayerNorm(input, gamma, beta, options, results));
+  return VerifySharedMemoryIntact(control);
+}
+
+absl::Status RunRmsNorm(const v1::RmsNormRequest& request,
+                        v1::RmsNormResponse* response,
+                        const CallControl& control) {
+  ATTN_ASSIGN_OR_RETURN(TensorView input,
+                        ATTN_REQUIRED_TENSOR(request, input, control));
+  std::optional<TensorView> gamma;
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
+  ATTN_ASSIGN_OR_RETURN(const LayerNormOptions options,
+                        NormOptions(request, input.dtype, /*rms_norm=*/true));
+  WireResults results = ResultsOf(request, response, nullptr, control);
+  ATTN_RETURN_IF_ERROR(LayerNorm(input, gamma, std::nullopt, options, results));
   return VerifySharedMemoryIntact(control);
 }
 
@@ -373,6 +397,13 @@ absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
                              const CallControl& control) {
   return OutOfMemoryFailsTheCall(
       [&] { return RunLayerNorm(request, response, control); });
+}
+
+absl::Status HandleRmsNorm(const v1::RmsNormRequest& request,
+                           v1::RmsNormResponse* response,
+                           const CallControl& control) {
+  return OutOfMemoryFailsTheCall(
+      [&] { return RunRmsNorm(request, response, control); });
 }
 
 absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,

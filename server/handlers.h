@@ -82,6 +82,9 @@ absl::Status HandleMultiHeadAttend(const v1::MultiHeadAttendRequest& request,
 absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
                              v1::LayerNormResponse* response,
                              const CallControl& control = {});
+absl::Status HandleRmsNorm(const v1::RmsNormRequest& request,
+                           v1::RmsNormResponse* response,
+                           const CallControl& control = {});
 
 // Decode sessions. `sessions` null means sessions are off
 // (FAILED_PRECONDITION); `models` may be null (no repository).

@@ -18,25 +18,12 @@ void SetParameter(inference::ModelConfig* config, const std::string& name,
   (*config->mutable_parameters())[name].set_string_value(value);
 }
 
-// What a built-in model computes.
-void BuiltInParameters(const ProtocolModel& model,
+// What a built-in model computes, as its operation declares it.
+void BuiltInParameters(const OperationSpec& operation,
                        inference::ModelConfig* config) {
-  switch (model.kind) {
-    case ProtocolModelKind::kAttend:
-      SetParameter(config, "operation", "scaled dot-product attention");
-      return;
-    case ProtocolModelKind::kLayerNorm:
-      SetParameter(config, "operation", "layer normalization");
-      return;
-    case ProtocolModelKind::kAttentionSession:
-      SetParameter(config, "operation",
-                   "causal attention over a sequence's cached keys and values");
-      return;
-    default:
-      SetParameter(config, "operation",
-                   "multi-head attention with the request's weights");
-      SetParameter(config, "key_default", "query");
-      SetParameter(config, "value_default", "key");
+  SetParameter(config, "operation", std::string(operation.summary));
+  for (const auto& [name, value] : operation.config) {
+    SetParameter(config, std::string(name), std::string(value));
   }
 }
 
@@ -45,7 +32,7 @@ void ServedParameters(const ProtocolModel& model,
                       inference::ModelConfig* config) {
   v1::GetModelMetadataResponse native;
   DescribeModel(*model.served, &native);
-  if (model.kind == ProtocolModelKind::kServedSequences) {
+  if (model.takes_sequences()) {
     SetParameter(config, "operation",
                  absl::StrCat("multi-head attention of a sequence's steps "
                               "over its cached keys and values (model ",
@@ -173,7 +160,7 @@ absl::Status HandleModelConfig(const inference::ModelConfigRequest& request,
     SequenceBatching(model.name, *sequences, config);
   }
   if (model.built_in()) {
-    BuiltInParameters(model, config);
+    BuiltInParameters(*model.operation, config);
   } else {
     ServedParameters(model, config);
   }

@@ -438,22 +438,13 @@ void SetParameter(ParameterMap* parameters, absl::string_view name,
 
 using TensorMetadata = inference::ModelMetadataResponse::TensorMetadata;
 
-// Inputs a request of `model` may leave out: masks, LayerNorm's affine
-// parameters, and for MultiHeadAttend key (the query then) and value (the
-// key then), and the weights of multi_head_attend (any of the two layouts;
-// biases and out_proj_weight as the native request says).
+// Inputs a request of `model` may leave out: as its operation declares
+// (server/operations.h); a served model's requests may leave out all but
+// the query (key and value default to it, the weights are the model's).
 bool IsOptionalInput(const ProtocolModel& model, absl::string_view input) {
-  switch (model.kind) {
-    case ProtocolModelKind::kAttend:
-      return input == "attn_mask";
-    case ProtocolModelKind::kAttentionSession:
-    case ProtocolModelKind::kServedSequences:
-      return false;
-    case ProtocolModelKind::kLayerNorm:
-      return input == "gamma" || input == "beta";
-    case ProtocolModelKind::kMultiHeadAttend:
-    case ProtocolModelKind::kServed:
-      return input != "query";
+  if (!model.built_in()) return !model.takes_sequences() && input != "query";
+  for (const TensorSpec& spec : model.operation->inputs) {
+    if (spec.name == input) return spec.optional;
   }
   return false;
 }
@@ -476,61 +467,23 @@ void AddMetadata(google::protobuf::RepeatedPtrField<TensorMetadata>* list,
   }
 }
 
-// The built-in models' inputs and outputs: any float dtype for values, any
-// mask dtype for masks; -1 for dimensions of any size.
-void BuiltInMetadata(const ProtocolModel& model,
+// A built-in model's inputs and outputs, as its operation declares them:
+// any float dtype for values, any mask dtype for masks; -1 for dimensions
+// of any size.
+void BuiltInMetadata(const OperationSpec& operation,
                      inference::ModelMetadataResponse* response) {
-  const auto f32 = v1::DATA_TYPE_FLOAT32;
-  auto* inputs = response->mutable_inputs();
-  auto* outputs = response->mutable_outputs();
-  const auto input = [&](absl::string_view name, v1::DataType dtype,
-                         std::vector<int64_t> shape, int64_t min_rank = -1) {
-    AddMetadata(inputs, name, dtype, std::move(shape),
-                IsOptionalInput(model, name), min_rank);
-  };
-  switch (model.kind) {
-    case ProtocolModelKind::kLayerNorm:
-      input("input", f32, {-1, -1}, 1);
-      input("gamma", f32, {-1});
-      input("beta", f32, {-1});
-      AddMetadata(outputs, "output", f32, {-1, -1}, false, 1);
-      return;
-    case ProtocolModelKind::kAttentionSession:
-      // [B, H, n, d]; B may be left out.
-      for (const char* name : {"query", "key", "value"}) {
-        input(name, f32, {-1, -1, -1, -1}, 3);
-      }
-      AddMetadata(outputs, "output", f32, {-1, -1, -1, -1}, false, 3);
-      return;
-    case ProtocolModelKind::kAttend:
-      // [B, H, L, d]: PyTorch's layout; fewer (or more) batch dims work.
-      for (const char* name : {"query", "key", "value"}) {
-        input(name, f32, {-1, -1, -1, -1}, 2);
-      }
-      input("attn_mask", v1::DATA_TYPE_BOOL, {-1, -1, -1, -1}, 0);
-      AddMetadata(outputs, "output", f32, {-1, -1, -1, -1}, false, 2);
-      AddMetadata(outputs, "weights", f32, {-1, -1, -1, -1}, false, 2);
-      return;
-    default:
-      break;
+  for (const TensorSpec& input : operation.inputs) {
+    AddMetadata(response->mutable_inputs(), input.name, input.dtype,
+                input.shape, input.optional, input.min_rank);
   }
-  // multi_head_attend: [B, L, E] or [L, E].
-  for (const char* name : {"query", "key", "value"}) {
-    input(name, f32, {-1, -1, -1}, 2);
+  for (const TensorSpec& output : operation.outputs) {
+    AddMetadata(response->mutable_outputs(), output.name, output.dtype,
+                output.shape, false, output.min_rank);
   }
-  input("attn_mask", v1::DATA_TYPE_BOOL, {-1, -1, -1, -1}, 2);
-  input("key_padding_mask", v1::DATA_TYPE_BOOL, {-1, -1}, 1);
-  for (const MultiHeadWeightField& field : kMultiHeadWeightFields) {
-    const bool matrix = absl::EndsWith(field.name, "_weight");
-    input(field.name, f32,
-          matrix ? std::vector<int64_t>{-1, -1} : std::vector<int64_t>{-1});
-  }
-  AddMetadata(outputs, "output", f32, {-1, -1, -1}, false, 2);
-  AddMetadata(outputs, "weights", f32, {-1, -1, -1, -1}, false, 2);
 }
 
-// A served model's inputs and outputs (kServed), or those of its sequences
-// (kServedSequences: the step's hidden states in, its attention out).
+// A served model's inputs and outputs, or those of its sequences (the
+// step's hidden states in, its attention out).
 void ServedMetadata(const ProtocolModel& model,
                     inference::ModelMetadataResponse* response) {
   v1::GetModelMetadataResponse native;
@@ -538,7 +491,7 @@ void ServedMetadata(const ProtocolModel& model,
   const auto f32 = v1::DATA_TYPE_FLOAT32;
   auto* inputs = response->mutable_inputs();
   auto* outputs = response->mutable_outputs();
-  if (model.kind == ProtocolModelKind::kServedSequences) {
+  if (model.takes_sequences()) {
     AddMetadata(inputs, "query", f32, {-1, -1, layer.query_dim()}, false, 2);
     AddMetadata(outputs, "output", f32, {-1, -1, layer.output_dim()}, false, 2);
     return;
@@ -585,26 +538,9 @@ absl::Status VerifySequenceInputs(const ModelInferRequest& request,
 }  // namespace
 
 std::vector<std::string> RequestParameterNames(const ProtocolModel& model) {
-  std::vector<const Descriptor*> targets;
-  switch (model.kind) {
-    case ProtocolModelKind::kAttend:
-      targets = {v1::AttendRequest::descriptor()};
-      break;
-    case ProtocolModelKind::kLayerNorm:
-      targets = {v1::LayerNormRequest::descriptor()};
-      break;
-    case ProtocolModelKind::kAttentionSession:
-    case ProtocolModelKind::kServedSequences:
-      targets = {v1::SessionStepRequest::descriptor()};
-      break;
-    case ProtocolModelKind::kMultiHeadAttend:
-      targets = {v1::MultiHeadAttendRequest::descriptor(),
-                 v1::AttentionWeights::descriptor()};
-      break;
-    case ProtocolModelKind::kServed:
-      targets = {v1::MultiHeadAttendRequest::descriptor()};
-      break;
-  }
+  // A served model's weights are its own: only the request's fields.
+  std::vector<const Descriptor*> targets = model.operation->parameter_messages;
+  if (!model.built_in()) targets.resize(1);
   std::vector<std::string> names;
   for (const Descriptor* descriptor : targets) {
     for (int i = 0; i < descriptor->field_count(); ++i) {
@@ -616,82 +552,10 @@ std::vector<std::string> RequestParameterNames(const ProtocolModel& model) {
   return names;
 }
 
-struct NativeInferCall::Operation {
-  absl::string_view label;  // in the metrics and the access log
-  std::unique_ptr<Message> (*new_request)();
-  std::unique_ptr<Message> (*new_response)();
-  RequestCost (*cost)(const NativeInferCall& call);
-  absl::Status (*run)(NativeInferCall& call, const CallControl& control);
-};
-
-namespace {
-
-template <typename T>
-std::unique_ptr<Message> New() {
-  return std::make_unique<T>();
-}
-
-template <typename T>
-const T& As(const std::unique_ptr<Message>& message) {
-  return static_cast<const T&>(*message);
-}
-
-template <typename T>
-T* AsMutable(const std::unique_ptr<Message>& message) {
-  return static_cast<T*>(message.get());
-}
-
-}  // namespace
-
-// The operations a protocol model runs (FromRequest picks one by the
-// model's kind; a sequence's step is kSessionStep).
-const NativeInferCall::Operation NativeInferCall::kAttend = {
-    "ModelInfer/Attend", &New<v1::AttendRequest>, &New<v1::AttendResponse>,
-    [](const NativeInferCall& call) {
-      return CostOf(As<v1::AttendRequest>(call.request_));
-    },
-    [](NativeInferCall& call, const CallControl& control) {
-      return HandleAttend(As<v1::AttendRequest>(call.request_),
-                          AsMutable<v1::AttendResponse>(call.response_),
-                          control);
-    }};
-const NativeInferCall::Operation NativeInferCall::kLayerNorm = {
-    "ModelInfer/LayerNorm", &New<v1::LayerNormRequest>,
-    &New<v1::LayerNormResponse>,
-    [](const NativeInferCall& call) {
-      return CostOf(As<v1::LayerNormRequest>(call.request_));
-    },
-    [](NativeInferCall& call, const CallControl& control) {
-      return HandleLayerNorm(As<v1::LayerNormRequest>(call.request_),
-                             AsMutable<v1::LayerNormResponse>(call.response_),
-                             control);
-    }};
-const NativeInferCall::Operation NativeInferCall::kMultiHeadAttend = {
-    "ModelInfer/MultiHeadAttend", &New<v1::MultiHeadAttendRequest>,
-    &New<v1::MultiHeadAttendResponse>,
-    [](const NativeInferCall& call) {
-      return CostOf(As<v1::MultiHeadAttendRequest>(call.request_),
-                    call.multi_head_->layer());
-    },
-    [](NativeInferCall& call, const CallControl& control) {
-      return (*call.multi_head_)(
-          As<v1::MultiHeadAttendRequest>(call.request_),
-          AsMutable<v1::MultiHeadAttendResponse>(call.response_), control);
-    }};
-const NativeInferCall::Operation NativeInferCall::kSessionStep = {
-    "ModelInfer/SessionStep", &New<v1::SessionStepRequest>,
-    &New<v1::SessionStepResponse>,
-    [](const NativeInferCall& call) { return call.sequence_->cost(); },
-    [](NativeInferCall& call, const CallControl& control) {
-      return call.sequence_->Run(
-          AsMutable<v1::SessionStepRequest>(call.request_),
-          AsMutable<v1::SessionStepResponse>(call.response_), control);
-    }};
-
-NativeInferCall::NativeInferCall(const Operation& operation)
+NativeInferCall::NativeInferCall(const OperationSpec& operation)
     : operation_(operation),
-      request_(operation.new_request()),
-      response_(operation.new_response()) {}
+      request_(operation.NewRequest()),
+      response_(operation.NewResponse()) {}
 
 NativeInferCall::~NativeInferCall() = default;
 
@@ -711,13 +575,11 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
   if (model.takes_sequences()) {
     return FromSequence(request, std::move(model.served), sequences, sequence);
   }
-  const Operation& operation =
-      model.kind == ProtocolModelKind::kAttend      ? kAttend
-      : model.kind == ProtocolModelKind::kLayerNorm ? kLayerNorm
-                                                    : kMultiHeadAttend;
+  const OperationSpec& operation = *model.operation;
   std::unique_ptr<NativeInferCall> call(new NativeInferCall(operation));
   Message* native = call->request_.get();
-  if (&operation == &kMultiHeadAttend) {
+  if (!operation.stateless()) {
+    // multi_head_attend: the request's weights, or the served model's.
     auto* multi_head = static_cast<v1::MultiHeadAttendRequest*>(native);
     if (model.built_in()) {
       multi_head->mutable_weights();
@@ -730,7 +592,7 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
   ATTN_RETURN_IF_ERROR(ApplyInputs(request, native));
   ATTN_RETURN_IF_ERROR(ApplyOutputs(*request, *call->response_->GetDescriptor(),
                                     native, &call->requested_outputs_));
-  if (&operation == &kMultiHeadAttend) {
+  if (!operation.stateless()) {
     call->multi_head_.emplace(std::move(model.served));
   }
   return call;
@@ -741,7 +603,8 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromSequence(
     SequenceTable* sequences, const SequenceParameters& sequence) {
   const std::string& model = request->model_name();
   ATTN_RETURN_IF_ERROR(VerifySequenceInputs(*request, served != nullptr));
-  std::unique_ptr<NativeInferCall> call(new NativeInferCall(kSessionStep));
+  std::unique_ptr<NativeInferCall> call(
+      new NativeInferCall(*FindOperation(kAttentionSessionModel)));
   auto* step = static_cast<v1::SessionStepRequest*>(call->request_.get());
   ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, step,
                                        /*in_sequence=*/true));
@@ -760,13 +623,30 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromSequence(
 }
 
 std::string NativeInferCall::label() const {
-  return std::string(operation_.label);
+  return absl::StrCat("ModelInfer/", operation_.rpc);
 }
 
-RequestCost NativeInferCall::cost() const { return operation_.cost(*this); }
+RequestCost NativeInferCall::cost() const {
+  if (sequence_ != nullptr) return sequence_->cost();
+  if (multi_head_.has_value()) {
+    return CostOf(static_cast<const v1::MultiHeadAttendRequest&>(*request_),
+                  multi_head_->layer());
+  }
+  return operation_.cost(*request_);
+}
 
 absl::Status NativeInferCall::Run(const CallControl& control) {
-  return operation_.run(*this, control);
+  if (sequence_ != nullptr) {
+    return sequence_->Run(
+        static_cast<v1::SessionStepRequest*>(request_.get()),
+        static_cast<v1::SessionStepResponse*>(response_.get()), control);
+  }
+  if (multi_head_.has_value()) {
+    return (*multi_head_)(
+        static_cast<const v1::MultiHeadAttendRequest&>(*request_),
+        static_cast<v1::MultiHeadAttendResponse*>(response_.get()), control);
+  }
+  return operation_.run(*request_, response_.get(), control);
 }
 
 std::optional<SessionStepCall> NativeInferCall::StepCall() {
@@ -829,7 +709,7 @@ absl::Status HandleModelMetadata(const inference::ModelMetadataRequest& request,
   response->set_name(model.name);
   if (model.built_in()) {
     response->set_platform("attnserve_builtin");
-    BuiltInMetadata(model, response);
+    BuiltInMetadata(*model.operation, response);
   } else {
     response->set_platform("attnserve_multi_head_attention");
     ServedMetadata(model, response);

@@ -89,22 +89,14 @@ class NativeInferCall {
   const google::protobuf::Message& native_request() const { return *request_; }
 
  private:
-  // The native operation a call runs: its label, its native request and
-  // response, its cost and its computation; one constant per operation
-  // (open_inference.cc), the call keeps a pointer to its own.
-  struct Operation;
-  static const Operation kAttend;
-  static const Operation kLayerNorm;
-  static const Operation kMultiHeadAttend;
-  static const Operation kSessionStep;
-  explicit NativeInferCall(const Operation& operation);
+  explicit NativeInferCall(const OperationSpec& operation);
   // FromRequest for a request of a sequence.
   static absl::StatusOr<std::unique_ptr<NativeInferCall>> FromSequence(
       inference::ModelInferRequest* request,
       std::shared_ptr<const Model> served, SequenceTable* sequences,
       const SequenceParameters& sequence);
 
-  const Operation& operation_;
+  const OperationSpec& operation_;
   std::unique_ptr<google::protobuf::Message> request_;
   std::unique_ptr<google::protobuf::Message> response_;
   // MultiHeadAttend only: the model looked up once, for cost and compute.

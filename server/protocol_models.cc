@@ -1,7 +1,6 @@
 #include "server/protocol_models.h"
 
 #include <algorithm>
-#include <iterator>
 #include <optional>
 #include <utility>
 
@@ -34,32 +33,14 @@ absl::string_view ParameterKind(const InferParameter& parameter) {
   }
 }
 
-namespace {
-
-// The built-in models, sorted by name: the one list of them.
-struct BuiltInModel {
-  absl::string_view name;
-  ProtocolModelKind kind;
-};
-constexpr BuiltInModel kBuiltInModels[] = {
-    {kAttendModel, ProtocolModelKind::kAttend},
-    {kAttentionSessionModel, ProtocolModelKind::kAttentionSession},
-    {kLayerNormModel, ProtocolModelKind::kLayerNorm},
-    {kMultiHeadAttendModel, ProtocolModelKind::kMultiHeadAttend},
-};
-
-}  // namespace
-
 bool IsBuiltInModel(absl::string_view model) {
-  return std::any_of(
-      std::begin(kBuiltInModels), std::end(kBuiltInModels),
-      [&](const BuiltInModel& built_in) { return built_in.name == model; });
+  return FindOperation(model) != nullptr;
 }
 
 std::vector<std::string> BuiltInModels() {
   std::vector<std::string> names;
-  for (const BuiltInModel& built_in : kBuiltInModels) {
-    names.emplace_back(built_in.name);
+  for (const OperationSpec& operation : BuiltInOperations()) {
+    names.emplace_back(operation.model);
   }
   return names;
 }
@@ -69,22 +50,19 @@ absl::StatusOr<ProtocolModel> FindProtocolModel(const std::string& name,
                                                 absl::string_view field) {
   ProtocolModel model;
   model.name = name;
-  for (const BuiltInModel& built_in : kBuiltInModels) {
-    if (name != built_in.name) continue;
-    model.kind = built_in.kind;
-    return model;
-  }
+  model.operation = FindOperation(name);
+  if (model.operation != nullptr) return model;
   ATTN_RETURN_IF_ERROR(VerifyModelName(name, field));
   if (models != nullptr) {
     if (auto served = models->Find(name); served.ok()) {
-      model.kind = ProtocolModelKind::kServed;
+      model.operation = FindOperation(kMultiHeadAttendModel);
       model.served = *std::move(served);
       return model;
     }
     absl::string_view base = name;
     if (absl::ConsumeSuffix(&base, kSequenceModelSuffix)) {
       if (auto served = models->Find(std::string(base)); served.ok()) {
-        model.kind = ProtocolModelKind::kServedSequences;
+        model.operation = FindOperation(kAttentionSessionModel);
         model.served = *std::move(served);
         return model;
       }

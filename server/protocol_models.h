@@ -19,18 +19,12 @@
 #include "attnserve/v1/attention.pb.h"
 #include "inference/grpc_service.pb.h"
 #include "server/model_repository.h"
+#include "server/operations.h"
 
 namespace attnserve {
 
-// Names of the built-in models: the native operations that need no served
-// model. They take precedence over served models of the same name.
-inline constexpr absl::string_view kAttendModel = "attend";
-inline constexpr absl::string_view kMultiHeadAttendModel = "multi_head_attend";
-inline constexpr absl::string_view kLayerNormModel = "layer_norm";
-// Its requests are steps of sequences on attention sessions
-// (server/sequences.h).
-inline constexpr absl::string_view kAttentionSessionModel = "attention_session";
-
+// The built-in models are the operations (server/operations.h), by their
+// names; they take precedence over served models of the same name.
 bool IsBuiltInModel(absl::string_view model);
 // The built-in models' names, sorted.
 std::vector<std::string> BuiltInModels();
@@ -43,29 +37,22 @@ std::vector<std::string> BuiltInModels();
 // "demo_session") takes precedence.
 inline constexpr absl::string_view kSequenceModelSuffix = "_session";
 
-// What a protocol model name names.
-enum class ProtocolModelKind {
-  kAttend,
-  kMultiHeadAttend,
-  kLayerNorm,
-  kAttentionSession,
-  kServed,           // a served model, stateless (MultiHeadAttend)
-  kServedSequences,  // the sequences of a served model (model sessions)
-};
-
+// What a protocol model name names: a built-in operation, a served model
+// (stateless: multi_head_attend with its weights) or a served model's
+// sequences (attention_session's steps through the model's projections).
 struct ProtocolModel {
-  ProtocolModelKind kind = ProtocolModelKind::kAttend;
   std::string name;  // as the protocol names it
-  // kServed and kServedSequences: the served model, looked up once (a call
-  // keeps it even if the repository reloads meanwhile).
+  // The operation its requests run.
+  const OperationSpec* operation = nullptr;
+  // Served models and their sequences: the served model, looked up once
+  // (a call keeps it even if the repository reloads meanwhile).
   std::shared_ptr<const Model> served;
 
   bool built_in() const { return served == nullptr; }
   // Whether its requests are steps of sequences (and only those).
-  bool takes_sequences() const {
-    return kind == ProtocolModelKind::kAttentionSession ||
-           kind == ProtocolModelKind::kServedSequences;
-  }
+  bool takes_sequences() const { return operation->sequences; }
+  // Whether it is a served model's sequences.
+  bool served_sequences() const { return !built_in() && takes_sequences(); }
 };
 
 // The model `name` names: a built-in one, a served one, or a served one's

@@ -232,16 +232,29 @@ RequestCost CostOf(
   return cost;
 }
 
-RequestCost CostOf(const v1::LayerNormRequest& r) {
+namespace {
+
+// LayerNorm and RMSNorm: a few passes over the input, which a norm reads
+// twice (statistics, then output) and writes once.
+RequestCost NormCost(const v1::Tensor& input, int64_t affine_elements) {
   RequestCost cost;
-  const int64_t n = std::max<int64_t>(Elements(r.input()), 0);
+  const int64_t n = std::max<int64_t>(Elements(input), 0);
   cost.flops = 8.0 * n;
   cost.bytes = static_cast<int64_t>(std::min(4.0 * n, 9e18));
-  cost.work = Work(2.0 * n + PresentElements({{r.has_gamma(), &r.gamma()},
-                                              {r.has_beta(), &r.beta()}}),
-                   0, 0);
+  cost.work = Work(2.0 * n + affine_elements, 0, 0);
   cost.largest_tensor = n;
   return cost;
+}
+
+}  // namespace
+
+RequestCost CostOf(const v1::LayerNormRequest& r) {
+  return NormCost(r.input(), PresentElements({{r.has_gamma(), &r.gamma()},
+                                              {r.has_beta(), &r.beta()}}));
+}
+
+RequestCost CostOf(const v1::RmsNormRequest& r) {
+  return NormCost(r.input(), PresentElements({{r.has_gamma(), &r.gamma()}}));
 }
 
 }  // namespace attnserve

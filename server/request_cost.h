@@ -21,6 +21,7 @@ RequestCost CostOf(const v1::AttendRequest& request);
 RequestCost CostOf(const v1::MultiHeadAttendRequest& request,
                    const MultiHeadLayer* layer);
 RequestCost CostOf(const v1::LayerNormRequest& request);
+RequestCost CostOf(const v1::RmsNormRequest& request);
 // `session`: the one the request names (null when it was not found).
 RequestCost CostOf(const v1::SessionStepRequest& request,
                    const DecodeSession* session);

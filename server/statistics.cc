@@ -8,7 +8,8 @@
 #include "attnserve/v1/attention.pb.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
-#include "server/open_inference.h"
+#include "server/operations.h"
+#include "server/protocol_models.h"
 
 namespace attnserve {
 namespace {
@@ -30,18 +31,16 @@ std::string ModelOfRequest(const google::protobuf::Message& request) {
           dynamic_cast<const inference::ModelInferRequest*>(&request)) {
     return infer->model_name();
   }
-  if (dynamic_cast<const v1::AttendRequest*>(&request) != nullptr) {
-    return std::string(kAttendModel);
-  }
-  if (dynamic_cast<const v1::LayerNormRequest*>(&request) != nullptr) {
-    return std::string(kLayerNormModel);
-  }
   if (const auto* multi_head =
-          dynamic_cast<const v1::MultiHeadAttendRequest*>(&request)) {
-    return multi_head->model().empty() ? std::string(kMultiHeadAttendModel)
-                                       : multi_head->model();
+          dynamic_cast<const v1::MultiHeadAttendRequest*>(&request);
+      multi_head != nullptr && !multi_head->model().empty()) {
+    return multi_head->model();
   }
-  return "";
+  // A native call of a stateless operation counts under its model.
+  const OperationSpec* operation =
+      FindOperationByRequest(*request.GetDescriptor());
+  if (operation == nullptr || operation->sequences) return "";
+  return std::string(operation->model);
 }
 
 bool StatisticsTable::IsServed(const std::string& model) const {

@@ -95,7 +95,7 @@ absl::Status VerifyNotSequenceModel(const std::string& name,
                                     const ModelRepository* models) {
   const absl::StatusOr<ProtocolModel> model =
       FindProtocolModel(name, models, "model_name");
-  if (!model.ok() || model->kind != ProtocolModelKind::kServedSequences) {
+  if (!model.ok() || !model->served_sequences()) {
     return absl::OkStatus();
   }
   return absl::FailedPreconditionError(absl::StrCat(

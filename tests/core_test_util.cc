@@ -113,12 +113,15 @@ absl::StatusOr<NamedResults> RunGoldenMultiHeadAttend(
   return ResultsOf(std::move(result));
 }
 
-absl::StatusOr<NamedResults> RunGoldenLayerNorm(const SafetensorsFile& file) {
+// LayerNorm, or RMSNorm when `rms_norm`.
+absl::StatusOr<NamedResults> RunGoldenNorm(const SafetensorsFile& file,
+                                           bool rms_norm) {
   ATTN_ASSIGN_OR_RETURN(std::optional<float> eps,
                         MetadataNumber(file.metadata, "eps"));
   ATTN_ASSIGN_OR_RETURN(std::optional<float> normalized_ndim,
                         MetadataNumber(file.metadata, "normalized_ndim"));
   LayerNormOptions options;
+  options.rms_norm = rms_norm;
   if (eps) options.eps = *eps;
   if (normalized_ndim)
     options.normalized_ndim = static_cast<int>(*normalized_ndim);
@@ -242,10 +245,11 @@ absl::StatusOr<NamedResults> RunGoldenThroughCore(const SafetensorsFile& file) {
   if (name == "multi_head_attend") {
     return RunGoldenMultiHeadAttend(file, attention);
   }
-  if (name == "layer_norm") return RunGoldenLayerNorm(file);
-  return absl::InvalidArgumentError(
-      absl::StrCat("metadata 'op': '", name,
-                   "' is not attend, multi_head_attend or layer_norm"));
+  if (name == "layer_norm") return RunGoldenNorm(file, /*rms_norm=*/false);
+  if (name == "rms_norm") return RunGoldenNorm(file, /*rms_norm=*/true);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "metadata 'op': '", name,
+      "' is not attend, multi_head_attend, layer_norm or rms_norm"));
 }
 
 void ExpectMatchesGolden(const SafetensorsFile& file,

@@ -41,7 +41,7 @@ TEST(GoldenFilesTest, FolderHoldsEveryOperation) {
     ops.insert(file->metadata.at("op"));
   }
   EXPECT_EQ(ops, (std::set<std::string>{"attend", "multi_head_attend",
-                                        "layer_norm"}));
+                                        "layer_norm", "rms_norm"}));
 }
 
 }  // namespace

@@ -286,6 +286,13 @@ v1::LayerNormRequest LayerNormBase() {
   return r;
 }
 
+v1::RmsNormRequest RmsNormBase() {
+  v1::RmsNormRequest r;
+  *r.mutable_input() = RandomWireTensor(DType::kFloat32, {2, 6}, 54);
+  *r.mutable_gamma() = RandomWireTensor(DType::kFloat32, {6}, 55);
+  return r;
+}
+
 // The bytes of a varint.
 std::string Varint(uint64_t value) {
   std::string out;
@@ -538,6 +545,9 @@ std::vector<TensorField> TensorFields() {
   for (const char* name : {"input", "gamma", "beta"}) {
     fields.push_back({Factory(&LayerNormBase), {name}});
   }
+  for (const char* name : {"input", "gamma"}) {
+    fields.push_back({Factory(&RmsNormBase), {name}});
+  }
   fields.push_back({Factory(&SessionModelStepBase), {"input"}});
   for (const char* name : {"query", "key", "value"}) {
     fields.push_back({Factory(&SessionStepBase), {name}});
@@ -756,6 +766,9 @@ void AddNonFiniteValues(std::vector<HostileCase>& cases) {
     } else if (rpc == "LayerNorm") {
       check = per_batch ? ExpectFirstHalfNotFinite<v1::LayerNormResponse>()
                         : ExpectNanInEveryRow<v1::LayerNormResponse>();
+    } else if (rpc == "RmsNorm") {
+      check = per_batch ? ExpectFirstHalfNotFinite<v1::RmsNormResponse>()
+                        : ExpectNanInEveryRow<v1::RmsNormResponse>();
     } else {
       check = per_batch
                   ? ExpectFirstHalfNotFinite<v1::MultiHeadAttendResponse>()
@@ -1691,6 +1704,47 @@ void AddLayerNormCases(std::vector<HostileCase>& cases) {
   cases.push_back(Pending(garbage, kPendingParseErrors));
 }
 
+// RmsNorm shares LayerNorm's validation (AddLayerNormCases covers it in
+// full); these pin what is its own: no beta, and its default eps.
+void AddRmsNormCases(std::vector<HostileCase>& cases) {
+  const v1::RmsNormRequest base = RmsNormBase();
+  cases.push_back(Ok(base, "valid", "", ExpectFinite<v1::RmsNormResponse>()));
+  v1::RmsNormRequest r = base;
+  r.clear_input();
+  cases.push_back(Invalid(r, "input_missing", "input", "input: missing"));
+  r = base;
+  r.clear_gamma();
+  cases.push_back(Ok(r, "no_gamma", "gamma"));
+  r = base;
+  *r.mutable_gamma() = RandomWireTensor(DType::kFloat32, {2, 6}, 55);
+  cases.push_back(
+      Invalid(r, "gamma_shape", "gamma", "gamma: shape [2, 6], expected [6]"));
+  r = base;
+  r.set_normalized_ndim(-1);
+  cases.push_back(Invalid(r, "normalized_ndim_minus_1", "normalized_ndim",
+                          "normalized_ndim: must be >= 0 (0 means 1), got -1"));
+  r = base;
+  r.set_eps(0.0f);
+  cases.push_back(
+      Invalid(r, "eps_0", "eps", "eps: must be finite and > 0, got 0"));
+  // All zeros: the default eps (float32's machine epsilon) keeps them 0.
+  r = base;
+  *r.mutable_input() = FloatValues({2, 6}, std::vector<float>(12, 0.0f));
+  cases.push_back(
+      Ok(r, "zeros_default_eps", "eps", ExpectFinite<v1::RmsNormResponse>()));
+  r = base;
+  SetShape(r.mutable_input(), {1 << 11, 1 << 10});
+  cases.push_back(Case(r, "input_above_element_limit", "input",
+                       Code::kResourceExhausted,
+                       "request: a tensor of 2097152 elements exceeds "
+                       "--max_tensor_elements 1048576"));
+  HostileCase garbage = Invalid(base, "bytes_random", "", "");
+  garbage.request = std::string("\x12\x07\x08\x01\xff\xff", 6);
+  garbage.message = absl::StrCat(
+      "request: could not parse 6 bytes as attnserve.v1.RmsNormRequest");
+  cases.push_back(Pending(garbage, kPendingParseErrors));
+}
+
 // Zero-sized dims are accepted by every RPC: empty dims give empty results,
 // no key gives zeros (a fully masked row), a key dim of 0 uniform weights.
 void AddEmptyDimCases(std::vector<HostileCase>& cases) {
@@ -2440,7 +2494,8 @@ void AddEchoCases(std::vector<HostileCase>& cases) {
       Code::kNotFound,
       absl::StrCat("model_name: model ", Cut('n', 200),
                    " is not served; served models: attend, attention_session, "
-                   "demo, demo_session, layer_norm, multi_head_attend"));
+                   "demo, demo_session, layer_norm, multi_head_attend, "
+                   "rms_norm"));
   infer_case(
       "input_name_8000_bytes", "inputs.name",
       [&](auto& r) { r.mutable_inputs(0)->set_name(n8k); },
@@ -2583,6 +2638,7 @@ const std::vector<HostileCase>& Table() {
     AddAttendCases(*cases);
     AddMultiHeadCases(*cases);
     AddLayerNormCases(*cases);
+    AddRmsNormCases(*cases);
     AddEmptyDimCases(*cases);
     AddModelRpcCases(*cases);
     AddSharedMemoryRpcCases(*cases, RegionKey());

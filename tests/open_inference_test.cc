@@ -283,6 +283,30 @@ TEST_F(OpenInferenceTest, RmsNormThroughBothApisMatchesTheReference) {
   ASSERT_TRUE(Infer(request, &response).ok());
   EXPECT_EQ(RawOutput(response, "output"), expected.output().raw_data());
 
+  // The operation of its own: the RmsNorm RPC and the model "rms_norm" give
+  // the same bits.
+  v1::RmsNormRequest rms;
+  *rms.mutable_input() = native.input();
+  *rms.mutable_gamma() = native.gamma();
+  v1::RmsNormResponse rms_answer;
+  const grpc::Status rms_status =
+      native_->RmsNorm(Context().get(), rms, &rms_answer);
+  ASSERT_TRUE(rms_status.ok()) << rms_status.error_message();
+  EXPECT_EQ(rms_answer.output().raw_data(), expected.output().raw_data());
+  ModelInferRequest by_model;
+  by_model.set_model_name("rms_norm");
+  AddRaw("input", native.input(), &by_model);
+  AddRaw("gamma", native.gamma(), &by_model);
+  ASSERT_TRUE(Infer(by_model, &response).ok());
+  EXPECT_EQ(RawOutput(response, "output"), expected.output().raw_data());
+  // It has no shift to give, and no rms_norm switch.
+  AddRaw("beta", native.gamma(), &by_model);
+  grpc::Status refused_input = Infer(by_model, &response);
+  EXPECT_EQ(refused_input.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(refused_input.error_message(),
+            "inputs: unknown input 'beta' for model 'rms_norm'; expected one "
+            "of input, gamma");
+
   // A shift is refused, naming it.
   *native.mutable_beta() = native.gamma();
   const grpc::Status refused =
@@ -613,7 +637,7 @@ TEST_F(OpenInferenceTest, EchoedStringsAreCutTo128Bytes) {
     return absl::StrCat(field, ": model ", Cut('n', 200),
                         " is not served; served models: attend, "
                         "attention_session, layer_norm, mha, mha_session, "
-                        "multi_head_attend");
+                        "multi_head_attend, rms_norm");
   };
   const v1::Tensor q = RandomWireTensor(DType::kFloat32, {2, 8}, rng_);
   const auto attend = [&] {
@@ -853,6 +877,8 @@ TEST_F(OpenInferenceTest, MetadataAndReadiness) {
                           "weights"));
   EXPECT_THAT(metadata("layer_norm"),
               ElementsAre("input", "gamma", "beta", "->", "output"));
+  EXPECT_THAT(metadata("rms_norm"),
+              ElementsAre("input", "gamma", "->", "output"));
   EXPECT_THAT(metadata("multi_head_attend"),
               ::testing::IsSupersetOf({"in_proj_weight", "out_proj_bias",
                                        "key_padding_mask", "weights"}));
@@ -861,7 +887,7 @@ TEST_F(OpenInferenceTest, MetadataAndReadiness) {
                           "key_padding_mask", "->", "output", "weights"));
 
   for (const char* name :
-       {"attend", "multi_head_attend", "layer_norm", "mha"}) {
+       {"attend", "multi_head_attend", "layer_norm", "rms_norm", "mha"}) {
     inference::ModelReadyRequest request;
     request.set_name(name);
     inference::ModelReadyResponse response;

@@ -92,7 +92,8 @@ constexpr const char* kNames[] = {"query", "key", "value"};
 // What a request naming a model that is not served gets, after its field.
 constexpr const char* kNotServedRest =
     "model 'wrong_model_name' is not served; served models: attend, "
-    "attention_session, layer_norm, mha, mha_session, multi_head_attend";
+    "attention_session, layer_norm, mha, mha_session, multi_head_attend, "
+    "rms_norm";
 const std::string kNotServed = absl::StrCat("name: ", kNotServedRest);
 
 class TritonProtocolTest : public ::testing::Test {
@@ -416,8 +417,9 @@ TEST_F(TritonProtocolTest, InferOverBothProtocolsThenStatistics) {
   ASSERT_TRUE(triton_->ModelStatistics(Context().get(), all, &every).ok());
   std::vector<std::string> names;
   for (const auto& model : every.model_stats()) names.push_back(model.name());
-  EXPECT_THAT(names, ElementsAre("attend", "attention_session", "layer_norm",
-                                 "mha", "mha_session", "multi_head_attend"));
+  EXPECT_THAT(names,
+              ElementsAre("attend", "attention_session", "layer_norm", "mha",
+                          "mha_session", "multi_head_attend", "rms_norm"));
   inference::ModelStatisticsRequest unknown;
   unknown.set_name("wrong_model_name");
   status = triton_->ModelStatistics(Context().get(), unknown, &every);
@@ -445,7 +447,7 @@ TEST_F(TritonProtocolTest, InferOverBothProtocolsThenStatistics) {
   EXPECT_EQ(attend["inference_stats"]["success"]["count"], 3);
   EXPECT_EQ(attend["inference_stats"]["fail"]["count"], 1);
   EXPECT_EQ(attend["inference_stats"]["compute_input"]["count"], 3);
-  EXPECT_EQ(Get("/v2/models/stats")["model_stats"].size(), 6);
+  EXPECT_EQ(Get("/v2/models/stats")["model_stats"].size(), 7);
   EXPECT_EQ(Get("/v2/models/attend/versions/1/stats")["model_stats"].size(), 1);
   EXPECT_EQ(Get("/v2/models/wrong_model_name/stats", 404)["error"],
             absl::StrCat("name: ", kNotServedRest));
@@ -707,7 +709,7 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
       index(false),
       ElementsAre("attend:1:READY:", "attention_session:1:READY:",
                   "layer_norm:1:READY:", "mha:1:READY:", "mha_session:1:READY:",
-                  "multi_head_attend:1:READY:"));
+                  "multi_head_attend:1:READY:", "rms_norm:1:READY:"));
 
   inference::RepositoryModelUnloadRequest unload;
   unload.set_model_name("mha");
@@ -723,8 +725,8 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
               ElementsAre("attend:1:READY:", "attention_session:1:READY:",
                           "layer_norm:1:READY:", "mha::UNAVAILABLE:unloaded",
                           "mha_session::UNAVAILABLE:unloaded",
-                          "multi_head_attend:1:READY:"));
-  EXPECT_EQ(index(true).size(), 4);
+                          "multi_head_attend:1:READY:", "rms_norm:1:READY:"));
+  EXPECT_EQ(index(true).size(), 5);
   ModelInferRequest on_mha = AttendRequest();
   on_mha.set_model_name("mha");
   for (int i = 0; i < 3; ++i) {
@@ -780,7 +782,7 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
 // simple_http_model_control.
 TEST_F(TritonProtocolTest, HttpModelControl) {
   const json index = Post("/v2/repository/index", "");
-  ASSERT_EQ(index.size(), 6);
+  ASSERT_EQ(index.size(), 7);
   EXPECT_EQ(index[3], json({{"name", "mha"},
                             {"version", "1"},
                             {"state", "READY"},
@@ -794,8 +796,8 @@ TEST_F(TritonProtocolTest, HttpModelControl) {
       json(
           {{"name", "mha"}, {"state", "UNAVAILABLE"}, {"reason", "unloaded"}}));
   // Listed whatever their state: the index keeps its length.
-  EXPECT_EQ(Post("/v2/repository/index", R"({"ready": false})").size(), 6);
-  EXPECT_EQ(Post("/v2/repository/index", R"({"ready": true})").size(), 4);
+  EXPECT_EQ(Post("/v2/repository/index", R"({"ready": false})").size(), 7);
+  EXPECT_EQ(Post("/v2/repository/index", R"({"ready": true})").size(), 5);
   EXPECT_EQ(Post("/v2/repository/models/mha/load", ""), json::object());
   EXPECT_EQ(http_.Get("/v2/models/mha_session/ready")->status, 200);
   EXPECT_EQ(http_.Get("/v2/models/mha/ready")->status, 200);

@@ -67,6 +67,9 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
   v1::LayerNormRequest layer_norm;
   *layer_norm.mutable_input() = RandomWireTensor(DType::kFloat32, {4, 6}, rng);
   cases.push_back(Case("LayerNorm", layer_norm, layer_norm.input().raw_data()));
+  v1::RmsNormRequest rms_norm;
+  *rms_norm.mutable_input() = RandomWireTensor(DType::kFloat32, {4, 6}, rng);
+  cases.push_back(Case("RmsNorm", rms_norm, rms_norm.input().raw_data()));
   // Its request has no field: an unknown one to cut through (a valid
   // request keeps it as an unknown field).
   v1::ListModelsRequest list_models;

@@ -19,11 +19,11 @@ std::string Describe(Operation op, const NamedViews& tensors) {
                                                    "attn_mask"};
   static const std::vector<std::string> kMultiHead = {
       "query", "key", "value", "attn_mask", "key_padding_mask"};
-  static const std::vector<std::string> kLayerNorm = {"input", "gamma", "beta"};
-  const std::vector<std::string>& names =
-      op == Operation::kAttend
-          ? kAttend
-          : (op == Operation::kLayerNorm ? kLayerNorm : kMultiHead);
+  static const std::vector<std::string> kNorm = {"input", "gamma", "beta"};
+  const std::vector<std::string>& names = op == Operation::kAttend ? kAttend
+                                          : op == Operation::kMultiHeadAttend
+                                              ? kMultiHead
+                                              : kNorm;
   std::string out;
   for (const std::string& name : names) {
     const auto it = tensors.find(name);
@@ -59,7 +59,8 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
                                               const SyntheticShape& shape,
                                               bool with_model) {
   ATTN_RETURN_IF_ERROR(RequirePositive(shape.batch, "--batch"));
-  if (op != Operation::kLayerNorm || shape.seq != 0) {
+  const bool norm = op == Operation::kLayerNorm || op == Operation::kRmsNorm;
+  if (!norm || shape.seq != 0) {
     ATTN_RETURN_IF_ERROR(RequirePositive(shape.seq, "--seq"));
   }
   if (shape.kv_seq < 0) {
@@ -116,7 +117,8 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
       }
       break;
     }
-    case Operation::kLayerNorm: {
+    case Operation::kLayerNorm:
+    case Operation::kRmsNorm: {
       const int64_t e = shape.dim > 0 ? shape.dim : 512;
       Shape input_shape = l > 0 ? Shape{b, l, e} : Shape{b, e};
       ATTN_ASSIGN_OR_RETURN(
@@ -124,6 +126,7 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
           RandomUniform(std::move(input_shape), shape.dtype, &random));
       ATTN_ASSIGN_OR_RETURN(tensors["gamma"],
                             RandomUniform({e}, DType::kFloat32, &random));
+      if (op == Operation::kRmsNorm) break;  // no shift
       ATTN_ASSIGN_OR_RETURN(tensors["beta"],
                             RandomUniform({e}, DType::kFloat32, &random));
       break;
@@ -161,6 +164,14 @@ absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
                             BuildLayerNormRequest(tensors, params));
       workload.rpc = "LayerNorm";
       workload.statistics_model = "layer_norm";
+      if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
+      serialized = request.SerializeToString(&workload.request);
+      break;
+    }
+    case Operation::kRmsNorm: {
+      ATTN_ASSIGN_OR_RETURN(auto request, BuildRmsNormRequest(tensors, params));
+      workload.rpc = "RmsNorm";
+      workload.statistics_model = "rms_norm";
       if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
       serialized = request.SerializeToString(&workload.request);
       break;

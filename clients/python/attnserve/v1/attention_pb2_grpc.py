@@ -29,6 +29,11 @@ class AttentionServiceStub(object):
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.LayerNormRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_attention__pb2.LayerNormResponse.FromString,
                 )
+        self.RmsNorm = channel.unary_unary(
+                '/attnserve.v1.AttentionService/RmsNorm',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.RmsNormRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.RmsNormResponse.FromString,
+                )
         self.ListModels = channel.unary_unary(
                 '/attnserve.v1.AttentionService/ListModels',
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.ListModelsRequest.SerializeToString,
@@ -97,6 +102,12 @@ class AttentionServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def LayerNorm(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RmsNorm(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -185,6 +196,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.LayerNorm,
                     request_deserializer=attnserve_dot_v1_dot_attention__pb2.LayerNormRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_attention__pb2.LayerNormResponse.SerializeToString,
+            ),
+            'RmsNorm': grpc.unary_unary_rpc_method_handler(
+                    servicer.RmsNorm,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.RmsNormRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.RmsNormResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
                     servicer.ListModels,
@@ -294,6 +310,23 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/LayerNorm',
             attnserve_dot_v1_dot_attention__pb2.LayerNormRequest.SerializeToString,
             attnserve_dot_v1_dot_attention__pb2.LayerNormResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def RmsNorm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/RmsNorm',
+            attnserve_dot_v1_dot_attention__pb2.RmsNormRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.RmsNormResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
 
