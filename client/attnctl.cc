@@ -12,7 +12,8 @@
 //           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
 //           [--batch_sessions=N (decode: one SessionSteps call of N sessions)]
 //           [--cache_dtype=f32|bf16|int8 --layers=L (decode)]
-//           [--protocol=native|open_inference (decode)]
+//           [--protocol=native|open_inference|open_inference_stream|
+//            open_inference_http --http_target=HOST:PORT (decode)]
 //           [--model=NAME] [--shared_memory] [--concurrency=N]
 //           [--connections=M] [--client_threads=T]
 //           [--rate=R --arrival=constant|poisson --late_ms=MS]
@@ -130,9 +131,17 @@ ABSL_FLAG(std::string, cache_dtype, "",
           "bench: decode: what the sessions' caches store: f32, bf16 or int8 "
           "(empty: the compute dtype, or a model's configured cache dtype).");
 ABSL_FLAG(std::string, protocol, "native",
-          "bench --rpc=decode: native (SessionStep, SessionSteps) or "
+          "bench --rpc=decode: native (SessionStep, SessionSteps), "
           "open_inference (ModelInfer steps of sequences of attention_session "
-          "or of --model's NAME_session).");
+          "or of --model's NAME_session, unary gRPC), open_inference_stream "
+          "(the same over ModelStreamInfer, a stream per connection) or "
+          "open_inference_http (the same over HTTP/1.1 to --http_target, a "
+          "keep-alive connection each; both closed loop with --concurrency "
+          "equal to --connections).");
+ABSL_FLAG(std::string, http_target, "",
+          "bench --rpc=decode --protocol=open_inference_http: the server's "
+          "HTTP address, HOST:PORT (the sequences start over gRPC at "
+          "--target).");
 ABSL_FLAG(int, layers, 1,
           "bench: decode: layers each session holds; a token is one step per "
           "layer (one call per layer, of all the connection's sessions with "
@@ -227,8 +236,10 @@ struct AttnctlOptions {
   // --layers.
   std::optional<DType> cache_dtype;
   int layers = 1;
-  // bench --rpc=decode: the wire API of the steps (--protocol).
+  // bench --rpc=decode: the wire API of the steps (--protocol) and the
+  // HTTP address of open_inference_http (--http_target).
   DecodeProtocol protocol = DecodeProtocol::kNative;
+  std::string http_target;
   BenchCommandOptions bench;
 };
 
@@ -304,6 +315,7 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.layers = absl::GetFlag(FLAGS_layers);
   ATTN_ASSIGN_OR_RETURN(options.protocol,
                         ParseDecodeProtocol(absl::GetFlag(FLAGS_protocol)));
+  options.http_target = absl::GetFlag(FLAGS_http_target);
   LoadOptions& load = options.bench.load;
   load.concurrency = absl::GetFlag(FLAGS_concurrency);
   load.connections = absl::GetFlag(FLAGS_connections);
@@ -342,6 +354,8 @@ DecodeBenchOptions DecodeOptionsOf(const AttnctlOptions& options) {
   decode.sessions = options.bench.load.connections;
   decode.batch_sessions = options.batch_sessions;
   decode.protocol = options.protocol;
+  decode.http_target = options.http_target;
+  decode.client = options.client;
   return decode;
 }
 
@@ -361,6 +375,9 @@ absl::Status VerifyDecodeOnlyFlags(const AttnctlOptions& options) {
   }
   if (options.protocol != DecodeProtocol::kNative) {
     return absl::InvalidArgumentError("--protocol: only for --rpc=decode");
+  }
+  if (!options.http_target.empty()) {
+    return absl::InvalidArgumentError("--http_target: only for --rpc=decode");
   }
   return absl::OkStatus();
 }
@@ -394,6 +411,17 @@ absl::Status VerifyOptions(const AttnctlOptions& options) {
         options.bench.load.connections,
         "; --rpc=decode steps one session per connection, and steps of one "
         "session run one after another"));
+  }
+  const bool blocking_transport =
+      options.protocol == DecodeProtocol::kOpenInferenceStream ||
+      options.protocol == DecodeProtocol::kOpenInferenceHttp;
+  if (blocking_transport &&
+      (options.bench.load.concurrency != options.bench.load.connections ||
+       options.bench.load.rate > 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--concurrency: this transport carries one call at a time per "
+        "connection, closed loop: set --concurrency equal to --connections (",
+        options.bench.load.connections, ") and no --rate"));
   }
   if (options.command == "bench") {
     ATTN_RETURN_IF_ERROR(VerifyDecodeOnlyFlags(options));
@@ -590,7 +618,8 @@ int main(int argc, char** argv) {
       "--rpc=attend|mha|layernorm|rmsnorm|decode|health "
       "[--batch --seq --kv_seq --dim --heads --kv_heads --dtype | --in=FILE] "
       "[decode: --batch_sessions=N --cache_dtype=f32|bf16|int8 --layers=L "
-      "--protocol=native|open_inference] "
+      "--protocol=native|open_inference|open_inference_stream|"
+      "open_inference_http --http_target=HOST:PORT] "
       "[--model=NAME] [--shared_memory] [--concurrency=N --connections=M "
       "--client_threads=T | --rate=R --arrival=constant|poisson "
       "--late_ms=MS] [--duration_s=S | --requests=N] [--warmup_s=S] "

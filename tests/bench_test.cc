@@ -1299,7 +1299,23 @@ TEST(AttnctlBenchTest, DecodeFlagsAreCheckedBeforeAnyCall) {
        "--cache_dtype: FLOAT32 is not the sessions' compute dtype BFLOAT16"},
       {"--batch_sessions=-1", "--batch_sessions: must be >= 0, got -1"},
       {"--protocol=http",
-       "--protocol: 'http' is not one of native, open_inference"},
+       "--protocol: 'http' is not one of native, open_inference, "
+       "open_inference_stream, open_inference_http"},
+      {"--protocol=open_inference_http",
+       "--http_target: the server's HTTP address (HOST:PORT) is needed with "
+       "--protocol=open_inference_http"},
+      {"--protocol=open_inference --http_target=127.0.0.1:8000",
+       "--http_target: only with --protocol=open_inference_http"},
+      {"--http_target=127.0.0.1:8000",
+       "--http_target: only with --protocol=open_inference_http"},
+      {"--protocol=open_inference_stream --connections=2 --concurrency=1",
+       "--concurrency: this transport carries one call at a time per "
+       "connection, closed loop: set --concurrency equal to --connections (2) "
+       "and no --rate"},
+      {"--protocol=open_inference_http --http_target=127.0.0.1:8000 "
+       "--rate=100",
+       "--concurrency: this transport carries one call at a time per "
+       "connection, closed loop"},
       {"--protocol=open_inference --batch_sessions=2",
        "--batch_sessions: a ModelInfer request steps one sequence; only with "
        "--protocol=native"},
@@ -1369,6 +1385,50 @@ TEST(AttnctlBenchTest, DecodeOverOpenInferenceSequences) {
   ASSERT_TRUE(bf16.is_object());
   EXPECT_EQ(bf16["ok"], 10);
   EXPECT_THAT(bf16["workload"].get<std::string>(), HasSubstr("cache BFLOAT16"));
+}
+
+// The same steps over the protocol's stream and its HTTP front end: each
+// connection a stream or a keep-alive connection of its own.
+TEST(AttnctlBenchTest, DecodeOverOpenInferenceStreamAndHttp) {
+  ServerOptions options;
+  options.http_port = 1;  // a free port
+  TestServer server(options);
+  const std::string http_target =
+      absl::StrCat("127.0.0.1:", server.http_port());
+  for (const auto& [flags, rpc] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"--protocol=open_inference_stream", "ModelStreamInfer"},
+           {absl::StrCat("--protocol=open_inference_http --http_target=",
+                         http_target),
+            "HTTP infer"}}) {
+    SCOPED_TRACE(rpc);
+    nlohmann::json json =
+        DecodeJson(server, absl::StrCat(flags,
+                                        " --kv_seq=48 --connections=2 "
+                                        "--concurrency=2 --requests=20"));
+    ASSERT_TRUE(json.is_object());
+    EXPECT_EQ(json["rpc"], rpc);
+    EXPECT_EQ(json["requests"], 20);
+    EXPECT_EQ(json["ok"], 20);
+    EXPECT_THAT(json["workload"].get<std::string>(),
+                HasSubstr(absl::StrCat("2 sequence(s) (", rpc, ")")));
+    ASSERT_TRUE(json.contains("server_stats")) << json.dump();
+    EXPECT_GE(json["server_stats"]["success_count"].get<int64_t>(), 20);
+  }
+  EXPECT_THAT(server.server().RenderMetrics(),
+              HasSubstr("attnserve_session_cache_bytes 0\n"));
+  // An HTTP address nothing listens on fails the run before its first
+  // step, naming the address.
+  std::string out, err;
+  EXPECT_EQ(RunAttnctl(absl::StrCat("bench --target=", server.target(),
+                                    " --rpc=decode --protocol=open_inference_"
+                                    "http --http_target=127.0.0.1:1 --seq=1 "
+                                    "--heads=2 --dim=16 --kv_seq=8 "
+                                    "--requests=2"),
+                       &out, &err),
+            1);
+  EXPECT_THAT(err, HasSubstr("UNAVAILABLE: --http_target: cannot connect to "
+                             "127.0.0.1:1"));
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "client/bench/blocking_transports.h"
 #include "core/convert.h"
 #include "core/dtype.h"
 #include "core/status_macros.h"
@@ -79,8 +80,14 @@ absl::Status CheckStep(AttnClient& client,
 absl::StatusOr<DecodeProtocol> ParseDecodeProtocol(absl::string_view text) {
   if (text == "native") return DecodeProtocol::kNative;
   if (text == "open_inference") return DecodeProtocol::kOpenInference;
-  return absl::InvalidArgumentError(absl::StrCat(
-      "--protocol: '", text, "' is not one of native, open_inference"));
+  if (text == "open_inference_stream") {
+    return DecodeProtocol::kOpenInferenceStream;
+  }
+  if (text == "open_inference_http") return DecodeProtocol::kOpenInferenceHttp;
+  return absl::InvalidArgumentError(
+      absl::StrCat("--protocol: '", text,
+                   "' is not one of native, open_inference, "
+                   "open_inference_stream, open_inference_http"));
 }
 
 namespace {
@@ -107,6 +114,14 @@ absl::Status VerifySequenceOptions(const DecodeBenchOptions& options) {
         "--cache_dtype: sequences of attention_session cache FP32 or BF16; "
         "INT8 only with --protocol=native");
   }
+  if ((options.protocol == DecodeProtocol::kOpenInferenceHttp) ==
+      options.http_target.empty()) {
+    return absl::InvalidArgumentError(
+        options.http_target.empty()
+            ? "--http_target: the server's HTTP address (HOST:PORT) is "
+              "needed with --protocol=open_inference_http"
+            : "--http_target: only with --protocol=open_inference_http");
+  }
   return absl::OkStatus();
 }
 
@@ -128,8 +143,11 @@ absl::Status VerifyDecodeBenchOptions(const DecodeBenchOptions& options) {
     ATTN_RETURN_IF_ERROR(RequirePositive(options.heads, "--heads"));
     ATTN_RETURN_IF_ERROR(RequirePositive(options.head_dim, "--dim"));
   }
-  if (options.protocol == DecodeProtocol::kOpenInference) {
+  if (options.protocol != DecodeProtocol::kNative) {
     ATTN_RETURN_IF_ERROR(VerifySequenceOptions(options));
+  } else if (!options.http_target.empty()) {
+    return absl::InvalidArgumentError(
+        "--http_target: only with --protocol=open_inference_http");
   }
   if (!options.cache_dtype.has_value()) return absl::OkStatus();
   const DType cache = *options.cache_dtype;
@@ -283,13 +301,47 @@ absl::Status DecodeSessions::StartSequences(const DecodeBenchOptions& options) {
       "decode over Open Inference sequences of ", model, ": ",
       options.step_tokens, " token(s) a step after ", options.kv_seq,
       " cached, ", shape.description, ", ", options.sessions, " sequence(s)");
+  return SetTransport(options);
+}
+
+absl::Status DecodeSessions::SetTransport(const DecodeBenchOptions& options) {
+  const ClientOptions client = options.client;
+  switch (options.protocol) {
+    case DecodeProtocol::kOpenInferenceStream:
+      workload_.rpc = "ModelStreamInfer";
+      workload_.connect = [client](int) {
+        return OpenStreamConnection(client);
+      };
+      break;
+    case DecodeProtocol::kOpenInferenceHttp: {
+      workload_.rpc = "HTTP infer";
+      const std::string target = options.http_target;
+      // The steps as whole HTTP requests.
+      for (std::vector<std::string>& cycle : workload_.per_connection) {
+        for (std::string& bytes : cycle) {
+          inference::ModelInferRequest request;
+          request.ParseFromString(bytes);
+          ATTN_ASSIGN_OR_RETURN(bytes,
+                                HttpInferRequest(request, target, client));
+        }
+      }
+      workload_.request = workload_.per_connection.front().front();
+      workload_.connect = [client, target](int) {
+        return OpenHttpConnection(target, client);
+      };
+      break;
+    }
+    default:
+      return absl::OkStatus();
+  }
+  absl::StrAppend(&workload_.description, " (", workload_.rpc, ")");
   return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(
     AttnClient& client, const DecodeBenchOptions& options) {
   ATTN_RETURN_IF_ERROR(VerifyDecodeBenchOptions(options));
-  if (options.protocol == DecodeProtocol::kOpenInference) {
+  if (options.protocol != DecodeProtocol::kNative) {
     std::unique_ptr<DecodeSessions> sequences(new DecodeSessions(client));
     ATTN_RETURN_IF_ERROR(sequences->StartSequences(options));
     return sequences;

@@ -8,8 +8,11 @@
 //
 // Over the Open Inference Protocol, each connection steps a sequence of
 // `attention_session` (or of the served model's `NAME_session`) with
-// ModelInfer: the prefill is the sequence's start, and every measured call
-// carries `sequence_position` kv_seq, as the native step carries position.
+// ModelInfer: the prefill is the sequence's start (over gRPC), and every
+// measured call carries `sequence_position` kv_seq, as the native step
+// carries position. The measured calls go over unary gRPC, one
+// ModelStreamInfer stream per connection, or an HTTP/1.1 connection each
+// (the binary tensor extension).
 //
 // Ownership: DecodeSessions deletes its sessions when destroyed; the client
 // it was opened with must outlive it. Thread-safety: thread-compatible.
@@ -31,15 +34,23 @@ namespace attnserve {
 
 // The wire API the steps are sent through.
 enum class DecodeProtocol {
-  kNative,         // SessionStep / SessionSteps
-  kOpenInference,  // ModelInfer on a sequence (gRPC)
+  kNative,               // SessionStep / SessionSteps
+  kOpenInference,        // ModelInfer on a sequence (unary gRPC)
+  kOpenInferenceStream,  // the same over ModelStreamInfer
+  kOpenInferenceHttp,    // the same over HTTP/1.1 (/v2/models/NAME/infer)
 };
 
-// "native" or "open_inference"; INVALID_ARGUMENT naming --protocol else.
+// "native", "open_inference", "open_inference_stream" or
+// "open_inference_http"; INVALID_ARGUMENT naming --protocol else.
 absl::StatusOr<DecodeProtocol> ParseDecodeProtocol(absl::string_view text);
 
 struct DecodeBenchOptions {
   DecodeProtocol protocol = DecodeProtocol::kNative;
+  // kOpenInferenceHttp: the server's HTTP address, HOST:PORT.
+  std::string http_target;
+  // The gRPC connection's options (the stream transport opens its own
+  // connections with them; the HTTP one takes the token and timeout).
+  ClientOptions client;
   // A served model (steps send hidden states), or empty for attention
   // sessions of the shapes below.
   std::string model;
@@ -88,8 +99,11 @@ class DecodeSessions {
 
  private:
   explicit DecodeSessions(AttnClient& client) : client_(client) {}
-  // kOpenInference: starts one sequence per connection.
+  // The protocol's transports: starts one sequence per connection.
   absl::Status StartSequences(const DecodeBenchOptions& options);
+  // Sets how the workload's steps travel: unary gRPC, or the stream's or
+  // HTTP connections (its requests then in their form).
+  absl::Status SetTransport(const DecodeBenchOptions& options);
 
   AttnClient& client_;
   std::vector<std::string> ids_;

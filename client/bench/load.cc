@@ -22,6 +22,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "core/mutex.h"
+#include "core/status_macros.h"
 #include "grpcpp/completion_queue.h"
 #include "grpcpp/generic/generic_stub.h"
 #include "grpcpp/support/byte_buffer.h"
@@ -212,6 +213,8 @@ class LoadRun {
     for (auto& seen : error_seen_) seen.store(false);
   }
 
+  // Opens Workload::connect's connections, when it has one.
+  absl::Status Connect();
   BenchReport Run(const LoadHooks& hooks) ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
@@ -245,6 +248,15 @@ class LoadRun {
   void SendOpenLoop() ABSL_LOCKS_EXCLUDED(mu_);
   void Finish(const grpc::ClientContext& context, const grpc::Status& status,
               int64_t intended) ABSL_LOCKS_EXCLUDED(mu_);
+  // Counts a call meant to start at `intended` that ended now with
+  // `status`, from `peer`; `compute_ns` >= 0: the server's computation.
+  void Record(const absl::Status& status, int64_t intended,
+              const std::string& peer, int64_t compute_ns)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // A caller of a workload over blocking connections: calls on `channel`'s
+  // connection one after another until the run stops, then waits for the
+  // end of the run (so that its CPU clock can still be read).
+  void CallBlocking(int channel) ABSL_LOCKS_EXCLUDED(mu_);
   // One caller (slot, sender or open-loop call) is done.
   void Leave() ABSL_LOCKS_EXCLUDED(mu_);
   // The window a counted call ending at `now` belongs to; null after the
@@ -278,6 +290,9 @@ class LoadRun {
   std::vector<std::shared_ptr<grpc::Channel>> channels_;
   std::vector<std::unique_ptr<grpc::GenericStub>> stubs_;
   std::vector<std::unique_ptr<grpc::CompletionQueue>> queues_;
+  // Workload::connect's connections, one per channel (else empty).
+  std::vector<std::unique_ptr<BlockingConnection>> blocking_;
+  bool run_over_ ABSL_GUARDED_BY(mu_) = false;
 
   int64_t start_ = 0;
   double start_unix_s_ = 0;  // start_ on the wall clock
@@ -347,6 +362,22 @@ void LoadRun::Leave() {
 void LoadRun::Finish(const grpc::ClientContext& context,
                      const grpc::Status& status, int64_t intended) {
   if (!Counted(intended)) return;
+  const auto& trailers = context.GetServerTrailingMetadata();
+  const auto compute = trailers.find("attnserve-compute-us");
+  int64_t micros = -1;
+  if (compute == trailers.end() ||
+      !absl::SimpleAtoi(
+          absl::string_view(compute->second.data(), compute->second.size()),
+          &micros)) {
+    micros = -1;
+  }
+  Record(FromGrpcStatus(status), intended, context.peer(),
+         micros < 0 ? -1 : micros * 1000);
+}
+
+void LoadRun::Record(const absl::Status& status, int64_t intended,
+                     const std::string& peer, int64_t compute_ns) {
+  if (!Counted(intended)) return;
   const int64_t now = NowNanos();
   WindowTally* window = WindowAt(now);
   if (window == nullptr) return;  // the run is over, the call is not counted
@@ -354,26 +385,47 @@ void LoadRun::Finish(const grpc::ClientContext& context,
   if (status.ok()) {
     window->ok.fetch_add(1, std::memory_order_relaxed);
   } else {
-    const int code = CodeSlot(FromGrpcStatus(status).code());
+    const int code = CodeSlot(status.code());
     window->errors[code].fetch_add(1);
     if (!error_seen_[code].exchange(true)) {
       MutexLock lock(&mu_);
-      first_errors_[code] = {status.error_message(), now, context.peer()};
+      first_errors_[code] = {std::string(status.message()), now, peer};
     }
     window->failed.fetch_add(1, std::memory_order_relaxed);
   }
-  const auto& trailers = context.GetServerTrailingMetadata();
-  const auto compute = trailers.find("attnserve-compute-us");
-  int64_t micros = 0;
-  if (compute != trailers.end() &&
-      absl::SimpleAtoi(
-          absl::string_view(compute->second.data(), compute->second.size()),
-          &micros)) {
-    window->compute.Record(micros * 1000);
-  }
+  if (compute_ns >= 0) window->compute.Record(compute_ns);
   int64_t last = last_completion_.load(std::memory_order_relaxed);
   while (now > last && !last_completion_.compare_exchange_weak(last, now)) {
   }
+}
+
+absl::Status LoadRun::Connect() {
+  if (!workload_.connect) return absl::OkStatus();
+  for (int i = 0; i < options_.connections; ++i) {
+    ATTN_ASSIGN_OR_RETURN(std::unique_ptr<BlockingConnection> connection,
+                          workload_.connect(i));
+    blocking_.push_back(std::move(connection));
+  }
+  return absl::OkStatus();
+}
+
+void LoadRun::CallBlocking(int channel) {
+  BlockingConnection& connection = *blocking_[channel];
+  const std::string* request = &workload_.request;
+  for (;;) {
+    const int64_t intended = NowNanos();
+    if (!MayStart(intended)) break;
+    if (!workload_.per_connection.empty()) {
+      const auto& cycle =
+          workload_.per_connection[channel % workload_.per_connection.size()];
+      request = &cycle[next_request_[channel].fetch_add(1) % cycle.size()];
+    }
+    const absl::Status status = connection.Call(*request);
+    Record(status, intended, connection.peer(), -1);
+  }
+  Leave();
+  MutexLock lock(&mu_);
+  while (!run_over_) done_.Wait(&mu_);
 }
 
 void LoadRun::Start(int channel, int64_t intended, bool closed) {
@@ -464,6 +516,17 @@ LoadProgress LoadRun::Snapshot(int64_t now, int64_t* last_completed,
 
 std::vector<std::thread> LoadRun::StartPollers() {
   std::vector<std::thread> pollers;
+  if (!blocking_.empty()) {
+    // The callers are the threads that drive calls.
+    {
+      MutexLock lock(&mu_);
+      active_ = static_cast<int>(blocking_.size());
+    }
+    for (int i = 0; i < static_cast<int>(blocking_.size()); ++i) {
+      pollers.emplace_back([this, i] { CallBlocking(i); });
+    }
+    return pollers;
+  }
   for (auto& queue : queues_) {
     pollers.emplace_back([this, q = queue.get()] { Poll(q); });
   }
@@ -472,6 +535,7 @@ std::vector<std::thread> LoadRun::StartPollers() {
 
 std::thread LoadRun::StartCallers() {
   std::thread sender;
+  if (!blocking_.empty()) return sender;  // started with the pollers
   if (options_.rate > 0) {
     {
       MutexLock lock(&mu_);
@@ -607,6 +671,11 @@ BenchReport LoadRun::Run(const LoadHooks& hooks) {
   std::thread sender = StartCallers();
   WaitForCallers(pollers, hooks);
   if (sender.joinable()) sender.join();
+  {
+    MutexLock lock(&mu_);
+    run_over_ = true;
+    done_.SignalAll();
+  }
   for (auto& queue : queues_) queue->Shutdown();
   for (std::thread& poller : pollers) poller.join();
   const int last = static_cast<int>(cpu_at_.size()) - 1;
@@ -694,7 +763,15 @@ absl::StatusOr<BenchReport> RunLoad(const Workload& workload,
           "workload: a connection has no requests to send");
     }
   }
+  if (workload.connect &&
+      (options.rate > 0 || options.concurrency != options.connections)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--concurrency: this transport carries one call at a time per "
+        "connection, closed loop: set --concurrency equal to --connections (",
+        options.connections, ") and no --rate"));
+  }
   LoadRun run(workload, options);
+  ATTN_RETURN_IF_ERROR(run.Connect());
   return run.Run(hooks);
 }
 

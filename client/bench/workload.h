@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -17,6 +18,18 @@
 #include "core/tensor.h"
 
 namespace attnserve {
+
+// A connection that carries one call at a time on the calling thread (the
+// transports of client/bench/blocking_transports.h).
+class BlockingConnection {
+ public:
+  virtual ~BlockingConnection() = default;
+  // Sends `request` (in the transport's form) and waits for its answer:
+  // OK, or the server's error.
+  virtual absl::Status Call(const std::string& request) = 0;
+  // Where it is connected, for error reports.
+  virtual std::string peer() const = 0;
+};
 
 struct Workload {
   // Full gRPC method name, "/attnserve.v1.AttentionService/LayerNorm".
@@ -41,6 +54,11 @@ struct Workload {
   // the served model an MHA request names; empty for calls of no model
   // (decode sessions, health checks).
   std::string statistics_model;
+  // Set: calls go over the connections it opens (channel i: connect(i)),
+  // one call at a time each, closed loop, instead of unary gRPC; the
+  // requests are in the connections' form.
+  std::function<absl::StatusOr<std::unique_ptr<BlockingConnection>>(int)>
+      connect;
 };
 
 // Shapes of synthetic requests.
