@@ -487,10 +487,13 @@ DECODE_SESSIONS = (1, 4, 16, 64)
 # layer of each token.
 DECODE_LAYERS_CASE = (16, 4)
 # The forms of a decode row: one batched SessionSteps call, N concurrent
-# SessionStep calls, N concurrent Open Inference sequences (float32 only).
+# SessionStep calls, N concurrent Open Inference sequences (float32 only)
+# over unary gRPC, the gRPC stream and HTTP.
 DECODE_FORMS = {"batched": (True, "native"),
                 "coalesced": (False, "native"),
-                "sequences": (False, "open_inference")}
+                "sequences": (False, "open_inference"),
+                "sequences_stream": (False, "open_inference_stream"),
+                "sequences_http": (False, "open_inference_http")}
 # The coalescing waits compared (--coalesce_steps_us) at 16 sessions.
 COALESCE_WAITS_US = (0, 50, 200, 1000)
 
@@ -512,13 +515,21 @@ def read_bandwidth(bench, sizes=("l3", "dram"), min_time=1):
     return {s: best[size_bytes[s]] for s in sizes}
 
 
-def decode_server(bench, *flags, isa=None):
+def free_port():
+    """A TCP port nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def decode_server(bench, *flags, isa=None, http_port=-1):
+    """A server for decode rows; HTTP on `http_port` (-1: off)."""
     env = None
     if isa:
         env = dict(os.environ, ATTNSERVE_CPU_ISA=isa)
     return bench.start([
         os.path.join(bench.bin, "attnserve"), "--host=127.0.0.1",
-        "--port=0", "--metrics_port=-1", "--http_port=-1",
+        "--port=0", "--metrics_port=-1", f"--http_port={http_port}",
         "--log_level=warning", *flags],
         r"listening on 127\.0\.0\.1:(\d+)", env=env)
 
@@ -594,10 +605,12 @@ def decode_step_bytes(element_bytes, scale_bytes):
 
 
 def decode_run(args, bench, port, dtype, sessions, batched,
-               cache_dtype=None, layers=1, protocol="native"):
+               cache_dtype=None, layers=1, protocol="native", http_port=-1):
     """Steps/s (session-layer steps), tokens/s, p50 ms, server compute p50
     ms of N sessions at 4096 (a call steps one layer); protocol
-    open_inference: N sequences stepped with ModelInfer."""
+    open_inference*: N sequences stepped with ModelInfer (unary gRPC, the
+    stream, or HTTP on `http_port`; the stream and HTTP carry no compute
+    trailer: their compute is the statistics' mean)."""
     flags = ["decode", "--seq=1", f"--kv_seq={DECODE_TOKENS}",
              f"--heads={DECODE_KV_HEADS}", f"--dim={DECODE_DIM}",
              f"--dtype={dtype}", f"--layers={layers}",
@@ -606,6 +619,8 @@ def decode_run(args, bench, port, dtype, sessions, batched,
         flags.append(f"--cache_dtype={cache_dtype}")
     if protocol != "native":
         flags.append(f"--protocol={protocol}")
+    if protocol == "open_inference_http":
+        flags.append(f"--http_target=127.0.0.1:{http_port}")
     if batched:
         flags += [f"--batch_sessions={sessions}", "--concurrency=1",
                   "--connections=1"]
@@ -613,9 +628,13 @@ def decode_run(args, bench, port, dtype, sessions, batched,
         flags += [f"--concurrency={sessions}", f"--connections={sessions}"]
     report = bench.load(port, *flags)
     steps_s = report["qps"] * report.get("steps_per_request", 1)
+    if "server_compute_us" in report:
+        compute_ms = report["server_compute_us"]["p50"] / 1e3
+    else:
+        compute_ms = report["server_stats"]["compute_infer_us"] / 1e3
     return {"steps_s": steps_s, "tokens_s": steps_s / layers,
             "p50_ms": report["latency_us"]["p50"] / 1e3,
-            "compute_ms": report["server_compute_us"]["p50"] / 1e3}
+            "compute_ms": compute_ms}
 
 
 def decode_share_part(args, bench):
@@ -623,13 +642,15 @@ def decode_share_part(args, bench):
     bandwidth = read_bandwidth(bench)
     figures = {"read_bandwidth_gb_s": bandwidth, "cases": [], "waits": []}
     lines = []
-    server, port = decode_server(bench)
+    http_port = free_port()
+    server, port = decode_server(bench, http_port=http_port)
     try:
         for name, flag, cache_flag, size, scales in DECODE_DTYPES:
             step_bytes = decode_step_bytes(size, scales)
             for n in DECODE_SESSIONS:
                 forms = [f for f in DECODE_FORMS
-                         if f != "sequences" or name == "float32"]
+                         if not f.startswith("sequences") or
+                         name == "float32"]
                 for form in forms:
                     batched, protocol = DECODE_FORMS[form]
                     # One session's cache fits L3; more stream from DRAM.
@@ -638,7 +659,8 @@ def decode_share_part(args, bench):
                     # limit is measured again right before each row.
                     limit_gb_s = read_bandwidth(bench, (limit,), 0.3)[limit]
                     r = decode_run(args, bench, port, flag, n, batched,
-                                   cache_flag, protocol=protocol)
+                                   cache_flag, protocol=protocol,
+                                   http_port=http_port)
                     gb_s = r["steps_s"] * step_bytes / 1e9
                     share = gb_s / limit_gb_s
                     outside = 1 - r["compute_ms"] / r["p50_ms"]
@@ -695,7 +717,9 @@ def decode_share_part(args, bench):
               "limit GB/s", "share")
     print("Decode steps at 4096 cached tokens, H8 d64 (batched: one "
           "SessionSteps call; coalesced: N concurrent SessionStep calls; "
-          "sequences: N concurrent Open Inference sequences, ModelInfer; "
+          "sequences: N concurrent Open Inference sequences, ModelInfer "
+          "over unary gRPC, _stream over ModelStreamInfer, _http over "
+          "HTTP/1.1; "
           "NxL layers: one batched call per layer, steps are session-layer "
           "steps)\n")
     print_table(header, lines)
@@ -714,8 +738,9 @@ def decode_share_part(args, bench):
     batched16 = by[("float32", 16, "batched")]
     coalesced16 = by[("float32", 16, "coalesced")]
     ratio = coalesced16["steps_s"] / batched16["steps_s"]
-    sequences16 = by[("float32", 16, "sequences")]
-    sequences_ratio = sequences16["steps_s"] / batched16["steps_s"]
+    sequence_ratios = {
+        form: by[("float32", 16, form)]["steps_s"] / batched16["steps_s"]
+        for form in ("sequences", "sequences_stream", "sequences_http")}
     alone = (by[("float32", 1, "sequences")]["p50_ms"],
              by[("float32", 1, "coalesced")]["p50_ms"])
     off, on = figures["waits"][0], next(
@@ -746,8 +771,10 @@ def decode_share_part(args, bench):
          batched16["outside_compute"] <= 0.10),
         ("16 coalesced calls vs one batched call of 16 (steps/s)",
          f"{ratio:.2f}", ">= 0.80", ratio >= 0.80),
-        ("16 Open Inference sequences vs one batched call of 16 (steps/s)",
-         f"{sequences_ratio:.2f}", ">= 0.80", sequences_ratio >= 0.80),
+        ("16 Open Inference sequences vs one batched call of 16 (steps/s): "
+         "gRPC / stream / HTTP",
+         " / ".join(f"{r:.2f}" for r in sequence_ratios.values()), ">= 0.80",
+         min(sequence_ratios.values()) >= 0.80),
         ("one sequence step alone vs one SessionStep alone (p50)",
          f"{alone[0]:.3f} vs {alone[1]:.3f} ms", "<= 1.05x",
          alone[0] <= 1.05 * alone[1]),

@@ -292,6 +292,10 @@ class LoadRun {
   std::vector<std::unique_ptr<grpc::CompletionQueue>> queues_;
   // Workload::connect's connections, one per channel (else empty).
   std::vector<std::unique_ptr<BlockingConnection>> blocking_;
+  // The blocking callers start calling once StartCallers says so (after
+  // the counted period's first boundary when there is no warm-up), and
+  // leave once the run is over.
+  bool calls_start_ ABSL_GUARDED_BY(mu_) = false;
   bool run_over_ ABSL_GUARDED_BY(mu_) = false;
 
   int64_t start_ = 0;
@@ -410,6 +414,10 @@ absl::Status LoadRun::Connect() {
 }
 
 void LoadRun::CallBlocking(int channel) {
+  {
+    MutexLock lock(&mu_);
+    while (!calls_start_) done_.Wait(&mu_);
+  }
   BlockingConnection& connection = *blocking_[channel];
   const std::string* request = &workload_.request;
   for (;;) {
@@ -535,7 +543,13 @@ std::vector<std::thread> LoadRun::StartPollers() {
 
 std::thread LoadRun::StartCallers() {
   std::thread sender;
-  if (!blocking_.empty()) return sender;  // started with the pollers
+  if (!blocking_.empty()) {
+    // Their threads wait for this.
+    MutexLock lock(&mu_);
+    calls_start_ = true;
+    done_.SignalAll();
+    return sender;
+  }
   if (options_.rate > 0) {
     {
       MutexLock lock(&mu_);
