@@ -192,16 +192,11 @@ class ComputeSeeds {
   Seeds* seeds_;
 };
 
-void AddComputeSeeds(Seeds* seeds) {
-  std::mt19937 rng(20261122);
+void AddAttendSeeds(ComputeSeeds& add, std::mt19937& rng) {
   const auto f32 = DType::kFloat32;
-  ComputeSeeds add(seeds);
-
   NamedTensors t;
   auto reset = [&] { t.clear(); };
   OpParams p;
-
-  // Attend.
   t.emplace("query", Values(f32, {1, 3, 4}, rng));
   t.emplace("key", Values(f32, {1, 5, 4}, rng));
   t.emplace("value", Values(f32, {1, 5, 6}, rng));
@@ -245,7 +240,10 @@ void AddComputeSeeds(Seeds* seeds) {
   p.compute_bf16 = true;
   add.Attend("one_token_u8_mask_compute_bf16", t, p);
   reset();
+}
 
+void AddZeroWidthSeeds(Seeds* seeds) {
+  const auto f32 = DType::kFloat32;
   // Operands of width 0: no data and 0 FLOPs, yet up to 2^36 logits if the
   // kernel computed them; the targets check that the inline ones end in
   // time and that the rest stop when cancelled.
@@ -276,8 +274,14 @@ void AddComputeSeeds(Seeds* seeds) {
   zero_width("zero_key_width_mean_of_values", 65536, 512, 1, false);
   zero_width("zero_key_width_masked", 65536, 512, 1, true);
   zero_width("no_keys_zeros", 65536, 0, 4, false);
+}
 
-  // MultiHeadAttend by model.
+void AddMultiHeadSeeds(ComputeSeeds& add, std::mt19937& rng) {
+  const auto f32 = DType::kFloat32;
+  NamedTensors t;
+  auto reset = [&] { t.clear(); };
+  OpParams p;
+  // By model.
   p = OpParams{};
   p.model = "tiny";
   t.emplace("query", Values(f32, {1, 3, 8}, rng));
@@ -304,7 +308,7 @@ void AddComputeSeeds(Seeds* seeds) {
   add.MultiHeadAttend("model_cross_head_mask", t, p);
   reset();
 
-  // MultiHeadAttend with inline weights.
+  // With inline weights.
   p = OpParams{};
   p.num_heads = 2;
   p.causal = true;
@@ -338,8 +342,13 @@ void AddComputeSeeds(Seeds* seeds) {
   t.emplace("out_proj_weight", Values(DType::kBFloat16, {4, 4}, rng));
   add.MultiHeadAttend("inline_bf16", t, p);
   reset();
+}
 
-  // LayerNorm.
+void AddLayerNormSeeds(ComputeSeeds& add, std::mt19937& rng) {
+  const auto f32 = DType::kFloat32;
+  NamedTensors t;
+  auto reset = [&] { t.clear(); };
+  OpParams p;
   p = OpParams{};
   t.emplace("input", Values(f32, {2, 8}, rng));
   t.emplace("gamma", Values(f32, {8}, rng));
@@ -379,6 +388,17 @@ void AddComputeSeeds(Seeds* seeds) {
                    v1::LayerNormResponse response;
                    return HandleLayerNorm(small, &response, control);
                  });
+}
+
+// One seed generator's draws, in this order, make the seeds' values: a new
+// seed goes at the end of its kind.
+void AddComputeSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261122);
+  ComputeSeeds add(seeds);
+  AddAttendSeeds(add, rng);
+  AddZeroWidthSeeds(seeds);
+  AddMultiHeadSeeds(add, rng);
+  AddLayerNormSeeds(add, rng);
 }
 
 void AddMetadataSeeds(Seeds* seeds) {
@@ -566,30 +586,33 @@ absl::Status InferStatus(ModelInferRequest request) {
   return call->Run(CallControl{nullptr, &shared_memory});
 }
 
-void AddOpenInferenceSeeds(Seeds* seeds) {
-  std::mt19937 rng(20261124);
-  const auto f32 = DType::kFloat32;
-  auto add = [&](const std::string& name, const ModelInferRequest& request) {
-    Expect(name, InferStatus(request));
-    (*seeds)["open_inference/" + name] = Bytes(request);
-  };
-  auto set_bool = [](ModelInferRequest* r, const std::string& name, bool v) {
-    (*r->mutable_parameters())[name].set_bool_param(v);
-  };
-  auto set_double = [](ModelInferRequest* r, const std::string& name,
-                       double v) {
-    (*r->mutable_parameters())[name].set_double_param(v);
-  };
-  auto set_int = [](ModelInferRequest* r, const std::string& name, int64_t v) {
-    (*r->mutable_parameters())[name].set_int64_param(v);
-  };
+// A ModelInfer seed, checked against the status it must get.
+void AddInferSeed(Seeds* seeds, const std::string& name,
+                  const ModelInferRequest& request) {
+  Expect(name, InferStatus(request));
+  (*seeds)["open_inference/" + name] = Bytes(request);
+}
 
+void SetBoolParameter(ModelInferRequest* r, const std::string& name, bool v) {
+  (*r->mutable_parameters())[name].set_bool_param(v);
+}
+void SetDoubleParameter(ModelInferRequest* r, const std::string& name,
+                        double v) {
+  (*r->mutable_parameters())[name].set_double_param(v);
+}
+void SetIntParameter(ModelInferRequest* r, const std::string& name, int64_t v) {
+  (*r->mutable_parameters())[name].set_int64_param(v);
+}
+
+// The attend model's requests.
+void AddProtocolAttendSeeds(Seeds* seeds, std::mt19937& rng) {
+  const auto f32 = DType::kFloat32;
   ModelInferRequest r;
   r.set_model_name("attend");
   AddRawInput("query", Values(f32, {1, 3, 4}, rng), &r);
   AddRawInput("key", Values(f32, {1, 5, 4}, rng), &r);
   AddRawInput("value", Values(f32, {1, 5, 6}, rng), &r);
-  add("attend_raw", r);
+  AddInferSeed(seeds, "attend_raw", r);
 
   r = ModelInferRequest();
   r.set_model_name("attend");
@@ -598,10 +621,10 @@ void AddOpenInferenceSeeds(Seeds* seeds) {
   AddTypedInput("key", Values(f32, {2, 5, 4}, rng), &r);
   AddTypedInput("value", Values(f32, {2, 5, 4}, rng), &r);
   AddTypedInput("attn_mask", Mask(DType::kBool, {3, 5}, rng), &r);
-  set_double(&r, "scale", 0.5);
+  SetDoubleParameter(&r, "scale", 0.5);
   AddOutput("output", &r);
   AddOutput("weights", &r);
-  add("attend_typed_fp32_bool_mask_weights", r);
+  AddInferSeed(seeds, "attend_typed_fp32_bool_mask_weights", r);
 
   r = ModelInferRequest();
   r.set_model_name("attend");
@@ -610,10 +633,10 @@ void AddOpenInferenceSeeds(Seeds* seeds) {
   AddTypedInput("key", Values(f32, {1, 6, 8}, rng), &r);
   AddTypedInput("value", Values(f32, {1, 6, 8}, rng), &r);
   AddTypedInput("attn_mask", Mask(DType::kUInt8, {1, 1, 6}, rng), &r);
-  set_bool(&r, "return_weights", true);
-  set_double(&r, "temperature", 2.0);
-  set_bool(&r, "compute_bf16", true);
-  add("attend_typed_uint8_mask_temperature", r);
+  SetBoolParameter(&r, "return_weights", true);
+  SetDoubleParameter(&r, "temperature", 2.0);
+  SetBoolParameter(&r, "compute_bf16", true);
+  AddInferSeed(seeds, "attend_typed_uint8_mask_temperature", r);
 
   r = ModelInferRequest();
   r.set_model_name("attend");
@@ -621,22 +644,26 @@ void AddOpenInferenceSeeds(Seeds* seeds) {
   AddRawInput("key", Values(DType::kFloat16, {2, 3, 4}, rng), &r);
   AddRawInput("value", Values(DType::kFloat16, {2, 3, 4}, rng), &r);
   AddRawInput("attn_mask", Mask(DType::kBool, {2, 2, 3}, rng), &r);
-  set_bool(&r, "causal", false);
-  add("attend_raw_fp16_bool_mask", r);
+  SetBoolParameter(&r, "causal", false);
+  AddInferSeed(seeds, "attend_raw_fp16_bool_mask", r);
+}
 
-  r = ModelInferRequest();
+// The other models' requests, and tensors in shared memory.
+void AddProtocolModelSeeds(Seeds* seeds, std::mt19937& rng) {
+  const auto f32 = DType::kFloat32;
+  ModelInferRequest r;
   r.set_model_name("layer_norm");
   AddRawInput("input", Values(f32, {2, 3, 4}, rng), &r);
   AddRawInput("gamma", Values(f32, {3, 4}, rng), &r);
   AddRawInput("beta", Values(f32, {3, 4}, rng), &r);
-  set_double(&r, "eps", 1e-3);
-  set_int(&r, "normalized_ndim", 2);
-  add("layer_norm_params", r);
+  SetDoubleParameter(&r, "eps", 1e-3);
+  SetIntParameter(&r, "normalized_ndim", 2);
+  AddInferSeed(seeds, "layer_norm_params", r);
 
   r = ModelInferRequest();
   r.set_model_name("layer_norm");
   AddRawInput("input", Values(DType::kBFloat16, {3, 8}, rng), &r);
-  add("layer_norm_bf16", r);
+  AddInferSeed(seeds, "layer_norm_bf16", r);
 
   r = ModelInferRequest();
   r.set_model_name("multi_head_attend");
@@ -645,9 +672,9 @@ void AddOpenInferenceSeeds(Seeds* seeds) {
   AddRawInput("in_proj_bias", Values(f32, {24}, rng), &r);
   AddRawInput("out_proj_weight", Values(f32, {8, 8}, rng), &r);
   AddRawInput("out_proj_bias", Values(f32, {8}, rng), &r);
-  set_int(&r, "num_heads", 2);
-  set_bool(&r, "causal", true);
-  add("multi_head_attend_inline_num_heads", r);
+  SetIntParameter(&r, "num_heads", 2);
+  SetBoolParameter(&r, "causal", true);
+  AddInferSeed(seeds, "multi_head_attend_inline_num_heads", r);
 
   r = ModelInferRequest();
   r.set_model_name("tiny");
@@ -657,16 +684,16 @@ void AddOpenInferenceSeeds(Seeds* seeds) {
   AddRawInput("key", Values(f32, {2, 4, 8}, rng), &r);
   AddRawInput("value", Values(f32, {2, 4, 8}, rng), &r);
   AddRawInput("key_padding_mask", Mask(DType::kBool, {2, 4}, rng), &r);
-  set_bool(&r, "average_weights", true);
+  SetBoolParameter(&r, "average_weights", true);
   AddOutput("weights", &r);
-  add("served_model_padding_mask_weights", r);
+  AddInferSeed(seeds, "served_model_padding_mask_weights", r);
 
   r = ModelInferRequest();
   r.set_model_name("tiny_cross");
   AddRawInput("query", Values(DType::kBFloat16, {1, 2, 8}, rng), &r);
   AddRawInput("key", Values(DType::kBFloat16, {1, 3, 4}, rng), &r);
   AddRawInput("value", Values(DType::kBFloat16, {1, 3, 6}, rng), &r);
-  add("served_model_cross_bf16", r);
+  AddInferSeed(seeds, "served_model_cross_bf16", r);
 
   // Values read from and results written to ComputeRegistry's regions.
   r = ModelInferRequest();
@@ -676,7 +703,13 @@ void AddOpenInferenceSeeds(Seeds* seeds) {
   AddSharedInput("value", "FP32", {1, 3, 4}, kSeedRegion, 128, 48, &r);
   AddOutput("output", &r, kSeedRegion, 256, 32);
   AddOutput("weights", &r, "fuzz_odd", 2, 24);
-  add("shared_memory_inputs_and_outputs", r);
+  AddInferSeed(seeds, "shared_memory_inputs_and_outputs", r);
+}
+
+void AddOpenInferenceSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261124);
+  AddProtocolAttendSeeds(seeds, rng);
+  AddProtocolModelSeeds(seeds, rng);
 }
 
 using json = nlohmann::json;
@@ -770,111 +803,126 @@ absl::Status HttpInferStatus(const std::string& input) {
   return InferStatus(std::move(request));
 }
 
-void AddOpenInferenceJsonSeeds(Seeds* seeds) {
-  std::mt19937 rng(20261125);
-  // Valid calls (`ok`) must succeed, the others fail.
-  auto add = [&](const std::string& name, bool ok, const std::string& model,
-                 const std::string& body,
+// A ModelInfer seed over HTTP; valid calls (`ok`) must succeed, the others
+// fail.
+void AddJsonSeed(Seeds* seeds, const std::string& name, bool ok,
+                 const std::string& model, const std::string& body,
                  std::optional<uint16_t> json_length = std::nullopt) {
-    const std::string input =
-        HttpInferInput(ModelIndex(model), json_length, body);
-    const absl::Status status = HttpInferStatus(input);
-    if (ok) Expect(name, status);
-    if (!ok && status.ok()) {
-      Die(name, absl::InternalError("a bad seed that succeeds"));
-    }
-    (*seeds)["open_inference_json/" + name] = input;
-  };
-  auto text = [](const json& body) { return body.dump(); };
+  const std::string input =
+      HttpInferInput(ModelIndex(model), json_length, body);
+  const absl::Status status = HttpInferStatus(input);
+  if (ok) Expect(name, status);
+  if (!ok && status.ok()) {
+    Die(name, absl::InternalError("a bad seed that succeeds"));
+  }
+  (*seeds)["open_inference_json/" + name] = input;
+}
 
-  add("attend_plain", true, "attend",
-      text({{"inputs",
-             {FlatFloats("query", "FP32", {1, 2, 4}, rng),
-              FlatFloats("key", "FP32", {1, 3, 4}, rng),
-              FlatFloats("value", "FP32", {1, 3, 4}, rng)}}}));
-  add("attend_nested_mask_binary_weights", true, "attend",
-      text({{"id", "nested"},
-            {"parameters", {{"scale", 0.5}, {"causal", false}}},
-            {"inputs",
-             {NestedFloats("query", {2, 2, 4}, rng),
-              NestedFloats("key", {2, 3, 4}, rng),
-              NestedFloats("value", {2, 3, 2}, rng),
-              NestedMask("attn_mask", {2, 3}, rng)}},
-            {"outputs",
-             {{{"name", "output"}},
-              {{"name", "weights"},
-               {"parameters", {{"binary_data", true}}}}}}}));
-  add("layer_norm_half_params_binary_output", true, "layer_norm",
-      text({{"parameters",
-             {{"eps", 1e-5},
-              {"normalized_ndim", 1},
-              {"binary_data_output", true}}},
-            {"inputs",
-             {FlatFloats("input", "FP16", {2, 4}, rng),
-              FlatFloats("gamma", "FP32", {4}, rng),
-              FlatFloats("beta", "BF16", {4}, rng)}}}));
+std::string Text(const json& body) { return body.dump(); }
+
+// Valid calls of every model and tensor form.
+void AddJsonCallSeeds(Seeds* seeds, std::mt19937& rng) {
+  AddJsonSeed(seeds, "attend_plain", true, "attend",
+              Text({{"inputs",
+                     {FlatFloats("query", "FP32", {1, 2, 4}, rng),
+                      FlatFloats("key", "FP32", {1, 3, 4}, rng),
+                      FlatFloats("value", "FP32", {1, 3, 4}, rng)}}}));
+  AddJsonSeed(seeds, "attend_nested_mask_binary_weights", true, "attend",
+              Text({{"id", "nested"},
+                    {"parameters", {{"scale", 0.5}, {"causal", false}}},
+                    {"inputs",
+                     {NestedFloats("query", {2, 2, 4}, rng),
+                      NestedFloats("key", {2, 3, 4}, rng),
+                      NestedFloats("value", {2, 3, 2}, rng),
+                      NestedMask("attn_mask", {2, 3}, rng)}},
+                    {"outputs",
+                     {{{"name", "output"}},
+                      {{"name", "weights"},
+                       {"parameters", {{"binary_data", true}}}}}}}));
+  AddJsonSeed(seeds, "layer_norm_half_params_binary_output", true, "layer_norm",
+              Text({{"parameters",
+                     {{"eps", 1e-5},
+                      {"normalized_ndim", 1},
+                      {"binary_data_output", true}}},
+                    {"inputs",
+                     {FlatFloats("input", "FP16", {2, 4}, rng),
+                      FlatFloats("gamma", "FP32", {4}, rng),
+                      FlatFloats("beta", "BF16", {4}, rng)}}}));
   {
     const std::string query = RawFloats({1, 2, 8}, rng);
     const std::string key = RawFloats({1, 3, 8}, rng);
     const std::string json_part =
-        text({{"inputs",
+        Text({{"inputs",
                {BinaryInput("query", {1, 2, 8}, query.size()),
                 BinaryInput("key", {1, 3, 8}, key.size()),
                 FlatFloats("value", "FP32", {1, 3, 8}, rng)}},
               {"outputs", {{{"name", "output"}}}}});
-    add("served_model_binary_inputs", true, "tiny", json_part + query + key,
-        json_part.size());
+    AddJsonSeed(seeds, "served_model_binary_inputs", true, "tiny",
+                json_part + query + key, json_part.size());
   }
-  add("served_model_cross_bf16", true, "tiny_cross",
-      text({{"inputs",
-             {FlatFloats("query", "BF16", {1, 2, 8}, rng),
-              FlatFloats("key", "BF16", {1, 3, 4}, rng),
-              FlatFloats("value", "BF16", {1, 3, 6}, rng)}}}));
-  add("multi_head_attend_inline_uint8_mask", true, "multi_head_attend",
-      text({{"parameters", {{"num_heads", 1}, {"compute_bf16", true}}},
+  AddJsonSeed(seeds, "served_model_cross_bf16", true, "tiny_cross",
+              Text({{"inputs",
+                     {FlatFloats("query", "BF16", {1, 2, 8}, rng),
+                      FlatFloats("key", "BF16", {1, 3, 4}, rng),
+                      FlatFloats("value", "BF16", {1, 3, 6}, rng)}}}));
+  AddJsonSeed(
+      seeds, "multi_head_attend_inline_uint8_mask", true, "multi_head_attend",
+      Text({{"parameters", {{"num_heads", 1}, {"compute_bf16", true}}},
             {"inputs",
              {FlatFloats("query", "FP32", {1, 2, 4}, rng),
               FlatFloats("in_proj_weight", "FP32", {12, 4}, rng),
               FlatFloats("out_proj_weight", "FP32", {4, 4}, rng),
               JsonInput("attn_mask", "UINT8", {2, 2}, {1, 0, 1, 1})}}}));
-  add("shared_memory", true, "attend",
-      text({{"inputs",
-             {{{"name", "query"},
-               {"datatype", "FP32"},
-               {"shape", {1, 2, 4}},
-               {"parameters",
-                {{"shared_memory_region", kSeedRegion},
-                 {"shared_memory_byte_size", 32}}}},
-              FlatFloats("key", "FP32", {1, 3, 4}, rng),
-              FlatFloats("value", "FP32", {1, 3, 4}, rng)}},
-            {"outputs",
-             {{{"name", "output"},
-               {"parameters",
-                {{"shared_memory_region", kSeedRegion},
-                 {"shared_memory_offset", 128},
-                 {"shared_memory_byte_size", 32}}}}}}}));
+  AddJsonSeed(seeds, "shared_memory", true, "attend",
+              Text({{"inputs",
+                     {{{"name", "query"},
+                       {"datatype", "FP32"},
+                       {"shape", {1, 2, 4}},
+                       {"parameters",
+                        {{"shared_memory_region", kSeedRegion},
+                         {"shared_memory_byte_size", 32}}}},
+                      FlatFloats("key", "FP32", {1, 3, 4}, rng),
+                      FlatFloats("value", "FP32", {1, 3, 4}, rng)}},
+                    {"outputs",
+                     {{{"name", "output"},
+                       {"parameters",
+                        {{"shared_memory_region", kSeedRegion},
+                         {"shared_memory_offset", 128},
+                         {"shared_memory_byte_size", 32}}}}}}}));
+}
 
-  // Bad calls, each refused at a different step.
-  add("bad_truncated_json", false, "attend",
+// Bad calls, each refused at a different step.
+void AddJsonRefusalSeeds(Seeds* seeds, std::mt19937& rng) {
+  AddJsonSeed(
+      seeds, "bad_truncated_json", false, "attend",
       R"({"inputs": [{"name": "query", "datatype": "FP32", "shape": [1)");
-  add("bad_count_for_shape", false, "attend",
-      text(
-          {{"inputs", {JsonInput("query", "FP32", {2, 3}, {1, 2, 3, 4, 5})}}}));
+  AddJsonSeed(seeds, "bad_count_for_shape", false, "attend",
+              Text({{"inputs",
+                     {JsonInput("query", "FP32", {2, 3}, {1, 2, 3, 4, 5})}}}));
   {
     const std::string json_part =
-        text({{"inputs", {BinaryInput("query", {1, 1, 8}, 32)}}});
-    add("bad_binary_size_beyond_body", false, "tiny",
-        json_part + RawFloats({1, 1, 4}, rng), json_part.size());
-    add("bad_binary_left_over", false, "tiny",
-        json_part + RawFloats({1, 1, 8}, rng) + "tail", json_part.size());
+        Text({{"inputs", {BinaryInput("query", {1, 1, 8}, 32)}}});
+    AddJsonSeed(seeds, "bad_binary_size_beyond_body", false, "tiny",
+                json_part + RawFloats({1, 1, 4}, rng), json_part.size());
+    AddJsonSeed(seeds, "bad_binary_left_over", false, "tiny",
+                json_part + RawFloats({1, 1, 8}, rng) + "tail",
+                json_part.size());
   }
-  add("bad_nesting", false, "attend",
+  AddJsonSeed(
+      seeds, "bad_nesting", false, "attend",
       R"({"inputs": )" + std::string(100, '[') + std::string(100, ']') + "}");
-  add("bad_datatype", false, "layer_norm",
-      text({{"inputs", {JsonInput("input", "INT64", {2}, {1, 2})}}}));
-  add("bad_utf8", false, "layer_norm", "{\"id\": \"caf\xe9\"}");
-  add("bad_unknown_model", false, "missing",
-      text({{"inputs", {FlatFloats("query", "FP32", {1, 2, 8}, rng)}}}));
+  AddJsonSeed(seeds, "bad_datatype", false, "layer_norm",
+              Text({{"inputs", {JsonInput("input", "INT64", {2}, {1, 2})}}}));
+  AddJsonSeed(seeds, "bad_utf8", false, "layer_norm", "{\"id\": \"caf\xe9\"}");
+  AddJsonSeed(
+      seeds, "bad_unknown_model", false, "missing",
+      Text({{"inputs", {FlatFloats("query", "FP32", {1, 2, 8}, rng)}}}));
+}
+
+void AddOpenInferenceJsonSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261125);
+  AddJsonCallSeeds(seeds, rng);
+  AddJsonRefusalSeeds(seeds, rng);
 }
 
 // Requests as clients send them, one connection each: framings, pipelining
@@ -924,38 +972,54 @@ std::string Join(std::initializer_list<std::string> records) {
 
 // Seeds of the call_sequence target: series of session, shared-memory and
 // compute calls (see call_sequence_fuzzer.cc for the records).
-void AddCallSequenceSeeds(Seeds* seeds) {
-  std::mt19937 rng(20261125);
-  const auto f32 = DType::kFloat32;
-  const auto create = [](int heads, int64_t head_dim, int64_t max_length,
+
+std::string CreateRecord(int heads, int64_t head_dim, int64_t max_length,
                          const std::string& model = "") {
-    v1::CreateSessionRequest r;
-    if (!model.empty()) r.set_model(model);
-    r.set_num_heads(heads);
-    r.set_head_dim(head_dim);
-    r.set_max_length(max_length);
-    return Record(kCreate, Bytes(r));
-  };
-  // A step of `n` tokens of session `index` (2 heads, head dim 4).
-  const auto step = [&](uint8_t index, int64_t n, int64_t position = -1) {
-    v1::SessionStepRequest r;
-    EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_query());
-    EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_key());
-    EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_value());
-    if (position >= 0) r.set_position(position);
-    return Record(kStep, std::string(1, static_cast<char>(index)) + Bytes(r));
-  };
-  const auto remove = [](uint8_t index) {
-    return Record(kDelete, std::string(1, static_cast<char>(index)));
-  };
+  v1::CreateSessionRequest r;
+  if (!model.empty()) r.set_model(model);
+  r.set_num_heads(heads);
+  r.set_head_dim(head_dim);
+  r.set_max_length(max_length);
+  return Record(kCreate, Bytes(r));
+}
+
+// A step of `n` tokens of session `index` (2 heads, head dim 4).
+std::string StepRecord(uint8_t index, int64_t n, int64_t position,
+                       std::mt19937& rng) {
+  const auto f32 = DType::kFloat32;
+  v1::SessionStepRequest r;
+  EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_query());
+  EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_key());
+  EncodeTensor(Values(f32, {2, n, 4}, rng).view(), r.mutable_value());
+  if (position >= 0) r.set_position(position);
+  return Record(kStep, std::string(1, static_cast<char>(index)) + Bytes(r));
+}
+std::string StepRecord(uint8_t index, int64_t n, std::mt19937& rng) {
+  return StepRecord(index, n, -1, rng);
+}
+
+std::string DeleteRecord(uint8_t index) {
+  return Record(kDelete, std::string(1, static_cast<char>(index)));
+}
+
+std::string ForkRecord(uint8_t index, int64_t length = -1) {
+  v1::ForkSessionRequest r;
+  if (length >= 0) r.set_length(length);
+  return Record(kFork, std::string(1, static_cast<char>(index)) + Bytes(r));
+}
+
+// Sessions stepped, rewound, deleted, expired and evicted.
+void AddSessionSequenceSeeds(Seeds* seeds, std::mt19937& rng) {
+  const auto f32 = DType::kFloat32;
   (*seeds)["call_sequence/attention_session_steps_rewind_delete"] =
-      Join({create(2, 4, 16), step(0, 3), step(0, 1), step(0, 2, 1),
-            step(0, 13), remove(0), step(0, 1)});
+      Join({CreateRecord(2, 4, 16), StepRecord(0, 3, rng),
+            StepRecord(0, 1, rng), StepRecord(0, 2, 1, rng),
+            StepRecord(0, 13, rng), DeleteRecord(0), StepRecord(0, 1, rng)});
 
   v1::SessionStepRequest model_step;
   EncodeTensor(Values(f32, {1, 3, 8}, rng).view(), model_step.mutable_input());
   (*seeds)["call_sequence/model_session_and_expiry"] =
-      create(0, 0, 32, "tiny") +
+      CreateRecord(0, 0, 32, "tiny") +
       Record(kStep, std::string(1, '\0') + Bytes(model_step)) +
       Record(kExpire, std::string(1, '\x05')) +
       Record(kStep, std::string(1, '\0') + Bytes(model_step)) +
@@ -965,11 +1029,16 @@ void AddCallSequenceSeeds(Seeds* seeds) {
   // Reservations: refused past the 1 MiB budget, evicted past 2 MiB in all,
   // by count past 4 sessions.
   (*seeds)["call_sequence/reservations_refused_and_evicted"] =
-      create(8, int64_t{1} << 22, 0) + create(8, 1024, 64) +
-      create(2, 1024, 64) + create(2, 1024, 64) + create(2, 1024, 64) +
-      create(2, 4, 16) + create(2, 4, 16) + create(2, 4, 16) +
-      Join({create(2, 4, 16), step(0, 2), step(7, 2), remove(3)});
+      CreateRecord(8, int64_t{1} << 22, 0) + CreateRecord(8, 1024, 64) +
+      CreateRecord(2, 1024, 64) + CreateRecord(2, 1024, 64) +
+      CreateRecord(2, 1024, 64) + CreateRecord(2, 4, 16) +
+      CreateRecord(2, 4, 16) + CreateRecord(2, 4, 16) +
+      Join({CreateRecord(2, 4, 16), StepRecord(0, 2, rng),
+            StepRecord(7, 2, rng), DeleteRecord(3)});
+}
 
+void AddSharedMemorySequenceSeeds(Seeds* seeds, std::mt19937& rng) {
+  const auto f32 = DType::kFloat32;
   // A region registered, written by the client, read and written by a step
   // and by an attention call, then unregistered and used again.
   v1::RegisterSharedMemoryRequest reg;
@@ -1012,14 +1081,18 @@ void AddCallSequenceSeeds(Seeds* seeds) {
   const Tensor values = Values(f32, {48}, rng);
   std::memcpy(written.data(), values.data(), written.size());
   (*seeds)["call_sequence/shared_memory_step_compute_unregister"] =
-      Record(kRegister, Bytes(reg)) + create(2, 4, 16) +
+      Record(kRegister, Bytes(reg)) + CreateRecord(2, 4, 16) +
       Record(kWrite, std::string(2, '\0') + written) +
       Record(kStep, std::string(1, '\0') + Bytes(shared_step)) +
       Record(kCompute, std::string(1, '\0') + Bytes(shared_attend)) +
       Record(kUnregister, Bytes(unreg)) +
       Record(kStep, std::string(1, '\0') + Bytes(shared_step)) +
       Record(kRegister, Bytes(reg)) + Record(kRegister, Bytes(reg));
+}
 
+// Steps among other calls, batched, counted before parsing, and forked.
+void AddStepSequenceSeeds(Seeds* seeds, std::mt19937& rng) {
+  const auto f32 = DType::kFloat32;
   // Calls of no FLOPs among the sessions' steps.
   v1::AttendRequest zero;
   for (v1::Tensor* t :
@@ -1028,8 +1101,9 @@ void AddCallSequenceSeeds(Seeds* seeds) {
     for (int64_t d : {1, 1, 262144, 0}) t->add_shape(d);
   }
   (*seeds)["call_sequence/zero_width_compute_between_steps"] =
-      Join({create(2, 4, 16), step(0, 1),
-            Record(kCompute, std::string(1, '\0') + Bytes(zero)), step(0, 1)});
+      Join({CreateRecord(2, 4, 16), StepRecord(0, 1, rng),
+            Record(kCompute, std::string(1, '\0') + Bytes(zero)),
+            StepRecord(0, 1, rng)});
 
   // Three sessions stepped in one call, one of them named twice.
   v1::SessionStepsRequest batched;
@@ -1040,9 +1114,10 @@ void AddCallSequenceSeeds(Seeds* seeds) {
     EncodeTensor(Values(f32, {2, 1, 4}, rng).view(), r->mutable_value());
   }
   (*seeds)["call_sequence/batched_steps"] = Join(
-      {create(2, 4, 16), create(2, 4, 16), create(2, 4, 16), step(0, 2),
+      {CreateRecord(2, 4, 16), CreateRecord(2, 4, 16), CreateRecord(2, 4, 16),
+       StepRecord(0, 2, rng),
        Record(kSteps, std::string("\x04\x00\x01\x02\x00", 5) + Bytes(batched)),
-       remove(1),
+       DeleteRecord(1),
        Record(kSteps, std::string("\x03\x00\x01\x02", 4) + Bytes(batched))});
 
   // Steps counted on the bytes before they are parsed: 257 empty ones (one
@@ -1050,22 +1125,26 @@ void AddCallSequenceSeeds(Seeds* seeds) {
   // not messages count without parsing as steps.
   std::string empty_steps;
   for (int i = 0; i < 257; ++i) empty_steps += std::string("\x0a\x00", 2);
-  (*seeds)["call_sequence/steps_counted_before_parsing"] = Join(
-      {create(2, 4, 16), Record(kSteps, std::string(1, '\0') + empty_steps),
-       Record(kSteps, std::string("\x01\x00", 2) + "\x08\x01\x08\x02" +
-                          Bytes(batched))});
+  (*seeds)["call_sequence/steps_counted_before_parsing"] =
+      Join({CreateRecord(2, 4, 16),
+            Record(kSteps, std::string(1, '\0') + empty_steps),
+            Record(kSteps, std::string("\x01\x00", 2) + "\x08\x01\x08\x02" +
+                               Bytes(batched))});
 
   // Forks across a block boundary, stepped and rewound into the shared
   // tokens on both sides, a fork of a fork, the parent deleted first.
-  const auto fork = [](uint8_t index, int64_t length = -1) {
-    v1::ForkSessionRequest r;
-    if (length >= 0) r.set_length(length);
-    return Record(kFork, std::string(1, static_cast<char>(index)) + Bytes(r));
-  };
-  (*seeds)["call_sequence/forks_share_and_copy_on_write"] =
-      Join({create(2, 4, 1024), step(0, 600), fork(0), step(1, 1),
-            step(0, 2, 100), fork(1, 550), step(2, 3, 520), remove(0),
-            step(1, 1, 10), step(2, 1), fork(0, 100000)});
+  (*seeds)["call_sequence/forks_share_and_copy_on_write"] = Join(
+      {CreateRecord(2, 4, 1024), StepRecord(0, 600, rng), ForkRecord(0),
+       StepRecord(1, 1, rng), StepRecord(0, 2, 100, rng), ForkRecord(1, 550),
+       StepRecord(2, 3, 520, rng), DeleteRecord(0), StepRecord(1, 1, 10, rng),
+       StepRecord(2, 1, rng), ForkRecord(0, 100000)});
+}
+
+void AddCallSequenceSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261125);
+  AddSessionSequenceSeeds(seeds, rng);
+  AddSharedMemorySequenceSeeds(seeds, rng);
+  AddStepSequenceSeeds(seeds, rng);
 }
 
 Seeds AllSeeds() {
