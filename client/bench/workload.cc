@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/convert.h"
 #include "core/status_macros.h"
@@ -135,49 +136,53 @@ absl::StatusOr<NamedTensors> SyntheticTensors(Operation op,
   return tensors;
 }
 
+namespace {
+
+// Fills `workload`'s request from `request` (transformed first), its RPC
+// (named after the request) and the model its statistics count it under.
+template <typename Request>
+absl::StatusOr<bool> SerializeInto(absl::StatusOr<Request> request,
+                                   std::string statistics_model,
+                                   const RequestTransform& transform,
+                                   Workload* workload) {
+  ATTN_RETURN_IF_ERROR(request.status());
+  if (transform) ATTN_RETURN_IF_ERROR(transform(&*request));
+  // "LayerNormRequest": LayerNorm.
+  workload->rpc = std::string(
+      absl::StripSuffix(request->GetDescriptor()->name(), "Request"));
+  workload->statistics_model = std::move(statistics_model);
+  return request->SerializeToString(&workload->request);
+}
+
+}  // namespace
+
 absl::StatusOr<Workload> MakeWorkload(Operation op, const NamedViews& tensors,
                                       const OpParams& params,
                                       const RequestTransform& transform) {
   Workload workload;
-  bool serialized = false;
+  absl::StatusOr<bool> serialized = false;
   switch (op) {
-    case Operation::kAttend: {
-      ATTN_ASSIGN_OR_RETURN(auto request, BuildAttendRequest(tensors, params));
-      workload.rpc = "Attend";
-      workload.statistics_model = "attend";
-      if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
-      serialized = request.SerializeToString(&workload.request);
+    case Operation::kAttend:
+      serialized = SerializeInto(BuildAttendRequest(tensors, params), "attend",
+                                 transform, &workload);
       break;
-    }
-    case Operation::kMultiHeadAttend: {
-      ATTN_ASSIGN_OR_RETURN(auto request,
-                            BuildMultiHeadAttendRequest(tensors, params));
-      workload.rpc = "MultiHeadAttend";
-      workload.statistics_model =
-          params.model.empty() ? "multi_head_attend" : params.model;
-      if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
-      serialized = request.SerializeToString(&workload.request);
+    case Operation::kMultiHeadAttend:
+      serialized = SerializeInto(
+          BuildMultiHeadAttendRequest(tensors, params),
+          params.model.empty() ? "multi_head_attend" : params.model, transform,
+          &workload);
       break;
-    }
-    case Operation::kLayerNorm: {
-      ATTN_ASSIGN_OR_RETURN(auto request,
-                            BuildLayerNormRequest(tensors, params));
-      workload.rpc = "LayerNorm";
-      workload.statistics_model = "layer_norm";
-      if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
-      serialized = request.SerializeToString(&workload.request);
+    case Operation::kLayerNorm:
+      serialized = SerializeInto(BuildLayerNormRequest(tensors, params),
+                                 "layer_norm", transform, &workload);
       break;
-    }
-    case Operation::kRmsNorm: {
-      ATTN_ASSIGN_OR_RETURN(auto request, BuildRmsNormRequest(tensors, params));
-      workload.rpc = "RmsNorm";
-      workload.statistics_model = "rms_norm";
-      if (transform) ATTN_RETURN_IF_ERROR(transform(&request));
-      serialized = request.SerializeToString(&workload.request);
+    case Operation::kRmsNorm:
+      serialized = SerializeInto(BuildRmsNormRequest(tensors, params),
+                                 "rms_norm", transform, &workload);
       break;
-    }
   }
-  if (!serialized) {
+  ATTN_RETURN_IF_ERROR(serialized.status());
+  if (!*serialized) {
     return absl::InvalidArgumentError(
         "request: too large to serialize (protobuf messages end at 2 GiB)");
   }
