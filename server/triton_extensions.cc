@@ -4,6 +4,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
 #include "server/handlers.h"
@@ -33,10 +34,10 @@ absl::Status VerifyRepositoryName(absl::string_view name,
 }
 
 absl::Status NoRepository() {
-  return absl::FailedPreconditionError(
+  return absl::FailedPreconditionError(absl::StrCat(
       "model_name: this server has no --model_repository; its models are "
-      "the built-in attend, multi_head_attend, layer_norm and "
-      "attention_session");
+      "the built-in ",
+      absl::StrJoin(BuiltInModels(), ", ")));
 }
 
 // Parameters a load or unload request may carry: only Triton's

@@ -30,6 +30,7 @@
 #include "nlohmann/json.hpp"
 #include "proto/tensor_codec.h"
 #include "server/sequences.h"
+#include "server/triton_extensions.h"
 #include "tests/reference.h"
 #include "tests/test_util.h"
 
@@ -777,6 +778,28 @@ TEST_F(TritonProtocolTest, GrpcModelControl) {
   EXPECT_EQ(status.error_message(),
             "model_name: 'mha_session' is the sequences of model 'mha', which "
             "loads and unloads it");
+}
+
+// Without a repository, loading or unloading a model that is not built in
+// names every model there is: the built-in ones, from their declarations.
+TEST(TritonRepositoryTest, WithoutARepositoryTheBuiltInModelsAreListed) {
+  const std::string expected =
+      "model_name: this server has no --model_repository; its models are the "
+      "built-in attend, attention_session, layer_norm, multi_head_attend, "
+      "rms_norm";
+  inference::RepositoryModelLoadRequest load;
+  load.set_model_name("mha");
+  absl::Status status = HandleRepositoryModelLoad(load, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(status.message(), expected);
+  inference::RepositoryModelUnloadRequest unload;
+  unload.set_model_name("mha");
+  status = HandleRepositoryModelUnload(unload, nullptr);
+  EXPECT_EQ(status.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(status.message(), expected);
+  // A built-in model is always loaded.
+  load.set_model_name("rms_norm");
+  EXPECT_TRUE(HandleRepositoryModelLoad(load, nullptr).ok());
 }
 
 // simple_http_model_control.
