@@ -33,6 +33,7 @@ const METHODS = {
   attend: 'Attend',
   multiHeadAttend: 'MultiHeadAttend',
   layerNorm: 'LayerNorm',
+  rmsNorm: 'RmsNorm',
   listModels: 'ListModels',
   getModelMetadata: 'GetModelMetadata',
   createSession: 'CreateSession',
@@ -42,8 +43,8 @@ const METHODS = {
 
 /**
  * A client for `target` ("host:port") whose methods (attend,
- * multiHeadAttend, layerNorm, listModels, getModelMetadata, and the decode
- * sessions' createSession, sessionStep, deleteSession) take a request
+ * multiHeadAttend, layerNorm, rmsNorm, listModels, getModelMetadata, and the
+ * decode sessions' createSession, sessionStep, deleteSession) take a request
  * object and optional { deadlineSeconds, metadata } and return a promise of
  * the response. `raw` is the underlying grpc-js client; close() closes it.
  */

@@ -249,6 +249,26 @@ test('LayerNorm matches a JS reference', async () => {
   assertClose(output.data, layerNormRef(x, 10));
 });
 
+test('RmsNorm matches a JS reference', async () => {
+  const random = rng(9);
+  const x = randn(random, 3 * 16);
+  const gamma = randn(random, 16);
+  const reply = await client.rmsNorm({
+    input: toTensor(x, [3, 16]),
+    gamma: toTensor(gamma, [16]),
+    eps: 1e-5,
+  });
+  const output = fromTensor(reply.output);
+  assert.deepEqual(output.shape, [3, 16]);
+  const want = new Float64Array(x.length);
+  for (let row = 0; row < 3; row++) {
+    const xs = x.subarray(row * 16, (row + 1) * 16);
+    const inv = 1 / Math.sqrt(xs.reduce((a, b) => a + b * b, 0) / 16 + 1e-5);
+    for (let i = 0; i < 16; i++) want[row * 16 + i] = xs[i] * inv * gamma[i];
+  }
+  assertClose(output.data, want);
+});
+
 test('Attend matches a JS reference (batched, causal)', async () => {
   const random = rng(2);
   const [batch, lq, lk, dk, dv] = [6, 4, 5, 8, 6];

@@ -1,5 +1,5 @@
 // Package attnserve is a client of attnserve, the gRPC service that computes
-// transformer attention and LayerNorm on CPU.
+// transformer attention, LayerNorm and RMSNorm on CPU.
 //
 // Dial connects; Client's methods call the service's RPCs with the request
 // messages of package attnservepb (generated from
@@ -193,6 +193,13 @@ func (c *Client) MultiHeadAttend(ctx context.Context,
 func (c *Client) LayerNorm(ctx context.Context, request *pb.LayerNormRequest,
 	options ...grpc.CallOption) (*pb.LayerNormResponse, error) {
 	return c.service.LayerNorm(ctx, request, options...)
+}
+
+// RmsNorm normalizes the request's input over its trailing dims by their
+// root mean square, as torch.nn.RMSNorm.
+func (c *Client) RmsNorm(ctx context.Context, request *pb.RmsNormRequest,
+	options ...grpc.CallOption) (*pb.RmsNormResponse, error) {
+	return c.service.RmsNorm(ctx, request, options...)
 }
 
 // ListModels returns the models loaded from the server's model repository,

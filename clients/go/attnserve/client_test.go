@@ -488,6 +488,38 @@ func TestLayerNorm(t *testing.T) {
 		layerNormReference(x, gamma, beta, 24, float64(eps)))
 }
 
+// x / sqrt(mean(x^2) + eps) * gamma over rows of `normalized` values.
+func rmsNormReference(x, gamma array, normalized int64, eps float64) array {
+	out := array{shape: x.shape, data: make([]float64, len(x.data))}
+	for start := int64(0); start < int64(len(x.data)); start += normalized {
+		row := x.data[start : start+normalized]
+		squares := 0.0
+		for _, v := range row {
+			squares += v * v
+		}
+		inverse := 1 / math.Sqrt(squares/float64(normalized)+eps)
+		for j, v := range row {
+			out.data[start+int64(j)] = v * inverse * gamma.data[j]
+		}
+	}
+	return out
+}
+
+func TestRmsNorm(t *testing.T) {
+	rng := mathrand.New(mathrand.NewSource(9))
+	x := randn(rng, 3, 4, 6)
+	gamma := randn(rng, 4, 6)
+	eps := float32(1e-3)
+	response, err := client.RmsNorm(callContext(t), &pb.RmsNormRequest{
+		Input: x.tensor(t), Gamma: gamma.tensor(t), Eps: &eps,
+		NormalizedNdim: 2})
+	if err != nil {
+		t.Fatal(err)
+	}
+	expectClose(t, "output", response.GetOutput(),
+		rmsNormReference(x, gamma, 24, float64(eps)))
+}
+
 func TestLayerNormBFloat16(t *testing.T) {
 	rng := mathrand.New(mathrand.NewSource(2))
 	x := randn(rng, 3, 16)
