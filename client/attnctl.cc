@@ -3,12 +3,12 @@
 // one), checks health, lists models, and measures the server under load.
 //
 //   attnctl attend|mha|layernorm|rmsnorm --target=HOST:PORT
-//   --in=FILE.safetensors
-//           [--out=RESULT.safetensors] [--shared_memory] [operation flags]
+//           --in=FILE.safetensors [--out=RESULT.safetensors] [--shared_memory]
+//           [operation flags]
 //   attnctl health --target=HOST:PORT [--service=NAME]
 //   attnctl models --target=HOST:PORT [--model=NAME]
 //   attnctl bench --target=HOST:PORT
-//   --rpc=attend|mha|layernorm|rmsnorm|decode|health
+//           --rpc=attend|mha|layernorm|rmsnorm|decode|health
 //           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
 //           [--batch_sessions=N (decode: one SessionSteps call of N sessions)]
 //           [--cache_dtype=f32|bf16|int8 --layers=L (decode)]
@@ -85,8 +85,8 @@ ABSL_FLAG(bool, average_weights, false,
 ABSL_FLAG(std::optional<int>, num_heads, std::nullopt, "mha: number of heads.");
 ABSL_FLAG(bool, shared_memory, false,
           "attend, mha, layernorm, rmsnorm and bench: send tensors and receive "
-          "results "
-          "through a POSIX shared-memory object (server on this host only).");
+          "results through a POSIX shared-memory object (server on this host "
+          "only).");
 ABSL_FLAG(std::string, model, "",
           "mha: the server-side model to use; models: the model to describe.");
 ABSL_FLAG(std::optional<float>, eps, std::nullopt,
@@ -412,16 +412,10 @@ absl::Status VerifyOptions(const AttnctlOptions& options) {
         "; --rpc=decode steps one session per connection, and steps of one "
         "session run one after another"));
   }
-  const bool blocking_transport =
-      options.protocol == DecodeProtocol::kOpenInferenceStream ||
-      options.protocol == DecodeProtocol::kOpenInferenceHttp;
-  if (blocking_transport &&
-      (options.bench.load.concurrency != options.bench.load.connections ||
-       options.bench.load.rate > 0)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--concurrency: this transport carries one call at a time per "
-        "connection, closed loop: set --concurrency equal to --connections (",
-        options.bench.load.connections, ") and no --rate"));
+  // Checked before the sequences are started.
+  if (options.protocol == DecodeProtocol::kOpenInferenceStream ||
+      options.protocol == DecodeProtocol::kOpenInferenceHttp) {
+    ATTN_RETURN_IF_ERROR(VerifyOneCallPerConnection(options.bench.load));
   }
   if (options.command == "bench") {
     ATTN_RETURN_IF_ERROR(VerifyDecodeOnlyFlags(options));
@@ -609,8 +603,8 @@ absl::Status Run(const std::string& command) {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "attnctl attend|mha|layernorm|rmsnorm --target=HOST:PORT "
-      "--in=FILE.safetensors "
-      "[--out=FILE.safetensors] [--shared_memory] [--model=NAME] "
+      "--in=FILE.safetensors [--out=FILE.safetensors] [--shared_memory] "
+      "[--model=NAME] "
       "[operation flags]\n"
       "attnctl health --target=HOST:PORT [--service=NAME]\n"
       "attnctl models --target=HOST:PORT [--model=NAME]\n"

@@ -286,17 +286,25 @@ absl::Status RunAttend(const v1::AttendRequest& request,
   return VerifySharedMemoryIntact(control);
 }
 
-// The options LayerNorm and RmsNorm share: eps (by default 1e-5, for
-// RMSNorm the machine epsilon of the input's dtype) and normalized_ndim.
-template <typename Request>
-absl::StatusOr<LayerNormOptions> NormOptions(const Request& request,
-                                             DType dtype, bool rms_norm) {
+// LayerNorm, or RMSNorm when `rms_norm`, of a LayerNormRequest or an
+// RmsNormRequest (which has no beta): eps by default 1e-5, for RMSNorm the
+// machine epsilon of the input's dtype.
+template <typename Request, typename Response>
+absl::Status RunNorm(const Request& request, Response* response,
+                     const CallControl& control, bool rms_norm) {
+  ATTN_ASSIGN_OR_RETURN(TensorView input,
+                        ATTN_REQUIRED_TENSOR(request, input, control));
+  std::optional<TensorView> gamma, beta;
+  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
+  if constexpr (requires { request.beta(); }) {
+    ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, control, &beta));
+  }
   LayerNormOptions options;
   options.rms_norm = rms_norm;
   if (request.has_eps()) {
     options.eps = request.eps();
   } else if (rms_norm) {
-    options.eps = DefaultRmsNormEps(dtype);
+    options.eps = DefaultRmsNormEps(input.dtype);
   }
   if (request.normalized_ndim() < 0) {
     return absl::InvalidArgumentError(
@@ -305,35 +313,8 @@ absl::StatusOr<LayerNormOptions> NormOptions(const Request& request,
   }
   options.normalized_ndim =
       request.normalized_ndim() == 0 ? 1 : request.normalized_ndim();
-  return options;
-}
-
-absl::Status RunLayerNorm(const v1::LayerNormRequest& request,
-                          v1::LayerNormResponse* response,
-                          const CallControl& control) {
-  ATTN_ASSIGN_OR_RETURN(TensorView input,
-                        ATTN_REQUIRED_TENSOR(request, input, control));
-  std::optional<TensorView> gamma, beta;
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, beta, control, &beta));
-  ATTN_ASSIGN_OR_RETURN(const LayerNormOptions options,
-                        NormOptions(request, input.dtype, request.rms_norm()));
   WireResults results = ResultsOf(request, response, nullptr, control);
   ATTN_RETURN_IF_ERROR(LayerNorm(input, gamma, beta, options, results));
-  return VerifySharedMemoryIntact(control);
-}
-
-absl::Status RunRmsNorm(const v1::RmsNormRequest& request,
-                        v1::RmsNormResponse* response,
-                        const CallControl& control) {
-  ATTN_ASSIGN_OR_RETURN(TensorView input,
-                        ATTN_REQUIRED_TENSOR(request, input, control));
-  std::optional<TensorView> gamma;
-  ATTN_RETURN_IF_ERROR(ATTN_OPTIONAL_TENSOR(request, gamma, control, &gamma));
-  ATTN_ASSIGN_OR_RETURN(const LayerNormOptions options,
-                        NormOptions(request, input.dtype, /*rms_norm=*/true));
-  WireResults results = ResultsOf(request, response, nullptr, control);
-  ATTN_RETURN_IF_ERROR(LayerNorm(input, gamma, std::nullopt, options, results));
   return VerifySharedMemoryIntact(control);
 }
 
@@ -396,14 +377,14 @@ absl::Status HandleLayerNorm(const v1::LayerNormRequest& request,
                              v1::LayerNormResponse* response,
                              const CallControl& control) {
   return OutOfMemoryFailsTheCall(
-      [&] { return RunLayerNorm(request, response, control); });
+      [&] { return RunNorm(request, response, control, request.rms_norm()); });
 }
 
 absl::Status HandleRmsNorm(const v1::RmsNormRequest& request,
                            v1::RmsNormResponse* response,
                            const CallControl& control) {
   return OutOfMemoryFailsTheCall(
-      [&] { return RunRmsNorm(request, response, control); });
+      [&] { return RunNorm(request, response, control, /*rms_norm=*/true); });
 }
 
 absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,

@@ -573,7 +573,8 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
   ATTN_ASSIGN_OR_RETURN(const SequenceParameters sequence,
                         SequenceParametersOf(request->parameters(), model));
   if (model.takes_sequences()) {
-    return FromSequence(request, std::move(model.served), sequences, sequence);
+    return FromSequence(request, *model.operation, std::move(model.served),
+                        sequences, sequence);
   }
   const OperationSpec& operation = *model.operation;
   std::unique_ptr<NativeInferCall> call(new NativeInferCall(operation));
@@ -599,12 +600,12 @@ absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromRequest(
 }
 
 absl::StatusOr<std::unique_ptr<NativeInferCall>> NativeInferCall::FromSequence(
-    ModelInferRequest* request, std::shared_ptr<const Model> served,
-    SequenceTable* sequences, const SequenceParameters& sequence) {
+    ModelInferRequest* request, const OperationSpec& operation,
+    std::shared_ptr<const Model> served, SequenceTable* sequences,
+    const SequenceParameters& sequence) {
   const std::string& model = request->model_name();
   ATTN_RETURN_IF_ERROR(VerifySequenceInputs(*request, served != nullptr));
-  std::unique_ptr<NativeInferCall> call(
-      new NativeInferCall(*FindOperation(kAttentionSessionModel)));
+  std::unique_ptr<NativeInferCall> call(new NativeInferCall(operation));
   auto* step = static_cast<v1::SessionStepRequest*>(call->request_.get());
   ATTN_RETURN_IF_ERROR(ApplyParameters(request->parameters(), model, step,
                                        /*in_sequence=*/true));

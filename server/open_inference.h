@@ -90,9 +90,10 @@ class NativeInferCall {
 
  private:
   explicit NativeInferCall(const OperationSpec& operation);
-  // FromRequest for a request of a sequence.
+  // FromRequest for a request of a sequence, which runs `operation`
+  // (attention_session's steps).
   static absl::StatusOr<std::unique_ptr<NativeInferCall>> FromSequence(
-      inference::ModelInferRequest* request,
+      inference::ModelInferRequest* request, const OperationSpec& operation,
       std::shared_ptr<const Model> served, SequenceTable* sequences,
       const SequenceParameters& sequence);
 

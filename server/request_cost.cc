@@ -236,7 +236,7 @@ namespace {
 
 // LayerNorm and RMSNorm: a few passes over the input, which a norm reads
 // twice (statistics, then output) and writes once.
-RequestCost NormCost(const v1::Tensor& input, int64_t affine_elements) {
+RequestCost NormCost(const v1::Tensor& input, double affine_elements) {
   RequestCost cost;
   const int64_t n = std::max<int64_t>(Elements(input), 0);
   cost.flops = 8.0 * n;

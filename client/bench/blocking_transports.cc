@@ -105,6 +105,19 @@ absl::StatusCode CodeOfHttpStatus(int status) {
   }
 }
 
+// The error an HTTP answer other than 200 carries: its JSON "error", else
+// its body.
+absl::Status ErrorOf(int status, absl::string_view body) {
+  const json error = json::parse(body, nullptr, /*allow_exceptions=*/false);
+  const bool has_message = error.is_object() && error.contains("error") &&
+                           error["error"].is_string();
+  return absl::Status(
+      CodeOfHttpStatus(status),
+      absl::StrCat(
+          "HTTP ", status, ": ",
+          has_message ? error["error"].get<std::string>() : std::string(body)));
+}
+
 class HttpConnection final : public BlockingConnection {
  public:
   HttpConnection(int fd, std::string peer) : fd_(fd), peer_(std::move(peer)) {}
@@ -120,17 +133,12 @@ class HttpConnection final : public BlockingConnection {
                   &content_length));
     const size_t body_start = head_end + 4;
     ATTN_RETURN_IF_ERROR(ReadAtLeast(body_start + content_length));
-    const std::string body = buffer_.substr(body_start, content_length);
+    const absl::Status answer =
+        status == 200 ? absl::OkStatus()
+                      : ErrorOf(status, absl::string_view(buffer_).substr(
+                                            body_start, content_length));
     buffer_.erase(0, body_start + content_length);
-    if (status == 200) return absl::OkStatus();
-    const json error = json::parse(body, nullptr, /*allow_exceptions=*/false);
-    std::string message = body;
-    if (error.is_object() && error.contains("error") &&
-        error["error"].is_string()) {
-      message = error["error"].get<std::string>();
-    }
-    return absl::Status(CodeOfHttpStatus(status),
-                        absl::StrCat("HTTP ", status, ": ", message));
+    return answer;
   }
   std::string peer() const override { return peer_; }
 
@@ -281,8 +289,8 @@ absl::StatusOr<std::string> HttpInferRequest(const ModelInferRequest& request,
     const auto& input = request.inputs(i);
     const std::string& bytes = request.raw_input_contents(i);
     json entry = {{"name", input.name()}, {"datatype", input.datatype()}};
-    entry["shape"] = std::vector<int64_t>(input.shape().begin(),
-                                          input.shape().end());
+    entry["shape"] =
+        std::vector<int64_t>(input.shape().begin(), input.shape().end());
     entry["parameters"] = {{"binary_data_size", bytes.size()}};
     header["inputs"].push_back(std::move(entry));
     binary += bytes;

@@ -114,14 +114,6 @@ absl::Status VerifySequenceOptions(const DecodeBenchOptions& options) {
         "--cache_dtype: sequences of attention_session cache FP32 or BF16; "
         "INT8 only with --protocol=native");
   }
-  if ((options.protocol == DecodeProtocol::kOpenInferenceHttp) ==
-      options.http_target.empty()) {
-    return absl::InvalidArgumentError(
-        options.http_target.empty()
-            ? "--http_target: the server's HTTP address (HOST:PORT) is "
-              "needed with --protocol=open_inference_http"
-            : "--http_target: only with --protocol=open_inference_http");
-  }
   return absl::OkStatus();
 }
 
@@ -145,9 +137,13 @@ absl::Status VerifyDecodeBenchOptions(const DecodeBenchOptions& options) {
   }
   if (options.protocol != DecodeProtocol::kNative) {
     ATTN_RETURN_IF_ERROR(VerifySequenceOptions(options));
-  } else if (!options.http_target.empty()) {
+  }
+  const bool http = options.protocol == DecodeProtocol::kOpenInferenceHttp;
+  if (http == options.http_target.empty()) {
     return absl::InvalidArgumentError(
-        "--http_target: only with --protocol=open_inference_http");
+        http ? "--http_target: the server's HTTP address (HOST:PORT) is "
+               "needed with --protocol=open_inference_http"
+             : "--http_target: only with --protocol=open_inference_http");
   }
   if (!options.cache_dtype.has_value()) return absl::OkStatus();
   const DType cache = *options.cache_dtype;
@@ -255,6 +251,24 @@ absl::StatusOr<inference::ModelInferRequest> SequenceRequest(
 
 }  // namespace
 
+namespace {
+
+// A measured step as its transport sends it: the serialized request, or
+// for HTTP the whole HTTP request.
+absl::StatusOr<std::string> StepBytes(const inference::ModelInferRequest& step,
+                                      const DecodeBenchOptions& options) {
+  if (options.protocol == DecodeProtocol::kOpenInferenceHttp) {
+    return HttpInferRequest(step, options.http_target, options.client);
+  }
+  std::string bytes;
+  if (!step.SerializeToString(&bytes)) {
+    return absl::InternalError("step request: could not serialize");
+  }
+  return bytes;
+}
+
+}  // namespace
+
 absl::Status DecodeSessions::StartSequences(const DecodeBenchOptions& options) {
   ATTN_ASSIGN_OR_RETURN(SessionShape shape, ShapeOfSessions(client_, options));
   const std::string model = options.model.empty()
@@ -286,10 +300,7 @@ absl::Status DecodeSessions::StartSequences(const DecodeBenchOptions& options) {
     (*sequence_ends_.back().mutable_parameters())["sequence_end"]
         .set_bool_param(true);
     ATTN_RETURN_IF_ERROR(client_.ModelInfer(step).status());
-    std::string bytes;
-    if (!step.SerializeToString(&bytes)) {
-      return absl::InternalError("step request: could not serialize");
-    }
+    ATTN_ASSIGN_OR_RETURN(std::string bytes, StepBytes(step, options));
     workload_.per_connection.push_back({std::move(bytes)});
   }
   workload_.rpc = "ModelInfer";
@@ -301,10 +312,11 @@ absl::Status DecodeSessions::StartSequences(const DecodeBenchOptions& options) {
       "decode over Open Inference sequences of ", model, ": ",
       options.step_tokens, " token(s) a step after ", options.kv_seq,
       " cached, ", shape.description, ", ", options.sessions, " sequence(s)");
-  return SetTransport(options);
+  SetTransport(options);
+  return absl::OkStatus();
 }
 
-absl::Status DecodeSessions::SetTransport(const DecodeBenchOptions& options) {
+void DecodeSessions::SetTransport(const DecodeBenchOptions& options) {
   const ClientOptions client = options.client;
   switch (options.protocol) {
     case DecodeProtocol::kOpenInferenceStream:
@@ -313,29 +325,16 @@ absl::Status DecodeSessions::SetTransport(const DecodeBenchOptions& options) {
         return OpenStreamConnection(client);
       };
       break;
-    case DecodeProtocol::kOpenInferenceHttp: {
+    case DecodeProtocol::kOpenInferenceHttp:
       workload_.rpc = "HTTP infer";
-      const std::string target = options.http_target;
-      // The steps as whole HTTP requests.
-      for (std::vector<std::string>& cycle : workload_.per_connection) {
-        for (std::string& bytes : cycle) {
-          inference::ModelInferRequest request;
-          request.ParseFromString(bytes);
-          ATTN_ASSIGN_OR_RETURN(bytes,
-                                HttpInferRequest(request, target, client));
-        }
-      }
-      workload_.request = workload_.per_connection.front().front();
-      workload_.connect = [client, target](int) {
+      workload_.connect = [client, target = options.http_target](int) {
         return OpenHttpConnection(target, client);
       };
       break;
-    }
     default:
-      return absl::OkStatus();
+      return;
   }
   absl::StrAppend(&workload_.description, " (", workload_.rpc, ")");
-  return absl::OkStatus();
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSessions>> DecodeSessions::Open(

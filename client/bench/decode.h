@@ -102,8 +102,8 @@ class DecodeSessions {
   // The protocol's transports: starts one sequence per connection.
   absl::Status StartSequences(const DecodeBenchOptions& options);
   // Sets how the workload's steps travel: unary gRPC, or the stream's or
-  // HTTP connections (its requests then in their form).
-  absl::Status SetTransport(const DecodeBenchOptions& options);
+  // HTTP connections (StartSequences wrote its requests in their form).
+  void SetTransport(const DecodeBenchOptions& options);
 
   AttnClient& client_;
   std::vector<std::string> ids_;

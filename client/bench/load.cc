@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -249,9 +250,10 @@ class LoadRun {
   void Finish(const grpc::ClientContext& context, const grpc::Status& status,
               int64_t intended) ABSL_LOCKS_EXCLUDED(mu_);
   // Counts a call meant to start at `intended` that ended now with
-  // `status`, from `peer`; `compute_ns` >= 0: the server's computation.
+  // `status`; `peer()` names the server (asked for the first error of each
+  // code only); `compute_ns` >= 0: the server's computation.
   void Record(const absl::Status& status, int64_t intended,
-              const std::string& peer, int64_t compute_ns)
+              absl::FunctionRef<std::string()> peer, int64_t compute_ns)
       ABSL_LOCKS_EXCLUDED(mu_);
   // A caller of a workload over blocking connections: calls on `channel`'s
   // connection one after another until the run stops, then waits for the
@@ -368,19 +370,20 @@ void LoadRun::Finish(const grpc::ClientContext& context,
   if (!Counted(intended)) return;
   const auto& trailers = context.GetServerTrailingMetadata();
   const auto compute = trailers.find("attnserve-compute-us");
-  int64_t micros = -1;
-  if (compute == trailers.end() ||
-      !absl::SimpleAtoi(
+  int64_t micros = 0;
+  const bool computed =
+      compute != trailers.end() &&
+      absl::SimpleAtoi(
           absl::string_view(compute->second.data(), compute->second.size()),
-          &micros)) {
-    micros = -1;
-  }
-  Record(FromGrpcStatus(status), intended, context.peer(),
-         micros < 0 ? -1 : micros * 1000);
+          &micros);
+  Record(
+      FromGrpcStatus(status), intended, [&] { return context.peer(); },
+      computed ? micros * 1000 : -1);
 }
 
 void LoadRun::Record(const absl::Status& status, int64_t intended,
-                     const std::string& peer, int64_t compute_ns) {
+                     absl::FunctionRef<std::string()> peer,
+                     int64_t compute_ns) {
   if (!Counted(intended)) return;
   const int64_t now = NowNanos();
   WindowTally* window = WindowAt(now);
@@ -393,7 +396,7 @@ void LoadRun::Record(const absl::Status& status, int64_t intended,
     window->errors[code].fetch_add(1);
     if (!error_seen_[code].exchange(true)) {
       MutexLock lock(&mu_);
-      first_errors_[code] = {std::string(status.message()), now, peer};
+      first_errors_[code] = {std::string(status.message()), now, peer()};
     }
     window->failed.fetch_add(1, std::memory_order_relaxed);
   }
@@ -429,7 +432,8 @@ void LoadRun::CallBlocking(int channel) {
       request = &cycle[next_request_[channel].fetch_add(1) % cycle.size()];
     }
     const absl::Status status = connection.Call(*request);
-    Record(status, intended, connection.peer(), -1);
+    Record(
+        status, intended, [&] { return connection.peer(); }, -1);
   }
   Leave();
   MutexLock lock(&mu_);
@@ -757,6 +761,16 @@ absl::Status VerifyLoadOptions(const LoadOptions& options) {
   return VerifyWindows(options);
 }
 
+absl::Status VerifyOneCallPerConnection(const LoadOptions& options) {
+  if (options.rate <= 0 && options.concurrency == options.connections) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "--concurrency: this transport carries one call at a time per "
+      "connection, closed loop: set --concurrency equal to --connections (",
+      options.connections, ") and no --rate"));
+}
+
 absl::StatusOr<BenchReport> RunLoad(
     const Workload& workload, const LoadOptions& options,
     const std::function<void(const LoadProgress&)>& progress) {
@@ -777,12 +791,8 @@ absl::StatusOr<BenchReport> RunLoad(const Workload& workload,
           "workload: a connection has no requests to send");
     }
   }
-  if (workload.connect &&
-      (options.rate > 0 || options.concurrency != options.connections)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--concurrency: this transport carries one call at a time per "
-        "connection, closed loop: set --concurrency equal to --connections (",
-        options.connections, ") and no --rate"));
+  if (workload.connect) {
+    ATTN_RETURN_IF_ERROR(VerifyOneCallPerConnection(options));
   }
   LoadRun run(workload, options);
   ATTN_RETURN_IF_ERROR(run.Connect());

@@ -62,6 +62,9 @@ struct LoadOptions {
 
 // OK when the options can run; INVALID_ARGUMENT naming the flag otherwise.
 absl::Status VerifyLoadOptions(const LoadOptions& options);
+// OK when the options suit a workload over blocking connections
+// (Workload::connect): closed loop, one call in flight per connection.
+absl::Status VerifyOneCallPerConnection(const LoadOptions& options);
 
 // A running load test, as the progress line shows it.
 struct LoadProgress {

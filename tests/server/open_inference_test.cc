@@ -1062,7 +1062,8 @@ TEST_F(OpenInferenceTest, HttpErrorsAreJsonWithTheMatchingStatus) {
               "Authorization: Bearer a\x01\r\n\r\n");
   EXPECT_THAT(control, ::testing::StartsWith("HTTP/1.1 400 "));
   EXPECT_THAT(control, HasSubstr("control characters"));
-  // A chunked body is decoded (tests/server/http_framing_test.cc covers framing).
+  // A chunked body is decoded (tests/server/http_framing_test.cc covers
+  // framing).
   EXPECT_THAT(RawHttp(server_.http_port(),
                       "POST /v2/models/attend/infer HTTP/1.1\r\n"
                       "Host: 127.0.0.1\r\nConnection: close\r\n"
