@@ -1,5 +1,7 @@
 #include "engine/engine.h"
 
+#include <algorithm>
+#include <memory>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
@@ -104,15 +106,69 @@ absl::Status Engine::Compute(const RequestCost& cost,
   return status;
 }
 
+void Engine::Record(const EngineCall& call, const absl::Status& status,
+                    absl::Duration queue_wait, absl::Duration compute) const {
+  if (options_.recorder == nullptr) return;
+  const absl::Duration total = absl::Now() - call.arrived;
+  // The request's translation precedes the queue.
+  const absl::Duration input =
+      std::clamp(call.decoded - call.arrived, absl::ZeroDuration(), queue_wait);
+  options_.recorder->Record(
+      call, status,
+      {.total = total,
+       .input = input,
+       .queue = queue_wait - input,
+       .compute = compute},
+      compute > absl::ZeroDuration() || status.ok() ? call.cost.flops : 0);
+}
+
+void Engine::Submit(EngineCall call, std::function<absl::Status()> compute,
+                    const std::atomic<bool>* cancelled,
+                    std::function<void(const absl::Status&)> finish) const {
+  // Computes and records an admitted call; the status `finish` gets.
+  auto run = [this](const EngineCall& call,
+                    absl::FunctionRef<absl::Status()> compute,
+                    const std::atomic<bool>* cancelled) {
+    const absl::Time started = absl::Now();
+    absl::Duration took;
+    const absl::Status status =
+        Compute(call.cost, cancelled, call.deadline, compute, &took);
+    Record(call, status, started - call.arrived, took);
+    return status;
+  };
+  // Shared by the queued work and the refusal of a full queue.
+  auto shared_finish =
+      std::make_shared<std::function<void(const absl::Status&)>>(
+          std::move(finish));
+  Dispatch(call.cost, call.deadline,
+           {.refuse =
+                [&](const absl::Status& status) {
+                  Record(call, status, absl::ZeroDuration(),
+                         absl::ZeroDuration());
+                  (*shared_finish)(status);
+                },
+            .here = [&] { (*shared_finish)(run(call, compute, cancelled)); },
+            .queued = [&]() -> std::function<void()> {
+              return [run, call, compute = std::move(compute), cancelled,
+                      shared_finish] {
+                (*shared_finish)(run(call, compute, cancelled));
+              };
+            }});
+}
+
 bool Engine::Coalesces(const RequestCost& cost) const {
   return step_coalescer_ != nullptr &&
          (step_coalescer_->active() || !IsTiny(cost));
 }
 
 absl::Status Engine::Coalesce(
-    const RequestCost& cost, absl::Time deadline,
+    const EngineCall& call,
     absl::FunctionRef<std::unique_ptr<StepCoalescer::Step>()> make_step) const {
-  ATTN_RETURN_IF_ERROR(Admit(cost, deadline));
+  const absl::Status admitted = Admit(call.cost, call.deadline);
+  if (!admitted.ok()) {
+    Record(call, admitted, absl::ZeroDuration(), absl::ZeroDuration());
+    return admitted;
+  }
   step_coalescer_->Add(make_step());
   return absl::OkStatus();
 }

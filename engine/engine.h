@@ -5,13 +5,14 @@
 // queued for a worker, else refused as busy), computation with the call's
 // share of the cores and its cancellation, the cost model that learns from
 // every computation, and decode steps in the step coalescer's shared
-// passes. It knows no wire format: a call is its cost, its deadline and the
-// front end's functions that compute and answer it.
+// passes, and the record of every call (engine/call_record.h). It knows no
+// wire format: a call is its cost, its deadline, its subject and the front
+// end's functions that compute and answer it.
 //
 // Thread-safety: every method may be called from any thread. Ownership:
 // owns its scheduler (the workers), cost model and step coalescer; the
-// thread budget and session store must outlive it, and it must be
-// destroyed before them (its destructor runs what is queued).
+// thread budget, session store and recorder must outlive it, and it must
+// be destroyed before them (its destructor runs what is queued).
 #ifndef ATTNSERVE_ENGINE_ENGINE_H_
 #define ATTNSERVE_ENGINE_ENGINE_H_
 
@@ -26,6 +27,7 @@
 #include "core/session_store.h"
 #include "core/thread_budget.h"
 #include "engine/call_cost.h"
+#include "engine/call_record.h"
 #include "engine/scheduler.h"
 #include "engine/step_coalescer.h"
 
@@ -52,6 +54,8 @@ struct EngineOptions {
   // Refused with RESOURCE_EXHAUSTED before any allocation.
   int64_t max_tensor_elements = 0;
   int64_t max_request_bytes = 0;
+  // Null: calls are not recorded.
+  const CallRecorder* recorder = nullptr;
 };
 
 class Engine {
@@ -102,15 +106,32 @@ class Engine {
                        absl::FunctionRef<absl::Status()> compute,
                        absl::Duration* took) const;
 
+  // The whole path of a call: admits it, computes `compute()` with its
+  // share of the cores (here when tiny and a worker is free, else on a
+  // worker), records it, then calls `finish` once with the status, on
+  // whichever thread computed. `cancelled` (may be null) must live until
+  // `finish` is called, and so must `call.subject`.
+  void Submit(EngineCall call, std::function<absl::Status()> compute,
+              const std::atomic<bool>* cancelled,
+              std::function<void(const absl::Status&)> finish) const;
+
+  // Records one finished call: it waited `queue_wait` from its arrival to
+  // the start of its computation, which took `compute`, and answers with
+  // `status` now. For front ends that dispatch and compute through
+  // Dispatch and Compute themselves (Submit records its calls).
+  void Record(const EngineCall& call, const absl::Status& status,
+              absl::Duration queue_wait, absl::Duration compute) const;
+
   // Whether a session step of `cost` joins the step coalescer's passes:
   // there is a coalescer, and a pass is forming or the step is not tiny (a
   // tiny step alone runs on the thread that received it).
   bool Coalesces(const RequestCost& cost) const;
   // Admits a session step and hands `make_step()` to the coalescer's next
-  // pass (the step then answers itself through its Finish). Not OK: the
-  // step was refused, `make_step` was not called, and the caller answers.
+  // pass (the step then answers itself through its Finish, and records
+  // itself through Record). Not OK: the step was refused and recorded,
+  // `make_step` was not called, and the caller answers.
   absl::Status Coalesce(
-      const RequestCost& cost, absl::Time deadline,
+      const EngineCall& call,
       absl::FunctionRef<std::unique_ptr<StepCoalescer::Step>()> make_step)
       const;
 

@@ -1,10 +1,11 @@
 // The path every compute call takes, whichever front end received it
 // (native gRPC, the Open Inference Protocol over gRPC or HTTP): the engine
-// (engine/engine.h: admission, dispatch, computation, step coalescing)
-// with what the server keeps around it: the call's shared memory, then
-// metrics, statistics and the access log. Front ends authenticate and
-// decode; they hand the pipeline a decoded request and its bound handler,
-// and answer the client with what it returns.
+// (engine/engine.h: admission, dispatch, computation, step coalescing and
+// the record of every call) with what the server keeps around it: the
+// call's shared memory, the records (server/call_records.h) and the
+// protocol's sequences and settings. Front ends authenticate and decode;
+// they hand the pipeline a decoded request and its bound handler, and
+// answer the client with what it returns.
 //
 // Thread-safety: every method may be called from any thread (everything
 // ServiceConfig points to is thread-safe). Ownership: owns nothing
@@ -26,14 +27,13 @@
 #include "engine/engine.h"
 #include "google/protobuf/message.h"
 #include "server/auth.h"
+#include "server/call_records.h"
 #include "server/handlers.h"
-#include "server/metrics.h"
 #include "server/model_repository.h"
 #include "server/request_cost.h"
 #include "server/runtime_settings.h"
 #include "server/sequences.h"
 #include "server/shared_memory.h"
-#include "server/statistics.h"
 
 namespace attnserve {
 
@@ -45,9 +45,10 @@ struct ServiceConfig {
   ModelRepository* repository = nullptr;
   // Null: no shared memory (its RPCs answer FAILED_PRECONDITION).
   SharedMemoryRegistry* shared_memory = nullptr;
-  // Required: admits, dispatches and computes the calls.
+  // Required: admits, dispatches, computes and records the calls.
   Engine* engine = nullptr;
-  Metrics* metrics = nullptr;  // required
+  // Required: what the engine records into (statistics, log settings).
+  CallRecords* records = nullptr;
   // Null: decode sessions are off (their RPCs answer FAILED_PRECONDITION).
   SessionStore* sessions = nullptr;
   // The longest session, and the length of sessions created without one.
@@ -56,26 +57,6 @@ struct ServiceConfig {
   int max_steps_per_call = 256;
   // Null: no authentication.
   const TokenAuthenticator* auth = nullptr;
-  // Write one access-log line per call to stderr (at start: the logging
-  // extension's log_info turns it on and off).
-  bool access_log = false;
-  // What --log_level lets through, for the logging extension's answer.
-  bool log_warnings = true;
-  bool log_errors = true;
-};
-
-// A decoded call, for admission and the record of it.
-struct PipelineCall {
-  std::string rpc;  // the metrics' label, e.g. "Attend"
-  // For the access log and the byte counts; must outlive the call.
-  const google::protobuf::Message* request = nullptr;
-  const google::protobuf::Message* response = nullptr;
-  RequestCost cost;
-  absl::Time arrived;
-  // When the request had been translated into its native call (the
-  // statistics' compute_input ends there); InfinitePast: no translation.
-  absl::Time decoded = absl::InfinitePast();
-  absl::Time deadline = absl::InfiniteFuture();
 };
 
 class CallPipeline {
@@ -84,12 +65,14 @@ class CallPipeline {
 
   const ServiceConfig& config() const { return config_; }
   Engine& engine() const { return *config_.engine; }
-  // Per-model statistics of the calls Record sees.
-  const StatisticsTable& statistics() const { return statistics_; }
+  // Per-model statistics of the calls the engine records.
+  const StatisticsTable& statistics() const {
+    return config_.records->statistics();
+  }
   // The open sequences of the protocol's sequence extension (thread-safe).
   SequenceTable* sequences() const { return &sequences_; }
   // The logging and trace extensions' settings (thread-safe).
-  LogSettings* log_settings() const { return &log_settings_; }
+  LogSettings* log_settings() const { return config_.records->log_settings(); }
   TraceSettings* trace_settings() const { return &trace_settings_; }
 
   // Checks an `authorization` header's value (nullopt: none sent).
@@ -98,25 +81,16 @@ class CallPipeline {
   // Engine::Compute of `handle` with the call's shared memory (mapped
   // for the call).
   absl::Status Compute(
-      const PipelineCall& call, const std::atomic<bool>* cancelled,
+      const EngineCall& call, const std::atomic<bool>* cancelled,
       absl::FunctionRef<absl::Status(const CallControl&)> handle,
       absl::Duration* compute) const;
-  // Compute, then Record: the status of an admitted call that ran (or was
-  // refused when its turn came).
-  absl::Status ComputeAndRecord(
-      const PipelineCall& call, const std::atomic<bool>* cancelled,
-      absl::FunctionRef<absl::Status(const CallControl&)> handle) const;
-  // Metrics and the access log for one finished call.
-  void Record(const PipelineCall& call, const absl::Status& status,
-              absl::Duration queue_wait, absl::Duration compute,
-              double flops) const;
 
-  // The whole path for front ends without a reactor of their own: admits
-  // `call`, computes `handle` (here when tiny and a worker is free, else
-  // on a worker), records it, then calls `finish` once with the status, on
-  // whichever thread computed. `cancelled` (may be null) must live until
-  // `finish` is called.
-  void Run(PipelineCall call,
+  // Engine::Submit of `handle` with the call's shared memory: admitted,
+  // computed (here when tiny and a worker is free, else on a worker),
+  // recorded, then `finish` is called once with the status, on whichever
+  // thread computed. `cancelled` (may be null) and `call.subject` must live
+  // until `finish` is called.
+  void Run(EngineCall call,
            std::function<absl::Status(const CallControl&)> handle,
            const std::atomic<bool>* cancelled,
            std::function<void(const absl::Status&)> finish) const;
@@ -124,29 +98,33 @@ class CallPipeline {
   // `step()` is asked (here, once) for its SessionStepCall, and a call that
   // has one joins the step coalescer's passes (`handle` is then not
   // called). Other calls, and all when the coalescer is off, take Run.
-  void Run(PipelineCall call,
+  void Run(EngineCall call,
            std::function<absl::Status(const CallControl&)> handle,
            const std::atomic<bool>* cancelled,
            std::function<void(const absl::Status&)> finish,
            absl::FunctionRef<std::optional<SessionStepCall>()> step) const;
 
   // The answer to a coalesced call: its status, how long it waited for its
-  // pass and how long the pass computed. Called once; it records the call.
+  // pass and how long the pass computed. Called once, after the engine
+  // recorded the call.
   using StepAnswer = std::function<void(
       const absl::Status&, absl::Duration queue_wait, absl::Duration compute)>;
   // Admits `call` and hands `step` to the coalescer for its next pass;
   // `answer` is called once, at once when the call is refused, else on the
-  // pass's thread. `cancelled` (may be null) must live until then.
-  void Coalesce(PipelineCall call, SessionStepCall step,
-                const std::atomic<bool>* cancelled, StepAnswer answer) const;
+  // pass's thread. `complete` (may be null) runs before the record, with
+  // the pass's compute time: it finishes the call's response and returns
+  // the status to answer with.
+  // `cancelled` (may be null) and `call.subject` must live until `answer`.
+  using StepComplete =
+      std::function<absl::Status(const absl::Status&, absl::Duration)>;
+  void Coalesce(EngineCall call, SessionStepCall step,
+                const std::atomic<bool>* cancelled, StepComplete complete,
+                StepAnswer answer) const;
 
  private:
   ServiceConfig config_;
-  mutable StatisticsTable statistics_{config_.models};
   mutable SequenceTable sequences_{config_.sessions, config_.models,
                                    config_.max_session_length};
-  mutable LogSettings log_settings_{config_.access_log, config_.log_warnings,
-                                    config_.log_errors};
   mutable TraceSettings trace_settings_{config_.models};
 };
 

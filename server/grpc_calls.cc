@@ -132,41 +132,52 @@ void GrpcCalls::Compute(Call& call, Handle handle,
          reactor);
 }
 
-void GrpcCalls::Answer(Call& call, absl::Status status,
-                       absl::Duration queue_wait, absl::Duration compute,
-                       grpc::ServerUnaryReactor* reactor) const {
+absl::Status GrpcCalls::Complete(Call& call, absl::Status status,
+                                 absl::Duration compute) const {
   if (compute > absl::ZeroDuration()) {
     call.context->AddTrailingMetadata(
         "attnserve-compute-us",
         std::to_string(absl::ToInt64Microseconds(compute)));
   }
   if (status.ok()) status = Serialize(*call.response, call.raw_response);
-  pipeline_->Record(call.record, status, queue_wait, compute,
-                    call.record.cost.flops);
+  return status;
+}
+
+void GrpcCalls::Answer(Call& call, const absl::Status& status,
+                       grpc::ServerUnaryReactor* reactor) const {
   // Back to the pool first: once answered, the server may be destroyed.
   call.messages.reset();
   reactor->Finish(ToGrpcStatus(status));
+}
+
+void GrpcCalls::Answer(Call& call, absl::Status status,
+                       absl::Duration queue_wait, absl::Duration compute,
+                       grpc::ServerUnaryReactor* reactor) const {
+  status = Complete(call, std::move(status), compute);
+  pipeline_->engine().Record(RecordOf(call), status, queue_wait, compute);
+  Answer(call, status, reactor);
 }
 
 grpc::ServerUnaryReactor* GrpcCalls::Coalesce(
     Call call, SessionStepCall step, std::shared_ptr<const void> owner) const {
   auto* reactor = new CallReactor();
   auto shared = std::make_shared<Call>(std::move(call));
-  pipeline_->Coalesce(shared->record, std::move(step), reactor->cancelled(),
-                      [this, shared, reactor, owner = std::move(owner)](
-                          const absl::Status& status, absl::Duration queue_wait,
-                          absl::Duration compute) {
-                        Answer(*shared, status, queue_wait, compute, reactor);
-                      });
+  pipeline_->Coalesce(
+      RecordOf(*shared), std::move(step), reactor->cancelled(),
+      [this, shared](const absl::Status& status, absl::Duration compute) {
+        return Complete(*shared, status, compute);
+      },
+      [this, shared, reactor, owner = std::move(owner)](
+          const absl::Status& status, absl::Duration, absl::Duration) {
+        Answer(*shared, status, reactor);
+      });
   return reactor;
 }
 
-grpc::ServerUnaryReactor* GrpcCalls::Refuse(const Call& call,
+grpc::ServerUnaryReactor* GrpcCalls::Refuse(Call& call,
                                             const absl::Status& status) const {
-  PipelineCall refused = call.record;
-  refused.response = nullptr;
-  pipeline_->Record(refused, status, absl::ZeroDuration(), absl::ZeroDuration(),
-                    0);
+  pipeline_->engine().Record(RecordOf(call), status, absl::ZeroDuration(),
+                             absl::ZeroDuration());
   grpc::ServerUnaryReactor* reactor = call.context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;
@@ -184,12 +195,10 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeState(
   if (status.ok()) {
     status = Parse(raw_request, request);
     if (!status.ok()) {
-      pipeline_->Record({.rpc = RpcName(*request),
-                         .request = request,
-                         .response = nullptr,
-                         .cost = {},
-                         .arrived = arrived},
-                        status, absl::ZeroDuration(), absl::ZeroDuration(), 0);
+      const MessageSubject subject(request, nullptr);
+      pipeline_->engine().Record(
+          {.label = RpcName(*request), .subject = &subject, .arrived = arrived},
+          status, absl::ZeroDuration(), absl::ZeroDuration());
     }
   }
   if (status.ok()) status = handle();

@@ -95,11 +95,19 @@ class GrpcCalls {
     grpc::CallbackServerContext* context;
     google::protobuf::Message* response;
     grpc::ByteBuffer* raw_response;  // gRPC's, filled when the call succeeds
-    PipelineCall record;
+    // Its subject is set where the call is recorded (the call moves before
+    // that, and `subject` with it).
+    EngineCall record;
+    MessageSubject subject;
     // Owns the request and `response`; null once back in their pool.
     PooledMessagesPtr messages;
   };
   using Handle = absl::FunctionRef<absl::Status(const CallControl&)>;
+  // `call`'s record, pointing to its subject where the call is now.
+  static const EngineCall& RecordOf(Call& call) {
+    call.record.subject = &call.subject;
+    return call.record;
+  }
 
   // `call` through the engine's dispatch (Engine::Dispatch): refused,
   // computed here on gRPC's default reactor (tiny, a worker free), or
@@ -123,12 +131,19 @@ class GrpcCalls {
   grpc::ServerUnaryReactor* Coalesce(Call call, SessionStepCall step,
                                      std::shared_ptr<const void> owner) const;
   // Answers a call that computed (or was refused on its way to computing):
-  // serializes its response if `status` is OK, records it and finishes
-  // `reactor`, having returned its messages to their pool.
+  // Complete, the engine's record of it, then the answer.
   void Answer(Call& call, absl::Status status, absl::Duration queue_wait,
               absl::Duration compute, grpc::ServerUnaryReactor* reactor) const;
+  // A computed call's response: its compute-time trailer and, if `status`
+  // is OK, its serialization; the status to answer with.
+  absl::Status Complete(Call& call, absl::Status status,
+                        absl::Duration compute) const;
+  // Finishes `reactor` with `status`, having returned the call's messages
+  // to their pool.
+  void Answer(Call& call, const absl::Status& status,
+              grpc::ServerUnaryReactor* reactor) const;
   // Answers `call` with `status` (not OK) before it computes.
-  grpc::ServerUnaryReactor* Refuse(const Call& call,
+  grpc::ServerUnaryReactor* Refuse(Call& call,
                                    const absl::Status& status) const;
   // Authenticates, checks the limits VerifyBeforeParse checks, then
   // parses `raw_request` into `request`.
@@ -256,12 +271,12 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeCompute(
   Call call{.context = context,
             .response = response,
             .raw_response = raw_response,
-            .record = {.rpc = RpcName(*request),
-                       .request = request,
-                       .response = response,
+            .record = {.label = RpcName(*request),
+                       .subject = nullptr,
                        .cost = {},  // known once the request is parsed
                        .arrived = arrived,
                        .deadline = DeadlineOf(*context)},
+            .subject = MessageSubject(request, response),
             .messages = PooledMessagesPtr(messages)};
   // Authenticated first: an unauthenticated client's bytes are not parsed.
   const absl::Status accepted = Accept(*context, raw_request, request);
@@ -270,7 +285,7 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeCompute(
   if (!bound.ok()) return Refuse(call, bound.status());
   call.record.cost = bound->cost;
   call.record.decoded = absl::Now();
-  if (!bound->rpc.empty()) call.record.rpc = std::move(bound->rpc);
+  if (!bound->rpc.empty()) call.record.label = std::move(bound->rpc);
   if constexpr (requires { bound->handle.StepCall(*request, response); }) {
     // A call that steps a session joins the coalescer's passes, unless it
     // is tiny and would run alone anyway (then it may run here, on gRPC's

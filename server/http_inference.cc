@@ -306,6 +306,7 @@ class HttpInference {
   struct InferCall {
     inference::ModelInferRequest request;
     inference::ModelInferResponse response;
+    const MessageSubject subject{&request, &response};
     JsonOutputOptions output_options;
     std::unique_ptr<NativeInferCall> native;
     std::string response_coding;
@@ -321,12 +322,11 @@ class HttpInference {
     }
     if (!decoded.ok()) return responder.Send(StatusResponse(decoded));
     call->response_coding = ResponseCoding(http.head);
-    PipelineCall record{.rpc = call->native->label(),
-                        .request = &call->request,
-                        .response = &call->response,
-                        .cost = call->native->cost(),
-                        .arrived = http.arrived,
-                        .decoded = absl::Now()};
+    EngineCall record{.label = call->native->label(),
+                      .subject = &call->subject,
+                      .cost = call->native->cost(),
+                      .arrived = http.arrived,
+                      .decoded = absl::Now()};
     pipeline_->Run(
         std::move(record),
         [call](const CallControl& control) {

@@ -225,6 +225,7 @@ void AttnServer::StartEngine(const ServerOptions& options) {
   engine.max_steps_per_pass = options.max_steps_per_call;
   engine.max_tensor_elements = options.max_tensor_elements;
   engine.max_request_bytes = options.max_request_memory_mb << 20;
+  engine.recorder = records_.get();
   engine_ = std::make_unique<Engine>(engine);
 }
 
@@ -244,6 +245,12 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
     shared_memory_ = std::make_unique<SharedMemoryRegistry>(
         static_cast<uint64_t>(options.max_shared_memory_mb) << 20);
   }
+  records_ = std::make_unique<CallRecords>(CallRecords::Options{
+      .metrics = metrics_.get(),
+      .models = models_.get(),
+      .access_log = ShouldLog(options, LogSeverity::kInfo),
+      .log_warnings = ShouldLog(options, LogSeverity::kWarning),
+      .log_errors = ShouldLog(options, LogSeverity::kError)});
   StartSessions(options);
   StartEngine(options);
   ServiceConfig config;
@@ -253,10 +260,7 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
   config.max_session_length = options.max_session_length;
   config.max_steps_per_call = options.max_steps_per_call;
   config.auth = auth_.get();
-  config.metrics = metrics_.get();
-  config.access_log = ShouldLog(options, LogSeverity::kInfo);
-  config.log_warnings = ShouldLog(options, LogSeverity::kWarning);
-  config.log_errors = ShouldLog(options, LogSeverity::kError);
+  config.records = records_.get();
   config.models = models_.get();
   config.repository = models_.get();
   pipeline_ = std::make_unique<CallPipeline>(config);

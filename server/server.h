@@ -16,6 +16,7 @@
 #include "engine/engine.h"
 #include "grpcpp/server.h"
 #include "server/attention_service.h"
+#include "server/call_records.h"
 #include "server/http/http_server.h"
 #include "server/metrics.h"
 #include "server/model_repository.h"
@@ -78,6 +79,8 @@ class AttnServer {
   // Declared before server_: destroyed after it, once every call is done.
   std::unique_ptr<ModelRepository> models_;  // null: no repository
   std::unique_ptr<Metrics> metrics_;
+  // What the engine records into; outlives it.
+  std::unique_ptr<CallRecords> records_;
   std::unique_ptr<TokenAuthenticator> auth_;
   // Null when shared memory is off. Declared before the service and the
   // gRPC server, so that it is destroyed (its regions unmapped) after them.

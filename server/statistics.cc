@@ -47,10 +47,9 @@ bool StatisticsTable::IsServed(const std::string& model) const {
   return !model.empty() && FindProtocolModel(model, models_, "name").ok();
 }
 
-void StatisticsTable::Record(const google::protobuf::Message& request,
+void StatisticsTable::Record(const std::string& model,
                              const absl::Status& status,
-                             const Durations& durations) {
-  const std::string model = ModelOfRequest(request);
+                             const CallTimes& durations) {
   if (!IsServed(model)) return;
   const uint64_t now_ms =
       static_cast<uint64_t>(absl::ToUnixMillis(absl::Now()));

@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/time/time.h"
 #include "core/mutex.h"
+#include "engine/call_record.h"
 #include "google/protobuf/message.h"
 #include "inference/grpc_service.pb.h"
 #include "server/model_repository.h"
@@ -34,17 +35,9 @@ class StatisticsTable {
  public:
   explicit StatisticsTable(const ModelRepository* models) : models_(models) {}
 
-  // Where one call's time went.
-  struct Durations {
-    absl::Duration total;    // from arrival to answer
-    absl::Duration input;    // the request's translation into a native call
-    absl::Duration queue;    // from then to the start of its computation
-    absl::Duration compute;  // its computation
-  };
-  // One finished compute call whose request is `request`.
-  void Record(const google::protobuf::Message& request,
-              const absl::Status& status, const Durations& durations)
-      ABSL_LOCKS_EXCLUDED(mu_);
+  // One finished compute call for `model` (ignored unless served).
+  void Record(const std::string& model, const absl::Status& status,
+              const CallTimes& durations) ABSL_LOCKS_EXCLUDED(mu_);
 
   // ModelStatistics: every served model when `request.name` is empty, else
   // that one; version "" or "1". NOT_FOUND for models not served and other

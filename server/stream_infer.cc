@@ -105,16 +105,16 @@ class StreamInferReactor final
   struct Call {
     inference::ModelInferRequest request;
     inference::ModelStreamInferResponse response;
+    const MessageSubject subject{&request, &response};
     std::unique_ptr<NativeInferCall> native;
     absl::Time arrived;
     absl::Time decoded = absl::InfinitePast();
   };
 
-  PipelineCall Record(const Call& call) const {
-    return PipelineCall{
-        .rpc = "ModelStreamInfer",
-        .request = &call.request,
-        .response = &call.response,
+  EngineCall Record(const Call& call) const {
+    return EngineCall{
+        .label = "ModelStreamInfer",
+        .subject = &call.subject,
         .cost = call.native != nullptr ? call.native->cost() : RequestCost{},
         .arrived = call.arrived,
         .decoded = call.decoded,
@@ -123,10 +123,8 @@ class StreamInferReactor final
 
   // Answers the current request with `status` before it computes.
   void Refuse(const absl::Status& status) {
-    PipelineCall record = Record(*call_);
-    record.response = nullptr;
-    pipeline_->Record(record, status, absl::ZeroDuration(),
-                      absl::ZeroDuration(), 0);
+    pipeline_->engine().Record(Record(*call_), status, absl::ZeroDuration(),
+                               absl::ZeroDuration());
     Answer(status);
   }
 

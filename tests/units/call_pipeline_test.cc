@@ -17,6 +17,7 @@
 #include "engine/engine.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "server/call_records.h"
 #include "server/metrics.h"
 
 namespace attnserve {
@@ -29,7 +30,7 @@ class CallPipelineTest : public ::testing::Test {
   CallPipelineTest() : engine_(EngineOptionsForTest()) {
     ServiceConfig config;
     config.engine = &engine_;
-    config.metrics = &metrics_;
+    config.records = &records_;
     pipeline_ = std::make_unique<CallPipeline>(config);
   }
 
@@ -40,14 +41,15 @@ class CallPipelineTest : public ::testing::Test {
     options.thread_budget = &budget_;
     options.max_tensor_elements = 1000;
     options.max_request_bytes = int64_t{1} << 20;
+    options.recorder = &records_;
     return options;
   }
 
   // A call labelled `rpc` of `flops`, due in `due`.
-  static PipelineCall Call(const std::string& rpc, double flops,
-                           absl::Duration due = absl::InfiniteDuration()) {
-    PipelineCall call;
-    call.rpc = rpc;
+  static EngineCall Call(const std::string& rpc, double flops,
+                         absl::Duration due = absl::InfiniteDuration()) {
+    EngineCall call;
+    call.label = rpc;
     call.cost.flops = flops;
     call.arrived = absl::Now();
     call.deadline = absl::Now() + due;
@@ -79,8 +81,9 @@ class CallPipelineTest : public ::testing::Test {
   }
 
   ThreadBudget budget_{2};
-  Engine engine_;
   Metrics metrics_;
+  CallRecords records_{{.metrics = &metrics_}};
+  Engine engine_;
   std::unique_ptr<CallPipeline> pipeline_;
 };
 
@@ -109,7 +112,7 @@ TEST_F(CallPipelineTest, TinyAndLargeCallsComputeAndAreRecorded) {
 TEST_F(CallPipelineTest, RefusalsAreRecordedAndFinishTheCallOnce) {
   RequestCost wide;
   wide.largest_tensor = 2000;
-  PipelineCall call = Call("Wide", 0);
+  EngineCall call = Call("Wide", 0);
   call.cost = wide;
   Finished refused;
   bool computed = false;

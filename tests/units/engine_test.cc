@@ -1,6 +1,7 @@
 // The engine alone, with no front end: admission and its refusals, the one
 // dispatch (here, queued, busy), computation (cancellation, deadlines, the
-// cost model) and whether session steps go to the coalescer.
+// cost model), the record of every call Submit handles, and whether session
+// steps go to the coalescer.
 #include "engine/engine.h"
 
 #include <atomic>
@@ -8,6 +9,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/synchronization/notification.h"
@@ -185,7 +187,7 @@ TEST_F(EngineTest, DrainingRefusesCallsAndStepsButNotReadyDoesNot) {
 
   bool made = false;
   const absl::Status step =
-      engine.Coalesce(CostOfFlops(kLargeFlops), absl::InfiniteFuture(), [&] {
+      engine.Coalesce({.label = "Step", .cost = CostOfFlops(kLargeFlops)}, [&] {
         made = true;
         return std::unique_ptr<StepCoalescer::Step>();
       });
@@ -236,6 +238,85 @@ TEST_F(EngineTest, ComputeRefusesCancelledAndLateCallsAndLearnsTheRate) {
   EXPECT_GE(took, absl::Milliseconds(10));
   EXPECT_LT(engine.cost_model().Estimate(cost.effort()),
             absl::Milliseconds(900));
+}
+
+// Every record the engine made, in order.
+class RecordingRecorder : public CallRecorder {
+ public:
+  struct Entry {
+    std::string label;
+    absl::StatusCode code;
+    CallTimes times;
+    double flops;
+  };
+  void Record(const EngineCall& call, const absl::Status& status,
+              const CallTimes& times, double flops) const override {
+    entries.push_back({call.label, status.code(), times, flops});
+  }
+  mutable std::vector<Entry> entries;
+};
+
+TEST_F(EngineTest, SubmitComputesRecordsAndFinishesEachCallOnce) {
+  RecordingRecorder recorder;
+  EngineOptions options = Options(/*max_inflight=*/1, /*max_queue=*/1);
+  options.recorder = &recorder;
+  Engine engine(options);
+
+  // A computed call: its time from arrival splits into input (until it was
+  // decoded), queue and compute, and its FLOPs are counted.
+  const absl::Time arrived = absl::Now() - absl::Milliseconds(30);
+  absl::Notification done;
+  absl::Status finished = absl::UnknownError("not finished");
+  int finishes = 0;
+  engine.Submit(
+      {.label = "Attend",
+       .cost = CostOfFlops(kLargeFlops),
+       .arrived = arrived,
+       .decoded = arrived + absl::Milliseconds(10)},
+      [] {
+        absl::SleepFor(absl::Milliseconds(20));
+        return absl::OkStatus();
+      },
+      nullptr,
+      [&](const absl::Status& status) {
+        finished = status;
+        ++finishes;
+        done.Notify();
+      });
+  ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  EXPECT_TRUE(finished.ok()) << finished;
+  EXPECT_EQ(finishes, 1);
+  ASSERT_EQ(recorder.entries.size(), 1u);
+  const RecordingRecorder::Entry& computed = recorder.entries[0];
+  EXPECT_EQ(computed.label, "Attend");
+  EXPECT_EQ(computed.code, absl::StatusCode::kOk);
+  EXPECT_EQ(computed.times.input, absl::Milliseconds(10));
+  EXPECT_GE(computed.times.queue, absl::Milliseconds(20));
+  EXPECT_GE(computed.times.compute, absl::Milliseconds(20));
+  EXPECT_GE(computed.times.total, computed.times.input + computed.times.queue +
+                                      computed.times.compute);
+  EXPECT_EQ(computed.flops, kLargeFlops);
+
+  // A refused call is recorded with its status and no FLOPs, and finished
+  // once with the refusal; it never computes.
+  bool ran = false;
+  absl::Status refused;
+  engine.Submit(
+      {.label = "Attend",
+       .cost = CostOfFlops(kLargeFlops),
+       .arrived = absl::Now(),
+       .deadline = absl::Now() - absl::Seconds(1)},
+      [&] {
+        ran = true;
+        return absl::OkStatus();
+      },
+      nullptr, [&](const absl::Status& status) { refused = status; });
+  EXPECT_FALSE(ran);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kDeadlineExceeded);
+  ASSERT_EQ(recorder.entries.size(), 2u);
+  EXPECT_EQ(recorder.entries[1].code, absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(recorder.entries[1].flops, 0);
+  EXPECT_EQ(recorder.entries[1].times.compute, absl::ZeroDuration());
 }
 
 TEST_F(EngineTest, StepsAreCoalescedOnlyWithSessionsAndAWait) {
