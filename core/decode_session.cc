@@ -1,10 +1,13 @@
 #include "core/decode_session.h"
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
 #include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -963,6 +966,177 @@ void DecodeSession::SetProblem(const void* query,
   p.causal_offset = first;
   p.cancelled = step.cancelled;
   step.attend = true;
+}
+
+}  // namespace attnserve
+
+namespace attnserve {
+namespace {
+
+// The bytes of one token's row in each region of a cache of `dims`: keys,
+// values, and an INT8 cache's key and value scales.
+std::array<size_t, 4> RegionRowBytes(const KvCache::Dims& dims) {
+  const size_t elem = DTypeSize(dims.dtype);
+  const size_t scale = dims.dtype == DType::kInt8 ? sizeof(float) : 0;
+  return {static_cast<size_t>(dims.key_dim) * elem,
+          static_cast<size_t>(dims.value_dim) * elem, scale, scale};
+}
+
+// OK if every element of `rows` (of cache dtype `dtype`, or float32 scales
+// when `scales`) is finite, and scales are >= 0.
+absl::Status VerifyRows(const char* rows, size_t bytes, DType dtype,
+                        bool scales, absl::string_view what) {
+  size_t bad = bytes;
+  if (scales || dtype == DType::kFloat32) {
+    for (size_t i = 0; i < bytes / sizeof(float); ++i) {
+      float v;
+      std::memcpy(&v, rows + i * sizeof(float), sizeof(float));
+      if (!std::isfinite(v) || (scales && v < 0)) {
+        bad = i;
+        break;
+      }
+    }
+  } else if (dtype == DType::kBFloat16) {
+    for (size_t i = 0; i < bytes / sizeof(uint16_t); ++i) {
+      uint16_t v;
+      std::memcpy(&v, rows + i * sizeof(uint16_t), sizeof(uint16_t));
+      if ((v & 0x7f80) == 0x7f80) {  // exponent all ones: Inf or NaN
+        bad = i;
+        break;
+      }
+    }
+  }
+  if (bad == bytes) return absl::OkStatus();
+  return absl::InvalidArgumentError(
+      absl::StrCat(what, ": element ", bad, " is ",
+                   scales ? "not a finite scale >= 0" : "not finite"));
+}
+
+}  // namespace
+
+size_t DecodeSession::RowBytes(int64_t tokens) const {
+  const std::array<size_t, 4> row = RegionRowBytes(dims_);
+  const size_t planes = static_cast<size_t>(dims_.batch * dims_.kv_heads);
+  size_t bytes = 0;
+  for (size_t r : row) bytes += r * planes * static_cast<size_t>(tokens);
+  return bytes;
+}
+
+const char* DecodeSession::RowAt(int region, int64_t layer, int64_t plane,
+                                 int64_t token) const {
+  const size_t block = static_cast<size_t>(token / kCacheBlockKeys);
+  const bool tabled = static_cast<int64_t>(block) < layers_.layer(layer).blocks;
+  const void* base = nullptr;
+  switch (region) {
+    case 0:
+      base = tabled ? layers_.keys(layer)[block] : cache_->keys(layer);
+      break;
+    case 1:
+      base = tabled ? layers_.values(layer)[block] : cache_->values(layer);
+      break;
+    case 2:
+      base =
+          tabled ? layers_.key_scales(layer)[block] : cache_->key_scales(layer);
+      break;
+    default:
+      base = tabled ? layers_.value_scales(layer)[block]
+                    : cache_->value_scales(layer);
+  }
+  // Every cache of the session has the same dims: a plane starts at the
+  // same offset from its layer's base in each.
+  const char* own_base = static_cast<const char*>(
+      region == 0   ? cache_->keys(layer)
+      : region == 1 ? cache_->values(layer)
+      : region == 2 ? static_cast<const void*>(cache_->key_scales(layer))
+                    : static_cast<const void*>(cache_->value_scales(layer)));
+  const int64_t b = plane / dims_.kv_heads;
+  const int64_t h = plane % dims_.kv_heads;
+  KvCache& own = *cache_;
+  const char* own_row = static_cast<const char*>(
+      region == 0   ? own.key_row(layer, b, h, token)
+      : region == 1 ? own.value_row(layer, b, h, token)
+      : region == 2 ? static_cast<void*>(own.key_scale(layer, b, h, token))
+                    : static_cast<void*>(own.value_scale(layer, b, h, token)));
+  return static_cast<const char*>(base) + (own_row - own_base);
+}
+
+absl::Status DecodeSession::ReadRows(
+    absl::FunctionRef<absl::Status()> begin,
+    absl::FunctionRef<absl::Status(int64_t, int64_t, int64_t,
+                                   absl::string_view)>
+        block) const {
+  MutexLock lock(&mu_);
+  ATTN_RETURN_IF_ERROR(begin());
+  const std::array<size_t, 4> row = RegionRowBytes(dims_);
+  const int64_t planes = dims_.batch * dims_.kv_heads;
+  std::string rows;
+  for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
+    const int64_t length = this->length(layer);
+    for (int64_t first = 0; first < length; first += kCacheBlockKeys) {
+      const int64_t tokens = std::min(kCacheBlockKeys, length - first);
+      rows.resize(RowBytes(tokens));
+      char* out = rows.data();
+      for (int region = 0; region < 4; ++region) {
+        const size_t bytes = row[region] * static_cast<size_t>(tokens);
+        if (bytes == 0) continue;
+        for (int64_t plane = 0; plane < planes; ++plane) {
+          std::memcpy(out, RowAt(region, layer, plane, first), bytes);
+          out += bytes;
+        }
+      }
+      ATTN_RETURN_IF_ERROR(block(layer, first, tokens, rows));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeSession::AppendRows(int64_t layer, int64_t first,
+                                       int64_t tokens, absl::string_view rows) {
+  ATTN_RETURN_IF_ERROR(VerifyLayer(layer));
+  if (tokens < 0 || rows.size() != RowBytes(tokens)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rows: ", rows.size(), " bytes; ", tokens, " tokens take ",
+                     RowBytes(std::max<int64_t>(tokens, 0))));
+  }
+  MutexLock lock(&mu_);
+  SessionLayers::Layer& state = layers_.layer(layer);
+  if (!frozen_.empty() || state.blocks > 0) {
+    return absl::FailedPreconditionError(
+        "rows: the session shares a cache; append to a session of its own");
+  }
+  if (first != length(layer)) {
+    return absl::InvalidArgumentError(absl::StrCat("rows: start at token ",
+                                                   first, "; layer ", layer,
+                                                   " holds ", length(layer)));
+  }
+  ATTN_RETURN_IF_ERROR(VerifyRoom(layer, first, tokens));
+  const std::array<size_t, 4> row = RegionRowBytes(dims_);
+  const int64_t planes = dims_.batch * dims_.kv_heads;
+  const char* in = rows.data();
+  for (int region = 0; region < 4; ++region) {
+    const size_t bytes =
+        row[region] * static_cast<size_t>(tokens) * static_cast<size_t>(planes);
+    ATTN_RETURN_IF_ERROR(VerifyRows(
+        in, bytes, dims_.dtype, region >= 2,
+        absl::StrCat(
+            "rows of layer ", layer, " (",
+            std::array{"keys", "values", "key scales", "value scales"}[region],
+            ")")));
+    in += bytes;
+  }
+  in = rows.data();
+  for (int region = 0; region < 4; ++region) {
+    const size_t bytes = row[region] * static_cast<size_t>(tokens);
+    if (bytes == 0) continue;
+    for (int64_t plane = 0; plane < planes; ++plane) {
+      std::memcpy(const_cast<char*>(RowAt(region, layer, plane, first)), in,
+                  bytes);
+      in += bytes;
+    }
+  }
+  state.written = std::max(state.written, first + tokens);
+  state.length.store(first + tokens, std::memory_order_release);
+  return absl::OkStatus();
 }
 
 }  // namespace attnserve

@@ -42,8 +42,10 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/types/span.h"
 #include "core/kv_cache.h"
 #include "core/multi_head_attention.h"
@@ -252,6 +254,32 @@ class DecodeSession {
   // length of `layer` (cost estimates).
   double StepFlops(int64_t new_tokens, int64_t layer = 0) const;
 
+  // The cached rows of `tokens` tokens of one layer, as ReadRows writes
+  // them and AppendRows takes them: for every (batch, key/value head)
+  // plane in order, its keys' rows in the cache's dtype; then its values'
+  // likewise; then, for an INT8 cache, every plane's key scales and value
+  // scales (float32).
+  size_t RowBytes(int64_t tokens) const;
+  // One consistent snapshot of the session (steps wait meanwhile): calls
+  // `begin()` (the lengths it reads are those of the blocks that follow),
+  // then `block(layer, first, tokens, rows)` for every block of
+  // kCacheBlockKeys tokens the session holds (the last of a layer may be
+  // shorter), layer by layer, with the block's rows as RowBytes describes.
+  // Stops at the first error either returns.
+  absl::Status ReadRows(
+      absl::FunctionRef<absl::Status()> begin,
+      absl::FunctionRef<absl::Status(int64_t layer, int64_t first,
+                                     int64_t tokens, absl::string_view rows)>
+          block) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Appends `tokens` tokens to `layer` of a session that shares no cache
+  // (one created, not forked), from `rows` as RowBytes describes; `first`
+  // must be the layer's length. The rows are checked first (finite floats,
+  // INT8 scales finite and >= 0), so that a session restored from bytes
+  // never answers NaN from finite inputs; on an error nothing changes.
+  // INVALID_ARGUMENT naming what is wrong.
+  absl::Status AppendRows(int64_t layer, int64_t first, int64_t tokens,
+                          absl::string_view rows) ABSL_LOCKS_EXCLUDED(mu_);
+
  private:
   friend std::vector<absl::Status> StepSessions(
       absl::Span<const SessionStepInput> steps);
@@ -310,6 +338,11 @@ class DecodeSession {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t OwnBytes(int64_t layer, int64_t first, int64_t tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Where token `token` of plane `plane` (b * kv_heads + h) of `layer`'s
+  // region `region` (0 keys, 1 values, 2 key scales, 3 value scales) is
+  // read, through the block table.
+  const char* RowAt(int region, int64_t layer, int64_t plane,
+                    int64_t token) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The frozen cache `layer`'s block `block` is read from.
   const KvCache* SharedCacheAt(int64_t layer, size_t block) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -33,7 +33,9 @@
 #include "client/requests.h"
 #include "client/shared_memory.h"
 #include "core/convert.h"
+#include "core/results.h"
 #include "core/safetensors.h"
+#include "core/session_file.h"
 #include "core/status_macros.h"
 #include "fuzz/fuzz_support.h"
 #include "google/protobuf/io/coded_stream.h"
@@ -1140,6 +1142,56 @@ void AddStepSequenceSeeds(Seeds* seeds, std::mt19937& rng) {
        StepRecord(2, 1, rng), ForkRecord(0, 100000)});
 }
 
+// Session files of small sessions: every cache dtype, several layers, an
+// empty one.
+void AddSessionFileSeeds(Seeds* seeds) {
+  std::mt19937 rng(20261127);
+  const auto file = [&](DType cache, int64_t layers,
+                        std::vector<int64_t> lengths) {
+    DecodeSessionConfig config;
+    config.num_heads = 2;
+    config.num_kv_heads = 1;
+    config.key_dim = 4;
+    config.value_dim = 2;
+    config.cache_dtype = cache;
+    config.dtype = cache == DType::kBFloat16 ? cache : DType::kFloat32;
+    config.rotary.dims = 2;
+    config.max_length = 64;
+    config.num_layers = layers;
+    std::unique_ptr<DecodeSession> session =
+        Must("session", DecodeSession::Create(config));
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const int64_t n = lengths[static_cast<size_t>(layer)];
+      if (n == 0) continue;
+      DecodeStepInputs in;
+      in.layer = layer;
+      const Tensor q = Values(config.dtype, {2, n, 4}, rng);
+      const Tensor k = Values(config.dtype, {1, n, 4}, rng);
+      const Tensor v = Values(config.dtype, {1, n, 2}, rng);
+      in.query = q.view();
+      in.key = k.view();
+      in.value = v.view();
+      TensorResults results;
+      const absl::Status stepped = session->Step(in, {}, results);
+      if (!stepped.ok()) Die("session step", stepped);
+    }
+    std::string bytes;
+    const absl::Status written =
+        WriteSessionFile(*session, "0123456789abcdef0123456789abcdef", "",
+                         [&](absl::string_view piece) {
+                           bytes.append(piece.data(), piece.size());
+                           return absl::OkStatus();
+                         });
+    if (!written.ok()) Die("session file", written);
+    return bytes;
+  };
+  (*seeds)["session_file/float32_one_layer"] = file(DType::kFloat32, 1, {5});
+  (*seeds)["session_file/bfloat16_two_layers"] =
+      file(DType::kBFloat16, 2, {3, 1});
+  (*seeds)["session_file/int8_three_layers"] = file(DType::kInt8, 3, {2, 0, 4});
+  (*seeds)["session_file/empty"] = file(DType::kFloat32, 1, {0});
+}
+
 void AddCallSequenceSeeds(Seeds* seeds) {
   std::mt19937 rng(20261125);
   AddSessionSequenceSeeds(seeds, rng);
@@ -1156,6 +1208,7 @@ Seeds AllSeeds() {
   AddOpenInferenceSeeds(&seeds);
   AddOpenInferenceJsonSeeds(&seeds);
   AddCallSequenceSeeds(&seeds);
+  AddSessionFileSeeds(&seeds);
   return seeds;
 }
 

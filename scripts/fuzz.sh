@@ -17,7 +17,7 @@ seconds=${1:-60}
 shift || true
 all_targets=(attend multi_head_attend layer_norm metadata_rpcs
   shared_memory_compute safetensors model_loader open_inference
-  open_inference_json http_parser call_sequence)
+  open_inference_json http_parser call_sequence session_file)
 targets=("$@")
 if [[ ${#targets[@]} -eq 0 ]]; then targets=("${all_targets[@]}"); fi
 build=${ATTNSERVE_FUZZ_BUILD:-$root/build-fuzz}

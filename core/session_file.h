@@ -1,0 +1,100 @@
+// A decode session as bytes: what a session directory stores and what a
+// session export carries, so that a session outlives its process and moves
+// between replicas.
+//
+// Format (version 1, little-endian):
+//   header   "ATTNSESS", u32 version, u32 body size, the body (the
+//            session's config, id, model and per-layer lengths), u32 CRC-32
+//            of the body;
+//   blocks   per layer in order, per block of kCacheBlockKeys tokens from
+//            token 0 (the last of a layer may be shorter): "BLCK", u32
+//            layer, i64 first token, i64 tokens, u32 CRC-32 of those
+//            fields and the rows, then the rows (DecodeSession::RowBytes);
+//   end      "DONE", i64 blocks, u32 CRC-32 of that count.
+// A full block's bytes never change while the session only appends, so a
+// writer may emit each block once as it fills.
+//
+// Loading treats the bytes as hostile: the file's size must be exactly
+// what its header describes, each block must be the next one in order and
+// match its checksum, the config must pass DecodeSession's checks and the
+// caller's (the session store's budget), and the rows must be finite. A
+// file that fails any check gives DATA_LOSS (or the config's error) naming
+// the session file and what is wrong; nothing is half-loaded.
+//
+// Thread-safety: free functions without shared state (the session's own
+// lock serializes reading it). Ownership: LoadSessionFile returns a new
+// session the caller owns.
+#ifndef ATTNSERVE_CORE_SESSION_FILE_H_
+#define ATTNSERVE_CORE_SESSION_FILE_H_
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/functional/function_ref.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+#include "core/decode_session.h"
+#include "core/multi_head_attention.h"
+
+namespace attnserve {
+
+inline constexpr uint32_t kSessionFileVersion = 1;
+
+// What a session file says of its session besides the rows.
+struct SessionFileHeader {
+  std::string id;
+  // A model session's model name (its layer is the served model's of that
+  // name when loaded); empty for attention sessions.
+  std::string model;
+  // Without its layer; a model session's heads, dims and dtype are the
+  // layer's and are checked against the model when loaded.
+  DecodeSessionConfig config;
+  // The session's heads, dims and dtypes as it ran (a model session's from
+  // its layer).
+  int num_heads = 0;
+  int num_kv_heads = 0;
+  int64_t key_dim = 0;
+  int64_t value_dim = 0;
+  DType dtype = DType::kFloat32;
+  DType cache_dtype = DType::kFloat32;
+  // Tokens per layer.
+  std::vector<int64_t> lengths;
+};
+
+// Writes `session` (id `id`, model `model` for a model session) as a
+// session file through `write`, called with consecutive pieces of it; one
+// consistent snapshot. Stops at the first error `write` returns.
+absl::Status WriteSessionFile(
+    const DecodeSession& session, absl::string_view id, absl::string_view model,
+    absl::FunctionRef<absl::Status(absl::string_view)> write);
+
+// The header of the session file `bytes`, checked (magic, version, size,
+// checksum, config fields within their ranges); DATA_LOSS naming `name`
+// (the file) otherwise.
+absl::StatusOr<SessionFileHeader> ReadSessionFileHeader(absl::string_view bytes,
+                                                        absl::string_view name);
+
+// What loading needs from the caller.
+struct SessionFileLoader {
+  // A model session's layer for the model named in the file: NOT_FOUND
+  // when it is not served.
+  absl::FunctionRef<absl::StatusOr<std::shared_ptr<const MultiHeadLayer>>(
+      absl::string_view model)>
+      layer_of;
+  // Checks the session's config before its memory is reserved (the
+  // session store's VerifyConfig).
+  absl::FunctionRef<absl::Status(const DecodeSessionConfig&)> verify;
+};
+
+// The session stored in `bytes` (see the format above), with `header` set
+// to its header when not null. `name` names the file in errors.
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
+    absl::string_view bytes, absl::string_view name,
+    const SessionFileLoader& loader, SessionFileHeader* header = nullptr);
+
+}  // namespace attnserve
+
+#endif  // ATTNSERVE_CORE_SESSION_FILE_H_

@@ -1,0 +1,85 @@
+// Fuzz target: any bytes as a session file (LoadSessionFile), with a
+// session budget of 64 MiB. What loads must write back as a file that
+// loads again and writes the same bytes, holding the lengths its header
+// named.
+#include <cstddef>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <string>
+
+#include "absl/strings/string_view.h"
+#include "core/session_file.h"
+#include "core/session_store.h"
+#include "fuzz/fuzz_support.h"
+
+namespace attnserve::fuzz {
+namespace {
+
+[[noreturn]] void Fail(const char* problem) {
+  std::fprintf(stderr, "fuzz: session file round trip: %s\n", problem);
+  std::abort();
+}
+
+const SessionStore& Store() {
+  static const SessionStore* store = [] {
+    SessionStore::Options options;
+    options.max_bytes = size_t{64} << 20;
+    options.max_reserved_bytes = size_t{256} << 20;
+    return new SessionStore(options);
+  }();
+  return *store;
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> Load(absl::string_view bytes,
+                                                    SessionFileHeader* header) {
+  return LoadSessionFile(
+      bytes, "input",
+      {.layer_of = [](absl::string_view)
+           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+         return absl::NotFoundError("no models");
+       },
+       .verify =
+           [](const DecodeSessionConfig& config) {
+             return Store().VerifyConfig(config);
+           }},
+      header);
+}
+
+std::string Write(const DecodeSession& session, const SessionFileHeader& h) {
+  std::string bytes;
+  const absl::Status written =
+      WriteSessionFile(session, h.id, h.model, [&](absl::string_view piece) {
+        bytes.append(piece.data(), piece.size());
+        return absl::OkStatus();
+      });
+  if (!written.ok()) Fail(std::string(written.message()).c_str());
+  return bytes;
+}
+
+}  // namespace
+}  // namespace attnserve::fuzz
+
+extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  using namespace attnserve;        // NOLINT: one function
+  using namespace attnserve::fuzz;  // NOLINT
+  const absl::string_view bytes(reinterpret_cast<const char*>(data), size);
+  SessionFileHeader header;
+  absl::StatusOr<std::unique_ptr<DecodeSession>> session = Load(bytes, &header);
+  CheckStatus("LoadSessionFile", session.status());
+  if (!session.ok()) return 0;
+  for (size_t layer = 0; layer < header.lengths.size(); ++layer) {
+    if ((*session)->length(static_cast<int64_t>(layer)) !=
+        header.lengths[layer]) {
+      Fail("a layer's length is not its header's");
+    }
+  }
+  const std::string written = Write(**session, header);
+  SessionFileHeader again_header;
+  absl::StatusOr<std::unique_ptr<DecodeSession>> again =
+      Load(written, &again_header);
+  if (!again.ok()) Fail(std::string(again.status().message()).c_str());
+  if (Write(**again, again_header) != written) Fail("bytes differ");
+  return 0;
+}

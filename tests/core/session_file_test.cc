@@ -1,0 +1,371 @@
+// Session files (core/session_file.h): a session written and loaded back
+// holds the same tokens, so that its next step answers bit for bit as the
+// original's (every cache dtype, several layers, a fork reading shared
+// blocks, an empty session); and a file that is truncated at any record
+// boundary, has a flipped byte anywhere, another version, hostile dims,
+// records out of order or non-finite rows is refused with DATA_LOSS (or
+// its config's error) naming what is wrong, never loaded.
+#include "core/session_file.h"
+
+#include <zlib.h>
+
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/attention_kernel.h"
+#include "core/decode_session.h"
+#include "core/session_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core_test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+constexpr int64_t kBatch = 2;
+constexpr int kHeads = 4;
+constexpr int kKvHeads = 2;
+constexpr int64_t kKeyDim = 16;
+constexpr int64_t kValueDim = 8;
+
+DecodeSessionConfig Config(DType dtype, int64_t layers) {
+  DecodeSessionConfig config;
+  config.num_layers = layers;
+  config.num_heads = kHeads;
+  config.num_kv_heads = kKvHeads;
+  config.key_dim = kKeyDim;
+  config.value_dim = kValueDim;
+  config.dtype = dtype == DType::kInt8 ? DType::kFloat32 : dtype;
+  config.cache_dtype = dtype;
+  config.rotary.dims = 8;  // positions matter
+  config.default_scale = 0.3f;
+  config.batch = kBatch;
+  config.max_length = 4096;
+  return config;
+}
+
+struct StepData {
+  Tensor q, k, v;
+};
+
+StepData RandomStep(DType dtype, int64_t n, std::mt19937& rng) {
+  const DType t = dtype == DType::kBFloat16 ? dtype : DType::kFloat32;
+  return {RandomTensor(t, {kBatch, kHeads, n, kKeyDim}, rng),
+          RandomTensor(t, {kBatch, kKvHeads, n, kKeyDim}, rng),
+          RandomTensor(t, {kBatch, kKvHeads, n, kValueDim}, rng)};
+}
+
+absl::StatusOr<Tensor> RunStep(DecodeSession& s, const StepData& data,
+                               int64_t layer = 0) {
+  DecodeStepInputs in;
+  in.layer = layer;
+  in.query = data.q.view();
+  in.key = data.k.view();
+  in.value = data.v.view();
+  TensorResults results;
+  const absl::Status status = s.Step(in, DecodeStepOptions{}, results);
+  if (!status.ok()) return status;
+  return *results.Take("output");
+}
+
+std::string Write(const DecodeSession& session, absl::string_view id) {
+  std::string bytes;
+  const absl::Status written =
+      WriteSessionFile(session, id, "", [&](absl::string_view piece) {
+        bytes.append(piece.data(), piece.size());
+        return absl::OkStatus();
+      });
+  EXPECT_TRUE(written.ok()) << written;
+  return bytes;
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> Load(
+    absl::string_view bytes, SessionFileHeader* header = nullptr,
+    size_t max_bytes = 0) {
+  SessionStore::Options options;
+  options.max_bytes = max_bytes;
+  SessionStore store(options);
+  return LoadSessionFile(
+      bytes, "s.session",
+      {.layer_of = [](absl::string_view model)
+           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+         return absl::NotFoundError(absl::StrCat("no model ", model));
+       },
+       .verify =
+           [&](const DecodeSessionConfig& config) {
+             return store.VerifyConfig(config);
+           }},
+      header);
+}
+
+// The next step of `a` and of `b`, given the same inputs, agree bit for bit
+// in every layer.
+void ExpectSameNextSteps(DecodeSession& a, DecodeSession& b, DType dtype,
+                         std::mt19937& rng) {
+  for (int64_t layer = 0; layer < a.num_layers(); ++layer) {
+    SCOPED_TRACE(absl::StrCat("layer ", layer));
+    ASSERT_EQ(a.length(layer), b.length(layer));
+    const StepData data = RandomStep(dtype, 3, rng);
+    auto want = RunStep(a, data, layer);
+    auto got = RunStep(b, data, layer);
+    ASSERT_TRUE(want.ok()) << want.status();
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_EQ(got->num_bytes(), want->num_bytes());
+    EXPECT_EQ(std::memcmp(got->data(), want->data(), got->num_bytes()), 0);
+  }
+}
+
+class SessionFileRoundTrip : public ::testing::TestWithParam<DType> {};
+
+TEST_P(SessionFileRoundTrip, ALoadedSessionStepsAsTheOriginal) {
+  const DType dtype = GetParam();
+  std::mt19937 rng(11);
+  auto session = *DecodeSession::Create(Config(dtype, 3));
+  // Layers of different lengths: within a block, across blocks, exactly
+  // two blocks.
+  const int64_t lengths[] = {300, 1300, 2 * kCacheBlockKeys};
+  for (int64_t layer = 0; layer < 3; ++layer) {
+    for (int64_t held = 0; held < lengths[layer];) {
+      const int64_t n = std::min<int64_t>(700, lengths[layer] - held);
+      ASSERT_TRUE(RunStep(*session, RandomStep(dtype, n, rng), layer).ok());
+      held += n;
+    }
+  }
+  const std::string bytes = Write(*session, "0123abcd");
+  SessionFileHeader header;
+  auto loaded = Load(bytes, &header);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(header.id, "0123abcd");
+  EXPECT_EQ(header.lengths,
+            std::vector<int64_t>(std::begin(lengths), std::end(lengths)));
+  EXPECT_EQ((*loaded)->cache_dtype(), dtype);
+  EXPECT_EQ((*loaded)->config().default_scale, 0.3f);
+  EXPECT_EQ((*loaded)->cache_bytes(), session->cache_bytes());
+  ExpectSameNextSteps(*session, **loaded, dtype, rng);
+}
+
+INSTANTIATE_TEST_SUITE_P(CacheDTypes, SessionFileRoundTrip,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16,
+                                           DType::kInt8),
+                         [](const auto& info) {
+                           return std::string(DTypeName(info.param));
+                         });
+
+TEST(SessionFileTest, AForkIsWrittenWithTheSharedTokensItReads) {
+  std::mt19937 rng(5);
+  auto parent = *DecodeSession::Create(Config(DType::kFloat32, 1));
+  ASSERT_TRUE(RunStep(*parent, RandomStep(DType::kFloat32, 1100, rng)).ok());
+  auto fork = *parent->Fork(700);
+  ASSERT_TRUE(RunStep(*fork, RandomStep(DType::kFloat32, 40, rng)).ok());
+  ASSERT_TRUE(RunStep(*parent, RandomStep(DType::kFloat32, 9, rng)).ok());
+  auto loaded = Load(Write(*fork, "f"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->length(), 740);
+  EXPECT_TRUE((*loaded)->shared_caches().empty());
+  ExpectSameNextSteps(*fork, **loaded, DType::kFloat32, rng);
+}
+
+TEST(SessionFileTest, AnEmptySessionRoundTrips) {
+  auto session = *DecodeSession::Create(Config(DType::kFloat32, 2));
+  auto loaded = Load(Write(*session, "e"));
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ((*loaded)->length(0), 0);
+  EXPECT_EQ((*loaded)->num_layers(), 2);
+}
+
+// The bytes of a two-layer float32 session of 600 and 100 tokens, and
+// where each of its records starts.
+struct SampleFile {
+  std::string bytes;
+  std::vector<size_t> record_starts;  // blocks, then the end record
+  size_t body_size = 0;
+};
+
+SampleFile Sample() {
+  std::mt19937 rng(3);
+  auto session = *DecodeSession::Create(Config(DType::kFloat32, 2));
+  EXPECT_TRUE(RunStep(*session, RandomStep(DType::kFloat32, 600, rng)).ok());
+  EXPECT_TRUE(RunStep(*session, RandomStep(DType::kFloat32, 100, rng), 1).ok());
+  SampleFile sample;
+  sample.bytes = Write(*session, "sample");
+  std::memcpy(&sample.body_size, sample.bytes.data() + 12, 4);
+  size_t at = 16 + sample.body_size + 4;
+  for (int64_t tokens :
+       {kCacheBlockKeys, 600 - kCacheBlockKeys, int64_t{100}}) {
+    sample.record_starts.push_back(at);
+    at += 28 + session->RowBytes(tokens);
+  }
+  sample.record_starts.push_back(at);
+  return sample;
+}
+
+uint32_t Crc(absl::string_view bytes) {
+  return static_cast<uint32_t>(
+      crc32(0, reinterpret_cast<const Bytef*>(bytes.data()),
+            static_cast<uInt>(bytes.size())));
+}
+
+// `sample` with its header body changed by `edit`, the checksum redone:
+// what a hostile writer can make.
+std::string WithHeader(const SampleFile& sample,
+                       const std::function<void(std::string&)>& edit) {
+  std::string body = sample.bytes.substr(16, sample.body_size);
+  edit(body);
+  std::string out = sample.bytes.substr(0, 12);
+  const uint32_t size = static_cast<uint32_t>(body.size());
+  const uint32_t crc = Crc(body);
+  out.append(reinterpret_cast<const char*>(&size), 4);
+  out += body;
+  out.append(reinterpret_cast<const char*>(&crc), 4);
+  out += sample.bytes.substr(16 + sample.body_size + 4);
+  return out;
+}
+
+template <typename T>
+void Poke(std::string& bytes, size_t at, T value) {
+  std::memcpy(bytes.data() + at, &value, sizeof(T));
+}
+
+void ExpectRefused(const std::string& bytes, absl::StatusCode code,
+                   const std::string& message, const std::string& what) {
+  SCOPED_TRACE(what);
+  auto loaded = Load(bytes, nullptr, size_t{64} << 20);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.status().code(), code) << loaded.status();
+  EXPECT_THAT(std::string(loaded.status().message()), HasSubstr(message));
+}
+
+TEST(SessionFileTest, TruncationAtAnyRecordBoundaryIsDataLoss) {
+  const SampleFile sample = Sample();
+  ASSERT_TRUE(Load(sample.bytes).ok());
+  std::vector<size_t> cuts = {0, 7, 15, 16 + sample.body_size};
+  for (size_t start : sample.record_starts) {
+    cuts.push_back(start);
+    cuts.push_back(start + 10);
+  }
+  cuts.push_back(sample.bytes.size() - 1);
+  for (size_t cut : cuts) {
+    ExpectRefused(sample.bytes.substr(0, cut), absl::StatusCode::kDataLoss,
+                  "session file 's.session'",
+                  absl::StrCat("truncated to ", cut));
+  }
+  ExpectRefused(sample.bytes + "x", absl::StatusCode::kDataLoss,
+                "its header describes", "a byte appended");
+}
+
+TEST(SessionFileTest, AFlippedByteAnywhereIsDataLoss) {
+  const SampleFile sample = Sample();
+  std::mt19937 rng(9);
+  std::vector<size_t> at = {0, 9, 14, 20, 16 + sample.body_size + 1};
+  for (size_t start : sample.record_starts) {
+    for (size_t offset : {0, 5, 13, 25, 100}) at.push_back(start + offset);
+  }
+  for (int i = 0; i < 30; ++i) {
+    at.push_back(
+        std::uniform_int_distribution<size_t>(0, sample.bytes.size() - 1)(rng));
+  }
+  for (size_t where : at) {
+    if (where >= sample.bytes.size()) continue;
+    std::string bytes = sample.bytes;
+    bytes[where] ^= 0x10;
+    ExpectRefused(bytes, absl::StatusCode::kDataLoss, "session file",
+                  absl::StrCat("byte ", where, " flipped"));
+  }
+}
+
+TEST(SessionFileTest, HostileHeadersAndRecordsAreRefusedWithWhatIsWrong) {
+  const SampleFile sample = Sample();
+  std::string version = sample.bytes;
+  Poke<uint32_t>(version, 8, 2);
+  ExpectRefused(version, absl::StatusCode::kDataLoss,
+                "format version 2; this server reads version 1",
+                "another version");
+  ExpectRefused("not a session file at all", absl::StatusCode::kDataLoss,
+                "not a session file", "foreign bytes");
+  // Header fields (body offsets: max_length at 44, num_layers at 52, the
+  // first length after the id and model strings).
+  ExpectRefused(
+      WithHeader(
+          sample,
+          [](std::string& body) { Poke<int64_t>(body, 44, int64_t{1} << 40); }),
+      absl::StatusCode::kResourceExhausted, "max_length", "a huge max_length");
+  ExpectRefused(WithHeader(sample,
+                           [](std::string& body) {
+                             Poke<int64_t>(body, 52, kMaxSessionLayers + 1);
+                           }),
+                absl::StatusCode::kDataLoss, "malformed header",
+                "too many layers");
+  ExpectRefused(
+      WithHeader(sample, [](std::string& body) { Poke<int32_t>(body, 8, -1); }),
+      absl::StatusCode::kInvalidArgument, "num_kv_heads", "negative kv heads");
+  ExpectRefused(
+      WithHeader(sample, [](std::string& body) { Poke<int32_t>(body, 8, 0); }),
+      absl::StatusCode::kDataLoss,
+      "its config makes 4 key/value heads of dims 16/8 (FLOAT32 cache); its "
+      "rows are of 0 of 16/8 (FLOAT32)",
+      "kv heads that resolve to other dims");
+  ExpectRefused(WithHeader(sample,
+                           [&](std::string& body) {
+                             // The first layer's length, 600 -> 5000.
+                             Poke<int64_t>(body, body.size() - 16, 5000);
+                           }),
+                absl::StatusCode::kDataLoss, "malformed header",
+                "a length past max_length");
+  ExpectRefused(WithHeader(sample,
+                           [&](std::string& body) {
+                             Poke<int64_t>(body, body.size() - 16, 700);
+                           }),
+                absl::StatusCode::kDataLoss, "its header describes",
+                "a length the blocks do not hold");
+}
+
+// Rewrites the block record at `start` (rows of `rows_bytes`) with `edit`
+// applied to its fields and rows, its checksum redone.
+std::string WithBlock(const std::string& file, size_t start, size_t rows_bytes,
+                      const std::function<void(std::string&)>& edit) {
+  std::string record = file.substr(start, 28 + rows_bytes);
+  edit(record);
+  const std::string signed_part = record.substr(0, 24) + record.substr(28);
+  Poke<uint32_t>(record, 24, Crc(signed_part));
+  return file.substr(0, start) + record + file.substr(start + record.size());
+}
+
+TEST(SessionFileTest, ResignedHostileBlocksAreRefused) {
+  const SampleFile sample = Sample();
+  const size_t first = sample.record_starts[0];
+  const size_t rows = sample.record_starts[1] - first - 28;
+  ExpectRefused(WithBlock(sample.bytes, first, rows,
+                          [](std::string& r) { Poke<int64_t>(r, 8, 512); }),
+                absl::StatusCode::kDataLoss,
+                "block 0 (layer 0, tokens 0..512): found a record of layer 0, "
+                "tokens 512 + 512 instead",
+                "a block out of order");
+  ExpectRefused(WithBlock(sample.bytes, first, rows,
+                          [](std::string& r) { Poke<uint32_t>(r, 4, 1); }),
+                absl::StatusCode::kDataLoss, "found a record of layer 1",
+                "a block of another layer");
+  ExpectRefused(
+      WithBlock(sample.bytes, first, rows,
+                [](std::string& r) {
+                  Poke<float>(r, 28 + 64,
+                              std::numeric_limits<float>::quiet_NaN());
+                }),
+      absl::StatusCode::kDataLoss,
+      "rows of layer 0 (keys): element 16 is not finite", "a NaN key");
+  ExpectRefused(WithBlock(sample.bytes, first, rows,
+                          [](std::string& r) { r.replace(0, 4, "XXXX"); }),
+                absl::StatusCode::kDataLoss, "not a block record",
+                "a foreign record");
+}
+
+}  // namespace
+}  // namespace attnserve::testing
