@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <memory>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -62,6 +63,9 @@ struct DecodeSessionConfig {
   // dims, compute dtype and rotary settings apply; the fields below up to
   // `rotary` are ignored.
   std::shared_ptr<const MultiHeadLayer> layer;
+  // Model sessions: the served model's name, what a session file names so
+  // that the session can be loaded again (core/session_file.h).
+  std::string model;
   // Attention sessions: heads of the queries and of the keys/values (0:
   // num_heads; must divide num_heads), per-head dims (value_dim 0: key_dim).
   int num_heads = 0;

@@ -165,6 +165,7 @@ absl::StatusOr<DecodeSessionConfig> ConfigOf(const SessionFileHeader& header,
                                              const SessionFileLoader& loader) {
   DecodeSessionConfig config = header.config;
   config.cache_dtype = header.cache_dtype;
+  config.model = header.model;
   if (!header.model.empty()) {
     ATTN_ASSIGN_OR_RETURN(config.layer, loader.layer_of(header.model));
     return config;
@@ -261,8 +262,13 @@ absl::Status LoadBlocks(Decoder& in, const SessionFileHeader& header,
 }  // namespace
 
 absl::Status WriteSessionFile(
-    const DecodeSession& session, absl::string_view id, absl::string_view model,
+    const DecodeSession& session, absl::string_view id,
     absl::FunctionRef<absl::Status(absl::string_view)> write) {
+  if (session.is_model_session() && session.config().model.empty()) {
+    return absl::FailedPreconditionError(
+        "a model session without its model's name cannot be written");
+  }
+  const absl::string_view model = session.config().model;
   int64_t blocks = 0;
   ATTN_RETURN_IF_ERROR(session.ReadRows(
       // Under the session's lock: the lengths are those of the blocks.

@@ -64,11 +64,11 @@ struct SessionFileHeader {
   std::vector<int64_t> lengths;
 };
 
-// Writes `session` (id `id`, model `model` for a model session) as a
-// session file through `write`, called with consecutive pieces of it; one
-// consistent snapshot. Stops at the first error `write` returns.
+// Writes `session` (under id `id`; a model session names its config's
+// model) as a session file through `write`, called with consecutive pieces
+// of it; one consistent snapshot. Stops at the first error `write` returns.
 absl::Status WriteSessionFile(
-    const DecodeSession& session, absl::string_view id, absl::string_view model,
+    const DecodeSession& session, absl::string_view id,
     absl::FunctionRef<absl::Status(absl::string_view)> write);
 
 // The header of the session file `bytes`, checked (magic, version, size,

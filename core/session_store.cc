@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "core/status_macros.h"
@@ -159,6 +160,11 @@ absl::Status SessionStore::VerifyConfig(
 
 absl::StatusOr<std::string> SessionStore::Add(
     std::unique_ptr<DecodeSession> session) {
+  return AddAs(std::move(session), std::nullopt);
+}
+
+absl::StatusOr<std::string> SessionStore::AddAs(
+    std::unique_ptr<DecodeSession> session, std::optional<std::string> id) {
   ATTN_RETURN_IF_ERROR(VerifyFits(session->cache_dims()));
   const size_t reserved = session->reserved_bytes();
   const size_t bookkeeping = session->bookkeeping_bytes();
@@ -179,17 +185,28 @@ absl::StatusOr<std::string> SessionStore::Add(
            (options_.max_bytes > 0 &&
             budget_bytes() + bookkeeping + bytes > options_.max_bytes);
   };
+  if (id.has_value() && sessions_.contains(*id)) {
+    ReleaseModel(slot->session->config().layer.get());
+    return absl::AlreadyExistsError(
+        absl::StrCat("session_id: ", EchoString(*id, '"'), " is open"));
+  }
   while (no_room() && !lru_.empty()) {
     Remove(lru_.back(), GoneReason::kEvicted, freed);
   }
-  return Open(std::move(slot), reserved);
+  return Open(std::move(slot), reserved, std::move(id));
 }
 
-std::string SessionStore::Open(std::shared_ptr<Slot> slot, size_t reserved) {
+std::string SessionStore::Open(std::shared_ptr<Slot> slot, size_t reserved,
+                               std::optional<std::string> given) {
   std::string id;
-  do {
-    id = absl::StrFormat("%016x%016x", id_bits_(), id_bits_());
-  } while (sessions_.contains(id) || gone_.contains(id));
+  if (given.has_value()) {
+    id = *std::move(given);
+    gone_.erase(id);  // its entry in gone_order_ ages out
+  } else {
+    do {
+      id = absl::StrFormat("%016x%016x", id_bits_(), id_bits_());
+    } while (sessions_.contains(id) || gone_.contains(id));
+  }
   lru_.push_front(id);
   const DecodeSession& session = *slot->session;
   Entry& entry = sessions_[id];
@@ -307,6 +324,7 @@ absl::Status SessionStore::MakeRoomBeside(
 absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
                                                std::optional<int64_t> length,
                                                int64_t* forked_length) {
+  ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
   std::shared_ptr<Slot> slot;
   {
     MutexLock lock(&mu_);
@@ -400,6 +418,12 @@ absl::Status SessionStore::NotFound(absl::string_view id) const {
                        " was evicted (least recently used) to make room for "
                        "other sessions",
                        advice));
+    case GoneReason::kSaved:
+      return absl::NotFoundError(absl::StrCat(
+          what,
+          " was saved to the session directory, and its file is gone (taken "
+          "up by another replica, or removed)",
+          advice));
     case GoneReason::kDeleted:
       break;
   }
@@ -434,6 +458,12 @@ void SessionStore::Remove(std::string id, GoneReason reason,
     shared_.erase(shared);
   }
   lru_.erase(it->second.lru);
+  if (reason == GoneReason::kEvicted && options_.directory != nullptr) {
+    Slot& slot = *it->second.slot;
+    slot.save_to = options_.directory;
+    slot.save_as = id;
+    slot.store = this;
+  }
   freed.push_back(std::move(it->second.slot));
   sessions_.erase(it);
   switch (reason) {
@@ -445,6 +475,8 @@ void SessionStore::Remove(std::string id, GoneReason reason,
       break;
     case GoneReason::kDeleted:
       ++counts_.deleted;
+      break;
+    case GoneReason::kSaved:  // counted by SaveAll
       break;
   }
   if (gone_.size() >= kRememberedGoneIds) {
@@ -515,6 +547,7 @@ absl::Status SessionStore::Step(absl::string_view id,
                                 const DecodeStepInputs& inputs,
                                 const DecodeStepOptions& options,
                                 ResultAllocator& results, int64_t* length) {
+  ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
   std::shared_ptr<Slot> slot;
   {
     MutexLock lock(&mu_);
@@ -559,9 +592,11 @@ std::vector<absl::Status> SessionStore::StepMany(
   const size_t count = steps.size();
   std::vector<absl::Status> statuses(count);
   std::vector<std::shared_ptr<Slot>> slots(count);
+  for (size_t i = 0; i < count; ++i) statuses[i] = TakeIfSaved(steps[i].id);
   {
     MutexLock lock(&mu_);
     for (size_t i = 0; i < count; ++i) {
+      if (!statuses[i].ok()) continue;
       auto entry = Lookup(steps[i].id);
       if (!entry.ok()) {
         statuses[i] = entry.status();
@@ -678,6 +713,7 @@ void SessionStore::RunAndSettle(absl::Span<const StepInput> steps,
 
 absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
     absl::string_view id) {
+  ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
   MutexLock lock(&mu_);
   ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
   // Shares the slot's ownership: the session lives while the caller holds it.
@@ -686,10 +722,18 @@ absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
 }
 
 absl::Status SessionStore::Delete(absl::string_view id) {
+  const bool removed_file =
+      options_.directory != nullptr && options_.directory->Remove(id);
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
   ATTN_RETURN_IF_ERROR(VerifySessionId(id));
-  if (!sessions_.contains(id)) return NotFound(id);
+  if (!sessions_.contains(id)) {
+    if (!removed_file) return NotFound(id);
+    if (const auto gone = gone_.find(id); gone != gone_.end()) {
+      gone->second = GoneReason::kDeleted;
+    }
+    return absl::OkStatus();
+  }
   Remove(std::string(id), GoneReason::kDeleted, freed);
   return absl::OkStatus();
 }
@@ -715,6 +759,97 @@ void SessionStore::ExpireIdle(absl::Time now) {
   for (std::string& id : expired) {
     Remove(std::move(id), GoneReason::kExpired, freed);
   }
+}
+
+SessionStore::Slot::~Slot() {
+  if (save_to == nullptr || session == nullptr) return;
+  const absl::Status saved = save_to->Save(save_as, *session);
+  MutexLock lock(&store->mu_);
+  ++(saved.ok() ? store->counts_.saved : store->counts_.save_failures);
+}
+
+absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
+  if (options_.directory == nullptr || !SessionDirectory::IsStorableId(id)) {
+    return absl::OkStatus();
+  }
+  {
+    MutexLock lock(&mu_);
+    if (sessions_.contains(id)) return absl::OkStatus();
+    const auto gone = gone_.find(id);
+    // Deleted and expired sessions are not brought back.
+    if (gone != gone_.end() && (gone->second == GoneReason::kDeleted ||
+                                gone->second == GoneReason::kExpired)) {
+      return absl::OkStatus();
+    }
+  }
+  const auto layer_of = [&](absl::string_view model)
+      -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+    if (!options_.layer_of) {
+      return absl::NotFoundError(absl::StrCat("model ", EchoString(model, '"'),
+                                              " is not served here"));
+    }
+    return options_.layer_of(model);
+  };
+  absl::StatusOr<std::unique_ptr<DecodeSession>> session =
+      options_.directory->Take(
+          id, {.layer_of = layer_of,
+               .verify = [&](const DecodeSessionConfig& config) {
+                 return VerifyConfig(config);
+               }});
+  if (absl::IsNotFound(session.status()) &&
+      absl::StartsWith(session.status().message(), "no session file")) {
+    return absl::OkStatus();
+  }
+  ATTN_RETURN_IF_ERROR(session.status());
+  const absl::StatusOr<std::string> added =
+      AddAs(*std::move(session), std::string(id));
+  // Another call took it in meanwhile: that copy is the one.
+  if (absl::IsAlreadyExists(added.status())) return absl::OkStatus();
+  ATTN_RETURN_IF_ERROR(added.status());
+  MutexLock lock(&mu_);
+  ++counts_.restored;
+  return absl::OkStatus();
+}
+
+SessionStore::SaveReport SessionStore::SaveAll(absl::Time deadline) {
+  SaveReport report;
+  if (options_.directory == nullptr) {
+    report.first_error =
+        absl::FailedPreconditionError("sessions have no directory to go to");
+    return report;
+  }
+  std::vector<std::pair<std::string, std::shared_ptr<Slot>>> open;
+  {
+    MutexLock lock(&mu_);
+    for (const std::string& id : lru_) {
+      open.emplace_back(id, sessions_.at(id).slot);
+    }
+  }
+  for (const auto& [id, slot] : open) {
+    absl::Status saved =
+        absl::Now() >= deadline
+            ? absl::DeadlineExceededError("out of time to save sessions")
+            : absl::OkStatus();
+    std::vector<std::shared_ptr<Slot>> freed;
+    if (saved.ok()) {
+      MutexLock step_lock(&slot->step_mu);
+      saved = options_.directory->Save(id, *slot->session);
+      if (saved.ok()) {
+        MutexLock lock(&mu_);
+        Remove(id, GoneReason::kSaved, freed);
+      }
+    }
+    if (saved.ok()) {
+      ++report.sessions;
+    } else {
+      ++report.failed;
+      if (report.first_error.ok()) report.first_error = saved;
+    }
+  }
+  MutexLock lock(&mu_);
+  counts_.saved += report.sessions;
+  counts_.save_failures += report.failed;
+  return report;
 }
 
 SessionStore::Stats SessionStore::stats() const {

@@ -58,6 +58,7 @@
 #include "core/multi_head_attention.h"
 #include "core/mutex.h"
 #include "core/results.h"
+#include "core/session_directory.h"
 
 namespace attnserve {
 
@@ -81,6 +82,19 @@ class SessionStore {
     // call into the store. Unset: every model is taken as served (none is
     // counted).
     std::function<bool(const MultiHeadLayer&)> model_served;
+    // Durable sessions (null: none; must outlive the store). An evicted
+    // session is saved there (when its last step returns), SaveAll saves
+    // every session, and a step, fork, find or delete of a session the
+    // store does not hold looks there first: a session saved by this or
+    // another process is taken in under its id (its file removed), within
+    // the budget as a new session is.
+    SessionDirectory* directory = nullptr;
+    // A model session's layer by its model's name, for sessions taken from
+    // the directory: NOT_FOUND when that model is not served. Unset: model
+    // sessions are not taken.
+    std::function<absl::StatusOr<std::shared_ptr<const MultiHeadLayer>>(
+        absl::string_view model)>
+        layer_of;
   };
 
   struct Stats {
@@ -105,6 +119,11 @@ class SessionStore {
     // What max_bytes limits: cache_bytes + bookkeeping_bytes +
     // superseded_model_bytes.
     size_t budget_bytes = 0;
+    // Sessions saved to the directory (evicted; SaveAll), taken from it
+    // (counted in created too), and saves that failed (the session lost).
+    int64_t saved = 0;
+    int64_t restored = 0;
+    int64_t save_failures = 0;
   };
 
   explicit SessionStore(const Options& options);
@@ -189,6 +208,19 @@ class SessionStore {
   // Frees every session (shutdown).
   void Clear() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Saves every open session to the directory (a drain), each one
+  // consistent (its steps wait), stopping at `deadline`, and frees each one
+  // saved: it lives on in its file, for whichever store takes it next (this
+  // one included). What it saved, and the first error (FAILED_PRECONDITION
+  // without a directory; DEADLINE_EXCEEDED when time ran out).
+  struct SaveReport {
+    int64_t sessions = 0;
+    int64_t failed = 0;
+    absl::Status first_error;
+  };
+  SaveReport SaveAll(absl::Time deadline = absl::InfiniteFuture())
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // Frees the sessions idle past the timeout as of `now`; the background
   // thread calls it, tests may too.
   void ExpireIdle(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
@@ -197,10 +229,16 @@ class SessionStore {
   const Options& options() const { return options_; }
 
  private:
-  // A session and the lock that runs its steps one at a time.
+  // A session and the lock that runs its steps one at a time. An evicted
+  // session is saved when its slot goes (after its last step).
   struct Slot {
+    ~Slot();
     Mutex step_mu;
     std::unique_ptr<DecodeSession> session;
+    // Set on eviction with a directory: where and under which id to save.
+    SessionDirectory* save_to = nullptr;
+    std::string save_as;
+    SessionStore* store = nullptr;  // counts the save
   };
   struct Entry {
     std::shared_ptr<Slot> slot;
@@ -227,10 +265,19 @@ class SessionStore {
     int holders = 0;
     bool superseded = false;
   };
-  enum class GoneReason { kExpired, kEvicted, kDeleted };
+  enum class GoneReason { kExpired, kEvicted, kDeleted, kSaved };
 
   absl::StatusOr<Entry*> Lookup(absl::string_view id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // With a directory: takes session `id` from it if the store does not
+  // hold it and it was not deleted or expired here. OK also when there is
+  // no file (the caller's lookup then says NOT_FOUND); the load's error
+  // otherwise (a corrupt file: DATA_LOSS).
+  absl::Status TakeIfSaved(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Add under a given id (nullopt: a new one); ALREADY_EXISTS when open.
+  absl::StatusOr<std::string> AddAs(std::unique_ptr<DecodeSession> session,
+                                    std::optional<std::string> id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status NotFound(absl::string_view id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when forks share max_sessions frozen caches: each is
@@ -268,7 +315,8 @@ class SessionStore {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Opens `slot` under a new id, accounting its reservation and
   // bookkeeping; its model must be held already (HoldModel).
-  std::string Open(std::shared_ptr<Slot> slot, size_t reserved)
+  std::string Open(std::shared_ptr<Slot> slot, size_t reserved,
+                   std::optional<std::string> id = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The memory max_bytes limits, and the address space max_reserved_bytes
   // does.

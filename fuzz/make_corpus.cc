@@ -1177,7 +1177,7 @@ void AddSessionFileSeeds(Seeds* seeds) {
     }
     std::string bytes;
     const absl::Status written =
-        WriteSessionFile(*session, "0123456789abcdef0123456789abcdef", "",
+        WriteSessionFile(*session, "0123456789abcdef0123456789abcdef",
                          [&](absl::string_view piece) {
                            bytes.append(piece.data(), piece.size());
                            return absl::OkStatus();

@@ -50,7 +50,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> Load(absl::string_view bytes,
 std::string Write(const DecodeSession& session, const SessionFileHeader& h) {
   std::string bytes;
   const absl::Status written =
-      WriteSessionFile(session, h.id, h.model, [&](absl::string_view piece) {
+      WriteSessionFile(session, h.id, [&](absl::string_view piece) {
         bytes.append(piece.data(), piece.size());
         return absl::OkStatus();
       });

@@ -193,6 +193,7 @@ absl::StatusOr<DecodeSessionConfig> SessionConfigOf(
                   "give num_heads and head_dim for an attention session"));
     config.layer =
         std::shared_ptr<const MultiHeadLayer>(model, model->layer.get());
+    config.model = request.model();
     if (model->config.has_default_scale()) {
       config.default_scale = model->config.default_scale();
     }
@@ -426,7 +427,11 @@ SessionStepHandler::SessionStepHandler(const v1::SessionStepRequest& request,
     : sessions_(sessions) {
   if (sessions == nullptr) return;
   auto found = sessions->Find(request.session_id());
-  if (found.ok()) session_ = *std::move(found);
+  if (found.ok()) {
+    session_ = *std::move(found);
+  } else if (!absl::IsNotFound(found.status())) {
+    lookup_error_ = found.status();
+  }
 }
 
 const DecodeSession* SessionStepHandler::session() const {
@@ -465,6 +470,7 @@ absl::Status SessionStepHandler::operator()(
     const v1::SessionStepRequest& request, v1::SessionStepResponse* response,
     const CallControl& control) const {
   if (sessions_ == nullptr) return NoSessions();
+  ATTN_RETURN_IF_ERROR(lookup_error_);
   DecodedStep step;
   ATTN_RETURN_IF_ERROR(
       step.Decode(request, response->mutable_output(), control));
@@ -482,22 +488,24 @@ SessionStepCall SessionStepHandler::StepCall(
     v1::SessionStepResponse* response) const {
   // Shared by the two functions: decoded before the pass, read after it.
   auto decoded = std::make_shared<DecodedStep>();
-  return SessionStepCall{.session_id = request.session_id(),
-                         .decode = [sessions = sessions_, &request, response,
-                                    decoded](const CallControl& control)
-                             -> absl::StatusOr<const SessionStore::StepInput*> {
-                           if (sessions == nullptr) return NoSessions();
-                           ATTN_RETURN_IF_ERROR(decoded->Decode(
-                               request, response->mutable_output(), control));
-                           return &decoded->input();
-                         },
-                         .complete =
-                             [response, decoded](const absl::Status& stepped,
-                                                 const CallControl& control) {
-                               ATTN_RETURN_IF_ERROR(stepped);
-                               response->set_length(decoded->length());
-                               return VerifySharedMemoryIntact(control);
-                             }};
+  return SessionStepCall{
+      .session_id = request.session_id(),
+      .decode = [sessions = sessions_, &request, response, decoded,
+                 lookup_error = lookup_error_](const CallControl& control)
+          -> absl::StatusOr<const SessionStore::StepInput*> {
+        if (sessions == nullptr) return NoSessions();
+        ATTN_RETURN_IF_ERROR(lookup_error);
+        ATTN_RETURN_IF_ERROR(
+            decoded->Decode(request, response->mutable_output(), control));
+        return &decoded->input();
+      },
+      .complete =
+          [response, decoded](const absl::Status& stepped,
+                              const CallControl& control) {
+            ATTN_RETURN_IF_ERROR(stepped);
+            response->set_length(decoded->length());
+            return VerifySharedMemoryIntact(control);
+          }};
 }
 
 absl::Status VerifyStepCount(int64_t steps, int max_steps) {
@@ -525,10 +533,15 @@ SessionStepsHandler::SessionStepsHandler(const v1::SessionStepsRequest& request,
   for (int i = 0; i < request.steps_size(); ++i) {
     auto session = sessions->Find(request.steps(i).session_id());
     found_.push_back(session.ok() ? *std::move(session) : nullptr);
-    // A step over the limits fails alone, and costs the call nothing.
-    refused_[i] = VerifyWithinLimits(
-        CostOf(request.steps(i), found_[i].get()), limits.max_tensor_elements,
-        limits.max_request_bytes, absl::StrCat("steps[", i, "]"));
+    // A step over the limits fails alone, and costs the call nothing; so
+    // does one whose saved session could not be taken up.
+    refused_[i] =
+        !session.ok() && !absl::IsNotFound(session.status())
+            ? session.status()
+            : VerifyWithinLimits(CostOf(request.steps(i), found_[i].get()),
+                                 limits.max_tensor_elements,
+                                 limits.max_request_bytes,
+                                 absl::StrCat("steps[", i, "]"));
     if (!refused_[i].ok()) found_[i] = nullptr;
   }
 }

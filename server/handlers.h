@@ -163,6 +163,9 @@ class SessionStepHandler {
  private:
   SessionStore* sessions_;
   std::shared_ptr<const DecodeSession> session_;
+  // Why a saved session could not be taken up (a corrupt file: DATA_LOSS);
+  // the step answers it. OK otherwise (NOT_FOUND is the step's to say).
+  absl::Status lookup_error_;
 };
 
 // The most steps one SessionSteps call may carry by default

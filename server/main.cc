@@ -90,6 +90,15 @@ ABSL_FLAG(int64_t, max_session_memory_mb,
 ABSL_FLAG(int, session_idle_timeout_s,
           attnserve::ServerOptions().session_idle_timeout_s,
           "Seconds a decode session may sit idle before it is freed.");
+ABSL_FLAG(std::string, session_dir, attnserve::ServerOptions().session_dir,
+          "Durable decode sessions: evicted sessions, and every session on "
+          "a drain, are saved here, and a session this server does not hold "
+          "is looked for here (replicas sharing it hand sessions over); "
+          "empty: off.");
+ABSL_FLAG(int64_t, max_session_disk_mb,
+          attnserve::ServerOptions().max_session_disk_mb,
+          "Session files in --session_dir together, MiB; past it the least "
+          "recently written are removed (0: no limit).");
 ABSL_FLAG(int, max_sessions, attnserve::ServerOptions().max_sessions,
           "Open decode sessions at most; one more evicts the least recently "
           "used.");
@@ -128,6 +137,8 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.max_session_memory_mb = absl::GetFlag(FLAGS_max_session_memory_mb);
   options.session_idle_timeout_s = absl::GetFlag(FLAGS_session_idle_timeout_s);
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
+  options.session_dir = absl::GetFlag(FLAGS_session_dir);
+  options.max_session_disk_mb = absl::GetFlag(FLAGS_max_session_disk_mb);
   options.max_session_length = absl::GetFlag(FLAGS_max_session_length);
   options.max_steps_per_call = absl::GetFlag(FLAGS_max_steps_per_call);
   options.coalesce_steps_us = absl::GetFlag(FLAGS_coalesce_steps_us);

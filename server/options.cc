@@ -139,6 +139,16 @@ absl::Status VerifyLimits(const ServerOptions& options) {
         "--session_idle_timeout_s: ", options.session_idle_timeout_s,
         " must be > 0"));
   }
+  if (options.max_session_disk_mb < 0 ||
+      options.max_session_disk_mb > (int64_t{1} << 40)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--max_session_disk_mb: ", options.max_session_disk_mb,
+                     " is out of range, expected 0 (no limit) to 2^40"));
+  }
+  if (!options.session_dir.empty() && options.max_session_memory_mb == 0) {
+    return absl::InvalidArgumentError(
+        "--session_dir: sessions are off (--max_session_memory_mb=0)");
+  }
   if (options.max_sessions <= 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_sessions: ", options.max_sessions, " must be > 0"));

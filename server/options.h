@@ -53,6 +53,14 @@ struct ServerOptions {
   int64_t max_session_memory_mb = 4096;
   // Seconds a session may sit idle (no step) before it is freed.
   int session_idle_timeout_s = 600;
+  // Durable sessions: a directory (created if missing) where evicted
+  // sessions, and every session on a drain, are saved as files, and where a
+  // session this server does not hold is looked for (and taken up, its
+  // file removed). Replicas that share it hand sessions over. Empty: off.
+  std::string session_dir;
+  // The session files in session_dir together, MiB; past it the least
+  // recently written are removed. 0: no limit.
+  int64_t max_session_disk_mb = 16384;
   // Open sessions at most; creating one more evicts the least recently used.
   int max_sessions = 10000;
   // Tokens a session's sequence may hold at most, and the length of

@@ -16,6 +16,7 @@
 #include "core/mutex.h"
 #include "core/status_macros.h"
 #include "core/thread_budget.h"
+#include "core/verify.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpc/grpc.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -188,7 +189,7 @@ absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
   return server;
 }
 
-void AttnServer::StartSessions(const ServerOptions& options) {
+absl::Status AttnServer::StartSessions(const ServerOptions& options) {
   if (options.max_session_memory_mb > 0) {
     SessionStore::Options sessions;
     sessions.max_bytes = static_cast<size_t>(options.max_session_memory_mb)
@@ -206,8 +207,51 @@ void AttnServer::StartSessions(const ServerOptions& options) {
         return false;
       };
     }
+    if (!options.session_dir.empty()) {
+      ATTN_ASSIGN_OR_RETURN(
+          session_directory_,
+          SessionDirectory::Open(
+              {.path = options.session_dir,
+               .max_bytes = static_cast<uint64_t>(options.max_session_disk_mb)
+                            << 20,
+               // The largest session the budget holds, and its records.
+               .max_file_bytes =
+                   (sessions.max_bytes + (size_t{1} << 20)) * 2}));
+      sessions.directory = session_directory_.get();
+      const ModelRepository* models = models_.get();
+      sessions.layer_of = [models](absl::string_view model)
+          -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+        if (models == nullptr) {
+          return absl::NotFoundError(absl::StrCat(
+              "model ", EchoString(model),
+              " of a saved session: this server has no model repository"));
+        }
+        ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> found,
+                              models->Find(model));
+        return std::shared_ptr<const MultiHeadLayer>(found, found->layer.get());
+      };
+    }
     sessions_ = std::make_unique<SessionStore>(sessions);
   }
+  return absl::OkStatus();
+}
+
+void AttnServer::SaveSessions(absl::Time deadline) {
+  if (sessions_ == nullptr || session_directory_ == nullptr) return;
+  const absl::Time start = absl::Now();
+  const SessionStore::SaveReport report = sessions_->SaveAll(deadline);
+  if (report.sessions == 0 && report.failed == 0) return;
+  std::printf(
+      "attnserve: saved %lld sessions to %s in %lld ms",
+      static_cast<long long>(report.sessions),
+      session_directory_->path().c_str(),
+      static_cast<long long>(absl::ToInt64Milliseconds(absl::Now() - start)));
+  if (report.failed > 0) {
+    std::printf("; %lld not saved: %s", static_cast<long long>(report.failed),
+                report.first_error.ToString().c_str());
+  }
+  std::printf("\n");
+  std::fflush(stdout);
 }
 
 void AttnServer::StartEngine(const ServerOptions& options) {
@@ -251,7 +295,7 @@ absl::Status AttnServer::StartState(const ServerOptions& options) {
       .access_log = ShouldLog(options, LogSeverity::kInfo),
       .log_warnings = ShouldLog(options, LogSeverity::kWarning),
       .log_errors = ShouldLog(options, LogSeverity::kError)});
-  StartSessions(options);
+  ATTN_RETURN_IF_ERROR(StartSessions(options));
   StartEngine(options);
   ServiceConfig config;
   config.engine = engine_.get();
@@ -366,6 +410,9 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   // HTTP calls get the same deadline; then they are cancelled.
   if (http_server_ != nullptr) http_server_->Stop(deadline);
   http_server_.reset();
+  // No call runs now: every session is saved for the replica that takes
+  // over its clients (at least a few seconds, whatever the calls took).
+  SaveSessions(std::max(deadline, absl::Now() + absl::Seconds(5)));
 }
 
 void AttnServer::Wait() {

@@ -12,6 +12,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "core/session_directory.h"
 #include "core/session_store.h"
 #include "engine/engine.h"
 #include "grpcpp/server.h"
@@ -72,8 +73,10 @@ class AttnServer {
   // the call pipeline; the gRPC services and port; the HTTP ports.
   absl::Status StartState(const ServerOptions& options);
   // StartState's decode sessions (when on), then the engine over them.
-  void StartSessions(const ServerOptions& options);
+  absl::Status StartSessions(const ServerOptions& options);
   void StartEngine(const ServerOptions& options);
+  // Saves every session to --session_dir (a drain), by `deadline`.
+  void SaveSessions(absl::Time deadline);
   absl::Status StartGrpc(const ServerOptions& options);
   absl::Status StartHttp(const ServerOptions& options);
   // Declared before server_: destroyed after it, once every call is done.
@@ -87,6 +90,8 @@ class AttnServer {
   std::unique_ptr<SharedMemoryRegistry> shared_memory_;
   // Null when sessions are off; destroyed after the service, freeing every
   // session's cache.
+  // Null without --session_dir; outlives the session store.
+  std::unique_ptr<SessionDirectory> session_directory_;
   std::unique_ptr<SessionStore> sessions_;
   // Declared after the session store: destroyed (its queued work run, its
   // workers joined) before it.

@@ -80,7 +80,7 @@ absl::StatusOr<Tensor> RunStep(DecodeSession& s, const StepData& data,
 std::string Write(const DecodeSession& session, absl::string_view id) {
   std::string bytes;
   const absl::Status written =
-      WriteSessionFile(session, id, "", [&](absl::string_view piece) {
+      WriteSessionFile(session, id, [&](absl::string_view piece) {
         bytes.append(piece.data(), piece.size());
         return absl::OkStatus();
       });

@@ -1388,3 +1388,160 @@ TEST_F(SessionServerTest, CoalescedStepsAreAnsweredByTheirDeadline) {
 }
 
 }  // namespace attnserve::testing
+
+namespace attnserve::testing {
+namespace {
+
+// Durable sessions through live servers sharing --session_dir: a drain
+// saves every session; another server takes each up on its next step (or
+// fork), which answers bit for bit as a server that never stopped; a
+// corrupt file answers DATA_LOSS naming it.
+class DurableSessionTest : public SessionServerTest {
+ protected:
+  DurableSessionTest()
+      : dir_(fs::temp_directory_path() /
+             absl::StrCat("attnserve_session_dir_", ::getpid())) {
+    fs::remove_all(dir_);
+  }
+  ~DurableSessionTest() override { fs::remove_all(dir_); }
+
+  ServerOptions WithDirectory() {
+    ServerOptions options = Options();
+    options.session_dir = dir_.string();
+    return options;
+  }
+  // The next step of each session: attention inputs (max_length 2048) or a
+  // model session's hidden states, drawn from `seed`.
+  static v1::SessionStepRequest NextStep(const std::string& id, bool model,
+                                         int64_t n, unsigned seed) {
+    std::mt19937 rng(seed);
+    v1::SessionStepRequest request;
+    request.set_session_id(id);
+    if (model) {
+      *request.mutable_input() =
+          ToWire(RandomTensor(DType::kFloat32, {n, kEmbed}, rng).view());
+      return request;
+    }
+    *request.mutable_query() =
+        ToWire(RandomTensor(DType::kFloat32, {4, n, 8}, rng).view());
+    *request.mutable_key() =
+        ToWire(RandomTensor(DType::kFloat32, {2, n, 8}, rng).view());
+    *request.mutable_value() =
+        ToWire(RandomTensor(DType::kFloat32, {2, n, 8}, rng).view());
+    return request;
+  }
+  // Creates the two sessions (attention; model with an INT8 cache) on
+  // `client`; their ids.
+  static std::vector<std::string> CreateBoth(AttnClient& client) {
+    v1::CreateSessionRequest attention;
+    attention.set_num_heads(4);
+    attention.set_num_kv_heads(2);
+    attention.set_head_dim(8);
+    attention.set_rotary_dims(8);
+    attention.set_max_length(2048);
+    v1::CreateSessionRequest model;
+    model.set_model("llama_block_int8");
+    std::vector<std::string> ids;
+    for (const auto& request : {attention, model}) {
+      auto created = client.CreateSession(request);
+      EXPECT_TRUE(created.ok()) << created.status();
+      ids.push_back(created.ok() ? created->session_id() : "");
+    }
+    return ids;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(DurableSessionTest, ADrainedServersSessionsStepOnAnotherAlike) {
+  TestServer reference(Options());
+  AttnClient reference_client = reference.MakeClient();
+  const std::vector<std::string> reference_ids = CreateBoth(reference_client);
+  std::vector<std::string> ids;
+  {
+    TestServer first(WithDirectory());
+    AttnClient client = first.MakeClient();
+    ids = CreateBoth(client);
+    for (int s = 0; s < 2; ++s) {
+      // A prefill across a block boundary, then single tokens.
+      for (auto [n, seed] : {std::pair{600, 1u}, {1, 2u}, {1, 3u}}) {
+        ASSERT_TRUE(client.SessionStep(NextStep(ids[s], s == 1, n, seed)).ok());
+        ASSERT_TRUE(
+            reference_client
+                .SessionStep(NextStep(reference_ids[s], s == 1, n, seed))
+                .ok());
+      }
+    }
+    first.server().Shutdown(absl::Seconds(5));
+  }
+  for (const std::string& id : ids) {
+    EXPECT_TRUE(fs::exists(dir_ / (id + ".session"))) << id;
+  }
+  TestServer second(WithDirectory());
+  AttnClient client = second.MakeClient();
+  for (int s = 0; s < 2; ++s) {
+    for (unsigned seed : {10u, 11u, 12u}) {
+      auto got = client.SessionStep(NextStep(ids[s], s == 1, 1, seed));
+      auto want = reference_client.SessionStep(
+          NextStep(reference_ids[s], s == 1, 1, seed));
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_TRUE(want.ok()) << want.status();
+      EXPECT_EQ(got->length(), want->length());
+      EXPECT_EQ(got->output().SerializeAsString(),
+                want->output().SerializeAsString())
+          << "session " << s << " step " << seed;
+    }
+    EXPECT_FALSE(fs::exists(dir_ / (ids[s] + ".session")));
+  }
+  const std::string page = MetricsPage(second);
+  EXPECT_NE(page.find("attnserve_session_files_total{event=\"restored\"} 2\n"),
+            std::string::npos)
+      << page;
+  // A fork takes its parent up first; a deleted saved session is gone.
+  second.server().Shutdown(absl::Seconds(5));
+  TestServer third(WithDirectory());
+  AttnClient third_client = third.MakeClient();
+  auto forked = third_client.ForkSession(ids[0], 300);
+  ASSERT_TRUE(forked.ok()) << forked.status();
+  EXPECT_EQ(forked->length(), 300);
+  EXPECT_TRUE(third_client.DeleteSession(ids[1]).ok());
+  auto gone = third_client.SessionStep(NextStep(ids[1], true, 1, 20));
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(DurableSessionTest, ACorruptFileAnswersDataLossAndIsQuarantined) {
+  std::string id;
+  {
+    TestServer first(WithDirectory());
+    AttnClient client = first.MakeClient();
+    id = CreateBoth(client)[0];
+    ASSERT_TRUE(client.SessionStep(NextStep(id, false, 20, 1)).ok());
+  }
+  const fs::path file = dir_ / (id + ".session");
+  ASSERT_TRUE(fs::exists(file));
+  {
+    std::fstream bytes(file, std::ios::in | std::ios::out | std::ios::binary);
+    bytes.seekp(static_cast<std::streamoff>(fs::file_size(file) - 40));
+    bytes.put('\x55');
+  }
+  TestServer second(WithDirectory());
+  AttnClient client = second.MakeClient();
+  auto step = client.SessionStep(NextStep(id, false, 1, 2));
+  EXPECT_EQ(step.status().code(), absl::StatusCode::kDataLoss) << step.status();
+  EXPECT_NE(step.status().message().find(id + ".session"), std::string::npos)
+      << step.status();
+  EXPECT_FALSE(fs::exists(file));
+  EXPECT_FALSE(fs::is_empty(dir_ / "quarantine"));
+}
+
+TEST_F(DurableSessionTest, AnUnusableSessionDirStopsStartUp) {
+  std::ofstream(dir_) << "a file";
+  auto server = AttnServer::Start(WithDirectory());
+  ASSERT_FALSE(server.ok());
+  EXPECT_NE(server.status().message().find("--session_dir"), std::string::npos)
+      << server.status();
+  fs::remove(dir_);
+}
+
+}  // namespace
+}  // namespace attnserve::testing

@@ -1,0 +1,261 @@
+#include "core/session_directory.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <utility>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/files.h"
+#include "core/status_macros.h"
+#include "core/verify.h"
+
+namespace attnserve {
+namespace {
+
+constexpr absl::string_view kSuffix = ".session";
+constexpr absl::string_view kQuarantine = "quarantine";
+
+absl::Status ErrnoError(absl::string_view what, int error) {
+  const std::string message = absl::StrCat(what, ": ", std::strerror(error));
+  return error == ENOSPC || error == EDQUOT
+             ? absl::ResourceExhaustedError(message)
+             : absl::FailedPreconditionError(message);
+}
+
+// Writes all of `bytes` to `fd`.
+absl::Status WriteAll(int fd, absl::string_view bytes, absl::string_view path) {
+  while (!bytes.empty()) {
+    const ssize_t n = ::write(fd, bytes.data(), bytes.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return ErrnoError(absl::StrCat("cannot write ", path), errno);
+    bytes.remove_prefix(static_cast<size_t>(n));
+  }
+  return absl::OkStatus();
+}
+
+// Whether a load's error marks the file itself as bad (hostile or
+// corrupt), rather than this process's state (a model not served, a full
+// budget).
+bool FileIsBad(const absl::Status& status) {
+  return absl::IsDataLoss(status) || absl::IsInvalidArgument(status);
+}
+
+}  // namespace
+
+bool SessionDirectory::IsStorableId(absl::string_view id) {
+  if (id.empty() || id.size() > 64) return false;
+  for (char c : id) {
+    if (!((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f'))) return false;
+  }
+  return true;
+}
+
+absl::StatusOr<std::unique_ptr<SessionDirectory>> SessionDirectory::Open(
+    const Options& options) {
+  const std::string& path = options.path;
+  if (::mkdir(path.c_str(), 0700) != 0 && errno != EEXIST) {
+    return ErrnoError(absl::StrCat("--session_dir ", path, ": cannot create"),
+                      errno);
+  }
+  ATTN_ASSIGN_OR_RETURN(std::string canonical, CanonicalPath(path));
+  struct stat info;
+  if (::stat(canonical.c_str(), &info) != 0 || !S_ISDIR(info.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--session_dir ", path, ": not a directory"));
+  }
+  const std::string quarantine = absl::StrCat(canonical, "/", kQuarantine);
+  if ((::mkdir(quarantine.c_str(), 0700) != 0 && errno != EEXIST) ||
+      ::access(canonical.c_str(), W_OK | X_OK) != 0) {
+    return ErrnoError(
+        absl::StrCat("--session_dir ", path, ": cannot be written"), errno);
+  }
+  std::unique_ptr<SessionDirectory> directory(
+      new SessionDirectory(options, std::move(canonical)));
+  directory->indexer_ =
+      std::thread([d = directory.get()] { d->IndexExisting(); });
+  return directory;
+}
+
+SessionDirectory::SessionDirectory(const Options& options, std::string path)
+    : options_(options), path_(std::move(path)) {}
+
+SessionDirectory::~SessionDirectory() {
+  {
+    MutexLock lock(&mu_);
+    stopping_ = true;
+  }
+  if (indexer_.joinable()) indexer_.join();
+}
+
+std::string SessionDirectory::FileOf(absl::string_view id) const {
+  return absl::StrCat(path_, "/", id, kSuffix);
+}
+
+absl::Status SessionDirectory::Save(absl::string_view id,
+                                    const DecodeSession& session) {
+  if (!IsStorableId(id)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "session id ", EchoString(id), " cannot name a session file"));
+  }
+  static std::atomic<uint64_t> counter{0};
+  const std::string temporary =
+      absl::StrCat(path_, "/.", id, ".", ::getpid(), ".", counter++, ".tmp");
+  const int fd =
+      ::open(temporary.c_str(),
+             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    return ErrnoError(absl::StrCat("cannot create ", temporary), errno);
+  }
+  uint64_t bytes = 0;
+  absl::Status written =
+      WriteSessionFile(session, id, [&](absl::string_view piece) {
+        bytes += piece.size();
+        return WriteAll(fd, piece, temporary);
+      });
+  if (::close(fd) != 0 && written.ok()) {
+    written = ErrnoError(absl::StrCat("cannot write ", temporary), errno);
+  }
+  const std::string file = FileOf(id);
+  if (written.ok() && ::rename(temporary.c_str(), file.c_str()) != 0) {
+    written = ErrnoError(absl::StrCat("cannot rename to ", file), errno);
+  }
+  if (!written.ok()) {
+    ::unlink(temporary.c_str());
+    return written;
+  }
+  {
+    MutexLock lock(&mu_);
+    Index(std::string(id), bytes, absl::Now());
+    ++counts_.saved;
+  }
+  MakeRoom(std::string(id));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::Take(
+    absl::string_view id, const SessionFileLoader& loader) {
+  const auto not_found = [&] {
+    return absl::NotFoundError(
+        absl::StrCat("no session file for ", EchoString(id)));
+  };
+  if (!IsStorableId(id)) return not_found();
+  const std::string file = FileOf(id);
+  absl::StatusOr<std::string> bytes =
+      ReadRegularFile(file, {.max_bytes = options_.max_file_bytes,
+                             .limit_name = "the largest session",
+                             .within = path_});
+  if (absl::IsNotFound(bytes.status())) return not_found();
+  if (!bytes.ok()) {
+    Quarantine(id);
+    return bytes.status();
+  }
+  SessionFileHeader header;
+  absl::StatusOr<std::unique_ptr<DecodeSession>> session =
+      LoadSessionFile(*bytes, absl::StrCat(id, kSuffix), loader, &header);
+  if (session.ok() && header.id != id) {
+    session = absl::DataLossError(
+        absl::StrCat("session file ", EchoString(absl::StrCat(id, kSuffix)),
+                     " holds session ", EchoString(header.id)));
+  }
+  if (!session.ok()) {
+    if (FileIsBad(session.status())) Quarantine(id);
+    return session.status();
+  }
+  ::unlink(file.c_str());
+  MutexLock lock(&mu_);
+  Unindex(std::string(id));
+  ++counts_.taken;
+  return session;
+}
+
+bool SessionDirectory::Remove(absl::string_view id) {
+  if (!IsStorableId(id)) return false;
+  const bool removed = ::unlink(FileOf(id).c_str()) == 0;
+  MutexLock lock(&mu_);
+  Unindex(std::string(id));
+  return removed;
+}
+
+void SessionDirectory::Quarantine(absl::string_view id) {
+  const std::string to = absl::StrCat(path_, "/", kQuarantine, "/", id, kSuffix,
+                                      ".", absl::ToUnixNanos(absl::Now()));
+  if (::rename(FileOf(id).c_str(), to.c_str()) != 0) {
+    ::unlink(FileOf(id).c_str());
+  }
+  MutexLock lock(&mu_);
+  Unindex(std::string(id));
+  ++counts_.quarantined;
+}
+
+void SessionDirectory::Index(const std::string& id, uint64_t bytes,
+                             absl::Time written) {
+  Unindex(id);
+  files_[id] = {bytes, written};
+  by_age_.emplace(written, id);
+  bytes_ += bytes;
+}
+
+void SessionDirectory::Unindex(const std::string& id) {
+  auto it = files_.find(id);
+  if (it == files_.end()) return;
+  by_age_.erase({it->second.written, id});
+  bytes_ -= it->second.bytes;
+  files_.erase(it);
+}
+
+void SessionDirectory::MakeRoom(const std::string& keep) {
+  if (options_.max_bytes == 0) return;
+  while (true) {
+    std::string oldest;
+    {
+      MutexLock lock(&mu_);
+      if (bytes_ <= options_.max_bytes) return;
+      auto it = by_age_.begin();
+      if (it != by_age_.end() && it->second == keep) ++it;
+      if (it == by_age_.end()) return;
+      oldest = it->second;
+      Unindex(oldest);
+      ++counts_.removed_for_space;
+    }
+    ::unlink(FileOf(oldest).c_str());
+  }
+}
+
+void SessionDirectory::IndexExisting() {
+  DIR* dir = ::opendir(path_.c_str());
+  if (dir == nullptr) return;
+  while (const dirent* entry = ::readdir(dir)) {
+    const absl::string_view name = entry->d_name;
+    if (!absl::EndsWith(name, kSuffix)) continue;
+    const std::string id(name.substr(0, name.size() - kSuffix.size()));
+    struct stat info;
+    if (!IsStorableId(id) ||
+        ::lstat(absl::StrCat(path_, "/", name).c_str(), &info) != 0) {
+      continue;
+    }
+    MutexLock lock(&mu_);
+    if (stopping_) break;
+    if (files_.contains(id)) continue;  // saved since
+    Index(id, static_cast<uint64_t>(info.st_size),
+          absl::TimeFromTimespec(info.st_mtim));
+  }
+  ::closedir(dir);
+  MakeRoom("");
+}
+
+SessionDirectory::Stats SessionDirectory::stats() const {
+  MutexLock lock(&mu_);
+  Stats stats = counts_;
+  stats.files = static_cast<int64_t>(files_.size());
+  stats.bytes = bytes_;
+  return stats;
+}
+
+}  // namespace attnserve

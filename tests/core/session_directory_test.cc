@@ -1,0 +1,286 @@
+// Durable sessions (core/session_directory.h with SessionStore's
+// directory): an evicted session is saved and taken back by its next step;
+// SaveAll lets another store (another process sharing the directory) take
+// every session up; the taken session answers its next steps bit for bit as
+// one that never left; a deleted session's file goes; a corrupt, foreign
+// or symlinked file is DATA_LOSS (or refused) for that session only and is
+// quarantined; the directory keeps within its byte limit.
+#include "core/session_directory.h"
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/decode_session.h"
+#include "core/session_store.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/core_test_util.h"
+
+namespace attnserve::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using ::testing::HasSubstr;
+
+constexpr int kHeads = 2;
+constexpr int64_t kDim = 32;
+
+std::unique_ptr<DecodeSession> NewSession() {
+  DecodeSessionConfig config;
+  config.num_heads = kHeads;
+  config.key_dim = kDim;
+  config.rotary.dims = 8;
+  config.max_length = 4096;
+  return *DecodeSession::Create(config);
+}
+
+// A step's inputs, drawn from `seed`.
+struct StepInputs {
+  explicit StepInputs(int64_t n, unsigned seed) {
+    std::mt19937 rng(seed);
+    q = RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng);
+    k = RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng);
+    v = RandomTensor(DType::kFloat32, {1, kHeads, n, kDim}, rng);
+  }
+  Tensor q, k, v;
+};
+
+absl::StatusOr<Tensor> Step(SessionStore& store, const std::string& id,
+                            int64_t n, unsigned seed) {
+  const StepInputs data(n, seed);
+  DecodeStepInputs in;
+  in.query = data.q.view();
+  in.key = data.k.view();
+  in.value = data.v.view();
+  TensorResults results;
+  int64_t length = 0;
+  const absl::Status status = store.Step(id, in, {}, results, &length);
+  if (!status.ok()) return status;
+  return *results.Take("output");
+}
+
+bool SameBits(const Tensor& a, const Tensor& b) {
+  return a.num_bytes() == b.num_bytes() &&
+         std::memcmp(a.data(), b.data(), a.num_bytes()) == 0;
+}
+
+class SessionDirectoryTest : public ::testing::Test {
+ protected:
+  SessionDirectoryTest() {
+    path_ = fs::path(::testing::TempDir()) /
+            absl::StrCat("sessions-", ::getpid(), "-", counter_++);
+    fs::remove_all(path_);
+  }
+  ~SessionDirectoryTest() override { fs::remove_all(path_); }
+
+  std::unique_ptr<SessionDirectory> OpenDirectory(uint64_t max_bytes = 0) {
+    auto directory =
+        SessionDirectory::Open({.path = path_.string(),
+                                .max_bytes = max_bytes,
+                                .max_file_bytes = uint64_t{1} << 30});
+    EXPECT_TRUE(directory.ok()) << directory.status();
+    return std::move(*directory);
+  }
+  static SessionStore::Options StoreOptions(SessionDirectory* directory) {
+    SessionStore::Options options;
+    options.idle_timeout = absl::InfiniteDuration();
+    options.directory = directory;
+    return options;
+  }
+  fs::path FileOf(const std::string& id) const {
+    return path_ / (id + ".session");
+  }
+  // The reference: a session that never left, stepped the same way.
+  std::string Reference(SessionStore& store) {
+    return *store.Add(NewSession());
+  }
+
+  static inline int counter_ = 0;
+  fs::path path_;
+};
+
+TEST_F(SessionDirectoryTest, AnEvictedSessionIsSavedAndTakenBackByItsStep) {
+  auto directory = OpenDirectory();
+  SessionStore::Options options = StoreOptions(directory.get());
+  options.max_sessions = 1;
+  SessionStore store(options);
+  SessionStore reference_store(StoreOptions(nullptr));
+  const std::string reference = Reference(reference_store);
+
+  const std::string id = *store.Add(NewSession());
+  ASSERT_TRUE(Step(store, id, 700, 1).ok());
+  ASSERT_TRUE(Step(reference_store, reference, 700, 1).ok());
+  // A second session evicts the first, which is saved.
+  const std::string other = *store.Add(NewSession());
+  EXPECT_TRUE(fs::exists(FileOf(id)));
+  EXPECT_EQ(store.stats().saved, 1);
+  // Its next step takes it back (evicting the other in turn).
+  auto got = Step(store, id, 1, 2);
+  auto want = Step(reference_store, reference, 1, 2);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_TRUE(SameBits(*got, *want));
+  EXPECT_FALSE(fs::exists(FileOf(id)));
+  EXPECT_TRUE(fs::exists(FileOf(other)));
+  EXPECT_EQ(store.stats().restored, 1);
+  EXPECT_EQ((*store.Find(id))->length(), 701);
+}
+
+TEST_F(SessionDirectoryTest, SavedSessionsMoveToAnotherStoreAndStepAlike) {
+  auto directory = OpenDirectory();
+  SessionStore reference_store(StoreOptions(nullptr));
+  std::vector<std::string> ids, references;
+  {
+    SessionStore first(StoreOptions(directory.get()));
+    for (int i = 0; i < 3; ++i) {
+      ids.push_back(*first.Add(NewSession()));
+      references.push_back(Reference(reference_store));
+      ASSERT_TRUE(Step(first, ids[i], 300 + 400 * i, 10 + i).ok());
+      ASSERT_TRUE(
+          Step(reference_store, references[i], 300 + 400 * i, 10 + i).ok());
+    }
+    const SessionStore::SaveReport report = first.SaveAll();
+    EXPECT_EQ(report.sessions, 3);
+    EXPECT_TRUE(report.first_error.ok()) << report.first_error;
+  }
+  // Another process: its own directory handle on the same path.
+  auto second_directory = OpenDirectory();
+  SessionStore second(StoreOptions(second_directory.get()));
+  for (int i = 0; i < 3; ++i) {
+    for (unsigned step = 0; step < 3; ++step) {
+      auto got = Step(second, ids[i], 1, 100 + step);
+      auto want = Step(reference_store, references[i], 1, 100 + step);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_TRUE(SameBits(*got, *want)) << "session " << i << " step " << step;
+    }
+  }
+  EXPECT_EQ(second.stats().restored, 3);
+  // A fork of a saved session takes it in first.
+  EXPECT_TRUE(second.Fork(ids[0], 100).ok());
+}
+
+TEST_F(SessionDirectoryTest, DeletedSessionsLeaveNoFileAndStayGone) {
+  auto directory = OpenDirectory();
+  SessionStore store(StoreOptions(directory.get()));
+  const std::string id = *store.Add(NewSession());
+  ASSERT_TRUE(Step(store, id, 10, 1).ok());
+  ASSERT_EQ(store.SaveAll().sessions, 1);
+  ASSERT_TRUE(fs::exists(FileOf(id)));
+  EXPECT_EQ(store.stats().open, 0);  // saved sessions live on in their files
+  ASSERT_TRUE(store.Delete(id).ok());
+  EXPECT_FALSE(fs::exists(FileOf(id)));
+  const absl::Status gone = Step(store, id, 1, 2).status();
+  EXPECT_EQ(gone.code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(gone.message()), HasSubstr("was deleted"));
+  // A saved session this store never held is deleted by its file.
+  SessionStore other(StoreOptions(nullptr));
+  const std::string saved = *other.Add(NewSession());
+  ASSERT_TRUE(directory->Save(saved, **other.Find(saved)).ok());
+  EXPECT_TRUE(store.Delete(saved).ok());
+  EXPECT_FALSE(fs::exists(FileOf(saved)));
+  EXPECT_EQ(store.Delete(saved).code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionDirectoryTest, BadFilesFailTheirSessionAndAreQuarantined) {
+  auto directory = OpenDirectory();
+  // The session the files are written from, in a store of its own.
+  SessionStore source(StoreOptions(nullptr));
+  const std::string id = *source.Add(NewSession());
+  ASSERT_TRUE(Step(source, id, 600, 1).ok());
+  const std::shared_ptr<const DecodeSession> session = *source.Find(id);
+  // A flipped byte in a block.
+  ASSERT_TRUE(directory->Save(id, *session).ok());
+  {
+    std::fstream file(FileOf(id),
+                      std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(4000);
+    file.put('\x7f');
+  }
+  auto other_directory = OpenDirectory();
+  SessionStore other(StoreOptions(other_directory.get()));
+  const absl::Status corrupt = Step(other, id, 1, 2).status();
+  EXPECT_EQ(corrupt.code(), absl::StatusCode::kDataLoss) << corrupt;
+  EXPECT_THAT(std::string(corrupt.message()), HasSubstr("checksum mismatch"));
+  EXPECT_FALSE(fs::exists(FileOf(id)));
+  EXPECT_EQ(std::distance(fs::directory_iterator(path_ / "quarantine"),
+                          fs::directory_iterator()),
+            1);
+  EXPECT_EQ(Step(other, id, 1, 2).status().code(), absl::StatusCode::kNotFound);
+
+  // A file holding another session's id, and a symlink out of the
+  // directory, are refused and quarantined too.
+  const std::string renamed = "abcdef";
+  ASSERT_TRUE(directory->Save(id, *session).ok());
+  fs::rename(FileOf(id), FileOf(renamed));
+  const absl::Status foreign = Step(other, renamed, 1, 2).status();
+  EXPECT_EQ(foreign.code(), absl::StatusCode::kDataLoss) << foreign;
+  EXPECT_THAT(std::string(foreign.message()), HasSubstr("holds session"));
+  const fs::path outside = fs::path(::testing::TempDir()) /
+                           absl::StrCat("outside-", ::getpid(), ".session");
+  ASSERT_TRUE(directory->Save(id, *session).ok());
+  fs::rename(FileOf(id), outside);
+  fs::create_symlink(outside, FileOf("abc"));
+  const absl::Status linked = Step(other, "abc", 1, 2).status();
+  EXPECT_EQ(linked.code(), absl::StatusCode::kFailedPrecondition) << linked;
+  EXPECT_FALSE(fs::exists(FileOf("abc")));
+  EXPECT_TRUE(fs::exists(outside));
+  fs::remove(outside);
+  // Ids that are not storable never touch the disk.
+  EXPECT_EQ(Step(other, "../etc/passwd", 1, 2).status().code(),
+            absl::StatusCode::kNotFound);
+  EXPECT_EQ(other_directory->stats().quarantined, 3);
+}
+
+TEST_F(SessionDirectoryTest, TheDirectoryKeepsWithinItsLimitOldestFirst) {
+  SessionStore store(StoreOptions(nullptr));
+  std::vector<std::string> ids;
+  for (int i = 0; i < 4; ++i) {
+    ids.push_back(*store.Add(NewSession()));
+    ASSERT_TRUE(Step(store, ids.back(), 512, i).ok());
+  }
+  auto probe = OpenDirectory();
+  ASSERT_TRUE(probe->Save(ids[0], **store.Find(ids[0])).ok());
+  const uint64_t one = probe->stats().bytes;
+  probe.reset();
+  fs::remove_all(path_);
+  // Room for three files: the fourth save removes the oldest.
+  auto directory = OpenDirectory(3 * one + one / 2);
+  for (const std::string& id : ids) {
+    ASSERT_TRUE(directory->Save(id, **store.Find(id)).ok());
+    absl::SleepFor(absl::Milliseconds(2));
+  }
+  EXPECT_FALSE(fs::exists(FileOf(ids[0])));
+  for (int i = 1; i < 4; ++i) EXPECT_TRUE(fs::exists(FileOf(ids[i])));
+  EXPECT_EQ(directory->stats().removed_for_space, 1);
+  EXPECT_EQ(directory->stats().bytes, 3 * one);
+
+  // A new handle indexes what is there and keeps the limit as well.
+  auto smaller = OpenDirectory(one + one / 2);
+  for (int tries = 0; tries < 200 && smaller->stats().files != 1; ++tries) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(smaller->stats().files, 1);
+  EXPECT_TRUE(fs::exists(FileOf(ids[3])));
+}
+
+TEST_F(SessionDirectoryTest, AnUnusableDirectoryIsRefusedAtOpen) {
+  const fs::path file = fs::path(::testing::TempDir()) / "not-a-directory";
+  std::ofstream(file) << "x";
+  auto opened = SessionDirectory::Open({.path = file.string()});
+  EXPECT_EQ(opened.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(std::string(opened.status().message()),
+              HasSubstr("--session_dir"));
+  fs::remove(file);
+}
+
+}  // namespace
+}  // namespace attnserve::testing
