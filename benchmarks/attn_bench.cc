@@ -14,9 +14,11 @@
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstring>
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -24,6 +26,8 @@
 #include <random>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
 #include "core/convert.h"
@@ -31,6 +35,8 @@
 #include "core/multi_head_attention.h"
 #include "core/primitives.h"
 #include "core/row_ops.h"
+#include "core/session_directory.h"
+#include "core/session_file.h"
 #include "core/tensor.h"
 #include "core/thread_budget.h"
 
@@ -262,6 +268,86 @@ void BM_DecodeStep(benchmark::State& state) {
   const double bytes = KvBytes(lk + 1, hkv, d, dtype);
   state.SetBytesProcessed(static_cast<int64_t>(bytes * state.iterations()));
   SetRate(state, 4.0 * h * (lk + 1) * d, bytes);
+}
+
+// A directory for session files under /tmp, removed with the object.
+class ScratchSessionDirectory {
+ public:
+  ScratchSessionDirectory()
+      : path_(absl::StrCat("/tmp/attn_bench_sessions_", ::getpid())) {
+    auto directory = SessionDirectory::Open(
+        {.path = path_, .max_file_bytes = uint64_t{1} << 34});
+    if (directory.ok()) directory_ = *std::move(directory);
+  }
+  ~ScratchSessionDirectory() {
+    directory_.reset();
+    std::filesystem::remove_all(path_);
+  }
+  SessionDirectory* get() { return directory_.get(); }
+
+ private:
+  std::string path_;
+  std::unique_ptr<SessionDirectory> directory_;
+};
+
+// Saving sessions to files, as a drain does: N attention sessions of 8
+// heads x 64 holding Lk float32 tokens, each written to a session file
+// (the page cache; not synced). bytes_per_second: the session files.
+void BM_SessionSave(benchmark::State& state) {
+  const int64_t n = state.range(0), lk = state.range(1);
+  ScratchSessionDirectory directory;
+  std::vector<std::unique_ptr<DecodeSession>> sessions;
+  for (int64_t i = 0; i < n; ++i) {
+    auto session = PrefilledSession(8, 8, 64, lk, DType::kFloat32,
+                                    static_cast<uint32_t>(i));
+    if (!session.ok() || directory.get() == nullptr) {
+      state.SkipWithError("no session or directory");
+      return;
+    }
+    sessions.push_back(*std::move(session));
+  }
+  for (auto _ : state) {
+    for (int64_t i = 0; i < n; ++i) {
+      const absl::Status saved = directory.get()->Save(
+          absl::StrFormat("%032x", i), *sessions[static_cast<size_t>(i)]);
+      if (!saved.ok())
+        state.SkipWithError(std::string(saved.message()).c_str());
+    }
+  }
+  state.SetBytesProcessed(static_cast<int64_t>(
+      static_cast<double>(n) * KvBytes(lk, 8, 64, DType::kFloat32) *
+      static_cast<double>(state.iterations())));
+}
+
+// Taking a saved session up (a restore on another replica): reading its
+// file from the page cache, checking it and loading it into a new session
+// (8 heads x 64, Lk float32 tokens). bytes_per_second: the session.
+void BM_SessionTake(benchmark::State& state) {
+  const int64_t lk = state.range(0);
+  ScratchSessionDirectory directory;
+  auto session = PrefilledSession(8, 8, 64, lk, DType::kFloat32, 1);
+  if (!session.ok() || directory.get() == nullptr) {
+    state.SkipWithError("no session or directory");
+    return;
+  }
+  const std::string id = "0123456789abcdef";
+  const SessionFileLoader loader{
+      .layer_of = [](absl::string_view)
+          -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+        return absl::NotFoundError("no models");
+      },
+      .verify = [](const DecodeSessionConfig&) { return absl::OkStatus(); }};
+  for (auto _ : state) {
+    state.PauseTiming();
+    const absl::Status saved = directory.get()->Save(id, **session);
+    state.ResumeTiming();
+    auto taken = directory.get()->Take(id, loader);
+    if (!saved.ok() || !taken.ok()) state.SkipWithError("save or take failed");
+    benchmark::DoNotOptimize(taken);
+  }
+  state.SetBytesProcessed(
+      static_cast<int64_t>(KvBytes(lk, 8, 64, DType::kFloat32) *
+                           static_cast<double>(state.iterations())));
 }
 
 // ForkSession's core: a fork of an attention session of 8 heads x 64
@@ -660,6 +746,13 @@ BENCHMARK(BM_ForkSession)->ArgNames({"Lk", "mode"})
     ->Args({4096, 2})
     ->Args({4095, 2})
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_SessionSave)->ArgNames({"N", "Lk"})
+    ->Args({1, 4096})
+    ->Args({64, 4096})
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SessionTake)->ArgNames({"Lk"})
+    ->Arg(4096)
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_DecodeBatch)
     ->ArgNames({"N", "H", "Hkv", "d", "Lk", "cache", "ops"})
     ->Apply([](auto* b) {

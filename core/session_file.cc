@@ -1,12 +1,11 @@
 #include "core/session_file.h"
 
-#include <zlib.h>
-
 #include <cstring>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "core/attention_kernel.h"
+#include "core/checksum.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
 
@@ -24,15 +23,7 @@ constexpr size_t kMaxIdBytes = 256;
 constexpr size_t kMaxModelBytes = 1024;
 
 uint32_t Crc(absl::string_view bytes, uint32_t crc = 0) {
-  // zlib's crc32 takes a uInt length: feed it in pieces.
-  uLong value = crc;
-  while (!bytes.empty()) {
-    const size_t piece = std::min<size_t>(bytes.size(), 1u << 30);
-    value = crc32(value, reinterpret_cast<const Bytef*>(bytes.data()),
-                  static_cast<uInt>(piece));
-    bytes.remove_prefix(piece);
-  }
-  return static_cast<uint32_t>(value);
+  return Crc32c(bytes, crc);
 }
 
 // Appends little-endian fields (x86-64 and aarch64 are little-endian).

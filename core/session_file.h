@@ -4,13 +4,13 @@
 //
 // Format (version 1, little-endian):
 //   header   "ATTNSESS", u32 version, u32 body size, the body (the
-//            session's config, id, model and per-layer lengths), u32 CRC-32
+//            session's config, id, model and per-layer lengths), u32 CRC-32C
 //            of the body;
 //   blocks   per layer in order, per block of kCacheBlockKeys tokens from
 //            token 0 (the last of a layer may be shorter): "BLCK", u32
-//            layer, i64 first token, i64 tokens, u32 CRC-32 of those
+//            layer, i64 first token, i64 tokens, u32 CRC-32C of those
 //            fields and the rows, then the rows (DecodeSession::RowBytes);
-//   end      "DONE", i64 blocks, u32 CRC-32 of that count.
+//   end      "DONE", i64 blocks, u32 CRC-32C of that count.
 // A full block's bytes never change while the session only appends, so a
 // writer may emit each block once as it fills.
 //

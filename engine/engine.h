@@ -143,6 +143,12 @@ class Engine {
   // shutting down; retry on another replica"; accepted calls finish.
   void StopAcceptingCalls() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
+  // Whether no admitted call is computing or waiting (for a worker or in
+  // the step coalescer).
+  bool idle() const {
+    return scheduler_.inflight() == 0 && scheduler_.queued() == 0 &&
+           (step_coalescer_ == nullptr || !step_coalescer_->active());
+  }
   // When a call was last refused for that (absl::UnixEpoch(): never).
   absl::Time last_refused() const {
     return absl::FromUnixNanos(last_refused_ns_.load());

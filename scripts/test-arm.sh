@@ -30,7 +30,7 @@ fi
 $sudo apt-get update -qq
 $sudo apt-get install -y -qq --no-install-recommends \
   g++-aarch64-linux-gnu qemu-user libabsl-dev:arm64 libhwy-dev:arm64 \
-  libgtest-dev:arm64 libgmock-dev:arm64 libgomp1:arm64 zlib1g-dev:arm64 >/dev/null
+  libgtest-dev:arm64 libgmock-dev:arm64 libgomp1:arm64 >/dev/null
 # oneDNN's development package is not co-installable with its x86-64 copy
 # (their dnnl_config.h differ): it is unpacked into a folder of its own.
 sysroot=$build/sysroot

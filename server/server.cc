@@ -388,6 +388,15 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   absl::SleepFor(std::min(lame_duck, grace));
   // Calls that still come get a status that clients' retry policies retry.
   engine_->StopAcceptingCalls();
+  // Once no admitted call runs, every session is saved for the replica that
+  // takes over its clients, who meanwhile retry the refusals here (so they
+  // find it there when this replica stops listening).
+  if (session_directory_ != nullptr) {
+    while (!engine_->idle() && absl::Now() < deadline) {
+      absl::SleepFor(absl::Milliseconds(5));
+    }
+    SaveSessions(std::max(deadline, absl::Now() + absl::Seconds(5)));
+  }
   // gRPC 1.51's Server::Shutdown drops as CANCELLED, which clients do not
   // retry, every call not yet handed to a handler: requests still arriving
   // when it starts or while it tells connections to stop. So stop listening
@@ -410,8 +419,7 @@ void AttnServer::Drain(absl::Duration lame_duck, absl::Duration grace) {
   // HTTP calls get the same deadline; then they are cancelled.
   if (http_server_ != nullptr) http_server_->Stop(deadline);
   http_server_.reset();
-  // No call runs now: every session is saved for the replica that takes
-  // over its clients (at least a few seconds, whatever the calls took).
+  // Sessions opened since (CreateSession is not refused while draining).
   SaveSessions(std::max(deadline, absl::Now() + absl::Seconds(5)));
 }
 

@@ -7,8 +7,6 @@
 // its config's error) naming what is wrong, never loaded.
 #include "core/session_file.h"
 
-#include <zlib.h>
-
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -20,6 +18,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/attention_kernel.h"
+#include "core/checksum.h"
 #include "core/decode_session.h"
 #include "core/session_store.h"
 #include "gmock/gmock.h"
@@ -174,6 +173,19 @@ TEST(SessionFileTest, AForkIsWrittenWithTheSharedTokensItReads) {
   ExpectSameNextSteps(*fork, **loaded, DType::kFloat32, rng);
 }
 
+TEST(SessionFileTest, Crc32cIsTheCastagnoliChecksum) {
+  // The check value of CRC-32C, and the same in two pieces.
+  EXPECT_EQ(Crc32c("123456789"), 0xe3069283u);
+  EXPECT_EQ(Crc32c("56789", Crc32c("1234")), 0xe3069283u);
+  EXPECT_EQ(Crc32c(""), 0u);
+  std::string long_input(1000, '\0');
+  for (size_t i = 0; i < long_input.size(); ++i) {
+    long_input[i] = static_cast<char>(i * 7);
+  }
+  EXPECT_EQ(Crc32c(long_input.substr(3)),
+            Crc32c(long_input.substr(500), Crc32c(long_input.substr(3, 497))));
+}
+
 TEST(SessionFileTest, AnEmptySessionRoundTrips) {
   auto session = *DecodeSession::Create(Config(DType::kFloat32, 2));
   auto loaded = Load(Write(*session, "e"));
@@ -208,11 +220,7 @@ SampleFile Sample() {
   return sample;
 }
 
-uint32_t Crc(absl::string_view bytes) {
-  return static_cast<uint32_t>(
-      crc32(0, reinterpret_cast<const Bytef*>(bytes.data()),
-            static_cast<uInt>(bytes.size())));
-}
+uint32_t Crc(absl::string_view bytes) { return Crc32c(bytes); }
 
 // `sample` with its header body changed by `edit`, the checksum redone:
 // what a hostile writer can make.
