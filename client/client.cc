@@ -124,6 +124,14 @@ absl::Status AttnClient::DeleteSession(const std::string& session_id) {
       .status();
 }
 
+absl::Status AttnClient::HandOverSession(const std::string& session_id) {
+  v1::HandOverSessionRequest request;
+  request.set_session_id(session_id);
+  return Call(stub_.get(), &v1::AttentionService::Stub::HandOverSession,
+              request)
+      .status();
+}
+
 absl::StatusOr<v1::ForkSessionResponse> AttnClient::ForkSession(
     const std::string& session_id, std::optional<int64_t> length) {
   v1::ForkSessionRequest request;

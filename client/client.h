@@ -130,6 +130,9 @@ class AttnClient {
   absl::StatusOr<v1::SessionStepsResponse> SessionSteps(
       const v1::SessionStepsRequest& request);
   absl::Status DeleteSession(const std::string& session_id);
+  // Saves the session to the server's --session_dir and frees it there, for
+  // another replica sharing the directory to take up.
+  absl::Status HandOverSession(const std::string& session_id);
   // A new session sharing the first `length` tokens (all when unset) of
   // `session_id`, copy-on-write.
   absl::StatusOr<v1::ForkSessionResponse> ForkSession(

@@ -20,6 +20,9 @@ namespace attnserve {
 namespace {
 
 constexpr absl::string_view kSuffix = ".session";
+constexpr absl::string_view kHeldSuffix = ".held";
+// Longest holder address read back.
+constexpr uint64_t kMaxHolderBytes = 1024;
 constexpr absl::string_view kQuarantine = "quarantine";
 
 absl::Status ErrnoError(absl::string_view what, int error) {
@@ -146,13 +149,18 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::Take(
         absl::StrCat("no session file for ", EchoString(id)));
   };
   if (!IsStorableId(id)) return not_found();
-  const std::string file = FileOf(id);
+  // Claimed by renaming it first: of two processes taking it at once, one
+  // gets it.
+  static std::atomic<uint64_t> counter{0};
+  const std::string file =
+      absl::StrCat(path_, "/.", id, ".", ::getpid(), ".", counter++, ".taking");
+  if (::rename(FileOf(id).c_str(), file.c_str()) != 0) return not_found();
   absl::StatusOr<std::string> bytes =
       ReadRegularFile(file, {.max_bytes = options_.max_file_bytes,
                              .limit_name = "the largest session",
                              .within = path_});
-  if (absl::IsNotFound(bytes.status())) return not_found();
   if (!bytes.ok()) {
+    ::rename(file.c_str(), FileOf(id).c_str());
     Quarantine(id);
     return bytes.status();
   }
@@ -164,7 +172,9 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::Take(
         absl::StrCat("session file ", EchoString(absl::StrCat(id, kSuffix)),
                      " holds session ", EchoString(header.id)));
   }
+  // Back under its name: quarantined if bad, else left for later.
   if (!session.ok()) {
+    ::rename(file.c_str(), FileOf(id).c_str());
     if (FileIsBad(session.status())) Quarantine(id);
     return session.status();
   }
@@ -181,6 +191,41 @@ bool SessionDirectory::Remove(absl::string_view id) {
   MutexLock lock(&mu_);
   Unindex(std::string(id));
   return removed;
+}
+
+void SessionDirectory::Hold(absl::string_view id, absl::string_view holder) {
+  if (!IsStorableId(id) || holder.empty()) return;
+  static std::atomic<uint64_t> counter{0};
+  const std::string temporary = absl::StrCat(path_, "/.", id, ".", ::getpid(),
+                                             ".", counter++, ".held.tmp");
+  const int fd =
+      ::open(temporary.c_str(),
+             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return;
+  const bool written = WriteAll(fd, holder, temporary).ok();
+  const bool closed = ::close(fd) == 0;
+  if (!written || !closed ||
+      ::rename(temporary.c_str(),
+               absl::StrCat(path_, "/", id, kHeldSuffix).c_str()) != 0) {
+    ::unlink(temporary.c_str());
+  }
+}
+
+std::optional<std::string> SessionDirectory::Holder(
+    absl::string_view id) const {
+  if (!IsStorableId(id)) return std::nullopt;
+  absl::StatusOr<std::string> holder =
+      ReadRegularFile(absl::StrCat(path_, "/", id, kHeldSuffix),
+                      {.max_bytes = kMaxHolderBytes,
+                       .limit_name = "a holder record's size",
+                       .within = path_});
+  if (!holder.ok() || holder->empty()) return std::nullopt;
+  return *std::move(holder);
+}
+
+void SessionDirectory::Release(absl::string_view id) {
+  if (!IsStorableId(id)) return;
+  ::unlink(absl::StrCat(path_, "/", id, kHeldSuffix).c_str());
 }
 
 void SessionDirectory::Quarantine(absl::string_view id) {

@@ -23,6 +23,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <thread>
@@ -86,6 +87,15 @@ class SessionDirectory {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the file of `id`; whether there was one.
   bool Remove(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Holder records ("<id>.held"): which replica holds session `id` in
+  // memory (`holder`: the address peers reach it at), so that another
+  // replica asked for it can ask that one to hand it over (save it here).
+  // Hold writes the record (replacing any), Holder reads it (nullopt: none
+  // or unreadable), Release removes it.
+  void Hold(absl::string_view id, absl::string_view holder);
+  std::optional<std::string> Holder(absl::string_view id) const;
+  void Release(absl::string_view id);
 
   const std::string& path() const { return path_; }
   Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);

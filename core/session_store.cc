@@ -46,7 +46,9 @@ absl::Duration ReaperPeriod(absl::Duration idle_timeout) {
 }  // namespace
 
 SessionStore::SessionStore(const Options& options)
-    : options_(options), id_bits_(std::random_device{}()) {
+    : options_(options),
+      id_bits_(std::random_device{}()),
+      holder_(options.holder) {
   if (options_.idle_timeout != absl::InfiniteDuration()) {
     reaper_ = std::thread([this] { ReaperLoop(); });
   }
@@ -193,7 +195,20 @@ absl::StatusOr<std::string> SessionStore::AddAs(
   while (no_room() && !lru_.empty()) {
     Remove(lru_.back(), GoneReason::kEvicted, freed);
   }
-  return Open(std::move(slot), reserved, std::move(id));
+  std::string opened = Open(std::move(slot), reserved, std::move(id));
+  Hold(opened);
+  return opened;
+}
+
+void SessionStore::Hold(const std::string& id) {
+  if (options_.directory != nullptr && !holder_.empty()) {
+    options_.directory->Hold(id, holder_);
+  }
+}
+
+void SessionStore::SetHolder(std::string holder) {
+  MutexLock lock(&mu_);
+  holder_ = std::move(holder);
 }
 
 std::string SessionStore::Open(std::shared_ptr<Slot> slot, size_t reserved,
@@ -378,6 +393,7 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
         MakeRoomBeside(key, reserved + bookkeeping, bookkeeping, freed));
     HoldModel(*fork_slot->session);
     fork_id = Open(std::move(fork_slot), reserved);
+    Hold(fork_id);
     Entry& forked = sessions_.at(fork_id);
     AccountShared(forked, *forked.slot->session);
     ++counts_.forked;
@@ -458,6 +474,12 @@ void SessionStore::Remove(std::string id, GoneReason reason,
     shared_.erase(shared);
   }
   lru_.erase(it->second.lru);
+  // A saved session's record went before its save: another replica may
+  // have taken it up and written its own since.
+  if (options_.directory != nullptr && !holder_.empty() &&
+      reason != GoneReason::kSaved) {
+    options_.directory->Release(id);
+  }
   if (reason == GoneReason::kEvicted && options_.directory != nullptr) {
     Slot& slot = *it->second.slot;
     slot.save_to = options_.directory;
@@ -798,7 +820,24 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
                }});
   if (absl::IsNotFound(session.status()) &&
       absl::StartsWith(session.status().message(), "no session file")) {
-    return absl::OkStatus();
+    // Held in another replica's memory: ask it to hand the session over.
+    const std::optional<std::string> holder =
+        options_.reclaim ? options_.directory->Holder(id) : std::nullopt;
+    std::string self;
+    {
+      MutexLock lock(&mu_);
+      self = holder_;
+    }
+    if (!holder.has_value() || *holder == self ||
+        !options_.reclaim(id, *holder).ok()) {
+      return absl::OkStatus();  // the lookup says NOT_FOUND
+    }
+    session = options_.directory->Take(
+        id, {.layer_of = layer_of,
+             .verify = [&](const DecodeSessionConfig& config) {
+               return VerifyConfig(config);
+             }});
+    if (absl::IsNotFound(session.status())) return absl::OkStatus();
   }
   ATTN_RETURN_IF_ERROR(session.status());
   const absl::StatusOr<std::string> added =
@@ -808,6 +847,27 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
   ATTN_RETURN_IF_ERROR(added.status());
   MutexLock lock(&mu_);
   ++counts_.restored;
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::HandOver(absl::string_view id) {
+  if (options_.directory == nullptr) {
+    return absl::FailedPreconditionError(
+        "sessions have no directory to go to (--session_dir)");
+  }
+  std::shared_ptr<Slot> slot;
+  {
+    MutexLock lock(&mu_);
+    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
+    slot = entry->slot;
+  }
+  std::vector<std::shared_ptr<Slot>> freed;
+  MutexLock step_lock(&slot->step_mu);
+  options_.directory->Release(id);
+  ATTN_RETURN_IF_ERROR(options_.directory->Save(id, *slot->session));
+  MutexLock lock(&mu_);
+  Remove(std::string(id), GoneReason::kSaved, freed);
+  ++counts_.saved;
   return absl::OkStatus();
 }
 
@@ -833,6 +893,7 @@ SessionStore::SaveReport SessionStore::SaveAll(absl::Time deadline) {
     std::vector<std::shared_ptr<Slot>> freed;
     if (saved.ok()) {
       MutexLock step_lock(&slot->step_mu);
+      options_.directory->Release(id);
       saved = options_.directory->Save(id, *slot->session);
       if (saved.ok()) {
         MutexLock lock(&mu_);

@@ -95,6 +95,15 @@ class SessionStore {
     std::function<absl::StatusOr<std::shared_ptr<const MultiHeadLayer>>(
         absl::string_view model)>
         layer_of;
+    // With a directory: the address other replicas reach this one at. Each
+    // open session is recorded there as held here (SessionDirectory::
+    // Hold), so that a replica asked for a session it finds no file of can
+    // ask its holder to hand it over. Empty: no records (until SetHolder).
+    std::string holder;
+    // Asks the replica at `holder` to hand session `id` over (save it to
+    // the directory and free it: its HandOver). Unset: never asked.
+    std::function<absl::Status(absl::string_view id, absl::string_view holder)>
+        reclaim;
   };
 
   struct Stats {
@@ -208,6 +217,15 @@ class SessionStore {
   // Frees every session (shutdown).
   void Clear() ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Replaces Options::holder (a server knows its port once it listens).
+  void SetHolder(std::string holder) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Saves session `id` to the directory and frees it, for another replica
+  // to take up (it asked: its load balancer sends it the session's calls
+  // now). Waits for a step running on it. NOT_FOUND as Step;
+  // FAILED_PRECONDITION without a directory; the save's error.
+  absl::Status HandOver(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+
   // Saves every open session to the directory (a drain), each one
   // consistent (its steps wait), stopping at `deadline`, and frees each one
   // saved: it lives on in its file, for whichever store takes it next (this
@@ -274,6 +292,8 @@ class SessionStore {
   // no file (the caller's lookup then says NOT_FOUND); the load's error
   // otherwise (a corrupt file: DATA_LOSS).
   absl::Status TakeIfSaved(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Records session `id` as held here (the holder).
+  void Hold(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Add under a given id (nullopt: a new one); ALREADY_EXISTS when open.
   absl::StatusOr<std::string> AddAs(std::unique_ptr<DecodeSession> session,
                                     std::optional<std::string> id)
@@ -366,6 +386,7 @@ class SessionStore {
   absl::flat_hash_map<std::string, GoneReason> gone_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> gone_order_ ABSL_GUARDED_BY(mu_);
   std::mt19937_64 id_bits_ ABSL_GUARDED_BY(mu_);
+  std::string holder_ ABSL_GUARDED_BY(mu_);
   std::thread reaper_;
 };
 

@@ -110,6 +110,12 @@ void AttentionServiceImpl::AddSessionRpcs(const CallPipeline* pipeline) {
         return HandleForkSession(request, pipeline->config().sessions,
                                  response);
       });
+  // Not refused while draining: the drain saves every session anyway.
+  AddState<v1::HandOverSessionRequest, v1::HandOverSessionResponse>(
+      [sessions = config.sessions](const v1::HandOverSessionRequest& request,
+                                   v1::HandOverSessionResponse*) {
+        return HandleHandOverSession(request, sessions);
+      });
 }
 
 }  // namespace attnserve

@@ -36,6 +36,23 @@ bool IsPrintableAscii(absl::string_view s) {
 
 }  // namespace
 
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> PeerCredentialsFor(
+    const ServerOptions& options) {
+  if (options.tls_cert.empty()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ATTN_ASSIGN_OR_RETURN(ssl.pem_cert_chain,
+                        ReadFileToString(options.tls_cert, "--tls_cert"));
+  ATTN_ASSIGN_OR_RETURN(ssl.pem_private_key,
+                        ReadFileToString(options.tls_key, "--tls_key"));
+  ssl.pem_root_certs = ssl.pem_cert_chain;
+  if (!options.tls_client_ca.empty()) {
+    ATTN_ASSIGN_OR_RETURN(
+        ssl.pem_root_certs,
+        ReadFileToString(options.tls_client_ca, "--tls_client_ca"));
+  }
+  return grpc::SslCredentials(ssl);
+}
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
     const ServerOptions& options) {
   if (options.tls_cert.empty()) return grpc::InsecureServerCredentials();

@@ -12,6 +12,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "grpcpp/security/credentials.h"
 #include "grpcpp/security/server_credentials.h"
 #include "grpcpp/server_context.h"
 #include "server/options.h"
@@ -19,6 +20,13 @@
 namespace attnserve {
 
 // Insecure credentials, or TLS (and mutual TLS) from the options' files.
+// What this server presents when it calls a peer replica (a session's hand
+// over): TLS with its own certificate, trusting --tls_client_ca (else its
+// own certificate's issuer chain as given), when it serves TLS; plaintext
+// otherwise.
+absl::StatusOr<std::shared_ptr<grpc::ChannelCredentials>> PeerCredentialsFor(
+    const ServerOptions& options);
+
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> ServerCredentialsFor(
     const ServerOptions& options);
 
@@ -41,6 +49,9 @@ class TokenAuthenticator {
   // that are not printable ASCII, or a token over kMaxTokenBytes, is
   // refused before any comparison.
   absl::Status Check(const grpc::ServerContextBase& context) const;
+  // The token this server sends when it calls a peer replica: the file's
+  // first.
+  const std::string& peer_token() const { return tokens_.front(); }
   // The same for the value of an `authorization` header (nullopt: none),
   // as HTTP requests carry it.
   absl::Status CheckAuthorization(

@@ -403,6 +403,12 @@ absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
   return sessions->Delete(request.session_id());
 }
 
+absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
+                                   SessionStore* sessions) {
+  if (sessions == nullptr) return NoSessions();
+  return sessions->HandOver(request.session_id());
+}
+
 absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
                                SessionStore* sessions,
                                v1::ForkSessionResponse* response) {

@@ -94,6 +94,8 @@ absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
                                  const ModelRepository* models,
                                  SessionStore* sessions, int64_t max_length,
                                  v1::CreateSessionResponse* response);
+absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
+                                   SessionStore* sessions);
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
                                  SessionStore* sessions);
 absl::Status HandleForkSession(const v1::ForkSessionRequest& request,

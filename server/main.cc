@@ -99,6 +99,11 @@ ABSL_FLAG(int64_t, max_session_disk_mb,
           attnserve::ServerOptions().max_session_disk_mb,
           "Session files in --session_dir together, MiB; past it the least "
           "recently written are removed (0: no limit).");
+ABSL_FLAG(std::string, advertise_address,
+          attnserve::ServerOptions().advertise_address,
+          "With --session_dir: host:port other replicas reach this one's gRPC "
+          "port at, to ask it for the sessions it holds (empty: this host's "
+          "name, or 127.0.0.1 for a loopback --host, and the port).");
 ABSL_FLAG(int, max_sessions, attnserve::ServerOptions().max_sessions,
           "Open decode sessions at most; one more evicts the least recently "
           "used.");
@@ -139,6 +144,7 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.session_dir = absl::GetFlag(FLAGS_session_dir);
   options.max_session_disk_mb = absl::GetFlag(FLAGS_max_session_disk_mb);
+  options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   options.max_session_length = absl::GetFlag(FLAGS_max_session_length);
   options.max_steps_per_call = absl::GetFlag(FLAGS_max_steps_per_call);
   options.coalesce_steps_us = absl::GetFlag(FLAGS_coalesce_steps_us);

@@ -61,6 +61,12 @@ struct ServerOptions {
   // The session files in session_dir together, MiB; past it the least
   // recently written are removed. 0: no limit.
   int64_t max_session_disk_mb = 16384;
+  // With session_dir: the address ("host:port") other replicas reach this
+  // one's gRPC port at, recorded beside each session it holds, so that a
+  // replica asked for a session held here asks this one to hand it over.
+  // Empty: this host's name (127.0.0.1 when `host` is a loopback address)
+  // and the port it listens on.
+  std::string advertise_address;
   // Open sessions at most; creating one more evicts the least recently used.
   int max_sessions = 10000;
   // Tokens a session's sequence may hold at most, and the length of

@@ -1,6 +1,7 @@
 #include "server/server.h"
 
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -13,12 +14,14 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "attnserve/v1/attention.grpc.pb.h"
 #include "core/mutex.h"
 #include "core/status_macros.h"
 #include "core/thread_budget.h"
 #include "core/verify.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpc/grpc.h"
+#include "grpcpp/create_channel.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
 #include "grpcpp/health_check_service_interface.h"
 #include "grpcpp/impl/server_builder_option.h"
@@ -171,6 +174,42 @@ void InstallProtobufLogHandler(const ServerOptions& options) {
   google::protobuf::SetLogHandler(&WriteProtobufLine);
 }
 
+// Asks the replica at `address` to hand session `id` over (its
+// HandOverSession), within a few seconds.
+absl::Status AskToHandOver(
+    absl::string_view id, absl::string_view address,
+    const std::shared_ptr<grpc::ChannelCredentials>& credentials,
+    const std::string& token) {
+  const std::unique_ptr<v1::AttentionService::Stub> peer =
+      v1::AttentionService::NewStub(
+          grpc::CreateChannel(std::string(address), credentials));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() +
+                       std::chrono::seconds(5));
+  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+  v1::HandOverSessionRequest request;
+  request.set_session_id(std::string(id));
+  v1::HandOverSessionResponse response;
+  const grpc::Status status =
+      peer->HandOverSession(&context, request, &response);
+  if (status.ok()) return absl::OkStatus();
+  return absl::UnavailableError(
+      absl::StrCat("replica ", address, " did not hand session ", id,
+                   " over: ", status.error_message()));
+}
+
+// The address peers reach this replica's gRPC port at.
+std::string AdvertisedAddress(const ServerOptions& options, int port) {
+  if (!options.advertise_address.empty()) return options.advertise_address;
+  if (options.host == "127.0.0.1" || options.host == "localhost" ||
+      options.host == "::1") {
+    return absl::StrCat("127.0.0.1:", port);
+  }
+  char name[256] = {};
+  if (::gethostname(name, sizeof(name) - 1) != 0) return "";
+  return absl::StrCat(name, ":", port);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<AttnServer>> AttnServer::Start(
@@ -218,6 +257,19 @@ absl::Status AttnServer::StartSessions(const ServerOptions& options) {
                .max_file_bytes =
                    (sessions.max_bytes + (size_t{1} << 20)) * 2}));
       sessions.directory = session_directory_.get();
+      ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> peers,
+                            PeerCredentialsFor(options));
+      std::string token;
+      if (!options.auth_token_file.empty()) {
+        ATTN_ASSIGN_OR_RETURN(
+            std::unique_ptr<TokenAuthenticator> auth,
+            TokenAuthenticator::FromFile(options.auth_token_file));
+        token = auth->peer_token();
+      }
+      sessions.reclaim = [peers, token](absl::string_view id,
+                                        absl::string_view holder) {
+        return AskToHandOver(id, holder, peers, token);
+      };
       const ModelRepository* models = models_.get();
       sessions.layer_of = [models](absl::string_view model)
           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
@@ -329,6 +381,9 @@ absl::Status AttnServer::StartGrpc(const ServerOptions& options) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", address,
                      " (address in use, or not an address of this host?)"));
+  }
+  if (session_directory_ != nullptr) {
+    sessions_->SetHolder(AdvertisedAddress(options, port_));
   }
   return absl::OkStatus();
 }

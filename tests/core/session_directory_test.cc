@@ -168,6 +168,53 @@ TEST_F(SessionDirectoryTest, SavedSessionsMoveToAnotherStoreAndStepAlike) {
   EXPECT_TRUE(second.Fork(ids[0], 100).ok());
 }
 
+// Two replicas' stores: a session's calls moving from one to the other (a
+// load balancer's hash moving the key, and back) find it each time, the
+// one asked reclaiming it from the one that holds it.
+TEST_F(SessionDirectoryTest, ASessionHeldElsewhereIsHandedOverOnDemand) {
+  auto directory_a = OpenDirectory();
+  auto directory_b = OpenDirectory();
+  SessionStore* stores[2] = {nullptr, nullptr};
+  const auto options = [&](SessionDirectory* directory, const char* holder) {
+    SessionStore::Options o = StoreOptions(directory);
+    o.holder = holder;
+    o.reclaim = [&](absl::string_view id, absl::string_view from) {
+      SessionStore* peer = from == "a" ? stores[0] : stores[1];
+      return peer->HandOver(id);
+    };
+    return o;
+  };
+  SessionStore a(options(directory_a.get(), "a"));
+  SessionStore b(options(directory_b.get(), "b"));
+  stores[0] = &a;
+  stores[1] = &b;
+  SessionStore reference_store(StoreOptions(nullptr));
+  const std::string reference = Reference(reference_store);
+  const std::string id = *a.Add(NewSession());
+  ASSERT_TRUE(Step(a, id, 600, 1).ok());
+  ASSERT_TRUE(Step(reference_store, reference, 600, 1).ok());
+  SessionStore* turns[] = {&b, &b, &a, &b, &a};
+  for (unsigned turn = 0; turn < 5; ++turn) {
+    auto got = Step(*turns[turn], id, 1, 10 + turn);
+    auto want = Step(reference_store, reference, 1, 10 + turn);
+    ASSERT_TRUE(got.ok()) << "turn " << turn << ": " << got.status();
+    EXPECT_TRUE(SameBits(*got, *want)) << "turn " << turn;
+  }
+  EXPECT_EQ(a.stats().open + b.stats().open, 1);
+  EXPECT_EQ(a.stats().restored + b.stats().restored, 4);
+  // A holder that does not answer (gone): the session is not found.
+  SessionStore::Options orphan = StoreOptions(directory_b.get());
+  orphan.holder = "c";
+  orphan.reclaim = [](absl::string_view, absl::string_view) {
+    return absl::UnavailableError("connection refused");
+  };
+  SessionStore c(orphan);
+  EXPECT_EQ(Step(c, id, 1, 99).status().code(), absl::StatusCode::kNotFound);
+  // Deleting it removes its holder record.
+  ASSERT_TRUE(a.Delete(id).ok());
+  EXPECT_FALSE(directory_a->Holder(id).has_value());
+}
+
 TEST_F(SessionDirectoryTest, DeletedSessionsLeaveNoFileAndStayGone) {
   auto directory = OpenDirectory();
   SessionStore store(StoreOptions(directory.get()));

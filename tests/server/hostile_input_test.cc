@@ -83,6 +83,7 @@ constexpr char kModel[] = "demo";
 constexpr char kAttentionSession[] = "attention-session-placeholder-01";
 constexpr char kModelSession[] = "model-session-placeholder-000001";
 constexpr char kDeleteSession[] = "delete-session-placeholder-00001";
+constexpr char kHandOverSession[] = "hand-over-session-placeholder-01";
 constexpr int64_t kSessionMaxLength = 4096;
 
 // ---------------------------------------------------------------------------
@@ -2260,6 +2261,20 @@ void AddSessionCases(std::vector<HostileCase>& cases) {
   remove.set_session_id(kDeleteSession);
   cases.push_back(Ok(remove, "valid", "session_id"));
 
+  v1::HandOverSessionRequest hand_over;
+  hand_over.set_session_id("nope");
+  cases.push_back(Case(hand_over, "session_unknown", "session_id",
+                       Code::kNotFound,
+                       "session_id: no session \"nope\" (expired, evicted, "
+                       "deleted, or opened on another replica); create a new "
+                       "one and prefill it"));
+  hand_over.set_session_id("");
+  cases.push_back(Invalid(hand_over, "session_id_empty", "session_id",
+                          "session_id: empty, expected the id CreateSession "
+                          "returned"));
+  hand_over.set_session_id(kHandOverSession);
+  cases.push_back(Ok(hand_over, "valid", "session_id"));
+
   v1::ForkSessionRequest fork;
   fork.set_session_id(kAttentionSession);
   fork.set_length(0);
@@ -2725,6 +2740,11 @@ class HostileInputTest : public ::testing::TestWithParam<HostileCase> {
     options.metrics_port = -1;
     options.http_port = -1;
     options.log_level = "error";
+    // HandOverSession saves its session here.
+    options.session_dir =
+        (fs::temp_directory_path() /
+         absl::StrCat("attnserve_hostile_sessions_", ::getpid()))
+            .string();
     server_ = new TestServer(options);
     auto buffer = SharedMemoryBuffer::Create(RegionKey(), kRegionBytes);
     ASSERT_TRUE(buffer.ok()) << buffer.status();
@@ -2746,8 +2766,8 @@ class HostileInputTest : public ::testing::TestWithParam<HostileCase> {
     session_ids_ = new std::map<std::string, std::string>();
     for (const auto& [placeholder, request] :
          {std::pair{kAttentionSession, attention},
-          std::pair{kModelSession, model},
-          std::pair{kDeleteSession, attention}}) {
+          std::pair{kModelSession, model}, std::pair{kDeleteSession, attention},
+          std::pair{kHandOverSession, attention}}) {
       auto created = client.CreateSession(request);
       ASSERT_TRUE(created.ok()) << created.status();
       ASSERT_EQ(created->session_id().size(), std::string(placeholder).size());
@@ -2767,6 +2787,8 @@ class HostileInputTest : public ::testing::TestWithParam<HostileCase> {
     delete channel_;
     delete session_ids_;
     delete server_;
+    fs::remove_all(fs::temp_directory_path() /
+                   absl::StrCat("attnserve_hostile_sessions_", ::getpid()));
     delete buffer_;
     delete repository_;
   }

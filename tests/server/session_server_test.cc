@@ -1509,6 +1509,49 @@ TEST_F(DurableSessionTest, ADrainedServersSessionsStepOnAnotherAlike) {
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
 }
 
+// A load balancer moving a session's calls between two live replicas (and
+// back): each replica asked for it has the other hand it over.
+TEST_F(DurableSessionTest, LiveReplicasHandSessionsOverOnDemand) {
+  TestServer reference(Options());
+  AttnClient reference_client = reference.MakeClient();
+  const std::vector<std::string> reference_ids = CreateBoth(reference_client);
+  TestServer a(WithDirectory());
+  TestServer b(WithDirectory());
+  AttnClient clients[2] = {a.MakeClient(), b.MakeClient()};
+  const std::vector<std::string> ids = CreateBoth(clients[0]);
+  for (int s = 0; s < 2; ++s) {
+    ASSERT_TRUE(clients[0].SessionStep(NextStep(ids[s], s == 1, 600, 1)).ok());
+    ASSERT_TRUE(
+        reference_client.SessionStep(NextStep(reference_ids[s], s == 1, 600, 1))
+            .ok());
+  }
+  const int turns[] = {1, 1, 0, 1, 0};
+  for (unsigned t = 0; t < 5; ++t) {
+    for (int s = 0; s < 2; ++s) {
+      auto got = clients[turns[t]].SessionStep(NextStep(ids[s], s == 1, 1, t));
+      auto want = reference_client.SessionStep(
+          NextStep(reference_ids[s], s == 1, 1, t));
+      ASSERT_TRUE(got.ok()) << "turn " << t << ": " << got.status();
+      ASSERT_TRUE(want.ok()) << want.status();
+      EXPECT_EQ(got->output().SerializeAsString(),
+                want->output().SerializeAsString())
+          << "session " << s << " turn " << t;
+    }
+  }
+  // Asked directly (an operator moving a session): saved and freed where
+  // it was, NOT_FOUND there afterwards and for a session never held,
+  // FAILED_PRECONDITION without a directory.
+  ASSERT_TRUE(clients[0].HandOverSession(ids[0]).ok());
+  EXPECT_TRUE(fs::exists(dir_ / (ids[0] + ".session")));
+  EXPECT_EQ(clients[0].HandOverSession(ids[0]).code(),
+            absl::StatusCode::kNotFound);
+  const absl::Status no_directory =
+      reference_client.HandOverSession(reference_ids[0]);
+  EXPECT_EQ(no_directory.code(), absl::StatusCode::kFailedPrecondition)
+      << no_directory;
+  EXPECT_NE(no_directory.message().find("--session_dir"), std::string::npos);
+}
+
 TEST_F(DurableSessionTest, ACorruptFileAnswersDataLossAndIsQuarantined) {
   std::string id;
   {

@@ -107,6 +107,11 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
   fork_session.set_session_id(session_id);
   fork_session.set_length(1);
   cases.push_back(Case("ForkSession", fork_session, session_id));
+  // The valid call saves the session to --session_dir; DeleteSession then
+  // removes its file.
+  v1::HandOverSessionRequest hand_over;
+  hand_over.set_session_id(session_id);
+  cases.push_back(Case("HandOverSession", hand_over, session_id));
   v1::DeleteSessionRequest delete_session;
   delete_session.set_session_id(session_id);
   cases.push_back(Case("DeleteSession", delete_session, session_id));
@@ -224,6 +229,10 @@ TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
   TempModelRepository repo("undecodable");
   ServerOptions options;
   options.model_repository = repo.root();
+  const std::filesystem::path session_dir =
+      std::filesystem::temp_directory_path() /
+      absl::StrCat("attnserve_undecodable_sessions_", ::getpid());
+  options.session_dir = session_dir.string();
   TestServer server(options);
   ASSERT_GT(server.metrics_port(), 0);
   auto shm =
@@ -274,6 +283,7 @@ TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
     EXPECT_NE(page->body.find(line), std::string::npos)
         << "missing: " << line << page->body;
   }
+  std::filesystem::remove_all(session_dir);
   // The compute RPCs count their valid calls too.
   for (const char* rpc : {"Attend", "MultiHeadAttend", "LayerNorm",
                           "SessionStep", "SessionSteps"}) {

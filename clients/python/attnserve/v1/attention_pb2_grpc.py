@@ -84,6 +84,11 @@ class AttentionServiceStub(object):
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_attention__pb2.ForkSessionResponse.FromString,
                 )
+        self.HandOverSession = channel.unary_unary(
+                '/attnserve.v1.AttentionService/HandOverSession',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.HandOverSessionRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.HandOverSessionResponse.FromString,
+                )
 
 
 class AttentionServiceServicer(object):
@@ -149,7 +154,9 @@ class AttentionServiceServicer(object):
         """Decode sessions with a server-side key/value cache. A session lives on
         the replica that created it, until deleted, idle past the server's
         --session_idle_timeout_s, evicted to make room (least recently used) or
-        the server stops; steps on a session that is gone are NOT_FOUND.
+        the server stops; steps on a session that is gone are NOT_FOUND. With
+        --session_dir, evicted sessions and a stopping server's sessions are
+        saved there, and replicas sharing it take them up (see the README).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -174,6 +181,12 @@ class AttentionServiceServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def ForkSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandOverSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -251,6 +264,11 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.ForkSession,
                     request_deserializer=attnserve_dot_v1_dot_attention__pb2.ForkSessionRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_attention__pb2.ForkSessionResponse.SerializeToString,
+            ),
+            'HandOverSession': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOverSession,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.HandOverSessionRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.HandOverSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -497,5 +515,22 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/ForkSession',
             attnserve_dot_v1_dot_attention__pb2.ForkSessionRequest.SerializeToString,
             attnserve_dot_v1_dot_attention__pb2.ForkSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def HandOverSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/HandOverSession',
+            attnserve_dot_v1_dot_attention__pb2.HandOverSessionRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.HandOverSessionResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
