@@ -331,12 +331,14 @@ void BM_SessionTake(benchmark::State& state) {
     return;
   }
   const std::string id = "0123456789abcdef";
-  const SessionFileLoader loader{
-      .layer_of = [](absl::string_view)
-          -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
-        return absl::NotFoundError("no models");
-      },
-      .verify = [](const DecodeSessionConfig&) { return absl::OkStatus(); }};
+  const auto no_models = [](absl::string_view)
+      -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+    return absl::NotFoundError("no models");
+  };
+  const auto any_config = [](const DecodeSessionConfig&) {
+    return absl::OkStatus();
+  };
+  const SessionFileLoader loader{.layer_of = no_models, .verify = any_config};
   for (auto _ : state) {
     state.PauseTiming();
     const absl::Status saved = directory.get()->Save(id, **session);
