@@ -77,4 +77,9 @@ uint32_t Crc32c(absl::string_view bytes, uint32_t crc) {
   return ~crc;
 }
 
+uint32_t Crc32cPortable(absl::string_view bytes, uint32_t crc) {
+  return ~Portable(reinterpret_cast<const unsigned char*>(bytes.data()),
+                   bytes.size(), ~crc);
+}
+
 }  // namespace attnserve

@@ -15,6 +15,9 @@ namespace attnserve {
 // The CRC-32C of `bytes`, continuing from `crc` (the CRC of the bytes
 // before them; 0 to start): Crc32c(b, Crc32c(a)) == Crc32c(a + b).
 uint32_t Crc32c(absl::string_view bytes, uint32_t crc = 0);
+// The same, always table-driven (what CPUs without the instruction run;
+// tests compare the two).
+uint32_t Crc32cPortable(absl::string_view bytes, uint32_t crc = 0);
 
 }  // namespace attnserve
 

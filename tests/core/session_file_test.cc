@@ -184,6 +184,17 @@ TEST(SessionFileTest, Crc32cIsTheCastagnoliChecksum) {
   }
   EXPECT_EQ(Crc32c(long_input.substr(3)),
             Crc32c(long_input.substr(500), Crc32c(long_input.substr(3, 497))));
+  // The CPU's instruction (where it has one) and the table agree, at
+  // every length and alignment.
+  EXPECT_EQ(Crc32cPortable("123456789"), 0xe3069283u);
+  for (size_t start = 0; start < 9; ++start) {
+    for (size_t length : {0, 1, 7, 8, 9, 63, 64, 65, 991}) {
+      const absl::string_view piece =
+          absl::string_view(long_input).substr(start, length);
+      EXPECT_EQ(Crc32c(piece, 0x1234u), Crc32cPortable(piece, 0x1234u))
+          << start << " " << length;
+    }
+  }
 }
 
 TEST(SessionFileTest, AnEmptySessionRoundTrips) {
