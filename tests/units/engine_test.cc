@@ -7,6 +7,7 @@
 #include <atomic>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -251,8 +252,15 @@ class RecordingRecorder : public CallRecorder {
   };
   void Record(const EngineCall& call, const absl::Status& status,
               const CallTimes& times, double flops) const override {
+    std::lock_guard<std::mutex> lock(mu);
     entries.push_back({call.label, status.code(), times, flops});
   }
+  std::vector<Entry> Entries() const {
+    std::lock_guard<std::mutex> lock(mu);
+    return entries;
+  }
+  // std::mutex, not absl's: ThreadSanitizer sees the order it makes.
+  mutable std::mutex mu;
   mutable std::vector<Entry> entries;
 };
 
@@ -266,6 +274,7 @@ TEST_F(EngineTest, SubmitComputesRecordsAndFinishesEachCallOnce) {
   // decoded), queue and compute, and its FLOPs are counted.
   const absl::Time arrived = absl::Now() - absl::Milliseconds(30);
   absl::Notification done;
+  std::mutex finished_mu;
   absl::Status finished = absl::UnknownError("not finished");
   int finishes = 0;
   engine.Submit(
@@ -279,15 +288,22 @@ TEST_F(EngineTest, SubmitComputesRecordsAndFinishesEachCallOnce) {
       },
       nullptr,
       [&](const absl::Status& status) {
-        finished = status;
-        ++finishes;
+        {
+          std::lock_guard<std::mutex> lock(finished_mu);
+          finished = status;
+          ++finishes;
+        }
         done.Notify();
       });
   ASSERT_TRUE(done.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  EXPECT_TRUE(finished.ok()) << finished;
-  EXPECT_EQ(finishes, 1);
-  ASSERT_EQ(recorder.entries.size(), 1u);
-  const RecordingRecorder::Entry& computed = recorder.entries[0];
+  {
+    std::lock_guard<std::mutex> lock(finished_mu);
+    EXPECT_TRUE(finished.ok()) << finished;
+    EXPECT_EQ(finishes, 1);
+  }
+  std::vector<RecordingRecorder::Entry> entries = recorder.Entries();
+  ASSERT_EQ(entries.size(), 1u);
+  const RecordingRecorder::Entry computed = entries[0];
   EXPECT_EQ(computed.label, "Attend");
   EXPECT_EQ(computed.code, absl::StatusCode::kOk);
   EXPECT_EQ(computed.times.input, absl::Milliseconds(10));
@@ -313,10 +329,11 @@ TEST_F(EngineTest, SubmitComputesRecordsAndFinishesEachCallOnce) {
       nullptr, [&](const absl::Status& status) { refused = status; });
   EXPECT_FALSE(ran);
   EXPECT_EQ(refused.code(), absl::StatusCode::kDeadlineExceeded);
-  ASSERT_EQ(recorder.entries.size(), 2u);
-  EXPECT_EQ(recorder.entries[1].code, absl::StatusCode::kDeadlineExceeded);
-  EXPECT_EQ(recorder.entries[1].flops, 0);
-  EXPECT_EQ(recorder.entries[1].times.compute, absl::ZeroDuration());
+  entries = recorder.Entries();
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_EQ(entries[1].code, absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(entries[1].flops, 0);
+  EXPECT_EQ(entries[1].times.compute, absl::ZeroDuration());
 }
 
 TEST_F(EngineTest, StepsAreCoalescedOnlyWithSessionsAndAWait) {
