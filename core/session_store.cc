@@ -812,12 +812,12 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
     }
     return options_.layer_of(model);
   };
+  const auto verify = [&](const DecodeSessionConfig& config) {
+    return VerifyConfig(config);
+  };
+  const SessionFileLoader loader{.layer_of = layer_of, .verify = verify};
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
-      options_.directory->Take(
-          id, {.layer_of = layer_of,
-               .verify = [&](const DecodeSessionConfig& config) {
-                 return VerifyConfig(config);
-               }});
+      options_.directory->Take(id, loader);
   if (absl::IsNotFound(session.status()) &&
       absl::StartsWith(session.status().message(), "no session file")) {
     // Held in another replica's memory: ask it to hand the session over.
@@ -832,11 +832,7 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
         !options_.reclaim(id, *holder).ok()) {
       return absl::OkStatus();  // the lookup says NOT_FOUND
     }
-    session = options_.directory->Take(
-        id, {.layer_of = layer_of,
-             .verify = [&](const DecodeSessionConfig& config) {
-               return VerifyConfig(config);
-             }});
+    session = options_.directory->Take(id, loader);
     if (absl::IsNotFound(session.status())) return absl::OkStatus();
   }
   ATTN_RETURN_IF_ERROR(session.status());
