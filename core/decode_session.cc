@@ -1060,6 +1060,22 @@ const char* DecodeSession::RowAt(int region, int64_t layer, int64_t plane,
   return static_cast<const char*>(base) + (own_row - own_base);
 }
 
+void DecodeSession::GatherRows(int64_t layer, int64_t first, int64_t tokens,
+                               std::string& rows) const {
+  const std::array<size_t, 4> row = RegionRowBytes(dims_);
+  const int64_t planes = dims_.batch * dims_.kv_heads;
+  rows.resize(RowBytes(tokens));
+  char* out = rows.data();
+  for (int region = 0; region < 4; ++region) {
+    const size_t bytes = row[region] * static_cast<size_t>(tokens);
+    if (bytes == 0) continue;
+    for (int64_t plane = 0; plane < planes; ++plane) {
+      std::memcpy(out, RowAt(region, layer, plane, first), bytes);
+      out += bytes;
+    }
+  }
+}
+
 absl::Status DecodeSession::ReadRows(
     absl::FunctionRef<absl::Status()> begin,
     absl::FunctionRef<absl::Status(int64_t, int64_t, int64_t,
@@ -1067,27 +1083,31 @@ absl::Status DecodeSession::ReadRows(
         block) const {
   MutexLock lock(&mu_);
   ATTN_RETURN_IF_ERROR(begin());
-  const std::array<size_t, 4> row = RegionRowBytes(dims_);
-  const int64_t planes = dims_.batch * dims_.kv_heads;
   std::string rows;
   for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
     const int64_t length = this->length(layer);
     for (int64_t first = 0; first < length; first += kCacheBlockKeys) {
       const int64_t tokens = std::min(kCacheBlockKeys, length - first);
-      rows.resize(RowBytes(tokens));
-      char* out = rows.data();
-      for (int region = 0; region < 4; ++region) {
-        const size_t bytes = row[region] * static_cast<size_t>(tokens);
-        if (bytes == 0) continue;
-        for (int64_t plane = 0; plane < planes; ++plane) {
-          std::memcpy(out, RowAt(region, layer, plane, first), bytes);
-          out += bytes;
-        }
-      }
+      GatherRows(layer, first, tokens, rows);
       ATTN_RETURN_IF_ERROR(block(layer, first, tokens, rows));
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status DecodeSession::ReadBlock(
+    int64_t layer, int64_t first, std::string& rows,
+    absl::FunctionRef<absl::Status(absl::string_view)> read) const {
+  ATTN_RETURN_IF_ERROR(VerifyLayer(layer));
+  MutexLock lock(&mu_);
+  if (first < 0 || first % kCacheBlockKeys != 0 ||
+      first + kCacheBlockKeys > length(layer)) {
+    return absl::OutOfRangeError(
+        absl::StrCat("block at token ", first, ": layer ", layer, " holds ",
+                     length(layer), " tokens, not the whole block"));
+  }
+  GatherRows(layer, first, kCacheBlockKeys, rows);
+  return read(rows);
 }
 
 absl::Status DecodeSession::AppendRows(int64_t layer, int64_t first,

@@ -275,6 +275,14 @@ class DecodeSession {
       absl::FunctionRef<absl::Status(int64_t layer, int64_t first,
                                      int64_t tokens, absl::string_view rows)>
           block) const ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls `read` with the rows (as RowBytes describes) of the full block of
+  // kCacheBlockKeys tokens of `layer` from token `first` (a multiple of
+  // it), gathered into `rows`, while steps wait. OUT_OF_RANGE when the
+  // layer does not hold that whole block.
+  absl::Status ReadBlock(
+      int64_t layer, int64_t first, std::string& rows,
+      absl::FunctionRef<absl::Status(absl::string_view)> read) const
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Appends `tokens` tokens to `layer` of a session that shares no cache
   // (one created, not forked), from `rows` as RowBytes describes; `first`
   // must be the layer's length. The rows are checked first (finite floats,
@@ -342,6 +350,9 @@ class DecodeSession {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t OwnBytes(int64_t layer, int64_t first, int64_t tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Copies `tokens` tokens of `layer` from `first` into `rows` (RowBytes).
+  void GatherRows(int64_t layer, int64_t first, int64_t tokens,
+                  std::string& rows) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Where token `token` of plane `plane` (b * kv_heads + h) of `layer`'s
   // region `region` (0 keys, 1 values, 2 key scales, 3 value scales) is
   // read, through the block table.

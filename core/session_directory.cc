@@ -2,6 +2,7 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <utility>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "core/files.h"
@@ -19,7 +21,6 @@
 namespace attnserve {
 namespace {
 
-constexpr absl::string_view kSuffix = ".session";
 constexpr absl::string_view kHeldSuffix = ".held";
 // Longest holder address read back.
 constexpr uint64_t kMaxHolderBytes = 1024;
@@ -97,19 +98,30 @@ SessionDirectory::~SessionDirectory() {
   if (indexer_.joinable()) indexer_.join();
 }
 
-std::string SessionDirectory::FileOf(absl::string_view id) const {
-  return absl::StrCat(path_, "/", id, kSuffix);
+std::string SessionDirectory::FileOf(absl::string_view id,
+                                     absl::string_view suffix) const {
+  return absl::StrCat(path_, "/", id, suffix);
 }
 
+namespace {
+
+// A temporary name in the directory for a file of `id`.
+std::string TemporaryName(absl::string_view path, absl::string_view id,
+                          absl::string_view suffix) {
+  static std::atomic<uint64_t> counter{0};
+  return absl::StrCat(path, "/.", id, ".", ::getpid(), ".", counter++, suffix);
+}
+
+}  // namespace
+
 absl::Status SessionDirectory::Save(absl::string_view id,
-                                    const DecodeSession& session) {
+                                    const DecodeSession& session,
+                                    bool unconfirmed) {
   if (!IsStorableId(id)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "session id ", EchoString(id), " cannot name a session file"));
   }
-  static std::atomic<uint64_t> counter{0};
-  const std::string temporary =
-      absl::StrCat(path_, "/.", id, ".", ::getpid(), ".", counter++, ".tmp");
+  const std::string temporary = TemporaryName(path_, id, ".tmp");
   const int fd =
       ::open(temporary.c_str(),
              O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
@@ -117,11 +129,13 @@ absl::Status SessionDirectory::Save(absl::string_view id,
     return ErrnoError(absl::StrCat("cannot create ", temporary), errno);
   }
   uint64_t bytes = 0;
-  absl::Status written =
-      WriteSessionFile(session, id, [&](absl::string_view piece) {
+  absl::Status written = WriteSessionFile(
+      session, id,
+      [&](absl::string_view piece) {
         bytes += piece.size();
         return WriteAll(fd, piece, temporary);
-      });
+      },
+      unconfirmed);
   if (::close(fd) != 0 && written.ok()) {
     written = ErrnoError(absl::StrCat("cannot write ", temporary), errno);
   }
@@ -143,46 +157,163 @@ absl::Status SessionDirectory::Save(absl::string_view id,
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::Take(
-    absl::string_view id, const SessionFileLoader& loader) {
+    absl::string_view id, const SessionFileLoader& loader,
+    SessionFileHeader* header) {
+  return TakeFile(id, kSessionSuffix, &LoadSessionFile, loader, header);
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeJournal(
+    absl::string_view id, const SessionFileLoader& loader,
+    SessionFileHeader* header) {
+  if (!IsStorableId(id)) return TakeFile(id, kJournalSuffix, nullptr, loader);
+  // Its lock, held while it is taken: a live process holds the session.
+  const int fd = ::open(FileOf(id, kJournalSuffix).c_str(),
+                        O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) {
+    return absl::NotFoundError(absl::StrCat("no journal for ", EchoString(id)));
+  }
+  absl::Cleanup close_fd = [fd] { ::close(fd); };
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "session_id: session ", EchoString(id, '"'),
+        " is held by a running server (its journal is locked) that did not "
+        "hand it over; retry"));
+  }
+  struct stat locked, named;
+  if (::fstat(fd, &locked) != 0 ||
+      ::stat(FileOf(id, kJournalSuffix).c_str(), &named) != 0 ||
+      locked.st_ino != named.st_ino || locked.st_dev != named.st_dev) {
+    return absl::UnavailableError(
+        absl::StrCat("session_id: session ", EchoString(id, '"'),
+                     " is being taken up by another server; retry"));
+  }
+  return TakeFile(id, kJournalSuffix, &LoadSessionJournal, loader, header);
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
+    absl::string_view id, absl::string_view suffix, LoadFunction load,
+    const SessionFileLoader& loader, SessionFileHeader* header_out) {
   const auto not_found = [&] {
-    return absl::NotFoundError(
-        absl::StrCat("no session file for ", EchoString(id)));
+    return absl::NotFoundError(absl::StrCat(
+        suffix == kSessionSuffix ? "no session file" : "no journal", " for ",
+        EchoString(id)));
   };
-  if (!IsStorableId(id)) return not_found();
+  if (!IsStorableId(id) || load == nullptr) return not_found();
   // Claimed by renaming it first: of two processes taking it at once, one
   // gets it.
-  static std::atomic<uint64_t> counter{0};
-  const std::string file =
-      absl::StrCat(path_, "/.", id, ".", ::getpid(), ".", counter++, ".taking");
-  if (::rename(FileOf(id).c_str(), file.c_str()) != 0) return not_found();
+  const std::string file = TemporaryName(path_, id, ".taking");
+  const std::string name = FileOf(id, suffix);
+  if (::rename(name.c_str(), file.c_str()) != 0) return not_found();
   absl::StatusOr<std::string> bytes =
       ReadRegularFile(file, {.max_bytes = options_.max_file_bytes,
                              .limit_name = "the largest session",
                              .within = path_});
   if (!bytes.ok()) {
-    ::rename(file.c_str(), FileOf(id).c_str());
-    Quarantine(id);
+    ::rename(file.c_str(), name.c_str());
+    Quarantine(id, suffix);
     return bytes.status();
   }
   SessionFileHeader header;
+  const std::string shown = absl::StrCat(id, suffix);
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
-      LoadSessionFile(*bytes, absl::StrCat(id, kSuffix), loader, &header);
+      load(*bytes, shown, loader, &header);
   if (session.ok() && header.id != id) {
     session = absl::DataLossError(
-        absl::StrCat("session file ", EchoString(absl::StrCat(id, kSuffix)),
-                     " holds session ", EchoString(header.id)));
+        absl::StrCat("session file ", EchoString(shown), " holds session ",
+                     EchoString(header.id)));
   }
   // Back under its name: quarantined if bad, else left for later.
   if (!session.ok()) {
-    ::rename(file.c_str(), FileOf(id).c_str());
-    if (FileIsBad(session.status())) Quarantine(id);
+    ::rename(file.c_str(), name.c_str());
+    if (FileIsBad(session.status())) Quarantine(id, suffix);
     return session.status();
   }
   ::unlink(file.c_str());
+  if (header_out != nullptr) *header_out = std::move(header);
   MutexLock lock(&mu_);
-  Unindex(std::string(id));
+  if (suffix == kSessionSuffix) Unindex(std::string(id));
   ++counts_.taken;
   return session;
+}
+
+absl::StatusOr<std::unique_ptr<SessionJournal>> SessionDirectory::CreateJournal(
+    absl::string_view id, absl::string_view header) {
+  if (!IsStorableId(id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session id ", EchoString(id), " cannot name a journal"));
+  }
+  std::string temporary = TemporaryName(path_, id, ".journal.tmp");
+  const int fd =
+      ::open(temporary.c_str(),
+             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    return ErrnoError(absl::StrCat("cannot create ", temporary), errno);
+  }
+  // Locked while this process holds it: a journal nobody has locked is
+  // one whose process died, and may be taken (TakeJournal).
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int error = errno;
+    ::close(fd);
+    ::unlink(temporary.c_str());
+    return ErrnoError(absl::StrCat("cannot lock ", temporary), error);
+  }
+  std::unique_ptr<SessionJournal> journal(
+      new SessionJournal(fd, std::move(temporary), FileOf(id, kJournalSuffix)));
+  const absl::Status written = journal->Append(header);
+  if (!written.ok()) {
+    journal->Remove();
+    return written;
+  }
+  return journal;
+}
+
+bool SessionDirectory::RemoveJournal(absl::string_view id) {
+  if (!IsStorableId(id)) return false;
+  const std::string name = FileOf(id, kJournalSuffix);
+  const int fd =
+      ::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (fd < 0) return false;
+  const bool removed =
+      ::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::unlink(name.c_str()) == 0;
+  ::close(fd);
+  return removed;
+}
+
+SessionJournal::~SessionJournal() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!temporary_.empty()) ::unlink(temporary_.c_str());
+}
+
+absl::Status SessionJournal::Append(absl::string_view bytes) {
+  if (fd_ < 0) return absl::FailedPreconditionError("the journal is closed");
+  ATTN_RETURN_IF_ERROR(
+      WriteAll(fd_, bytes, temporary_.empty() ? path_ : temporary_));
+  bytes_ += bytes.size();
+  return absl::OkStatus();
+}
+
+absl::Status SessionJournal::Publish() {
+  if (temporary_.empty()) return absl::OkStatus();
+  if (::rename(temporary_.c_str(), path_.c_str()) != 0) {
+    return ErrnoError(absl::StrCat("cannot rename to ", path_), errno);
+  }
+  temporary_.clear();
+  return absl::OkStatus();
+}
+
+void SessionJournal::Remove() {
+  const std::string& name = temporary_.empty() ? path_ : temporary_;
+  // Another process may have taken the session up and published its own
+  // journal under this name since: only this journal's file goes.
+  struct stat own, named;
+  if (fd_ >= 0 && ::fstat(fd_, &own) == 0 &&
+      ::stat(name.c_str(), &named) == 0 && own.st_ino == named.st_ino &&
+      own.st_dev == named.st_dev) {
+    ::unlink(name.c_str());
+  }
+  temporary_.clear();
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
 }
 
 bool SessionDirectory::Remove(absl::string_view id) {
@@ -195,9 +326,7 @@ bool SessionDirectory::Remove(absl::string_view id) {
 
 void SessionDirectory::Hold(absl::string_view id, absl::string_view holder) {
   if (!IsStorableId(id) || holder.empty()) return;
-  static std::atomic<uint64_t> counter{0};
-  const std::string temporary = absl::StrCat(path_, "/.", id, ".", ::getpid(),
-                                             ".", counter++, ".held.tmp");
+  const std::string temporary = TemporaryName(path_, id, ".held.tmp");
   const int fd =
       ::open(temporary.c_str(),
              O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
@@ -228,12 +357,12 @@ void SessionDirectory::Release(absl::string_view id) {
   ::unlink(absl::StrCat(path_, "/", id, kHeldSuffix).c_str());
 }
 
-void SessionDirectory::Quarantine(absl::string_view id) {
-  const std::string to = absl::StrCat(path_, "/", kQuarantine, "/", id, kSuffix,
+void SessionDirectory::Quarantine(absl::string_view id,
+                                  absl::string_view suffix) {
+  const std::string to = absl::StrCat(path_, "/", kQuarantine, "/", id, suffix,
                                       ".", absl::ToUnixNanos(absl::Now()));
-  if (::rename(FileOf(id).c_str(), to.c_str()) != 0) {
-    ::unlink(FileOf(id).c_str());
-  }
+  const std::string from = FileOf(id, suffix);
+  if (::rename(from.c_str(), to.c_str()) != 0) ::unlink(from.c_str());
   MutexLock lock(&mu_);
   Unindex(std::string(id));
   ++counts_.quarantined;
@@ -278,8 +407,8 @@ void SessionDirectory::IndexExisting() {
   if (dir == nullptr) return;
   while (const dirent* entry = ::readdir(dir)) {
     const absl::string_view name = entry->d_name;
-    if (!absl::EndsWith(name, kSuffix)) continue;
-    const std::string id(name.substr(0, name.size() - kSuffix.size()));
+    if (!absl::EndsWith(name, kSessionSuffix)) continue;
+    const std::string id(name.substr(0, name.size() - kSessionSuffix.size()));
     struct stat info;
     if (!IsStorableId(id) ||
         ::lstat(absl::StrCat(path_, "/", name).c_str(), &info) != 0) {

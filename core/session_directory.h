@@ -10,7 +10,15 @@
 // regular file inside the directory, or larger than the largest session)
 // is moved to quarantine/ and its error returned; it is never loaded.
 //
-// Bounds: the files together stay within `max_bytes`: after a save, the
+// Journals ("<id>.journal", core/session_file.h) are the files of sessions
+// a process holds, appended to as their blocks fill, so that a process that
+// dies (SIGKILL, out of memory, a lost node) leaves each session's full
+// blocks behind. A journal is written to a temporary name and published
+// (renamed into place) with its header and the blocks it starts with; it
+// is taken (TakeJournal) like a session file, by whichever process is
+// asked for a session that no live process holds.
+//
+// Bounds: the session files together stay within `max_bytes`: after a save, the
 // least recently written files are removed until they fit. Opening does
 // not read the directory (start-up stays instant with a million files in
 // it): a background thread indexes the files already there.
@@ -40,6 +48,41 @@
 #include "core/session_file.h"
 
 namespace attnserve {
+
+class SessionDirectory;
+
+// File names in a session directory: "<id>" and one of these.
+inline constexpr absl::string_view kSessionSuffix = ".session";
+inline constexpr absl::string_view kJournalSuffix = ".journal";
+
+// One session's journal, open for appending. Ownership: owns its file
+// descriptor. Thread-safety: none; its owner serializes calls (the session
+// store under the session's step lock).
+class SessionJournal {
+ public:
+  ~SessionJournal();
+  SessionJournal(const SessionJournal&) = delete;
+  SessionJournal& operator=(const SessionJournal&) = delete;
+
+  // Appends `bytes` (a whole record or a piece of one); the write's error
+  // (a full disk: RESOURCE_EXHAUSTED).
+  absl::Status Append(absl::string_view bytes);
+  // Renames the journal into place as the journal of its id, replacing any.
+  absl::Status Publish();
+  // Removes its file (published or not) and closes it.
+  void Remove();
+  // Bytes written so far.
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  friend class SessionDirectory;
+  SessionJournal(int fd, std::string temporary, std::string path)
+      : fd_(fd), temporary_(std::move(temporary)), path_(std::move(path)) {}
+  int fd_;
+  std::string temporary_;  // empty once published
+  std::string path_;
+  uint64_t bytes_ = 0;
+};
 
 class SessionDirectory {
  public:
@@ -77,16 +120,33 @@ class SessionDirectory {
   // directory within max_bytes. INVALID_ARGUMENT for an id that is not
   // storable; the write's error (a full disk: RESOURCE_EXHAUSTED) leaves no
   // file behind.
-  absl::Status Save(absl::string_view id, const DecodeSession& session)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // Loads the session of `id` and removes its file. NOT_FOUND when there
-  // is none; a hostile or corrupt file is quarantined (see above); other
-  // errors (its model no longer served, the store's budget) leave the file.
+  // `unconfirmed`: see SessionFileHeader.
+  absl::Status Save(absl::string_view id, const DecodeSession& session,
+                    bool unconfirmed = false) ABSL_LOCKS_EXCLUDED(mu_);
+  // Loads the session of `id` and removes its file; `header` (if not null)
+  // gets its header. NOT_FOUND when there is none; a hostile or corrupt
+  // file is quarantined (see above); other errors (its model no longer
+  // served, the store's budget) leave the file.
   absl::StatusOr<std::unique_ptr<DecodeSession>> Take(
-      absl::string_view id, const SessionFileLoader& loader)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      absl::string_view id, const SessionFileLoader& loader,
+      SessionFileHeader* header = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the file of `id`; whether there was one.
   bool Remove(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // A new journal for session `id` starting with `header`, under a
+  // temporary name until published, locked (flock) while it is open.
+  // INVALID_ARGUMENT for an id that is not storable; the write's error.
+  absl::StatusOr<std::unique_ptr<SessionJournal>> CreateJournal(
+      absl::string_view id, absl::string_view header);
+  // Loads the session the journal of `id` replays to and removes the
+  // journal, as Take does a session file; UNAVAILABLE while a process holds
+  // the journal open (it is alive and holds the session).
+  absl::StatusOr<std::unique_ptr<DecodeSession>> TakeJournal(
+      absl::string_view id, const SessionFileLoader& loader,
+      SessionFileHeader* header = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the journal of `id` unless a live process holds it (a
+  // process that died left it); whether there was one.
+  bool RemoveJournal(absl::string_view id);
 
   // Holder records ("<id>.held"): which replica holds session `id` in
   // memory (`holder`: the address peers reach it at), so that another
@@ -102,9 +162,20 @@ class SessionDirectory {
 
  private:
   explicit SessionDirectory(const Options& options, std::string path);
-  std::string FileOf(absl::string_view id) const;
-  // Moves the file of `id` to quarantine/.
-  void Quarantine(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  std::string FileOf(absl::string_view id,
+                     absl::string_view suffix = kSessionSuffix) const;
+  // Take and TakeJournal: claims the file of `id` with `suffix` by renaming
+  // it, loads it with `load`, and removes it; a bad one is quarantined.
+  using LoadFunction = absl::StatusOr<std::unique_ptr<DecodeSession>> (*)(
+      absl::string_view bytes, absl::string_view name,
+      const SessionFileLoader& loader, SessionFileHeader* header);
+  absl::StatusOr<std::unique_ptr<DecodeSession>> TakeFile(
+      absl::string_view id, absl::string_view suffix, LoadFunction load,
+      const SessionFileLoader& loader, SessionFileHeader* header = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Moves the file of `id` with `suffix` to quarantine/.
+  void Quarantine(absl::string_view id, absl::string_view suffix)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Index upkeep: a file of `id` with `bytes` written at `written`.
   void Index(const std::string& id, uint64_t bytes, absl::Time written)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

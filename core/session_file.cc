@@ -79,8 +79,12 @@ absl::Status Corrupt(absl::string_view name, absl::string_view what) {
       absl::StrCat("session file ", EchoString(name), ": ", what));
 }
 
+// Header flags.
+constexpr uint32_t kUnconfirmedFlag = 1;
+
 std::string HeaderBody(const DecodeSession& session, absl::string_view id,
-                       absl::string_view model) {
+                       absl::string_view model, bool journal,
+                       bool unconfirmed) {
   const DecodeSessionConfig& config = session.config();
   Encoder body;
   body.Put<uint32_t>(session.is_model_session() ? 1 : 0);
@@ -100,9 +104,21 @@ std::string HeaderBody(const DecodeSession& session, absl::string_view id,
   body.PutString(id);
   body.PutString(model);
   for (int64_t layer = 0; layer < config.num_layers; ++layer) {
-    body.Put<int64_t>(session.length(layer));
+    body.Put<int64_t>(journal ? 0 : session.length(layer));
   }
+  body.Put<uint32_t>(unconfirmed ? kUnconfirmedFlag : 0);
   return body.bytes();
+}
+
+// The header record of a session file whose body is `body`.
+std::string HeaderRecord(absl::string_view body) {
+  Encoder header;
+  header.PutRaw(kMagic);
+  header.Put<uint32_t>(kSessionFileVersion);
+  header.Put<uint32_t>(static_cast<uint32_t>(body.size()));
+  header.PutRaw(body);
+  header.Put<uint32_t>(Crc(body));
+  return header.bytes();
 }
 
 // The DType whose wire number is `wire`, if it is one a session may use.
@@ -146,6 +162,9 @@ bool ParseHeaderBody(absl::string_view bytes, SessionFileHeader* header,
   for (int64_t& length : header->lengths) {
     if (!in.Get(&length) || length < 0 || length > c.max_length) return false;
   }
+  uint32_t flags;
+  if (!in.Get(&flags) || (flags & ~kUnconfirmedFlag) != 0) return false;
+  header->unconfirmed = (flags & kUnconfirmedFlag) != 0;
   *model_session = kind == 1;
   return in.left() == 0;
 }
@@ -250,38 +269,151 @@ absl::Status LoadBlocks(Decoder& in, const SessionFileHeader& header,
   return absl::OkStatus();
 }
 
-}  // namespace
-
-absl::Status WriteSessionFile(
-    const DecodeSession& session, absl::string_view id,
-    absl::FunctionRef<absl::Status(absl::string_view)> write) {
+absl::Status VerifyWritable(const DecodeSession& session) {
   if (session.is_model_session() && session.config().model.empty()) {
     return absl::FailedPreconditionError(
         "a model session without its model's name cannot be written");
   }
+  return absl::OkStatus();
+}
+
+// The session a file's header describes, created empty after every check
+// of its config; `header` gets the header.
+absl::StatusOr<std::unique_ptr<DecodeSession>> CreateFromHeader(
+    absl::string_view bytes, absl::string_view name,
+    const SessionFileLoader& loader, SessionFileHeader& header) {
+  ATTN_ASSIGN_OR_RETURN(header, ReadSessionFileHeader(bytes, name));
+  ATTN_ASSIGN_OR_RETURN(const DecodeSessionConfig config,
+                        ConfigOf(header, loader));
+  ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims,
+                        DecodeSession::CacheDims(config));
+  ATTN_RETURN_IF_ERROR(VerifySameDims(dims, header, name));
+  // Within the caller's budget, so that the sizes below cannot overflow.
+  ATTN_RETURN_IF_ERROR(loader.verify(config));
+  return DecodeSession::Create(config);
+}
+
+// The bytes of a header record, to skip it.
+size_t HeaderRecordBytes(absl::string_view bytes) {
+  uint32_t body_size = 0;
+  std::memcpy(&body_size, bytes.data() + kMagic.size() + sizeof(uint32_t),
+              sizeof(body_size));
+  return kMagic.size() + 3 * sizeof(uint32_t) + body_size;
+}
+
+// A journal's block records, replayed: per layer, the rows of the full
+// blocks it holds in order. A record that ends the file torn (cut short,
+// or its checksum wrong) ends the replay; anywhere else it is corruption.
+absl::StatusOr<std::vector<std::vector<absl::string_view>>> ReplayJournal(
+    Decoder& in, const DecodeSession& session, absl::string_view name) {
+  std::vector<std::vector<absl::string_view>> blocks(
+      static_cast<size_t>(session.num_layers()));
+  for (int64_t count = 0; in.left() >= kBlockFieldBytes; ++count) {
+    absl::string_view fields, rows;
+    uint32_t layer, crc;
+    int64_t first, tokens;
+    in.GetRaw(kBlockFieldBytes - 4, &fields);
+    in.Get(&crc);
+    Decoder field(fields.substr(4));
+    field.Get(&layer);
+    field.Get(&first);
+    field.Get(&tokens);
+    const std::string record = absl::StrCat("journal record ", count);
+    if (fields.substr(0, 4) != kBlockTag) {
+      return Corrupt(name, absl::StrCat(record, ": not a block record"));
+    }
+    if (layer >= blocks.size() || first < 0 || first % kCacheBlockKeys != 0 ||
+        (tokens != 0 && tokens != kCacheBlockKeys) ||
+        first + tokens > session.max_length()) {
+      return Corrupt(
+          name, absl::StrCat(record, ": layer ", layer, ", tokens ", first,
+                             " + ", tokens, " is no block of this session"));
+    }
+    if (!in.GetRaw(session.RowBytes(tokens), &rows)) break;  // torn
+    if (Crc(rows, Crc(fields)) != crc) {
+      if (in.left() == 0) break;  // torn
+      return Corrupt(name, absl::StrCat(record, ": checksum mismatch"));
+    }
+    std::vector<absl::string_view>& held = blocks[layer];
+    const size_t block = static_cast<size_t>(first / kCacheBlockKeys);
+    if (block > held.size()) {
+      return Corrupt(
+          name, absl::StrCat(record, ": starts at token ", first, "; layer ",
+                             layer, " holds ", held.size() * kCacheBlockKeys));
+    }
+    held.resize(block);  // a rewind drops what follows
+    if (tokens > 0) held.push_back(rows);
+  }
+  return blocks;
+}
+
+}  // namespace
+
+std::string SessionBlockFields(int64_t layer, int64_t first, int64_t tokens,
+                               absl::string_view rows) {
+  Encoder fields;
+  fields.PutRaw(kBlockTag);
+  fields.Put<uint32_t>(static_cast<uint32_t>(layer));
+  fields.Put<int64_t>(first);
+  fields.Put<int64_t>(tokens);
+  fields.Put<uint32_t>(Crc(rows, Crc(fields.bytes())));
+  return fields.bytes();
+}
+
+absl::StatusOr<std::string> SessionJournalHeader(const DecodeSession& session,
+                                                 absl::string_view id) {
+  ATTN_RETURN_IF_ERROR(VerifyWritable(session));
+  return HeaderRecord(HeaderBody(session, id, session.config().model,
+                                 /*journal=*/true, /*unconfirmed=*/false));
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
+    absl::string_view bytes, absl::string_view name,
+    const SessionFileLoader& loader, SessionFileHeader* header_out) {
+  SessionFileHeader header;
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
+                        CreateFromHeader(bytes, name, loader, header));
+  for (int64_t length : header.lengths) {
+    if (length != 0) return Corrupt(name, "not a journal (it holds lengths)");
+  }
+  Decoder in(bytes.substr(HeaderRecordBytes(bytes)));
+  ATTN_ASSIGN_OR_RETURN(const auto blocks, ReplayJournal(in, *session, name));
+  for (size_t layer = 0; layer < blocks.size(); ++layer) {
+    for (size_t block = 0; block < blocks[layer].size(); ++block) {
+      const int64_t first = static_cast<int64_t>(block) * kCacheBlockKeys;
+      const absl::Status appended =
+          session->AppendRows(static_cast<int64_t>(layer), first,
+                              kCacheBlockKeys, blocks[layer][block]);
+      if (!appended.ok()) {
+        return Corrupt(name, absl::StrCat("layer ", layer, " tokens ", first,
+                                          ": ", appended.message()));
+      }
+    }
+    header.lengths[layer] =
+        static_cast<int64_t>(blocks[layer].size()) * kCacheBlockKeys;
+  }
+  header.unconfirmed = true;
+  if (header_out != nullptr) *header_out = std::move(header);
+  return session;
+}
+
+absl::Status WriteSessionFile(
+    const DecodeSession& session, absl::string_view id,
+    absl::FunctionRef<absl::Status(absl::string_view)> write,
+    bool unconfirmed) {
+  ATTN_RETURN_IF_ERROR(VerifyWritable(session));
   const absl::string_view model = session.config().model;
   int64_t blocks = 0;
   ATTN_RETURN_IF_ERROR(session.ReadRows(
       // Under the session's lock: the lengths are those of the blocks.
       [&]() -> absl::Status {
-        const std::string body = HeaderBody(session, id, model);
-        Encoder header;
-        header.PutRaw(kMagic);
-        header.Put<uint32_t>(kSessionFileVersion);
-        header.Put<uint32_t>(static_cast<uint32_t>(body.size()));
-        header.PutRaw(body);
-        header.Put<uint32_t>(Crc(body));
-        return write(header.bytes());
+        return write(HeaderRecord(
+            HeaderBody(session, id, model, /*journal=*/false, unconfirmed)));
       },
       [&](int64_t layer, int64_t first, int64_t tokens,
           absl::string_view rows) -> absl::Status {
-        Encoder fields;
-        fields.PutRaw(kBlockTag);
-        fields.Put<uint32_t>(static_cast<uint32_t>(layer));
-        fields.Put<int64_t>(first);
-        fields.Put<int64_t>(tokens);
-        fields.Put<uint32_t>(Crc(rows, Crc(fields.bytes())));
-        ATTN_RETURN_IF_ERROR(write(fields.bytes()));
+        ATTN_RETURN_IF_ERROR(
+            write(SessionBlockFields(layer, first, tokens, rows)));
         ++blocks;
         return write(rows);
       }));
@@ -321,28 +453,13 @@ absl::StatusOr<SessionFileHeader> ReadSessionFileHeader(
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
     absl::string_view bytes, absl::string_view name,
     const SessionFileLoader& loader, SessionFileHeader* header_out) {
-  ATTN_ASSIGN_OR_RETURN(SessionFileHeader header,
-                        ReadSessionFileHeader(bytes, name));
-  ATTN_ASSIGN_OR_RETURN(const DecodeSessionConfig config,
-                        ConfigOf(header, loader));
-  ATTN_ASSIGN_OR_RETURN(const KvCache::Dims dims,
-                        DecodeSession::CacheDims(config));
-  ATTN_RETURN_IF_ERROR(VerifySameDims(dims, header, name));
-  // Within the caller's budget, so that the sizes below cannot overflow.
-  ATTN_RETURN_IF_ERROR(loader.verify(config));
+  SessionFileHeader header;
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
-                        DecodeSession::Create(config));
+                        CreateFromHeader(bytes, name, loader, header));
   // The size the header describes, checked before any block is read.
-  size_t expected = kMagic.size() + 3 * sizeof(uint32_t) + kEndBytes;
-  Decoder in(bytes);
-  {
-    absl::string_view skipped;
-    uint32_t body_size = 0;
-    in.GetRaw(kMagic.size() + sizeof(uint32_t), &skipped);
-    in.Get(&body_size);
-    in.GetRaw(body_size + sizeof(uint32_t), &skipped);
-    expected += body_size;
-  }
+  const size_t header_bytes = HeaderRecordBytes(bytes);
+  size_t expected = header_bytes + kEndBytes;
+  Decoder in(bytes.substr(header_bytes));
   for (int64_t length : header.lengths) {
     const int64_t blocks = (length + kCacheBlockKeys - 1) / kCacheBlockKeys;
     expected += static_cast<size_t>(blocks) * kBlockFieldBytes +

@@ -2,17 +2,26 @@
 // session export carries, so that a session outlives its process and moves
 // between replicas.
 //
-// Format (version 1, little-endian):
+// Format (version 2, little-endian):
 //   header   "ATTNSESS", u32 version, u32 body size, the body (the
-//            session's config, id, model and per-layer lengths), u32 CRC-32C
+//            session's config, id, model, per-layer lengths and u32 flags:
+//            bit 0, its lengths are unconfirmed, see below), u32 CRC-32C
 //            of the body;
 //   blocks   per layer in order, per block of kCacheBlockKeys tokens from
 //            token 0 (the last of a layer may be shorter): "BLCK", u32
 //            layer, i64 first token, i64 tokens, u32 CRC-32C of those
 //            fields and the rows, then the rows (DecodeSession::RowBytes);
 //   end      "DONE", i64 blocks, u32 CRC-32C of that count.
-// A full block's bytes never change while the session only appends, so a
-// writer may emit each block once as it fills.
+//
+// A journal is the same header with every length 0, followed by block
+// records only, appended as the session runs: each full block once it
+// fills (tokens kCacheBlockKeys), and a record of 0 tokens where a step
+// rewound below blocks already written. Replayed in order, a record at
+// token `first` drops every block of its layer from `first` on, then adds
+// its own. A journal has no end record: the process writing it may die at
+// any point, so a last record cut short or with a wrong checksum ends the
+// replay (it was being written), and the session holds the full blocks
+// before it, marked unconfirmed: its client resends from there.
 //
 // Loading treats the bytes as hostile: the file's size must be exactly
 // what its header describes, each block must be the next one in order and
@@ -41,7 +50,7 @@
 
 namespace attnserve {
 
-inline constexpr uint32_t kSessionFileVersion = 1;
+inline constexpr uint32_t kSessionFileVersion = 2;
 
 // What a session file says of its session besides the rows.
 struct SessionFileHeader {
@@ -62,6 +71,9 @@ struct SessionFileHeader {
   DType cache_dtype = DType::kFloat32;
   // Tokens per layer.
   std::vector<int64_t> lengths;
+  // Whether the session may hold fewer tokens than its client sent: it was
+  // recovered from a journal, and no step has given its position since.
+  bool unconfirmed = false;
 };
 
 // Writes `session` (under id `id`; a model session names its config's
@@ -69,7 +81,16 @@ struct SessionFileHeader {
 // of it; one consistent snapshot. Stops at the first error `write` returns.
 absl::Status WriteSessionFile(
     const DecodeSession& session, absl::string_view id,
-    absl::FunctionRef<absl::Status(absl::string_view)> write);
+    absl::FunctionRef<absl::Status(absl::string_view)> write,
+    bool unconfirmed = false);
+
+// A journal's pieces: its header (FAILED_PRECONDITION for a model session
+// without its model's name), and a block record's fields before its rows
+// (`rows` empty for a rewind's record of 0 tokens).
+absl::StatusOr<std::string> SessionJournalHeader(const DecodeSession& session,
+                                                 absl::string_view id);
+std::string SessionBlockFields(int64_t layer, int64_t first, int64_t tokens,
+                               absl::string_view rows);
 
 // The header of the session file `bytes`, checked (magic, version, size,
 // checksum, config fields within their ranges); DATA_LOSS naming `name`
@@ -92,6 +113,13 @@ struct SessionFileLoader {
 // The session stored in `bytes` (see the format above), with `header` set
 // to its header when not null. `name` names the file in errors.
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
+    absl::string_view bytes, absl::string_view name,
+    const SessionFileLoader& loader, SessionFileHeader* header = nullptr);
+
+// The session the journal `bytes` replays to (see above), with `header`'s
+// lengths those it holds and `unconfirmed` set. DATA_LOSS for corruption
+// before its last record, as LoadSessionFile.
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
     absl::string_view bytes, absl::string_view name,
     const SessionFileLoader& loader, SessionFileHeader* header = nullptr);
 

@@ -52,6 +52,7 @@ SessionStore::SessionStore(const Options& options)
   if (options_.idle_timeout != absl::InfiniteDuration()) {
     reaper_ = std::thread([this] { ReaperLoop(); });
   }
+  if (journaling()) journaler_ = std::thread([this] { JournalLoop(); });
 }
 
 SessionStore::~SessionStore() {
@@ -61,6 +62,12 @@ SessionStore::~SessionStore() {
   }
   reaper_wake_.SignalAll();
   if (reaper_.joinable()) reaper_.join();
+  {
+    MutexLock lock(&journal_mu_);
+    journal_stopping_ = true;
+  }
+  journal_wake_.SignalAll();
+  if (journaler_.joinable()) journaler_.join();
   Clear();
 }
 
@@ -166,13 +173,19 @@ absl::StatusOr<std::string> SessionStore::Add(
 }
 
 absl::StatusOr<std::string> SessionStore::AddAs(
-    std::unique_ptr<DecodeSession> session, std::optional<std::string> id) {
+    std::unique_ptr<DecodeSession> session, std::optional<std::string> id,
+    bool unconfirmed) {
   ATTN_RETURN_IF_ERROR(VerifyFits(session->cache_dims()));
   const size_t reserved = session->reserved_bytes();
   const size_t bookkeeping = session->bookkeeping_bytes();
   const size_t bytes = session->cache_bytes();
   auto slot = std::make_shared<Slot>();
+  if (unconfirmed) {
+    MutexLock step_lock(&slot->step_mu);
+    slot->unconfirmed.assign(static_cast<size_t>(session->num_layers()), true);
+  }
   slot->session = std::move(session);
+  const std::shared_ptr<Slot> journaled = slot;
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
   // Held first, so that evicting its other holders keeps it.
@@ -197,6 +210,7 @@ absl::StatusOr<std::string> SessionStore::AddAs(
   }
   std::string opened = Open(std::move(slot), reserved, std::move(id));
   Hold(opened);
+  QueueJournal(journaled);
   return opened;
 }
 
@@ -223,6 +237,7 @@ std::string SessionStore::Open(std::shared_ptr<Slot> slot, size_t reserved,
     } while (sessions_.contains(id) || gone_.contains(id));
   }
   lru_.push_front(id);
+  slot->id = id;
   const DecodeSession& session = *slot->session;
   Entry& entry = sessions_[id];
   entry.last_used = absl::Now();
@@ -371,6 +386,11 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
   const size_t bookkeeping = fork->bookkeeping_bytes();
   auto fork_slot = std::make_shared<Slot>();
   fork_slot->session = std::move(fork);
+  {
+    MutexLock fork_lock(&fork_slot->step_mu);
+    fork_slot->unconfirmed = slot->unconfirmed;
+  }
+  const std::shared_ptr<Slot> journaled = fork_slot;
   std::string fork_id;
   {
     MutexLock lock(&mu_);
@@ -398,6 +418,7 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
     AccountShared(forked, *forked.slot->session);
     ++counts_.forked;
   }
+  QueueJournal(journaled);
   if (forked_length != nullptr) *forked_length = fork_length;
   return fork_id;
 }
@@ -440,6 +461,9 @@ absl::Status SessionStore::NotFound(absl::string_view id) const {
           " was saved to the session directory, and its file is gone (taken "
           "up by another replica, or removed)",
           advice));
+    case GoneReason::kClosed:
+      return absl::NotFoundError(
+          absl::StrCat(what, " was closed with its server", advice));
     case GoneReason::kDeleted:
       break;
   }
@@ -480,6 +504,9 @@ void SessionStore::Remove(std::string id, GoneReason reason,
       reason != GoneReason::kSaved) {
     options_.directory->Release(id);
   }
+  if (reason == GoneReason::kDeleted || reason == GoneReason::kExpired) {
+    it->second.slot->drop_journal = true;
+  }
   if (reason == GoneReason::kEvicted && options_.directory != nullptr) {
     Slot& slot = *it->second.slot;
     slot.save_to = options_.directory;
@@ -499,6 +526,7 @@ void SessionStore::Remove(std::string id, GoneReason reason,
       ++counts_.deleted;
       break;
     case GoneReason::kSaved:  // counted by SaveAll
+    case GoneReason::kClosed:
       break;
   }
   if (gone_.size() >= kRememberedGoneIds) {
@@ -581,6 +609,7 @@ absl::Status SessionStore::Step(absl::string_view id,
   const std::string key(id);
   absl::Status status;
   MutexLock step_lock(&slot->step_mu);
+  ATTN_RETURN_IF_ERROR(VerifyConfirmed(*slot, inputs));
   std::vector<std::shared_ptr<Slot>> freed;
   {
     MutexLock lock(&mu_);
@@ -603,6 +632,7 @@ absl::Status SessionStore::Step(absl::string_view id,
     };
     status = session.Step(inputs, options, results);
   }
+  if (status.ok()) AfterStep(slot, inputs);
   if (length != nullptr) *length = session.length(inputs.layer);
   return status;
 }
@@ -642,6 +672,14 @@ std::vector<absl::Status> SessionStore::StepMany(
     if (!statuses[i].ok()) slots[i] = nullptr;
   }
   std::vector<Slot*> locked = LockOnceEach(slots, statuses);
+  for (size_t i = 0; i < count; ++i) {
+    if (slots[i] == nullptr) continue;
+    if (absl::Status confirmed = VerifyConfirmed(*slots[i], steps[i].inputs);
+        !confirmed.ok()) {
+      statuses[i] = std::move(confirmed);
+      slots[i] = nullptr;  // still locked, through `locked`
+    }
+  }
   std::vector<std::shared_ptr<Slot>> freed;
   {
     MutexLock lock(&mu_);
@@ -727,6 +765,7 @@ void SessionStore::RunAndSettle(absl::Span<const StepInput> steps,
     }
   }
   for (size_t i : index) {
+    if (statuses[i].ok()) AfterStep(slots[i], steps[i].inputs);
     if (steps[i].length != nullptr) {
       *steps[i].length = slots[i]->session->length(steps[i].inputs.layer);
     }
@@ -744,8 +783,11 @@ absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
 }
 
 absl::Status SessionStore::Delete(absl::string_view id) {
+  // A journal left by a process that died goes too (a held session's
+  // journal goes with its slot).
   const bool removed_file =
-      options_.directory != nullptr && options_.directory->Remove(id);
+      options_.directory != nullptr &&
+      (options_.directory->Remove(id) | options_.directory->RemoveJournal(id));
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
   ATTN_RETURN_IF_ERROR(VerifySessionId(id));
@@ -763,7 +805,8 @@ absl::Status SessionStore::Delete(absl::string_view id) {
 void SessionStore::Clear() {
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
-  while (!lru_.empty()) Remove(lru_.back(), GoneReason::kDeleted, freed);
+  // Their journals stay, for whichever process takes the sessions up.
+  while (!lru_.empty()) Remove(lru_.back(), GoneReason::kClosed, freed);
 }
 
 void SessionStore::ExpireIdle(absl::Time now) {
@@ -783,11 +826,59 @@ void SessionStore::ExpireIdle(absl::Time now) {
   }
 }
 
-SessionStore::Slot::~Slot() {
-  if (save_to == nullptr || session == nullptr) return;
-  const absl::Status saved = save_to->Save(save_as, *session);
-  MutexLock lock(&store->mu_);
-  ++(saved.ok() ? store->counts_.saved : store->counts_.save_failures);
+// Runs when the last reference goes, so no lock is needed for the fields
+// the thread-safety analysis sees guarded.
+SessionStore::Slot::~Slot() ABSL_NO_THREAD_SAFETY_ANALYSIS {
+  if (save_to != nullptr && session != nullptr) {
+    const bool unconfirmed =
+        std::find(this->unconfirmed.begin(), this->unconfirmed.end(), true) !=
+        this->unconfirmed.end();
+    const absl::Status saved = save_to->Save(save_as, *session, unconfirmed);
+    if (saved.ok()) drop_journal = true;
+    MutexLock lock(&store->mu_);
+    ++(saved.ok() ? store->counts_.saved : store->counts_.save_failures);
+  }
+  if (journal != nullptr && drop_journal) journal->Remove();
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
+    absl::string_view id, SessionFileHeader& header, bool& recovered) {
+  const auto layer_of = [&](absl::string_view model)
+      -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+    if (!options_.layer_of) {
+      return absl::NotFoundError(absl::StrCat("model ", EchoString(model, '"'),
+                                              " is not served here"));
+    }
+    return options_.layer_of(model);
+  };
+  const auto verify = [&](const DecodeSessionConfig& config) {
+    return VerifyConfig(config);
+  };
+  const SessionFileLoader loader{.layer_of = layer_of, .verify = verify};
+  const auto no_file = [](const absl::Status& status) {
+    return absl::IsNotFound(status) &&
+           absl::StartsWith(status.message(), "no session file");
+  };
+  absl::StatusOr<std::unique_ptr<DecodeSession>> session =
+      options_.directory->Take(id, loader, &header);
+  if (!no_file(session.status())) return session;
+  // Held in another replica's memory: ask it to hand the session over.
+  const std::optional<std::string> holder =
+      options_.reclaim ? options_.directory->Holder(id) : std::nullopt;
+  std::string self;
+  {
+    MutexLock lock(&mu_);
+    self = holder_;
+  }
+  if (holder.has_value() && *holder != self &&
+      options_.reclaim(id, *holder).ok()) {
+    session = options_.directory->Take(id, loader, &header);
+    if (!no_file(session.status())) return session;
+  }
+  if (!journaling()) return session;
+  // No process hands it over: one that held it died, leaving its journal.
+  recovered = true;
+  return options_.directory->TakeJournal(id, loader, &header);
 }
 
 absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
@@ -804,45 +895,38 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
       return absl::OkStatus();
     }
   }
-  const auto layer_of = [&](absl::string_view model)
-      -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
-    if (!options_.layer_of) {
-      return absl::NotFoundError(absl::StrCat("model ", EchoString(model, '"'),
-                                              " is not served here"));
-    }
-    return options_.layer_of(model);
-  };
-  const auto verify = [&](const DecodeSessionConfig& config) {
-    return VerifyConfig(config);
-  };
-  const SessionFileLoader loader{.layer_of = layer_of, .verify = verify};
+  SessionFileHeader header;
+  bool recovered = false;
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
-      options_.directory->Take(id, loader);
+      TakeSaved(id, header, recovered);
+  // No file, no journal: the lookup says NOT_FOUND.
   if (absl::IsNotFound(session.status()) &&
-      absl::StartsWith(session.status().message(), "no session file")) {
-    // Held in another replica's memory: ask it to hand the session over.
-    const std::optional<std::string> holder =
-        options_.reclaim ? options_.directory->Holder(id) : std::nullopt;
-    std::string self;
-    {
-      MutexLock lock(&mu_);
-      self = holder_;
-    }
-    if (!holder.has_value() || *holder == self ||
-        !options_.reclaim(id, *holder).ok()) {
-      return absl::OkStatus();  // the lookup says NOT_FOUND
-    }
-    session = options_.directory->Take(id, loader);
-    if (absl::IsNotFound(session.status())) return absl::OkStatus();
+      absl::StartsWith(session.status().message(), "no ")) {
+    return absl::OkStatus();
   }
   ATTN_RETURN_IF_ERROR(session.status());
   const absl::StatusOr<std::string> added =
-      AddAs(*std::move(session), std::string(id));
+      AddAs(*std::move(session), std::string(id), header.unconfirmed);
   // Another call took it in meanwhile: that copy is the one.
   if (absl::IsAlreadyExists(added.status())) return absl::OkStatus();
   ATTN_RETURN_IF_ERROR(added.status());
   MutexLock lock(&mu_);
   ++counts_.restored;
+  if (recovered) ++counts_.recovered;
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::SaveSlot(const std::string& id, Slot& slot) {
+  options_.directory->Release(id);
+  const bool unconfirmed =
+      std::find(slot.unconfirmed.begin(), slot.unconfirmed.end(), true) !=
+      slot.unconfirmed.end();
+  ATTN_RETURN_IF_ERROR(
+      options_.directory->Save(id, *slot.session, unconfirmed));
+  // The file holds it all now; a journal would only be a stale copy.
+  if (slot.journal != nullptr) slot.journal->Remove();
+  slot.journal.reset();
+  slot.journal_off = true;
   return absl::OkStatus();
 }
 
@@ -859,10 +943,10 @@ absl::Status SessionStore::HandOver(absl::string_view id) {
   }
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock step_lock(&slot->step_mu);
-  options_.directory->Release(id);
-  ATTN_RETURN_IF_ERROR(options_.directory->Save(id, *slot->session));
+  const std::string key(id);
+  ATTN_RETURN_IF_ERROR(SaveSlot(key, *slot));
   MutexLock lock(&mu_);
-  Remove(std::string(id), GoneReason::kSaved, freed);
+  Remove(key, GoneReason::kSaved, freed);
   ++counts_.saved;
   return absl::OkStatus();
 }
@@ -889,8 +973,7 @@ SessionStore::SaveReport SessionStore::SaveAll(absl::Time deadline) {
     std::vector<std::shared_ptr<Slot>> freed;
     if (saved.ok()) {
       MutexLock step_lock(&slot->step_mu);
-      options_.directory->Release(id);
-      saved = options_.directory->Save(id, *slot->session);
+      saved = SaveSlot(id, *slot);
       if (saved.ok()) {
         MutexLock lock(&mu_);
         Remove(id, GoneReason::kSaved, freed);
@@ -907,6 +990,160 @@ SessionStore::SaveReport SessionStore::SaveAll(absl::Time deadline) {
   counts_.saved += report.sessions;
   counts_.save_failures += report.failed;
   return report;
+}
+
+absl::Status SessionStore::VerifyConfirmed(
+    const Slot& slot, const DecodeStepInputs& inputs) const {
+  const int64_t layer = inputs.layer;
+  if (inputs.position.has_value() || layer < 0 ||
+      layer >= static_cast<int64_t>(slot.unconfirmed.size()) ||
+      !slot.unconfirmed[static_cast<size_t>(layer)]) {
+    return absl::OkStatus();
+  }
+  const int64_t held = slot.session->length(layer);
+  return absl::AbortedError(absl::StrCat(
+      "session_id: session ", EchoString(slot.id, '"'),
+      " was recovered from its journal after the server holding it stopped "
+      "without saving it, and may hold fewer tokens than were sent: layer ",
+      layer, " holds ", held,
+      "; resend the tokens from there, giving position ", held,
+      " (a step that gives its position is taken)"));
+}
+
+void SessionStore::AfterStep(const std::shared_ptr<Slot>& slot,
+                             const DecodeStepInputs& inputs) {
+  const auto layer = static_cast<size_t>(inputs.layer);
+  if (inputs.position.has_value() && layer < slot->unconfirmed.size()) {
+    slot->unconfirmed[layer] = false;
+    if (std::find(slot->unconfirmed.begin(), slot->unconfirmed.end(), true) ==
+        slot->unconfirmed.end()) {
+      slot->unconfirmed.clear();
+    }
+  }
+  if (!journaling() || slot->journal_off) return;
+  const int64_t full = slot->session->length(inputs.layer) / kCacheBlockKeys;
+  int64_t written = 0;
+  if (slot->journal != nullptr) {
+    int64_t& journaled = slot->journaled[layer];
+    // A rewind below blocks written: recorded before the step answers, so
+    // that a recovery never holds tokens the client replaced.
+    if (inputs.position.has_value() &&
+        *inputs.position / kCacheBlockKeys < journaled) {
+      journaled = *inputs.position / kCacheBlockKeys;
+      const absl::Status recorded = slot->journal->Append(
+          SessionBlockFields(inputs.layer, journaled * kCacheBlockKeys, 0, ""));
+      if (!recorded.ok()) {
+        DropJournal(*slot);
+        return;
+      }
+    }
+    written = journaled;
+  }
+  if (full > written) QueueJournal(slot);
+}
+
+void SessionStore::QueueJournal(const std::shared_ptr<Slot>& slot) {
+  if (!journaling() || slot->journal_queued.exchange(true)) return;
+  {
+    MutexLock lock(&journal_mu_);
+    journal_queue_.push_back(slot);
+  }
+  journal_wake_.Signal();
+}
+
+void SessionStore::JournalLoop() {
+  while (true) {
+    std::shared_ptr<Slot> slot;
+    {
+      MutexLock lock(&journal_mu_);
+      journal_busy_ = false;
+      while (journal_queue_.empty() && !journal_stopping_) {
+        journal_idle_.SignalAll();
+        journal_wake_.Wait(&journal_mu_);
+      }
+      if (journal_stopping_) return;
+      slot = journal_queue_.front().lock();
+      journal_queue_.pop_front();
+      journal_busy_ = true;
+    }
+    if (slot == nullptr) continue;  // gone meanwhile
+    MutexLock step_lock(&slot->step_mu);
+    slot->journal_queued = false;
+    WriteJournal(*slot);
+  }
+}
+
+void SessionStore::WaitForJournals() {
+  MutexLock lock(&journal_mu_);
+  while (!journal_queue_.empty() || journal_busy_) {
+    journal_idle_.Wait(&journal_mu_);
+  }
+}
+
+void SessionStore::WriteJournal(Slot& slot) {
+  if (slot.journal_off) return;
+  absl::Status status;
+  if (slot.journal == nullptr) {
+    status = StartJournal(slot);
+  } else {
+    status = AppendBlocks(slot, *slot.journal);
+    // Rewinds leave replaced blocks behind: past twice what it holds (and
+    // a block's slack), the journal is written anew.
+    int64_t blocks = 0;
+    for (int64_t held : slot.journaled) blocks += held;
+    const uint64_t holds = static_cast<uint64_t>(blocks + 1) *
+                           slot.session->RowBytes(kCacheBlockKeys);
+    if (status.ok() && slot.journal->bytes() > 2 * holds) {
+      status = StartJournal(slot);
+    }
+  }
+  if (!status.ok()) DropJournal(slot);
+}
+
+absl::Status SessionStore::StartJournal(Slot& slot) {
+  ATTN_ASSIGN_OR_RETURN(const std::string header,
+                        SessionJournalHeader(*slot.session, slot.id));
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<SessionJournal> journal,
+                        options_.directory->CreateJournal(slot.id, header));
+  slot.journaled.assign(static_cast<size_t>(slot.session->num_layers()), 0);
+  absl::Status status = AppendBlocks(slot, *journal);
+  if (status.ok()) status = journal->Publish();
+  if (!status.ok()) {
+    journal->Remove();
+    return status;
+  }
+  slot.journal = std::move(journal);
+  return absl::OkStatus();
+}
+
+absl::Status SessionStore::AppendBlocks(Slot& slot, SessionJournal& journal) {
+  const DecodeSession& session = *slot.session;
+  std::string rows;
+  int64_t appended = 0;
+  for (int64_t layer = 0; layer < session.num_layers(); ++layer) {
+    int64_t& written = slot.journaled[static_cast<size_t>(layer)];
+    for (; written < session.length(layer) / kCacheBlockKeys; ++written) {
+      ATTN_RETURN_IF_ERROR(session.ReadBlock(
+          layer, written * kCacheBlockKeys, rows,
+          [&](absl::string_view block) -> absl::Status {
+            ATTN_RETURN_IF_ERROR(journal.Append(SessionBlockFields(
+                layer, written * kCacheBlockKeys, kCacheBlockKeys, block)));
+            return journal.Append(block);
+          }));
+      ++appended;
+    }
+  }
+  MutexLock lock(&mu_);
+  counts_.journaled_blocks += appended;
+  return absl::OkStatus();
+}
+
+void SessionStore::DropJournal(Slot& slot) {
+  if (slot.journal != nullptr) slot.journal->Remove();
+  slot.journal.reset();
+  slot.journal_off = true;
+  MutexLock lock(&mu_);
+  ++counts_.journal_failures;
 }
 
 SessionStore::Stats SessionStore::stats() const {

@@ -34,6 +34,7 @@
 #ifndef ATTNSERVE_CORE_SESSION_STORE_H_
 #define ATTNSERVE_CORE_SESSION_STORE_H_
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
@@ -59,6 +60,7 @@
 #include "core/mutex.h"
 #include "core/results.h"
 #include "core/session_directory.h"
+#include "core/session_file.h"
 
 namespace attnserve {
 
@@ -104,6 +106,14 @@ class SessionStore {
     // the directory and free it: its HandOver). Unset: never asked.
     std::function<absl::Status(absl::string_view id, absl::string_view holder)>
         reclaim;
+    // With a directory: keeps a journal of every open session there
+    // (SessionDirectory::CreateJournal), each full block of kCacheBlockKeys
+    // tokens appended by a background thread once it fills, so that a
+    // process that dies leaves them behind. A session no live process holds
+    // and that has no file is recovered from its journal, holding its full
+    // blocks, and refuses steps that do not give their position (ABORTED)
+    // until one does: its client resends what it lost.
+    bool journal = false;
   };
 
   struct Stats {
@@ -133,6 +143,12 @@ class SessionStore {
     int64_t saved = 0;
     int64_t restored = 0;
     int64_t save_failures = 0;
+    // Sessions recovered from journals (counted in restored too), blocks
+    // journaled, and journals given up (a write failed: the session is
+    // journaled no more).
+    int64_t recovered = 0;
+    int64_t journaled_blocks = 0;
+    int64_t journal_failures = 0;
   };
 
   explicit SessionStore(const Options& options);
@@ -239,6 +255,10 @@ class SessionStore {
   SaveReport SaveAll(absl::Time deadline = absl::InfiniteFuture())
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Waits until the journal thread has written every block filled so far
+  // (tests, benchmarks).
+  void WaitForJournals() ABSL_LOCKS_EXCLUDED(journal_mu_);
+
   // Frees the sessions idle past the timeout as of `now`; the background
   // thread calls it, tests may too.
   void ExpireIdle(absl::Time now) ABSL_LOCKS_EXCLUDED(mu_);
@@ -253,10 +273,23 @@ class SessionStore {
     ~Slot();
     Mutex step_mu;
     std::unique_ptr<DecodeSession> session;
+    std::string id;  // set when opened, before it is shared
     // Set on eviction with a directory: where and under which id to save.
     SessionDirectory* save_to = nullptr;
     std::string save_as;
     SessionStore* store = nullptr;  // counts the save
+    // Its journal: the file, the full blocks written per layer, whether it
+    // waits for the journal thread, and whether journaling stopped (a
+    // failed write; the session saved). Set when deleted or expired: the
+    // journal goes with the session.
+    std::unique_ptr<SessionJournal> journal ABSL_GUARDED_BY(step_mu);
+    std::vector<int64_t> journaled ABSL_GUARDED_BY(step_mu);
+    std::atomic<bool> journal_queued{false};
+    bool journal_off ABSL_GUARDED_BY(step_mu) = false;
+    std::atomic<bool> drop_journal{false};
+    // Per layer, whether its length is unconfirmed (recovered from a
+    // journal, no step has given its position since); empty: none is.
+    std::vector<bool> unconfirmed ABSL_GUARDED_BY(step_mu);
   };
   struct Entry {
     std::shared_ptr<Slot> slot;
@@ -283,7 +316,7 @@ class SessionStore {
     int holders = 0;
     bool superseded = false;
   };
-  enum class GoneReason { kExpired, kEvicted, kDeleted, kSaved };
+  enum class GoneReason { kExpired, kEvicted, kDeleted, kSaved, kClosed };
 
   absl::StatusOr<Entry*> Lookup(absl::string_view id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -294,10 +327,48 @@ class SessionStore {
   absl::Status TakeIfSaved(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
   // Records session `id` as held here (the holder).
   void Hold(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Add under a given id (nullopt: a new one); ALREADY_EXISTS when open.
+  // Add under a given id (nullopt: a new one), its lengths `unconfirmed`
+  // or not; ALREADY_EXISTS when open.
   absl::StatusOr<std::string> AddAs(std::unique_ptr<DecodeSession> session,
-                                    std::optional<std::string> id)
+                                    std::optional<std::string> id,
+                                    bool unconfirmed = false)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // TakeIfSaved's parts: the session file of `id`, or, when no process
+  // holds it, its journal (`recovered` set).
+  absl::StatusOr<std::unique_ptr<DecodeSession>> TakeSaved(
+      absl::string_view id, SessionFileHeader& header, bool& recovered)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Journaling. Whether the store journals; queues `slot` for the journal
+  // thread; the journal thread's loop and its work on one slot (creating
+  // the journal, appending the blocks filled since, rewriting a journal
+  // grown past twice what it holds); appends a slot's blocks to `journal`;
+  // stops journaling a slot (its file removed, counted as a failure).
+  bool journaling() const {
+    return options_.journal && options_.directory != nullptr;
+  }
+  void QueueJournal(const std::shared_ptr<Slot>& slot)
+      ABSL_LOCKS_EXCLUDED(journal_mu_);
+  void JournalLoop() ABSL_LOCKS_EXCLUDED(journal_mu_);
+  void WriteJournal(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
+  absl::Status AppendBlocks(Slot& slot, SessionJournal& journal)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
+  absl::Status StartJournal(Slot& slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
+  void DropJournal(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
+  // After a successful step of `inputs` on `slot`: a rewind below blocks
+  // journaled is recorded before the step answers; blocks that filled are
+  // queued; a step that gave its position confirms its layer's length.
+  void AfterStep(const std::shared_ptr<Slot>& slot,
+                 const DecodeStepInputs& inputs)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot->step_mu);
+  // ABORTED when the step's layer is unconfirmed and it gives no position.
+  absl::Status VerifyConfirmed(const Slot& slot,
+                               const DecodeStepInputs& inputs) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
+  // Saves `slot` (its step lock held) as session `id`, ending its journal.
+  absl::Status SaveSlot(const std::string& id, Slot& slot)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
   absl::Status NotFound(absl::string_view id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // RESOURCE_EXHAUSTED when forks share max_sessions frozen caches: each is
@@ -388,6 +459,15 @@ class SessionStore {
   std::mt19937_64 id_bits_ ABSL_GUARDED_BY(mu_);
   std::string holder_ ABSL_GUARDED_BY(mu_);
   std::thread reaper_;
+  // The journal thread's queue (slots whose blocks filled), whether it is
+  // writing, and its stop.
+  Mutex journal_mu_;
+  CondVar journal_wake_;
+  CondVar journal_idle_;
+  std::deque<std::weak_ptr<Slot>> journal_queue_ ABSL_GUARDED_BY(journal_mu_);
+  bool journal_busy_ ABSL_GUARDED_BY(journal_mu_) = false;
+  bool journal_stopping_ ABSL_GUARDED_BY(journal_mu_) = false;
+  std::thread journaler_;
 };
 
 }  // namespace attnserve

@@ -1144,6 +1144,44 @@ void AddStepSequenceSeeds(Seeds* seeds, std::mt19937& rng) {
 
 // Session files of small sessions: every cache dtype, several layers, an
 // empty one.
+// A journal of two full blocks of a small session, a rewind record into
+// the second and the second again.
+std::string Journal(std::mt19937& rng) {
+  DecodeSessionConfig config;
+  config.num_heads = 1;
+  config.key_dim = 2;
+  config.max_length = 1100;
+  std::unique_ptr<DecodeSession> session =
+      Must("session", DecodeSession::Create(config));
+  const Tensor q = Values(DType::kFloat32, {1, 1030, 2}, rng);
+  DecodeStepInputs in;
+  in.query = q.view();
+  in.key = q.view();
+  in.value = q.view();
+  TensorResults results;
+  const absl::Status stepped = session->Step(in, {}, results);
+  if (!stepped.ok()) Die("session step", stepped);
+  std::string bytes =
+      Must("journal header",
+           SessionJournalHeader(*session, "0123456789abcdef0123456789abcdef"));
+  std::string rows;
+  for (int64_t block : {0, 1, -1, 1}) {
+    if (block < 0) {
+      bytes += SessionBlockFields(0, kCacheBlockKeys, 0, "");
+      continue;
+    }
+    const absl::Status read = session->ReadBlock(
+        0, block * kCacheBlockKeys, rows, [&](absl::string_view r) {
+          bytes += SessionBlockFields(0, block * kCacheBlockKeys,
+                                      kCacheBlockKeys, r);
+          bytes.append(r.data(), r.size());
+          return absl::OkStatus();
+        });
+    if (!read.ok()) Die("journal block", read);
+  }
+  return bytes;
+}
+
 void AddSessionFileSeeds(Seeds* seeds) {
   std::mt19937 rng(20261127);
   const auto file = [&](DType cache, int64_t layers,
@@ -1190,6 +1228,7 @@ void AddSessionFileSeeds(Seeds* seeds) {
       file(DType::kBFloat16, 2, {3, 1});
   (*seeds)["session_file/int8_three_layers"] = file(DType::kInt8, 3, {2, 0, 4});
   (*seeds)["session_file/empty"] = file(DType::kFloat32, 1, {0});
+  (*seeds)["session_file/journal"] = Journal(rng);
 }
 
 void AddCallSequenceSeeds(Seeds* seeds) {

@@ -1,7 +1,8 @@
-// Fuzz target: any bytes as a session file (LoadSessionFile), with a
-// session budget of 64 MiB. What loads must write back as a file that
-// loads again and writes the same bytes, holding the lengths its header
-// named.
+// Fuzz target: any bytes as a session file (LoadSessionFile) and as a
+// journal (LoadSessionJournal), with a session budget of 64 MiB. What loads
+// as a file must write back as a file that loads again and writes the same
+// bytes, holding the lengths its header named; what loads as a journal
+// holds whole blocks, the lengths it reports.
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -10,6 +11,7 @@
 #include <string>
 
 #include "absl/strings/string_view.h"
+#include "core/kv_cache.h"
 #include "core/session_file.h"
 #include "core/session_store.h"
 #include "fuzz/fuzz_support.h"
@@ -33,8 +35,9 @@ const SessionStore& Store() {
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> Load(absl::string_view bytes,
-                                                    SessionFileHeader* header) {
-  return LoadSessionFile(
+                                                    SessionFileHeader* header,
+                                                    bool journal = false) {
+  return (journal ? &LoadSessionJournal : &LoadSessionFile)(
       bytes, "input",
       {.layer_of = [](absl::string_view)
            -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
@@ -65,6 +68,19 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace attnserve;        // NOLINT: one function
   using namespace attnserve::fuzz;  // NOLINT
   const absl::string_view bytes(reinterpret_cast<const char*>(data), size);
+  SessionFileHeader journal_header;
+  absl::StatusOr<std::unique_ptr<DecodeSession>> journal =
+      Load(bytes, &journal_header, /*journal=*/true);
+  CheckStatus("LoadSessionJournal", journal.status());
+  if (journal.ok()) {
+    for (size_t layer = 0; layer < journal_header.lengths.size(); ++layer) {
+      const int64_t length = (*journal)->length(static_cast<int64_t>(layer));
+      if (length != journal_header.lengths[layer] ||
+          length % kCacheBlockKeys != 0) {
+        Fail("a journal's layer holds other than the whole blocks it reports");
+      }
+    }
+  }
   SessionFileHeader header;
   absl::StatusOr<std::unique_ptr<DecodeSession>> session = Load(bytes, &header);
   CheckStatus("LoadSessionFile", session.status());

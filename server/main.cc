@@ -99,6 +99,10 @@ ABSL_FLAG(int64_t, max_session_disk_mb,
           attnserve::ServerOptions().max_session_disk_mb,
           "Session files in --session_dir together, MiB; past it the least "
           "recently written are removed (0: no limit).");
+ABSL_FLAG(bool, journal_sessions, attnserve::ServerOptions().journal_sessions,
+          "With --session_dir: journal each session's full blocks of 512 "
+          "tokens as they fill, so that a server that dies leaves them "
+          "behind (its clients then resend only the tokens since).");
 ABSL_FLAG(std::string, advertise_address,
           attnserve::ServerOptions().advertise_address,
           "With --session_dir: host:port other replicas reach this one's gRPC "
@@ -144,6 +148,7 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.max_sessions = absl::GetFlag(FLAGS_max_sessions);
   options.session_dir = absl::GetFlag(FLAGS_session_dir);
   options.max_session_disk_mb = absl::GetFlag(FLAGS_max_session_disk_mb);
+  options.journal_sessions = absl::GetFlag(FLAGS_journal_sessions);
   options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   options.max_session_length = absl::GetFlag(FLAGS_max_session_length);
   options.max_steps_per_call = absl::GetFlag(FLAGS_max_steps_per_call);

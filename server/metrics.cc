@@ -110,14 +110,21 @@ void RenderSessionGauges(const SessionStore::Stats& sessions,
       "attnserve_sessions_created_total ",
       sessions.created,
       "\n# HELP attnserve_session_files_total Decode sessions saved to "
-      "--session_dir (evicted, or on a drain), taken up from it, and saves "
-      "that failed.\n"
+      "--session_dir (evicted, or on a drain), taken up from it, saves that "
+      "failed, sessions recovered from the journal a server that died left, "
+      "blocks journaled, and journals given up (a write failed).\n"
       "# TYPE attnserve_session_files_total counter\n"
       "attnserve_session_files_total{event=\"saved\"} ",
       sessions.saved, "\nattnserve_session_files_total{event=\"restored\"} ",
       sessions.restored,
       "\nattnserve_session_files_total{event=\"save_failed\"} ",
       sessions.save_failures,
+      "\nattnserve_session_files_total{event=\"recovered\"} ",
+      sessions.recovered,
+      "\nattnserve_session_files_total{event=\"journaled_block\"} ",
+      sessions.journaled_blocks,
+      "\nattnserve_session_files_total{event=\"journal_failed\"} ",
+      sessions.journal_failures,
       "\n# HELP attnserve_sessions_forked_total Decode sessions created by "
       "ForkSession or a sequence_fork (counted in "
       "attnserve_sessions_created_total too).\n"

@@ -61,6 +61,11 @@ struct ServerOptions {
   // The session files in session_dir together, MiB; past it the least
   // recently written are removed. 0: no limit.
   int64_t max_session_disk_mb = 16384;
+  // With session_dir: keep a journal of every open session there, each
+  // block of 512 tokens appended (off the step's path) once it fills, so
+  // that a server that dies (SIGKILL, out of memory, a lost node) leaves its
+  // sessions' full blocks behind for the next server asked for them.
+  bool journal_sessions = true;
   // With session_dir: the address ("host:port") other replicas reach this
   // one's gRPC port at, recorded beside each session it holds, so that a
   // replica asked for a session held here asks this one to hand it over.

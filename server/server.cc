@@ -257,6 +257,7 @@ absl::Status AttnServer::StartSessions(const ServerOptions& options) {
                .max_file_bytes =
                    (sessions.max_bytes + (size_t{1} << 20)) * 2}));
       sessions.directory = session_directory_.get();
+      sessions.journal = options.journal_sessions;
       ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> peers,
                             PeerCredentialsFor(options));
       std::string token;

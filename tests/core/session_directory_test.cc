@@ -56,12 +56,14 @@ struct StepInputs {
 };
 
 absl::StatusOr<Tensor> Step(SessionStore& store, const std::string& id,
-                            int64_t n, unsigned seed) {
+                            int64_t n, unsigned seed,
+                            std::optional<int64_t> position = std::nullopt) {
   const StepInputs data(n, seed);
   DecodeStepInputs in;
   in.query = data.q.view();
   in.key = data.k.view();
   in.value = data.v.view();
+  in.position = position;
   TensorResults results;
   int64_t length = 0;
   const absl::Status status = store.Step(id, in, {}, results, &length);
@@ -317,6 +319,95 @@ TEST_F(SessionDirectoryTest, TheDirectoryKeepsWithinItsLimitOldestFirst) {
   }
   EXPECT_EQ(smaller->stats().files, 1);
   EXPECT_TRUE(fs::exists(FileOf(ids[3])));
+}
+
+// A process that dies leaves its sessions' journals: another store takes
+// each one up holding its full blocks, refuses a step that does not give its
+// position with ABORTED naming the length it holds, and after the client
+// resends from there answers bit for bit as a session that never left.
+TEST_F(SessionDirectoryTest, AJournalOutlivesItsStoreAndTheClientResends) {
+  auto directory = OpenDirectory();
+  SessionStore reference_store(StoreOptions(nullptr));
+  const std::string reference = Reference(reference_store);
+  SessionStore::Options options = StoreOptions(directory.get());
+  options.journal = true;
+  std::string id;
+  {
+    SessionStore store(options);
+    id = *store.Add(NewSession());
+    // Three steps: 1100 tokens, two blocks of them full.
+    for (auto [n, seed] : {std::pair{1000, 1u}, {90, 2u}, {10, 3u}}) {
+      ASSERT_TRUE(Step(store, id, n, seed).ok());
+      ASSERT_TRUE(Step(reference_store, reference, n, seed).ok());
+    }
+    store.WaitForJournals();
+    EXPECT_EQ(store.stats().journaled_blocks, 2);
+    EXPECT_TRUE(fs::exists(path_ / (id + ".journal")));
+    // A store going away without saving (a crash) leaves the journal.
+  }
+  SessionStore next(options);
+  auto refused = Step(next, id, 1, 4);
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kAborted)
+      << refused.status();
+  EXPECT_THAT(std::string(refused.status().message()),
+              HasSubstr("layer 0 holds 1024; resend the tokens from there, "
+                        "giving position 1024"));
+  EXPECT_EQ((*next.Find(id))->length(), 1024);
+  EXPECT_EQ(next.stats().recovered, 1);
+  // The reference rewinds to 1024 as well; both resend 76 other tokens.
+  auto resent = Step(next, id, 76, 5, 1024);
+  auto want = Step(reference_store, reference, 76, 5, 1024);
+  ASSERT_TRUE(resent.ok()) << resent.status();
+  EXPECT_TRUE(SameBits(*resent, *want));
+  // Confirmed: steps without a position are taken again.
+  auto next_step = Step(next, id, 1, 6);
+  ASSERT_TRUE(next_step.ok()) << next_step.status();
+  EXPECT_TRUE(SameBits(*next_step, *Step(reference_store, reference, 1, 6)));
+}
+
+TEST_F(SessionDirectoryTest, ALiveHoldersJournalIsNotTaken) {
+  auto directory = OpenDirectory();
+  SessionStore::Options options = StoreOptions(directory.get());
+  options.journal = true;
+  SessionStore holder(options);
+  const std::string id = *holder.Add(NewSession());
+  ASSERT_TRUE(Step(holder, id, 600, 1).ok());
+  holder.WaitForJournals();
+  SessionStore other(options);
+  auto step = Step(other, id, 1, 2);
+  ASSERT_EQ(step.status().code(), absl::StatusCode::kUnavailable)
+      << step.status();
+  EXPECT_THAT(std::string(step.status().message()),
+              HasSubstr("is held by a running server"));
+  // Its holder still steps it; a delete there removes the journal.
+  ASSERT_TRUE(Step(holder, id, 1, 3).ok());
+  ASSERT_TRUE(holder.Delete(id).ok());
+  EXPECT_FALSE(fs::exists(path_ / (id + ".journal")));
+  EXPECT_EQ(Step(other, id, 1, 2).status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(SessionDirectoryTest, ARewindBelowJournaledBlocksIsRecordedAtOnce) {
+  auto directory = OpenDirectory();
+  SessionStore::Options options = StoreOptions(directory.get());
+  options.journal = true;
+  std::string id;
+  {
+    SessionStore store(options);
+    id = *store.Add(NewSession());
+    ASSERT_TRUE(Step(store, id, 1100, 1).ok());
+    store.WaitForJournals();
+    // Back to 300, then 100 more: block 0 no longer holds what was written.
+    ASSERT_TRUE(Step(store, id, 100, 2, 300).ok());
+  }
+  SessionStore next(options);
+  EXPECT_EQ((*next.Find(id))->length(), 0);
+  // A drained session leaves a file and no journal.
+  ASSERT_TRUE(Step(next, id, 600, 3, 0).ok());
+  next.WaitForJournals();
+  EXPECT_TRUE(fs::exists(path_ / (id + ".journal")));
+  EXPECT_EQ(next.SaveAll().sessions, 1);
+  EXPECT_FALSE(fs::exists(path_ / (id + ".journal")));
+  EXPECT_TRUE(fs::exists(FileOf(id)));
 }
 
 TEST_F(SessionDirectoryTest, AnUnusableDirectoryIsRefusedAtOpen) {

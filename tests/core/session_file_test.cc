@@ -304,9 +304,9 @@ TEST(SessionFileTest, AFlippedByteAnywhereIsDataLoss) {
 TEST(SessionFileTest, HostileHeadersAndRecordsAreRefusedWithWhatIsWrong) {
   const SampleFile sample = Sample();
   std::string version = sample.bytes;
-  Poke<uint32_t>(version, 8, 2);
+  Poke<uint32_t>(version, 8, 1);
   ExpectRefused(version, absl::StatusCode::kDataLoss,
-                "format version 2; this server reads version 1",
+                "format version 1; this server reads version 2",
                 "another version");
   ExpectRefused("not a session file at all", absl::StatusCode::kDataLoss,
                 "not a session file", "foreign bytes");
@@ -335,16 +335,21 @@ TEST(SessionFileTest, HostileHeadersAndRecordsAreRefusedWithWhatIsWrong) {
   ExpectRefused(WithHeader(sample,
                            [&](std::string& body) {
                              // The first layer's length, 600 -> 5000.
-                             Poke<int64_t>(body, body.size() - 16, 5000);
+                             Poke<int64_t>(body, body.size() - 20, 5000);
                            }),
                 absl::StatusCode::kDataLoss, "malformed header",
                 "a length past max_length");
   ExpectRefused(WithHeader(sample,
                            [&](std::string& body) {
-                             Poke<int64_t>(body, body.size() - 16, 700);
+                             Poke<int64_t>(body, body.size() - 20, 700);
                            }),
                 absl::StatusCode::kDataLoss, "its header describes",
                 "a length the blocks do not hold");
+  ExpectRefused(
+      WithHeader(
+          sample,
+          [&](std::string& body) { Poke<uint32_t>(body, body.size() - 4, 2); }),
+      absl::StatusCode::kDataLoss, "malformed header", "an unknown flag");
 }
 
 // Rewrites the block record at `start` (rows of `rows_bytes`) with `edit`
@@ -384,6 +389,188 @@ TEST(SessionFileTest, ResignedHostileBlocksAreRefused) {
                           [](std::string& r) { r.replace(0, 4, "XXXX"); }),
                 absl::StatusCode::kDataLoss, "not a block record",
                 "a foreign record");
+}
+
+// The journal of `session` as a server writes it: the header, then each
+// full block of every layer.
+std::string JournalOf(const DecodeSession& session, absl::string_view id) {
+  absl::StatusOr<std::string> out = SessionJournalHeader(session, id);
+  EXPECT_TRUE(out.ok()) << out.status();
+  std::string rows;
+  for (int64_t layer = 0; layer < session.num_layers(); ++layer) {
+    for (int64_t first = 0; first + kCacheBlockKeys <= session.length(layer);
+         first += kCacheBlockKeys) {
+      EXPECT_TRUE(session
+                      .ReadBlock(layer, first, rows,
+                                 [&](absl::string_view block) {
+                                   *out += SessionBlockFields(
+                                       layer, first, kCacheBlockKeys, block);
+                                   out->append(block.data(), block.size());
+                                   return absl::OkStatus();
+                                 })
+                      .ok());
+    }
+  }
+  return *out;
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadJournal(
+    absl::string_view bytes, SessionFileHeader* header = nullptr) {
+  SessionStore store(SessionStore::Options{});
+  return LoadSessionJournal(
+      bytes, "s.journal",
+      {.layer_of = [](absl::string_view model)
+           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+         return absl::NotFoundError(absl::StrCat("no model ", model));
+       },
+       .verify =
+           [&](const DecodeSessionConfig& config) {
+             return store.VerifyConfig(config);
+           }},
+      header);
+}
+
+// A session holding the full blocks of `session` (its first `lengths`
+// tokens per layer), built by appending them.
+std::unique_ptr<DecodeSession> PrefixOf(const DecodeSession& session,
+                                        const std::vector<int64_t>& lengths) {
+  auto prefix = *DecodeSession::Create(session.config());
+  std::string rows;
+  for (int64_t layer = 0; layer < session.num_layers(); ++layer) {
+    for (int64_t first = 0; first < lengths[layer]; first += kCacheBlockKeys) {
+      EXPECT_TRUE(session
+                      .ReadBlock(layer, first, rows,
+                                 [&](absl::string_view block) {
+                                   return prefix->AppendRows(
+                                       layer, first, kCacheBlockKeys, block);
+                                 })
+                      .ok());
+    }
+  }
+  return prefix;
+}
+
+TEST(SessionJournalTest, AJournalReplaysToTheFullBlocksUnconfirmed) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16, DType::kInt8}) {
+    SCOPED_TRACE(DTypeName(dtype));
+    std::mt19937 rng(21);
+    auto session = *DecodeSession::Create(Config(dtype, 2));
+    ASSERT_TRUE(RunStep(*session, RandomStep(dtype, 1100, rng)).ok());
+    ASSERT_TRUE(RunStep(*session, RandomStep(dtype, 300, rng), 1).ok());
+    SessionFileHeader header;
+    auto loaded = LoadJournal(JournalOf(*session, "j"), &header);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    // The unfilled blocks are lost: 1024 and 0 tokens.
+    EXPECT_EQ(header.lengths, (std::vector<int64_t>{1024, 0}));
+    EXPECT_TRUE(header.unconfirmed);
+    EXPECT_EQ(header.id, "j");
+    auto reference = PrefixOf(*session, {1024, 0});
+    ExpectSameNextSteps(*reference, **loaded, dtype, rng);
+  }
+}
+
+TEST(SessionJournalTest, ARewindRecordDropsTheBlocksItReplaced) {
+  std::mt19937 rng(22);
+  auto session = *DecodeSession::Create(Config(DType::kFloat32, 1));
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kFloat32, 1536, rng)).ok());
+  std::string journal = JournalOf(*session, "j");
+  // The client rewinds to 700 and refills block 1 with other tokens.
+  journal += SessionBlockFields(0, 512, 0, "");
+  DecodeStepInputs in;
+  const StepData refill = RandomStep(DType::kFloat32, 400, rng);
+  in.query = refill.q.view();
+  in.key = refill.k.view();
+  in.value = refill.v.view();
+  in.position = 700;
+  TensorResults results;
+  ASSERT_TRUE(session->Step(in, DecodeStepOptions{}, results).ok());
+  std::string rows;
+  ASSERT_TRUE(session
+                  ->ReadBlock(0, 512, rows,
+                              [&](absl::string_view block) {
+                                journal += SessionBlockFields(
+                                    0, 512, kCacheBlockKeys, block);
+                                journal.append(block.data(), block.size());
+                                return absl::OkStatus();
+                              })
+                  .ok());
+  SessionFileHeader header;
+  auto loaded = LoadJournal(journal, &header);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(header.lengths, (std::vector<int64_t>{1024}));
+  auto reference = PrefixOf(*session, {1024});
+  ExpectSameNextSteps(*reference, **loaded, DType::kFloat32, rng);
+  // Cut right after the rewind record: block 0 only.
+  const size_t cut = journal.size() - 28 - session->RowBytes(kCacheBlockKeys);
+  loaded = LoadJournal(journal.substr(0, cut), &header);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(header.lengths, (std::vector<int64_t>{512}));
+}
+
+TEST(SessionJournalTest, ACutAnywhereLeavesTheRecordsBeforeIt) {
+  std::mt19937 rng(23);
+  auto session = *DecodeSession::Create(Config(DType::kFloat32, 1));
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kFloat32, 1600, rng)).ok());
+  const std::string journal = JournalOf(*session, "j");
+  const size_t record = 28 + session->RowBytes(kCacheBlockKeys);
+  const size_t header_bytes = journal.size() - 3 * record;
+  for (size_t cut = header_bytes; cut <= journal.size(); cut += 997) {
+    SCOPED_TRACE(absl::StrCat("cut at ", cut));
+    SessionFileHeader header;
+    auto loaded = LoadJournal(journal.substr(0, cut), &header);
+    ASSERT_TRUE(loaded.ok()) << loaded.status();
+    const int64_t whole = static_cast<int64_t>((cut - header_bytes) / record);
+    EXPECT_EQ(header.lengths[0], whole * kCacheBlockKeys);
+  }
+  // A header cut short is no journal.
+  auto loaded = LoadJournal(journal.substr(0, header_bytes - 1));
+  EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss);
+}
+
+TEST(SessionJournalTest, CorruptionBeforeTheLastRecordIsDataLoss) {
+  std::mt19937 rng(24);
+  auto session = *DecodeSession::Create(Config(DType::kFloat32, 1));
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kFloat32, 1536, rng)).ok());
+  const std::string journal = JournalOf(*session, "j");
+  const size_t record = 28 + session->RowBytes(kCacheBlockKeys);
+  const size_t first = journal.size() - 3 * record;
+  // A flipped byte in the last record: it was being written; two blocks.
+  std::string torn = journal;
+  torn[journal.size() - 5] ^= 0x10;
+  SessionFileHeader header;
+  ASSERT_TRUE(LoadJournal(torn, &header).ok());
+  EXPECT_EQ(header.lengths[0], 1024);
+  // In an earlier one: corruption.
+  for (size_t at : {first + 3, first + 30, first + record + 100}) {
+    std::string bytes = journal;
+    bytes[at] ^= 0x10;
+    auto loaded = LoadJournal(bytes);
+    ASSERT_FALSE(loaded.ok()) << at;
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(loaded.status().message()),
+                HasSubstr("session file 's.journal': journal record"));
+  }
+  // Re-signed hostile records: past the layer's blocks, a partial block,
+  // another layer, a foreign tag.
+  const std::string header_part = journal.substr(0, first);
+  const std::string rows = journal.substr(first + 28, record - 28);
+  const auto expect = [&](const std::string& bytes, const std::string& what) {
+    auto loaded = LoadJournal(bytes);
+    ASSERT_FALSE(loaded.ok()) << what;
+    EXPECT_EQ(loaded.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(loaded.status().message()), HasSubstr(what));
+  };
+  expect(header_part + SessionBlockFields(0, 1024, 512, rows) + rows,
+         "journal record 0: starts at token 1024; layer 0 holds 0");
+  expect(header_part + SessionBlockFields(0, 0, 100, "") + rows,
+         "journal record 0: layer 0, tokens 0 + 100 is no block");
+  expect(header_part + SessionBlockFields(3, 0, 512, rows) + rows,
+         "journal record 0: layer 3, tokens 0 + 512 is no block");
+  std::string foreign = SessionBlockFields(0, 0, 512, rows);
+  foreign.replace(0, 4, "XXXX");
+  expect(header_part + foreign + rows, "journal record 0: not a block record");
+  // A session file is not a journal.
+  expect(Write(*session, "j"), "not a journal");
 }
 
 }  // namespace

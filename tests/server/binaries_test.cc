@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -743,6 +744,88 @@ TEST(BinariesTest, SigtermDrainAnswersEveryCallOkOrRetryable) {
       << "calls were refused before health said NOT_SERVING";
   EXPECT_GT(ok_after_not_serving, 0)
       << "no call was served in the lame-duck period";
+}
+
+// A session step of `n` tokens (2 heads of dim 16) drawn from `seed`.
+v1::SessionStepRequest JournalStep(const std::string& id, int64_t n,
+                                   unsigned seed,
+                                   std::optional<int64_t> position) {
+  std::mt19937 rng(seed);
+  v1::SessionStepRequest request;
+  request.set_session_id(id);
+  *request.mutable_query() =
+      ToWire(RandomTensor(DType::kFloat32, {2, n, 16}, rng).view());
+  *request.mutable_key() =
+      ToWire(RandomTensor(DType::kFloat32, {2, n, 16}, rng).view());
+  *request.mutable_value() =
+      ToWire(RandomTensor(DType::kFloat32, {2, n, 16}, rng).view());
+  if (position.has_value()) request.set_position(*position);
+  return request;
+}
+
+// A server killed with SIGKILL leaves each session's full blocks in its
+// journal: a server started on the same --session_dir takes the session up,
+// answers a step without a position ABORTED naming the length it holds, and
+// once the client resends from there answers as a session that never died.
+TEST(BinariesTest, ASessionOutlivesSigkillThroughItsJournal) {
+  const std::string dir = TempPath("journal_dir");
+  std::filesystem::remove_all(dir);
+  ServerProcess reference;
+  ClientOptions options;
+  options.target = reference.target();
+  AttnClient reference_client(options);
+  v1::CreateSessionRequest create;
+  create.set_num_heads(2);
+  create.set_head_dim(16);
+  create.set_max_length(2048);
+  create.set_rotary_dims(8);
+  const std::string reference_id =
+      reference_client.CreateSession(create)->session_id();
+  ASSERT_TRUE(
+      reference_client.SessionStep(JournalStep(reference_id, 1100, 1, {}))
+          .ok());
+  std::string id;
+  {
+    ServerProcess first({"--session_dir=" + dir});
+    options.target = first.target();
+    AttnClient client(options);
+    auto created = client.CreateSession(create);
+    ASSERT_TRUE(created.ok()) << created.status();
+    id = created->session_id();
+    ASSERT_TRUE(client.SessionStep(JournalStep(id, 1100, 1, {})).ok());
+    // Two full blocks of 512 tokens x 2 heads x (16 + 16) floats, and
+    // their records, once the journal thread has written them.
+    const std::string journal = absl::StrCat(dir, "/", id, ".journal");
+    const uintmax_t two_blocks = 2 * (28 + 512 * 2 * 32 * 4);
+    for (int i = 0; i < 500; ++i) {
+      std::error_code error;
+      if (std::filesystem::file_size(journal, error) >= two_blocks) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    ASSERT_GE(std::filesystem::file_size(journal), two_blocks);
+    first.StopWith(SIGKILL, std::chrono::seconds(10));
+  }
+  ServerProcess second({"--session_dir=" + dir});
+  options.target = second.target();
+  AttnClient client(options);
+  auto refused = client.SessionStep(JournalStep(id, 1, 2, {}));
+  ASSERT_EQ(refused.status().code(), absl::StatusCode::kAborted)
+      << refused.status();
+  EXPECT_NE(refused.status().message().find(
+                "layer 0 holds 1024; resend the tokens from there, giving "
+                "position 1024"),
+            absl::string_view::npos)
+      << refused.status();
+  // Both resend the last 76 tokens (other ones) from 1024.
+  auto resent = client.SessionStep(JournalStep(id, 76, 3, 1024));
+  auto want =
+      reference_client.SessionStep(JournalStep(reference_id, 76, 3, 1024));
+  ASSERT_TRUE(resent.ok()) << resent.status();
+  ASSERT_TRUE(want.ok()) << want.status();
+  EXPECT_EQ(resent->output().raw_data(), want->output().raw_data());
+  EXPECT_FALSE(resent->output().raw_data().empty());
+  EXPECT_EQ(resent->length(), 1100);
+  std::filesystem::remove_all(dir);
 }
 
 TEST(BinariesTest, BrokenModelStopsStartUp) {
