@@ -23,10 +23,12 @@ if [[ ${#targets[@]} -eq 0 ]]; then targets=("${all_targets[@]}"); fi
 build=${ATTNSERVE_FUZZ_BUILD:-$root/build-fuzz}
 
 # Inputs larger than a few KiB only slow the fuzzers down: the seeds are
-# below 2 KiB and every path is reachable with small tensors.
+# below 2 KiB and every path is reachable with small tensors, but for a
+# journal's, whose records hold whole blocks of 512 tokens (24 KiB).
 max_len() {
   case $1 in
     layer_norm | metadata_rpcs | shared_memory_compute) echo 1024 ;;
+    session_file) echo 32768 ;;
     *) echo 4096 ;;
   esac
 }
