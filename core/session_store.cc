@@ -709,6 +709,11 @@ std::vector<absl::Status> SessionStore::StepMany(
   }
   freed.clear();  // evicted sessions' memory goes back before computing
   RunAndSettle(steps, slots, statuses);
+  for (size_t i = 0; i < count; ++i) {
+    if (slots[i] != nullptr && statuses[i].ok()) {
+      AfterStep(slots[i], steps[i].inputs);
+    }
+  }
   for (Slot* slot : locked) slot->step_mu.Unlock();
   return statuses;
 }
@@ -765,7 +770,6 @@ void SessionStore::RunAndSettle(absl::Span<const StepInput> steps,
     }
   }
   for (size_t i : index) {
-    if (statuses[i].ok()) AfterStep(slots[i], steps[i].inputs);
     if (steps[i].length != nullptr) {
       *steps[i].length = slots[i]->session->length(steps[i].inputs.layer);
     }
@@ -785,9 +789,11 @@ absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
 absl::Status SessionStore::Delete(absl::string_view id) {
   // A journal left by a process that died goes too (a held session's
   // journal goes with its slot).
-  const bool removed_file =
-      options_.directory != nullptr &&
-      (options_.directory->Remove(id) | options_.directory->RemoveJournal(id));
+  bool removed_file = false;
+  if (options_.directory != nullptr) {
+    removed_file = options_.directory->Remove(id);
+    if (options_.directory->RemoveJournal(id)) removed_file = true;
+  }
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
   ATTN_RETURN_IF_ERROR(VerifySessionId(id));
@@ -995,12 +1001,14 @@ SessionStore::SaveReport SessionStore::SaveAll(absl::Time deadline) {
 absl::Status SessionStore::VerifyConfirmed(
     const Slot& slot, const DecodeStepInputs& inputs) const {
   const int64_t layer = inputs.layer;
-  if (inputs.position.has_value() || layer < 0 ||
-      layer >= static_cast<int64_t>(slot.unconfirmed.size()) ||
+  if (layer < 0 || layer >= static_cast<int64_t>(slot.unconfirmed.size()) ||
       !slot.unconfirmed[static_cast<size_t>(layer)]) {
     return absl::OkStatus();
   }
   const int64_t held = slot.session->length(layer);
+  if (inputs.position.has_value() && *inputs.position <= held) {
+    return absl::OkStatus();
+  }
   return absl::AbortedError(absl::StrCat(
       "session_id: session ", EchoString(slot.id, '"'),
       " was recovered from its journal after the server holding it stopped "

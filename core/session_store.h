@@ -362,7 +362,8 @@ class SessionStore {
   void AfterStep(const std::shared_ptr<Slot>& slot,
                  const DecodeStepInputs& inputs)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot->step_mu);
-  // ABORTED when the step's layer is unconfirmed and it gives no position.
+  // ABORTED when the step's layer is unconfirmed and it gives no position,
+  // or one past the tokens the layer holds.
   absl::Status VerifyConfirmed(const Slot& slot,
                                const DecodeStepInputs& inputs) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);

@@ -352,6 +352,9 @@ TEST_F(SessionDirectoryTest, AJournalOutlivesItsStoreAndTheClientResends) {
   EXPECT_THAT(std::string(refused.status().message()),
               HasSubstr("layer 0 holds 1024; resend the tokens from there, "
                         "giving position 1024"));
+  // A position past what it holds is refused alike.
+  EXPECT_EQ(Step(next, id, 1, 4, 1100).status().code(),
+            absl::StatusCode::kAborted);
   EXPECT_EQ((*next.Find(id))->length(), 1024);
   EXPECT_EQ(next.stats().recovered, 1);
   // The reference rewinds to 1024 as well; both resend 76 other tokens.
