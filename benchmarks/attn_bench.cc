@@ -16,7 +16,9 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -37,6 +39,7 @@
 #include "core/row_ops.h"
 #include "core/session_directory.h"
 #include "core/session_file.h"
+#include "core/session_store.h"
 #include "core/tensor.h"
 #include "core/thread_budget.h"
 
@@ -350,6 +353,69 @@ void BM_SessionTake(benchmark::State& state) {
   state.SetBytesProcessed(
       static_cast<int64_t>(KvBytes(lk, 8, 64, DType::kFloat32) *
                            static_cast<double>(state.iterations())));
+}
+
+// A lone session's one-token steps through a SessionStore with a session
+// directory, its journal off (0) or on (1): 8 heads x 64, float32, from
+// 4096 cached tokens one token a step, back to 4096 (a rewind) at 8191;
+// 4096 steps, so that the journal writes 7 blocks of 512 tokens (2 MB
+// each) while they run. What journaling costs a step, in one run: the
+// steps' p50, p99 and slowest (counters), off and on three times each.
+void BM_JournaledStep(benchmark::State& state) {
+  ScratchSessionDirectory directory;
+  SessionStore::Options options;
+  options.idle_timeout = absl::InfiniteDuration();
+  options.directory = directory.get();
+  options.journal = state.range(0) != 0;
+  SessionStore store(options);
+  DecodeSessionConfig config;
+  config.num_heads = 8;
+  config.key_dim = 64;
+  config.max_length = 8192;
+  auto session = DecodeSession::Create(config);
+  absl::StatusOr<std::string> id =
+      session.ok() ? store.Add(*std::move(session)) : session.status();
+  for (int64_t first = 0; id.ok() && first < 4096; first += 512) {
+    const Tensor q = Random(DType::kFloat32, {8, 512, 64}, 3 * first);
+    const Tensor k = Random(DType::kFloat32, {8, 512, 64}, 3 * first + 1);
+    const Tensor v = Random(DType::kFloat32, {8, 512, 64}, 3 * first + 2);
+    TensorResults results;
+    const absl::Status stepped = store.Step(
+        *id, {std::nullopt, q.view(), k.view(), v.view(), std::nullopt}, {},
+        results, nullptr);
+    if (!stepped.ok()) id = stepped;
+  }
+  if (!id.ok() || directory.get() == nullptr) {
+    state.SkipWithError("no session or directory");
+    return;
+  }
+  store.WaitForJournals();
+  const auto token = TokenOperands(8, 8, 64, 4);
+  int64_t length = 4096;
+  std::vector<double> step_us;
+  for (auto _ : state) {
+    DecodeStepInputs in{std::nullopt, token[0].view(), token[1].view(),
+                        token[2].view(), std::nullopt};
+    if (length == 8191) {
+      in.position = 4096;
+      length = 4096;
+    }
+    TensorResults results;
+    const auto start = std::chrono::steady_clock::now();
+    const absl::Status stepped = store.Step(*id, in, {}, results, nullptr);
+    step_us.push_back(std::chrono::duration<double, std::micro>(
+                          std::chrono::steady_clock::now() - start)
+                          .count());
+    if (!stepped.ok()) state.SkipWithError(stepped.ToString().c_str());
+    ++length;
+  }
+  store.WaitForJournals();
+  std::sort(step_us.begin(), step_us.end());
+  state.counters["p50_us"] = step_us[step_us.size() / 2];
+  state.counters["p99_us"] = step_us[step_us.size() * 99 / 100];
+  state.counters["max_us"] = step_us.back();
+  state.counters["journaled_blocks"] =
+      static_cast<double>(store.stats().journaled_blocks);
 }
 
 // ForkSession's core: a fork of an attention session of 8 heads x 64
@@ -755,6 +821,9 @@ BENCHMARK(BM_SessionSave)->ArgNames({"N", "Lk"})
 BENCHMARK(BM_SessionTake)->ArgNames({"Lk"})
     ->Arg(4096)
     ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_JournaledStep)->ArgNames({"journal"})
+    ->Arg(0)->Arg(1)->Arg(0)->Arg(1)->Arg(0)->Arg(1)->Iterations(4096)
+    ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_DecodeBatch)
     ->ArgNames({"N", "H", "Hkv", "d", "Lk", "cache", "ops"})
     ->Apply([](auto* b) {
