@@ -1015,7 +1015,7 @@ absl::Status SessionStore::VerifyConfirmed(
       "without saving it, and may hold fewer tokens than were sent: layer ",
       layer, " holds ", held,
       "; resend the tokens from there, giving position ", held,
-      " (a step that gives its position is taken)"));
+      " (a step that gives a position up to it is taken)"));
 }
 
 void SessionStore::AfterStep(const std::shared_ptr<Slot>& slot,
