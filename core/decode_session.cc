@@ -984,27 +984,58 @@ std::array<size_t, 4> RegionRowBytes(const KvCache::Dims& dims) {
 
 // OK if every element of `rows` (of cache dtype `dtype`, or float32 scales
 // when `scales`) is finite, and scales are >= 0.
+// Whether any of `n` float32 or bfloat16 elements (as their bits) at `p`
+// has its exponent all ones (Inf or NaN); without an early exit, so
+// that it vectorizes.
+template <typename Bits>
+bool AnyNonFinite(const char* p, size_t n, Bits exponent) {
+  Bits any = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Bits bits;
+    std::memcpy(&bits, p + i * sizeof(Bits), sizeof(Bits));
+    any |= static_cast<Bits>((bits & exponent) == exponent);
+  }
+  return any != 0;
+}
+
+// The first non-finite element of `n` at `p`, or `n`.
+template <typename Bits>
+size_t FirstNonFinite(const char* p, size_t n, Bits exponent) {
+  constexpr size_t kChunk = 4096;
+  for (size_t start = 0; start < n; start += kChunk) {
+    const size_t count = std::min(kChunk, n - start);
+    if (!AnyNonFinite<Bits>(p + start * sizeof(Bits), count, exponent)) {
+      continue;
+    }
+    for (size_t i = start; i < start + count; ++i) {
+      Bits bits;
+      std::memcpy(&bits, p + i * sizeof(Bits), sizeof(Bits));
+      if ((bits & exponent) == exponent) return i;
+    }
+  }
+  return n;
+}
+
 absl::Status VerifyRows(const char* rows, size_t bytes, DType dtype,
                         bool scales, absl::string_view what) {
   size_t bad = bytes;
-  if (scales || dtype == DType::kFloat32) {
+  if (scales) {
     for (size_t i = 0; i < bytes / sizeof(float); ++i) {
       float v;
       std::memcpy(&v, rows + i * sizeof(float), sizeof(float));
-      if (!std::isfinite(v) || (scales && v < 0)) {
+      if (!std::isfinite(v) || v < 0) {
         bad = i;
         break;
       }
     }
+  } else if (dtype == DType::kFloat32) {
+    const size_t n = bytes / sizeof(float);
+    const size_t first = FirstNonFinite<uint32_t>(rows, n, 0x7f800000u);
+    if (first < n) bad = first;
   } else if (dtype == DType::kBFloat16) {
-    for (size_t i = 0; i < bytes / sizeof(uint16_t); ++i) {
-      uint16_t v;
-      std::memcpy(&v, rows + i * sizeof(uint16_t), sizeof(uint16_t));
-      if ((v & 0x7f80) == 0x7f80) {  // exponent all ones: Inf or NaN
-        bad = i;
-        break;
-      }
-    }
+    const size_t n = bytes / sizeof(uint16_t);
+    const size_t first = FirstNonFinite<uint16_t>(rows, n, 0x7f80);
+    if (first < n) bad = first;
   }
   if (bad == bytes) return absl::OkStatus();
   return absl::InvalidArgumentError(

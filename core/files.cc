@@ -12,6 +12,7 @@
 #include <ios>
 #include <iterator>
 #include <new>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/strings/match.h"
@@ -32,6 +33,7 @@ class Descriptor {
   Descriptor(const Descriptor&) = delete;
   Descriptor& operator=(const Descriptor&) = delete;
   int get() const { return fd_; }
+  int release() { return std::exchange(fd_, -1); }
 
  private:
   int fd_;
@@ -103,35 +105,6 @@ absl::Status VerifyOpenedWithin(const std::string& path, int fd,
   return VerifyResolvesWithin(path, std::string(opened, length), limits.within);
 }
 
-// Exactly `size` bytes from `fd`: a file that grows meanwhile is cut at the
-// size it had when checked, one that shrinks is an error.
-absl::StatusOr<std::string> ReadExactly(const std::string& path, int fd,
-                                        size_t size) {
-  std::string bytes;
-  try {
-    bytes.resize(size);
-  } catch (const std::bad_alloc&) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat(path, ": ", size, " bytes do not fit in memory"));
-  }
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::read(fd, bytes.data() + done, size - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      return absl::DataLossError(
-          absl::StrCat(path, ": reading failed: ", std::strerror(errno)));
-    }
-    if (n == 0) {
-      return absl::DataLossError(absl::StrCat(path, ": shrank to ", done,
-                                              " bytes while being read (", size,
-                                              " expected)"));
-    }
-    done += static_cast<size_t>(n);
-  }
-  return bytes;
-}
-
 }  // namespace
 
 absl::StatusOr<std::string> ReadFileToString(const std::string& path,
@@ -156,8 +129,32 @@ absl::StatusOr<std::string> ReadFileToString(const std::string& path,
       absl::StrCat(what, ": reading '", path, "' failed"));
 }
 
-absl::StatusOr<std::string> ReadRegularFile(const std::string& path,
-                                            const RegularFileLimits& limits) {
+OpenedFile::~OpenedFile() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+absl::Status OpenedFile::ReadAt(uint64_t offset, size_t n, char* out) const {
+  size_t done = 0;
+  while (done < n) {
+    const ssize_t got =
+        ::pread(fd_, out + done, n - done, static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) {
+      return absl::DataLossError(
+          absl::StrCat(path_, ": reading failed: ", std::strerror(errno)));
+    }
+    if (got == 0) {
+      return absl::DataLossError(
+          absl::StrCat(path_, ": shrank while being read (", offset + done,
+                       " bytes read of ", size_, ")"));
+    }
+    done += static_cast<size_t>(got);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<OpenedFile> OpenRegularFile(const std::string& path,
+                                           const RegularFileLimits& limits) {
   ATTN_ASSIGN_OR_RETURN(const std::string target, Target(path, limits));
   // Checked before the open, so that no FIFO or device is even opened
   // (opening some devices acts on them).
@@ -170,14 +167,30 @@ absl::StatusOr<std::string> ReadRegularFile(const std::string& path,
   // now is a swap.
   int flags = O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY;
   if (!limits.within.empty()) flags |= O_NOFOLLOW;
-  const Descriptor fd(::open(target.c_str(), flags));
+  Descriptor fd(::open(target.c_str(), flags));
   if (fd.get() < 0) return CannotOpen(path, errno);
   // The descriptor's file is what is read: checked again, on it.
   if (::fstat(fd.get(), &st) != 0) return CannotOpen(path, errno);
   ATTN_RETURN_IF_ERROR(VerifyRegular(path, st));
   ATTN_RETURN_IF_ERROR(VerifyOpenedWithin(path, fd.get(), limits));
   ATTN_RETURN_IF_ERROR(VerifySize(path, st, limits));
-  return ReadExactly(path, fd.get(), static_cast<size_t>(st.st_size));
+  return OpenedFile(fd.release(), static_cast<uint64_t>(st.st_size), path);
+}
+
+absl::StatusOr<std::string> ReadRegularFile(const std::string& path,
+                                            const RegularFileLimits& limits) {
+  ATTN_ASSIGN_OR_RETURN(const OpenedFile file, OpenRegularFile(path, limits));
+  // Exactly the size checked: a file that grows meanwhile is cut there, one
+  // that shrinks is an error.
+  std::string bytes;
+  try {
+    bytes.resize(file.size());
+  } catch (const std::bad_alloc&) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat(path, ": ", file.size(), " bytes do not fit in memory"));
+  }
+  ATTN_RETURN_IF_ERROR(file.ReadAt(0, bytes.size(), bytes.data()));
+  return bytes;
 }
 
 absl::StatusOr<std::string> CanonicalPath(const std::string& path) {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -49,6 +50,34 @@ struct RegularFileLimits {
 //   RESOURCE_EXHAUSTED   its size cannot be allocated
 absl::StatusOr<std::string> ReadRegularFile(const std::string& path,
                                             const RegularFileLimits& limits);
+
+// A regular file opened and checked as ReadRegularFile checks it, to be
+// read piece by piece (a large file without a buffer of its size).
+// Ownership: owns its descriptor. Thread-safety: ReadAt may be called from
+// any thread.
+class OpenedFile {
+ public:
+  OpenedFile(int fd, uint64_t size, std::string path)
+      : fd_(fd), size_(size), path_(std::move(path)) {}
+  OpenedFile(OpenedFile&& other) noexcept
+      : fd_(std::exchange(other.fd_, -1)),
+        size_(other.size_),
+        path_(std::move(other.path_)) {}
+  OpenedFile& operator=(OpenedFile&&) = delete;
+  ~OpenedFile();
+  // Its size when it was checked.
+  uint64_t size() const { return size_; }
+  // Reads `n` bytes at `offset` into `out`: DATA_LOSS naming the path when
+  // reading fails or the file ends before them (it shrank).
+  absl::Status ReadAt(uint64_t offset, size_t n, char* out) const;
+
+ private:
+  int fd_;
+  uint64_t size_;
+  std::string path_;
+};
+absl::StatusOr<OpenedFile> OpenRegularFile(const std::string& path,
+                                           const RegularFileLimits& limits);
 
 // The canonical path of `path` (realpath: absolute, no symlinks, no "."
 // or ".."), or an error naming `path` as ReadRegularFile's.

@@ -159,7 +159,8 @@ absl::Status SessionDirectory::Save(absl::string_view id,
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::Take(
     absl::string_view id, const SessionFileLoader& loader,
     SessionFileHeader* header) {
-  return TakeFile(id, kSessionSuffix, &LoadSessionFile, loader, header);
+  return TakeFile(id, kSessionSuffix,
+                  static_cast<LoadFunction>(&LoadSessionFile), loader, header);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeJournal(
@@ -187,7 +188,9 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeJournal(
         absl::StrCat("session_id: session ", EchoString(id, '"'),
                      " is being taken up by another server; retry"));
   }
-  return TakeFile(id, kJournalSuffix, &LoadSessionJournal, loader, header);
+  return TakeFile(id, kJournalSuffix,
+                  static_cast<LoadFunction>(&LoadSessionJournal), loader,
+                  header);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
@@ -204,19 +207,30 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
   const std::string file = TemporaryName(path_, id, ".taking");
   const std::string name = FileOf(id, suffix);
   if (::rename(name.c_str(), file.c_str()) != 0) return not_found();
-  absl::StatusOr<std::string> bytes =
-      ReadRegularFile(file, {.max_bytes = options_.max_file_bytes,
+  absl::StatusOr<OpenedFile> opened =
+      OpenRegularFile(file, {.max_bytes = options_.max_file_bytes,
                              .limit_name = "the largest session",
                              .within = path_});
-  if (!bytes.ok()) {
+  if (!opened.ok()) {
     ::rename(file.c_str(), name.c_str());
     Quarantine(id, suffix);
-    return bytes.status();
+    return opened.status();
   }
+  // Read a record at a time into one buffer: no buffer of the file's size.
+  std::string buffer;
+  const auto read = [&](uint64_t offset,
+                        size_t n) -> absl::StatusOr<absl::string_view> {
+    if (offset > opened->size() || n > opened->size() - offset) {
+      return absl::DataLossError(absl::StrCat(file, ": truncated"));
+    }
+    if (buffer.size() < n) buffer.resize(n);
+    ATTN_RETURN_IF_ERROR(opened->ReadAt(offset, n, buffer.data()));
+    return absl::string_view(buffer.data(), n);
+  };
   SessionFileHeader header;
   const std::string shown = absl::StrCat(id, suffix);
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
-      load(*bytes, shown, loader, &header);
+      load(SessionFileSource{opened->size(), read}, shown, loader, &header);
   if (session.ok() && header.id != id) {
     session = absl::DataLossError(
         absl::StrCat("session file ", EchoString(shown), " holds session ",

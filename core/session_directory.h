@@ -167,7 +167,7 @@ class SessionDirectory {
   // Take and TakeJournal: claims the file of `id` with `suffix` by renaming
   // it, loads it with `load`, and removes it; a bad one is quarantined.
   using LoadFunction = absl::StatusOr<std::unique_ptr<DecodeSession>> (*)(
-      absl::string_view bytes, absl::string_view name,
+      const SessionFileSource& source, absl::string_view name,
       const SessionFileLoader& loader, SessionFileHeader* header);
   absl::StatusOr<std::unique_ptr<DecodeSession>> TakeFile(
       absl::string_view id, absl::string_view suffix, LoadFunction load,

@@ -21,6 +21,9 @@ constexpr size_t kEndBytes = 4 + 8 + 4;
 // Ids and model names longer than these are not ours.
 constexpr size_t kMaxIdBytes = 256;
 constexpr size_t kMaxModelBytes = 1024;
+// A header body: its fixed fields, an id, a model name and
+// kMaxSessionLayers lengths take less.
+constexpr uint32_t kMaxHeaderBodyBytes = 64 << 10;
 
 uint32_t Crc(absl::string_view bytes, uint32_t crc = 0) {
   return Crc32c(bytes, crc);
@@ -213,9 +216,11 @@ absl::Status VerifySameDims(const KvCache::Dims& dims,
       " now has ", now, "; the session was saved with ", saved));
 }
 
-// Reads the block records of `session` from `in` and appends their rows.
-absl::Status LoadBlocks(Decoder& in, const SessionFileHeader& header,
-                        absl::string_view name, DecodeSession& session) {
+// Reads the block records of `session` from `read`, from byte `at` on, and
+// appends their rows. A piece `read` gives is valid until its next call.
+absl::Status LoadBlocks(const SessionFileSource& source, uint64_t at,
+                        const SessionFileHeader& header, absl::string_view name,
+                        DecodeSession& session) {
   int64_t count = 0;
   for (size_t layer = 0; layer < header.lengths.size(); ++layer) {
     for (int64_t first = 0; first < header.lengths[layer];
@@ -225,16 +230,20 @@ absl::Status LoadBlocks(Decoder& in, const SessionFileHeader& header,
       const std::string block =
           absl::StrCat("block ", count, " (layer ", layer, ", tokens ", first,
                        "..", first + expected, ")");
-      absl::string_view fields, rows;
-      uint32_t layer_field, crc;
-      int64_t first_field, tokens;
-      if (!in.GetRaw(kBlockFieldBytes - 4, &fields) || !in.Get(&crc)) {
+      ATTN_ASSIGN_OR_RETURN(const absl::string_view record,
+                            source.read(at, kBlockFieldBytes));
+      at += kBlockFieldBytes;
+      if (record.size() != kBlockFieldBytes) {
         return Corrupt(name, absl::StrCat(block, ": truncated"));
       }
-      Decoder field(fields.substr(4));
+      const absl::string_view fields = record.substr(0, kBlockFieldBytes - 4);
+      uint32_t layer_field = 0, crc = 0;
+      int64_t first_field = 0, tokens = 0;
+      Decoder field(record.substr(4));
       field.Get(&layer_field);
       field.Get(&first_field);
       field.Get(&tokens);
+      field.Get(&crc);
       if (fields.substr(0, 4) != kBlockTag) {
         return Corrupt(name, absl::StrCat(block, ": not a block record"));
       }
@@ -243,10 +252,16 @@ absl::Status LoadBlocks(Decoder& in, const SessionFileHeader& header,
                                           layer_field, ", tokens ", first_field,
                                           " + ", tokens, " instead"));
       }
-      if (!in.GetRaw(session.RowBytes(tokens), &rows)) {
+      // Before the rows' read, which replaces the fields' bytes.
+      const uint32_t fields_crc = Crc(fields);
+      const size_t row_bytes = session.RowBytes(tokens);
+      ATTN_ASSIGN_OR_RETURN(const absl::string_view rows,
+                            source.read(at, row_bytes));
+      at += row_bytes;
+      if (rows.size() != row_bytes) {
         return Corrupt(name, absl::StrCat(block, ": truncated"));
       }
-      if (Crc(rows, Crc(fields)) != crc) {
+      if (Crc(rows, fields_crc) != crc) {
         return Corrupt(name, absl::StrCat(block, ": checksum mismatch"));
       }
       const absl::Status appended =
@@ -256,6 +271,9 @@ absl::Status LoadBlocks(Decoder& in, const SessionFileHeader& header,
       }
     }
   }
+  ATTN_ASSIGN_OR_RETURN(const absl::string_view end,
+                        source.read(at, kEndBytes));
+  Decoder in(end);
   absl::string_view tag;
   int64_t blocks = -1;
   uint32_t crc = 0;
@@ -263,7 +281,7 @@ absl::Status LoadBlocks(Decoder& in, const SessionFileHeader& header,
       !in.Get(&crc) ||
       crc != Crc(absl::string_view(reinterpret_cast<const char*>(&blocks),
                                    sizeof(blocks))) ||
-      blocks != count || in.left() != 0) {
+      blocks != count) {
     return Corrupt(name, "its end record is missing or wrong");
   }
   return absl::OkStatus();
@@ -438,7 +456,12 @@ absl::StatusOr<SessionFileHeader> ReadSessionFileHeader(
                                       "; this server reads version ",
                                       kSessionFileVersion));
   }
-  if (!in.Get(&size) || !in.GetRaw(size, &body) || !in.Get(&crc)) {
+  if (in.Get(&size) && size > kMaxHeaderBodyBytes) {
+    return Corrupt(name, absl::StrCat("a header of ", size,
+                                      " bytes; a header takes at most ",
+                                      kMaxHeaderBodyBytes));
+  }
+  if (!in.GetRaw(size, &body) || !in.Get(&crc)) {
     return Corrupt(name, "truncated header");
   }
   if (Crc(body) != crc) return Corrupt(name, "header checksum mismatch");
@@ -451,27 +474,61 @@ absl::StatusOr<SessionFileHeader> ReadSessionFileHeader(
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
-    absl::string_view bytes, absl::string_view name,
+    const SessionFileSource& source, absl::string_view name,
     const SessionFileLoader& loader, SessionFileHeader* header_out) {
+  // The header record: its fixed fields, then as much as they say.
+  ATTN_ASSIGN_OR_RETURN(absl::string_view prefix,
+                        source.read(0, std::min<uint64_t>(source.size, 16)));
+  uint64_t header_size = source.size;
+  if (prefix.size() == 16) {
+    uint32_t body_size = 0;
+    std::memcpy(&body_size, prefix.data() + 12, sizeof(body_size));
+    header_size = std::min<uint64_t>(
+        source.size, 16 + std::min(body_size, kMaxHeaderBodyBytes + 1) + 4);
+  }
+  ATTN_ASSIGN_OR_RETURN(const absl::string_view header_bytes,
+                        source.read(0, header_size));
   SessionFileHeader header;
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
-                        CreateFromHeader(bytes, name, loader, header));
+                        CreateFromHeader(header_bytes, name, loader, header));
   // The size the header describes, checked before any block is read.
-  const size_t header_bytes = HeaderRecordBytes(bytes);
-  size_t expected = header_bytes + kEndBytes;
-  Decoder in(bytes.substr(header_bytes));
+  const size_t header_record = HeaderRecordBytes(header_bytes);
+  uint64_t expected = header_record + kEndBytes;
   for (int64_t length : header.lengths) {
     const int64_t blocks = (length + kCacheBlockKeys - 1) / kCacheBlockKeys;
-    expected += static_cast<size_t>(blocks) * kBlockFieldBytes +
+    expected += static_cast<uint64_t>(blocks) * kBlockFieldBytes +
                 session->RowBytes(length);
   }
-  if (bytes.size() != expected) {
-    return Corrupt(name, absl::StrCat(bytes.size(), " bytes; its header ",
+  if (source.size != expected) {
+    return Corrupt(name, absl::StrCat(source.size, " bytes; its header ",
                                       "describes ", expected));
   }
-  ATTN_RETURN_IF_ERROR(LoadBlocks(in, header, name, *session));
+  ATTN_RETURN_IF_ERROR(
+      LoadBlocks(source, header_record, header, name, *session));
   if (header_out != nullptr) *header_out = std::move(header);
   return session;
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
+    absl::string_view bytes, absl::string_view name,
+    const SessionFileLoader& loader, SessionFileHeader* header_out) {
+  const auto read = [&](uint64_t offset,
+                        size_t n) -> absl::StatusOr<absl::string_view> {
+    if (offset > bytes.size() || n > bytes.size() - offset) {
+      return Corrupt(name, "truncated");
+    }
+    return bytes.substr(offset, n);
+  };
+  return LoadSessionFile(SessionFileSource{bytes.size(), read}, name, loader,
+                         header_out);
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
+    const SessionFileSource& source, absl::string_view name,
+    const SessionFileLoader& loader, SessionFileHeader* header) {
+  ATTN_ASSIGN_OR_RETURN(const absl::string_view bytes,
+                        source.read(0, source.size));
+  return LoadSessionJournal(bytes, name, loader, header);
 }
 
 }  // namespace attnserve

@@ -110,8 +110,22 @@ struct SessionFileLoader {
   absl::FunctionRef<absl::Status(const DecodeSessionConfig&)> verify;
 };
 
-// The session stored in `bytes` (see the format above), with `header` set
+// Where a session file is read from, piece by piece (a file need not be
+// held whole): its size, and `read(offset, n)`, its n bytes from `offset`,
+// valid until the next call (an error when they cannot be read).
+struct SessionFileSource {
+  uint64_t size = 0;
+  absl::FunctionRef<absl::StatusOr<absl::string_view>(uint64_t offset,
+                                                      size_t n)>
+      read;
+};
+
+// The session stored in `source` (see the format above), with `header` set
 // to its header when not null. `name` names the file in errors.
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
+    const SessionFileSource& source, absl::string_view name,
+    const SessionFileLoader& loader, SessionFileHeader* header = nullptr);
+// The same from bytes in memory.
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
     absl::string_view bytes, absl::string_view name,
     const SessionFileLoader& loader, SessionFileHeader* header = nullptr);
@@ -121,6 +135,11 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
 // before its last record, as LoadSessionFile.
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
     absl::string_view bytes, absl::string_view name,
+    const SessionFileLoader& loader, SessionFileHeader* header = nullptr);
+// The same from `source`, read whole (a journal's blocks are replayed
+// before any is loaded).
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
+    const SessionFileSource& source, absl::string_view name,
     const SessionFileLoader& loader, SessionFileHeader* header = nullptr);
 
 }  // namespace attnserve

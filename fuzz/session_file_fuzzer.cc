@@ -34,20 +34,37 @@ const SessionStore& Store() {
   return *store;
 }
 
+const SessionFileLoader& Loader() {
+  static const auto* layer_of =
+      new auto([](absl::string_view)
+                   -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+        return absl::NotFoundError("no models");
+      });
+  static const auto* verify = new auto([](const DecodeSessionConfig& config) {
+    return Store().VerifyConfig(config);
+  });
+  static const SessionFileLoader* loader =
+      new SessionFileLoader{.layer_of = *layer_of, .verify = *verify};
+  return *loader;
+}
+
+// A session file read piece by piece into one buffer, as a session
+// directory reads it; a journal whole.
 absl::StatusOr<std::unique_ptr<DecodeSession>> Load(absl::string_view bytes,
                                                     SessionFileHeader* header,
                                                     bool journal = false) {
-  return (journal ? &LoadSessionJournal : &LoadSessionFile)(
-      bytes, "input",
-      {.layer_of = [](absl::string_view)
-           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
-         return absl::NotFoundError("no models");
-       },
-       .verify =
-           [](const DecodeSessionConfig& config) {
-             return Store().VerifyConfig(config);
-           }},
-      header);
+  if (journal) return LoadSessionJournal(bytes, "input", Loader(), header);
+  std::string buffer;
+  const auto read = [&](uint64_t offset,
+                        size_t n) -> absl::StatusOr<absl::string_view> {
+    if (offset > bytes.size() || n > bytes.size() - offset) {
+      return absl::DataLossError("input: truncated");
+    }
+    buffer.assign(bytes.data() + offset, n);
+    return absl::string_view(buffer);
+  };
+  return LoadSessionFile(SessionFileSource{bytes.size(), read}, "input",
+                         Loader(), header);
 }
 
 std::string Write(const DecodeSession& session, const SessionFileHeader& h) {
