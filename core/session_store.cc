@@ -930,6 +930,7 @@ absl::Status SessionStore::SaveSlot(const std::string& id, Slot& slot) {
   ATTN_RETURN_IF_ERROR(
       options_.directory->Save(id, *slot.session, unconfirmed));
   // The file holds it all now; a journal would only be a stale copy.
+  MutexLock journal_lock(&slot.journal_mu);
   if (slot.journal != nullptr) slot.journal->Remove();
   slot.journal.reset();
   slot.journal_off = true;
@@ -1028,24 +1029,29 @@ void SessionStore::AfterStep(const std::shared_ptr<Slot>& slot,
       slot->unconfirmed.clear();
     }
   }
-  if (!journaling() || slot->journal_off) return;
+  if (!journaling()) return;
   const int64_t full = slot->session->length(inputs.layer) / kCacheBlockKeys;
   int64_t written = 0;
-  if (slot->journal != nullptr) {
-    int64_t& journaled = slot->journaled[layer];
-    // A rewind below blocks written: recorded before the step answers, so
-    // that a recovery never holds tokens the client replaced.
-    if (inputs.position.has_value() &&
-        *inputs.position / kCacheBlockKeys < journaled) {
-      journaled = *inputs.position / kCacheBlockKeys;
-      const absl::Status recorded = slot->journal->Append(
-          SessionBlockFields(inputs.layer, journaled * kCacheBlockKeys, 0, ""));
-      if (!recorded.ok()) {
-        DropJournal(*slot);
-        return;
+  {
+    MutexLock journal_lock(&slot->journal_mu);
+    if (slot->journal_off) return;
+    if (slot->journal != nullptr) {
+      int64_t& journaled = slot->journaled[layer];
+      // A rewind below blocks written: recorded before the step answers, so
+      // that a recovery never holds tokens the client replaced.
+      if (inputs.position.has_value() &&
+          *inputs.position / kCacheBlockKeys < journaled) {
+        journaled = *inputs.position / kCacheBlockKeys;
+        ++slot->rewinds;
+        const absl::Status recorded = slot->journal->Append(SessionBlockFields(
+            inputs.layer, journaled * kCacheBlockKeys, 0, ""));
+        if (!recorded.ok()) {
+          DropJournal(*slot);
+          return;
+        }
       }
+      written = journaled;
     }
-    written = journaled;
   }
   if (full > written) QueueJournal(slot);
 }
@@ -1075,7 +1081,6 @@ void SessionStore::JournalLoop() {
       journal_busy_ = true;
     }
     if (slot == nullptr) continue;  // gone meanwhile
-    MutexLock step_lock(&slot->step_mu);
     slot->journal_queued = false;
     WriteJournal(*slot);
   }
@@ -1089,32 +1094,85 @@ void SessionStore::WaitForJournals() {
 }
 
 void SessionStore::WriteJournal(Slot& slot) {
-  if (slot.journal_off) return;
-  absl::Status status;
-  if (slot.journal == nullptr) {
-    status = StartJournal(slot);
-  } else {
-    status = AppendBlocks(slot, *slot.journal);
-    // Rewinds leave replaced blocks behind: past twice what it holds (and
-    // a block's slack), the journal is written anew.
-    int64_t blocks = 0;
-    for (int64_t held : slot.journaled) blocks += held;
-    const uint64_t holds = static_cast<uint64_t>(blocks + 1) *
-                           slot.session->RowBytes(kCacheBlockKeys);
-    if (status.ok() && slot.journal->bytes() > 2 * holds) {
-      status = StartJournal(slot);
+  {
+    MutexLock step_lock(&slot.step_mu);
+    MutexLock journal_lock(&slot.journal_mu);
+    if (slot.journal_off) return;
+    absl::Status status;
+    if (slot.journal == nullptr) {
+      status = StartJournal(slot, /*with_blocks=*/false);
+    } else {
+      // Rewinds leave replaced blocks behind: past twice what it holds (and
+      // a block's slack), the journal is written anew, under the locks.
+      int64_t blocks = 0;
+      for (int64_t held : slot.journaled) blocks += held;
+      const uint64_t holds = static_cast<uint64_t>(blocks + 1) *
+                             slot.session->RowBytes(kCacheBlockKeys);
+      if (slot.journal->bytes() > 2 * holds) {
+        status = StartJournal(slot, /*with_blocks=*/true);
+      }
+    }
+    if (!status.ok()) {
+      DropJournal(slot);
+      return;
     }
   }
-  if (!status.ok()) DropJournal(slot);
+  std::string rows;
+  while (WriteNextBlock(slot, rows)) {
+  }
 }
 
-absl::Status SessionStore::StartJournal(Slot& slot) {
+bool SessionStore::WriteNextBlock(Slot& slot, std::string& rows) {
+  int64_t layer = 0, block = 0, rewinds = 0;
+  {
+    // The copy, under the step lock: steps wait for it, not for the write.
+    MutexLock step_lock(&slot.step_mu);
+    const DecodeSession& session = *slot.session;
+    {
+      MutexLock journal_lock(&slot.journal_mu);
+      if (slot.journal_off || slot.journal == nullptr) return false;
+      for (layer = 0; layer < session.num_layers(); ++layer) {
+        block = slot.journaled[static_cast<size_t>(layer)];
+        if (block < session.length(layer) / kCacheBlockKeys) break;
+      }
+      if (layer == session.num_layers()) return false;
+      rewinds = slot.rewinds;
+    }
+    if (!session
+             .ReadBlock(layer, block * kCacheBlockKeys, rows,
+                        [](absl::string_view) { return absl::OkStatus(); })
+             .ok()) {
+      return false;
+    }
+  }
+  MutexLock journal_lock(&slot.journal_mu);
+  // A rewind since the copy may have replaced the block: it is copied
+  // again (or not, if no longer full) on the next round.
+  if (slot.journal_off || slot.journal == nullptr) return false;
+  if (slot.rewinds != rewinds) return true;
+  int64_t& written = slot.journaled[static_cast<size_t>(layer)];
+  if (written != block) return true;
+  absl::Status status = slot.journal->Append(SessionBlockFields(
+      layer, block * kCacheBlockKeys, kCacheBlockKeys, rows));
+  if (status.ok()) status = slot.journal->Append(rows);
+  if (!status.ok()) {
+    DropJournal(slot);
+    return false;
+  }
+  ++written;
+  MutexLock lock(&mu_);
+  ++counts_.journaled_blocks;
+  return true;
+}
+
+absl::Status SessionStore::StartJournal(Slot& slot, bool with_blocks) {
   ATTN_ASSIGN_OR_RETURN(const std::string header,
                         SessionJournalHeader(*slot.session, slot.id));
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<SessionJournal> journal,
                         options_.directory->CreateJournal(slot.id, header));
   slot.journaled.assign(static_cast<size_t>(slot.session->num_layers()), 0);
-  absl::Status status = AppendBlocks(slot, *journal);
+  absl::Status status =
+      with_blocks ? AppendBlocks(slot, *journal) : absl::OkStatus();
   if (status.ok()) status = journal->Publish();
   if (!status.ok()) {
     journal->Remove();

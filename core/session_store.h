@@ -278,14 +278,18 @@ class SessionStore {
     SessionDirectory* save_to = nullptr;
     std::string save_as;
     SessionStore* store = nullptr;  // counts the save
-    // Its journal: the file, the full blocks written per layer, whether it
+    // Its journal: the file, the full blocks written per layer, the
+    // rewinds recorded (a block copied before one is stale), whether it
     // waits for the journal thread, and whether journaling stopped (a
-    // failed write; the session saved). Set when deleted or expired: the
-    // journal goes with the session.
-    std::unique_ptr<SessionJournal> journal ABSL_GUARDED_BY(step_mu);
-    std::vector<int64_t> journaled ABSL_GUARDED_BY(step_mu);
+    // failed write; the session saved). Appends to the file are serialized
+    // by journal_mu, taken after step_mu when both are held. Set when
+    // deleted or expired: the journal goes with the session.
+    Mutex journal_mu ABSL_ACQUIRED_AFTER(step_mu);
+    std::unique_ptr<SessionJournal> journal ABSL_GUARDED_BY(journal_mu);
+    std::vector<int64_t> journaled ABSL_GUARDED_BY(journal_mu);
+    int64_t rewinds ABSL_GUARDED_BY(journal_mu) = 0;
     std::atomic<bool> journal_queued{false};
-    bool journal_off ABSL_GUARDED_BY(step_mu) = false;
+    bool journal_off ABSL_GUARDED_BY(journal_mu) = false;
     std::atomic<bool> drop_journal{false};
     // Per layer, whether its length is unconfirmed (recovered from a
     // journal, no step has given its position since); empty: none is.
@@ -350,12 +354,19 @@ class SessionStore {
   void QueueJournal(const std::shared_ptr<Slot>& slot)
       ABSL_LOCKS_EXCLUDED(journal_mu_);
   void JournalLoop() ABSL_LOCKS_EXCLUDED(journal_mu_);
-  void WriteJournal(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
+  void WriteJournal(Slot& slot) ABSL_LOCKS_EXCLUDED(slot.step_mu);
+  // One block of WriteJournal: the next full block not yet written,
+  // copied under the step lock and appended after it (unless a rewind came
+  // between); whether there was one.
+  bool WriteNextBlock(Slot& slot, std::string& rows)
+      ABSL_LOCKS_EXCLUDED(slot.step_mu, slot.journal_mu);
   absl::Status AppendBlocks(Slot& slot, SessionJournal& journal)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
-  absl::Status StartJournal(Slot& slot)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
-  void DropJournal(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu, slot.journal_mu);
+  // A new journal of every full block the session holds (`with_blocks`;
+  // otherwise its header only, the blocks to follow), published.
+  absl::Status StartJournal(Slot& slot, bool with_blocks)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu, slot.journal_mu);
+  void DropJournal(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.journal_mu);
   // After a successful step of `inputs` on `slot`: a rewind below blocks
   // journaled is recorded before the step answers; blocks that filled are
   // queued; a step that gave its position confirms its layer's length.

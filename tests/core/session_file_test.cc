@@ -87,23 +87,34 @@ std::string Write(const DecodeSession& session, absl::string_view id) {
   return bytes;
 }
 
-absl::StatusOr<std::unique_ptr<DecodeSession>> Load(
-    absl::string_view bytes, SessionFileHeader* header = nullptr,
-    size_t max_bytes = 0) {
+// `bytes` loaded by `load` (LoadSessionFile or LoadSessionJournal) as file
+// `name`, with a session budget of `max_bytes` (0: none).
+template <typename LoadFunction>
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadWith(
+    LoadFunction load, absl::string_view bytes, absl::string_view name,
+    SessionFileHeader* header, size_t max_bytes = 0) {
   SessionStore::Options options;
   options.max_bytes = max_bytes;
   SessionStore store(options);
-  return LoadSessionFile(
-      bytes, "s.session",
-      {.layer_of = [](absl::string_view model)
-           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
-         return absl::NotFoundError(absl::StrCat("no model ", model));
-       },
-       .verify =
-           [&](const DecodeSessionConfig& config) {
-             return store.VerifyConfig(config);
-           }},
-      header);
+  return load(bytes, name,
+              {.layer_of = [](absl::string_view model)
+                   -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+                 return absl::NotFoundError(absl::StrCat("no model ", model));
+               },
+               .verify =
+                   [&](const DecodeSessionConfig& config) {
+                     return store.VerifyConfig(config);
+                   }},
+              header);
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> Load(
+    absl::string_view bytes, SessionFileHeader* header = nullptr,
+    size_t max_bytes = 0) {
+  return LoadWith(
+      [](absl::string_view b, absl::string_view n, const SessionFileLoader& l,
+         SessionFileHeader* h) { return LoadSessionFile(b, n, l, h); },
+      bytes, "s.session", header, max_bytes);
 }
 
 // The next step of `a` and of `b`, given the same inputs, agree bit for bit
@@ -416,18 +427,10 @@ std::string JournalOf(const DecodeSession& session, absl::string_view id) {
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadJournal(
     absl::string_view bytes, SessionFileHeader* header = nullptr) {
-  SessionStore store(SessionStore::Options{});
-  return LoadSessionJournal(
-      bytes, "s.journal",
-      {.layer_of = [](absl::string_view model)
-           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
-         return absl::NotFoundError(absl::StrCat("no model ", model));
-       },
-       .verify =
-           [&](const DecodeSessionConfig& config) {
-             return store.VerifyConfig(config);
-           }},
-      header);
+  return LoadWith(
+      [](absl::string_view b, absl::string_view n, const SessionFileLoader& l,
+         SessionFileHeader* h) { return LoadSessionJournal(b, n, l, h); },
+      bytes, "s.journal", header);
 }
 
 // A session holding the full blocks of `session` (its first `lengths`
