@@ -136,8 +136,8 @@ bool DTypeOfWire(uint32_t wire, bool cache, DType* dtype) {
 }
 
 // Parses a header body into `header`; false when it is malformed.
-bool ParseHeaderBody(absl::string_view bytes, SessionFileHeader* header,
-                     bool* model_session) {
+bool ParseHeaderBody(absl::string_view bytes, uint32_t version,
+                     SessionFileHeader* header, bool* model_session) {
   Decoder in(bytes);
   uint32_t kind, dtype, cache_dtype;
   int32_t heads, kv_heads;
@@ -165,8 +165,10 @@ bool ParseHeaderBody(absl::string_view bytes, SessionFileHeader* header,
   for (int64_t& length : header->lengths) {
     if (!in.Get(&length) || length < 0 || length > c.max_length) return false;
   }
-  uint32_t flags;
-  if (!in.Get(&flags) || (flags & ~kUnconfirmedFlag) != 0) return false;
+  uint32_t flags = 0;  // version 1 has none
+  if (version >= 2 && (!in.Get(&flags) || (flags & ~kUnconfirmedFlag) != 0)) {
+    return false;
+  }
   header->unconfirmed = (flags & kUnconfirmedFlag) != 0;
   *model_session = kind == 1;
   return in.left() == 0;
@@ -451,9 +453,13 @@ absl::StatusOr<SessionFileHeader> ReadSessionFileHeader(
   if (!in.GetRaw(kMagic.size(), &magic) || magic != kMagic) {
     return Corrupt(name, "not a session file (no ATTNSESS magic)");
   }
-  if (!in.Get(&version) || version != kSessionFileVersion) {
+  // Version 1 (no header flags) is read as well, so that a rolling update
+  // takes up the files the replicas it replaces left.
+  if (!in.Get(&version) || version < kOldestSessionFileVersion ||
+      version > kSessionFileVersion) {
     return Corrupt(name, absl::StrCat("format version ", version,
-                                      "; this server reads version ",
+                                      "; this server reads versions ",
+                                      kOldestSessionFileVersion, " to ",
                                       kSessionFileVersion));
   }
   if (in.Get(&size) && size > kMaxHeaderBodyBytes) {
@@ -467,7 +473,7 @@ absl::StatusOr<SessionFileHeader> ReadSessionFileHeader(
   if (Crc(body) != crc) return Corrupt(name, "header checksum mismatch");
   SessionFileHeader header;
   bool model_session = false;
-  if (!ParseHeaderBody(body, &header, &model_session)) {
+  if (!ParseHeaderBody(body, version, &header, &model_session)) {
     return Corrupt(name, "malformed header");
   }
   return header;

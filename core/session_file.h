@@ -50,7 +50,9 @@
 
 namespace attnserve {
 
+// The version written, and the oldest read (version 1: no header flags).
 inline constexpr uint32_t kSessionFileVersion = 2;
+inline constexpr uint32_t kOldestSessionFileVersion = 1;
 
 // What a session file says of its session besides the rows.
 struct SessionFileHeader {

@@ -312,13 +312,32 @@ TEST(SessionFileTest, AFlippedByteAnywhereIsDataLoss) {
   }
 }
 
+// A file of format version 1 (its header without flags), as the previous
+// release wrote it, still loads.
+TEST(SessionFileTest, AVersionOneFileLoads) {
+  const SampleFile sample = Sample();
+  std::string v1 = WithHeader(sample, [](std::string& body) {
+    body.resize(body.size() - 4);  // no flags
+  });
+  Poke<uint32_t>(v1, 8, 1);
+  SessionFileHeader header;
+  auto loaded = Load(v1, &header);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(header.lengths, (std::vector<int64_t>{600, 100}));
+  EXPECT_FALSE(header.unconfirmed);
+}
+
 TEST(SessionFileTest, HostileHeadersAndRecordsAreRefusedWithWhatIsWrong) {
   const SampleFile sample = Sample();
   std::string version = sample.bytes;
-  Poke<uint32_t>(version, 8, 1);
+  Poke<uint32_t>(version, 8, 3);
   ExpectRefused(version, absl::StatusCode::kDataLoss,
-                "format version 1; this server reads version 2",
-                "another version");
+                "format version 3; this server reads versions 1 to 2",
+                "a later version");
+  Poke<uint32_t>(version, 8, 0);
+  ExpectRefused(version, absl::StatusCode::kDataLoss,
+                "format version 0; this server reads versions 1 to 2",
+                "version 0");
   ExpectRefused("not a session file at all", absl::StatusCode::kDataLoss,
                 "not a session file", "foreign bytes");
   // Header fields (body offsets: max_length at 44, num_layers at 52, the
