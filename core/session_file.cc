@@ -330,8 +330,8 @@ absl::StatusOr<std::vector<std::vector<absl::string_view>>> ReplayJournal(
       static_cast<size_t>(session.num_layers()));
   for (int64_t count = 0; in.left() >= kBlockFieldBytes; ++count) {
     absl::string_view fields, rows;
-    uint32_t layer, crc;
-    int64_t first, tokens;
+    uint32_t layer = 0, crc = 0;
+    int64_t first = 0, tokens = 0;
     in.GetRaw(kBlockFieldBytes - 4, &fields);
     in.Get(&crc);
     Decoder field(fields.substr(4));
