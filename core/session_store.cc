@@ -836,10 +836,8 @@ void SessionStore::ExpireIdle(absl::Time now) {
 // the thread-safety analysis sees guarded.
 SessionStore::Slot::~Slot() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (save_to != nullptr && session != nullptr) {
-    const bool unconfirmed =
-        std::find(this->unconfirmed.begin(), this->unconfirmed.end(), true) !=
-        this->unconfirmed.end();
-    const absl::Status saved = save_to->Save(save_as, *session, unconfirmed);
+    const absl::Status saved =
+        save_to->Save(save_as, *session, !unconfirmed.empty());
     if (saved.ok()) drop_journal = true;
     MutexLock lock(&store->mu_);
     ++(saved.ok() ? store->counts_.saved : store->counts_.save_failures);
@@ -924,11 +922,8 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
 
 absl::Status SessionStore::SaveSlot(const std::string& id, Slot& slot) {
   options_.directory->Release(id);
-  const bool unconfirmed =
-      std::find(slot.unconfirmed.begin(), slot.unconfirmed.end(), true) !=
-      slot.unconfirmed.end();
   ATTN_RETURN_IF_ERROR(
-      options_.directory->Save(id, *slot.session, unconfirmed));
+      options_.directory->Save(id, *slot.session, !slot.unconfirmed.empty()));
   // The file holds it all now; a journal would only be a stale copy.
   MutexLock journal_lock(&slot.journal_mu);
   if (slot.journal != nullptr) slot.journal->Remove();

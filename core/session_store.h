@@ -292,7 +292,8 @@ class SessionStore {
     bool journal_off ABSL_GUARDED_BY(journal_mu) = false;
     std::atomic<bool> drop_journal{false};
     // Per layer, whether its length is unconfirmed (recovered from a
-    // journal, no step has given its position since); empty: none is.
+    // journal, no step has given its position since); empty once none is
+    // (so that non-empty means "some layer is").
     std::vector<bool> unconfirmed ABSL_GUARDED_BY(step_mu);
   };
   struct Entry {
