@@ -709,6 +709,7 @@ absl::Status DecodeSession::Finish(PendingStep& step, absl::Status status) {
   }
   state.written = std::max(state.written, end);
   state.length.store(end, std::memory_order_release);
+  version_ = NewVersion();
   return absl::OkStatus();
 }
 
@@ -1095,8 +1096,9 @@ void DecodeSession::GatherRows(int64_t layer, int64_t first, int64_t tokens,
                                std::string& rows) const {
   const std::array<size_t, 4> row = RegionRowBytes(dims_);
   const int64_t planes = dims_.batch * dims_.kv_heads;
-  rows.resize(RowBytes(tokens));
-  char* out = rows.data();
+  const size_t at = rows.size();
+  rows.resize(at + RowBytes(tokens));
+  char* out = rows.data() + at;
   for (int region = 0; region < 4; ++region) {
     const size_t bytes = row[region] * static_cast<size_t>(tokens);
     if (bytes == 0) continue;
@@ -1107,38 +1109,34 @@ void DecodeSession::GatherRows(int64_t layer, int64_t first, int64_t tokens,
   }
 }
 
-absl::Status DecodeSession::ReadRows(
-    absl::FunctionRef<absl::Status()> begin,
-    absl::FunctionRef<absl::Status(int64_t, int64_t, int64_t,
-                                   absl::string_view)>
-        block) const {
-  MutexLock lock(&mu_);
-  ATTN_RETURN_IF_ERROR(begin());
-  std::string rows;
-  for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
-    const int64_t length = this->length(layer);
-    for (int64_t first = 0; first < length; first += kCacheBlockKeys) {
-      const int64_t tokens = std::min(kCacheBlockKeys, length - first);
-      GatherRows(layer, first, tokens, rows);
-      ATTN_RETURN_IF_ERROR(block(layer, first, tokens, rows));
-    }
-  }
-  return absl::OkStatus();
+uint64_t DecodeSession::NewVersion() {
+  // Process-wide, so that a version names one session's contents.
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
 }
 
-absl::Status DecodeSession::ReadBlock(
-    int64_t layer, int64_t first, std::string& rows,
-    absl::FunctionRef<absl::Status(absl::string_view)> read) const {
+DecodeSession::Contents DecodeSession::contents() const {
+  MutexLock lock(&mu_);
+  Contents contents;
+  contents.version = version_;
+  for (int64_t layer = 0; layer < config_.num_layers; ++layer) {
+    contents.lengths.push_back(length(layer));
+  }
+  return contents;
+}
+
+absl::StatusOr<uint64_t> DecodeSession::CopyRows(int64_t layer, int64_t first,
+                                                 int64_t tokens,
+                                                 std::string& rows) const {
   ATTN_RETURN_IF_ERROR(VerifyLayer(layer));
   MutexLock lock(&mu_);
-  if (first < 0 || first % kCacheBlockKeys != 0 ||
-      first + kCacheBlockKeys > length(layer)) {
-    return absl::OutOfRangeError(
-        absl::StrCat("block at token ", first, ": layer ", layer, " holds ",
-                     length(layer), " tokens, not the whole block"));
+  if (first < 0 || tokens < 0 || first > length(layer) - tokens) {
+    return absl::OutOfRangeError(absl::StrCat("tokens ", first, "..",
+                                              first + tokens, ": layer ", layer,
+                                              " holds ", length(layer)));
   }
-  GatherRows(layer, first, kCacheBlockKeys, rows);
-  return read(rows);
+  GatherRows(layer, first, tokens, rows);
+  return version_;
 }
 
 absl::Status DecodeSession::AppendRows(int64_t layer, int64_t first,
@@ -1187,6 +1185,7 @@ absl::Status DecodeSession::AppendRows(int64_t layer, int64_t first,
   }
   state.written = std::max(state.written, first + tokens);
   state.length.store(first + tokens, std::memory_order_release);
+  version_ = NewVersion();
   return absl::OkStatus();
 }
 

@@ -264,24 +264,21 @@ class DecodeSession {
   // likewise; then, for an INT8 cache, every plane's key scales and value
   // scales (float32).
   size_t RowBytes(int64_t tokens) const;
-  // One consistent snapshot of the session (steps wait meanwhile): calls
-  // `begin()` (the lengths it reads are those of the blocks that follow),
-  // then `block(layer, first, tokens, rows)` for every block of
-  // kCacheBlockKeys tokens the session holds (the last of a layer may be
-  // shorter), layer by layer, with the block's rows as RowBytes describes.
-  // Stops at the first error either returns.
-  absl::Status ReadRows(
-      absl::FunctionRef<absl::Status()> begin,
-      absl::FunctionRef<absl::Status(int64_t layer, int64_t first,
-                                     int64_t tokens, absl::string_view rows)>
-          block) const ABSL_LOCKS_EXCLUDED(mu_);
-  // Calls `read` with the rows (as RowBytes describes) of the full block of
-  // kCacheBlockKeys tokens of `layer` from token `first` (a multiple of
-  // it), gathered into `rows`, while steps wait. OUT_OF_RANGE when the
-  // layer does not hold that whole block.
-  absl::Status ReadBlock(
-      int64_t layer, int64_t first, std::string& rows,
-      absl::FunctionRef<absl::Status(absl::string_view)> read) const
+  // What the session holds, read at one instant: its tokens per layer, and
+  // a version that every change of its tokens (a step, a rewind, appended
+  // rows) makes new. Two reads with the same version saw the same tokens;
+  // versions are unique within the process (no two sessions share one).
+  struct Contents {
+    uint64_t version = 0;
+    std::vector<int64_t> lengths;
+  };
+  Contents contents() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Appends the rows (as RowBytes describes) of `tokens` tokens of `layer`
+  // from token `first` to `rows`, while steps wait, and returns the
+  // version they were read at (see contents()). OUT_OF_RANGE when the
+  // layer does not hold them all.
+  absl::StatusOr<uint64_t> CopyRows(int64_t layer, int64_t first,
+                                    int64_t tokens, std::string& rows) const
       ABSL_LOCKS_EXCLUDED(mu_);
   // Appends `tokens` tokens to `layer` of a session that shares no cache
   // (one created, not forked), from `rows` as RowBytes describes; `first`
@@ -350,7 +347,7 @@ class DecodeSession {
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   size_t OwnBytes(int64_t layer, int64_t first, int64_t tokens) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Copies `tokens` tokens of `layer` from `first` into `rows` (RowBytes).
+  // Appends `tokens` tokens of `layer` from `first` to `rows` (RowBytes).
   void GatherRows(int64_t layer, int64_t first, int64_t tokens,
                   std::string& rows) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Where token `token` of plane `plane` (b * kv_heads + h) of `layer`'s
@@ -400,6 +397,9 @@ class DecodeSession {
     size_t bytes = 0;  // what it commits, fixed once frozen
   };
   std::vector<FrozenCache> frozen_ ABSL_GUARDED_BY(mu_);
+  // See contents(): replaced by NewVersion() at every change of the tokens.
+  uint64_t version_ ABSL_GUARDED_BY(mu_) = NewVersion();
+  static uint64_t NewVersion();
   // Per layer, its length (readable without the lock), and where each
   // block of kCacheBlockKeys tokens is read: in a frozen cache or in
   // cache_. Blocks past a layer's table are in cache_; no table: every

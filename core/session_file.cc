@@ -1,5 +1,6 @@
 #include "core/session_file.h"
 
+#include <algorithm>
 #include <cstring>
 #include <utility>
 
@@ -86,8 +87,8 @@ absl::Status Corrupt(absl::string_view name, absl::string_view what) {
 constexpr uint32_t kUnconfirmedFlag = 1;
 
 std::string HeaderBody(const DecodeSession& session, absl::string_view id,
-                       absl::string_view model, bool journal,
-                       bool unconfirmed) {
+                       absl::string_view model,
+                       const std::vector<int64_t>& lengths, bool unconfirmed) {
   const DecodeSessionConfig& config = session.config();
   Encoder body;
   body.Put<uint32_t>(session.is_model_session() ? 1 : 0);
@@ -106,11 +107,37 @@ std::string HeaderBody(const DecodeSession& session, absl::string_view id,
   body.Put<float>(config.default_scale.value_or(0.0f));
   body.PutString(id);
   body.PutString(model);
-  for (int64_t layer = 0; layer < config.num_layers; ++layer) {
-    body.Put<int64_t>(journal ? 0 : session.length(layer));
-  }
+  for (int64_t length : lengths) body.Put<int64_t>(length);
   body.Put<uint32_t>(unconfirmed ? kUnconfirmedFlag : 0);
   return body.bytes();
+}
+
+// The size of the header record that `prefix` (at least its first 16
+// bytes) starts: its magic, version and body size checked.
+absl::StatusOr<size_t> HeaderRecordSize(absl::string_view prefix,
+                                        absl::string_view name) {
+  Decoder in(prefix);
+  absl::string_view magic;
+  uint32_t version = 0, size = 0;
+  if (!in.GetRaw(kMagic.size(), &magic) || magic != kMagic) {
+    return Corrupt(name, "not a session file (no ATTNSESS magic)");
+  }
+  // Version 1 (no header flags) is read as well, so that a rolling update
+  // takes up the files the replicas it replaces left.
+  if (!in.Get(&version) || version < kOldestSessionFileVersion ||
+      version > kSessionFileVersion) {
+    return Corrupt(name, absl::StrCat("format version ", version,
+                                      "; this server reads versions ",
+                                      kOldestSessionFileVersion, " to ",
+                                      kSessionFileVersion));
+  }
+  if (!in.Get(&size)) return Corrupt(name, "truncated header");
+  if (size > kMaxHeaderBodyBytes) {
+    return Corrupt(name, absl::StrCat("a header of ", size,
+                                      " bytes; a header takes at most ",
+                                      kMaxHeaderBodyBytes));
+  }
+  return kMagic.size() + 3 * sizeof(uint32_t) + size;
 }
 
 // The header record of a session file whose body is `body`.
@@ -218,77 +245,6 @@ absl::Status VerifySameDims(const KvCache::Dims& dims,
       " now has ", now, "; the session was saved with ", saved));
 }
 
-// Reads the block records of `session` from `read`, from byte `at` on, and
-// appends their rows. A piece `read` gives is valid until its next call.
-absl::Status LoadBlocks(const SessionFileSource& source, uint64_t at,
-                        const SessionFileHeader& header, absl::string_view name,
-                        DecodeSession& session) {
-  int64_t count = 0;
-  for (size_t layer = 0; layer < header.lengths.size(); ++layer) {
-    for (int64_t first = 0; first < header.lengths[layer];
-         first += kCacheBlockKeys, ++count) {
-      const int64_t expected =
-          std::min(kCacheBlockKeys, header.lengths[layer] - first);
-      const std::string block =
-          absl::StrCat("block ", count, " (layer ", layer, ", tokens ", first,
-                       "..", first + expected, ")");
-      ATTN_ASSIGN_OR_RETURN(const absl::string_view record,
-                            source.read(at, kBlockFieldBytes));
-      at += kBlockFieldBytes;
-      if (record.size() != kBlockFieldBytes) {
-        return Corrupt(name, absl::StrCat(block, ": truncated"));
-      }
-      const absl::string_view fields = record.substr(0, kBlockFieldBytes - 4);
-      uint32_t layer_field = 0, crc = 0;
-      int64_t first_field = 0, tokens = 0;
-      Decoder field(record.substr(4));
-      field.Get(&layer_field);
-      field.Get(&first_field);
-      field.Get(&tokens);
-      field.Get(&crc);
-      if (fields.substr(0, 4) != kBlockTag) {
-        return Corrupt(name, absl::StrCat(block, ": not a block record"));
-      }
-      if (layer_field != layer || first_field != first || tokens != expected) {
-        return Corrupt(name, absl::StrCat(block, ": found a record of layer ",
-                                          layer_field, ", tokens ", first_field,
-                                          " + ", tokens, " instead"));
-      }
-      // Before the rows' read, which replaces the fields' bytes.
-      const uint32_t fields_crc = Crc(fields);
-      const size_t row_bytes = session.RowBytes(tokens);
-      ATTN_ASSIGN_OR_RETURN(const absl::string_view rows,
-                            source.read(at, row_bytes));
-      at += row_bytes;
-      if (rows.size() != row_bytes) {
-        return Corrupt(name, absl::StrCat(block, ": truncated"));
-      }
-      if (Crc(rows, fields_crc) != crc) {
-        return Corrupt(name, absl::StrCat(block, ": checksum mismatch"));
-      }
-      const absl::Status appended =
-          session.AppendRows(static_cast<int64_t>(layer), first, tokens, rows);
-      if (!appended.ok()) {
-        return Corrupt(name, absl::StrCat(block, ": ", appended.message()));
-      }
-    }
-  }
-  ATTN_ASSIGN_OR_RETURN(const absl::string_view end,
-                        source.read(at, kEndBytes));
-  Decoder in(end);
-  absl::string_view tag;
-  int64_t blocks = -1;
-  uint32_t crc = 0;
-  if (!in.GetRaw(4, &tag) || tag != kEndTag || !in.Get(&blocks) ||
-      !in.Get(&crc) ||
-      crc != Crc(absl::string_view(reinterpret_cast<const char*>(&blocks),
-                                   sizeof(blocks))) ||
-      blocks != count) {
-    return Corrupt(name, "its end record is missing or wrong");
-  }
-  return absl::OkStatus();
-}
-
 absl::Status VerifyWritable(const DecodeSession& session) {
   if (session.is_model_session() && session.config().model.empty()) {
     return absl::FailedPreconditionError(
@@ -311,14 +267,6 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> CreateFromHeader(
   // Within the caller's budget, so that the sizes below cannot overflow.
   ATTN_RETURN_IF_ERROR(loader.verify(config));
   return DecodeSession::Create(config);
-}
-
-// The bytes of a header record, to skip it.
-size_t HeaderRecordBytes(absl::string_view bytes) {
-  uint32_t body_size = 0;
-  std::memcpy(&body_size, bytes.data() + kMagic.size() + sizeof(uint32_t),
-              sizeof(body_size));
-  return kMagic.size() + 3 * sizeof(uint32_t) + body_size;
 }
 
 // A journal's block records, replayed: per layer, the rows of the full
@@ -383,8 +331,10 @@ std::string SessionBlockFields(int64_t layer, int64_t first, int64_t tokens,
 absl::StatusOr<std::string> SessionJournalHeader(const DecodeSession& session,
                                                  absl::string_view id) {
   ATTN_RETURN_IF_ERROR(VerifyWritable(session));
-  return HeaderRecord(HeaderBody(session, id, session.config().model,
-                                 /*journal=*/true, /*unconfirmed=*/false));
+  return HeaderRecord(HeaderBody(
+      session, id, session.config().model,
+      std::vector<int64_t>(static_cast<size_t>(session.num_layers()), 0),
+      /*unconfirmed=*/false));
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
@@ -396,7 +346,9 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
   for (int64_t length : header.lengths) {
     if (length != 0) return Corrupt(name, "not a journal (it holds lengths)");
   }
-  Decoder in(bytes.substr(HeaderRecordBytes(bytes)));
+  ATTN_ASSIGN_OR_RETURN(const size_t header_bytes,
+                        HeaderRecordSize(bytes, name));
+  Decoder in(bytes.substr(header_bytes));
   ATTN_ASSIGN_OR_RETURN(const auto blocks, ReplayJournal(in, *session, name));
   for (size_t layer = 0; layer < blocks.size(); ++layer) {
     for (size_t block = 0; block < blocks[layer].size(); ++block) {
@@ -421,55 +373,101 @@ absl::Status WriteSessionFile(
     const DecodeSession& session, absl::string_view id,
     absl::FunctionRef<absl::Status(absl::string_view)> write,
     bool unconfirmed) {
+  ATTN_ASSIGN_OR_RETURN(SessionFileImage image,
+                        SessionFileImage::Of(session, id, unconfirmed));
+  for (uint64_t at = 0; at < image.size();) {
+    ATTN_ASSIGN_OR_RETURN(const absl::string_view piece,
+                          image.Read(at, image.size() - at));
+    ATTN_RETURN_IF_ERROR(write(piece));
+    at += piece.size();
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<SessionFileImage> SessionFileImage::Of(
+    const DecodeSession& session, absl::string_view id, bool unconfirmed) {
   ATTN_RETURN_IF_ERROR(VerifyWritable(session));
-  const absl::string_view model = session.config().model;
-  int64_t blocks = 0;
-  ATTN_RETURN_IF_ERROR(session.ReadRows(
-      // Under the session's lock: the lengths are those of the blocks.
-      [&]() -> absl::Status {
-        return write(HeaderRecord(
-            HeaderBody(session, id, model, /*journal=*/false, unconfirmed)));
-      },
-      [&](int64_t layer, int64_t first, int64_t tokens,
-          absl::string_view rows) -> absl::Status {
-        ATTN_RETURN_IF_ERROR(
-            write(SessionBlockFields(layer, first, tokens, rows)));
-        ++blocks;
-        return write(rows);
-      }));
-  Encoder end;
-  end.PutRaw(kEndTag);
-  end.Put<int64_t>(blocks);
-  end.Put<uint32_t>(Crc(absl::string_view(
-      reinterpret_cast<const char*>(&blocks), sizeof(blocks))));
-  return write(end.bytes());
+  SessionFileImage image(session);
+  const DecodeSession::Contents contents = session.contents();
+  image.version_ = contents.version;
+  image.header_ = HeaderRecord(HeaderBody(session, id, session.config().model,
+                                          contents.lengths, unconfirmed));
+  image.records_.push_back(Record{0, -1, 0, 0});
+  uint64_t at = image.header_.size();
+  for (size_t layer = 0; layer < contents.lengths.size(); ++layer) {
+    for (int64_t first = 0; first < contents.lengths[layer];
+         first += kCacheBlockKeys) {
+      const int64_t tokens =
+          std::min(kCacheBlockKeys, contents.lengths[layer] - first);
+      image.records_.push_back(
+          Record{at, static_cast<int64_t>(layer), first, tokens});
+      at += kBlockFieldBytes + session.RowBytes(tokens);
+    }
+  }
+  image.records_.push_back(Record{at, -2, 0, 0});
+  image.size_ = at + kEndBytes;
+  return image;
+}
+
+absl::Status SessionFileImage::Build(size_t index) {
+  const Record& record = records_[index];
+  built_index_ = SIZE_MAX;
+  built_.clear();
+  if (record.layer == -1) {
+    built_ = header_;
+  } else if (record.layer == -2) {
+    const int64_t blocks = static_cast<int64_t>(records_.size()) - 2;
+    Encoder end;
+    end.PutRaw(kEndTag);
+    end.Put<int64_t>(blocks);
+    end.Put<uint32_t>(Crc(absl::string_view(
+        reinterpret_cast<const char*>(&blocks), sizeof(blocks))));
+    built_ = end.bytes();
+  } else {
+    // The rows go after room for the fields, which need their checksum.
+    built_.resize(kBlockFieldBytes);
+    const absl::StatusOr<uint64_t> read =
+        session_->CopyRows(record.layer, record.first, record.tokens, built_);
+    if (read.ok() && *read == version_) {
+      const std::string fields = SessionBlockFields(
+          record.layer, record.first, record.tokens,
+          absl::string_view(built_).substr(kBlockFieldBytes));
+      std::memcpy(built_.data(), fields.data(), fields.size());
+    } else {
+      built_.clear();
+      return absl::AbortedError(
+          "the session changed (a step or a rewind) while it was read");
+    }
+  }
+  built_index_ = index;
+  return absl::OkStatus();
+}
+
+absl::StatusOr<absl::string_view> SessionFileImage::Read(uint64_t offset,
+                                                         size_t n) {
+  if (offset > size_) {
+    return absl::OutOfRangeError(absl::StrCat(
+        "offset ", offset, " is past the file's ", size_, " bytes"));
+  }
+  if (offset == size_) return absl::string_view();
+  // The last record starting at or before `offset`.
+  const auto next = std::upper_bound(
+      records_.begin(), records_.end(), offset,
+      [](uint64_t at, const Record& record) { return at < record.offset; });
+  const size_t index = static_cast<size_t>(next - records_.begin()) - 1;
+  if (index != built_index_) ATTN_RETURN_IF_ERROR(Build(index));
+  const size_t skip = static_cast<size_t>(offset - records_[index].offset);
+  return absl::string_view(built_).substr(skip, n);
 }
 
 absl::StatusOr<SessionFileHeader> ReadSessionFileHeader(
     absl::string_view bytes, absl::string_view name) {
-  Decoder in(bytes);
-  absl::string_view magic, body;
-  uint32_t version = 0, size = 0, crc = 0;
-  if (!in.GetRaw(kMagic.size(), &magic) || magic != kMagic) {
-    return Corrupt(name, "not a session file (no ATTNSESS magic)");
-  }
-  // Version 1 (no header flags) is read as well, so that a rolling update
-  // takes up the files the replicas it replaces left.
-  if (!in.Get(&version) || version < kOldestSessionFileVersion ||
-      version > kSessionFileVersion) {
-    return Corrupt(name, absl::StrCat("format version ", version,
-                                      "; this server reads versions ",
-                                      kOldestSessionFileVersion, " to ",
-                                      kSessionFileVersion));
-  }
-  if (in.Get(&size) && size > kMaxHeaderBodyBytes) {
-    return Corrupt(name, absl::StrCat("a header of ", size,
-                                      " bytes; a header takes at most ",
-                                      kMaxHeaderBodyBytes));
-  }
-  if (!in.GetRaw(size, &body) || !in.Get(&crc)) {
-    return Corrupt(name, "truncated header");
-  }
+  ATTN_ASSIGN_OR_RETURN(const size_t record, HeaderRecordSize(bytes, name));
+  if (bytes.size() < record) return Corrupt(name, "truncated header");
+  uint32_t version = 0, crc = 0;
+  std::memcpy(&version, bytes.data() + kMagic.size(), sizeof(version));
+  const absl::string_view body = bytes.substr(16, record - 20);
+  std::memcpy(&crc, bytes.data() + record - 4, sizeof(crc));
   if (Crc(body) != crc) return Corrupt(name, "header checksum mismatch");
   SessionFileHeader header;
   bool model_session = false;
@@ -482,37 +480,177 @@ absl::StatusOr<SessionFileHeader> ReadSessionFileHeader(
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(
     const SessionFileSource& source, absl::string_view name,
     const SessionFileLoader& loader, SessionFileHeader* header_out) {
-  // The header record: its fixed fields, then as much as they say.
-  ATTN_ASSIGN_OR_RETURN(absl::string_view prefix,
-                        source.read(0, std::min<uint64_t>(source.size, 16)));
-  uint64_t header_size = source.size;
-  if (prefix.size() == 16) {
-    uint32_t body_size = 0;
-    std::memcpy(&body_size, prefix.data() + 12, sizeof(body_size));
-    header_size = std::min<uint64_t>(
-        source.size, 16 + std::min(body_size, kMaxHeaderBodyBytes + 1) + 4);
+  SessionFileBuilder builder{std::string(name)};
+  // One record a read; the size the header describes is checked before
+  // any block is read.
+  for (uint64_t at = 0; !builder.complete();) {
+    const size_t n = static_cast<size_t>(
+        std::min<uint64_t>(builder.needed(), source.size - at));
+    if (n == 0) {
+      return Corrupt(
+          name, builder.header() == nullptr ? "truncated header" : "truncated");
+    }
+    ATTN_ASSIGN_OR_RETURN(const absl::string_view piece, source.read(at, n));
+    const bool had_header = builder.header() != nullptr;
+    ATTN_RETURN_IF_ERROR(builder.Add(piece, loader));
+    at += piece.size();
+    if (!had_header && builder.header() != nullptr &&
+        builder.expected_size() != source.size) {
+      return Corrupt(name, absl::StrCat(source.size, " bytes; its header ",
+                                        "describes ", builder.expected_size()));
+    }
   }
-  ATTN_ASSIGN_OR_RETURN(const absl::string_view header_bytes,
-                        source.read(0, header_size));
-  SessionFileHeader header;
-  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
-                        CreateFromHeader(header_bytes, name, loader, header));
-  // The size the header describes, checked before any block is read.
-  const size_t header_record = HeaderRecordBytes(header_bytes);
-  uint64_t expected = header_record + kEndBytes;
-  for (int64_t length : header.lengths) {
+  if (header_out != nullptr) *header_out = *builder.header();
+  return builder.Release();
+}
+
+absl::Status SessionFileBuilder::Add(absl::string_view bytes,
+                                     const SessionFileLoader& loader) {
+  while (status_.ok() && !bytes.empty()) {
+    if (stage_ == Stage::kDone) {
+      status_ = Corrupt(name_, absl::StrCat("bytes past its end record (",
+                                            expected_size_, " bytes)"));
+      break;
+    }
+    // A whole record in `bytes` is taken where it lies; pieces of one are
+    // gathered first.
+    const size_t take = std::min(bytes.size(), need_ - pending_.size());
+    received_ += take;
+    if (pending_.empty() && take == need_) {
+      status_ = Take(bytes.substr(0, take), loader);
+    } else {
+      pending_.append(bytes.data(), take);
+      if (pending_.size() == need_) {
+        record_.swap(pending_);
+        pending_.clear();
+        status_ = Take(record_, loader);
+      }
+    }
+    bytes.remove_prefix(take);
+  }
+  return status_;
+}
+
+absl::Status SessionFileBuilder::Take(absl::string_view bytes,
+                                      const SessionFileLoader& loader) {
+  switch (stage_) {
+    case Stage::kPrefix: {
+      ATTN_ASSIGN_OR_RETURN(need_, HeaderRecordSize(bytes, name_));
+      pending_.assign(bytes.data(), bytes.size());  // the header's start
+      stage_ = Stage::kHeader;
+      return absl::OkStatus();
+    }
+    case Stage::kHeader:
+      return TakeHeader(bytes, loader);
+    case Stage::kFields:
+      return TakeFields(bytes);
+    case Stage::kRows:
+      return TakeRows(bytes);
+    case Stage::kEnd: {
+      Decoder in(bytes);
+      absl::string_view tag;
+      int64_t blocks = -1;
+      uint32_t crc = 0;
+      if (!in.GetRaw(4, &tag) || tag != kEndTag || !in.Get(&blocks) ||
+          !in.Get(&crc) ||
+          crc != Crc(absl::string_view(reinterpret_cast<const char*>(&blocks),
+                                       sizeof(blocks))) ||
+          blocks != count_) {
+        return Corrupt(name_, "its end record is missing or wrong");
+      }
+      stage_ = Stage::kDone;
+      return absl::OkStatus();
+    }
+    case Stage::kDone:
+      break;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SessionFileBuilder::TakeHeader(absl::string_view bytes,
+                                            const SessionFileLoader& loader) {
+  ATTN_ASSIGN_OR_RETURN(session_,
+                        CreateFromHeader(bytes, name_, loader, header_));
+  expected_size_ = bytes.size() + kEndBytes;
+  for (int64_t length : header_.lengths) {
     const int64_t blocks = (length + kCacheBlockKeys - 1) / kCacheBlockKeys;
-    expected += static_cast<uint64_t>(blocks) * kBlockFieldBytes +
-                session->RowBytes(length);
+    expected_size_ += static_cast<uint64_t>(blocks) * kBlockFieldBytes +
+                      session_->RowBytes(length);
   }
-  if (source.size != expected) {
-    return Corrupt(name, absl::StrCat(source.size, " bytes; its header ",
-                                      "describes ", expected));
+  layer_ = 0;
+  first_ = -kCacheBlockKeys;
+  NextBlock();
+  return absl::OkStatus();
+}
+
+void SessionFileBuilder::NextBlock() {
+  first_ += kCacheBlockKeys;
+  while (layer_ < static_cast<int64_t>(header_.lengths.size()) &&
+         first_ >= header_.lengths[static_cast<size_t>(layer_)]) {
+    ++layer_;
+    first_ = 0;
   }
-  ATTN_RETURN_IF_ERROR(
-      LoadBlocks(source, header_record, header, name, *session));
-  if (header_out != nullptr) *header_out = std::move(header);
-  return session;
+  if (layer_ == static_cast<int64_t>(header_.lengths.size())) {
+    stage_ = Stage::kEnd;
+    need_ = kEndBytes;
+    return;
+  }
+  tokens_ = std::min(kCacheBlockKeys,
+                     header_.lengths[static_cast<size_t>(layer_)] - first_);
+  stage_ = Stage::kFields;
+  need_ = kBlockFieldBytes;
+}
+
+std::string SessionFileBuilder::Block() const {
+  return absl::StrCat("block ", count_, " (layer ", layer_, ", tokens ", first_,
+                      "..", first_ + tokens_, ")");
+}
+
+absl::Status SessionFileBuilder::TakeFields(absl::string_view record) {
+  const absl::string_view fields = record.substr(0, kBlockFieldBytes - 4);
+  uint32_t layer = 0;
+  int64_t first = 0, tokens = 0;
+  Decoder field(record.substr(4));
+  field.Get(&layer);
+  field.Get(&first);
+  field.Get(&tokens);
+  field.Get(&crc_);
+  if (fields.substr(0, 4) != kBlockTag) {
+    return Corrupt(name_, absl::StrCat(Block(), ": not a block record"));
+  }
+  if (layer != layer_ || first != first_ || tokens != tokens_) {
+    return Corrupt(name_,
+                   absl::StrCat(Block(), ": found a record of layer ", layer,
+                                ", tokens ", first, " + ", tokens, " instead"));
+  }
+  fields_crc_ = Crc(fields);
+  stage_ = Stage::kRows;
+  need_ = session_->RowBytes(tokens_);
+  return absl::OkStatus();
+}
+
+absl::Status SessionFileBuilder::TakeRows(absl::string_view rows) {
+  if (Crc(rows, fields_crc_) != crc_) {
+    return Corrupt(name_, absl::StrCat(Block(), ": checksum mismatch"));
+  }
+  const absl::Status appended =
+      session_->AppendRows(layer_, first_, tokens_, rows);
+  if (!appended.ok()) {
+    return Corrupt(name_, absl::StrCat(Block(), ": ", appended.message()));
+  }
+  ++count_;
+  NextBlock();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSession>> SessionFileBuilder::Release() {
+  ATTN_RETURN_IF_ERROR(status_);
+  if (stage_ != Stage::kDone) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("session file ", EchoString(name_), ": ", received_,
+                     " bytes taken of ", expected_size_));
+  }
+  return std::move(session_);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionFile(

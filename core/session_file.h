@@ -36,9 +36,11 @@
 #ifndef ATTNSERVE_CORE_SESSION_FILE_H_
 #define ATTNSERVE_CORE_SESSION_FILE_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/functional/function_ref.h"
@@ -120,6 +122,118 @@ struct SessionFileSource {
   absl::FunctionRef<absl::StatusOr<absl::string_view>(uint64_t offset,
                                                       size_t n)>
       read;
+};
+
+// The session file of a session, read piece by piece while the session
+// lives on (an export stream). Its layout (size, records) is fixed when it
+// is made, from the session's contents at that instant; each record is
+// read from the session when asked for, and ABORTED once the session has
+// changed since (a step or a rewind; see DecodeSession::contents()): its
+// reader starts again, or reads a fork, which does not change.
+//
+// Thread-safety: one reader at a time. Ownership: reads `session`, which
+// must outlive it.
+class SessionFileImage {
+ public:
+  // The file of `session` (under id `id`; see WriteSessionFile) as it
+  // holds now; FAILED_PRECONDITION as WriteSessionFile.
+  static absl::StatusOr<SessionFileImage> Of(const DecodeSession& session,
+                                             absl::string_view id,
+                                             bool unconfirmed = false);
+
+  uint64_t size() const { return size_; }
+  // The session's version it describes (DecodeSession::Contents).
+  uint64_t version() const { return version_; }
+  // Up to `n` bytes from `offset` (at most to the end of the record
+  // holding it; empty at size()), valid until the next call. OUT_OF_RANGE
+  // past size(); ABORTED when the session changed.
+  absl::StatusOr<absl::string_view> Read(uint64_t offset, size_t n);
+
+ private:
+  // A record: where it starts in the file, and for a block record its
+  // layer, first token and tokens (layer -1: the header; -2: the end).
+  struct Record {
+    uint64_t offset = 0;
+    int64_t layer = 0;
+    int64_t first = 0;
+    int64_t tokens = 0;
+  };
+  SessionFileImage(const DecodeSession& session) : session_(&session) {}
+  // Builds record `index` into built_.
+  absl::Status Build(size_t index);
+
+  const DecodeSession* session_;
+  uint64_t version_ = 0;
+  uint64_t size_ = 0;
+  std::string header_;
+  std::vector<Record> records_;
+  std::string built_;
+  size_t built_index_ = SIZE_MAX;
+};
+
+// A session file taken in piece by piece, as it arrives (an import
+// stream): each record is checked and applied as soon as it is whole, so
+// that at most one record is held besides the session being built. The
+// checks and errors are LoadSessionFile's (the first error sticks).
+//
+// Thread-safety: one writer at a time. Ownership: owns the session it
+// builds until Release.
+class SessionFileBuilder {
+ public:
+  // `name` names the file in errors.
+  explicit SessionFileBuilder(std::string name) : name_(std::move(name)) {}
+
+  // Takes the next bytes of the file; `loader` is used once the header is
+  // whole. An error (DATA_LOSS naming what is wrong, the config's error
+  // or more bytes than the header describes) sticks.
+  absl::Status Add(absl::string_view bytes, const SessionFileLoader& loader);
+  // The bytes taken so far, and those the next record still needs.
+  uint64_t received() const { return received_; }
+  size_t needed() const { return need_ - pending_.size(); }
+  // The header and the file's size, once the header is whole (null, 0
+  // before).
+  const SessionFileHeader* header() const {
+    return session_ != nullptr ? &header_ : nullptr;
+  }
+  uint64_t expected_size() const { return expected_size_; }
+  // The session built so far (null before the header), and whether the
+  // end record came.
+  const DecodeSession* session() const { return session_.get(); }
+  bool complete() const { return stage_ == Stage::kDone; }
+  // The session, once complete (FAILED_PRECONDITION before).
+  absl::StatusOr<std::unique_ptr<DecodeSession>> Release();
+
+ private:
+  enum class Stage { kPrefix, kHeader, kFields, kRows, kEnd, kDone };
+  // Applies the record `bytes` (need_ of them) of the current stage.
+  absl::Status Take(absl::string_view bytes, const SessionFileLoader& loader);
+  absl::Status TakeHeader(absl::string_view bytes,
+                          const SessionFileLoader& loader);
+  absl::Status TakeFields(absl::string_view bytes);
+  absl::Status TakeRows(absl::string_view bytes);
+  // The next block's stage (fields, or the end after the last block).
+  void NextBlock();
+  std::string Block() const;
+
+  const std::string name_;
+  absl::Status status_;
+  Stage stage_ = Stage::kPrefix;
+  size_t need_ = 16;
+  // The bytes of the record under way, and the last record gathered.
+  std::string pending_;
+  std::string record_;
+  uint64_t received_ = 0;
+  uint64_t expected_size_ = 0;
+  SessionFileHeader header_;
+  std::unique_ptr<DecodeSession> session_;
+  // The block expected next: its layer, first token and tokens, its
+  // number, and the fields' checksum and the CRC it declares.
+  int64_t layer_ = 0;
+  int64_t first_ = 0;
+  int64_t tokens_ = 0;
+  int64_t count_ = 0;
+  uint32_t fields_crc_ = 0;
+  uint32_t crc_ = 0;
 };
 
 // The session stored in `source` (see the format above), with `header` set

@@ -1133,9 +1133,8 @@ bool SessionStore::WriteNextBlock(Slot& slot, std::string& rows) {
       if (layer == session.num_layers()) return false;
       rewinds = slot.rewinds;
     }
-    if (!session
-             .ReadBlock(layer, block * kCacheBlockKeys, rows,
-                        [](absl::string_view) { return absl::OkStatus(); })
+    rows.clear();
+    if (!session.CopyRows(layer, block * kCacheBlockKeys, kCacheBlockKeys, rows)
              .ok()) {
       return false;
     }
@@ -1184,13 +1183,13 @@ absl::Status SessionStore::AppendBlocks(Slot& slot, SessionJournal& journal) {
   for (int64_t layer = 0; layer < session.num_layers(); ++layer) {
     int64_t& written = slot.journaled[static_cast<size_t>(layer)];
     for (; written < session.length(layer) / kCacheBlockKeys; ++written) {
-      ATTN_RETURN_IF_ERROR(session.ReadBlock(
-          layer, written * kCacheBlockKeys, rows,
-          [&](absl::string_view block) -> absl::Status {
-            ATTN_RETURN_IF_ERROR(journal.Append(SessionBlockFields(
-                layer, written * kCacheBlockKeys, kCacheBlockKeys, block)));
-            return journal.Append(block);
-          }));
+      const int64_t first = written * kCacheBlockKeys;
+      rows.clear();
+      ATTN_RETURN_IF_ERROR(
+          session.CopyRows(layer, first, kCacheBlockKeys, rows).status());
+      ATTN_RETURN_IF_ERROR(journal.Append(
+          SessionBlockFields(layer, first, kCacheBlockKeys, rows)));
+      ATTN_RETURN_IF_ERROR(journal.Append(rows));
       ++appended;
     }
   }

@@ -1170,14 +1170,14 @@ std::string Journal(std::mt19937& rng) {
       bytes += SessionBlockFields(0, kCacheBlockKeys, 0, "");
       continue;
     }
-    const absl::Status read = session->ReadBlock(
-        0, block * kCacheBlockKeys, rows, [&](absl::string_view r) {
-          bytes += SessionBlockFields(0, block * kCacheBlockKeys,
-                                      kCacheBlockKeys, r);
-          bytes.append(r.data(), r.size());
-          return absl::OkStatus();
-        });
+    rows.clear();
+    const absl::Status read =
+        session->CopyRows(0, block * kCacheBlockKeys, kCacheBlockKeys, rows)
+            .status();
     if (!read.ok()) Die("journal block", read);
+    bytes +=
+        SessionBlockFields(0, block * kCacheBlockKeys, kCacheBlockKeys, rows);
+    bytes += rows;
   }
   return bytes;
 }

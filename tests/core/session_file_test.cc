@@ -430,15 +430,10 @@ std::string JournalOf(const DecodeSession& session, absl::string_view id) {
   for (int64_t layer = 0; layer < session.num_layers(); ++layer) {
     for (int64_t first = 0; first + kCacheBlockKeys <= session.length(layer);
          first += kCacheBlockKeys) {
-      EXPECT_TRUE(session
-                      .ReadBlock(layer, first, rows,
-                                 [&](absl::string_view block) {
-                                   *out += SessionBlockFields(
-                                       layer, first, kCacheBlockKeys, block);
-                                   out->append(block.data(), block.size());
-                                   return absl::OkStatus();
-                                 })
-                      .ok());
+      rows.clear();
+      EXPECT_TRUE(session.CopyRows(layer, first, kCacheBlockKeys, rows).ok());
+      *out += SessionBlockFields(layer, first, kCacheBlockKeys, rows);
+      *out += rows;
     }
   }
   return *out;
@@ -460,13 +455,9 @@ std::unique_ptr<DecodeSession> PrefixOf(const DecodeSession& session,
   std::string rows;
   for (int64_t layer = 0; layer < session.num_layers(); ++layer) {
     for (int64_t first = 0; first < lengths[layer]; first += kCacheBlockKeys) {
-      EXPECT_TRUE(session
-                      .ReadBlock(layer, first, rows,
-                                 [&](absl::string_view block) {
-                                   return prefix->AppendRows(
-                                       layer, first, kCacheBlockKeys, block);
-                                 })
-                      .ok());
+      rows.clear();
+      EXPECT_TRUE(session.CopyRows(layer, first, kCacheBlockKeys, rows).ok());
+      EXPECT_TRUE(prefix->AppendRows(layer, first, kCacheBlockKeys, rows).ok());
     }
   }
   return prefix;
@@ -507,15 +498,9 @@ TEST(SessionJournalTest, ARewindRecordDropsTheBlocksItReplaced) {
   TensorResults results;
   ASSERT_TRUE(session->Step(in, DecodeStepOptions{}, results).ok());
   std::string rows;
-  ASSERT_TRUE(session
-                  ->ReadBlock(0, 512, rows,
-                              [&](absl::string_view block) {
-                                journal += SessionBlockFields(
-                                    0, 512, kCacheBlockKeys, block);
-                                journal.append(block.data(), block.size());
-                                return absl::OkStatus();
-                              })
-                  .ok());
+  ASSERT_TRUE(session->CopyRows(0, 512, kCacheBlockKeys, rows).ok());
+  journal += SessionBlockFields(0, 512, kCacheBlockKeys, rows);
+  journal += rows;
   SessionFileHeader header;
   auto loaded = LoadJournal(journal, &header);
   ASSERT_TRUE(loaded.ok()) << loaded.status();
