@@ -435,6 +435,13 @@ absl::Status SessionStore::VerifySharedCacheCount() const {
 }
 
 absl::Status SessionStore::NotFound(absl::string_view id) const {
+  if (const auto importing = imports_.find(id); importing != imports_.end()) {
+    return absl::UnavailableError(
+        absl::StrCat("session_id: session ", EchoString(id, '"'),
+                     " is being imported (", importing->second.received, " of ",
+                     importing->second.builder->expected_size(),
+                     " bytes taken); it opens once its last byte has come"));
+  }
   const auto gone = gone_.find(id);
   const std::string what =
       absl::StrCat("session_id: session ", EchoString(id, '"'));
@@ -797,6 +804,10 @@ absl::Status SessionStore::Delete(absl::string_view id) {
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
   ATTN_RETURN_IF_ERROR(VerifySessionId(id));
+  if (imports_.contains(id)) {
+    DropImport(std::string(id));  // the import's stream fails ABORTED
+    return absl::OkStatus();
+  }
   if (!sessions_.contains(id)) {
     if (!removed_file) return NotFound(id);
     if (const auto gone = gone_.find(id); gone != gone_.end()) {
@@ -830,6 +841,15 @@ void SessionStore::ExpireIdle(absl::Time now) {
   for (std::string& id : expired) {
     Remove(std::move(id), GoneReason::kExpired, freed);
   }
+  // Imports no stream has resumed within the timeout.
+  std::vector<std::string> abandoned;
+  for (const auto& [id, pending] : imports_) {
+    if (pending.stream == nullptr &&
+        now - pending.last_used >= options_.idle_timeout) {
+      abandoned.push_back(id);
+    }
+  }
+  for (const std::string& id : abandoned) DropImport(id);
 }
 
 // Runs when the last reference goes, so no lock is needed for the fields
@@ -845,17 +865,21 @@ SessionStore::Slot::~Slot() ABSL_NO_THREAD_SAFETY_ANALYSIS {
   if (journal != nullptr && drop_journal) journal->Remove();
 }
 
+absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> SessionStore::LayerOf(
+    absl::string_view model) const {
+  if (!options_.layer_of) {
+    return absl::NotFoundError(
+        absl::StrCat("model ", EchoString(model, '"'), " is not served here"));
+  }
+  return options_.layer_of(model);
+}
+
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
     absl::string_view id, SessionFileHeader& header, bool& recovered) {
-  const auto layer_of = [&](absl::string_view model)
-      -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
-    if (!options_.layer_of) {
-      return absl::NotFoundError(absl::StrCat("model ", EchoString(model, '"'),
-                                              " is not served here"));
-    }
-    return options_.layer_of(model);
+  const auto layer_of = [this](absl::string_view model) {
+    return LayerOf(model);
   };
-  const auto verify = [&](const DecodeSessionConfig& config) {
+  const auto verify = [this](const DecodeSessionConfig& config) {
     return VerifyConfig(config);
   };
   const SessionFileLoader loader{.layer_of = layer_of, .verify = verify};
@@ -1220,6 +1244,7 @@ SessionStore::Stats SessionStore::stats() const {
   }
   s.superseded_model_bytes = superseded_;
   s.budget_bytes = budget_bytes();
+  s.importing = static_cast<int64_t>(imports_.size());
   return s;
 }
 

@@ -149,6 +149,10 @@ class SessionStore {
     int64_t recovered = 0;
     int64_t journaled_blocks = 0;
     int64_t journal_failures = 0;
+    // Sessions opened by an import (counted in created too), and imports
+    // under way.
+    int64_t imported = 0;
+    int64_t importing = 0;
   };
 
   explicit SessionStore(const Options& options);
@@ -255,6 +259,48 @@ class SessionStore {
   SaveReport SaveAll(absl::Time deadline = absl::InfiniteFuture())
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Session transfer (ExportSession, ImportSession): a session's file
+  // (core/session_file.h) read from one store and taken in by another.
+  //
+  // An export: the file of session `id` as it holds now, read piece by
+  // piece while the session lives on (steps are not stopped; a piece read
+  // after a step fails ABORTED). It keeps the session's memory alive while
+  // held, as a running step does. NOT_FOUND as Step; UNAVAILABLE while
+  // the session is being imported.
+  struct Export {
+    std::shared_ptr<const DecodeSession> session;
+    SessionFileImage image;  // reads *session
+  };
+  absl::StatusOr<Export> ExportSession(absl::string_view id)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // An import, as one stream sees it; its caller holds it between pieces
+  // and ends it with EndImport. Set `id` before the first piece to resume
+  // the import of that session (cut short earlier); leave it empty to
+  // begin one.
+  struct Import {
+    std::string id;                // the session's, once its header has come
+    uint64_t received = 0;         // bytes of the file taken so far
+    uint64_t size = 0;             // the file's, once its header has come
+    bool complete = false;         // the session is open under `id`
+    std::vector<int64_t> lengths;  // its tokens per layer, once complete
+    // A new import's bytes before its header (it has no id yet).
+    std::unique_ptr<SessionFileBuilder> head;
+  };
+  // Takes the next `bytes` of an import, which start at byte `offset` of
+  // the file: `offset` must be the bytes it has taken (FAILED_PRECONDITION
+  // naming them otherwise). Once the header has come, the session's whole
+  // cache is counted in the budget (room is made as for a step) and the id
+  // is taken: steps on it answer UNAVAILABLE until the last byte has come,
+  // when the session opens as a new one. ALREADY_EXISTS when a session of
+  // that id is open or being imported by another stream; NOT_FOUND when
+  // resuming an import that is not under way here; DATA_LOSS and the
+  // config's errors as a session file's (the import is then dropped).
+  absl::Status ImportBytes(Import& import, uint64_t offset,
+                           absl::string_view bytes) ABSL_LOCKS_EXCLUDED(mu_);
+  // Ends a stream of `import`: an import not complete waits for another
+  // stream to resume it, and is dropped if none does within the idle
+  // timeout (or when its session is deleted).
+  void EndImport(Import& import) ABSL_LOCKS_EXCLUDED(mu_);
   // Waits until the journal thread has written every block filled so far
   // (tests, benchmarks).
   void WaitForJournals() ABSL_LOCKS_EXCLUDED(journal_mu_);
@@ -425,11 +471,24 @@ class SessionStore {
   // The memory max_bytes limits, and the address space max_reserved_bytes
   // does.
   size_t budget_bytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return bytes_ + bookkeeping_ + superseded_;
+    return bytes_ + bookkeeping_ + superseded_ + importing_bytes_;
   }
   size_t reserved_space() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return reserved_ + bookkeeping_;
+    return reserved_ + bookkeeping_ + importing_reserved_;
   }
+  // A model session's layer for a session file (Options::layer_of;
+  // NOT_FOUND without one).
+  absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> LayerOf(
+      absl::string_view model) const;
+  // ImportBytes' parts: the builder a stream of `import` adds to (a
+  // resumed import's, claimed for this stream); opens the import whose
+  // header `import.head` holds (checks, room, its entry in imports_);
+  // opens its session once complete; drops an import (its budget freed).
+  absl::StatusOr<std::shared_ptr<SessionFileBuilder>> ClaimImport(
+      Import& import) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status BeginImport(Import& import) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status FinishImport(Import& import) ABSL_LOCKS_EXCLUDED(mu_);
+  void DropImport(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts one more (fewer) session holding `session`'s model, if any.
   void HoldModel(const DecodeSession& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -470,6 +529,21 @@ class SessionStore {
   absl::flat_hash_map<std::string, GoneReason> gone_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> gone_order_ ABSL_GUARDED_BY(mu_);
   std::mt19937_64 id_bits_ ABSL_GUARDED_BY(mu_);
+  // Imports under way, by session id: the file taken so far, what it
+  // counts in the budget (its whole cache, from its header on) and in the
+  // address space, when a stream last took bytes, and the stream taking
+  // them now (null between streams).
+  struct PendingImport {
+    std::shared_ptr<SessionFileBuilder> builder;
+    uint64_t received = 0;  // builder->received() after its last piece
+    size_t bytes = 0;
+    size_t reserved = 0;
+    absl::Time last_used;
+    const Import* stream = nullptr;
+  };
+  absl::flat_hash_map<std::string, PendingImport> imports_ ABSL_GUARDED_BY(mu_);
+  size_t importing_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t importing_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   std::string holder_ ABSL_GUARDED_BY(mu_);
   std::thread reaper_;
   // The journal thread's queue (slots whose blocks filled), whether it is

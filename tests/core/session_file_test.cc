@@ -7,6 +7,7 @@
 // its config's error) naming what is wrong, never loaded.
 #include "core/session_file.h"
 
+#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -21,6 +22,7 @@
 #include "core/checksum.h"
 #include "core/decode_session.h"
 #include "core/session_store.h"
+#include "core/status_macros.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/core_test_util.h"
@@ -117,6 +119,28 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> Load(
       bytes, "s.session", header, max_bytes);
 }
 
+// `bytes` taken by a SessionFileBuilder in pieces of `chunk` bytes (an
+// import stream), as Load does, within a budget of `max_bytes`.
+absl::StatusOr<std::unique_ptr<DecodeSession>> Build(
+    absl::string_view bytes, size_t chunk, SessionFileHeader* header = nullptr,
+    size_t max_bytes = 0) {
+  return LoadWith(
+      [chunk](absl::string_view b, absl::string_view n,
+              const SessionFileLoader& l, SessionFileHeader* h)
+          -> absl::StatusOr<std::unique_ptr<DecodeSession>> {
+        SessionFileBuilder builder{std::string(n)};
+        for (size_t at = 0; at < b.size(); at += chunk) {
+          ATTN_RETURN_IF_ERROR(builder.Add(b.substr(at, chunk), l));
+          EXPECT_EQ(builder.received(), std::min(b.size(), at + chunk));
+        }
+        if (h != nullptr && builder.header() != nullptr) {
+          *h = *builder.header();
+        }
+        return builder.Release();
+      },
+      bytes, "s.session", header, max_bytes);
+}
+
 // The next step of `a` and of `b`, given the same inputs, agree bit for bit
 // in every layer.
 void ExpectSameNextSteps(DecodeSession& a, DecodeSession& b, DType dtype,
@@ -160,7 +184,82 @@ TEST_P(SessionFileRoundTrip, ALoadedSessionStepsAsTheOriginal) {
   EXPECT_EQ((*loaded)->cache_dtype(), dtype);
   EXPECT_EQ((*loaded)->config().default_scale, 0.3f);
   EXPECT_EQ((*loaded)->cache_bytes(), session->cache_bytes());
+  // Taken in pieces, as an import stream brings them.
+  for (size_t chunk : {size_t{13}, size_t{4096}, size_t{1} << 20}) {
+    SCOPED_TRACE(absl::StrCat("pieces of ", chunk));
+    SessionFileHeader built_header;
+    auto built = Build(bytes, chunk, &built_header);
+    ASSERT_TRUE(built.ok()) << built.status();
+    EXPECT_EQ(built_header.lengths, header.lengths);
+    auto reference = Load(bytes);  // stepped with it, as `loaded` was not
+    ASSERT_TRUE(reference.ok());
+    ExpectSameNextSteps(**reference, **built, dtype, rng);
+  }
   ExpectSameNextSteps(*session, **loaded, dtype, rng);
+}
+
+TEST(SessionFileImageTest, ReadsAtAnyOffsetGiveTheFileWritten) {
+  std::mt19937 rng(12);
+  auto session = *DecodeSession::Create(Config(DType::kInt8, 2));
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kInt8, 1100, rng)).ok());
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kInt8, 70, rng), 1).ok());
+  const std::string file = Write(*session, "0a1b");
+  auto image = SessionFileImage::Of(*session, "0a1b");
+  ASSERT_TRUE(image.ok()) << image.status();
+  ASSERT_EQ(image->size(), file.size());
+  for (size_t piece : {size_t{1} << 20, size_t{4099}, size_t{100}}) {
+    SCOPED_TRACE(absl::StrCat("pieces of ", piece));
+    std::string read;
+    // From the end backwards too: a resumed read starts anywhere.
+    for (uint64_t at = 0; at < image->size();) {
+      auto got = image->Read(at, piece);
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_FALSE(got->empty());
+      ASSERT_LE(got->size(), piece);
+      read.append(got->data(), got->size());
+      at += got->size();
+    }
+    EXPECT_TRUE(read == file);
+    auto tail = image->Read(file.size() - 5, piece);
+    ASSERT_TRUE(tail.ok());
+    EXPECT_EQ(*tail, absl::string_view(file).substr(file.size() - 5));
+  }
+  auto end = image->Read(file.size(), 10);
+  ASSERT_TRUE(end.ok());
+  EXPECT_TRUE(end->empty());
+  EXPECT_EQ(image->Read(file.size() + 1, 10).status().code(),
+            absl::StatusCode::kOutOfRange);
+}
+
+TEST(SessionFileImageTest, AStepOrRewindBetweenReadsIsAborted) {
+  std::mt19937 rng(13);
+  auto session = *DecodeSession::Create(Config(DType::kFloat32, 1));
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kFloat32, 1100, rng)).ok());
+  auto image = SessionFileImage::Of(*session, "ab");
+  ASSERT_TRUE(image.ok());
+  ASSERT_TRUE(image->Read(0, 100).ok());
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kFloat32, 1, rng)).ok());
+  // The header was built already; the next record is read from the
+  // session and refused.
+  const auto after_step = image->Read(200, 100);
+  EXPECT_EQ(after_step.status().code(), absl::StatusCode::kAborted);
+  EXPECT_THAT(std::string(after_step.status().message()),
+              HasSubstr("the session changed"));
+  // A new image of it reads; a rewind (a step at an earlier position)
+  // then makes it stale again, though the length is what it was.
+  image = SessionFileImage::Of(*session, "ab");
+  ASSERT_TRUE(image.ok());
+  DecodeStepInputs in;
+  const StepData data = RandomStep(DType::kFloat32, 1, rng);
+  in.query = data.q.view();
+  in.key = data.k.view();
+  in.value = data.v.view();
+  in.position = 1100;
+  TensorResults results;
+  ASSERT_TRUE(session->Step(in, DecodeStepOptions{}, results).ok());
+  EXPECT_EQ(session->length(), 1101);
+  EXPECT_EQ(image->Read(image->size() - 20, 4).status().code(),
+            absl::StatusCode::kAborted);
 }
 
 INSTANTIATE_TEST_SUITE_P(CacheDTypes, SessionFileRoundTrip,
@@ -272,6 +371,16 @@ void ExpectRefused(const std::string& bytes, absl::StatusCode code,
   ASSERT_FALSE(loaded.ok());
   EXPECT_EQ(loaded.status().code(), code) << loaded.status();
   EXPECT_THAT(std::string(loaded.status().message()), HasSubstr(message));
+  // Taken in pieces (an import), the same file fails with the same code,
+  // or, cut short, stays incomplete.
+  auto built = Build(bytes, 777, nullptr, size_t{64} << 20);
+  ASSERT_FALSE(built.ok());
+  if (built.status().code() != absl::StatusCode::kFailedPrecondition ||
+      code == absl::StatusCode::kFailedPrecondition) {
+    EXPECT_EQ(built.status().code(), code) << built.status();
+  } else {
+    EXPECT_THAT(std::string(built.status().message()), HasSubstr("taken of"));
+  }
 }
 
 TEST(SessionFileTest, TruncationAtAnyRecordBoundaryIsDataLoss) {

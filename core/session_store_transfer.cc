@@ -1,0 +1,221 @@
+// SessionStore's session transfer: exports and imports of session files
+// (see core/session_store.h).
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "core/session_store.h"
+#include "core/status_macros.h"
+#include "core/verify.h"
+
+namespace attnserve {
+
+absl::StatusOr<SessionStore::Export> SessionStore::ExportSession(
+    absl::string_view id) {
+  ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
+  std::shared_ptr<Slot> slot;
+  {
+    MutexLock lock(&mu_);
+    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
+    slot = entry->slot;
+  }
+  bool unconfirmed = false;
+  {
+    MutexLock step_lock(&slot->step_mu);
+    unconfirmed = !slot->unconfirmed.empty();
+  }
+  // Shares the slot's ownership, as Find does.
+  std::shared_ptr<const DecodeSession> session(slot, slot->session.get());
+  ATTN_ASSIGN_OR_RETURN(SessionFileImage image,
+                        SessionFileImage::Of(*session, id, unconfirmed));
+  return Export{std::move(session), std::move(image)};
+}
+
+absl::StatusOr<std::shared_ptr<SessionFileBuilder>> SessionStore::ClaimImport(
+    Import& import) {
+  MutexLock lock(&mu_);
+  const auto it = imports_.find(import.id);
+  if (it == imports_.end()) {
+    return absl::NotFoundError(absl::StrCat(
+        "session_id: no import of session ", EchoString(import.id, '"'),
+        " is under way here (it completed, was dropped after ",
+        absl::FormatDuration(options_.idle_timeout),
+        " idle, or began on another replica); import it again from offset "
+        "0"));
+  }
+  PendingImport& pending = it->second;
+  if (pending.stream != nullptr && pending.stream != &import) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("session_id: session ", EchoString(import.id, '"'),
+                     " is being imported by another stream now"));
+  }
+  pending.stream = &import;
+  pending.last_used = absl::Now();
+  import.received = pending.received;
+  import.size = pending.builder->expected_size();
+  return pending.builder;
+}
+
+absl::Status SessionStore::ImportBytes(Import& import, uint64_t offset,
+                                       absl::string_view bytes) {
+  std::shared_ptr<SessionFileBuilder> builder;
+  if (!import.id.empty()) {
+    ATTN_ASSIGN_OR_RETURN(builder, ClaimImport(import));
+  } else if (import.head == nullptr) {
+    import.head = std::make_unique<SessionFileBuilder>("import");
+  }
+  if (offset != import.received) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "offset: ", offset, "; the import has taken ", import.received,
+        " bytes of the file: send it from offset ", import.received));
+  }
+  const auto layer_of = [this](absl::string_view model) {
+    return LayerOf(model);
+  };
+  const auto verify = [this](const DecodeSessionConfig& config) {
+    return VerifyConfig(config);
+  };
+  const SessionFileLoader loader{.layer_of = layer_of, .verify = verify};
+  // A new import takes its header alone first: its session's memory is
+  // counted (BeginImport) before any block fills it.
+  while (builder == nullptr && !bytes.empty()) {
+    const absl::string_view piece = bytes.substr(0, import.head->needed());
+    const absl::Status added = import.head->Add(piece, loader);
+    import.received = import.head->received();
+    if (!added.ok()) {
+      import.head.reset();
+      return added;
+    }
+    bytes.remove_prefix(piece.size());
+    if (import.head->header() != nullptr) {
+      ATTN_RETURN_IF_ERROR(BeginImport(import));
+      ATTN_ASSIGN_OR_RETURN(builder, ClaimImport(import));
+    }
+  }
+  if (builder == nullptr) return absl::OkStatus();  // the header is not whole
+  const absl::Status added = builder->Add(bytes, loader);
+  import.received = builder->received();
+  {
+    MutexLock lock(&mu_);
+    const auto it = imports_.find(import.id);
+    if (it == imports_.end() || it->second.builder != builder) {
+      return absl::AbortedError(absl::StrCat(
+          "session_id: the import of session ", EchoString(import.id, '"'),
+          " was dropped meanwhile (its session deleted)"));
+    }
+    it->second.received = import.received;
+    if (!added.ok()) DropImport(import.id);
+  }
+  ATTN_RETURN_IF_ERROR(added);
+  return builder->complete() ? FinishImport(import) : absl::OkStatus();
+}
+
+absl::Status SessionStore::BeginImport(Import& import) {
+  const SessionFileHeader& header = *import.head->header();
+  const DecodeSession& session = *import.head->session();
+  if (!SessionDirectory::IsStorableId(header.id)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the file's session id ", EchoString(header.id, '"'),
+        " is not one a server issues (1 to 64 lowercase hex digits)"));
+  }
+  // What the session will hold once every block has come.
+  size_t bytes = session.bookkeeping_bytes();
+  for (size_t layer = 0; layer < header.lengths.size(); ++layer) {
+    bytes +=
+        session.BytesAt(header.lengths[layer], static_cast<int64_t>(layer));
+  }
+  const size_t reserved =
+      session.reserved_bytes() + session.bookkeeping_bytes();
+  std::vector<std::shared_ptr<Slot>> freed;
+  MutexLock lock(&mu_);
+  const std::string shown = EchoString(header.id, '"');
+  if (sessions_.contains(header.id)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "session ", shown, " is open here; delete it before importing it"));
+  }
+  if (imports_.contains(header.id)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "session ", shown,
+        " is being imported here already; resume that import (give its "
+        "session_id), or delete the session to drop it"));
+  }
+  const auto no_room = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    return (options_.max_sessions > 0 &&
+            static_cast<int64_t>(sessions_.size() + imports_.size()) >=
+                options_.max_sessions) ||
+           (options_.max_reserved_bytes > 0 &&
+            reserved_space() + reserved > options_.max_reserved_bytes) ||
+           (options_.max_bytes > 0 &&
+            budget_bytes() + bytes > options_.max_bytes);
+  };
+  while (no_room() && !lru_.empty()) {
+    Remove(lru_.back(), GoneReason::kEvicted, freed);
+  }
+  if (no_room()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "session ", shown, ": its ", bytes,
+        " bytes do not fit beside the imports under way (session memory "
+        "limit ",
+        options_.max_bytes, " bytes, max_sessions ", options_.max_sessions,
+        ")"));
+  }
+  PendingImport& pending = imports_[header.id];
+  pending.builder = std::move(import.head);
+  pending.received = pending.builder->received();
+  pending.bytes = bytes;
+  pending.reserved = reserved;
+  pending.last_used = absl::Now();
+  importing_bytes_ += bytes;
+  importing_reserved_ += reserved;
+  import.id = header.id;
+  import.size = pending.builder->expected_size();
+  return absl::OkStatus();
+}
+
+void SessionStore::DropImport(const std::string& id) {
+  const auto it = imports_.find(id);
+  if (it == imports_.end()) return;
+  importing_bytes_ -= it->second.bytes;
+  importing_reserved_ -= it->second.reserved;
+  imports_.erase(it);
+}
+
+absl::Status SessionStore::FinishImport(Import& import) {
+  std::shared_ptr<SessionFileBuilder> builder;
+  {
+    MutexLock lock(&mu_);
+    const auto it = imports_.find(import.id);
+    if (it == imports_.end()) {
+      return absl::AbortedError(absl::StrCat(
+          "session_id: the import of session ", EchoString(import.id, '"'),
+          " was dropped meanwhile (its session deleted)"));
+    }
+    builder = std::move(it->second.builder);
+    DropImport(import.id);
+  }
+  const bool unconfirmed = builder->header()->unconfirmed;
+  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
+                        builder->Release());
+  std::vector<int64_t> lengths = session->contents().lengths;
+  ATTN_RETURN_IF_ERROR(
+      AddAs(std::move(session), import.id, unconfirmed).status());
+  import.complete = true;
+  import.lengths = std::move(lengths);
+  MutexLock lock(&mu_);
+  ++counts_.imported;
+  return absl::OkStatus();
+}
+
+void SessionStore::EndImport(Import& import) {
+  import.head.reset();
+  if (import.id.empty() || import.complete) return;
+  MutexLock lock(&mu_);
+  const auto it = imports_.find(import.id);
+  if (it == imports_.end() || it->second.stream != &import) return;
+  it->second.stream = nullptr;
+  it->second.last_used = absl::Now();
+}
+
+}  // namespace attnserve
