@@ -355,6 +355,54 @@ void BM_SessionTake(benchmark::State& state) {
                            static_cast<double>(state.iterations())));
 }
 
+// Moving a session between stores as ExportSession and ImportSession do,
+// without the network: its file read from the session in chunks of 1 MiB
+// (SessionFileImage) and taken in by a new store piece by piece
+// (ImportBytes), 8 heads x 64, Lk float32 tokens. bytes_per_second: the
+// session.
+void BM_SessionTransfer(benchmark::State& state) {
+  const int64_t lk = state.range(0);
+  SessionStore::Options options;
+  options.idle_timeout = absl::InfiniteDuration();
+  SessionStore source(options);
+  auto session = PrefilledSession(8, 8, 64, lk, DType::kFloat32, 1);
+  if (!session.ok()) {
+    state.SkipWithError("no session");
+    return;
+  }
+  const absl::StatusOr<std::string> id = source.Add(*std::move(session));
+  if (!id.ok()) {
+    state.SkipWithError("no session");
+    return;
+  }
+  constexpr size_t kChunk = size_t{1} << 20;
+  std::string chunk;
+  for (auto _ : state) {
+    SessionStore target(options);
+    absl::StatusOr<SessionStore::Export> exported = source.ExportSession(*id);
+    SessionStore::Import import;
+    absl::Status status = exported.status();
+    for (uint64_t at = 0; status.ok() && at < exported->image.size();) {
+      chunk.clear();
+      while (chunk.size() < kChunk && at < exported->image.size()) {
+        auto piece = exported->image.Read(at, kChunk - chunk.size());
+        if (!piece.ok()) break;
+        chunk.append(piece->data(), piece->size());
+        at += piece->size();
+      }
+      status = target.ImportBytes(import, at - chunk.size(), chunk);
+    }
+    if (!status.ok() || !import.complete) {
+      state.SkipWithError("transfer failed");
+      return;
+    }
+    target.EndImport(import);
+  }
+  state.SetBytesProcessed(
+      static_cast<int64_t>(KvBytes(lk, 8, 64, DType::kFloat32) *
+                           static_cast<double>(state.iterations())));
+}
+
 // A lone session's one-token steps through a SessionStore with a session
 // directory, its journal off (0) or on (1): 8 heads x 64, float32, from
 // 4096 cached tokens one token a step, back to 4096 (a rewind) at 8191;
@@ -819,6 +867,9 @@ BENCHMARK(BM_SessionSave)->ArgNames({"N", "Lk"})
     ->Args({64, 4096})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SessionTake)->ArgNames({"Lk"})
+    ->Arg(4096)
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_SessionTransfer)->ArgNames({"Lk"})
     ->Arg(4096)
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_JournaledStep)->ArgNames({"journal"})

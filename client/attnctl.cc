@@ -7,6 +7,8 @@
 //           [operation flags]
 //   attnctl health --target=HOST:PORT [--service=NAME]
 //   attnctl models --target=HOST:PORT [--model=NAME]
+//   attnctl export --target=HOST:PORT --session_id=ID --out=FILE
+//   attnctl import --target=HOST:PORT --in=FILE [--session_id=ID]
 //   attnctl bench --target=HOST:PORT
 //           --rpc=attend|mha|layernorm|rmsnorm|decode|health
 //           [--batch --seq --kv_seq --dim --heads --dtype | --in=FILE]
@@ -96,6 +98,9 @@ ABSL_FLAG(std::optional<int>, normalized_ndim, std::nullopt,
           "layernorm and rmsnorm: trailing dims normalized (default 1).");
 ABSL_FLAG(bool, rms_norm, false,
           "layernorm: RMSNorm (torch.nn.RMSNorm) instead of LayerNorm.");
+ABSL_FLAG(std::string, session_id, "",
+          "export: the session to write to --out; import: the session --in "
+          "holds, to resume an import cut short.");
 ABSL_FLAG(std::string, service, "",
           "health: service to check (empty: the whole server).");
 ABSL_FLAG(std::string, service_config, "",
@@ -224,6 +229,8 @@ struct AttnctlOptions {
   std::string model;
   // health: the service to check; empty: the whole server.
   std::string service;
+  // export and import: --session_id.
+  std::string session_id;
   // bench: the operation (--rpc), synthetic shapes and the load test.
   std::string rpc;
   SyntheticShape shape;
@@ -297,6 +304,7 @@ absl::StatusOr<AttnctlOptions> OptionsFromFlags(const std::string& command) {
   options.model = absl::GetFlag(FLAGS_model);
   options.shared_memory = absl::GetFlag(FLAGS_shared_memory);
   options.service = absl::GetFlag(FLAGS_service);
+  options.session_id = absl::GetFlag(FLAGS_session_id);
   ATTN_ASSIGN_OR_RETURN(
       options.client.service_config_json,
       FlagFile(absl::GetFlag(FLAGS_service_config), "--service_config"));
@@ -399,6 +407,14 @@ absl::Status VerifyOptions(const AttnctlOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_message_mb: ", options.client.max_message_mb,
                      " is not in [1, 2047]"));
+  }
+  if (options.command == "export" &&
+      (options.session_id.empty() || options.out_path.empty())) {
+    return absl::InvalidArgumentError(
+        "export: --session_id and --out are required");
+  }
+  if (options.command == "import" && options.in_path.empty()) {
+    return absl::InvalidArgumentError("import: --in is required");
   }
   if (options.command == "bench" && options.rpc.empty()) {
     return absl::InvalidArgumentError(
@@ -514,6 +530,60 @@ absl::Status RunHealth(const AttnctlOptions& options) {
   return absl::OkStatus();
 }
 
+// The file of session --session_id, written to --out (replaced only once
+// whole).
+absl::Status RunExport(const AttnctlOptions& options) {
+  AttnClient client(options.client);
+  const std::string partial = options.out_path + ".partial";
+  std::FILE* out = std::fopen(partial.c_str(), "wb");
+  if (out == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--out: cannot write ", partial));
+  }
+  uint64_t bytes = 0;
+  absl::Status status = client.ExportSession(
+      options.session_id, [&](absl::string_view data) -> absl::Status {
+        bytes += data.size();
+        if (std::fwrite(data.data(), 1, data.size(), out) != data.size()) {
+          return absl::DataLossError(
+              absl::StrCat("--out: writing ", partial, " failed"));
+        }
+        return absl::OkStatus();
+      });
+  if (std::fclose(out) != 0 && status.ok()) {
+    status = absl::DataLossError(absl::StrCat("--out: closing ", partial));
+  }
+  if (status.ok() && std::rename(partial.c_str(), options.out_path.c_str())) {
+    status = absl::DataLossError(absl::StrCat("--out: cannot rename ", partial,
+                                              " to ", options.out_path));
+  }
+  if (!status.ok()) {
+    std::remove(partial.c_str());
+    return status;
+  }
+  std::printf("session %s: %llu bytes to %s\n", options.session_id.c_str(),
+              static_cast<unsigned long long>(bytes), options.out_path.c_str());
+  return absl::OkStatus();
+}
+
+// The session file --in, opened on the server under the id it holds.
+absl::Status RunImport(const AttnctlOptions& options) {
+  AttnClient client(options.client);
+  ATTN_ASSIGN_OR_RETURN(const std::string file,
+                        ReadFileToString(options.in_path, "--in"));
+  ATTN_ASSIGN_OR_RETURN(const v1::ImportSessionResponse response,
+                        client.ImportSession(file, options.session_id));
+  std::string lengths;
+  for (int64_t length : response.lengths()) {
+    absl::StrAppend(&lengths, lengths.empty() ? "" : ",", length);
+  }
+  std::printf("session %s: %llu bytes, tokens per layer %s\n",
+              response.session_id().c_str(),
+              static_cast<unsigned long long>(response.received()),
+              lengths.c_str());
+  return absl::OkStatus();
+}
+
 // One line per model; with --model, that model's metadata.
 absl::Status RunModels(const AttnctlOptions& options) {
   AttnClient client(options.client);
@@ -593,6 +663,8 @@ absl::Status Run(const std::string& command) {
   ATTN_RETURN_IF_ERROR(VerifyOptions(options));
   if (options.command == "health") return RunHealth(options);
   if (options.command == "models") return RunModels(options);
+  if (options.command == "export") return RunExport(options);
+  if (options.command == "import") return RunImport(options);
   if (options.command == "bench") return RunBench(options);
   return RunOperation(options);
 }
@@ -608,6 +680,8 @@ int main(int argc, char** argv) {
       "[operation flags]\n"
       "attnctl health --target=HOST:PORT [--service=NAME]\n"
       "attnctl models --target=HOST:PORT [--model=NAME]\n"
+      "attnctl export --target=HOST:PORT --session_id=ID --out=FILE\n"
+      "attnctl import --target=HOST:PORT --in=FILE [--session_id=ID]\n"
       "attnctl bench --target=HOST:PORT "
       "--rpc=attend|mha|layernorm|rmsnorm|decode|health "
       "[--batch --seq --kv_seq --dim --heads --kv_heads --dtype | --in=FILE] "
@@ -636,7 +710,7 @@ int main(int argc, char** argv) {
   const std::string command = args[1];
   if (command != "health" && command != "models" && command != "attend" &&
       command != "mha" && command != "layernorm" && command != "rmsnorm" &&
-      command != "bench") {
+      command != "bench" && command != "export" && command != "import") {
     std::fprintf(stderr, "attnctl: unknown command '%s'\n%s\n", command.c_str(),
                  absl::ProgramUsageMessage().data());
     return 2;

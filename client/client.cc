@@ -1,8 +1,11 @@
 #include "client/client.h"
 
+#include <algorithm>
 #include <chrono>
+#include <string>
 #include <type_traits>
 
+#include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
 #include "core/status_macros.h"
 #include "grpcpp/client_context.h"
@@ -72,6 +75,113 @@ absl::StatusOr<Response> AttnClient::Call(
   Response response;
   grpc::Status status = (stub->*method)(&context, request, &response);
   if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::Status AttnClient::ExportStream(
+    const v1::ExportSessionRequest& request,
+    absl::FunctionRef<absl::Status(absl::string_view)> write, uint64_t& written,
+    uint64_t& version) {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  std::unique_ptr<grpc::ClientReader<v1::ExportSessionChunk>> reader =
+      stub_->ExportSession(&context, request);
+  v1::ExportSessionChunk chunk;
+  uint64_t size = 0;
+  absl::Status written_status;
+  while (written_status.ok() && reader->Read(&chunk)) {
+    if (chunk.offset() != written) {
+      written_status = absl::DataLossError(
+          absl::StrCat("export: a chunk at offset ", chunk.offset(), " after ",
+                       written, " bytes"));
+      break;
+    }
+    written_status = write(chunk.data());
+    written += chunk.data().size();
+    version = chunk.version();
+    size = chunk.size();
+  }
+  if (!written_status.ok()) {
+    context.TryCancel();
+    reader->Finish().IgnoreError();
+    return written_status;
+  }
+  const grpc::Status status = reader->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  if (written != size) {
+    return absl::UnavailableError(absl::StrCat(
+        "export: the stream ended after ", written, " of ", size, " bytes"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttnClient::ExportSession(
+    const std::string& session_id,
+    absl::FunctionRef<absl::Status(absl::string_view)> write) {
+  uint64_t written = 0, version = 0;
+  absl::Status status;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    v1::ExportSessionRequest request;
+    request.set_session_id(session_id);
+    request.set_offset(written);
+    request.set_version(version);
+    status = ExportStream(request, write, written, version);
+    if (!absl::IsUnavailable(status)) break;
+  }
+  return status;
+}
+
+absl::StatusOr<v1::ImportSessionResponse> AttnClient::ImportStream(
+    const std::string& session_id, absl::string_view file, uint64_t offset,
+    size_t chunk_bytes) {
+  grpc::ClientContext context;
+  PrepareContext(options_, &context);
+  v1::ImportSessionResponse response;
+  std::unique_ptr<grpc::ClientWriter<v1::ImportSessionChunk>> writer =
+      stub_->ImportSession(&context, &response);
+  v1::ImportSessionChunk chunk;
+  chunk.set_session_id(session_id);
+  chunk.set_offset(offset);
+  // Without bytes, one chunk naming the session (a question).
+  bool sent = file.empty() ? writer->Write(chunk) : true;
+  for (uint64_t at = offset; sent && at < file.size(); at += chunk_bytes) {
+    chunk.set_offset(at);
+    chunk.set_data(std::string(file.substr(at, chunk_bytes)));
+    sent = writer->Write(chunk);
+    chunk.clear_session_id();
+  }
+  writer->WritesDone();
+  const grpc::Status status = writer->Finish();
+  if (!status.ok()) return FromGrpcStatus(status);
+  return response;
+}
+
+absl::StatusOr<v1::ImportSessionResponse> AttnClient::ImportSession(
+    absl::string_view file, const std::string& session_id, size_t chunk_bytes) {
+  chunk_bytes = std::max<size_t>(chunk_bytes, 1);
+  absl::StatusOr<v1::ImportSessionResponse> response;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    // With the session's id, an import under way goes on from where it got.
+    std::string resumed;
+    uint64_t offset = 0;
+    if (!session_id.empty()) {
+      const absl::StatusOr<v1::ImportSessionResponse> progress =
+          ImportStream(session_id, "", 0, chunk_bytes);
+      if (progress.ok()) {
+        resumed = session_id;
+        offset = progress->received();
+      } else if (!absl::IsNotFound(progress.status())) {
+        return progress.status();
+      }
+    }
+    response = ImportStream(resumed, file, offset, chunk_bytes);
+    if (response.ok() && response->received() < response->size()) {
+      response = absl::UnavailableError(
+          absl::StrCat("import: the server took ", response->received(),
+                       " of the file's ", response->size(), " bytes"));
+    }
+    if (!absl::IsUnavailable(response.status()) || session_id.empty()) break;
+  }
   return response;
 }
 

@@ -6,13 +6,16 @@
 #ifndef ATTNSERVE_CLIENT_CLIENT_H_
 #define ATTNSERVE_CLIENT_CLIENT_H_
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <string>
 
+#include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "client/requests.h"
@@ -139,6 +142,19 @@ class AttnClient {
       const std::string& session_id,
       std::optional<int64_t> length = std::nullopt);
 
+  // Session transfer. ExportSession streams session `session_id`'s file to
+  // `write` in order; a stream that breaks (UNAVAILABLE) is resumed from
+  // the bytes written, up to twice. ImportSession sends a file (one an
+  // export wrote) in chunks of `chunk_bytes`; with `session_id` (the
+  // exported session's), a stream that breaks is resumed from the bytes
+  // the server took, up to twice.
+  absl::Status ExportSession(
+      const std::string& session_id,
+      absl::FunctionRef<absl::Status(absl::string_view)> write);
+  absl::StatusOr<v1::ImportSessionResponse> ImportSession(
+      absl::string_view file, const std::string& session_id = "",
+      size_t chunk_bytes = size_t{1} << 20);
+
   // One Open Inference Protocol ModelInfer call (e.g. a step of a sequence).
   absl::StatusOr<inference::ModelInferResponse> ModelInfer(
       const inference::ModelInferRequest& request);
@@ -156,6 +172,17 @@ class AttnClient {
       grpc::Status (Stub::*method)(grpc::ClientContext*, const Request&,
                                    Response*),
       const Request& request);
+  // One export stream of `request`, its chunks' bytes to `write`;
+  // `written` counts them, `version` gets the session's.
+  absl::Status ExportStream(
+      const v1::ExportSessionRequest& request,
+      absl::FunctionRef<absl::Status(absl::string_view)> write,
+      uint64_t& written, uint64_t& version);
+  // One import stream: `file` from `offset` (nothing: asks how far the
+  // import of `session_id` got).
+  absl::StatusOr<v1::ImportSessionResponse> ImportStream(
+      const std::string& session_id, absl::string_view file, uint64_t offset,
+      size_t chunk_bytes);
   // Run with shared memory, for a request built with raw_data.
   template <typename Request>
   absl::StatusOr<NamedTensors> RunInSharedMemory(

@@ -366,6 +366,16 @@ std::optional<std::string> SessionDirectory::Holder(
   return *std::move(holder);
 }
 
+bool SessionDirectory::Knows(absl::string_view id) const {
+  if (!IsStorableId(id)) return false;
+  for (absl::string_view suffix :
+       {kSessionSuffix, kJournalSuffix, kHeldSuffix}) {
+    struct stat file;
+    if (::lstat(FileOf(id, suffix).c_str(), &file) == 0) return true;
+  }
+  return false;
+}
+
 void SessionDirectory::Release(absl::string_view id) {
   if (!IsStorableId(id)) return;
   ::unlink(absl::StrCat(path_, "/", id, kHeldSuffix).c_str());

@@ -157,6 +157,11 @@ class SessionDirectory {
   std::optional<std::string> Holder(absl::string_view id) const;
   void Release(absl::string_view id);
 
+  // Whether session `id` lives on through this directory: it has a file,
+  // a journal or a holder record here (an import of it would make a
+  // second copy).
+  bool Knows(absl::string_view id) const;
+
   const std::string& path() const { return path_; }
   Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
 

@@ -288,7 +288,8 @@ class SessionStore {
   };
   // Takes the next `bytes` of an import, which start at byte `offset` of
   // the file: `offset` must be the bytes it has taken (FAILED_PRECONDITION
-  // naming them otherwise). Once the header has come, the session's whole
+  // naming them otherwise; no bytes when resuming: only `import.received`
+  // is set). Once the header has come, the session's whole
   // cache is counted in the budget (room is made as for a step) and the id
   // is taken: steps on it answer UNAVAILABLE until the last byte has come,
   // when the session opens as a new one. ALREADY_EXISTS when a session of

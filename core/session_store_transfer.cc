@@ -66,6 +66,9 @@ absl::Status SessionStore::ImportBytes(Import& import, uint64_t offset,
   } else if (import.head == nullptr) {
     import.head = std::make_unique<SessionFileBuilder>("import");
   }
+  // A resuming stream's first chunk may carry no bytes: it asks how far
+  // the import got (import.received).
+  if (builder != nullptr && bytes.empty()) return absl::OkStatus();
   if (offset != import.received) {
     return absl::FailedPreconditionError(absl::StrCat(
         "offset: ", offset, "; the import has taken ", import.received,
@@ -128,9 +131,16 @@ absl::Status SessionStore::BeginImport(Import& import) {
   }
   const size_t reserved =
       session.reserved_bytes() + session.bookkeeping_bytes();
+  const std::string shown = EchoString(header.id, '"');
+  if (options_.directory != nullptr && options_.directory->Knows(header.id)) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        "session ", shown,
+        " lives on in the session directory (a file, a journal or a "
+        "replica holding it): step it there, or delete it before importing "
+        "it"));
+  }
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
-  const std::string shown = EchoString(header.id, '"');
   if (sessions_.contains(header.id)) {
     return absl::AlreadyExistsError(absl::StrCat(
         "session ", shown, " is open here; delete it before importing it"));

@@ -2,7 +2,10 @@
 // journal (LoadSessionJournal), with a session budget of 64 MiB. What loads
 // as a file must write back as a file that loads again and writes the same
 // bytes, holding the lengths its header named; what loads as a journal
-// holds whole blocks, the lengths it reports.
+// holds whole blocks, the lengths it reports. The same bytes taken in
+// pieces (an import stream: SessionFileBuilder) load exactly when the file
+// does, into a session that writes the same bytes.
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdio>
@@ -78,6 +81,21 @@ std::string Write(const DecodeSession& session, const SessionFileHeader& h) {
   return bytes;
 }
 
+// `bytes` taken by a SessionFileBuilder in pieces whose size the input
+// picks.
+absl::StatusOr<std::unique_ptr<DecodeSession>> Build(absl::string_view bytes) {
+  const size_t piece = 1 + (bytes.size() * 7919) % 4099;
+  SessionFileBuilder builder("input");
+  for (size_t at = 0; at < bytes.size(); at += piece) {
+    const absl::Status added = builder.Add(bytes.substr(at, piece), Loader());
+    if (!added.ok()) return added;
+    if (builder.received() != std::min(bytes.size(), at + piece)) {
+      Fail("a builder took other than the bytes it was given");
+    }
+  }
+  return builder.Release();
+}
+
 }  // namespace
 }  // namespace attnserve::fuzz
 
@@ -101,7 +119,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   SessionFileHeader header;
   absl::StatusOr<std::unique_ptr<DecodeSession>> session = Load(bytes, &header);
   CheckStatus("LoadSessionFile", session.status());
+  absl::StatusOr<std::unique_ptr<DecodeSession>> built = Build(bytes);
+  CheckStatus("SessionFileBuilder", built.status());
+  if (built.ok() != session.ok()) {
+    Fail("a file loads whole but not in pieces, or the other way round");
+  }
   if (!session.ok()) return 0;
+  if (Write(**built, header) != Write(**session, header)) {
+    Fail("a file taken in pieces writes other bytes");
+  }
   for (size_t layer = 0; layer < header.lengths.size(); ++layer) {
     if ((*session)->length(static_cast<int64_t>(layer)) !=
         header.lengths[layer]) {

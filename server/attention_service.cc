@@ -4,6 +4,7 @@
 #include "server/handlers.h"
 #include "server/operations.h"
 #include "server/request_cost.h"
+#include "server/session_transfer.h"
 
 namespace attnserve {
 
@@ -116,6 +117,16 @@ void AttentionServiceImpl::AddSessionRpcs(const CallPipeline* pipeline) {
                                    v1::HandOverSessionResponse*) {
         return HandleHandOverSession(request, sessions);
       });
+  AddServerStream("ExportSession",
+                  [pipeline](grpc::CallbackServerContext* context,
+                             const grpc::ByteBuffer* request) {
+                    return StartExportSession(context, request, pipeline);
+                  });
+  AddClientStream("ImportSession",
+                  [pipeline](grpc::CallbackServerContext* context,
+                             grpc::ByteBuffer* response) {
+                    return StartImportSession(context, response, pipeline);
+                  });
 }
 
 }  // namespace attnserve

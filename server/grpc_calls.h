@@ -212,6 +212,28 @@ class RawService : public GrpcService::Service {
                    std::move(start)));
   }
 
+  // The server-streaming RPC `method`: `start(context, request)` returns
+  // the stream's reactor.
+  template <typename Start>
+  void AddServerStream(absl::string_view method, Start start) {
+    const int index = MethodNamed(method);
+    added_.push_back(index);
+    this->MarkMethodRawCallback(
+        index, new grpc::internal::CallbackServerStreamingHandler<
+                   grpc::ByteBuffer, grpc::ByteBuffer>(std::move(start)));
+  }
+
+  // The client-streaming RPC `method`: `start(context, response)` returns
+  // the stream's reactor.
+  template <typename Start>
+  void AddClientStream(absl::string_view method, Start start) {
+    const int index = MethodNamed(method);
+    added_.push_back(index);
+    this->MarkMethodRawCallback(
+        index, new grpc::internal::CallbackClientStreamingHandler<
+                   grpc::ByteBuffer, grpc::ByteBuffer>(std::move(start)));
+  }
+
   // Aborts start-up when an RPC of the service was not registered (gRPC
   // would serve it on a synchronous thread pool the server does not have).
   void VerifyEveryRpcAdded() const {

@@ -271,19 +271,20 @@ absl::Status AttnServer::StartSessions(const ServerOptions& options) {
                                         absl::string_view holder) {
         return AskToHandOver(id, holder, peers, token);
       };
-      const ModelRepository* models = models_.get();
-      sessions.layer_of = [models](absl::string_view model)
-          -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
-        if (models == nullptr) {
-          return absl::NotFoundError(absl::StrCat(
-              "model ", EchoString(model),
-              " of a saved session: this server has no model repository"));
-        }
-        ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> found,
-                              models->Find(model));
-        return std::shared_ptr<const MultiHeadLayer>(found, found->layer.get());
-      };
     }
+    // A model session's layer, for sessions taken from files or imports.
+    const ModelRepository* models = models_.get();
+    sessions.layer_of = [models](absl::string_view model)
+        -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+      if (models == nullptr) {
+        return absl::NotFoundError(absl::StrCat(
+            "model ", EchoString(model),
+            " of a session file: this server has no model repository"));
+      }
+      ATTN_ASSIGN_OR_RETURN(std::shared_ptr<const Model> found,
+                            models->Find(model));
+      return std::shared_ptr<const MultiHeadLayer>(found, found->layer.get());
+    };
     sessions_ = std::make_unique<SessionStore>(sessions);
   }
   return absl::OkStatus();

@@ -283,6 +283,43 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(gone.exception.code(), grpc.StatusCode.NOT_FOUND)
         self.assertIn("was deleted", gone.exception.details())
 
+    def test_session_moves_through_export_and_import(self):
+        # A session exported, deleted and imported again (the file sent in
+        # two chunks) holds its tokens: its next step attends to all.
+        session = self.stub.CreateSession(pb.CreateSessionRequest(
+            num_heads=4, num_kv_heads=2, head_dim=16, max_length=64))
+        k, v = self.randn(2, 9, 16), self.randn(2, 9, 16)
+        self.stub.SessionStep(pb.SessionStepRequest(
+            session_id=session.session_id, query=to_tensor(self.randn(4, 9, 16)),
+            key=to_tensor(k), value=to_tensor(v)))
+        chunks = list(self.stub.ExportSession(
+            pb.ExportSessionRequest(session_id=session.session_id)))
+        data = b"".join(chunk.data for chunk in chunks)
+        self.assertEqual(chunks[0].offset, 0)
+        self.assertEqual(chunks[-1].size, len(data))
+        self.assertEqual(data[:8], b"ATTNSESS")
+        self.stub.DeleteSession(
+            pb.DeleteSessionRequest(session_id=session.session_id))
+        reply = self.stub.ImportSession(iter([
+            pb.ImportSessionChunk(offset=0, data=data[:100]),
+            pb.ImportSessionChunk(offset=100, data=data[100:])]))
+        self.assertEqual(reply.session_id, session.session_id)
+        self.assertEqual(list(reply.lengths), [9])
+        self.assertEqual(reply.received, len(data))
+        q, k1, v1 = self.randn(4, 1, 16), self.randn(2, 1, 16), \
+            self.randn(2, 1, 16)
+        step = self.stub.SessionStep(pb.SessionStepRequest(
+            session_id=session.session_id, query=to_tensor(q),
+            key=to_tensor(k1), value=to_tensor(v1)))
+        keys = torch.from_numpy(np.concatenate([k, k1], 1)).double()
+        values = torch.from_numpy(np.concatenate([v, v1], 1)).double()
+        expected, _ = sdpa_reference(q, keys.repeat_interleave(2, dim=0),
+                                     values.repeat_interleave(2, dim=0))
+        self.assertEqual(step.length, 10)
+        np.testing.assert_allclose(to_numpy(step.output), expected, **TOL)
+        self.stub.DeleteSession(
+            pb.DeleteSessionRequest(session_id=session.session_id))
+
     def test_model_session_matches_torch_module(self):
         # Steps of hidden states through the served nn.MultiheadAttention
         # equal the module's causal self-attention over the whole sequence.

@@ -140,9 +140,16 @@ bool GlobMatch(absl::string_view pattern, absl::string_view text) {
 }
 
 // The RPC a request message is for: "AttendRequest" -> "Attend".
+// The RPC a request is of: its message's name without "Request" (or, for
+// a stream's chunks, "Chunk").
 std::string RpcOf(const Message& request) {
   std::string rpc = request.GetDescriptor()->name();
-  rpc.resize(rpc.size() - std::string("Request").size());
+  for (absl::string_view suffix : {"Request", "Chunk"}) {
+    if (absl::EndsWith(rpc, suffix)) {
+      rpc.resize(rpc.size() - suffix.size());
+      break;
+    }
+  }
   return rpc;
 }
 
@@ -2324,6 +2331,69 @@ v1::Tensor ZeroWidth(const std::vector<int64_t>& shape) {
 // clear refusal within its deadline, and the server serves the next call
 // at once (a [1, 1, 262144, 0] Attend once computed 27 s past its 3 s
 // deadline, on gRPC's thread, where nothing could stop it).
+// ExportSession and ImportSession: one request or chunk a call, as a
+// unary client sends it.
+void AddTransferCases(std::vector<HostileCase>& cases) {
+  v1::ExportSessionRequest out;
+  out.set_session_id("nope");
+  cases.push_back(Case(out, "session_unknown", "session_id", Code::kNotFound,
+                       "session_id: no session \"nope\" (expired, evicted, "
+                       "deleted, or opened on another replica); create a new "
+                       "one and prefill it"));
+  out.set_session_id("");
+  cases.push_back(Invalid(out, "session_id_empty", "session_id",
+                          "session_id: empty, expected the id CreateSession "
+                          "returned"));
+  out.set_session_id(kAttentionSession);
+  out.set_offset(uint64_t{1} << 40);
+  cases.push_back(Glob(Case(out, "offset_past_end", "offset", Code::kOutOfRange,
+                            "offset: 1099511627776, past the file's * bytes")));
+  out.set_offset(0);
+  out.set_version(1);
+  cases.push_back(Glob(Case(out, "version_stale", "version", Code::kAborted,
+                            "version: session \"*\" changed since the export "
+                            "began (a step, a rewind or a move: version 1, "
+                            "now *); export it again from offset 0")));
+  out.set_version(0);
+  cases.push_back(Ok(out, "valid", "session_id", [](const std::string& bytes) {
+    v1::ExportSessionChunk chunk;
+    ASSERT_TRUE(chunk.ParseFromString(bytes));
+    EXPECT_EQ(chunk.offset(), 0u);
+    EXPECT_EQ(chunk.size(), chunk.data().size());
+    EXPECT_EQ(chunk.data().substr(0, 8), "ATTNSESS");
+  }));
+
+  v1::ImportSessionChunk in;
+  in.set_data("ATTNSESS");
+  cases.push_back(Ok(in, "valid", "data", [](const std::string& bytes) {
+    v1::ImportSessionResponse response;
+    ASSERT_TRUE(response.ParseFromString(bytes));
+    EXPECT_EQ(response.received(), 8u);
+    EXPECT_EQ(response.size(), 0u);
+  }));
+  in.set_data("NOT A SESSION FILE");
+  cases.push_back(Case(in, "not_a_session_file", "data", Code::kDataLoss,
+                       "session file 'import': not a session file (no "
+                       "ATTNSESS magic)"));
+  std::string huge_header("ATTNSESS\x02\0\0\0\xff\xff\xff\x7f", 16);
+  in.set_data(huge_header);
+  cases.push_back(Case(in, "header_huge", "data", Code::kDataLoss,
+                       "session file 'import': a header of 2147483647 bytes; "
+                       "a header takes at most 65536"));
+  in.set_data("x");
+  in.set_offset(5);
+  cases.push_back(Case(in, "offset_ahead", "offset", Code::kFailedPrecondition,
+                       "offset: 5; the import has taken 0 bytes of the file: "
+                       "send it from offset 0"));
+  in.set_offset(0);
+  in.set_session_id("0123abcd");
+  cases.push_back(Case(
+      in, "resume_unknown", "session_id", Code::kNotFound,
+      "session_id: no import of session \"0123abcd\" is under way here (it "
+      "completed, was dropped after 10m idle, or began on another replica); "
+      "import it again from offset 0"));
+}
+
 void AddWorkCases(std::vector<HostileCase>& cases) {
   for (const int64_t len : {int64_t{262144}, int64_t{1048576}}) {
     v1::AttendRequest a;
@@ -2658,6 +2728,7 @@ const std::vector<HostileCase>& Table() {
     AddModelRpcCases(*cases);
     AddSharedMemoryRpcCases(*cases, RegionKey());
     AddSessionCases(*cases);
+    AddTransferCases(*cases);
     AddWorkCases(*cases);
     AddSessionReservationCases(*cases);
     AddEchoCases(*cases);

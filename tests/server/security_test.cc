@@ -158,6 +158,14 @@ TEST_F(SecurityTest, TokensGuardEveryRpcButHealth) {
   AttnClient client(anonymous);
   EXPECT_EQ(client.ListModels().status().code(),
             absl::StatusCode::kUnauthenticated);
+  // So do the session transfer streams.
+  EXPECT_EQ(client
+                .ExportSession(
+                    "0123", [](absl::string_view) { return absl::OkStatus(); })
+                .code(),
+            absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(client.ImportSession("ATTNSESS").status().code(),
+            absl::StatusCode::kUnauthenticated);
   auto health = client.Health("");
   ASSERT_TRUE(health.ok()) << health.status();
   EXPECT_EQ(*health, grpc::health::v1::HealthCheckResponse::SERVING);

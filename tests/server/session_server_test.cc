@@ -21,6 +21,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
 #include "proto/tensor_codec.h"
@@ -1507,6 +1508,82 @@ TEST_F(DurableSessionTest, ADrainedServersSessionsStepOnAnotherAlike) {
   EXPECT_TRUE(third_client.DeleteSession(ids[1]).ok());
   auto gone = third_client.SessionStep(NextStep(ids[1], true, 1, 20));
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
+}
+
+// A client moves both kinds of session between two servers that share
+// nothing: exported from one, imported into the other (one stream cut
+// short and resumed), they step there as they would have here.
+TEST_F(DurableSessionTest, ExportedSessionsImportIntoAnotherServerAlike) {
+  TestServer reference(Options());
+  AttnClient reference_client = reference.MakeClient();
+  const std::vector<std::string> reference_ids = CreateBoth(reference_client);
+  TestServer source(Options());
+  TestServer target(Options());
+  AttnClient from = source.MakeClient();
+  AttnClient to = target.MakeClient();
+  const std::vector<std::string> ids = CreateBoth(from);
+  for (int s = 0; s < 2; ++s) {
+    for (auto [n, seed] : {std::pair{600, 1u}, {1, 2u}}) {
+      ASSERT_TRUE(from.SessionStep(NextStep(ids[s], s == 1, n, seed)).ok());
+      ASSERT_TRUE(reference_client
+                      .SessionStep(NextStep(reference_ids[s], s == 1, n, seed))
+                      .ok());
+    }
+    std::string file;
+    ASSERT_TRUE(from.ExportSession(ids[s],
+                                   [&](absl::string_view data) {
+                                     file.append(data.data(), data.size());
+                                     return absl::OkStatus();
+                                   })
+                    .ok());
+    if (s == 0) {
+      // The first half alone, then the rest resumed by the client.
+      const std::string half = file.substr(0, file.size() / 2);
+      auto partial = to.ImportSession(half, "", 4096);
+      EXPECT_EQ(partial.status().code(), absl::StatusCode::kUnavailable);
+      auto early = to.SessionStep(NextStep(ids[s], false, 1, 9));
+      EXPECT_EQ(early.status().code(), absl::StatusCode::kUnavailable)
+          << early.status();
+    }
+    auto imported = to.ImportSession(file, ids[s], 65536);
+    ASSERT_TRUE(imported.ok()) << imported.status();
+    EXPECT_EQ(imported->session_id(), ids[s]);
+    EXPECT_EQ(imported->received(), file.size());
+    EXPECT_EQ(imported->lengths(0), 601);
+    // The same id again is refused while it is open there.
+    auto again = to.ImportSession(file);
+    EXPECT_EQ(again.status().code(), absl::StatusCode::kAlreadyExists);
+    for (unsigned seed : {10u, 11u}) {
+      auto got = to.SessionStep(NextStep(ids[s], s == 1, 1, seed));
+      auto want = reference_client.SessionStep(
+          NextStep(reference_ids[s], s == 1, 1, seed));
+      ASSERT_TRUE(got.ok()) << got.status();
+      ASSERT_TRUE(want.ok()) << want.status();
+      EXPECT_EQ(got->output().SerializeAsString(),
+                want->output().SerializeAsString())
+          << "session " << s << " step " << seed;
+    }
+  }
+  // An export resumed after its session stepped is refused, naming why.
+  grpc::ClientContext context;
+  auto channel =
+      grpc::CreateChannel(source.target(), grpc::InsecureChannelCredentials());
+  auto stub = v1::AttentionService::NewStub(channel);
+  v1::ExportSessionRequest request;
+  request.set_session_id(ids[0]);
+  request.set_version(1);
+  request.set_offset(10);
+  auto reader = stub->ExportSession(&context, request);
+  v1::ExportSessionChunk chunk;
+  EXPECT_FALSE(reader->Read(&chunk));
+  const grpc::Status stale = reader->Finish();
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::ABORTED);
+  EXPECT_NE(stale.error_message().find("export it again"), std::string::npos)
+      << stale.error_message();
+  const std::string page = MetricsPage(target);
+  EXPECT_NE(page.find("attnserve_session_files_total{event=\"imported\"} 2\n"),
+            std::string::npos)
+      << page;
 }
 
 // A load balancer moving a session's calls between two live replicas (and

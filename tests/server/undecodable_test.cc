@@ -102,6 +102,13 @@ std::vector<RpcCase> EveryRpc(const SharedMemoryBuffer& shm,
   *steps.add_steps() = step;
   cases.push_back(
       Case("SessionSteps", steps, steps.steps(0).input().raw_data()));
+  // A small session's file, in one chunk; and an import's first bytes.
+  v1::ExportSessionRequest export_session;
+  export_session.set_session_id(session_id);
+  cases.push_back(Case("ExportSession", export_session, session_id));
+  v1::ImportSessionChunk import_session;
+  import_session.set_data("ATTNSESS");
+  cases.push_back(Case("ImportSession", import_session, "ATTNSESS"));
   // Before DeleteSession, whose valid call deletes the session.
   v1::ForkSessionRequest fork_session;
   fork_session.set_session_id(session_id);

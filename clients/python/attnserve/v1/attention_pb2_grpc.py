@@ -89,6 +89,16 @@ class AttentionServiceStub(object):
                 request_serializer=attnserve_dot_v1_dot_attention__pb2.HandOverSessionRequest.SerializeToString,
                 response_deserializer=attnserve_dot_v1_dot_attention__pb2.HandOverSessionResponse.FromString,
                 )
+        self.ExportSession = channel.unary_stream(
+                '/attnserve.v1.AttentionService/ExportSession',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.ExportSessionRequest.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.ExportSessionChunk.FromString,
+                )
+        self.ImportSession = channel.stream_unary(
+                '/attnserve.v1.AttentionService/ImportSession',
+                request_serializer=attnserve_dot_v1_dot_attention__pb2.ImportSessionChunk.SerializeToString,
+                response_deserializer=attnserve_dot_v1_dot_attention__pb2.ImportSessionResponse.FromString,
+                )
 
 
 class AttentionServiceServicer(object):
@@ -192,6 +202,18 @@ class AttentionServiceServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ExportSession(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ImportSession(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AttentionServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -269,6 +291,16 @@ def add_AttentionServiceServicer_to_server(servicer, server):
                     servicer.HandOverSession,
                     request_deserializer=attnserve_dot_v1_dot_attention__pb2.HandOverSessionRequest.FromString,
                     response_serializer=attnserve_dot_v1_dot_attention__pb2.HandOverSessionResponse.SerializeToString,
+            ),
+            'ExportSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.ExportSession,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.ExportSessionRequest.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.ExportSessionChunk.SerializeToString,
+            ),
+            'ImportSession': grpc.stream_unary_rpc_method_handler(
+                    servicer.ImportSession,
+                    request_deserializer=attnserve_dot_v1_dot_attention__pb2.ImportSessionChunk.FromString,
+                    response_serializer=attnserve_dot_v1_dot_attention__pb2.ImportSessionResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -532,5 +564,39 @@ class AttentionService(object):
         return grpc.experimental.unary_unary(request, target, '/attnserve.v1.AttentionService/HandOverSession',
             attnserve_dot_v1_dot_attention__pb2.HandOverSessionRequest.SerializeToString,
             attnserve_dot_v1_dot_attention__pb2.HandOverSessionResponse.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ExportSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(request, target, '/attnserve.v1.AttentionService/ExportSession',
+            attnserve_dot_v1_dot_attention__pb2.ExportSessionRequest.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.ExportSessionChunk.FromString,
+            options, channel_credentials,
+            insecure, call_credentials, compression, wait_for_ready, timeout, metadata)
+
+    @staticmethod
+    def ImportSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(request_iterator, target, '/attnserve.v1.AttentionService/ImportSession',
+            attnserve_dot_v1_dot_attention__pb2.ImportSessionChunk.SerializeToString,
+            attnserve_dot_v1_dot_attention__pb2.ImportSessionResponse.FromString,
             options, channel_credentials,
             insecure, call_credentials, compression, wait_for_ready, timeout, metadata)

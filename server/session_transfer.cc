@@ -1,0 +1,250 @@
+#include "server/session_transfer.h"
+
+#include <optional>
+#include <string>
+#include <utility>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "attnserve/v1/attention.pb.h"
+#include "core/session_store.h"
+#include "core/status_macros.h"
+#include "core/verify.h"
+#include "grpcpp/impl/codegen/proto_utils.h"  // SerializationTraits<Message>
+#include "grpcpp/server_context.h"
+#include "server/auth.h"
+#include "server/call_records.h"
+#include "server/grpc_status.h"
+
+namespace attnserve {
+namespace {
+
+using ByteBuffer = grpc::ByteBuffer;
+using MessageTraits = grpc::SerializationTraits<google::protobuf::Message>;
+
+// The checks every transfer stream makes first: its token, and a server
+// that keeps sessions.
+absl::Status VerifyTransfer(grpc::CallbackServerContext& context,
+                            const CallPipeline& pipeline) {
+  const ServiceConfig& config = pipeline.config();
+  if (config.auth != nullptr) ATTN_RETURN_IF_ERROR(config.auth->Check(context));
+  if (config.sessions == nullptr) {
+    return absl::FailedPreconditionError(
+        "decode sessions are off on this server (--max_session_memory_mb=0)");
+  }
+  return absl::OkStatus();
+}
+
+// A request or chunk from `buffer`; INVALID_ARGUMENT as a unary call's
+// when its bytes are not one.
+absl::Status Parse(ByteBuffer& buffer, google::protobuf::Message* message) {
+  const size_t bytes = buffer.Length();
+  if (!MessageTraits::Deserialize(&buffer, message).ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("request: could not parse ", bytes, " bytes as ",
+                     message->GetDescriptor()->full_name()));
+  }
+  return absl::OkStatus();
+}
+
+// A stream's end in the metrics, statistics and access log, under `label`;
+// `request` (may be null) describes it.
+void RecordStream(const CallPipeline& pipeline, const std::string& label,
+                  const google::protobuf::Message* request, absl::Time arrived,
+                  const absl::Status& status) {
+  const MessageSubject subject(request, nullptr);
+  pipeline.engine().Record({.label = label,
+                            .subject = request != nullptr ? &subject : nullptr,
+                            .arrived = arrived},
+                           status, absl::ZeroDuration(), absl::ZeroDuration());
+}
+
+class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
+ public:
+  ExportReactor(grpc::CallbackServerContext* context, const ByteBuffer* raw,
+                const CallPipeline* pipeline)
+      : pipeline_(pipeline) {
+    const absl::Status started = Start(*context, *raw);
+    if (started.ok()) {
+      WriteNext();
+    } else {
+      End(started);
+    }
+  }
+
+  void OnWriteDone(bool ok) override {
+    if (!ok) {
+      End(absl::CancelledError("the client went"));
+    } else if (offset_ == export_->image.size()) {
+      End(absl::OkStatus());
+    } else {
+      WriteNext();
+    }
+  }
+
+  void OnDone() override { delete this; }
+
+ private:
+  void End(const absl::Status& status) {
+    RecordStream(*pipeline_, "ExportSession", parsed_ ? &request_ : nullptr,
+                 arrived_, status);
+    Finish(ToGrpcStatus(status));
+  }
+
+  absl::Status Start(grpc::CallbackServerContext& context, ByteBuffer raw) {
+    ATTN_RETURN_IF_ERROR(VerifyTransfer(context, *pipeline_));
+    v1::ExportSessionRequest& request = request_;
+    ATTN_RETURN_IF_ERROR(Parse(raw, &request));
+    parsed_ = true;
+    ATTN_ASSIGN_OR_RETURN(export_, pipeline_->config().sessions->ExportSession(
+                                       request.session_id()));
+    const SessionFileImage& image = export_->image;
+    if (request.version() != 0 && request.version() != image.version()) {
+      return absl::AbortedError(absl::StrCat(
+          "version: session ", EchoString(request.session_id(), '"'),
+          " changed since the export began (a step, a rewind or a move: "
+          "version ",
+          request.version(), ", now ", image.version(),
+          "); export it again from offset 0"));
+    }
+    if (request.offset() > image.size()) {
+      return absl::OutOfRangeError(absl::StrCat("offset: ", request.offset(),
+                                                ", past the file's ",
+                                                image.size(), " bytes"));
+    }
+    offset_ = request.offset();
+    return absl::OkStatus();
+  }
+
+  // The next chunk, from offset_: as many records' bytes as fit.
+  void WriteNext() {
+    SessionFileImage& image = export_->image;
+    chunk_.Clear();
+    chunk_.set_offset(offset_);
+    chunk_.set_size(image.size());
+    chunk_.set_version(image.version());
+    std::string& data = *chunk_.mutable_data();
+    while (data.size() < kExportChunkBytes && offset_ < image.size()) {
+      const absl::StatusOr<absl::string_view> piece =
+          image.Read(offset_, kExportChunkBytes - data.size());
+      if (!piece.ok()) {
+        return End(absl::Status(
+            piece.status().code(),
+            absl::StrCat("session_id: ", piece.status().message(),
+                         " at offset ", offset_,
+                         "; export it again from offset 0, or fork it and "
+                         "export the fork (a fork does not change)")));
+      }
+      data.append(piece->data(), piece->size());
+      offset_ += piece->size();
+    }
+    buffer_.Clear();
+    bool own_buffer = false;
+    if (!MessageTraits::Serialize(chunk_, &buffer_, &own_buffer).ok()) {
+      return End(absl::InternalError("chunk: could not serialize"));
+    }
+    StartWrite(&buffer_);
+  }
+
+  const CallPipeline* const pipeline_;
+  const absl::Time arrived_ = absl::Now();
+  v1::ExportSessionRequest request_;
+  bool parsed_ = false;
+  std::optional<SessionStore::Export> export_;
+  uint64_t offset_ = 0;
+  v1::ExportSessionChunk chunk_;
+  ByteBuffer buffer_;
+};
+
+class ImportReactor final : public grpc::ServerReadReactor<ByteBuffer> {
+ public:
+  ImportReactor(grpc::CallbackServerContext* context, ByteBuffer* response,
+                const CallPipeline* pipeline)
+      : response_(response), pipeline_(pipeline) {
+    absl::Status started = VerifyTransfer(*context, *pipeline);
+    if (started.ok() && pipeline->engine().draining()) {
+      started = absl::UnavailableError(
+          "server is shutting down; import the session on another replica");
+    }
+    if (!started.ok()) {
+      End(started);
+      return;
+    }
+    sessions_ = pipeline->config().sessions;
+    StartRead(&buffer_);
+  }
+
+  void OnReadDone(bool ok) override {
+    // The client closed its side: the import answers how far it got.
+    if (!ok) return Answer();
+    const absl::Status taken = Take();
+    if (!taken.ok()) return End(taken);
+    StartRead(&buffer_);
+  }
+
+  void OnDone() override {
+    if (sessions_ != nullptr) sessions_->EndImport(import_);
+    delete this;
+  }
+
+ private:
+  void End(const absl::Status& status) {
+    RecordStream(*pipeline_, "ImportSession", nullptr, arrived_, status);
+    Finish(ToGrpcStatus(status));
+  }
+
+  absl::Status Take() {
+    v1::ImportSessionChunk chunk;
+    ATTN_RETURN_IF_ERROR(Parse(buffer_, &chunk));
+    if (!chunk.session_id().empty()) {
+      if (chunks_ > 0 && chunk.session_id() != import_.id) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("session_id: ", EchoString(chunk.session_id(), '"'),
+                         " in chunk ", chunks_,
+                         "; a stream imports one session, named in "
+                         "its first chunk"));
+      }
+      if (chunks_ == 0) import_.id = chunk.session_id();
+    }
+    ++chunks_;
+    return sessions_->ImportBytes(import_, chunk.offset(), chunk.data());
+  }
+
+  void Answer() {
+    v1::ImportSessionResponse response;
+    response.set_session_id(import_.id);
+    response.set_received(import_.received);
+    response.set_size(import_.size);
+    for (int64_t length : import_.lengths) response.add_lengths(length);
+    bool own_buffer = false;
+    if (!MessageTraits::Serialize(response, response_, &own_buffer).ok()) {
+      return End(absl::InternalError("response: could not serialize"));
+    }
+    End(absl::OkStatus());
+  }
+
+  ByteBuffer* const response_;
+  const CallPipeline* const pipeline_;
+  const absl::Time arrived_ = absl::Now();
+  SessionStore* sessions_ = nullptr;
+  SessionStore::Import import_;
+  int64_t chunks_ = 0;
+  ByteBuffer buffer_;
+};
+
+}  // namespace
+
+grpc::ServerWriteReactor<ByteBuffer>* StartExportSession(
+    grpc::CallbackServerContext* context, const ByteBuffer* request,
+    const CallPipeline* pipeline) {
+  return new ExportReactor(context, request, pipeline);
+}
+
+grpc::ServerReadReactor<ByteBuffer>* StartImportSession(
+    grpc::CallbackServerContext* context, ByteBuffer* response,
+    const CallPipeline* pipeline) {
+  return new ImportReactor(context, response, pipeline);
+}
+
+}  // namespace attnserve
