@@ -56,7 +56,7 @@ def stub_of(target):
 
 
 def tensor(array):
-    return v1.Tensor(dtype=v1.FLOAT32, shape=list(array.shape),
+    return v1.Tensor(dtype=v1.DATA_TYPE_FLOAT32, shape=list(array.shape),
                      raw_data=array.astype(np.float32).tobytes())
 
 

@@ -351,6 +351,11 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
   Decoder in(bytes.substr(header_bytes));
   ATTN_ASSIGN_OR_RETURN(const auto blocks, ReplayJournal(in, *session, name));
   for (size_t layer = 0; layer < blocks.size(); ++layer) {
+    header.lengths[layer] =
+        static_cast<int64_t>(blocks[layer].size()) * kCacheBlockKeys;
+  }
+  ATTN_RETURN_IF_ERROR(loader.admit(header, *session));
+  for (size_t layer = 0; layer < blocks.size(); ++layer) {
     for (size_t block = 0; block < blocks[layer].size(); ++block) {
       const int64_t first = static_cast<int64_t>(block) * kCacheBlockKeys;
       const absl::Status appended =
@@ -361,8 +366,6 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
                                           ": ", appended.message()));
       }
     }
-    header.lengths[layer] =
-        static_cast<int64_t>(blocks[layer].size()) * kCacheBlockKeys;
   }
   header.unconfirmed = true;
   if (header_out != nullptr) *header_out = std::move(header);
@@ -571,6 +574,7 @@ absl::Status SessionFileBuilder::TakeHeader(absl::string_view bytes,
                                             const SessionFileLoader& loader) {
   ATTN_ASSIGN_OR_RETURN(session_,
                         CreateFromHeader(bytes, name_, loader, header_));
+  ATTN_RETURN_IF_ERROR(loader.admit(header_, *session_));
   expected_size_ = bytes.size() + kEndBytes;
   for (int64_t length : header_.lengths) {
     const int64_t blocks = (length + kCacheBlockKeys - 1) / kCacheBlockKeys;

@@ -112,6 +112,15 @@ struct SessionFileLoader {
   // Checks the session's config before its memory is reserved (the
   // session store's VerifyConfig).
   absl::FunctionRef<absl::Status(const DecodeSessionConfig&)> verify;
+  // Called with the header (a journal's: the lengths its replay holds)
+  // and the empty session before any block is loaded into it, so that
+  // the caller can make room for what it will hold (the session store's
+  // budget); an error stops the load. Default: nothing.
+  absl::FunctionRef<absl::Status(const SessionFileHeader&,
+                                 const DecodeSession&)>
+      admit = +[](const SessionFileHeader&, const DecodeSession&) {
+        return absl::OkStatus();
+      };
 };
 
 // Where a session file is read from, piece by piece (a file need not be

@@ -875,14 +875,27 @@ absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> SessionStore::LayerOf(
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
-    absl::string_view id, SessionFileHeader& header, bool& recovered) {
+    absl::string_view id, SessionFileHeader& header, bool& recovered,
+    LoadCount& count) {
   const auto layer_of = [this](absl::string_view model) {
     return LayerOf(model);
   };
   const auto verify = [this](const DecodeSessionConfig& config) {
     return VerifyConfig(config);
   };
-  const SessionFileLoader loader{.layer_of = layer_of, .verify = verify};
+  // Room is made for the whole session before its blocks are loaded.
+  const auto admit = [&](const SessionFileHeader& loading,
+                         const DecodeSession& session) -> absl::Status {
+    std::vector<std::shared_ptr<Slot>> freed;
+    MutexLock lock(&mu_);
+    UncountLoad(count);  // an earlier attempt's
+    const LoadCount needed = CountOf(loading, session);
+    ATTN_RETURN_IF_ERROR(CountLoad(std::string(id), needed, freed));
+    count = needed;
+    return absl::OkStatus();
+  };
+  const SessionFileLoader loader{
+      .layer_of = layer_of, .verify = verify, .admit = admit};
   const auto no_file = [](const absl::Status& status) {
     return absl::IsNotFound(status) &&
            absl::StartsWith(status.message(), "no session file");
@@ -925,8 +938,14 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
   }
   SessionFileHeader header;
   bool recovered = false;
+  LoadCount count;
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
-      TakeSaved(id, header, recovered);
+      TakeSaved(id, header, recovered, count);
+  {
+    // Counted as a session from here (AddAs), or not at all.
+    MutexLock lock(&mu_);
+    UncountLoad(count);
+  }
   // No file, no journal: the lookup says NOT_FOUND.
   if (absl::IsNotFound(session.status()) &&
       absl::StartsWith(session.status().message(), "no ")) {

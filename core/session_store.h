@@ -314,6 +314,11 @@ class SessionStore {
   const Options& options() const { return options_; }
 
  private:
+  // What a session being loaded counts (CountLoad).
+  struct LoadCount {
+    size_t bytes = 0;
+    size_t reserved = 0;
+  };
   // A session and the lock that runs its steps one at a time. An evicted
   // session is saved when its slot goes (after its last step).
   struct Slot {
@@ -386,10 +391,11 @@ class SessionStore {
                                     bool unconfirmed = false)
       ABSL_LOCKS_EXCLUDED(mu_);
   // TakeIfSaved's parts: the session file of `id`, or, when no process
-  // holds it, its journal (`recovered` set).
+  // holds it, its journal (`recovered` set); `count` what it counts in the
+  // budget while it loads (CountLoad), for the caller to uncount.
   absl::StatusOr<std::unique_ptr<DecodeSession>> TakeSaved(
-      absl::string_view id, SessionFileHeader& header, bool& recovered)
-      ABSL_LOCKS_EXCLUDED(mu_);
+      absl::string_view id, SessionFileHeader& header, bool& recovered,
+      LoadCount& count) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Journaling. Whether the store journals; queues `slot` for the journal
   // thread; the journal thread's loop and its work on one slot (creating
@@ -472,10 +478,10 @@ class SessionStore {
   // The memory max_bytes limits, and the address space max_reserved_bytes
   // does.
   size_t budget_bytes() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return bytes_ + bookkeeping_ + superseded_ + importing_bytes_;
+    return bytes_ + bookkeeping_ + superseded_ + loading_bytes_;
   }
   size_t reserved_space() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    return reserved_ + bookkeeping_ + importing_reserved_;
+    return reserved_ + bookkeeping_ + loading_reserved_;
   }
   // A model session's layer for a session file (Options::layer_of;
   // NOT_FOUND without one).
@@ -490,6 +496,17 @@ class SessionStore {
   absl::Status BeginImport(Import& import) ABSL_LOCKS_EXCLUDED(mu_);
   absl::Status FinishImport(Import& import) ABSL_LOCKS_EXCLUDED(mu_);
   void DropImport(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Loading a session: what the session of `header` counts once its
+  // blocks are in (its whole cache and bookkeeping, and its address
+  // space); counting that, having evicted least recently used sessions to
+  // make room (RESOURCE_EXHAUSTED naming session `id` when they cannot);
+  // and no longer counting it.
+  static LoadCount CountOf(const SessionFileHeader& header,
+                           const DecodeSession& session);
+  absl::Status CountLoad(const std::string& id, const LoadCount& count,
+                         std::vector<std::shared_ptr<Slot>>& freed)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UncountLoad(LoadCount& count) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Counts one more (fewer) session holding `session`'s model, if any.
   void HoldModel(const DecodeSession& session)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -537,14 +554,16 @@ class SessionStore {
   struct PendingImport {
     std::shared_ptr<SessionFileBuilder> builder;
     uint64_t received = 0;  // builder->received() after its last piece
-    size_t bytes = 0;
-    size_t reserved = 0;
+    LoadCount count;
     absl::Time last_used;
     const Import* stream = nullptr;
   };
   absl::flat_hash_map<std::string, PendingImport> imports_ ABSL_GUARDED_BY(mu_);
-  size_t importing_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  size_t importing_reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  // Sessions being loaded (imports under way, sessions taken from the
+  // directory): what they count in the budget and the address space, each
+  // its whole cache from its header on, until it opens.
+  size_t loading_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  size_t loading_reserved_ ABSL_GUARDED_BY(mu_) = 0;
   std::string holder_ ABSL_GUARDED_BY(mu_);
   std::thread reaper_;
   // The journal thread's queue (slots whose blocks filled), whether it is

@@ -123,14 +123,7 @@ absl::Status SessionStore::BeginImport(Import& import) {
         "the file's session id ", EchoString(header.id, '"'),
         " is not one a server issues (1 to 64 lowercase hex digits)"));
   }
-  // What the session will hold once every block has come.
-  size_t bytes = session.bookkeeping_bytes();
-  for (size_t layer = 0; layer < header.lengths.size(); ++layer) {
-    bytes +=
-        session.BytesAt(header.lengths[layer], static_cast<int64_t>(layer));
-  }
-  const size_t reserved =
-      session.reserved_bytes() + session.bookkeeping_bytes();
+  const LoadCount count = CountOf(header, session);
   const std::string shown = EchoString(header.id, '"');
   if (options_.directory != nullptr && options_.directory->Knows(header.id)) {
     return absl::AlreadyExistsError(absl::StrCat(
@@ -151,44 +144,67 @@ absl::Status SessionStore::BeginImport(Import& import) {
         " is being imported here already; resume that import (give its "
         "session_id), or delete the session to drop it"));
   }
+  ATTN_RETURN_IF_ERROR(CountLoad(header.id, count, freed));
+  PendingImport& pending = imports_[header.id];
+  pending.builder = std::move(import.head);
+  pending.received = pending.builder->received();
+  pending.count = count;
+  pending.last_used = absl::Now();
+  import.id = header.id;
+  import.size = pending.builder->expected_size();
+  return absl::OkStatus();
+}
+
+SessionStore::LoadCount SessionStore::CountOf(const SessionFileHeader& header,
+                                              const DecodeSession& session) {
+  LoadCount count;
+  count.bytes = session.bookkeeping_bytes();
+  for (size_t layer = 0; layer < header.lengths.size(); ++layer) {
+    count.bytes +=
+        session.BytesAt(header.lengths[layer], static_cast<int64_t>(layer));
+  }
+  count.reserved = session.reserved_bytes() + session.bookkeeping_bytes();
+  return count;
+}
+
+absl::Status SessionStore::CountLoad(
+    const std::string& id, const LoadCount& count,
+    std::vector<std::shared_ptr<Slot>>& freed) {
   const auto no_room = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return (options_.max_sessions > 0 &&
             static_cast<int64_t>(sessions_.size() + imports_.size()) >=
                 options_.max_sessions) ||
            (options_.max_reserved_bytes > 0 &&
-            reserved_space() + reserved > options_.max_reserved_bytes) ||
+            reserved_space() + count.reserved > options_.max_reserved_bytes) ||
            (options_.max_bytes > 0 &&
-            budget_bytes() + bytes > options_.max_bytes);
+            budget_bytes() + count.bytes > options_.max_bytes);
   };
   while (no_room() && !lru_.empty()) {
     Remove(lru_.back(), GoneReason::kEvicted, freed);
   }
   if (no_room()) {
     return absl::ResourceExhaustedError(absl::StrCat(
-        "session ", shown, ": its ", bytes,
-        " bytes do not fit beside the imports under way (session memory "
+        "session ", EchoString(id, '"'), ": its ", count.bytes,
+        " bytes do not fit beside the sessions being loaded (session memory "
         "limit ",
         options_.max_bytes, " bytes, max_sessions ", options_.max_sessions,
         ")"));
   }
-  PendingImport& pending = imports_[header.id];
-  pending.builder = std::move(import.head);
-  pending.received = pending.builder->received();
-  pending.bytes = bytes;
-  pending.reserved = reserved;
-  pending.last_used = absl::Now();
-  importing_bytes_ += bytes;
-  importing_reserved_ += reserved;
-  import.id = header.id;
-  import.size = pending.builder->expected_size();
+  loading_bytes_ += count.bytes;
+  loading_reserved_ += count.reserved;
   return absl::OkStatus();
+}
+
+void SessionStore::UncountLoad(LoadCount& count) {
+  loading_bytes_ -= count.bytes;
+  loading_reserved_ -= count.reserved;
+  count = LoadCount{};
 }
 
 void SessionStore::DropImport(const std::string& id) {
   const auto it = imports_.find(id);
   if (it == imports_.end()) return;
-  importing_bytes_ -= it->second.bytes;
-  importing_reserved_ -= it->second.reserved;
+  UncountLoad(it->second.count);
   imports_.erase(it);
 }
 

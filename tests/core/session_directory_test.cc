@@ -137,6 +137,51 @@ TEST_F(SessionDirectoryTest, AnEvictedSessionIsSavedAndTakenBackByItsStep) {
   EXPECT_EQ((*store.Find(id))->length(), 701);
 }
 
+// A session taken from its file is counted in the budget before its
+// blocks are loaded: room is made first, and when none can be (imports
+// hold it), the take is refused and the file stays for later.
+TEST_F(SessionDirectoryTest, ATakeMakesRoomBeforeLoading) {
+  auto directory = OpenDirectory();
+  SessionStore::Options options = StoreOptions(directory.get());
+  SessionStore sizing(StoreOptions(nullptr));
+  const std::string sized = *sizing.Add(NewSession());
+  ASSERT_TRUE(Step(sizing, sized, 4096, 1).ok());
+  const size_t one = sizing.stats().budget_bytes;  // a full session
+  options.max_bytes = one * 3 / 2;
+  SessionStore store(options);
+  const std::string id = *store.Add(NewSession());
+  ASSERT_TRUE(Step(store, id, 4096, 1).ok());
+  ASSERT_TRUE(store.HandOver(id).ok());
+  // Another session fills the budget; taking the first evicts it before
+  // loading, and the budget is never passed.
+  const std::string other = *store.Add(NewSession());
+  ASSERT_TRUE(Step(store, other, 4096, 2).ok());
+  ASSERT_TRUE(Step(store, id, 1, 3, 4000).ok());
+  EXPECT_EQ(store.stats().evicted, 1);
+  EXPECT_LE(store.stats().budget_bytes, options.max_bytes);
+  ASSERT_TRUE(store.HandOver(id).ok());
+  // An import under way holds the budget: the take is refused, its file
+  // kept, and it succeeds once the import is gone.
+  std::string file;
+  ASSERT_TRUE(WriteSessionFile(*sizing.Find(sized).value(), "00ff",
+                               [&](absl::string_view piece) {
+                                 file.append(piece.data(), piece.size());
+                                 return absl::OkStatus();
+                               })
+                  .ok());
+  SessionStore::Import import;
+  ASSERT_TRUE(store.ImportBytes(import, 0, file.substr(0, 1000)).ok());
+  const absl::Status refused = Step(store, id, 1, 4, 4001).status();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_THAT(std::string(refused.message()),
+              HasSubstr("do not fit beside the sessions being loaded"));
+  EXPECT_TRUE(fs::exists(FileOf(id)));
+  ASSERT_TRUE(store.Delete("00ff").ok());
+  store.EndImport(import);
+  EXPECT_TRUE(Step(store, id, 1, 4, 4001).ok());
+  EXPECT_LE(store.stats().budget_bytes, options.max_bytes);
+}
+
 TEST_F(SessionDirectoryTest, SavedSessionsMoveToAnotherStoreAndStepAlike) {
   auto directory = OpenDirectory();
   SessionStore reference_store(StoreOptions(nullptr));
