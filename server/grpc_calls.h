@@ -200,38 +200,23 @@ class RawService : public GrpcService::Service {
     });
   }
 
-  // The bidirectional-streaming RPC `method`: `start(context)` returns the
-  // stream's reactor.
+  // The streaming RPCs `method`: `start` returns the stream's reactor,
+  // called with the context (bidirectional), the context and the request
+  // (server streaming), or the context and the response to fill (client
+  // streaming).
   template <typename Start>
   void AddStream(absl::string_view method, Start start) {
-    const int index = MethodNamed(method);
-    added_.push_back(index);
-    this->MarkMethodRawCallback(
-        index, new grpc::internal::CallbackBidiHandler<grpc::ByteBuffer,
-                                                       grpc::ByteBuffer>(
-                   std::move(start)));
+    AddRaw<grpc::internal::CallbackBidiHandler>(method, std::move(start));
   }
-
-  // The server-streaming RPC `method`: `start(context, request)` returns
-  // the stream's reactor.
   template <typename Start>
   void AddServerStream(absl::string_view method, Start start) {
-    const int index = MethodNamed(method);
-    added_.push_back(index);
-    this->MarkMethodRawCallback(
-        index, new grpc::internal::CallbackServerStreamingHandler<
-                   grpc::ByteBuffer, grpc::ByteBuffer>(std::move(start)));
+    AddRaw<grpc::internal::CallbackServerStreamingHandler>(method,
+                                                           std::move(start));
   }
-
-  // The client-streaming RPC `method`: `start(context, response)` returns
-  // the stream's reactor.
   template <typename Start>
   void AddClientStream(absl::string_view method, Start start) {
-    const int index = MethodNamed(method);
-    added_.push_back(index);
-    this->MarkMethodRawCallback(
-        index, new grpc::internal::CallbackClientStreamingHandler<
-                   grpc::ByteBuffer, grpc::ByteBuffer>(std::move(start)));
+    AddRaw<grpc::internal::CallbackClientStreamingHandler>(method,
+                                                           std::move(start));
   }
 
   // Aborts start-up when an RPC of the service was not registered (gRPC
@@ -263,6 +248,15 @@ class RawService : public GrpcService::Service {
         Descriptor()->FindMethodByName(std::string(name));
     GPR_ASSERT(method != nullptr && "no RPC of the service has this name");
     return method->index();
+  }
+  // `method` served by gRPC's raw callback `Handler` of `start`.
+  template <template <typename, typename> class Handler, typename Start>
+  void AddRaw(absl::string_view method, Start start) {
+    const int index = MethodNamed(method);
+    added_.push_back(index);
+    this->MarkMethodRawCallback(
+        index,
+        new Handler<grpc::ByteBuffer, grpc::ByteBuffer>(std::move(start)));
   }
   template <typename Function>
   void Mark(int method, Function function) {

@@ -405,6 +405,83 @@ TEST(ConcurrencyTest, CoalescerKeepsPassesShortAndAnswersHopelessStepsAtOnce) {
   EXPECT_FALSE(coalescer.active());
 }
 
+// A session exported while another thread steps it: each export either
+// reads one consistent file (which loads, at the length of some step) or
+// ends ABORTED; meanwhile a second store imports the files that were read
+// while a third thread steps the id being imported (UNAVAILABLE until it
+// opens) and asks for its stats.
+TEST(ConcurrencyTest, ExportsAndImportsRaceStepsSafely) {
+  SessionStore source(SessionStore::Options{});
+  SessionStore target(SessionStore::Options{});
+  DecodeSessionConfig config;
+  config.num_heads = 2;
+  config.key_dim = 16;
+  config.max_length = 4096;
+  const std::string id = *source.Add(*DecodeSession::Create(config));
+  const auto step = [&](SessionStore& store, const std::string& session,
+                        std::mt19937& rng) {
+    Tensor q = RandomTensor(DType::kFloat32, {1, 2, 8, 16}, rng);
+    DecodeStepInputs in;
+    in.query = q.view();
+    in.key = q.view();
+    in.value = q.view();
+    TensorResults results;
+    return store.Step(session, in, {}, results, nullptr);
+  };
+  std::atomic<bool> done{false};
+  std::thread stepper([&] {
+    std::mt19937 rng(1);
+    for (int i = 0; i < 300; ++i) ASSERT_TRUE(step(source, id, rng).ok());
+    done = true;
+  });
+  std::vector<std::string> files;
+  int aborted = 0;
+  while (!done) {
+    auto exported = source.ExportSession(id);
+    ASSERT_TRUE(exported.ok()) << exported.status();
+    std::string file;
+    absl::Status status;
+    while (status.ok() && file.size() < exported->image.size()) {
+      auto piece = exported->image.Read(file.size(), 4096);
+      status = piece.status();
+      if (piece.ok()) file.append(piece->data(), piece->size());
+    }
+    if (status.ok()) {
+      files.push_back(std::move(file));
+    } else {
+      EXPECT_EQ(status.code(), absl::StatusCode::kAborted) << status;
+      ++aborted;
+    }
+  }
+  stepper.join();
+  std::printf("%zu exports read, %d aborted\n", files.size(), aborted);
+  ASSERT_FALSE(files.empty());
+  // The last file read imports while another thread steps its id.
+  const std::string& file = files.back();
+  std::atomic<bool> imported{false};
+  std::thread prober([&] {
+    std::mt19937 rng(2);
+    while (!imported) {
+      const absl::Status early = step(target, id, rng);
+      EXPECT_TRUE(early.code() == absl::StatusCode::kUnavailable ||
+                  early.code() == absl::StatusCode::kNotFound || early.ok())
+          << early;
+      target.stats();
+    }
+  });
+  SessionStore::Import import;
+  for (size_t at = 0; at < file.size(); at += 1000) {
+    ASSERT_TRUE(
+        target.ImportBytes(import, at, absl::string_view(file).substr(at, 1000))
+            .ok());
+  }
+  imported = true;
+  prober.join();
+  target.EndImport(import);
+  EXPECT_TRUE(import.complete);
+  EXPECT_EQ(target.stats().imported, 1);
+}
+
 TEST(ConcurrencyTest, MetricsRecordAndRenderConcurrently) {
   Metrics metrics;
   std::vector<std::thread> threads;
