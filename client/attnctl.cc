@@ -444,7 +444,8 @@ absl::Status VerifyOptions(const AttnctlOptions& options) {
     ATTN_RETURN_IF_ERROR(VerifyBenchCommandOptions(bench));
   }
   if (options.command != "health" && options.command != "models" &&
-      options.command != "bench" && options.in_path.empty()) {
+      options.command != "bench" && options.command != "export" &&
+      options.command != "import" && options.in_path.empty()) {
     return absl::InvalidArgumentError("--in: missing (a .safetensors file)");
   }
   return absl::OkStatus();

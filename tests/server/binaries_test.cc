@@ -352,6 +352,72 @@ TEST(BinariesTest, AttnctlWithoutServerFailsFast) {
   EXPECT_NE(run.output.find("UNAVAILABLE"), std::string::npos) << run.output;
 }
 
+// attnctl moves a session: exported to a file from one server, imported
+// from it into another, where it steps as on the first.
+TEST(BinariesTest, AttnctlExportsAndImportsASession) {
+  ServerProcess from;
+  ServerProcess to;
+  ASSERT_GT(from.port(), 0);
+  ASSERT_GT(to.port(), 0);
+  const auto client_of = [](const ServerProcess& server) {
+    ClientOptions options;
+    options.target = server.target();
+    return AttnClient(options);
+  };
+  AttnClient clients[2] = {client_of(from), client_of(to)};
+  v1::CreateSessionRequest create;
+  create.set_num_heads(2);
+  create.set_head_dim(8);
+  create.set_max_length(64);
+  auto created = clients[0].CreateSession(create);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::string id = created->session_id();
+  const auto step = [&](AttnClient& client, int64_t n, unsigned seed) {
+    std::mt19937 rng(seed);
+    v1::SessionStepRequest request;
+    request.set_session_id(id);
+    *request.mutable_query() =
+        RandomWireTensor(DType::kFloat32, {2, n, 8}, rng);
+    *request.mutable_key() = RandomWireTensor(DType::kFloat32, {2, n, 8}, rng);
+    *request.mutable_value() =
+        RandomWireTensor(DType::kFloat32, {2, n, 8}, rng);
+    return client.SessionStep(request);
+  };
+  ASSERT_TRUE(step(clients[0], 9, 1).ok());
+  const std::string file = TempPath("session.bin");
+  const CommandResult exported =
+      RunCommand(absl::StrCat(Attnctl(), " export --target=", from.target(),
+                              " --session_id=", id, " --out=", file));
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  EXPECT_NE(exported.output.find(absl::StrCat("session ", id, ": ")),
+            std::string::npos)
+      << exported.output;
+  const CommandResult imported = RunCommand(absl::StrCat(
+      Attnctl(), " import --target=", to.target(), " --in=", file));
+  ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  EXPECT_NE(imported.output.find("tokens per layer 9"), std::string::npos)
+      << imported.output;
+  auto want = step(clients[0], 1, 2);
+  auto got = step(clients[1], 1, 2);
+  ASSERT_TRUE(want.ok() && got.ok());
+  EXPECT_EQ(got->output().SerializeAsString(),
+            want->output().SerializeAsString());
+  // Importing it again is refused: the id is open there.
+  const CommandResult again = RunCommand(absl::StrCat(
+      Attnctl(), " import --target=", to.target(), " --in=", file));
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_NE(again.output.find("ALREADY_EXISTS"), std::string::npos)
+      << again.output;
+  // An export needs a session and a file.
+  const CommandResult missing =
+      RunCommand(absl::StrCat(Attnctl(), " export --target=", from.target()));
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.output.find("--session_id and --out are required"),
+            std::string::npos)
+      << missing.output;
+  std::filesystem::remove(file);
+}
+
 TEST(BinariesTest, AttnctlRejectsUnknownCommand) {
   const CommandResult run = RunCommand(Attnctl() + " frobnicate");
   EXPECT_EQ(run.exit_code, 2);
