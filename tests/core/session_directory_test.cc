@@ -348,9 +348,11 @@ TEST_F(SessionDirectoryTest, TheDirectoryKeepsWithinItsLimitOldestFirst) {
   fs::remove_all(path_);
   // Room for three files: the fourth save removes the oldest.
   auto directory = OpenDirectory(3 * one + one / 2);
+  // Apart by more than the file system's timestamp granularity (a kernel
+  // tick, up to 10 ms), which orders the files for the new handle below.
   for (const std::string& id : ids) {
     ASSERT_TRUE(directory->Save(id, **store.Find(id)).ok());
-    absl::SleepFor(absl::Milliseconds(2));
+    absl::SleepFor(absl::Milliseconds(25));
   }
   EXPECT_FALSE(fs::exists(FileOf(ids[0])));
   for (int i = 1; i < 4; ++i) EXPECT_TRUE(fs::exists(FileOf(ids[i])));
