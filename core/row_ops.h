@@ -1,10 +1,9 @@
 // Vectorized row operations of the softmax, of the normalizations and of
 // the decode kernel's products with cached rows, chosen once, at first use,
-// for the CPU: hand-written AVX-512 where the CPU has it, the portable
-// implementation (one source, core/row_ops_hwy.cc, compiled for SSE4, AVX2,
-// AVX-512, NEON, SVE and SVE2) for the widest instruction set the CPU has
-// elsewhere, scalar code last. The environment variable ATTNSERVE_CPU_ISA
-// caps the choice (see ApplyCpuIsaSetting).
+// for the CPU: the portable implementation (one source, core/row_ops_hwy.cc,
+// compiled for SSE4, AVX2, AVX-512, NEON, SVE and SVE2) for the widest
+// instruction set the CPU has, scalar code last. The environment variable
+// ATTNSERVE_CPU_ISA caps the choice (see ApplyCpuIsaSetting).
 //
 // Thread-safety: the tables are built once (thread-safe statics) and are
 // read-only afterwards.

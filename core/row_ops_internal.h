@@ -1,6 +1,6 @@
 // Pieces the row-operation implementations share (core/row_ops.cc, the
-// hand-written AVX-512 and scalar ones; core/row_ops_hwy.cc, the portable
-// ones for every instruction set): not for use outside them.
+// scalar one; core/row_ops_hwy.cc, the portable ones for every instruction
+// set): not for use outside them.
 //
 // Thread-safety: constants and pure functions; the tables are immutable.
 #ifndef ATTNSERVE_CORE_ROW_OPS_INTERNAL_H_

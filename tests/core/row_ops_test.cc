@@ -1,5 +1,5 @@
 // The row kernels (core/row_ops.h) on every implementation this CPU runs
-// (hand-written AVX-512, each instruction set of the portable one, scalar),
+// (each instruction set of the portable one, then scalar),
 // against float64 and the non-finite rules: small inputs, so that the suite
 // also runs under emulation (scripts/test-arm.sh).
 #include "core/row_ops.h"
