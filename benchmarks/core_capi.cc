@@ -10,6 +10,7 @@
 #include "core/attention.h"
 #include "core/multi_head_attention.h"
 #include "core/primitives.h"
+#include "core/row_ops.h"
 
 namespace {
 
@@ -124,5 +125,13 @@ int attnserve_matmul(const float* a, const float* b, float* c, int64_t m,
   attnserve::MatmulShape shape{1, m, k, n};
   return Check(attnserve::Matmul(shape, a, b, nullptr, c));
 }
+
+// Applies ATTNSERVE_CPU_ISA, which caps the row kernels and, through
+// ONEDNN_MAX_CPU_ISA, oneDNN, as in the server. Call first, before any
+// primitive.
+int attnserve_apply_cpu_isa() { return Check(attnserve::ApplyCpuIsaSetting()); }
+
+// The row kernels in use, e.g. "avx512" or "avx2".
+const char* attnserve_row_kernels() { return attnserve::GetRowOps().name; }
 
 }  // extern "C"

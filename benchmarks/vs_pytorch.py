@@ -8,7 +8,8 @@ the median of each and their ratio. Run with Debian's interpreter:
     /usr/bin/python3 benchmarks/vs_pytorch.py [--build build] [--threads 2]
 
 PyTorch's GEMMs go through the system BLAS: install libopenblas0-openmp
-(scripts/bench.sh does). OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE, which some
+(scripts/bench.sh does). ATTNSERVE_CPU_ISA=avx2 (or sse4) caps both sides
+at that instruction set, to compare as on a CPU without AVX-512. OPENBLAS_CORETYPE and OPENBLAS_L2_SIZE, which some
 machines set and which halve OpenBLAS's speed, are removed from this process
 before OpenBLAS loads.
 """
@@ -20,8 +21,17 @@ import sys
 import time
 
 _SLOW_BLAS_VARS = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
-if any(v in os.environ for v in _SLOW_BLAS_VARS):
+# ATTNSERVE_CPU_ISA=avx2 or sse4 caps attnserve (its row kernels and
+# oneDNN) and PyTorch alike, as on a CPU without AVX-512: OpenBLAS takes
+# that instruction set's kernels, and PyTorch's oneDNN is turned off (see
+# main), so that its bfloat16 matmul takes the path it takes there.
+_CAPPED_ISA = os.environ.get("ATTNSERVE_CPU_ISA", "")
+_CAPPED_BLAS = {"avx2": "Haswell", "sse4": "Nehalem"}.get(_CAPPED_ISA)
+_WANTED_BLAS = {"OPENBLAS_CORETYPE": _CAPPED_BLAS} if _CAPPED_BLAS else {}
+if {v: os.environ[v] for v in _SLOW_BLAS_VARS if v in os.environ} != \
+        _WANTED_BLAS:
     env = {k: v for k, v in os.environ.items() if k not in _SLOW_BLAS_VARS}
+    env.update(_WANTED_BLAS)
     os.execve(sys.executable, [sys.executable] + sys.argv, env)
 
 import torch  # noqa: E402  (after the environment is settled)
@@ -38,6 +48,9 @@ def load_core(build_dir):
     lib.attnserve_mha_run.argtypes = [p, p, p, i64, i64, i64, i]
     lib.attnserve_mha_free.argtypes = [p]
     lib.attnserve_layer_norm.argtypes = [p, p, p, p, i64, i64, ctypes.c_float]
+    lib.attnserve_row_kernels.restype = ctypes.c_char_p
+    if lib.attnserve_apply_cpu_isa() != 0:
+        sys.exit(2)
     lib.attnserve_matmul.argtypes = [p, p, p, i64, i64, i64]
     return lib
 
@@ -161,6 +174,8 @@ def main():
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
+    if _CAPPED_BLAS:
+        torch.backends.mkldnn.enabled = False
     lib = load_core(args.build)
     if args.quick:
         cases = [sdpa_case(lib, 1, 2, 64, 64, 32), mha_case(lib, 1, 16, 64, 4),
@@ -182,7 +197,8 @@ def main():
         ]
     peak = gemm_rate(lib)
     print(f"threads {args.threads}; torch {torch.__version__}; "
-          f"attnserve 2048^3 GEMM {peak / 1e9:.1f} GFLOP/s")
+          f"attnserve row kernels {lib.attnserve_row_kernels().decode()}, "
+          f"2048^3 GEMM {peak / 1e9:.1f} GFLOP/s")
     header = f"{'case':<42} {'attnserve ms':>12} {'PyTorch ms':>11} " \
              f"{'speedup':>8} {'% GEMM':>7} {'max|diff|':>10}"
     print(header)
