@@ -190,6 +190,9 @@ class ImportReactor final : public grpc::ServerReadReactor<ByteBuffer> {
 
  private:
   void End(const absl::Status& status) {
+    // The import is let go before the answer leaves: a client that
+    // resumes as soon as it has it finds the import free to claim.
+    if (sessions_ != nullptr) sessions_->EndImport(import_);
     RecordStream(*pipeline_, "ImportSession", nullptr, arrived_, status);
     Finish(ToGrpcStatus(status));
   }

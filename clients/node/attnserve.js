@@ -46,7 +46,9 @@ const METHODS = {
  * multiHeadAttend, layerNorm, rmsNorm, listModels, getModelMetadata, and the
  * decode sessions' createSession, sessionStep, deleteSession) take a request
  * object and optional { deadlineSeconds, metadata } and return a promise of
- * the response. `raw` is the underlying grpc-js client; close() closes it.
+ * the response; exportSession(sessionId, options) and importSession(data,
+ * { sessionId, chunkBytes, ...options }) move a session between servers.
+ * `raw` is the underlying grpc-js client; close() closes it.
  */
 function connect(target, { credentials, protoDir } = {}) {
   const api = loadApi(protoDir);
@@ -74,7 +76,132 @@ function connect(target, { credentials, protoDir } = {}) {
       });
     };
   }
+  client.exportSession = (sessionId, options) =>
+    exportSession(raw, sessionId, options);
+  client.importSession = (data, options) => importSession(raw, data, options);
   return client;
+}
+
+// A broken stream (UNAVAILABLE) is resumed this many times, as the C++
+// client does.
+const TRANSFER_RETRIES = 2;
+
+function callOptions({ deadlineSeconds } = {}) {
+  return deadlineSeconds ?
+    { deadline: new Date(Date.now() + deadlineSeconds * 1000) } : {};
+}
+
+// One export stream from the bytes `state` has (state.chunks, at
+// state.version), which it adds to.
+function exportStream(raw, sessionId, state, options) {
+  return new Promise((resolve, reject) => {
+    let at = state.chunks.reduce((n, chunk) => n + chunk.length, 0);
+    let size = at;
+    const call = raw.ExportSession(
+      { session_id: sessionId, offset: at, version: state.version },
+      options.metadata || new grpc.Metadata(), callOptions(options));
+    call.on('data', (chunk) => {
+      if (chunk.offset !== at) {
+        call.cancel();
+        reject(new Error(`export: a chunk at offset ${chunk.offset} after ` +
+          `${at} bytes`));
+        return;
+      }
+      state.chunks.push(chunk.data);
+      state.version = chunk.version;
+      at += chunk.data.length;
+      size = chunk.size;
+    });
+    call.on('error', reject);
+    call.on('end', () => {
+      if (at === size) return resolve();
+      const error = new Error(
+        `export: the stream ended after ${at} of ${size} bytes`);
+      error.code = grpc.status.UNAVAILABLE;
+      reject(error);
+    });
+  });
+}
+
+/**
+ * The file of session `sessionId` (the --session_dir format) as a Buffer,
+ * which importSession opens on any server. A stream that breaks
+ * (UNAVAILABLE) is resumed from the bytes it has, at the same session
+ * version; a session stepped meanwhile ends the export with ABORTED.
+ */
+async function exportSession(raw, sessionId, options = {}) {
+  const state = { chunks: [], version: 0 };
+  for (let attempt = 0; ; attempt++) {
+    try {
+      await exportStream(raw, sessionId, state, options);
+      return Buffer.concat(state.chunks);
+    } catch (error) {
+      if (error.code !== grpc.status.UNAVAILABLE ||
+          attempt === TRANSFER_RETRIES) {
+        throw error;
+      }
+    }
+  }
+}
+
+// One import stream: `data` from `offset` (none left: a question, how far
+// the import of `sessionId` got).
+function importStream(raw, sessionId, data, offset, chunkBytes, options) {
+  return new Promise((resolve, reject) => {
+    const call = raw.ImportSession(options.metadata || new grpc.Metadata(),
+      callOptions(options),
+      (error, response) => (error ? reject(error) : resolve(response)));
+    if (offset >= data.length) {
+      call.write({ session_id: sessionId, offset });
+    }
+    for (let at = offset; at < data.length; at += chunkBytes) {
+      call.write({
+        session_id: at === offset ? sessionId : '', offset: at,
+        data: data.subarray(at, at + chunkBytes),
+      });
+    }
+    call.end();
+  });
+}
+
+/**
+ * Opens the session of file `data` (a Buffer exportSession gave) under the
+ * id in the file, in chunks of `chunkBytes`; resolves to the
+ * ImportSessionResponse. With `sessionId` (the exported session's), an
+ * import this or an earlier call left under way goes on from the bytes the
+ * server has taken, and a stream that breaks is resumed.
+ */
+async function importSession(raw, data,
+  { sessionId = '', chunkBytes = 1 << 20, ...options } = {}) {
+  chunkBytes = Math.max(1, Math.floor(chunkBytes));
+  for (let attempt = 0; ; attempt++) {
+    let resumed = '';
+    let offset = 0;
+    if (sessionId) {
+      try {
+        const progress = await importStream(raw, sessionId, Buffer.alloc(0),
+          0, chunkBytes, options);
+        [resumed, offset] = [sessionId, progress.received];
+      } catch (error) {
+        if (error.code !== grpc.status.NOT_FOUND) throw error;
+      }
+    }
+    let failure;
+    try {
+      const response = await importStream(raw, resumed, data, offset,
+        chunkBytes, options);
+      if (response.received === response.size) return response;
+      failure = new Error(`import: the server took ${response.received} of ` +
+        `the file's ${response.size} bytes`);
+      failure.code = grpc.status.UNAVAILABLE;
+    } catch (error) {
+      failure = error;
+    }
+    if (failure.code !== grpc.status.UNAVAILABLE || !sessionId ||
+        attempt === TRANSFER_RETRIES) {
+      throw failure;
+    }
+  }
 }
 
 function elementCount(shape) {

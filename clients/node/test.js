@@ -347,6 +347,59 @@ test('a decode session matches attention over its history', async () => {
   });
 });
 
+test('a session moves through exportSession and importSession', async () => {
+  // Exported, deleted and imported again (the import cut short once and
+  // resumed), the session holds its tokens: its next step attends to all.
+  const random = rng(11);
+  const [H, Hkv, d, n] = [2, 1, 8, 5];
+  const session = await client.createSession({
+    num_heads: H, num_kv_heads: Hkv, head_dim: d, max_length: 16,
+  });
+  const id = session.session_id;
+  const k = randn(random, Hkv * n * d);
+  const v = randn(random, Hkv * n * d);
+  await client.sessionStep({
+    session_id: id, query: toTensor(randn(random, H * n * d), [H, n, d]),
+    key: toTensor(k, [Hkv, n, d]), value: toTensor(v, [Hkv, n, d]),
+  });
+  const data = await client.exportSession(id);
+  assert.equal(data.subarray(0, 8).toString(), 'ATTNSESS');
+  await client.deleteSession({ session_id: id });
+  // Half the file in one stream: the import waits under the session's id.
+  const half = Math.floor(data.length / 2);
+  const partial = await new Promise((resolve, reject) => {
+    const call = client.raw.ImportSession((error, response) =>
+      (error ? reject(error) : resolve(response)));
+    call.write({ offset: 0, data: data.subarray(0, half) });
+    call.end();
+  });
+  assert.deepEqual([partial.received, partial.size], [half, data.length]);
+  const imported = await client.importSession(data,
+    { sessionId: id, chunkBytes: 64 });
+  assert.equal(imported.session_id, id);
+  assert.deepEqual(imported.lengths, [n]);
+  const q = randn(random, H * d);
+  const k1 = randn(random, Hkv * d);
+  const v1 = randn(random, Hkv * d);
+  const reply = await client.sessionStep({
+    session_id: id, query: toTensor(q, [H, 1, d]),
+    key: toTensor(k1, [Hkv, 1, d]), value: toTensor(v1, [Hkv, 1, d]),
+  });
+  const keys = Float32Array.from([...k, ...k1]);
+  const values = Float32Array.from([...v, ...v1]);
+  const expected = attendRef(q, Float32Array.from([...keys, ...keys]),
+    Float32Array.from([...values, ...values]),
+    { batch: H, lq: 1, lk: n + 1, dk: d, dv: d, keep: () => true });
+  assertClose(fromTensor(reply.output).data, expected.out);
+  await assert.rejects(client.importSession(data), (error) => {
+    assert.equal(error.code, grpc.status.ALREADY_EXISTS);
+    assert.equal(error.details,
+      `session "${id}" is open here; delete it before importing it`);
+    return true;
+  });
+  await client.deleteSession({ session_id: id });
+});
+
 test('Attend with a broadcast BOOL mask, scale and an empty row', async () => {
   const random = rng(3);
   const [batch, lq, lk, d] = [2, 3, 4, 8];

@@ -298,11 +298,28 @@ class ClientTest(unittest.TestCase):
         self.assertEqual(chunks[0].offset, 0)
         self.assertEqual(chunks[-1].size, len(data))
         self.assertEqual(data[:8], b"ATTNSESS")
+        self.assertEqual(
+            attnserve_client.export_session(self.stub, session.session_id),
+            data)
         self.stub.DeleteSession(
             pb.DeleteSessionRequest(session_id=session.session_id))
-        reply = self.stub.ImportSession(iter([
-            pb.ImportSessionChunk(offset=0, data=data[:100]),
-            pb.ImportSessionChunk(offset=100, data=data[100:])]))
+        # A stream that ends half way leaves the import under way (its
+        # header has come); import_session, given the session's id,
+        # resumes it from there.
+        half = len(data) // 2
+        partial = self.stub.ImportSession(iter([
+            pb.ImportSessionChunk(offset=0, data=data[:half])]))
+        self.assertEqual((partial.received, partial.size), (half, len(data)))
+        with self.assertRaises(grpc.RpcError) as importing:
+            self.stub.SessionStep(pb.SessionStepRequest(
+                session_id=session.session_id,
+                query=to_tensor(self.randn(4, 1, 16)),
+                key=to_tensor(self.randn(2, 1, 16)),
+                value=to_tensor(self.randn(2, 1, 16))))
+        self.assertEqual(importing.exception.code(),
+                         grpc.StatusCode.UNAVAILABLE)
+        reply = attnserve_client.import_session(
+            self.stub, data, session_id=session.session_id, chunk_bytes=64)
         self.assertEqual(reply.session_id, session.session_id)
         self.assertEqual(list(reply.lengths), [9])
         self.assertEqual(reply.received, len(data))

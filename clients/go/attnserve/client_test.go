@@ -32,6 +32,7 @@ import (
 	"attnserve/clients/go/attnserve"
 	pb "attnserve/clients/go/attnservepb"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
@@ -427,6 +428,83 @@ func TestDecodeSession(t *testing.T) {
 		Value:     randn(rng, 2, 1, 8).tensor(t)})
 	expectStatus(t, err, codes.NotFound,
 		fmt.Sprintf("session_id: session %q was deleted", session.GetSessionId()))
+}
+
+func TestSessionMovesThroughExportAndImport(t *testing.T) {
+	// A session exported, deleted and imported again holds its tokens: its
+	// next step attends to all of them. The import is cut short once and
+	// resumed by ImportSession.
+	rng := mathrand.New(mathrand.NewSource(11))
+	session, err := client.CreateSession(callContext(t), &pb.CreateSessionRequest{
+		NumHeads: 4, NumKvHeads: 2, HeadDim: 8, MaxLength: 16})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := session.GetSessionId()
+	k, v := randn(rng, 2, 6, 8), randn(rng, 2, 6, 8)
+	if _, err := client.SessionStep(callContext(t), &pb.SessionStepRequest{
+		SessionId: id, Query: randn(rng, 4, 6, 8).tensor(t), Key: k.tensor(t),
+		Value: v.tensor(t)}); err != nil {
+		t.Fatal(err)
+	}
+	data, err := client.ExportSession(callContext(t), id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.HasPrefix(data, []byte("ATTNSESS")) {
+		t.Fatalf("export: %d bytes not starting with the file's magic", len(data))
+	}
+	if err := client.DeleteSession(callContext(t), id); err != nil {
+		t.Fatal(err)
+	}
+	// Half the file in one stream: the import waits under the session's id.
+	stream, err := client.Conn().NewStream(callContext(t),
+		&grpc.StreamDesc{ClientStreams: true},
+		"/attnserve.v1.AttentionService/ImportSession")
+	if err != nil {
+		t.Fatal(err)
+	}
+	half := len(data) / 2
+	partial := &pb.ImportSessionResponse{}
+	if err := stream.SendMsg(&pb.ImportSessionChunk{Data: data[:half]}); err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.RecvMsg(partial); err != nil {
+		t.Fatal(err)
+	}
+	if partial.GetReceived() != uint64(half) || partial.GetSize() != uint64(len(data)) {
+		t.Fatalf("partial import took %d of %d bytes, want %d of %d",
+			partial.GetReceived(), partial.GetSize(), half, len(data))
+	}
+	imported, err := client.ImportSession(callContext(t), data, id, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if imported.GetSessionId() != id || len(imported.GetLengths()) != 1 ||
+		imported.GetLengths()[0] != 6 {
+		t.Fatalf("imported %q with lengths %v, want %q with [6]",
+			imported.GetSessionId(), imported.GetLengths(), id)
+	}
+	q, k1, v1 := randn(rng, 4, 1, 8), randn(rng, 2, 1, 8), randn(rng, 2, 1, 8)
+	step, err := client.SessionStep(callContext(t), &pb.SessionStepRequest{
+		SessionId: id, Query: q.tensor(t), Key: k1.tensor(t), Value: v1.tensor(t)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keys, values := appendTokens(k, k1), appendTokens(v, v1)
+	out, _ := attendReference(q, repeatHeads(keys, 2), repeatHeads(values, 2),
+		attendOptions{})
+	expectClose(t, "step after the import", step.GetOutput(), out)
+	// A second import of the same file would be a second copy.
+	_, err = client.ImportSession(callContext(t), data, "", 1<<20)
+	expectStatus(t, err, codes.AlreadyExists,
+		fmt.Sprintf("session %q is open here; delete it before importing it", id))
+	if err := client.DeleteSession(callContext(t), id); err != nil {
+		t.Fatal(err)
+	}
 }
 
 func TestAttendRefusesMismatchedKey(t *testing.T) {

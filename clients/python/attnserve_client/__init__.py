@@ -22,11 +22,13 @@ from attnserve_client.models import (attention_weights, load_safetensors,
 from attnserve_client.process import ServerProcess
 from attnserve_client.shared_memory import SharedMemoryRegion
 from attnserve_client.tensors import to_numpy, to_tensor, to_torch
+from attnserve_client.transfer import (TransferError, export_session,
+                                       import_session)
 
 __all__ = [
     "MESSAGE_SIZE_OPTIONS", "attention_weights", "connect",
-    "keep_large_buffers",
+    "export_session", "import_session", "keep_large_buffers",
     "load_safetensors", "pb", "pb_grpc", "save_model", "save_safetensors",
     "ServerProcess", "SharedMemoryRegion", "to_numpy", "to_tensor",
-    "to_torch",
+    "to_torch", "TransferError",
 ]
