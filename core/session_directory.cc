@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstring>
+#include <set>
 #include <utility>
 
 #include "absl/cleanup/cleanup.h"
@@ -149,10 +150,10 @@ absl::Status SessionDirectory::Save(absl::string_view id,
   }
   {
     MutexLock lock(&mu_);
-    Index(std::string(id), bytes, absl::Now());
+    Index(absl::StrCat(id, kSessionSuffix), bytes, absl::Now());
     ++counts_.saved;
   }
-  MakeRoom(std::string(id));
+  MakeRoom(absl::StrCat(id, kSessionSuffix));
   return absl::OkStatus();
 }
 
@@ -245,7 +246,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
   ::unlink(file.c_str());
   if (header_out != nullptr) *header_out = std::move(header);
   MutexLock lock(&mu_);
-  if (suffix == kSessionSuffix) Unindex(std::string(id));
+  Unindex(absl::StrCat(id, suffix));
   ++counts_.taken;
   return session;
 }
@@ -272,7 +273,8 @@ absl::StatusOr<std::unique_ptr<SessionJournal>> SessionDirectory::CreateJournal(
     return ErrnoError(absl::StrCat("cannot lock ", temporary), error);
   }
   std::unique_ptr<SessionJournal> journal(
-      new SessionJournal(fd, std::move(temporary), FileOf(id, kJournalSuffix)));
+      new SessionJournal(fd, std::move(temporary), FileOf(id, kJournalSuffix),
+                         this, absl::StrCat(id, kJournalSuffix)));
   const absl::Status written = journal->Append(header);
   if (!written.ok()) {
     journal->Remove();
@@ -290,6 +292,10 @@ bool SessionDirectory::RemoveJournal(absl::string_view id) {
   const bool removed =
       ::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::unlink(name.c_str()) == 0;
   ::close(fd);
+  if (removed) {
+    MutexLock lock(&mu_);
+    Unindex(absl::StrCat(id, kJournalSuffix));
+  }
   return removed;
 }
 
@@ -303,6 +309,7 @@ absl::Status SessionJournal::Append(absl::string_view bytes) {
   ATTN_RETURN_IF_ERROR(
       WriteAll(fd_, bytes, temporary_.empty() ? path_ : temporary_));
   bytes_ += bytes.size();
+  directory_->JournalWritten(name_, bytes_);
   return absl::OkStatus();
 }
 
@@ -325,6 +332,7 @@ void SessionJournal::Remove() {
       own.st_dev == named.st_dev) {
     ::unlink(name.c_str());
   }
+  if (fd_ >= 0) directory_->JournalRemoved(name_);
   temporary_.clear();
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
@@ -334,7 +342,7 @@ bool SessionDirectory::Remove(absl::string_view id) {
   if (!IsStorableId(id)) return false;
   const bool removed = ::unlink(FileOf(id).c_str()) == 0;
   MutexLock lock(&mu_);
-  Unindex(std::string(id));
+  Unindex(absl::StrCat(id, kSessionSuffix));
   return removed;
 }
 
@@ -388,60 +396,94 @@ void SessionDirectory::Quarantine(absl::string_view id,
   const std::string from = FileOf(id, suffix);
   if (::rename(from.c_str(), to.c_str()) != 0) ::unlink(from.c_str());
   MutexLock lock(&mu_);
-  Unindex(std::string(id));
+  Unindex(absl::StrCat(id, suffix));
   ++counts_.quarantined;
 }
 
-void SessionDirectory::Index(const std::string& id, uint64_t bytes,
+void SessionDirectory::Index(const std::string& name, uint64_t bytes,
                              absl::Time written) {
-  Unindex(id);
-  files_[id] = {bytes, written};
-  by_age_.emplace(written, id);
+  Unindex(name);
+  files_[name] = {bytes, written};
+  by_age_.emplace(written, name);
   bytes_ += bytes;
 }
 
-void SessionDirectory::Unindex(const std::string& id) {
-  auto it = files_.find(id);
+void SessionDirectory::Unindex(const std::string& name) {
+  auto it = files_.find(name);
   if (it == files_.end()) return;
-  by_age_.erase({it->second.written, id});
+  by_age_.erase({it->second.written, name});
   bytes_ -= it->second.bytes;
   files_.erase(it);
 }
 
 void SessionDirectory::MakeRoom(const std::string& keep) {
   if (options_.max_bytes == 0) return;
+  // Journals a live process holds (its sessions' crash copies) stay, and
+  // stay counted.
+  std::set<std::string> held;
   while (true) {
     std::string oldest;
     {
       MutexLock lock(&mu_);
       if (bytes_ <= options_.max_bytes) return;
       auto it = by_age_.begin();
-      if (it != by_age_.end() && it->second == keep) ++it;
+      while (it != by_age_.end() &&
+             (it->second == keep || held.contains(it->second))) {
+        ++it;
+      }
       if (it == by_age_.end()) return;
       oldest = it->second;
-      Unindex(oldest);
-      ++counts_.removed_for_space;
+      if (absl::EndsWith(oldest, kSessionSuffix)) {
+        Unindex(oldest);
+        ++counts_.removed_for_space;
+      }
     }
-    ::unlink(FileOf(oldest).c_str());
+    if (absl::EndsWith(oldest, kSessionSuffix)) {
+      ::unlink(absl::StrCat(path_, "/", oldest).c_str());
+    } else if (RemoveJournal(
+                   oldest.substr(0, oldest.size() - kJournalSuffix.size()))) {
+      MutexLock lock(&mu_);
+      ++counts_.removed_for_space;
+    } else {
+      held.insert(oldest);
+    }
   }
+}
+
+void SessionDirectory::JournalWritten(const std::string& name, uint64_t bytes) {
+  {
+    MutexLock lock(&mu_);
+    Index(name, bytes, absl::Now());
+  }
+  MakeRoom(name);
+}
+
+void SessionDirectory::JournalRemoved(const std::string& name) {
+  MutexLock lock(&mu_);
+  Unindex(name);
 }
 
 void SessionDirectory::IndexExisting() {
   DIR* dir = ::opendir(path_.c_str());
   if (dir == nullptr) return;
   while (const dirent* entry = ::readdir(dir)) {
-    const absl::string_view name = entry->d_name;
-    if (!absl::EndsWith(name, kSessionSuffix)) continue;
-    const std::string id(name.substr(0, name.size() - kSessionSuffix.size()));
+    const std::string name = entry->d_name;
+    const absl::string_view suffix =
+        absl::EndsWith(name, kSessionSuffix)   ? kSessionSuffix
+        : absl::EndsWith(name, kJournalSuffix) ? kJournalSuffix
+                                               : "";
     struct stat info;
-    if (!IsStorableId(id) ||
-        ::lstat(absl::StrCat(path_, "/", name).c_str(), &info) != 0) {
+    if (suffix.empty() ||
+        !IsStorableId(
+            absl::string_view(name).substr(0, name.size() - suffix.size())) ||
+        ::lstat(absl::StrCat(path_, "/", name).c_str(), &info) != 0 ||
+        !S_ISREG(info.st_mode)) {
       continue;
     }
     MutexLock lock(&mu_);
     if (stopping_) break;
-    if (files_.contains(id)) continue;  // saved since
-    Index(id, static_cast<uint64_t>(info.st_size),
+    if (files_.contains(name)) continue;  // written since
+    Index(name, static_cast<uint64_t>(info.st_size),
           absl::TimeFromTimespec(info.st_mtim));
   }
   ::closedir(dir);

@@ -18,8 +18,11 @@
 // is taken (TakeJournal) like a session file, by whichever process is
 // asked for a session that no live process holds.
 //
-// Bounds: the session files together stay within `max_bytes`: after a save, the
-// least recently written files are removed until they fit. Opening does
+// Bounds: the session files and journals together stay within `max_bytes`:
+// after a save or a journal's growth, the least recently written files are
+// removed until they fit. Journals a live process holds (locked) are never
+// removed, only counted; those of processes that died are removed like
+// session files. Opening does
 // not read the directory (start-up stays instant with a million files in
 // it): a background thread indexes the files already there.
 //
@@ -76,11 +79,18 @@ class SessionJournal {
 
  private:
   friend class SessionDirectory;
-  SessionJournal(int fd, std::string temporary, std::string path)
-      : fd_(fd), temporary_(std::move(temporary)), path_(std::move(path)) {}
+  SessionJournal(int fd, std::string temporary, std::string path,
+                 SessionDirectory* directory, std::string name)
+      : fd_(fd),
+        temporary_(std::move(temporary)),
+        path_(std::move(path)),
+        directory_(directory),
+        name_(std::move(name)) {}
   int fd_;
   std::string temporary_;  // empty once published
   std::string path_;
+  SessionDirectory* const directory_;  // counts its bytes; outlives it
+  const std::string name_;             // "<id>.journal"
   uint64_t bytes_ = 0;
 };
 
@@ -89,7 +99,7 @@ class SessionDirectory {
   struct Options {
     // The directory; created if missing.
     std::string path;
-    // Bytes of all session files together; 0: no limit.
+    // Bytes of all session files and journals together; 0: no limit.
     uint64_t max_bytes = 0;
     // The largest file read back (the largest session a store may hold,
     // and its records); larger files are quarantined unread.
@@ -146,7 +156,7 @@ class SessionDirectory {
       SessionFileHeader* header = nullptr) ABSL_LOCKS_EXCLUDED(mu_);
   // Removes the journal of `id` unless a live process holds it (a
   // process that died left it); whether there was one.
-  bool RemoveJournal(absl::string_view id);
+  bool RemoveJournal(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Holder records ("<id>.held"): which replica holds session `id` in
   // memory (`holder`: the address peers reach it at), so that another
@@ -166,6 +176,7 @@ class SessionDirectory {
   Stats stats() const ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
+  friend class SessionJournal;  // reports its bytes (JournalWritten)
   explicit SessionDirectory(const Options& options, std::string path);
   std::string FileOf(absl::string_view id,
                      absl::string_view suffix = kSessionSuffix) const;
@@ -181,13 +192,19 @@ class SessionDirectory {
   // Moves the file of `id` with `suffix` to quarantine/.
   void Quarantine(absl::string_view id, absl::string_view suffix)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Index upkeep: a file of `id` with `bytes` written at `written`.
-  void Index(const std::string& id, uint64_t bytes, absl::Time written)
+  // Index upkeep: file `name` ("<id>.session", "<id>.journal") with
+  // `bytes` written at `written`.
+  void Index(const std::string& name, uint64_t bytes, absl::Time written)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  void Unindex(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void Unindex(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes the least recently written files while the index passes
-  // max_bytes, keeping `keep`.
+  // max_bytes, keeping `keep` (a file name) and the journals live
+  // processes hold.
   void MakeRoom(const std::string& keep) ABSL_LOCKS_EXCLUDED(mu_);
+  // A journal of this process (its file name) holds `bytes` now / is gone.
+  void JournalWritten(const std::string& name, uint64_t bytes)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  void JournalRemoved(const std::string& name) ABSL_LOCKS_EXCLUDED(mu_);
   void IndexExisting() ABSL_LOCKS_EXCLUDED(mu_);
 
   const Options options_;

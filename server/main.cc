@@ -97,8 +97,9 @@ ABSL_FLAG(std::string, session_dir, attnserve::ServerOptions().session_dir,
           "empty: off.");
 ABSL_FLAG(int64_t, max_session_disk_mb,
           attnserve::ServerOptions().max_session_disk_mb,
-          "Session files in --session_dir together, MiB; past it the least "
-          "recently written are removed (0: no limit).");
+          "Session files and journals in --session_dir together, MiB; past "
+          "it the least recently written are removed, except the journals "
+          "of running servers (0: no limit).");
 ABSL_FLAG(bool, journal_sessions, attnserve::ServerOptions().journal_sessions,
           "With --session_dir: journal each session's full blocks of 512 "
           "tokens as they fill, so that a server that dies leaves them "

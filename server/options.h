@@ -58,8 +58,9 @@ struct ServerOptions {
   // session this server does not hold is looked for (and taken up, its
   // file removed). Replicas that share it hand sessions over. Empty: off.
   std::string session_dir;
-  // The session files in session_dir together, MiB; past it the least
-  // recently written are removed. 0: no limit.
+  // The session files and journals in session_dir together, MiB; past it
+  // the least recently written are removed, except the journals of running
+  // servers. 0: no limit.
   int64_t max_session_disk_mb = 16384;
   // With session_dir: keep a journal of every open session there, each
   // block of 512 tokens appended (off the step's path) once it fills, so

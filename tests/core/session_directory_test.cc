@@ -436,6 +436,73 @@ TEST_F(SessionDirectoryTest, ALiveHoldersJournalIsNotTaken) {
   EXPECT_EQ(Step(other, id, 1, 2).status().code(), absl::StatusCode::kNotFound);
 }
 
+// Journals count in the directory's limit with the session files. When
+// room is needed, the journal a dead store left goes first (oldest), while
+// a live store's journal is never removed, however old: the next oldest
+// session file goes instead.
+TEST_F(SessionDirectoryTest, JournalsCountInTheLimitAndOnlyOrphansGo) {
+  SessionStore plain(StoreOptions(nullptr));
+  std::vector<std::string> files;
+  for (int i = 0; i < 3; ++i) {
+    files.push_back(*plain.Add(NewSession()));
+    ASSERT_TRUE(Step(plain, files.back(), 512, 10 + i).ok());
+  }
+  auto probe = OpenDirectory();
+  ASSERT_TRUE(probe->Save(files[0], **plain.Find(files[0])).ok());
+  const uint64_t one = probe->stats().bytes;
+  probe.reset();
+  fs::remove_all(path_);
+
+  auto directory = OpenDirectory(uint64_t{1} << 40);  // no removal yet
+  SessionStore::Options options = StoreOptions(directory.get());
+  options.journal = true;
+  std::string orphan, live;
+  {
+    SessionStore dead(options);
+    orphan = *dead.Add(NewSession());
+    ASSERT_TRUE(Step(dead, orphan, 600, 1).ok());
+    dead.WaitForJournals();
+    // Gone without saving: its journal stays, unlocked.
+  }
+  SessionStore holder(options);
+  live = *holder.Add(NewSession());
+  ASSERT_TRUE(Step(holder, live, 600, 2).ok());
+  holder.WaitForJournals();
+  const fs::path orphan_journal = path_ / (orphan + ".journal");
+  const fs::path live_journal = path_ / (live + ".journal");
+  ASSERT_TRUE(fs::exists(orphan_journal));
+  ASSERT_TRUE(fs::exists(live_journal));
+  const uint64_t journals =
+      fs::file_size(orphan_journal) + fs::file_size(live_journal);
+  EXPECT_EQ(directory->stats().bytes, journals);
+  EXPECT_EQ(directory->stats().files, 2);
+
+  // Room for both journals and one file and a half: the second file's save
+  // removes the orphan, the third's (the live journal being the oldest
+  // then) the first file.
+  directory.reset();
+  directory = OpenDirectory(journals + one + one / 2);
+  for (int tries = 0; tries < 200 && directory->stats().files != 2; ++tries) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(directory->stats().bytes, journals);
+  ASSERT_TRUE(directory->Save(files[0], **plain.Find(files[0])).ok());
+  ASSERT_TRUE(directory->Save(files[1], **plain.Find(files[1])).ok());
+  EXPECT_FALSE(fs::exists(orphan_journal));
+  EXPECT_TRUE(fs::exists(live_journal));
+  EXPECT_TRUE(fs::exists(FileOf(files[0])));
+  EXPECT_EQ(directory->stats().removed_for_space, 1);
+  ASSERT_TRUE(directory->Save(files[2], **plain.Find(files[2])).ok());
+  EXPECT_TRUE(fs::exists(live_journal));
+  EXPECT_FALSE(fs::exists(FileOf(files[0])));
+  EXPECT_TRUE(fs::exists(FileOf(files[1])));
+  EXPECT_TRUE(fs::exists(FileOf(files[2])));
+  EXPECT_EQ(directory->stats().removed_for_space, 2);
+  EXPECT_LE(directory->stats().bytes, journals + one + one / 2);
+  // The live session still steps, journaled.
+  ASSERT_TRUE(Step(holder, live, 1, 3).ok());
+}
+
 TEST_F(SessionDirectoryTest, ARewindBelowJournaledBlocksIsRecordedAtOnce) {
   auto directory = OpenDirectory();
   SessionStore::Options options = StoreOptions(directory.get());
