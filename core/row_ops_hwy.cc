@@ -15,6 +15,7 @@
 // clang-format on
 
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -281,12 +282,20 @@ void ScaleToBFloat16(const float* x, int64_t n, float a, uint16_t* out) {
 // With AVX512_BF16 (Zen 4 and later, Sapphire Rapids) the rounding to
 // bfloat16 is one vcvtneps2bf16 where ToBFloat16Bits takes eight
 // instructions: on a Zen 5 it made bfloat16 SDPA B8 H8 L512 7% faster
-// (one run). Nearest even and NaN quieted, as FloatToBFloat16; values below
-// bfloat16's normal range round to 0. Plain loops: a lambda would not take
-// the function's target.
-#define ATTN_AVX512_BF16 __attribute__((target("avx512bf16")))
+// (one run). Nearest even and NaN quieted, as FloatToBFloat16. The
+// instruction takes denormals for 0: a vector holding one (rare: an exp
+// 87 below the maximum) is rounded by ToBFloat16Bits instead, so that the
+// bits are those of the other tables. Plain loops: a lambda would not take
+// the function's target. The target names the whole set (clang replaces the
+// enclosing pragma's set with a function's own).
+#define ATTN_AVX512_BF16 __attribute__((target(HWY_TARGET_STR ",avx512bf16")))
 
 ATTN_AVX512_BF16 void StoreBFloat16Native(V v, uint16_t* out, int64_t count) {
+  const __m512 magnitude = _mm512_abs_ps(v.raw);
+  const __mmask16 denormal =
+      _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MIN), _CMP_LT_OQ) &
+      _mm512_cmp_ps_mask(magnitude, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+  if (denormal != 0) return StoreBFloat16(v, out, count);
   const __mmask16 mask =
       count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
   _mm256_mask_storeu_epi16(
@@ -1434,6 +1443,10 @@ const std::vector<const RowOps*>& PortableRowOps() {
     };
     (void)add;
 #if HWY_TARGETS & HWY_AVX3_DL
+    if (__builtin_cpu_supports("avx512bf16")) {
+      add(HWY_AVX3_DL,
+          [] { return N_AVX3_DL::TargetRowOpsBFloat16("avx512_dl_bf16"); });
+    }
     add(HWY_AVX3_DL,
         [] { return N_AVX3_DL::TargetRowOps("avx512_dl", "avx512"); });
 #endif
