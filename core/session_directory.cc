@@ -151,6 +151,12 @@ absl::Status SessionDirectory::Save(absl::string_view id,
   {
     MutexLock lock(&mu_);
     Index(absl::StrCat(id, kSessionSuffix), bytes, absl::Now());
+    // This process's journal of the session goes once it is saved: the
+    // file replaces it in the count.
+    const auto journal = files_.find(absl::StrCat(id, kJournalSuffix));
+    if (journal != files_.end() && journal->second.own_journal) {
+      Unindex(std::string(journal->first));
+    }
     ++counts_.saved;
   }
   MakeRoom(absl::StrCat(id, kSessionSuffix));
@@ -288,11 +294,19 @@ bool SessionDirectory::RemoveJournal(absl::string_view id) {
   const std::string name = FileOf(id, kJournalSuffix);
   const int fd =
       ::open(name.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) return false;
-  const bool removed =
-      ::flock(fd, LOCK_EX | LOCK_NB) == 0 && ::unlink(name.c_str()) == 0;
-  ::close(fd);
-  if (removed) {
+  const bool gone = fd < 0 && errno == ENOENT;
+  bool removed = false;
+  if (fd >= 0) {
+    // Only the file locked: another process may have published its own
+    // journal under the name since it was opened.
+    struct stat locked, named;
+    removed = ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
+              ::fstat(fd, &locked) == 0 && ::stat(name.c_str(), &named) == 0 &&
+              locked.st_ino == named.st_ino && locked.st_dev == named.st_dev &&
+              ::unlink(name.c_str()) == 0;
+    ::close(fd);
+  }
+  if (removed || gone) {
     MutexLock lock(&mu_);
     Unindex(absl::StrCat(id, kJournalSuffix));
   }
@@ -419,7 +433,7 @@ void SessionDirectory::Unindex(const std::string& name) {
 void SessionDirectory::MakeRoom(const std::string& keep) {
   if (options_.max_bytes == 0) return;
   // Journals a live process holds (its sessions' crash copies) stay, and
-  // stay counted.
+  // stay counted: this process's own are known, others' are found locked.
   std::set<std::string> held;
   while (true) {
     std::string oldest;
@@ -428,7 +442,8 @@ void SessionDirectory::MakeRoom(const std::string& keep) {
       if (bytes_ <= options_.max_bytes) return;
       auto it = by_age_.begin();
       while (it != by_age_.end() &&
-             (it->second == keep || held.contains(it->second))) {
+             (it->second == keep || held.contains(it->second) ||
+              files_.at(it->second).own_journal)) {
         ++it;
       }
       if (it == by_age_.end()) return;
@@ -454,6 +469,8 @@ void SessionDirectory::JournalWritten(const std::string& name, uint64_t bytes) {
   {
     MutexLock lock(&mu_);
     Index(name, bytes, absl::Now());
+    files_[name].own_journal = true;
+    if (options_.max_bytes == 0 || bytes_ <= options_.max_bytes) return;
   }
   MakeRoom(name);
 }

@@ -213,6 +213,7 @@ class SessionDirectory {
   struct Entry {
     uint64_t bytes = 0;
     absl::Time written;
+    bool own_journal = false;  // a journal this process holds open
   };
   absl::flat_hash_map<std::string, Entry> files_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<absl::Time, std::string>> by_age_ ABSL_GUARDED_BY(mu_);

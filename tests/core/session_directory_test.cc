@@ -477,28 +477,29 @@ TEST_F(SessionDirectoryTest, JournalsCountInTheLimitAndOnlyOrphansGo) {
   EXPECT_EQ(directory->stats().bytes, journals);
   EXPECT_EQ(directory->stats().files, 2);
 
-  // Room for both journals and one file and a half: the second file's save
-  // removes the orphan, the third's (the live journal being the oldest
-  // then) the first file.
-  directory.reset();
-  directory = OpenDirectory(journals + one + one / 2);
-  for (int tries = 0; tries < 200 && directory->stats().files != 2; ++tries) {
+  // Another handle on the directory (as another replica's), with room for
+  // both journals and one file and a half: the second file's save removes
+  // the orphan, the third's (the live journal being the oldest then) the
+  // first file. The holder's journal stays with the first handle, which
+  // outlives it.
+  auto other = OpenDirectory(journals + one + one / 2);
+  for (int tries = 0; tries < 200 && other->stats().files != 2; ++tries) {
     absl::SleepFor(absl::Milliseconds(10));
   }
-  ASSERT_EQ(directory->stats().bytes, journals);
-  ASSERT_TRUE(directory->Save(files[0], **plain.Find(files[0])).ok());
-  ASSERT_TRUE(directory->Save(files[1], **plain.Find(files[1])).ok());
+  ASSERT_EQ(other->stats().bytes, journals);
+  ASSERT_TRUE(other->Save(files[0], **plain.Find(files[0])).ok());
+  ASSERT_TRUE(other->Save(files[1], **plain.Find(files[1])).ok());
   EXPECT_FALSE(fs::exists(orphan_journal));
   EXPECT_TRUE(fs::exists(live_journal));
   EXPECT_TRUE(fs::exists(FileOf(files[0])));
-  EXPECT_EQ(directory->stats().removed_for_space, 1);
-  ASSERT_TRUE(directory->Save(files[2], **plain.Find(files[2])).ok());
+  EXPECT_EQ(other->stats().removed_for_space, 1);
+  ASSERT_TRUE(other->Save(files[2], **plain.Find(files[2])).ok());
   EXPECT_TRUE(fs::exists(live_journal));
   EXPECT_FALSE(fs::exists(FileOf(files[0])));
   EXPECT_TRUE(fs::exists(FileOf(files[1])));
   EXPECT_TRUE(fs::exists(FileOf(files[2])));
-  EXPECT_EQ(directory->stats().removed_for_space, 2);
-  EXPECT_LE(directory->stats().bytes, journals + one + one / 2);
+  EXPECT_EQ(other->stats().removed_for_space, 2);
+  EXPECT_LE(other->stats().bytes, journals + one + one / 2);
   // The live session still steps, journaled.
   ASSERT_TRUE(Step(holder, live, 1, 3).ok());
 }
