@@ -6,6 +6,8 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/shared_memory.h"
 #include "core/status_macros.h"
 #include "grpcpp/client_context.h"
@@ -170,6 +172,12 @@ absl::StatusOr<v1::ImportSessionResponse> AttnClient::ImportSession(
       if (progress.ok()) {
         resumed = session_id;
         offset = progress->received();
+      } else if (absl::IsUnavailable(progress.status())) {
+        // The stream that broke may hold the import until the server sees
+        // it end: ask again shortly.
+        response = progress.status();
+        absl::SleepFor(absl::Milliseconds(100 * (attempt + 1)));
+        continue;
       } else if (!absl::IsNotFound(progress.status())) {
         return progress.status();
       }

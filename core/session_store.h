@@ -293,7 +293,8 @@ class SessionStore {
   // cache is counted in the budget (room is made as for a step) and the id
   // is taken: steps on it answer UNAVAILABLE until the last byte has come,
   // when the session opens as a new one. ALREADY_EXISTS when a session of
-  // that id is open or being imported by another stream; NOT_FOUND when
+  // that id is open or being imported (a new import); UNAVAILABLE when a
+  // resumed import is still held by another stream; NOT_FOUND when
   // resuming an import that is not under way here; DATA_LOSS and the
   // config's errors as a session file's (the import is then dropped).
   absl::Status ImportBytes(Import& import, uint64_t offset,

@@ -47,9 +47,12 @@ absl::StatusOr<std::shared_ptr<SessionFileBuilder>> SessionStore::ClaimImport(
   }
   PendingImport& pending = it->second;
   if (pending.stream != nullptr && pending.stream != &import) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("session_id: session ", EchoString(import.id, '"'),
-                     " is being imported by another stream now"));
+    // Often a stream the client has given up on and the server has not
+    // yet seen end: worth a retry.
+    return absl::UnavailableError(absl::StrCat(
+        "session_id: session ", EchoString(import.id, '"'),
+        " is being imported by another stream now; retry once it has "
+        "ended"));
   }
   pending.stream = &import;
   pending.last_used = absl::Now();

@@ -96,7 +96,7 @@ function callOptions({ deadlineSeconds } = {}) {
 function exportStream(raw, sessionId, state, options) {
   return new Promise((resolve, reject) => {
     let at = state.chunks.reduce((n, chunk) => n + chunk.length, 0);
-    let size = at;
+    let size = 0;
     const call = raw.ExportSession(
       { session_id: sessionId, offset: at, version: state.version },
       options.metadata || new grpc.Metadata(), callOptions(options));
@@ -145,22 +145,34 @@ async function exportSession(raw, sessionId, options = {}) {
 }
 
 // One import stream: `data` from `offset` (none left: a question, how far
-// the import of `sessionId` got).
+// the import of `sessionId` got). Each chunk waits for the one before to
+// drain, and sending stops once the server has answered.
 function importStream(raw, sessionId, data, offset, chunkBytes, options) {
   return new Promise((resolve, reject) => {
+    let answered = false;
     const call = raw.ImportSession(options.metadata || new grpc.Metadata(),
-      callOptions(options),
-      (error, response) => (error ? reject(error) : resolve(response)));
-    if (offset >= data.length) {
-      call.write({ session_id: sessionId, offset });
-    }
-    for (let at = offset; at < data.length; at += chunkBytes) {
-      call.write({
-        session_id: at === offset ? sessionId : '', offset: at,
-        data: data.subarray(at, at + chunkBytes),
+      callOptions(options), (error, response) => {
+        answered = true;
+        if (error) reject(error); else resolve(response);
       });
-    }
-    call.end();
+    call.on('error', () => {}); // the callback has it
+    const send = async () => {
+      if (offset >= data.length) call.write({ session_id: sessionId, offset });
+      for (let at = offset; at < data.length && !answered; at += chunkBytes) {
+        const more = call.write({
+          session_id: at === offset ? sessionId : '', offset: at,
+          data: data.subarray(at, at + chunkBytes),
+        });
+        if (!more && !answered) {
+          await new Promise((drained) => {
+            call.once('drain', drained);
+            call.once('close', drained);
+          });
+        }
+      }
+      call.end();
+    };
+    send().catch(reject);
   });
 }
 
@@ -183,6 +195,13 @@ async function importSession(raw, data,
           0, chunkBytes, options);
         [resumed, offset] = [sessionId, progress.received];
       } catch (error) {
+        if (error.code === grpc.status.UNAVAILABLE &&
+            attempt < TRANSFER_RETRIES) {
+          // The stream that broke may hold the import until the server
+          // sees it end: ask again shortly.
+          await new Promise((wait) => setTimeout(wait, 100 * (attempt + 1)));
+          continue;
+        }
         if (error.code !== grpc.status.NOT_FOUND) throw error;
       }
     }

@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"time"
 
 	pb "attnserve/clients/go/attnservepb"
 
@@ -41,13 +42,15 @@ func (c *Client) ExportSession(ctx context.Context, sessionID string,
 
 func (c *Client) exportStream(ctx context.Context, sessionID string,
 	data *[]byte, version *uint64, options []grpc.CallOption) error {
+	ctx, cancel := context.WithCancel(ctx) // ends the stream on every return
+	defer cancel()
 	stream, err := c.service.ExportSession(ctx, &pb.ExportSessionRequest{
 		SessionId: sessionID, Offset: uint64(len(*data)), Version: *version},
 		options...)
 	if err != nil {
 		return err
 	}
-	size := uint64(len(*data))
+	size := uint64(0)
 	for {
 		chunk, err := stream.Recv()
 		if errors.Is(err, io.EOF) {
@@ -89,6 +92,12 @@ func (c *Client) ImportSession(ctx context.Context, data []byte,
 				options)
 			if err == nil {
 				resumed, offset = sessionID, progress.GetReceived()
+			} else if status.Code(err) == codes.Unavailable &&
+				attempt < transferRetries {
+				// The stream that broke may hold the import until the
+				// server sees it end: ask again shortly.
+				time.Sleep(time.Duration(attempt+1) * 100 * time.Millisecond)
+				continue
 			} else if status.Code(err) != codes.NotFound {
 				return nil, err
 			}
@@ -113,6 +122,8 @@ func (c *Client) ImportSession(ctx context.Context, data []byte,
 func (c *Client) importStream(ctx context.Context, sessionID string,
 	data []byte, offset uint64, chunkBytes int,
 	options []grpc.CallOption) (*pb.ImportSessionResponse, error) {
+	ctx, cancel := context.WithCancel(ctx) // ends the stream on every return
+	defer cancel()
 	stream, err := c.service.ImportSession(ctx, options...)
 	if err != nil {
 		return nil, err

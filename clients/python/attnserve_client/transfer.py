@@ -8,6 +8,8 @@ a stream that breaks is resumed from the bytes the server has taken. Both
 retry a broken stream twice, as the C++ client does; any other error is
 raised as the server's grpc.RpcError.
 """
+import time
+
 import grpc
 
 from attnserve.v1 import attention_pb2 as pb
@@ -36,9 +38,10 @@ def _export_stream(stub, session_id, export, call_options):
         pb.ExportSessionRequest(session_id=session_id,
                                 offset=len(export.data),
                                 version=export.version), **call_options)
-    size = len(export.data)
+    size = 0
     for chunk in chunks:
         if chunk.offset != len(export.data):
+            chunks.cancel()
             raise TransferError(
                 f"export: a chunk at offset {chunk.offset} after "
                 f"{len(export.data)} bytes")
@@ -102,6 +105,12 @@ def import_session(stub, data, session_id="", chunk_bytes=1 << 20,
                     **call_options)
                 resumed, offset = session_id, progress.received
             except grpc.RpcError as error:
+                if error.code() == grpc.StatusCode.UNAVAILABLE and \
+                        attempt < _RETRIES:
+                    # The stream that broke may hold the import until the
+                    # server sees it end: ask again shortly.
+                    time.sleep(0.1 * (attempt + 1))
+                    continue
                 if error.code() != grpc.StatusCode.NOT_FOUND:
                     raise
         try:
