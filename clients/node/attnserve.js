@@ -167,6 +167,7 @@ function importStream(raw, sessionId, data, offset, chunkBytes, options) {
           await new Promise((drained) => {
             call.once('drain', drained);
             call.once('close', drained);
+            call.once('status', drained); // answered: nothing more to send
           });
         }
       }
