@@ -504,6 +504,45 @@ TEST_F(SessionDirectoryTest, JournalsCountInTheLimitAndOnlyOrphansGo) {
   ASSERT_TRUE(Step(holder, live, 1, 3).ok());
 }
 
+// A journal the index counts that another process has since taken (its
+// file gone) leaves the count when room is next made, instead of pushing
+// the session files out for good.
+TEST_F(SessionDirectoryTest, AJournalGoneFromDiskLeavesTheCount) {
+  SessionStore plain(StoreOptions(nullptr));
+  const std::string saved = *plain.Add(NewSession());
+  ASSERT_TRUE(Step(plain, saved, 512, 1).ok());
+  std::string orphan;
+  uint64_t journal = 0;
+  {
+    auto directory = OpenDirectory();
+    SessionStore::Options options = StoreOptions(directory.get());
+    options.journal = true;
+    SessionStore dead(options);
+    orphan = *dead.Add(NewSession());
+    ASSERT_TRUE(Step(dead, orphan, 600, 2).ok());
+    dead.WaitForJournals();
+    journal = fs::file_size(path_ / (orphan + ".journal"));
+  }
+  auto probe = OpenDirectory();
+  ASSERT_TRUE(probe->Save(saved, **plain.Find(saved)).ok());
+  const uint64_t one = fs::file_size(FileOf(saved));
+  ASSERT_TRUE(probe->Remove(saved));
+  probe.reset();
+  // Room for the journal and half a file; the journal then goes from disk
+  // behind the index's back.
+  auto directory = OpenDirectory(journal + one / 2);
+  for (int tries = 0; tries < 200 && directory->stats().files != 1; ++tries) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_EQ(directory->stats().bytes, journal);
+  fs::remove(path_ / (orphan + ".journal"));
+  ASSERT_TRUE(directory->Save(saved, **plain.Find(saved)).ok());
+  EXPECT_TRUE(fs::exists(FileOf(saved)));
+  EXPECT_EQ(directory->stats().files, 1);
+  EXPECT_EQ(directory->stats().bytes, one);
+  EXPECT_EQ(directory->stats().removed_for_space, 0);
+}
+
 TEST_F(SessionDirectoryTest, ARewindBelowJournaledBlocksIsRecordedAtOnce) {
   auto directory = OpenDirectory();
   SessionStore::Options options = StoreOptions(directory.get());
