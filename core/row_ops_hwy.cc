@@ -283,19 +283,25 @@ void ScaleToBFloat16(const float* x, int64_t n, float a, uint16_t* out) {
 // bfloat16 is one vcvtneps2bf16 where ToBFloat16Bits takes eight
 // instructions: on a Zen 5 it made bfloat16 SDPA B8 H8 L512 7% faster
 // (one run). Nearest even and NaN quieted, as FloatToBFloat16. The
-// instruction takes denormals for 0: a vector holding one (rare: an exp
-// 87 below the maximum) is rounded by ToBFloat16Bits instead, so that the
-// bits are those of the other tables. Plain loops: a lambda would not take
-// the function's target. The target names the whole set (clang replaces the
-// enclosing pragma's set with a function's own).
+// instruction takes denormals for 0. scale_to_bf16 (a tensor's values)
+// rounds a vector holding one by ToBFloat16Bits instead, so that its bits
+// are those of the other tables; the softmax's exp_sum_bf16 keeps the 0:
+// its probabilities below 2^-126 are common (logits 87 below the row's
+// maximum) and, rounded by ToBFloat16Bits, cost MHA bfloat16 B8 L512 30%.
+// Plain loops: a lambda would not take the function's target. The target
+// names the whole set (clang replaces the enclosing pragma's set with a
+// function's own).
 #define ATTN_AVX512_BF16 __attribute__((target(HWY_TARGET_STR ",avx512bf16")))
 
+template <bool kDenormals>
 ATTN_AVX512_BF16 void StoreBFloat16Native(V v, uint16_t* out, int64_t count) {
-  const __m512 magnitude = _mm512_abs_ps(v.raw);
-  const __mmask16 denormal =
-      _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MIN), _CMP_LT_OQ) &
-      _mm512_cmp_ps_mask(magnitude, _mm512_setzero_ps(), _CMP_NEQ_OQ);
-  if (denormal != 0) return StoreBFloat16(v, out, count);
+  if constexpr (kDenormals) {
+    const __m512 magnitude = _mm512_abs_ps(v.raw);
+    const __mmask16 denormal =
+        _mm512_cmp_ps_mask(magnitude, _mm512_set1_ps(FLT_MIN), _CMP_LT_OQ) &
+        _mm512_cmp_ps_mask(magnitude, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    if (denormal != 0) return StoreBFloat16(v, out, count);
+  }
   const __mmask16 mask =
       count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
   _mm256_mask_storeu_epi16(
@@ -314,7 +320,7 @@ ATTN_AVX512_BF16 float ExpSumBFloat16Native(const float* x, int64_t n,
     const V v = ShiftedExp<false>(
         count == 16 ? hn::LoadU(d, x + i) : LoadTail(x + i, count, 0.0f), mul,
         neg_shift);
-    StoreBFloat16Native(v, out + i, count);
+    StoreBFloat16Native</*kDenormals=*/false>(v, out + i, count);
     sum = hn::Add(sum, count == 16 ? v : KeepFirst(v, count));
   }
   return SumOfLanes(sum);
@@ -328,7 +334,7 @@ ATTN_AVX512_BF16 void ScaleToBFloat16Native(const float* x, int64_t n, float a,
     const int64_t count = std::min<int64_t>(16, n - i);
     const V v =
         count == 16 ? hn::LoadU(d, x + i) : LoadTail(x + i, count, 0.0f);
-    StoreBFloat16Native(hn::Mul(v, va), out + i, count);
+    StoreBFloat16Native</*kDenormals=*/true>(hn::Mul(v, va), out + i, count);
   }
 }
 #endif
