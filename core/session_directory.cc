@@ -45,6 +45,14 @@ absl::Status WriteAll(int fd, absl::string_view bytes, absl::string_view path) {
   return absl::OkStatus();
 }
 
+// Whether the open file `fd` is still the one named `path` (not one another
+// process has renamed into its place since).
+bool IsFileAt(int fd, const std::string& path) {
+  struct stat open_file, named;
+  return ::fstat(fd, &open_file) == 0 && ::stat(path.c_str(), &named) == 0 &&
+         open_file.st_ino == named.st_ino && open_file.st_dev == named.st_dev;
+}
+
 // Whether a load's error marks the file itself as bad (hostile or
 // corrupt), rather than this process's state (a model not served, a full
 // budget).
@@ -187,10 +195,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeJournal(
         " is held by a running server (its journal is locked) that did not "
         "hand it over; retry"));
   }
-  struct stat locked, named;
-  if (::fstat(fd, &locked) != 0 ||
-      ::stat(FileOf(id, kJournalSuffix).c_str(), &named) != 0 ||
-      locked.st_ino != named.st_ino || locked.st_dev != named.st_dev) {
+  if (!IsFileAt(fd, FileOf(id, kJournalSuffix))) {
     return absl::UnavailableError(
         absl::StrCat("session_id: session ", EchoString(id, '"'),
                      " is being taken up by another server; retry"));
@@ -299,10 +304,7 @@ bool SessionDirectory::RemoveJournal(absl::string_view id) {
   if (fd >= 0) {
     // Only the file locked: another process may have published its own
     // journal under the name since it was opened.
-    struct stat locked, named;
-    removed = ::flock(fd, LOCK_EX | LOCK_NB) == 0 &&
-              ::fstat(fd, &locked) == 0 && ::stat(name.c_str(), &named) == 0 &&
-              locked.st_ino == named.st_ino && locked.st_dev == named.st_dev &&
+    removed = ::flock(fd, LOCK_EX | LOCK_NB) == 0 && IsFileAt(fd, name) &&
               ::unlink(name.c_str()) == 0;
     ::close(fd);
   }
@@ -340,12 +342,7 @@ void SessionJournal::Remove() {
   const std::string& name = temporary_.empty() ? path_ : temporary_;
   // Another process may have taken the session up and published its own
   // journal under this name since: only this journal's file goes.
-  struct stat own, named;
-  if (fd_ >= 0 && ::fstat(fd_, &own) == 0 &&
-      ::stat(name.c_str(), &named) == 0 && own.st_ino == named.st_ino &&
-      own.st_dev == named.st_dev) {
-    ::unlink(name.c_str());
-  }
+  if (fd_ >= 0 && IsFileAt(fd_, name)) ::unlink(name.c_str());
   if (fd_ >= 0) directory_->JournalRemoved(name_);
   temporary_.clear();
   if (fd_ >= 0) ::close(fd_);
