@@ -877,12 +877,7 @@ absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> SessionStore::LayerOf(
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
     absl::string_view id, SessionFileHeader& header, bool& recovered,
     LoadCount& count) {
-  const auto layer_of = [this](absl::string_view model) {
-    return LayerOf(model);
-  };
-  const auto verify = [this](const DecodeSessionConfig& config) {
-    return VerifyConfig(config);
-  };
+  const FileChecks checks{this};
   // Room is made for the whole session before its blocks are loaded.
   const auto admit = [&](const SessionFileHeader& loading,
                          const DecodeSession& session) -> absl::Status {
@@ -895,7 +890,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
     return absl::OkStatus();
   };
   const SessionFileLoader loader{
-      .layer_of = layer_of, .verify = verify, .admit = admit};
+      .layer_of = checks, .verify = checks, .admit = admit};
   const auto no_file = [](const absl::Status& status) {
     return absl::IsNotFound(status) &&
            absl::StartsWith(status.message(), "no session file");

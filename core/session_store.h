@@ -488,6 +488,18 @@ class SessionStore {
   // NOT_FOUND without one).
   absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> LayerOf(
       absl::string_view model) const;
+  // A session file loader's layer_of and verify: `store`'s LayerOf and
+  // VerifyConfig. It must outlive the SessionFileLoader built on it.
+  struct FileChecks {
+    const SessionStore* store;
+    absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> operator()(
+        absl::string_view model) const {
+      return store->LayerOf(model);
+    }
+    absl::Status operator()(const DecodeSessionConfig& config) const {
+      return store->VerifyConfig(config);
+    }
+  };
   // ImportBytes' parts: the builder a stream of `import` adds to (a
   // resumed import's, claimed for this stream); opens the import whose
   // header `import.head` holds (checks, room, its entry in imports_);

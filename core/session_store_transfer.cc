@@ -77,13 +77,8 @@ absl::Status SessionStore::ImportBytes(Import& import, uint64_t offset,
         "offset: ", offset, "; the import has taken ", import.received,
         " bytes of the file: send it from offset ", import.received));
   }
-  const auto layer_of = [this](absl::string_view model) {
-    return LayerOf(model);
-  };
-  const auto verify = [this](const DecodeSessionConfig& config) {
-    return VerifyConfig(config);
-  };
-  const SessionFileLoader loader{.layer_of = layer_of, .verify = verify};
+  const FileChecks checks{this};
+  const SessionFileLoader loader{.layer_of = checks, .verify = checks};
   // A new import takes its header alone first: its session's memory is
   // counted (BeginImport) before any block fills it.
   while (builder == nullptr && !bytes.empty()) {
