@@ -48,6 +48,7 @@
 #include "absl/flags/usage.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "client/bench/command.h"
 #include "client/bench/decode.h"
@@ -574,14 +575,10 @@ absl::Status RunImport(const AttnctlOptions& options) {
                         ReadFileToString(options.in_path, "--in"));
   ATTN_ASSIGN_OR_RETURN(const v1::ImportSessionResponse response,
                         client.ImportSession(file, options.session_id));
-  std::string lengths;
-  for (int64_t length : response.lengths()) {
-    absl::StrAppend(&lengths, lengths.empty() ? "" : ",", length);
-  }
   std::printf("session %s: %llu bytes, tokens per layer %s\n",
               response.session_id().c_str(),
               static_cast<unsigned long long>(response.received()),
-              lengths.c_str());
+              absl::StrJoin(response.lengths(), ",").c_str());
   return absl::OkStatus();
 }
 
