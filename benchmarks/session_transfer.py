@@ -15,56 +15,36 @@ that the imported session's next step equals the original's bit for bit.
 
 import argparse
 import os
-import re
 import socket
 import statistics
-import subprocess
 import sys
+import tempfile
 import threading
 import time
 
-import grpc
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "clients", "python"))
-from attnserve.v1 import attention_pb2 as v1  # noqa: E402
-from attnserve.v1 import attention_pb2_grpc as v1_grpc  # noqa: E402
+from attnserve_client import (ServerProcess, connect,  # noqa: E402
+                              export_session, import_session, pb, to_tensor)
 
 CHUNK = 1 << 20
 
 
-def start_server(build):
-    proc = subprocess.Popen(
+def start_server(build, workdir, name):
+    return ServerProcess(
         [os.path.join(build, "bin", "attnserve"), "--host=127.0.0.1",
          "--port=0", "--metrics_port=-1", "--http_port=-1",
          "--log_level=warning", "--max_message_mb=64"],
-        stdout=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    match = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
-    if not match:
-        proc.kill()
-        sys.exit(f"attnserve did not start: {line!r}")
-    return proc, f"127.0.0.1:{match.group(1)}"
-
-
-def stub_of(target):
-    options = [("grpc.max_receive_message_length", 64 << 20),
-               ("grpc.max_send_message_length", 64 << 20)]
-    return v1_grpc.AttentionServiceStub(
-        grpc.insecure_channel(target, options=options))
-
-
-def tensor(array):
-    return v1.Tensor(dtype=v1.DATA_TYPE_FLOAT32, shape=list(array.shape),
-                     raw_data=array.astype(np.float32).tobytes())
+        "attnserve listening on ", workdir, name)
 
 
 def step(stub, session_id, n, rng):
     q, k, v = (rng.standard_normal((8, n, 64)) for _ in range(3))
-    return stub.SessionStep(v1.SessionStepRequest(
-        session_id=session_id, query=tensor(q), key=tensor(k),
-        value=tensor(v)))
+    return stub.SessionStep(pb.SessionStepRequest(
+        session_id=session_id, query=to_tensor(q), key=to_tensor(k),
+        value=to_tensor(v)))
 
 
 def loopback_seconds(data):
@@ -104,31 +84,29 @@ def main():
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
-    source, source_target = start_server(args.build)
-    target, target_target = start_server(args.build)
+    workdir = tempfile.mkdtemp(prefix="attnserve-transfer-")
+    source = start_server(args.build, workdir, "source")
+    target = start_server(args.build, workdir, "target")
     try:
-        src, dst = stub_of(source_target), stub_of(target_target)
+        src, dst = connect(source.target), connect(target.target)
         rng = np.random.default_rng(1)
-        session = src.CreateSession(v1.CreateSessionRequest(
+        session = src.CreateSession(pb.CreateSessionRequest(
             num_heads=8, head_dim=64, max_length=args.tokens + 16))
         for _ in range(args.tokens // 512):
             step(src, session.session_id, 512, rng)
         exports, imports, loopbacks = [], [], []
         for _ in range(args.rounds):
             start = time.perf_counter()
-            data = b"".join(chunk.data for chunk in src.ExportSession(
-                v1.ExportSessionRequest(session_id=session.session_id)))
+            data = export_session(src, session.session_id)
             exports.append(time.perf_counter() - start)
             start = time.perf_counter()
-            reply = dst.ImportSession(
-                v1.ImportSessionChunk(offset=at, data=data[at:at + CHUNK])
-                for at in range(0, len(data), CHUNK))
+            reply = import_session(dst, data, chunk_bytes=CHUNK)
             imports.append(time.perf_counter() - start)
             assert reply.received == len(data)
             loopbacks.append(loopback_seconds(data))
             if len(exports) < args.rounds:
                 dst.DeleteSession(
-                    v1.DeleteSessionRequest(session_id=session.session_id))
+                    pb.DeleteSessionRequest(session_id=session.session_id))
         same_rng = np.random.default_rng(7)
         want = step(src, session.session_id, 1, same_rng)
         same_rng = np.random.default_rng(7)
@@ -146,9 +124,8 @@ def main():
                   "loopback)")
         print("  imported session's next step: bitwise equal")
     finally:
-        for proc in (source, target):
-            proc.terminate()
-            proc.wait(timeout=30)
+        source.stop()
+        target.stop()
 
 
 if __name__ == "__main__":
