@@ -31,11 +31,21 @@ class CallReactor : public grpc::ServerUnaryReactor {
   std::atomic<bool> cancelled_{false};
 };
 
+// How many times field `number` occurs at the top level of `raw`, counted
+// without decoding anything.
+int64_t CountTopLevelField(const grpc::ByteBuffer& raw, int number) {
+  auto* buffer = const_cast<grpc::ByteBuffer*>(&raw);  // read, not consumed
+  grpc::ProtoBufferReader reader(buffer);
+  return ::attnserve::CountTopLevelField(&reader, number);
+}
+
+}  // namespace
+
 // Parses the bytes of a call's request into `request`. Bytes that are not
 // such a message: INVALID_ARGUMENT, and `request` is left empty (not
 // half-parsed, for the access log).
-absl::Status Parse(const grpc::ByteBuffer& raw,
-                   google::protobuf::Message* request) {
+absl::Status ParseMessage(const grpc::ByteBuffer& raw,
+                          google::protobuf::Message* request) {
   const size_t bytes = raw.Length();
   // gRPC hands the request over as const but no longer needs it; parsing
   // consumes it, freeing the received bytes at once.
@@ -51,17 +61,9 @@ absl::Status Parse(const grpc::ByteBuffer& raw,
   return absl::OkStatus();
 }
 
-// How many times field `number` occurs at the top level of `raw`, counted
-// without decoding anything.
-int64_t CountTopLevelField(const grpc::ByteBuffer& raw, int number) {
-  auto* buffer = const_cast<grpc::ByteBuffer*>(&raw);  // read, not consumed
-  grpc::ProtoBufferReader reader(buffer);
-  return ::attnserve::CountTopLevelField(&reader, number);
-}
-
 // Serializes `response` into `raw`, for gRPC to send.
-absl::Status Serialize(const google::protobuf::Message& response,
-                       grpc::ByteBuffer* raw) {
+absl::Status SerializeMessage(const google::protobuf::Message& response,
+                              grpc::ByteBuffer* raw) {
   bool own_buffer = false;
   if (!grpc::SerializationTraits<google::protobuf::Message>::Serialize(
            response, raw, &own_buffer)
@@ -71,8 +73,6 @@ absl::Status Serialize(const google::protobuf::Message& response,
   }
   return absl::OkStatus();
 }
-
-}  // namespace
 
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context) {
   const auto deadline = context.deadline();
@@ -92,7 +92,7 @@ absl::Status GrpcCalls::Accept(const grpc::CallbackServerContext& context,
     if (!status.ok()) return status;
   }
   ATTN_RETURN_IF_ERROR(VerifyBeforeParse(raw_request, *request));
-  return Parse(raw_request, request);
+  return ParseMessage(raw_request, request);
 }
 
 absl::Status GrpcCalls::VerifyBeforeParse(
@@ -139,7 +139,7 @@ absl::Status GrpcCalls::Complete(Call& call, absl::Status status,
         "attnserve-compute-us",
         std::to_string(absl::ToInt64Microseconds(compute)));
   }
-  if (status.ok()) status = Serialize(*call.response, call.raw_response);
+  if (status.ok()) status = SerializeMessage(*call.response, call.raw_response);
   return status;
 }
 
@@ -193,7 +193,7 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeState(
   absl::Status status = authenticate && auth != nullptr ? auth->Check(*context)
                                                         : absl::OkStatus();
   if (status.ok()) {
-    status = Parse(raw_request, request);
+    status = ParseMessage(raw_request, request);
     if (!status.ok()) {
       const MessageSubject subject(request, nullptr);
       pipeline_->engine().Record(
@@ -202,7 +202,7 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeState(
     }
   }
   if (status.ok()) status = handle();
-  if (status.ok()) status = Serialize(*response, raw_response);
+  if (status.ok()) status = SerializeMessage(*response, raw_response);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
   return reactor;

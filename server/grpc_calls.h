@@ -62,6 +62,16 @@ absl::StatusOr<BoundCall<Handler>> Bound(RequestCost cost, Handler handle,
 // When `context`'s call is due (absl::InfiniteFuture(): never).
 absl::Time DeadlineOf(const grpc::CallbackServerContext& context);
 
+// Parses the bytes of a request (or a stream's message) into `request`:
+// INVALID_ARGUMENT "request: could not parse N bytes as <type>" when they
+// are not one, `request` left empty. Consumes `raw`'s bytes.
+absl::Status ParseMessage(const grpc::ByteBuffer& raw,
+                          google::protobuf::Message* request);
+// Serializes `response` into `raw`, for gRPC to send (INTERNAL if it
+// cannot).
+absl::Status SerializeMessage(const google::protobuf::Message& response,
+                              grpc::ByteBuffer* raw);
+
 class GrpcCalls {
  public:
   explicit GrpcCalls(CallPipeline* pipeline) : pipeline_(pipeline) {}

@@ -11,17 +11,16 @@
 #include "core/session_store.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
-#include "grpcpp/impl/codegen/proto_utils.h"  // SerializationTraits<Message>
 #include "grpcpp/server_context.h"
 #include "server/auth.h"
 #include "server/call_records.h"
+#include "server/grpc_calls.h"
 #include "server/grpc_status.h"
 
 namespace attnserve {
 namespace {
 
 using ByteBuffer = grpc::ByteBuffer;
-using MessageTraits = grpc::SerializationTraits<google::protobuf::Message>;
 
 // The checks every transfer stream makes first: its token, and a server
 // that keeps sessions.
@@ -32,18 +31,6 @@ absl::Status VerifyTransfer(grpc::CallbackServerContext& context,
   if (config.sessions == nullptr) {
     return absl::FailedPreconditionError(
         "decode sessions are off on this server (--max_session_memory_mb=0)");
-  }
-  return absl::OkStatus();
-}
-
-// A request or chunk from `buffer`; INVALID_ARGUMENT as a unary call's
-// when its bytes are not one.
-absl::Status Parse(ByteBuffer& buffer, google::protobuf::Message* message) {
-  const size_t bytes = buffer.Length();
-  if (!MessageTraits::Deserialize(&buffer, message).ok()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("request: could not parse ", bytes, " bytes as ",
-                     message->GetDescriptor()->full_name()));
   }
   return absl::OkStatus();
 }
@@ -92,10 +79,11 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
     Finish(ToGrpcStatus(status));
   }
 
-  absl::Status Start(grpc::CallbackServerContext& context, ByteBuffer raw) {
+  absl::Status Start(grpc::CallbackServerContext& context,
+                     const ByteBuffer& raw) {
     ATTN_RETURN_IF_ERROR(VerifyTransfer(context, *pipeline_));
     v1::ExportSessionRequest& request = request_;
-    ATTN_RETURN_IF_ERROR(Parse(raw, &request));
+    ATTN_RETURN_IF_ERROR(ParseMessage(raw, &request));
     parsed_ = true;
     ATTN_ASSIGN_OR_RETURN(export_, pipeline_->config().sessions->ExportSession(
                                        request.session_id()));
@@ -140,10 +128,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
       offset_ += piece->size();
     }
     buffer_.Clear();
-    bool own_buffer = false;
-    if (!MessageTraits::Serialize(chunk_, &buffer_, &own_buffer).ok()) {
-      return End(absl::InternalError("chunk: could not serialize"));
-    }
+    const absl::Status serialized = SerializeMessage(chunk_, &buffer_);
+    if (!serialized.ok()) return End(serialized);
     StartWrite(&buffer_);
   }
 
@@ -199,7 +185,7 @@ class ImportReactor final : public grpc::ServerReadReactor<ByteBuffer> {
 
   absl::Status Take() {
     v1::ImportSessionChunk chunk;
-    ATTN_RETURN_IF_ERROR(Parse(buffer_, &chunk));
+    ATTN_RETURN_IF_ERROR(ParseMessage(buffer_, &chunk));
     if (!chunk.session_id().empty()) {
       if (chunks_ > 0 && chunk.session_id() != import_.id) {
         return absl::InvalidArgumentError(
@@ -220,11 +206,7 @@ class ImportReactor final : public grpc::ServerReadReactor<ByteBuffer> {
     response.set_received(import_.received);
     response.set_size(import_.size);
     for (int64_t length : import_.lengths) response.add_lengths(length);
-    bool own_buffer = false;
-    if (!MessageTraits::Serialize(response, response_, &own_buffer).ok()) {
-      return End(absl::InternalError("response: could not serialize"));
-    }
-    End(absl::OkStatus());
+    End(SerializeMessage(response, response_));
   }
 
   ByteBuffer* const response_;

@@ -6,10 +6,9 @@
 #include <string>
 #include <utility>
 
-#include "absl/strings/str_cat.h"
-#include "grpcpp/impl/codegen/proto_utils.h"  // SerializationTraits<Message>
 #include "grpcpp/server_context.h"
 #include "inference/grpc_service.pb.h"
+#include "server/grpc_calls.h"
 #include "server/grpc_status.h"
 #include "server/open_inference.h"
 
@@ -52,15 +51,8 @@ class StreamInferReactor final
     }
     call_ = std::make_shared<Call>();
     call_->arrived = absl::Now();
-    const size_t bytes = read_buffer_.Length();
-    if (!grpc::SerializationTraits<google::protobuf::Message>::Deserialize(
-             &read_buffer_, &call_->request)
-             .ok()) {
-      call_->request.Clear();
-      return Refuse(absl::InvalidArgumentError(
-          absl::StrCat("request: could not parse ", bytes,
-                       " bytes as inference.ModelInferRequest")));
-    }
+    const absl::Status parsed = ParseMessage(read_buffer_, &call_->request);
+    if (!parsed.ok()) return Refuse(parsed);
     absl::StatusOr<std::unique_ptr<NativeInferCall>> native =
         NativeInferCall::FromRequest(&call_->request,
                                      pipeline_->config().models,
@@ -146,12 +138,9 @@ class StreamInferReactor final
         .set_bool_param(true);
     // The previous response's bytes are sent: the buffer takes new ones.
     write_buffer_.Clear();
-    bool own_buffer = false;
-    if (!grpc::SerializationTraits<google::protobuf::Message>::Serialize(
-             response, &write_buffer_, &own_buffer)
-             .ok()) {
-      Finish(grpc::Status(grpc::StatusCode::INTERNAL,
-                          "response: could not serialize"));
+    const absl::Status serialized = SerializeMessage(response, &write_buffer_);
+    if (!serialized.ok()) {
+      Finish(ToGrpcStatus(serialized));
       return;
     }
     StartWrite(&write_buffer_);
