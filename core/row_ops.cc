@@ -157,7 +157,7 @@ const RowOps& ScalarRowOps() {
                           ScalarRmsNorm,
                           ScalarDotRows,
                           ScalarAddWeightedRows,
-                          /*int8_keys_round_queries=*/false,
+                          /*int8_integer_path=*/false,
                           "scalar",
                           "scalar"};
   return ops;

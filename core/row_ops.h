@@ -103,11 +103,15 @@ struct RowOps {
   void (*add_weighted_rows)(const float* p, int64_t ld, int64_t rows,
                             const CachedRows& values, int64_t cols, int64_t dim,
                             float* acc);
-  // Whether dot_rows rounds each all-finite query row to int16 codes (one
-  // scale per row: max |q| / 32767) for INT8 keys of head dims up to 512,
-  // and sums the products in int32, exactly: the integer path, whose error
-  // is at most half a code step times the key row's L1 norm.
-  bool int8_keys_round_queries;
+  // Whether INT8 rows take the integer path: dot_rows rounds each
+  // all-finite query row to int16 codes (one scale per row: max |q| /
+  // 32767) for head dims up to 512 and sums the products in int32, exactly
+  // (error at most half a code step times the key row's L1 norm);
+  // add_weighted_rows rounds each row's weights times the value rows'
+  // scales, per block of up to 512 value rows with all of them finite, to
+  // int16 codes (step max |w| / 32767) and sums in int32, exactly (error at
+  // most half a step times the column's sum of |int8 codes|).
+  bool int8_integer_path;
   // Name of the implementation, e.g. "avx512" or "avx2".
   const char* name;
   // The instruction set it needs, as ATTNSERVE_CPU_ISA names it: "scalar",

@@ -162,7 +162,7 @@ TEST_P(RowOpsTest, RowProductsMatchFloat64) {
   std::mt19937 rng(11);
   std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
   const RowOps& ops = this->ops();
-  const bool int16_queries = ops.int8_keys_round_queries;
+  const bool int16_queries = ops.int8_integer_path;
   for (RowType type : {RowType::kFloat32, RowType::kBFloat16, RowType::kInt8}) {
     for (int64_t dim : {int64_t{5}, int64_t{64}, int64_t{72}, int64_t{128}}) {
       const int64_t rows = 3, cols = 37, stride = dim + 3;
@@ -238,15 +238,73 @@ TEST_P(RowOpsTest, RowProductsMatchFloat64) {
               << ops.name << " type " << static_cast<int>(type) << " dim "
               << dim << " row " << r << " key " << j;
         }
+        // The integer path rounds a row's weights times the value rows'
+        // scales to int16 codes of step max|w| / 32767 for int8 values.
+        double max_w = 0;
+        for (int64_t j = 0; j < cols; ++j) {
+          max_w =
+              std::max(max_w, std::abs(double{p[r * cols + j]} * scales[j]));
+        }
         for (int64_t c = 0; c < dim; ++c) {
-          double want = 0.5;
+          double want = 0.5, codes_l1 = 0;
           for (int64_t j = 0; j < cols; ++j) {
             want += double{p[r * cols + j]} * element[j * stride + c];
+            codes_l1 += std::abs(static_cast<double>(i8[j * stride + c]));
           }
-          EXPECT_NEAR(acc[r * dim + c], want, 1e-5 * cols)
+          const double rounding = type == RowType::kInt8 && int16_queries
+                                      ? 0.5 * max_w / 32767 * codes_l1
+                                      : 0.0;
+          EXPECT_NEAR(acc[r * dim + c], want, 1e-5 * cols + rounding)
               << ops.name << " type " << static_cast<int>(type) << " dim "
               << dim << " row " << r << " column " << c;
         }
+      }
+    }
+  }
+}
+
+// Int8 values over several blocks of 512 rows and tiles of rows: the
+// integer path's error stays within half a weight step per code, a block
+// whose weights hold a NaN gives that row NaN (IEEE, as the float path),
+// and the other rows and blocks keep their integer sums.
+TEST_P(RowOpsTest, Int8ValuesOverBlocksAndNonFiniteWeights) {
+  std::mt19937 rng(31);
+  std::uniform_real_distribution<float> uniform(0.0f, 1.0f);
+  std::uniform_int_distribution<int> code(-127, 127);
+  const RowOps& ops = this->ops();
+  for (int64_t dim : {int64_t{5}, int64_t{64}, int64_t{72}, int64_t{128}}) {
+    const int64_t rows = 6, cols = 1100, stride = dim + 1;
+    std::vector<int8_t> i8(cols * stride);
+    std::vector<float> scales(cols), p(rows * cols);
+    for (int8_t& x : i8) x = static_cast<int8_t>(code(rng));
+    for (float& s : scales) s = 0.001f + 0.01f * uniform(rng);
+    for (float& x : p) x = uniform(rng);
+    // Row 4's second block holds a NaN weight.
+    p[4 * cols + 600] = std::numeric_limits<float>::quiet_NaN();
+    const CachedRows cached{i8.data(), stride, RowType::kInt8, scales.data()};
+    std::vector<float> acc(rows * dim, 0.25f);
+    ops.add_weighted_rows(p.data(), cols, rows, cached, cols, dim, acc.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < dim; ++c) {
+        if (r == 4) {
+          EXPECT_TRUE(std::isnan(acc[r * dim + c]))
+              << ops.name << " dim " << dim << " column " << c;
+          continue;
+        }
+        double want = 0.25, bound = 1e-5 * cols;
+        for (int64_t j0 = 0; j0 < cols; j0 += 512) {
+          double max_w = 0, codes_l1 = 0;
+          for (int64_t j = j0; j < std::min(cols, j0 + 512); ++j) {
+            const double w = double{p[r * cols + j]} * scales[j];
+            const int8_t v = i8[j * stride + c];
+            want += w * v;
+            max_w = std::max(max_w, std::abs(w));
+            codes_l1 += std::abs(static_cast<double>(v));
+          }
+          if (ops.int8_integer_path) bound += 0.5 * max_w / 32767 * codes_l1;
+        }
+        EXPECT_NEAR(acc[r * dim + c], want, bound)
+            << ops.name << " dim " << dim << " row " << r << " column " << c;
       }
     }
   }
