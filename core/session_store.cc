@@ -39,6 +39,21 @@ absl::Status VerifySessionId(absl::string_view id) {
   return absl::OkStatus();
 }
 
+// An id a caller chose (AddNamed, Fork's `as`): one that can name a file.
+absl::Status VerifyChosenId(absl::string_view id) {
+  if (!SessionDirectory::IsStorableId(id)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("session_id: ", EchoString(id, '"'),
+                     " is not 1 to 64 lowercase hex digits"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status IsOpen(absl::string_view id) {
+  return absl::AlreadyExistsError(
+      absl::StrCat("session_id: ", EchoString(id, '"'), " is open"));
+}
+
 absl::Duration ReaperPeriod(absl::Duration idle_timeout) {
   return std::clamp(idle_timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
 }
@@ -172,6 +187,12 @@ absl::StatusOr<std::string> SessionStore::Add(
   return AddAs(std::move(session), std::nullopt);
 }
 
+absl::StatusOr<std::string> SessionStore::AddNamed(
+    std::unique_ptr<DecodeSession> session, std::string id) {
+  ATTN_RETURN_IF_ERROR(VerifyChosenId(id));
+  return AddAs(std::move(session), std::move(id));
+}
+
 absl::StatusOr<std::string> SessionStore::AddAs(
     std::unique_ptr<DecodeSession> session, std::optional<std::string> id,
     bool unconfirmed) {
@@ -202,8 +223,7 @@ absl::StatusOr<std::string> SessionStore::AddAs(
   };
   if (id.has_value() && sessions_.contains(*id)) {
     ReleaseModel(slot->session->config().layer.get());
-    return absl::AlreadyExistsError(
-        absl::StrCat("session_id: ", EchoString(*id, '"'), " is open"));
+    return IsOpen(*id);
   }
   while (no_room() && !lru_.empty()) {
     Remove(lru_.back(), GoneReason::kEvicted, freed);
@@ -353,7 +373,9 @@ absl::Status SessionStore::MakeRoomBeside(
 
 absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
                                                std::optional<int64_t> length,
-                                               int64_t* forked_length) {
+                                               int64_t* forked_length,
+                                               std::optional<std::string> as) {
+  if (as.has_value()) ATTN_RETURN_IF_ERROR(VerifyChosenId(*as));
   ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
   std::shared_ptr<Slot> slot;
   {
@@ -409,10 +431,11 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
     reserved_ = reserved_ - entry.reserved_bytes + own_reserved;
     entry.reserved_bytes = own_reserved;
     // Room was made above; a session opened since may have taken it.
+    if (as.has_value() && sessions_.contains(*as)) return IsOpen(*as);
     ATTN_RETURN_IF_ERROR(
         MakeRoomBeside(key, reserved + bookkeeping, bookkeeping, freed));
     HoldModel(*fork_slot->session);
-    fork_id = Open(std::move(fork_slot), reserved);
+    fork_id = Open(std::move(fork_slot), reserved, std::move(as));
     Hold(fork_id);
     Entry& forked = sessions_.at(fork_id);
     AccountShared(forked, *forked.slot->session);
@@ -783,6 +806,12 @@ void SessionStore::RunAndSettle(absl::Span<const StepInput> steps,
   }
 }
 
+absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::FindReused(
+    absl::string_view id) {
+  ATTN_RETURN_IF_ERROR(TakeIfSaved(id, /*reused=*/true));
+  return Find(id);
+}
+
 absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
     absl::string_view id) {
   ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
@@ -917,7 +946,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
   return options_.directory->TakeJournal(id, loader, &header);
 }
 
-absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
+absl::Status SessionStore::TakeIfSaved(absl::string_view id, bool reused) {
   if (options_.directory == nullptr || !SessionDirectory::IsStorableId(id)) {
     return absl::OkStatus();
   }
@@ -925,9 +954,11 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id) {
     MutexLock lock(&mu_);
     if (sessions_.contains(id)) return absl::OkStatus();
     const auto gone = gone_.find(id);
-    // Deleted and expired sessions are not brought back.
-    if (gone != gone_.end() && (gone->second == GoneReason::kDeleted ||
-                                gone->second == GoneReason::kExpired)) {
+    // Deleted and expired sessions are not brought back (their files went
+    // with them), unless their id may have been opened again elsewhere.
+    if (!reused && gone != gone_.end() &&
+        (gone->second == GoneReason::kDeleted ||
+         gone->second == GoneReason::kExpired)) {
       return absl::OkStatus();
     }
   }

@@ -167,6 +167,12 @@ class SessionStore {
   // if it alone could never fit.
   absl::StatusOr<std::string> Add(std::unique_ptr<DecodeSession> session)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // Add under `id`, which the caller chose (a sequence's, derived from its
+  // name): INVALID_ARGUMENT unless it is 1 to 64 of [0-9a-f]
+  // (SessionDirectory::IsStorableId), ALREADY_EXISTS when a session is
+  // open under it here.
+  absl::StatusOr<std::string> AddNamed(std::unique_ptr<DecodeSession> session,
+                                       std::string id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // The most one session's cache may reserve together with its
   // bookkeeping: max_bytes (its full cache must fit the budget) or
@@ -221,14 +227,21 @@ class SessionStore {
   // (DecodeSession::Fork); `length` gets the new session's length. Makes
   // room as Add does, never evicting `id` itself: RESOURCE_EXHAUSTED when
   // the other sessions cannot make it, or when forks already share
-  // max_sessions frozen caches. NOT_FOUND as Step.
+  // max_sessions frozen caches. NOT_FOUND as Step. `as`: the new session's
+  // id, as AddNamed takes it (its errors), instead of a new one.
   absl::StatusOr<std::string> Fork(absl::string_view id,
                                    std::optional<int64_t> length,
-                                   int64_t* forked_length = nullptr)
+                                   int64_t* forked_length = nullptr,
+                                   std::optional<std::string> as = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // The session, for cost estimates and metadata; NOT_FOUND as Step.
   absl::StatusOr<std::shared_ptr<const DecodeSession>> Find(
+      absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Find for ids used again after their session ends (a sequence's): the
+  // directory is asked also when this store deleted or expired `id`, as
+  // another replica may have opened a session under it since.
+  absl::StatusOr<std::shared_ptr<const DecodeSession>> FindReused(
       absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees session `id`; NOT_FOUND as Step.
@@ -379,10 +392,11 @@ class SessionStore {
   absl::StatusOr<Entry*> Lookup(absl::string_view id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // With a directory: takes session `id` from it if the store does not
-  // hold it and it was not deleted or expired here. OK also when there is
-  // no file (the caller's lookup then says NOT_FOUND); the load's error
-  // otherwise (a corrupt file: DATA_LOSS).
-  absl::Status TakeIfSaved(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  // hold it and it was not deleted or expired here (unless `reused`). OK
+  // also when there is no file (the caller's lookup then says NOT_FOUND);
+  // the load's error otherwise (a corrupt file: DATA_LOSS).
+  absl::Status TakeIfSaved(absl::string_view id, bool reused = false)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Records session `id` as held here (the holder).
   void Hold(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Add under a given id (nullopt: a new one), its lengths `unconfirmed`

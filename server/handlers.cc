@@ -322,7 +322,8 @@ absl::Status RunNorm(const Request& request, Response* response,
 absl::Status CreateSession(const v1::CreateSessionRequest& request,
                            const ModelRepository* models,
                            SessionStore* sessions, int64_t max_length,
-                           v1::CreateSessionResponse* response) {
+                           v1::CreateSessionResponse* response,
+                           std::optional<std::string> as) {
   if (sessions == nullptr) return NoSessions();
   ATTN_ASSIGN_OR_RETURN(const DecodeSessionConfig config,
                         SessionConfigOf(request, models, max_length));
@@ -336,7 +337,10 @@ absl::Status CreateSession(const v1::CreateSessionRequest& request,
   response->set_head_dim(session->key_dim());
   response->set_value_head_dim(session->value_dim());
   response->set_batch(session->batch());
-  ATTN_ASSIGN_OR_RETURN(std::string id, sessions->Add(std::move(session)));
+  ATTN_ASSIGN_OR_RETURN(
+      std::string id,
+      as.has_value() ? sessions->AddNamed(std::move(session), *std::move(as))
+                     : sessions->Add(std::move(session)));
   response->set_session_id(std::move(id));
   return absl::OkStatus();
 }
@@ -391,9 +395,11 @@ absl::Status HandleRmsNorm(const v1::RmsNormRequest& request,
 absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
                                  const ModelRepository* models,
                                  SessionStore* sessions, int64_t max_length,
-                                 v1::CreateSessionResponse* response) {
+                                 v1::CreateSessionResponse* response,
+                                 std::optional<std::string> as) {
   return OutOfMemoryFailsTheCall([&] {
-    return CreateSession(request, models, sessions, max_length, response);
+    return CreateSession(request, models, sessions, max_length, response,
+                         std::move(as));
   });
 }
 
@@ -411,7 +417,8 @@ absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
 
 absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
                                SessionStore* sessions,
-                               v1::ForkSessionResponse* response) {
+                               v1::ForkSessionResponse* response,
+                               std::optional<std::string> as) {
   if (sessions == nullptr) return NoSessions();
   return OutOfMemoryFailsTheCall([&]() -> absl::Status {
     int64_t length = 0;
@@ -421,7 +428,7 @@ absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
                        request.has_length()
                            ? std::optional<int64_t>(request.length())
                            : std::nullopt,
-                       &length));
+                       &length, std::move(as)));
     response->set_session_id(std::move(id));
     response->set_length(length);
     return absl::OkStatus();

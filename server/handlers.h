@@ -89,18 +89,21 @@ absl::Status HandleRmsNorm(const v1::RmsNormRequest& request,
 // Decode sessions. `sessions` null means sessions are off
 // (FAILED_PRECONDITION); `models` may be null (no repository).
 // `max_length` is the server's limit, and the length of sessions created
-// without one.
+// without one. `as` (create and fork): the new session's id, chosen by the
+// caller (SessionStore::AddNamed), instead of a new one.
 absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
                                  const ModelRepository* models,
                                  SessionStore* sessions, int64_t max_length,
-                                 v1::CreateSessionResponse* response);
+                                 v1::CreateSessionResponse* response,
+                                 std::optional<std::string> as = std::nullopt);
 absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
                                    SessionStore* sessions);
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
                                  SessionStore* sessions);
 absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
                                SessionStore* sessions,
-                               v1::ForkSessionResponse* response);
+                               v1::ForkSessionResponse* response,
+                               std::optional<std::string> as = std::nullopt);
 
 // A SessionStep request decoded into the entry SessionStore::StepMany
 // takes (SessionSteps, and SessionStep calls run together in one pass):

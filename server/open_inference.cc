@@ -666,6 +666,11 @@ void NativeInferCall::ToResponse(const ModelInferRequest& request,
     // Tokens the sequence holds after this step.
     (*response->mutable_parameters())["sequence_length"].set_int64_param(
         static_cast<const v1::SessionStepResponse&>(*response_).length());
+    // The session behind it, for ExportSession and HandOverSession.
+    if (const std::string id = sequence_->session_id(); !id.empty()) {
+      (*response->mutable_parameters())["sequence_session_id"].set_string_param(
+          id);
+    }
   }
   const Descriptor* descriptor = response_->GetDescriptor();
   const Reflection* reflection = response_->GetReflection();

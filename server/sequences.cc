@@ -6,11 +6,13 @@
 #include <utility>
 #include <vector>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/strip.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
+#include "openssl/evp.h"
 #include "server/protocol_models.h"
 
 namespace attnserve {
@@ -311,6 +313,25 @@ std::string SequenceId::Key() const {
   return is_string ? absl::StrCat("s", text) : absl::StrCat("u", number);
 }
 
+absl::StatusOr<std::string> SequenceSessionId(absl::string_view model,
+                                              const SequenceId& id) {
+  // NUL-separated: no model name holds one, so no two pairs give one text.
+  const std::string name =
+      absl::StrCat("attnserve sequence", absl::string_view("\0", 1), model,
+                   absl::string_view("\0", 1), id.Key());
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int size = 0;
+  if (EVP_Digest(name.data(), name.size(), digest, &size, EVP_sha256(),
+                 nullptr) != 1 ||
+      size < 20) {
+    return absl::InternalError(
+        absl::StrCat(kId, ": could not derive the session id of sequence ",
+                     id.ToString(), " (SHA-256 failed)"));
+  }
+  return absl::BytesToHexString(
+      absl::string_view(reinterpret_cast<const char*>(digest), 20));
+}
+
 bool IsSequenceParameter(absl::string_view name, bool in_sequence) {
   if (name == kId || name == kStart || name == kEnd) return true;
   return in_sequence &&
@@ -431,6 +452,24 @@ SequenceTable::Lookup SequenceTable::LookUp(absl::string_view model,
   return found;
 }
 
+absl::StatusOr<SequenceTable::Lookup> SequenceTable::LookUpAnywhere(
+    absl::string_view model, const SequenceId& id) {
+  Lookup found = LookUp(model, id);
+  if (found.state == Lookup::kOpen) return found;
+  // Saved by a drain, held by a live replica or journaled by a dead one.
+  ATTN_ASSIGN_OR_RETURN(std::string session_id, SequenceSessionId(model, id));
+  const absl::Status taken = sessions_->FindReused(session_id).status();
+  if (absl::IsNotFound(taken)) return found;
+  if (!taken.ok()) {
+    return absl::Status(
+        taken.code(),
+        absl::StrCat(kId, ": sequence ", id.ToString(), " of model ",
+                     EchoString(model), ": ", taken.message()));
+  }
+  ATTN_RETURN_IF_ERROR(Insert(model, id, session_id));
+  return Lookup{Lookup::kOpen, std::move(session_id)};
+}
+
 absl::Status SequenceTable::Gone(absl::string_view name,
                                  absl::string_view model, const SequenceId& id,
                                  const std::string& session_id) {
@@ -442,7 +481,7 @@ absl::Status SequenceTable::Gone(absl::string_view name,
 
 absl::StatusOr<std::string> SequenceTable::Find(absl::string_view model,
                                                 const SequenceId& id) {
-  Lookup found = LookUp(model, id);
+  ATTN_ASSIGN_OR_RETURN(Lookup found, LookUpAnywhere(model, id));
   switch (found.state) {
     case Lookup::kNone:
       return absl::InvalidArgumentError(absl::StrCat(
@@ -461,7 +500,7 @@ absl::StatusOr<std::string> SequenceTable::Find(absl::string_view model,
 absl::StatusOr<std::string> SequenceTable::FindParent(absl::string_view model,
                                                       const SequenceId& parent,
                                                       const SequenceId& child) {
-  Lookup found = LookUp(model, parent);
+  ATTN_ASSIGN_OR_RETURN(Lookup found, LookUpAnywhere(model, parent));
   switch (found.state) {
     case Lookup::kNone: {
       const std::string forks =
@@ -559,6 +598,8 @@ absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
   }
   std::unique_ptr<SequenceCall> call(
       new SequenceCall(table, std::move(model), parameters));
+  ATTN_ASSIGN_OR_RETURN(call->target_,
+                        SequenceSessionId(call->model_, parameters.id));
   if (!parameters.fork.none()) {
     ATTN_ASSIGN_OR_RETURN(
         call->session_id_,
@@ -614,57 +655,87 @@ absl::Status SequenceCall::Run(v1::SessionStepRequest* step,
 absl::Status SequenceCall::Start(v1::SessionStepRequest* step,
                                  v1::SessionStepResponse* response,
                                  const CallControl& control) {
-  SessionStore* sessions = table_->sessions();
-  v1::CreateSessionResponse created;
-  ATTN_RETURN_IF_ERROR(HandleCreateSession(create_, table_->models(), sessions,
-                                           table_->max_session_length(),
-                                           &created));
-  return FirstStep(created.session_id(), step, response, control);
+  const auto create =
+      [&](std::optional<std::string> as) -> absl::StatusOr<std::string> {
+    v1::CreateSessionResponse created;
+    ATTN_RETURN_IF_ERROR(HandleCreateSession(
+        create_, table_->models(), table_->sessions(),
+        table_->max_session_length(), &created, std::move(as)));
+    return created.session_id();
+  };
+  return OpenAndStep(create, step, response, control);
 }
 
 absl::Status SequenceCall::StartFork(v1::SessionStepRequest* step,
                                      v1::SessionStepResponse* response,
                                      const CallControl& control) {
-  v1::ForkSessionRequest fork;
-  fork.set_session_id(session_id_);
-  if (parameters_.position) fork.set_length(*parameters_.position);
-  v1::ForkSessionResponse forked;
-  const absl::Status status =
-      HandleForkSession(fork, table_->sessions(), &forked);
-  // The store's NOT_FOUND: the parent's session expired, was evicted or
-  // deleted since the lookup.
-  if (absl::IsNotFound(status) &&
-      absl::StartsWith(status.message(), "session_id:")) {
-    table_->Erase(model_, parameters_.fork, session_id_);
-    return GoneError(kFork, model_, parameters_.fork, status);
-  }
-  // The parent went back (a rewind) since the lookup checked the length.
-  if (absl::IsInvalidArgument(status) &&
-      absl::StartsWith(status.message(), "length: ")) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(Where(kPosition), ": ",
-                     absl::StripPrefix(status.message(), "length: ")));
-  }
-  ATTN_RETURN_IF_ERROR(status);
-  return FirstStep(forked.session_id(), step, response, control);
+  const auto fork_parent =
+      [&](std::optional<std::string> as) -> absl::StatusOr<std::string> {
+    v1::ForkSessionRequest fork;
+    fork.set_session_id(session_id_);
+    if (parameters_.position) fork.set_length(*parameters_.position);
+    v1::ForkSessionResponse forked;
+    const absl::Status status =
+        HandleForkSession(fork, table_->sessions(), &forked, std::move(as));
+    // The store's NOT_FOUND: the parent's session expired, was evicted or
+    // deleted since the lookup.
+    if (absl::IsNotFound(status) &&
+        absl::StartsWith(status.message(), "session_id:")) {
+      table_->Erase(model_, parameters_.fork, session_id_);
+      return GoneError(kFork, model_, parameters_.fork, status);
+    }
+    // The parent went back (a rewind) since the lookup checked the length.
+    if (absl::IsInvalidArgument(status) &&
+        absl::StartsWith(status.message(), "length: ")) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(Where(kPosition), ": ",
+                       absl::StripPrefix(status.message(), "length: ")));
+    }
+    ATTN_RETURN_IF_ERROR(status);
+    return forked.session_id();
+  };
+  return OpenAndStep(fork_parent, step, response, control);
 }
 
-absl::Status SequenceCall::FirstStep(const std::string& id,
-                                     v1::SessionStepRequest* step,
-                                     v1::SessionStepResponse* response,
-                                     const CallControl& control) {
+absl::Status SequenceCall::OpenAndStep(const Opener& open,
+                                       v1::SessionStepRequest* step,
+                                       v1::SessionStepResponse* response,
+                                       const CallControl& control) {
   SessionStore* sessions = table_->sessions();
+  const std::string& target = target_;
+  // A start that also ends needs no id that lasts.
+  bool named = !parameters_.end;
+  if (named) {
+    const absl::Status open_now = sessions->FindReused(target).status();
+    if (!open_now.ok() && !absl::IsNotFound(open_now)) return open_now;
+    named = !open_now.ok();
+  }
+  ATTN_ASSIGN_OR_RETURN(
+      const std::string id,
+      open(named ? std::optional<std::string>(target) : std::nullopt));
   step->set_session_id(id);
   const absl::Status stepped =
       SessionStepHandler(*step, sessions)(*step, response, control);
-  // A failed start (or fork) leaves no sequence; an end frees it once
-  // answered.
+  // A failed start (or fork) leaves no new session and the sequence as it
+  // was; an end frees it once answered.
   if (!stepped.ok() || parameters_.end) {
     sessions->Delete(id).IgnoreError();  // evicted meanwhile: nothing to free
     return stepped;
   }
-  const absl::Status recorded = table_->Insert(model_, parameters_.id, id);
-  if (!recorded.ok()) sessions->Delete(id).IgnoreError();
+  if (!named) {
+    // It replaces the sequence: the old session goes, and the new one
+    // takes the sequence's id (a fork holding all of it, copying nothing).
+    sessions->Delete(target).IgnoreError();
+    v1::ForkSessionRequest fork;
+    fork.set_session_id(id);
+    v1::ForkSessionResponse forked;
+    const absl::Status moved =
+        HandleForkSession(fork, sessions, &forked, target);
+    sessions->Delete(id).IgnoreError();
+    ATTN_RETURN_IF_ERROR(moved);
+  }
+  const absl::Status recorded = table_->Insert(model_, parameters_.id, target);
+  if (!recorded.ok()) sessions->Delete(target).IgnoreError();
   return recorded;
 }
 

@@ -39,6 +39,13 @@
 // is refused with Triton's message; one whose session expired or was
 // evicted is NOT_FOUND, saying so, and its sequence is forgotten.
 //
+// A sequence's session has an id derived from its model and sequence id
+// (SequenceSessionId), the same on every replica: with a --session_dir
+// shared by replicas, a sequence lives on through drains, crashes and
+// moves as any session does. A request of a sequence not open here looks
+// for its session there (a replica draining saved it, a live one holds
+// it, or a dead one's journal has it) before it is refused.
+//
 // The table maps (model, sequence id) to session ids, at most
 // max_per_model sequences a model; entries whose sessions the store has
 // freed (expired, evicted) are dropped lazily, without touching the
@@ -52,6 +59,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -109,6 +117,12 @@ struct SequenceParameters {
   std::optional<v1::DataType> dtype;
 };
 
+// The session id of sequence `id` of `model`: the first 20 bytes of the
+// SHA-256 of both, in hex (40 digits: never one the store makes, 32).
+// INTERNAL if the digest fails.
+absl::StatusOr<std::string> SequenceSessionId(absl::string_view model,
+                                              const SequenceId& id);
+
 // Whether `name` is a parameter SequenceParametersOf reads (with the
 // start-only settings when `in_sequence`).
 bool IsSequenceParameter(absl::string_view name, bool in_sequence);
@@ -140,9 +154,11 @@ class SequenceTable {
   // How long a sequence may sit idle (the store's idle timeout).
   absl::Duration idle_timeout() const;
 
-  // The session of sequence `id` of `model`: INVALID_ARGUMENT (Triton's
-  // "must specify the START flag") when none is open, NOT_FOUND saying why
-  // when its session is gone (the entry is dropped then).
+  // The session of sequence `id` of `model`, taken up from the session
+  // directory when not open here: INVALID_ARGUMENT (Triton's "must specify
+  // the START flag") when none is open, NOT_FOUND saying why when its
+  // session is gone (the entry is dropped then), the store's error when its
+  // file cannot be taken up (DATA_LOSS, UNAVAILABLE...).
   absl::StatusOr<std::string> Find(absl::string_view model,
                                    const SequenceId& id);
   // The session of sequence `parent` of `model`, which sequence `child`
@@ -179,6 +195,12 @@ class SequenceTable {
   // start replaces it or a full table sweeps it.
   Lookup LookUp(absl::string_view model, const SequenceId& id)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // LookUp, then, for a sequence not open here, its session taken up from
+  // the directory (recorded open if found); the store's error if that
+  // fails other than NOT_FOUND.
+  absl::StatusOr<Lookup> LookUpAnywhere(absl::string_view model,
+                                        const SequenceId& id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // NOT_FOUND naming parameter `name`: sequence `id`'s session is gone.
   absl::Status Gone(absl::string_view name, absl::string_view model,
                     const SequenceId& id, const std::string& session_id);
@@ -212,6 +234,12 @@ class SequenceCall {
       std::shared_ptr<const Model> served, const SequenceParameters& parameters,
       const v1::SessionStepRequest& step);
 
+  // The id of the sequence's session (SequenceSessionId), which
+  // ExportSession, ImportSession and HandOverSession take; empty after a
+  // request that ends the sequence.
+  std::string session_id() const {
+    return parameters_.end ? std::string() : target_;
+  }
   // What the step will cost: a start as the causal attention of its prompt
   // (what a step on an empty cache computes), a step by its session.
   RequestCost cost() const { return cost_; }
@@ -236,11 +264,18 @@ class SequenceCall {
   absl::Status StartFork(v1::SessionStepRequest* step,
                          v1::SessionStepResponse* response,
                          const CallControl& control);
-  // A start's step on new session `id`: records the sequence, or frees
-  // the session if the step fails (or ends the sequence).
-  absl::Status FirstStep(const std::string& id, v1::SessionStepRequest* step,
-                         v1::SessionStepResponse* response,
-                         const CallControl& control);
+  // Opens the sequence's session with `open` (a create or a fork, given
+  // the id to open it under, or nullopt for a new one) and runs its first
+  // step: under the sequence's id, or, when that is open (a start that
+  // replaces the sequence) or the start also ends it, under a new id, which
+  // takes the sequence's id once the step succeeded (a fork of it, the old
+  // session freed). Records the sequence; frees the new session if the step
+  // fails (or ends the sequence), leaving an open one as it was.
+  using Opener =
+      std::function<absl::StatusOr<std::string>(std::optional<std::string> as)>;
+  absl::Status OpenAndStep(const Opener& open, v1::SessionStepRequest* step,
+                           v1::SessionStepResponse* response,
+                           const CallControl& control);
   absl::Status Continue(v1::SessionStepRequest* step,
                         v1::SessionStepResponse* response,
                         const CallControl& control);
@@ -252,6 +287,8 @@ class SequenceCall {
   SequenceTable* const table_;
   const std::string model_;
   const SequenceParameters parameters_;
+  // The sequence's session id.
+  std::string target_;
   // Start: the session to create.
   v1::CreateSessionRequest create_;
   // Other steps: the session, looked up once for the cost; a fork: its

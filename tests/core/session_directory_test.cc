@@ -284,6 +284,54 @@ TEST_F(SessionDirectoryTest, DeletedSessionsLeaveNoFileAndStayGone) {
   EXPECT_EQ(store.Delete(saved).code(), absl::StatusCode::kNotFound);
 }
 
+// Ids a caller chooses (a sequence's, which lasts longer than any one of
+// its sessions): opened and forked under them, refused when open or not
+// storable; deleted here and opened again by another store under the same
+// id, FindReused takes the new one up where Find says it was deleted.
+TEST_F(SessionDirectoryTest, ChosenIdsAreOpenedForkedAndFoundAgainAfterReuse) {
+  auto directory_a = OpenDirectory();
+  auto directory_b = OpenDirectory();
+  SessionStore a(StoreOptions(directory_a.get()));
+  SessionStore reference_store(StoreOptions(nullptr));
+  const std::string id(40, 'a'), fork_id(40, 'b');
+  auto added = a.AddNamed(NewSession(), id);
+  ASSERT_TRUE(added.ok()) << added.status();
+  EXPECT_EQ(*added, id);
+  EXPECT_EQ(a.AddNamed(NewSession(), id).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  const absl::Status bad = a.AddNamed(NewSession(), "Not-Hex").status();
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(bad.message()), HasSubstr("hex digits"));
+  ASSERT_TRUE(Step(a, id, 600, 1).ok());
+  int64_t length = 0;
+  auto forked = a.Fork(id, 300, &length, fork_id);
+  ASSERT_TRUE(forked.ok()) << forked.status();
+  EXPECT_EQ(*forked, fork_id);
+  EXPECT_EQ(length, 300);
+  EXPECT_EQ(a.Fork(id, 100, nullptr, fork_id).status().code(),
+            absl::StatusCode::kAlreadyExists);
+  EXPECT_EQ(a.Fork(id, 100, nullptr, "x").status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(a.Delete(id).ok());
+  // Another replica opens the id again and drains.
+  {
+    SessionStore b(StoreOptions(directory_b.get()));
+    ASSERT_TRUE(b.AddNamed(NewSession(), id).ok());
+    const std::string reference = Reference(reference_store);
+    ASSERT_TRUE(Step(b, id, 20, 2).ok());
+    ASSERT_TRUE(Step(reference_store, reference, 20, 2).ok());
+    ASSERT_EQ(b.SaveAll().sessions, 1);
+    EXPECT_EQ(a.Find(id).status().code(), absl::StatusCode::kNotFound);
+    auto found = a.FindReused(id);
+    ASSERT_TRUE(found.ok()) << found.status();
+    EXPECT_EQ((*found)->length(), 20);
+    auto got = Step(a, id, 1, 3);
+    auto want = Step(reference_store, reference, 1, 3);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(SameBits(*got, *want));
+  }
+}
+
 TEST_F(SessionDirectoryTest, BadFilesFailTheirSessionAndAreQuarantined) {
   auto directory = OpenDirectory();
   // The session the files are written from, in a store of its own.

@@ -24,6 +24,7 @@
 #include "grpcpp/create_channel.h"
 #include "gtest/gtest.h"
 #include "httplib.h"
+#include "inference/grpc_service.grpc.pb.h"
 #include "proto/tensor_codec.h"
 #include "server/handlers.h"
 #include "tests/test_util.h"
@@ -1627,6 +1628,119 @@ TEST_F(DurableSessionTest, LiveReplicasHandSessionsOverOnDemand) {
   EXPECT_EQ(no_directory.code(), absl::StatusCode::kFailedPrecondition)
       << no_directory;
   EXPECT_NE(no_directory.message().find("--session_dir"), std::string::npos);
+}
+
+// Open Inference sequences live on as sessions do: a sequence's session id
+// comes from its model and sequence id, so a drained replica's sequences
+// continue on another, live replicas hand them over, and a start replaces
+// a sequence open on another replica. Every output is bit for bit that of
+// a server whose sequences never moved.
+TEST_F(DurableSessionTest, OpenInferenceSequencesLiveOnAcrossReplicas) {
+  // A step of sequence `id` on attention_session: query [4, n, 8], key
+  // and value [2, n, 8] drawn from `seed`.
+  const auto request = [](const inference::InferParameter& id, bool start,
+                          bool end, int64_t n, unsigned seed) {
+    const v1::SessionStepRequest step = NextStep("", false, n, seed);
+    inference::ModelInferRequest infer;
+    infer.set_model_name("attention_session");
+    auto& parameters = *infer.mutable_parameters();
+    parameters["sequence_id"] = id;
+    parameters["sequence_start"].set_bool_param(start);
+    parameters["sequence_end"].set_bool_param(end);
+    if (start) parameters["max_length"].set_int64_param(2048);
+    const v1::Tensor* tensors[] = {&step.query(), &step.key(), &step.value()};
+    const char* names[] = {"query", "key", "value"};
+    for (int i = 0; i < 3; ++i) {
+      auto* input = infer.add_inputs();
+      input->set_name(names[i]);
+      input->set_datatype("FP32");
+      for (int64_t d : tensors[i]->shape()) input->add_shape(d);
+      infer.add_raw_input_contents(tensors[i]->raw_data());
+    }
+    return infer;
+  };
+  std::string session_id;  // the last answer's sequence_session_id
+  const auto infer = [&session_id](const TestServer& server,
+                                   const inference::ModelInferRequest& r)
+      -> absl::StatusOr<std::string> {
+    auto stub = inference::GRPCInferenceService::NewStub(grpc::CreateChannel(
+        server.target(), grpc::InsecureChannelCredentials()));
+    grpc::ClientContext context;
+    inference::ModelInferResponse response;
+    const grpc::Status status = stub->ModelInfer(&context, r, &response);
+    if (!status.ok()) {
+      return absl::Status(static_cast<absl::StatusCode>(status.error_code()),
+                          status.error_message());
+    }
+    const auto id = response.parameters().find("sequence_session_id");
+    session_id =
+        id == response.parameters().end() ? "" : id->second.string_param();
+    return response.raw_output_contents(0);
+  };
+  inference::InferParameter ids[2];
+  ids[0].set_int64_param(7);
+  ids[1].set_string_param("conversation-7");
+  TestServer reference(Options());
+  std::optional<TestServer> a(std::in_place, WithDirectory());
+  TestServer b(WithDirectory());
+  unsigned seed = 1;
+  // One step of each sequence on `server` (and the reference): equal.
+  const auto step_both = [&](const TestServer& server, bool start, bool end,
+                             int64_t n, const char* what) {
+    for (int s = 0; s < 2; ++s) {
+      const auto r = request(ids[s], start, end, n, seed++);
+      auto got = infer(server, r);
+      auto want = infer(reference, r);
+      ASSERT_TRUE(got.ok())
+          << what << ", sequence " << s << ": " << got.status();
+      ASSERT_TRUE(want.ok()) << want.status();
+      EXPECT_EQ(*got, *want) << what << ", sequence " << s;
+    }
+  };
+  step_both(*a, true, false, 600, "start on a");
+  step_both(*a, false, false, 1, "step on a");
+  step_both(b, false, false, 1, "handed over to b");
+  step_both(*a, false, false, 2, "handed back to a");
+  // An operator moves the string sequence by its session's id.
+  EXPECT_EQ(session_id.size(), 40u) << session_id;
+  ASSERT_TRUE(a->MakeClient().HandOverSession(session_id).ok());
+  EXPECT_TRUE(fs::exists(dir_ / (session_id + ".session")));
+  a->server().Shutdown(absl::Seconds(5));
+  a.reset();
+  step_both(b, false, false, 1, "taken up by b after a drained");
+  // A start of sequence 7 on a new replica replaces the one open on b.
+  a.emplace(WithDirectory());
+  {
+    const auto r = request(ids[0], true, false, 3, seed++);
+    auto got = infer(*a, r);
+    auto want = infer(reference, r);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(*got, *want);
+  }
+  step_both(b, false, false, 1, "back on b after the restart");
+  step_both(*a, false, true, 1, "ended on a");
+  EXPECT_EQ(session_id, "");
+  // Ended: Triton's answer where it ended; where it was handed over from,
+  // NOT_FOUND saying where it went (that replica cannot tell an end from
+  // an expiry elsewhere); both ask for a new start.
+  for (int s = 0; s < 2; ++s) {
+    const absl::Status ended =
+        infer(*a, request(ids[s], false, false, 1, seed)).status();
+    EXPECT_EQ(ended.code(), absl::StatusCode::kInvalidArgument) << ended;
+    EXPECT_NE(ended.message().find("must specify the START flag"),
+              std::string::npos)
+        << ended;
+    const absl::Status moved =
+        infer(b, request(ids[s], false, false, 1, seed)).status();
+    EXPECT_EQ(moved.code(), absl::StatusCode::kNotFound) << moved;
+    EXPECT_NE(moved.message().find("was saved to the session directory"),
+              std::string::npos)
+        << moved;
+    EXPECT_NE(moved.message().find("sequence_start"), std::string::npos)
+        << moved;
+  }
+  EXPECT_TRUE(fs::is_empty(dir_ / "quarantine") ||
+              !fs::exists(dir_ / "quarantine"));
 }
 
 TEST_F(DurableSessionTest, ACorruptFileAnswersDataLossAndIsQuarantined) {
