@@ -18,15 +18,23 @@ killed one left, holding its full blocks of 512 tokens, and answers the
 next step ABORTED ("... giving position N"); the client resends its tokens
 from N (one step with position N), then retries the refused step.
 
+With --protocol=open_inference the clients are Open Inference sequences
+instead (ModelInfer on attention_session with sequence_id, sequence_start
+and, on every later step, sequence_position), which nginx sends to any
+replica: each request that reaches a replica not holding its sequence has
+the holder hand the session over.
+
 Passes when every sequence is still open at the end, every step's output
 is bitwise equal to the reference's, every error a client saw is
 UNAVAILABLE or CANCELLED (retried) or, with --kill, ABORTED, and no
 sequence needed more than one rewind.
 
     deploy/session-handover-test.py [--sequences 64] [--kill]
+        [--protocol=native|open_inference]
 
 Needs the build (build/bin/attnserve), nginx-light and python3-grpcio,
-python3-numpy (the script installs them with apt-get when missing).
+python3-numpy (the script installs them with apt-get when missing), and
+for the Open Inference stubs protoc and grpc_python_plugin.
 """
 import argparse
 import collections
@@ -251,6 +259,89 @@ class Sequence(threading.Thread):
         return copy
 
 
+def inference_stubs(workdir):
+    """The Open Inference protocol's Python modules, generated from proto/."""
+    subprocess.run(
+        ["protoc", f"--proto_path={ROOT}/proto", f"--python_out={workdir}",
+         f"--grpc_out={workdir}",
+         "--plugin=protoc-gen-grpc=" + shutil.which("grpc_python_plugin"),
+         "inference/grpc_service.proto"], check=True)
+    sys.path.insert(0, workdir)
+    from inference import grpc_service_pb2, grpc_service_pb2_grpc
+    return grpc_service_pb2, grpc_service_pb2_grpc
+
+
+class InferenceSequence(Sequence):
+    """One Open Inference sequence through nginx, and its reference."""
+
+    def __init__(self, index, cluster, reference, stop, prefill, oi):
+        super().__init__(index, cluster, reference, stop, prefill)
+        self.oi = oi
+        self.sequence_id = index + 1
+
+    def request(self, position, q, k, v, start=False):
+        r = self.oi.ModelInferRequest(model_name="attention_session")
+        r.parameters["sequence_id"].int64_param = self.sequence_id
+        if start:
+            r.parameters["sequence_start"].bool_param = True
+            r.parameters["max_length"].int64_param = 8192
+        else:
+            # The step's position: a step retried after an error is the
+            # same step.
+            r.parameters["sequence_position"].int64_param = position
+        for name, x in (("query", q), ("key", k), ("value", v)):
+            tensor = r.inputs.add(name=name, datatype="FP32")
+            tensor.shape.extend(x.shape)
+            r.raw_input_contents.append(x.tobytes())
+        return r
+
+    def resend(self, session, error, history, length):
+        import numpy as np
+        match = re.search(r"giving position (\d+)", error.details() or "")
+        if not match or int(match.group(1)) > length:
+            raise error
+        held = int(match.group(1))
+        self.rewinds += 1
+        if held == length:
+            return
+        q, k, v = (np.concatenate([step[i] for step in history], axis=1)
+                   [:, held:length] for i in range(3))
+        self.resent_tokens += length - held
+        self.call(self.cluster.ModelInfer, self.request(held, q, k, v))
+
+    def run(self):
+        import grpc
+        import numpy as np
+        rng = np.random.default_rng(self.index)
+        length, n = 0, self.prefill
+        history = []
+        while not self.stop_event.is_set() and length + n <= 8192:
+            q = rng.standard_normal((HEADS, n, DIM), dtype="float32")
+            k = rng.standard_normal((KV_HEADS, n, DIM), dtype="float32")
+            v = rng.standard_normal((KV_HEADS, n, DIM), dtype="float32")
+            request = self.request(length, q, k, v, start=length == 0)
+            want = self.reference.ModelInfer(request)
+            try:
+                try:
+                    got = self.call(self.cluster.ModelInfer, request)
+                except grpc.RpcError as error:
+                    if error.code() != grpc.StatusCode.ABORTED:
+                        raise
+                    self.resend(None, error, history, length)
+                    got = self.call(self.cluster.ModelInfer, request)
+            except grpc.RpcError as error:
+                self.lost = f"{error.code().name}: {error.details()}"
+                return
+            if (got.raw_output_contents != want.raw_output_contents or
+                    got.parameters["sequence_length"].int64_param !=
+                    want.parameters["sequence_length"].int64_param):
+                self.mismatches += 1
+            history.append((q, k, v))
+            length = want.parameters["sequence_length"].int64_param
+            n = 1
+            self.steps += 1
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--attnserve",
@@ -261,8 +352,12 @@ def main():
                         help="seconds of stepping before and between stops")
     parser.add_argument("--kill", action="store_true",
                         help="also SIGKILL one replica after the restarts")
+    parser.add_argument("--protocol", choices=("native", "open_inference"),
+                        default="native",
+                        help="decode sessions, or Open Inference sequences")
     args = parser.parse_args()
     install()
+    import grpc
     from attnserve_client import connect
 
     tmp = tempfile.mkdtemp(prefix="attnserve-handover-")
@@ -278,11 +373,21 @@ def main():
         nginx = start_nginx(ports[:3], ports[4], tmp)
         log(f"3 replicas sharing {session_dir}, nginx on :{ports[4]}, "
             f"{args.sequences} sequences")
-        cluster = connect(f"127.0.0.1:{ports[4]}", keep_buffers=False)
-        ref = connect(f"127.0.0.1:{ports[3]}", keep_buffers=False)
         stop = threading.Event()
-        sequences = [Sequence(i, cluster, ref, stop, args.prefill)
-                     for i in range(args.sequences)]
+        if args.protocol == "native":
+            cluster = connect(f"127.0.0.1:{ports[4]}", keep_buffers=False)
+            ref = connect(f"127.0.0.1:{ports[3]}", keep_buffers=False)
+            sequences = [Sequence(i, cluster, ref, stop, args.prefill)
+                         for i in range(args.sequences)]
+        else:
+            oi, oi_grpc = inference_stubs(tmp)
+            cluster, ref = (
+                oi_grpc.GRPCInferenceServiceStub(
+                    grpc.insecure_channel(f"127.0.0.1:{port}"))
+                for port in (ports[4], ports[3]))
+            sequences = [InferenceSequence(i, cluster, ref, stop,
+                                           args.prefill, oi)
+                         for i in range(args.sequences)]
         for sequence in sequences:
             sequence.start()
         time.sleep(args.settle_s)

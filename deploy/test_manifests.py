@@ -380,6 +380,15 @@ class DeployFilesTest(unittest.TestCase):
                                          re.MULTILINE)), expected)
         self.assertRegex(self.nginx, r"\(CreateSession\|SessionStep\|SessionSteps\|ForkSession\|DeleteSession\)\$ \{\s*"
                                      r"grpc_pass grpc://attnserve_sessions;")
+        # Open Inference requests with a key (a sequence's) take the same
+        # hash; those without go to any replica.
+        route = re.search(r"map \$http_x_session_key \$inference_upstream \{(.*?)\}",
+                          self.nginx, re.DOTALL)
+        self.assertIsNotNone(route)
+        self.assertRegex(route.group(1), r'""\s+attnserve;')
+        self.assertRegex(route.group(1), r"default\s+attnserve_sessions;")
+        self.assertRegex(self.nginx, r"\(ModelInfer\|ModelStreamInfer\)\$ \{\s*"
+                                     r"grpc_pass grpc://\$inference_upstream;")
         body = re.search(r"client_max_body_size (\d+)m;", self.nginx)
         self.assertGreaterEqual(int(body.group(1)), int(self.flags["max_message_mb"]))
 

@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds attnserve with its tests and runs them
 # all: a Release build (GCC); the README's Python commands against the
-# quick start's server; with CI=true a one-minute soak; then one clang tree
-# with AddressSanitizer, UndefinedBehaviorSanitizer, libFuzzer's coverage
-# hooks and -Wthread-safety as errors, whose test suite runs and whose fuzz
-# targets then run ATTNSERVE_CI_FUZZ_SECONDS (35) each with CI=true; the
-# kernel suite cross-compiled for AArch64 and run under qemu (NEON, SVE,
-# SVE2); and the concurrency tests built with ThreadSanitizer. --quick runs the Release
-# build and tests and the lock-annotation check only.
+# quick start's server; with CI=true a one-minute soak and the rolling
+# restart through nginx (deploy/session-handover-test.py); then one clang
+# tree with AddressSanitizer, UndefinedBehaviorSanitizer, libFuzzer's
+# coverage hooks and -Wthread-safety as errors, whose test suite runs and
+# whose fuzz targets then run ATTNSERVE_CI_FUZZ_SECONDS (35) each with
+# CI=true; the kernel suite cross-compiled for AArch64 and run under qemu
+# (NEON, SVE, SVE2); and the concurrency tests built with ThreadSanitizer.
+# --quick runs the Release build and tests and the lock-annotation check
+# only.
 # Every build uses Ninja and ccache (CCACHE_BASEDIR is the checkout, so the
 # README check's copy of it hits the same cache). Each stage's minutes are
 # printed at the end.
@@ -78,6 +80,18 @@ stage "README Python commands against the quick start's server"
 if [[ "${CI:-}" == "true" ]]; then
   stage "Soak test (60 s)"
   "$root/scripts/soak.sh" 60
+fi
+
+# Durability through a cluster: three replicas sharing a session directory
+# behind nginx, each drained and restarted in turn, then one killed, while
+# 16 clients step decode sessions (then Open Inference sequences); every
+# step is checked bitwise against a replica that never stopped.
+if [[ "${CI:-}" == "true" ]]; then
+  stage "Rolling restart and SIGKILL through nginx (sessions, sequences)"
+  for protocol in native open_inference; do
+    /usr/bin/python3 "$root/deploy/session-handover-test.py" --sequences 16 \
+      --kill --protocol=$protocol
+  done
 fi
 
 # One clang tree for every instrumented check: ASan + UBSan, libFuzzer's
