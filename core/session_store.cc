@@ -395,6 +395,7 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
     const size_t bookkeeping = slot->session->bookkeeping_bytes();
     MutexLock lock(&mu_);
     if (!sessions_.contains(key)) return NotFound(key);  // gone meanwhile
+    if (as.has_value() && sessions_.contains(*as)) return IsOpen(*as);
     ATTN_RETURN_IF_ERROR(VerifySharedCacheCount());
     CountSupersededModels();
     ATTN_RETURN_IF_ERROR(
@@ -444,6 +445,45 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
   QueueJournal(journaled);
   if (forked_length != nullptr) *forked_length = fork_length;
   return fork_id;
+}
+
+absl::Status SessionStore::Rename(absl::string_view from,
+                                  const std::string& to) {
+  ATTN_RETURN_IF_ERROR(VerifyChosenId(to));
+  std::shared_ptr<Slot> slot;
+  {
+    MutexLock lock(&mu_);
+    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(from));
+    slot = entry->slot;
+  }
+  const std::string key(from);
+  {
+    // The id is read under the step lock (journal, messages).
+    MutexLock step_lock(&slot->step_mu);
+    MutexLock journal_lock(&slot->journal_mu);
+    MutexLock lock(&mu_);
+    const auto it = sessions_.find(key);
+    if (it == sessions_.end() || it->second.slot != slot) {
+      return NotFound(key);  // gone meanwhile
+    }
+    if (sessions_.contains(to)) return IsOpen(to);
+    // The journal of the old id goes; the journal thread writes one under
+    // the new id, with every full block.
+    if (slot->journal != nullptr) slot->journal->Remove();
+    slot->journal.reset();
+    Entry entry = std::move(it->second);
+    sessions_.erase(it);
+    *entry.lru = to;
+    sessions_.emplace(to, std::move(entry));
+    slot->id = to;
+    gone_.erase(to);
+    if (options_.directory != nullptr && !holder_.empty()) {
+      options_.directory->Release(key);
+    }
+    Hold(to);
+  }
+  QueueJournal(slot);
+  return absl::OkStatus();
 }
 
 absl::Status SessionStore::VerifySharedCacheCount() const {
@@ -559,7 +599,9 @@ void SessionStore::Remove(std::string id, GoneReason reason,
     case GoneReason::kClosed:
       break;
   }
-  if (gone_.size() >= kRememberedGoneIds) {
+  // By the queue's length: ids opened again (a sequence's) leave gone_ but
+  // stay queued. An old entry may drop a newer record of its id early.
+  while (gone_order_.size() >= kRememberedGoneIds) {
     gone_.erase(gone_order_.front());
     gone_order_.pop_front();
   }
@@ -815,6 +857,11 @@ absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::FindReused(
 absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
     absl::string_view id) {
   ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
+  return FindHere(id);
+}
+
+absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::FindHere(
+    absl::string_view id) {
   MutexLock lock(&mu_);
   ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
   // Shares the slot's ownership: the session lives while the caller holds it.

@@ -235,9 +235,27 @@ class SessionStore {
                                    std::optional<std::string> as = std::nullopt)
       ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Moves session `from` to id `to` (AddNamed's rules): its journal is
+  // written anew under `to`, and its holder's record follows. Waits for a
+  // step running on it. NOT_FOUND as Step; ALREADY_EXISTS when `to` is
+  // open here.
+  absl::Status Rename(absl::string_view from, const std::string& to)
+      ABSL_LOCKS_EXCLUDED(mu_);
+
   // The session, for cost estimates and metadata; NOT_FOUND as Step.
   absl::StatusOr<std::shared_ptr<const DecodeSession>> Find(
       absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  // The session if it is open in this store: never the directory nor a
+  // hand-over, for callers on threads that must not wait for a peer (gRPC's
+  // callback threads: two replicas waiting on each other's would both stall
+  // until the hand-over's deadline). NOT_FOUND as Step.
+  absl::StatusOr<std::shared_ptr<const DecodeSession>> FindHere(
+      absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Whether a session not open here may be taken up under `id`: the
+  // directory holds its file, its journal or its holder's record.
+  bool KnownInDirectory(absl::string_view id) const {
+    return options_.directory != nullptr && options_.directory->Knows(id);
+  }
   // Find for ids used again after their session ends (a sequence's): the
   // directory is asked also when this store deleted or expired `id`, as
   // another replica may have opened a session under it since.

@@ -32,6 +32,11 @@ struct RequestCost {
   int64_t bytes = 0;
   // The most elements of any tensor in the request.
   int64_t largest_tensor = 0;
+  // The call may wait for a file or another replica (a decode session not
+  // open here, taken up or handed over first): never computed on the
+  // thread that received it (gRPC's threads, which a hand-over's answer
+  // needs on the replica asked).
+  bool may_wait = false;
 
   // What the deadline estimate and the inline decision go by: the FLOPs,
   // or the other work when it is larger.
@@ -53,7 +58,7 @@ inline constexpr double kLogitWork = 16;
 // They cannot be cancelled there, so nothing above this bound may run there.
 inline constexpr double kRunInlineEffort = 1e6;
 inline bool RunsInline(const RequestCost& cost) {
-  return cost.effort() < kRunInlineEffort;
+  return !cost.may_wait && cost.effort() < kRunInlineEffort;
 }
 
 // RESOURCE_EXHAUSTED when `cost` exceeds the server's limits on the

@@ -439,7 +439,9 @@ SessionStepHandler::SessionStepHandler(const v1::SessionStepRequest& request,
                                        SessionStore* sessions)
     : sessions_(sessions) {
   if (sessions == nullptr) return;
-  auto found = sessions->Find(request.session_id());
+  // Here only: a session elsewhere is taken up by the step, on the worker
+  // that runs it, not on gRPC's thread.
+  auto found = sessions->FindHere(request.session_id());
   if (found.ok()) {
     session_ = *std::move(found);
   } else if (!absl::IsNotFound(found.status())) {
@@ -544,10 +546,11 @@ SessionStepsHandler::SessionStepsHandler(const v1::SessionStepsRequest& request,
   found_.reserve(request.steps_size());
   refused_.resize(request.steps_size());
   for (int i = 0; i < request.steps_size(); ++i) {
-    auto session = sessions->Find(request.steps(i).session_id());
+    auto session = sessions->FindHere(request.steps(i).session_id());
     found_.push_back(session.ok() ? *std::move(session) : nullptr);
     // A step over the limits fails alone, and costs the call nothing; so
-    // does one whose saved session could not be taken up.
+    // does one whose lookup failed (a session not open here is taken up by
+    // the pass, on its worker).
     refused_[i] =
         !session.ok() && !absl::IsNotFound(session.status())
             ? session.status()

@@ -168,8 +168,9 @@ class SessionStepHandler {
  private:
   SessionStore* sessions_;
   std::shared_ptr<const DecodeSession> session_;
-  // Why a saved session could not be taken up (a corrupt file: DATA_LOSS);
-  // the step answers it. OK otherwise (NOT_FOUND is the step's to say).
+  // Why the lookup failed other than NOT_FOUND (an id too long); the step
+  // answers it. OK otherwise: a session not open here is taken up (or said
+  // NOT_FOUND) by the step.
   absl::Status lookup_error_;
 };
 

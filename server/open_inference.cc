@@ -667,7 +667,7 @@ void NativeInferCall::ToResponse(const ModelInferRequest& request,
     (*response->mutable_parameters())["sequence_length"].set_int64_param(
         static_cast<const v1::SessionStepResponse&>(*response_).length());
     // The session behind it, for ExportSession and HandOverSession.
-    if (const std::string id = sequence_->session_id(); !id.empty()) {
+    if (const std::string id = sequence_->sequence_session_id(); !id.empty()) {
       (*response->mutable_parameters())["sequence_session_id"].set_string_param(
           id);
     }

@@ -184,6 +184,8 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
 RequestCost CostOf(const v1::SessionStepRequest& r,
                    const DecodeSession* session) {
   RequestCost cost;
+  // Not open here: the step takes it up (a file, a hand-over) first.
+  cost.may_wait = session == nullptr;
   if (session == nullptr ||
       !AllValid({&r.input(), &r.query(), &r.key(), &r.value()})) {
     return cost;
@@ -228,6 +230,7 @@ RequestCost CostOf(
         static_cast<double>(cost.bytes) + static_cast<double>(step.bytes),
         9e18));
     cost.largest_tensor = std::max(cost.largest_tensor, step.largest_tensor);
+    cost.may_wait = cost.may_wait || step.may_wait;
   }
   return cost;
 }

@@ -22,7 +22,8 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& request,
                    const MultiHeadLayer* layer);
 RequestCost CostOf(const v1::LayerNormRequest& request);
 RequestCost CostOf(const v1::RmsNormRequest& request);
-// `session`: the one the request names (null when it was not found).
+// `session`: the one the request names (null when it is not open here:
+// the step may then wait to take it up, and never runs inline).
 RequestCost CostOf(const v1::SessionStepRequest& request,
                    const DecodeSession* session);
 

@@ -459,7 +459,12 @@ absl::StatusOr<SequenceTable::Lookup> SequenceTable::LookUpAnywhere(
   // Saved by a drain, held by a live replica or journaled by a dead one.
   ATTN_ASSIGN_OR_RETURN(std::string session_id, SequenceSessionId(model, id));
   const absl::Status taken = sessions_->FindReused(session_id).status();
-  if (absl::IsNotFound(taken)) return found;
+  // The store's NOT_FOUND names session_id; another (a model not served
+  // here) is the answer.
+  if (absl::IsNotFound(taken) &&
+      absl::StartsWith(taken.message(), "session_id:")) {
+    return found;
+  }
   if (!taken.ok()) {
     return absl::Status(
         taken.code(),
@@ -540,6 +545,13 @@ std::optional<std::string> SequenceTable::ModelHolding(
   return holder;
 }
 
+std::optional<std::string> SequenceTable::FindHere(absl::string_view model,
+                                                   const SequenceId& id) {
+  Lookup found = LookUp(model, id);
+  if (found.state != Lookup::kOpen) return std::nullopt;
+  return std::move(found.session_id);
+}
+
 absl::Status SequenceTable::Insert(absl::string_view model,
                                    const SequenceId& id,
                                    const std::string& session_id) {
@@ -600,14 +612,33 @@ absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
       new SequenceCall(table, std::move(model), parameters));
   ATTN_ASSIGN_OR_RETURN(call->target_,
                         SequenceSessionId(call->model_, parameters.id));
-  if (!parameters.fork.none()) {
-    ATTN_ASSIGN_OR_RETURN(
-        call->session_id_,
-        table->FindParent(call->model_, parameters.fork, parameters.id));
+  // The session (a fork's parent) here, or, if the directory may hold it,
+  // left to Run (deferred_); else the lookup's error, here.
+  const auto resolve = [&](const SequenceId& id) -> absl::Status {
+    const bool fork = !parameters.fork.none();
+    if (std::optional<std::string> here = table->FindHere(call->model_, id)) {
+      call->session_id_ = *std::move(here);
+    } else {
+      ATTN_ASSIGN_OR_RETURN(const std::string named,
+                            SequenceSessionId(call->model_, id));
+      if (table->sessions()->KnownInDirectory(named)) {
+        call->deferred_ = true;
+        return absl::OkStatus();
+      }
+      ATTN_ASSIGN_OR_RETURN(
+          call->session_id_,
+          fork ? table->FindParent(call->model_, id, parameters.id)
+               : table->Find(call->model_, id));
+    }
     v1::SessionStepRequest lookup;
     lookup.set_session_id(call->session_id_);
     call->handler_.emplace(lookup, table->sessions());
-    const DecodeSession* parent = call->handler_->session();
+    return absl::OkStatus();
+  };
+  if (!parameters.fork.none()) {
+    ATTN_RETURN_IF_ERROR(resolve(parameters.fork));
+    const DecodeSession* parent =
+        call->handler_.has_value() ? call->handler_->session() : nullptr;
     if (parent != nullptr && parameters.position) {
       ATTN_RETURN_IF_ERROR(VerifyForkPosition(*parameters.position, *parent,
                                               call->model_, parameters.fork));
@@ -618,12 +649,9 @@ absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
     return call;
   }
   if (!parameters.start) {
-    ATTN_ASSIGN_OR_RETURN(call->session_id_,
-                          table->Find(call->model_, parameters.id));
-    v1::SessionStepRequest lookup;
-    lookup.set_session_id(call->session_id_);
-    call->handler_.emplace(lookup, table->sessions());
-    call->cost_ = CostOf(step, call->handler_->session());
+    ATTN_RETURN_IF_ERROR(resolve(parameters.id));
+    call->cost_ = CostOf(
+        step, call->handler_.has_value() ? call->handler_->session() : nullptr);
     return call;
   }
   v1::CreateSessionRequest& create = call->create_;
@@ -640,12 +668,33 @@ absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
   }
   if (parameters.max_length) create.set_max_length(*parameters.max_length);
   call->cost_ = StartCost(served.get(), step);
+  // It ends the sequence open under its id first, which may be elsewhere.
+  call->cost_.may_wait = true;
   return call;
+}
+
+absl::Status SequenceCall::FindDeferred() {
+  deferred_ = false;
+  const bool fork = !parameters_.fork.none();
+  ATTN_ASSIGN_OR_RETURN(
+      session_id_,
+      fork ? table_->FindParent(model_, parameters_.fork, parameters_.id)
+           : table_->Find(model_, parameters_.id));
+  v1::SessionStepRequest lookup;
+  lookup.set_session_id(session_id_);
+  handler_.emplace(lookup, table_->sessions());
+  const DecodeSession* parent = handler_->session();
+  if (fork && parent != nullptr && parameters_.position) {
+    return VerifyForkPosition(*parameters_.position, *parent, model_,
+                              parameters_.fork);
+  }
+  return absl::OkStatus();
 }
 
 absl::Status SequenceCall::Run(v1::SessionStepRequest* step,
                                v1::SessionStepResponse* response,
                                const CallControl& control) {
+  if (deferred_) ATTN_RETURN_IF_ERROR(FindDeferred());
   if (!parameters_.fork.none()) return StartFork(step, response, control);
   if (parameters_.position) step->set_position(*parameters_.position);
   return parameters_.start ? Start(step, response, control)
@@ -697,51 +746,69 @@ absl::Status SequenceCall::StartFork(v1::SessionStepRequest* step,
   return OpenAndStep(fork_parent, step, response, control);
 }
 
+absl::StatusOr<bool> SequenceCall::SequenceIsOpen() {
+  const absl::Status found = table_->sessions()->FindReused(target_).status();
+  if (absl::IsNotFound(found) &&
+      absl::StartsWith(found.message(), "session_id:")) {
+    return false;
+  }
+  if (!found.ok()) {
+    return absl::Status(
+        found.code(),
+        absl::StrCat(kId, ": sequence ", parameters_.id.ToString(),
+                     " of model ", EchoString(model_), ": ", found.message()));
+  }
+  return true;
+}
+
 absl::Status SequenceCall::OpenAndStep(const Opener& open,
                                        v1::SessionStepRequest* step,
                                        v1::SessionStepResponse* response,
                                        const CallControl& control) {
   SessionStore* sessions = table_->sessions();
-  const std::string& target = target_;
-  // A start that also ends needs no id that lasts.
-  bool named = !parameters_.end;
-  if (named) {
-    const absl::Status open_now = sessions->FindReused(target).status();
-    if (!open_now.ok() && !absl::IsNotFound(open_now)) return open_now;
-    named = !open_now.ok();
+  bool named = false;  // opened under the sequence's id
+  if (!parameters_.end) {
+    ATTN_ASSIGN_OR_RETURN(const bool replaces, SequenceIsOpen());
+    named = !replaces;
   }
-  ATTN_ASSIGN_OR_RETURN(
-      const std::string id,
-      open(named ? std::optional<std::string>(target) : std::nullopt));
+  absl::StatusOr<std::string> opened =
+      open(named ? std::optional<std::string>(target_) : std::nullopt);
+  if (named && absl::IsAlreadyExists(opened.status())) {
+    // Another start of the sequence opened it meanwhile: this one replaces
+    // it, as it would have a moment later.
+    opened = open(std::nullopt);
+  }
+  ATTN_ASSIGN_OR_RETURN(const std::string id, std::move(opened));
   step->set_session_id(id);
   const absl::Status stepped =
       SessionStepHandler(*step, sessions)(*step, response, control);
-  // A failed start (or fork) leaves no new session and the sequence as it
-  // was; an end frees it once answered.
+  // A failed start (or fork) leaves no new session and an open sequence as
+  // it was; an end frees it once answered.
   if (!stepped.ok() || parameters_.end) {
     sessions->Delete(id).IgnoreError();  // evicted meanwhile: nothing to free
     return stepped;
   }
-  if (!named) {
-    // It replaces the sequence: the old session goes, and the new one
-    // takes the sequence's id (a fork holding all of it, copying nothing).
-    sessions->Delete(target).IgnoreError();
-    v1::ForkSessionRequest fork;
-    fork.set_session_id(id);
-    v1::ForkSessionResponse forked;
-    const absl::Status moved =
-        HandleForkSession(fork, sessions, &forked, target);
-    sessions->Delete(id).IgnoreError();
-    ATTN_RETURN_IF_ERROR(moved);
+  if (id != target_) {
+    // It replaces the open sequence: the old session goes, the new one
+    // takes the sequence's id.
+    sessions->Delete(target_).IgnoreError();  // gone meanwhile: fine
+    const absl::Status renamed = sessions->Rename(id, target_);
+    if (!renamed.ok()) {
+      sessions->Delete(id).IgnoreError();
+      return renamed;
+    }
   }
-  const absl::Status recorded = table_->Insert(model_, parameters_.id, target);
-  if (!recorded.ok()) sessions->Delete(target).IgnoreError();
+  const absl::Status recorded = table_->Insert(model_, parameters_.id, target_);
+  if (!recorded.ok()) sessions->Delete(target_).IgnoreError();
   return recorded;
 }
 
 std::optional<SessionStepCall> SequenceCall::StepCall(
     v1::SessionStepRequest* step, v1::SessionStepResponse* response) {
-  if (!parameters_.fork.none() || parameters_.start) return std::nullopt;
+  // A sequence not open here is looked up first, by Run.
+  if (!parameters_.fork.none() || parameters_.start || deferred_) {
+    return std::nullopt;
+  }
   if (parameters_.position) step->set_position(*parameters_.position);
   step->set_session_id(session_id_);
   SessionStepCall call = handler_->StepCall(*step, response);

@@ -167,6 +167,11 @@ class SequenceTable {
   absl::StatusOr<std::string> FindParent(absl::string_view model,
                                          const SequenceId& parent,
                                          const SequenceId& child);
+  // The session of sequence `id` of `model` if it is open here; never the
+  // directory (for gRPC's threads, which must not wait for a hand-over).
+  std::optional<std::string> FindHere(absl::string_view model,
+                                      const SequenceId& id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Records `session_id` (open in the store) as sequence `id` of `model`; a
   // sequence already open under that id is replaced and its session freed.
   // RESOURCE_EXHAUSTED when the model holds max_per_model sequences whose
@@ -237,7 +242,7 @@ class SequenceCall {
   // The id of the sequence's session (SequenceSessionId), which
   // ExportSession, ImportSession and HandOverSession take; empty after a
   // request that ends the sequence.
-  std::string session_id() const {
+  std::string sequence_session_id() const {
     return parameters_.end ? std::string() : target_;
   }
   // What the step will cost: a start as the causal attention of its prompt
@@ -264,12 +269,20 @@ class SequenceCall {
   absl::Status StartFork(v1::SessionStepRequest* step,
                          v1::SessionStepResponse* response,
                          const CallControl& control);
+  // The session (or a fork's parent) of a sequence not open here when the
+  // call was created: looked up by Run, on the worker, where a hand-over
+  // may be waited for. Its errors are Find's and FindParent's.
+  absl::Status FindDeferred();
+  // Whether a session is open under the sequence's id, here or on another
+  // replica (taken up here then: a live holder lets go of it only by a
+  // hand-over); the error, naming the sequence, if that fails.
+  absl::StatusOr<bool> SequenceIsOpen();
   // Opens the sequence's session with `open` (a create or a fork, given
   // the id to open it under, or nullopt for a new one) and runs its first
-  // step: under the sequence's id, or, when that is open (a start that
-  // replaces the sequence) or the start also ends it, under a new id, which
-  // takes the sequence's id once the step succeeded (a fork of it, the old
-  // session freed). Records the sequence; frees the new session if the step
+  // step: under the sequence's id, or, when a session is open under it (a
+  // start replaces a sequence) or the start also ends, under a new id,
+  // renamed to the sequence's once the step succeeded (the old session
+  // freed then). Records the sequence; frees the new session if the step
   // fails (or ends the sequence), leaving an open one as it was.
   using Opener =
       std::function<absl::StatusOr<std::string>(std::optional<std::string> as)>;
@@ -292,8 +305,9 @@ class SequenceCall {
   // Start: the session to create.
   v1::CreateSessionRequest create_;
   // Other steps: the session, looked up once for the cost; a fork: its
-  // parent's.
+  // parent's. Empty (`deferred_`) when not open here at creation.
   std::string session_id_;
+  bool deferred_ = false;
   std::optional<SessionStepHandler> handler_;
   RequestCost cost_;
 };

@@ -332,6 +332,48 @@ TEST_F(SessionDirectoryTest, ChosenIdsAreOpenedForkedAndFoundAgainAfterReuse) {
   }
 }
 
+// A renamed session keeps stepping as before; its journal and its
+// holder's record move to the new id (the journal written anew), so that a
+// crash after the rename recovers it under the new id.
+TEST_F(SessionDirectoryTest, ARenamedSessionKeepsItsTokensJournalAndHolder) {
+  auto directory = OpenDirectory();
+  SessionStore::Options options = StoreOptions(directory.get());
+  options.holder = "a";
+  options.journal = true;
+  SessionStore reference_store(StoreOptions(nullptr));
+  const std::string reference = Reference(reference_store);
+  const std::string to(40, 'c');
+  {
+    SessionStore store(options);
+    const std::string id = *store.Add(NewSession());
+    ASSERT_TRUE(Step(store, id, 600, 1).ok());
+    ASSERT_TRUE(Step(reference_store, reference, 600, 1).ok());
+    store.WaitForJournals();
+    ASSERT_TRUE(fs::exists(path_ / (id + ".journal")));
+    EXPECT_EQ(store.Rename(id, "Bad").code(),
+              absl::StatusCode::kInvalidArgument);
+    ASSERT_TRUE(store.Rename(id, to).ok());
+    EXPECT_EQ(store.Find(id).status().code(), absl::StatusCode::kNotFound);
+    EXPECT_FALSE(fs::exists(path_ / (id + ".journal")));
+    EXPECT_FALSE(directory->Holder(id).has_value());
+    EXPECT_EQ(directory->Holder(to), "a");
+    auto got = Step(store, to, 1, 2);
+    auto want = Step(reference_store, reference, 1, 2);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_TRUE(SameBits(*got, *want));
+    store.WaitForJournals();
+    EXPECT_TRUE(fs::exists(path_ / (to + ".journal")));
+    EXPECT_EQ(store.Rename("0123", to).code(), absl::StatusCode::kNotFound);
+    const std::string other = *store.Add(NewSession());
+    EXPECT_EQ(store.Rename(other, to).code(), absl::StatusCode::kAlreadyExists);
+    // A crash: the journal under the new id is what outlives the store.
+  }
+  SessionStore next(options);
+  const absl::Status recovered = Step(next, to, 1, 3).status();
+  EXPECT_EQ(recovered.code(), absl::StatusCode::kAborted) << recovered;
+  EXPECT_THAT(std::string(recovered.message()), HasSubstr("layer 0 holds 512"));
+}
+
 TEST_F(SessionDirectoryTest, BadFilesFailTheirSessionAndAreQuarantined) {
   auto directory = OpenDirectory();
   // The session the files are written from, in a store of its own.
