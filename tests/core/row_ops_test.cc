@@ -279,14 +279,16 @@ TEST_P(RowOpsTest, Int8ValuesOverBlocksAndNonFiniteWeights) {
     for (int8_t& x : i8) x = static_cast<int8_t>(code(rng));
     for (float& s : scales) s = 0.001f + 0.01f * uniform(rng);
     for (float& x : p) x = uniform(rng);
-    // Row 4's second block holds a NaN weight.
-    p[4 * cols + 600] = std::numeric_limits<float>::quiet_NaN();
+    // Rows 1 and 4 hold a NaN weight in their second block (row 1 within
+    // a tile of four rows, row 4 past it).
+    p[1 * cols + 600] = std::numeric_limits<float>::quiet_NaN();
+    p[4 * cols + 700] = std::numeric_limits<float>::quiet_NaN();
     const CachedRows cached{i8.data(), stride, RowType::kInt8, scales.data()};
     std::vector<float> acc(rows * dim, 0.25f);
     ops.add_weighted_rows(p.data(), cols, rows, cached, cols, dim, acc.data());
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t c = 0; c < dim; ++c) {
-        if (r == 4) {
+        if (r == 1 || r == 4) {
           EXPECT_TRUE(std::isnan(acc[r * dim + c]))
               << ops.name << " dim " << dim << " column " << c;
           continue;
@@ -305,7 +307,64 @@ TEST_P(RowOpsTest, Int8ValuesOverBlocksAndNonFiniteWeights) {
         }
         EXPECT_NEAR(acc[r * dim + c], want, bound)
             << ops.name << " dim " << dim << " row " << r << " column " << c;
+        if (ops.int8_integer_path) {
+          // The integer path's bits: per block, float weights rounded to
+          // int16 codes, an exact integer sum, scaled back and added.
+          float exact = 0.25f;
+          for (int64_t j0 = 0; j0 < cols; j0 += 512) {
+            const int64_t end = std::min(cols, j0 + 512);
+            float largest = 0.0f;
+            for (int64_t j = j0; j < end; ++j) {
+              largest =
+                  std::max(largest, std::abs(p[r * cols + j] * scales[j]));
+            }
+            const float inverse = 32767.0f / largest;
+            int64_t sum = 0;
+            for (int64_t j = j0; j < end; ++j) {
+              const float w = p[r * cols + j] * scales[j];
+              sum += static_cast<int64_t>(std::nearbyint(w * inverse)) *
+                     i8[j * stride + c];
+            }
+            exact += static_cast<float>(sum) * (largest / 32767.0f);
+          }
+          EXPECT_EQ(acc[r * dim + c], exact)
+              << ops.name << " dim " << dim << " row " << r << " column " << c;
+        }
       }
+    }
+  }
+}
+
+// Int8 keys whose rows lie side by side (stride == dim, as in a session's
+// cache) take the fixed-layout groups at d64 and d128: the same bits as
+// the same keys read through another stride.
+TEST_P(RowOpsTest, Int8KeysSideBySideMatchStridedKeys) {
+  std::mt19937 rng(41);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::uniform_int_distribution<int> code(-127, 127);
+  const RowOps& ops = this->ops();
+  for (int64_t dim : {int64_t{64}, int64_t{128}}) {
+    const int64_t rows = 3, cols = 37;
+    std::vector<int8_t> packed(cols * dim), strided(cols * (dim + 5));
+    std::vector<float> scales(cols), q(rows * dim);
+    for (int64_t j = 0; j < cols; ++j) {
+      scales[j] = 0.01f * static_cast<float>(j + 1);
+      for (int64_t c = 0; c < dim; ++c) {
+        packed[j * dim + c] = strided[j * (dim + 5) + c] =
+            static_cast<int8_t>(code(rng));
+      }
+    }
+    for (float& x : q) x = uniform(rng);
+    std::vector<float> side_by_side(rows * cols), apart(rows * cols);
+    ops.dot_rows(q.data(), rows, dim,
+                 {packed.data(), dim, RowType::kInt8, scales.data()}, cols,
+                 side_by_side.data(), cols);
+    ops.dot_rows(q.data(), rows, dim,
+                 {strided.data(), dim + 5, RowType::kInt8, scales.data()}, cols,
+                 apart.data(), cols);
+    for (int64_t i = 0; i < rows * cols; ++i) {
+      EXPECT_EQ(side_by_side[i], apart[i])
+          << ops.name << " dim " << dim << " at " << i;
     }
   }
 }
