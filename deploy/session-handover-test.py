@@ -209,8 +209,12 @@ class Sequence(threading.Thread):
         q, k, v = (np.concatenate([step[i] for step in history], axis=1)
                    [:, held:length] for i in range(3))
         self.resent_tokens += length - held
-        self.call(self.cluster.SessionStep,
-                  self.step_request(session, held, q, k, v))
+        self.send(session, held, q, k, v)
+
+    def send(self, session, position, q, k, v):
+        """One step at `position` on the cluster (retried)."""
+        return self.call(self.cluster.SessionStep,
+                         self.step_request(session, position, q, k, v))
 
     def run(self):
         import grpc
@@ -295,19 +299,9 @@ class InferenceSequence(Sequence):
             r.raw_input_contents.append(x.tobytes())
         return r
 
-    def resend(self, session, error, history, length):
-        import numpy as np
-        match = re.search(r"giving position (\d+)", error.details() or "")
-        if not match or int(match.group(1)) > length:
-            raise error
-        held = int(match.group(1))
-        self.rewinds += 1
-        if held == length:
-            return
-        q, k, v = (np.concatenate([step[i] for step in history], axis=1)
-                   [:, held:length] for i in range(3))
-        self.resent_tokens += length - held
-        self.call(self.cluster.ModelInfer, self.request(held, q, k, v))
+    def send(self, session, position, q, k, v):
+        return self.call(self.cluster.ModelInfer,
+                         self.request(position, q, k, v))
 
     def run(self):
         import grpc
