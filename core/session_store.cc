@@ -447,6 +447,11 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
   return fork_id;
 }
 
+bool SessionStore::HoldsSlot(const std::string& id, const Slot& slot) const {
+  const auto it = sessions_.find(id);
+  return it != sessions_.end() && it->second.slot.get() == &slot;
+}
+
 absl::Status SessionStore::Rename(absl::string_view from,
                                   const std::string& to) {
   ATTN_RETURN_IF_ERROR(VerifyChosenId(to));
@@ -685,7 +690,9 @@ absl::Status SessionStore::Step(absl::string_view id,
   std::vector<std::shared_ptr<Slot>> freed;
   {
     MutexLock lock(&mu_);
-    if (!sessions_.contains(key)) return NotFound(key);  // gone meanwhile
+    // Gone meanwhile, or another session under its id (taken up again,
+    // renamed onto it).
+    if (!HoldsSlot(key, *slot)) return NotFound(key);
     // A step past max_length is refused by the session itself; making room
     // for it first would evict other sessions for nothing.
     const int64_t after = session.LengthAfter(inputs, new_tokens);
@@ -1062,8 +1069,13 @@ absl::Status SessionStore::HandOver(absl::string_view id) {
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock step_lock(&slot->step_mu);
   const std::string key(id);
+  {
+    MutexLock lock(&mu_);
+    if (!HoldsSlot(key, *slot)) return NotFound(key);  // gone or replaced
+  }
   ATTN_RETURN_IF_ERROR(SaveSlot(key, *slot));
   MutexLock lock(&mu_);
+  if (!HoldsSlot(key, *slot)) return absl::OkStatus();  // freed meanwhile
   Remove(key, GoneReason::kSaved, freed);
   ++counts_.saved;
   return absl::OkStatus();
@@ -1091,6 +1103,11 @@ SessionStore::SaveReport SessionStore::SaveAll(absl::Time deadline) {
     std::vector<std::shared_ptr<Slot>> freed;
     if (saved.ok()) {
       MutexLock step_lock(&slot->step_mu);
+      {
+        // Deleted, renamed or replaced since the list: not this one's to save.
+        MutexLock lock(&mu_);
+        if (!HoldsSlot(id, *slot)) continue;
+      }
       saved = SaveSlot(id, *slot);
       if (saved.ok()) {
         MutexLock lock(&mu_);

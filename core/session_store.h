@@ -409,6 +409,10 @@ class SessionStore {
 
   absl::StatusOr<Entry*> Lookup(absl::string_view id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Whether `id` is open here as `slot` (not gone, not another session
+  // since taken up or renamed onto the id).
+  bool HoldsSlot(const std::string& id, const Slot& slot) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // With a directory: takes session `id` from it if the store does not
   // hold it and it was not deleted or expired here (unless `reused`). OK
   // also when there is no file (the caller's lookup then says NOT_FOUND);

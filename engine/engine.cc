@@ -157,7 +157,9 @@ void Engine::Submit(EngineCall call, std::function<absl::Status()> compute,
 }
 
 bool Engine::Coalesces(const RequestCost& cost) const {
-  return step_coalescer_ != nullptr &&
+  // A step that may wait for its session (a file, a hand-over) runs alone:
+  // in a pass, the pass would wait with it.
+  return step_coalescer_ != nullptr && !cost.may_wait &&
          (step_coalescer_->active() || !IsTiny(cost));
 }
 

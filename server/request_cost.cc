@@ -184,12 +184,20 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
 RequestCost CostOf(const v1::SessionStepRequest& r,
                    const DecodeSession* session) {
   RequestCost cost;
-  // Not open here: the step takes it up (a file, a hand-over) first.
-  cost.may_wait = session == nullptr;
-  if (session == nullptr ||
-      !AllValid({&r.input(), &r.query(), &r.key(), &r.value()})) {
+  cost.largest_tensor = std::max({Elements(r.input()), Elements(r.query()),
+                                  Elements(r.key()), Elements(r.value())});
+  if (session == nullptr) {
+    // Not open here: the step takes it up (a file, a hand-over) first. Its
+    // output is at least as large as its query (or hidden states), in
+    // float32: what the limits can hold it to before the session is known.
+    cost.may_wait = true;
+    const int64_t leading =
+        std::max<int64_t>({0, Elements(r.input()), Elements(r.query())});
+    cost.bytes = static_cast<int64_t>(
+        std::min(4.0 * static_cast<double>(leading), 9e18));
     return cost;
   }
+  if (!AllValid({&r.input(), &r.query(), &r.key(), &r.value()})) return cost;
   const bool model = session->is_model_session();
   const v1::Tensor& leading = model ? r.input() : r.query();
   if (leading.shape_size() < 2) return cost;
@@ -211,8 +219,6 @@ RequestCost CostOf(const v1::SessionStepRequest& r,
                                        {r.has_value(), &r.value()}});
   cost.work = Work(read + batch * n * width + cache * (n + keys), 0,
                    batch * session->num_heads() * n * keys);
-  cost.largest_tensor = std::max({Elements(r.input()), Elements(r.query()),
-                                  Elements(r.key()), Elements(r.value())});
   return cost;
 }
 
@@ -224,13 +230,15 @@ RequestCost CostOf(
       std::min(request.steps_size(), static_cast<int>(sessions.size()));
   for (int i = 0; i < count; ++i) {
     const RequestCost step = CostOf(request.steps(i), sessions[i].get());
+    cost.may_wait = cost.may_wait || step.may_wait;
+    // A step not open here was held to the limits alone (and fails alone).
+    if (sessions[i] == nullptr) continue;
     cost.flops += step.flops;
     cost.work += step.work;
     cost.bytes = static_cast<int64_t>(std::min(
         static_cast<double>(cost.bytes) + static_cast<double>(step.bytes),
         9e18));
     cost.largest_tensor = std::max(cost.largest_tensor, step.largest_tensor);
-    cost.may_wait = cost.may_wait || step.may_wait;
   }
   return cost;
 }
