@@ -922,6 +922,24 @@ void PairedDotRows(const float* q, int64_t rows, int64_t dim,
 using D16 = hn::ScalableTag<int16_t>;
 using D32 = hn::Repartition<int32_t, D16>;
 
+// Int16 lanes of int8 row data at p, widened; `count` < the lanes reads only
+// that many (the rest 0).
+template <bool kWhole>
+hn::Vec<D16> LoadWidened(const int8_t* p, int64_t count) {
+  const D16 d16;
+  const hn::Rebind<int8_t, D16> d8;
+  if constexpr (kWhole) {
+    return hn::PromoteTo(d16, hn::LoadU(d8, p));
+  } else {
+    if (count >= static_cast<int64_t>(hn::Lanes(d16))) {
+      return hn::PromoteTo(d16, hn::LoadU(d8, p));
+    }
+    HWY_ALIGN int8_t buffer[kMaxBytes / sizeof(int16_t)] = {};
+    std::memcpy(buffer, p, static_cast<size_t>(std::max<int64_t>(count, 0)));
+    return hn::PromoteTo(d16, hn::Load(d8, buffer));
+  }
+}
+
 #if !HWY_HAVE_SCALABLE
 template <int kKeys>
 void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
@@ -929,7 +947,6 @@ void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
                     int64_t j, float* out, int64_t ld) {
   const D16 d16;
   const D32 d32;
-  const hn::Rebind<int8_t, D16> d8;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d16));
   for (int64_t r = 0; r < rows; ++r) {
     hn::Vec<D32> sum0[kKeys], sum1[kKeys];
@@ -940,13 +957,7 @@ void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
       for (int k = 0; k < kKeys; ++k) {
         const int8_t* p =
             static_cast<const int8_t*>(keys.data) + (j + k) * keys.stride + c;
-        HWY_ALIGN int8_t buffer[kMaxBytes / sizeof(int16_t)];
-        if (count < lanes) {
-          std::memset(buffer, 0, sizeof(buffer));
-          std::memcpy(buffer, p, static_cast<size_t>(count));
-          p = buffer;
-        }
-        const auto kv = hn::PromoteTo(d16, hn::LoadU(d8, p));
+        const auto kv = LoadWidened</*kWhole=*/false>(p, count);
         sum0[k] = hn::ReorderWidenMulAccumulate(d32, qv, kv, sum0[k], sum1[k]);
       }
     }
@@ -966,7 +977,6 @@ void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
                     int64_t j, float* out, int64_t ld) {
   const D16 d16;
   const D32 d32;
-  const hn::Rebind<int8_t, D16> d8;
   const int64_t lanes = static_cast<int64_t>(hn::Lanes(d16));
   for (int64_t r = 0; r < rows; ++r) {
     for (int k = 0; k < kKeys; ++k) {
@@ -975,15 +985,9 @@ void IntegerDotKeys(const int16_t* codes, int64_t padded, const float* scales,
         const int64_t count = std::min(lanes, dim - c);
         const int8_t* p =
             static_cast<const int8_t*>(keys.data) + (j + k) * keys.stride + c;
-        HWY_ALIGN int8_t buffer[kMaxBytes / sizeof(int16_t)];
-        if (count < lanes) {
-          std::memset(buffer, 0, sizeof(buffer));
-          std::memcpy(buffer, p, static_cast<size_t>(count));
-          p = buffer;
-        }
         sum0 = hn::ReorderWidenMulAccumulate(
             d32, hn::LoadU(d16, codes + r * padded + c),
-            hn::PromoteTo(d16, hn::LoadU(d8, p)), sum0, sum1);
+            LoadWidened</*kWhole=*/false>(p, count), sum0, sum1);
       }
       const int32_t dot = hn::GetLane(hn::SumOfLanes(d32, hn::Add(sum0, sum1)));
       out[r * ld + j + k] =
@@ -1467,24 +1471,6 @@ bool QuantizeWeights(const float* p, const float* scales, int64_t n,
   }
   *unit = largest / 32767.0f;
   return true;
-}
-
-// Int16 lanes of int8 row data at p, widened; `count` < the lanes reads only
-// that many (the rest 0).
-template <bool kWhole>
-hn::Vec<D16> LoadWidened(const int8_t* p, int64_t count) {
-  const D16 d16;
-  const hn::Rebind<int8_t, D16> d8;
-  if constexpr (kWhole) {
-    return hn::PromoteTo(d16, hn::LoadU(d8, p));
-  } else {
-    if (count >= static_cast<int64_t>(hn::Lanes(d16))) {
-      return hn::PromoteTo(d16, hn::LoadU(d8, p));
-    }
-    HWY_ALIGN int8_t buffer[kMaxBytes / sizeof(int16_t)] = {};
-    std::memcpy(buffer, p, static_cast<size_t>(std::max<int64_t>(count, 0)));
-    return hn::PromoteTo(d16, hn::Load(d8, buffer));
-  }
 }
 
 // Adds a finished chunk's sums to acc: `lower` and `upper` hold the sums of
