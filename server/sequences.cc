@@ -289,6 +289,26 @@ RequestCost StartCost(const Model* served, const v1::SessionStepRequest& step) {
 
 // A fork's sequence_position: the parent's tokens it starts with, at most
 // what the parent holds (in each of its layers).
+// Whether session `session_id` of sequence `id` of `model` is open, taken
+// up here if it lives on elsewhere (a drain's file, a live holder's
+// hand-over, a dead one's journal); the store's error otherwise, naming
+// the sequence (its NOT_FOUND, which names session_id, means "nowhere").
+absl::StatusOr<bool> TakeUpSequence(SessionStore& sessions,
+                                    absl::string_view model,
+                                    const SequenceId& id,
+                                    const std::string& session_id) {
+  const absl::Status taken = sessions.FindReused(session_id).status();
+  if (taken.ok()) return true;
+  if (absl::IsNotFound(taken) &&
+      absl::StartsWith(taken.message(), "session_id:")) {
+    return false;
+  }
+  return absl::Status(
+      taken.code(),
+      absl::StrCat(kId, ": sequence ", id.ToString(), " of model ",
+                   EchoString(model), ": ", taken.message()));
+}
+
 absl::Status VerifyForkPosition(int64_t position, const DecodeSession& parent,
                                 absl::string_view model,
                                 const SequenceId& parent_id) {
@@ -458,19 +478,9 @@ absl::StatusOr<SequenceTable::Lookup> SequenceTable::LookUpAnywhere(
   if (found.state == Lookup::kOpen) return found;
   // Saved by a drain, held by a live replica or journaled by a dead one.
   ATTN_ASSIGN_OR_RETURN(std::string session_id, SequenceSessionId(model, id));
-  const absl::Status taken = sessions_->FindReused(session_id).status();
-  // The store's NOT_FOUND names session_id; another (a model not served
-  // here) is the answer.
-  if (absl::IsNotFound(taken) &&
-      absl::StartsWith(taken.message(), "session_id:")) {
-    return found;
-  }
-  if (!taken.ok()) {
-    return absl::Status(
-        taken.code(),
-        absl::StrCat(kId, ": sequence ", id.ToString(), " of model ",
-                     EchoString(model), ": ", taken.message()));
-  }
+  ATTN_ASSIGN_OR_RETURN(const bool open,
+                        TakeUpSequence(*sessions_, model, id, session_id));
+  if (!open) return found;
   ATTN_RETURN_IF_ERROR(Insert(model, id, session_id));
   return Lookup{Lookup::kOpen, std::move(session_id)};
 }
@@ -612,46 +622,23 @@ absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
       new SequenceCall(table, std::move(model), parameters));
   ATTN_ASSIGN_OR_RETURN(call->target_,
                         SequenceSessionId(call->model_, parameters.id));
-  // The session (a fork's parent) here, or, if the directory may hold it,
-  // left to Run (deferred_); else the lookup's error, here.
-  const auto resolve = [&](const SequenceId& id) -> absl::Status {
-    const bool fork = !parameters.fork.none();
+  if (!parameters.fork.none() || !parameters.start) {
+    // The session (a fork's parent) here, or, if the directory may hold
+    // it, left to Run (deferred_); else the lookup's error, here.
+    const SequenceId& id =
+        parameters.fork.none() ? parameters.id : parameters.fork;
     if (std::optional<std::string> here = table->FindHere(call->model_, id)) {
-      call->session_id_ = *std::move(here);
+      call->Bind(*std::move(here));
+      ATTN_RETURN_IF_ERROR(call->VerifyForkLength());
     } else {
       ATTN_ASSIGN_OR_RETURN(const std::string named,
                             SequenceSessionId(call->model_, id));
-      if (table->sessions()->KnownInDirectory(named)) {
-        call->deferred_ = true;
-        return absl::OkStatus();
-      }
-      ATTN_ASSIGN_OR_RETURN(
-          call->session_id_,
-          fork ? table->FindParent(call->model_, id, parameters.id)
-               : table->Find(call->model_, id));
+      call->deferred_ = table->sessions()->KnownInDirectory(named);
+      if (!call->deferred_) ATTN_RETURN_IF_ERROR(call->FindSession());
     }
-    v1::SessionStepRequest lookup;
-    lookup.set_session_id(call->session_id_);
-    call->handler_.emplace(lookup, table->sessions());
-    return absl::OkStatus();
-  };
-  if (!parameters.fork.none()) {
-    ATTN_RETURN_IF_ERROR(resolve(parameters.fork));
-    const DecodeSession* parent =
-        call->handler_.has_value() ? call->handler_->session() : nullptr;
-    if (parent != nullptr && parameters.position) {
-      ATTN_RETURN_IF_ERROR(VerifyForkPosition(*parameters.position, *parent,
-                                              call->model_, parameters.fork));
-    }
-    // The first step of a fork reads what its parent holds (up to the
-    // fork's length).
-    call->cost_ = CostOf(step, parent);
-    return call;
-  }
-  if (!parameters.start) {
-    ATTN_RETURN_IF_ERROR(resolve(parameters.id));
-    call->cost_ = CostOf(
-        step, call->handler_.has_value() ? call->handler_->session() : nullptr);
+    // A fork's first step reads what its parent holds (up to the fork's
+    // length).
+    call->cost_ = CostOf(step, call->session());
     return call;
   }
   v1::CreateSessionRequest& create = call->create_;
@@ -673,28 +660,41 @@ absl::StatusOr<std::unique_ptr<SequenceCall>> SequenceCall::Create(
   return call;
 }
 
-absl::Status SequenceCall::FindDeferred() {
-  deferred_ = false;
-  const bool fork = !parameters_.fork.none();
-  ATTN_ASSIGN_OR_RETURN(
-      session_id_,
-      fork ? table_->FindParent(model_, parameters_.fork, parameters_.id)
-           : table_->Find(model_, parameters_.id));
+void SequenceCall::Bind(std::string session_id) {
+  session_id_ = std::move(session_id);
   v1::SessionStepRequest lookup;
   lookup.set_session_id(session_id_);
   handler_.emplace(lookup, table_->sessions());
-  const DecodeSession* parent = handler_->session();
-  if (fork && parent != nullptr && parameters_.position) {
-    return VerifyForkPosition(*parameters_.position, *parent, model_,
-                              parameters_.fork);
+}
+
+const DecodeSession* SequenceCall::session() const {
+  return handler_.has_value() ? handler_->session() : nullptr;
+}
+
+absl::Status SequenceCall::FindSession() {
+  deferred_ = false;
+  ATTN_ASSIGN_OR_RETURN(
+      std::string found,
+      !parameters_.fork.none()
+          ? table_->FindParent(model_, parameters_.fork, parameters_.id)
+          : table_->Find(model_, parameters_.id));
+  Bind(std::move(found));
+  return VerifyForkLength();
+}
+
+absl::Status SequenceCall::VerifyForkLength() const {
+  if (parameters_.fork.none() || !parameters_.position ||
+      session() == nullptr) {
+    return absl::OkStatus();
   }
-  return absl::OkStatus();
+  return VerifyForkPosition(*parameters_.position, *session(), model_,
+                            parameters_.fork);
 }
 
 absl::Status SequenceCall::Run(v1::SessionStepRequest* step,
                                v1::SessionStepResponse* response,
                                const CallControl& control) {
-  if (deferred_) ATTN_RETURN_IF_ERROR(FindDeferred());
+  if (deferred_) ATTN_RETURN_IF_ERROR(FindSession());
   if (!parameters_.fork.none()) return StartFork(step, response, control);
   if (parameters_.position) step->set_position(*parameters_.position);
   return parameters_.start ? Start(step, response, control)
@@ -746,21 +746,6 @@ absl::Status SequenceCall::StartFork(v1::SessionStepRequest* step,
   return OpenAndStep(fork_parent, step, response, control);
 }
 
-absl::StatusOr<bool> SequenceCall::SequenceIsOpen() {
-  const absl::Status found = table_->sessions()->FindReused(target_).status();
-  if (absl::IsNotFound(found) &&
-      absl::StartsWith(found.message(), "session_id:")) {
-    return false;
-  }
-  if (!found.ok()) {
-    return absl::Status(
-        found.code(),
-        absl::StrCat(kId, ": sequence ", parameters_.id.ToString(),
-                     " of model ", EchoString(model_), ": ", found.message()));
-  }
-  return true;
-}
-
 absl::Status SequenceCall::OpenAndStep(const Opener& open,
                                        v1::SessionStepRequest* step,
                                        v1::SessionStepResponse* response,
@@ -768,7 +753,9 @@ absl::Status SequenceCall::OpenAndStep(const Opener& open,
   SessionStore* sessions = table_->sessions();
   bool named = false;  // opened under the sequence's id
   if (!parameters_.end) {
-    ATTN_ASSIGN_OR_RETURN(const bool replaces, SequenceIsOpen());
+    ATTN_ASSIGN_OR_RETURN(
+        const bool replaces,
+        TakeUpSequence(*sessions, model_, parameters_.id, target_));
     named = !replaces;
   }
   absl::StatusOr<std::string> opened =

@@ -269,14 +269,18 @@ class SequenceCall {
   absl::Status StartFork(v1::SessionStepRequest* step,
                          v1::SessionStepResponse* response,
                          const CallControl& control);
-  // The session (or a fork's parent) of a sequence not open here when the
-  // call was created: looked up by Run, on the worker, where a hand-over
-  // may be waited for. Its errors are Find's and FindParent's.
-  absl::Status FindDeferred();
-  // Whether a session is open under the sequence's id, here or on another
-  // replica (taken up here then: a live holder lets go of it only by a
-  // hand-over); the error, naming the sequence, if that fails.
-  absl::StatusOr<bool> SequenceIsOpen();
+  // Steps (or forks) `session_id`: session_id_ and handler_.
+  void Bind(std::string session_id);
+  // The bound session, if open here (null before Bind or once gone).
+  const DecodeSession* session() const;
+  // Looks the session (or a fork's parent) up anywhere and binds it,
+  // checking a fork's sequence_position against the parent: in Create, or
+  // by Run (on the worker, where a hand-over may be waited for) for a
+  // sequence not open here at creation. Find's and FindParent's errors.
+  absl::Status FindSession();
+  // A fork's sequence_position against its bound parent's length
+  // (INVALID_ARGUMENT naming it); OK for other calls or no parent here.
+  absl::Status VerifyForkLength() const;
   // Opens the sequence's session with `open` (a create or a fork, given
   // the id to open it under, or nullopt for a new one) and runs its first
   // step: under the sequence's id, or, when a session is open under it (a
