@@ -883,6 +883,10 @@ absl::Status SessionStore::Delete(absl::string_view id) {
   if (options_.directory != nullptr) {
     removed_file = options_.directory->Remove(id);
     if (options_.directory->RemoveJournal(id)) removed_file = true;
+    // A session a live replica holds is handed over, then deleted here.
+    if (!removed_file && !FindHere(id).ok() && KnownInDirectory(id)) {
+      ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
+    }
   }
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);

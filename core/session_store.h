@@ -262,7 +262,8 @@ class SessionStore {
   absl::StatusOr<std::shared_ptr<const DecodeSession>> FindReused(
       absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
 
-  // Frees session `id`; NOT_FOUND as Step.
+  // Frees session `id` (its file or journal in the directory; one a live
+  // replica holds is handed over first); NOT_FOUND as Step.
   absl::Status Delete(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees every session (shutdown).

@@ -99,18 +99,25 @@ void AttentionServiceImpl::AddSessionRpcs(const CallPipeline* pipeline) {
         return HandleCreateSession(request, served.models, served.sessions,
                                    served.max_session_length, response);
       });
-  AddState<v1::DeleteSessionRequest, v1::DeleteSessionResponse>(
+  // Deletes and forks of a session held elsewhere take it up first (a
+  // file, a peer's hand-over): on a worker.
+  const auto waits = [sessions = config.sessions](const auto& request) {
+    return WaitsForSession(sessions, request.session_id());
+  };
+  AddSessionState<v1::DeleteSessionRequest, v1::DeleteSessionResponse>(
       [sessions = config.sessions](const v1::DeleteSessionRequest& request,
                                    v1::DeleteSessionResponse*) {
         return HandleDeleteSession(request, sessions);
-      });
-  AddState<v1::ForkSessionRequest, v1::ForkSessionResponse>(
+      },
+      waits);
+  AddSessionState<v1::ForkSessionRequest, v1::ForkSessionResponse>(
       [pipeline](const v1::ForkSessionRequest& request,
                  v1::ForkSessionResponse* response) {
         ATTN_RETURN_IF_ERROR(RefuseNewSessionsWhileDraining(*pipeline));
         return HandleForkSession(request, pipeline->config().sessions,
                                  response);
-      });
+      },
+      waits);
   // Not refused while draining: the drain saves every session anyway.
   AddState<v1::HandOverSessionRequest, v1::HandOverSessionResponse>(
       [sessions = config.sessions](const v1::HandOverSessionRequest& request,

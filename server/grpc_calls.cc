@@ -183,28 +183,67 @@ grpc::ServerUnaryReactor* GrpcCalls::Refuse(Call& call,
   return reactor;
 }
 
+absl::Status GrpcCalls::AcceptState(const grpc::CallbackServerContext& context,
+                                    const grpc::ByteBuffer& raw_request,
+                                    bool authenticate,
+                                    google::protobuf::Message* request,
+                                    absl::Time arrived) const {
+  const TokenAuthenticator* auth = pipeline_->config().auth;
+  if (authenticate && auth != nullptr)
+    ATTN_RETURN_IF_ERROR(auth->Check(context));
+  absl::Status status = ParseMessage(raw_request, request);
+  if (!status.ok()) {
+    const MessageSubject subject(request, nullptr);
+    pipeline_->engine().Record(
+        {.label = RpcName(*request), .subject = &subject, .arrived = arrived},
+        status, absl::ZeroDuration(), absl::ZeroDuration());
+  }
+  return status;
+}
+
 grpc::ServerUnaryReactor* GrpcCalls::ServeState(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
     grpc::ByteBuffer* raw_response, bool authenticate,
     google::protobuf::Message* request, google::protobuf::Message* response,
     absl::FunctionRef<absl::Status()> handle) const {
-  const absl::Time arrived = absl::Now();
-  const TokenAuthenticator* auth = pipeline_->config().auth;
-  absl::Status status = authenticate && auth != nullptr ? auth->Check(*context)
-                                                        : absl::OkStatus();
-  if (status.ok()) {
-    status = ParseMessage(raw_request, request);
-    if (!status.ok()) {
-      const MessageSubject subject(request, nullptr);
-      pipeline_->engine().Record(
-          {.label = RpcName(*request), .subject = &subject, .arrived = arrived},
-          status, absl::ZeroDuration(), absl::ZeroDuration());
-    }
-  }
+  absl::Status status =
+      AcceptState(*context, raw_request, authenticate, request, absl::Now());
   if (status.ok()) status = handle();
   if (status.ok()) status = SerializeMessage(*response, raw_response);
   grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
   reactor->Finish(ToGrpcStatus(status));
+  return reactor;
+}
+
+grpc::ServerUnaryReactor* GrpcCalls::ServeWaitingState(
+    grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
+    grpc::ByteBuffer* raw_response, std::shared_ptr<StateMessages> messages,
+    absl::FunctionRef<bool()> waits,
+    std::function<absl::Status()> handle) const {
+  const absl::Time arrived = absl::Now();
+  const absl::Status accepted =
+      AcceptState(*context, raw_request, /*authenticate=*/true,
+                  messages->request.get(), arrived);
+  grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+  auto answer = [messages, reactor, raw_response](absl::Status status) {
+    if (status.ok()) {
+      status = SerializeMessage(*messages->response, raw_response);
+    }
+    reactor->Finish(ToGrpcStatus(status));
+  };
+  if (!accepted.ok() || !waits()) {
+    answer(accepted.ok() ? handle() : accepted);
+    return reactor;
+  }
+  RequestCost cost;
+  cost.may_wait = true;
+  pipeline_->engine().Submit({.label = RpcName(*messages->request),
+                              .subject = &messages->subject,
+                              .cost = cost,
+                              .arrived = arrived,
+                              .deadline = DeadlineOf(*context)},
+                             std::move(handle), /*cancelled=*/nullptr,
+                             std::move(answer));
   return reactor;
 }
 

@@ -24,6 +24,7 @@
 #define ATTNSERVE_SERVER_GRPC_CALLS_H_
 
 #include <atomic>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,6 +39,7 @@
 #include "grpcpp/server_context.h"
 #include "grpcpp/support/byte_buffer.h"
 #include "server/call_pipeline.h"
+#include "server/call_records.h"
 #include "server/message_pool.h"
 
 namespace attnserve {
@@ -99,7 +101,38 @@ class GrpcCalls {
       google::protobuf::Message* request, google::protobuf::Message* response,
       absl::FunctionRef<absl::Status()> handle) const;
 
+  // The request and response of a state call that may be answered on a
+  // worker (ServeWaitingState), alive until it is answered.
+  struct StateMessages {
+    StateMessages(std::unique_ptr<google::protobuf::Message> request_message,
+                  std::unique_ptr<google::protobuf::Message> response_message)
+        : request(std::move(request_message)),
+          response(std::move(response_message)),
+          subject(request.get(), response.get()) {}
+    std::unique_ptr<google::protobuf::Message> request, response;
+    MessageSubject subject;
+  };
+  // ServeState for a call that may wait for a file or another replica (a
+  // decode session not open here, taken up first): once parsed, when
+  // `waits()`, `handle()` runs on an engine worker as a call that may wait
+  // (recorded under the RPC's name; refused as compute calls are when the
+  // queue is full) and the call is answered from there; otherwise here, as
+  // ServeState. gRPC's threads never wait for a peer: the peer's answer
+  // may need this server's (a hand-over asked both ways at once).
+  grpc::ServerUnaryReactor* ServeWaitingState(
+      grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
+      grpc::ByteBuffer* raw_response, std::shared_ptr<StateMessages> messages,
+      absl::FunctionRef<bool()> waits,
+      std::function<absl::Status()> handle) const;
+
  private:
+  // Authenticates (when `authenticate`) and parses a state call's request,
+  // recording a request that does not parse.
+  absl::Status AcceptState(const grpc::CallbackServerContext& context,
+                           const grpc::ByteBuffer& raw_request,
+                           bool authenticate,
+                           google::protobuf::Message* request,
+                           absl::Time arrived) const;
   // A compute call from arrival to answer.
   struct Call {
     grpc::CallbackServerContext* context;
@@ -207,6 +240,28 @@ class RawService : public GrpcService::Service {
       return calls_->ServeState(
           context, *raw_request, raw_response, authenticate, &request,
           &response, [&] { return handle(std::as_const(request), &response); });
+    });
+  }
+
+  // A state RPC on a decode session, named after Request:
+  // handle(request, &response) on gRPC's thread, or on a worker when
+  // waits(request) (see GrpcCalls::ServeWaitingState).
+  template <typename Request, typename Response, typename Handler,
+            typename Waits>
+  void AddSessionState(Handler handle, Waits waits) {
+    Mark(MethodOf<Request>(), [this, handle = std::move(handle),
+                               waits = std::move(waits)](
+                                  grpc::CallbackServerContext* context,
+                                  const grpc::ByteBuffer* raw_request,
+                                  grpc::ByteBuffer* raw_response) {
+      auto messages = std::make_shared<GrpcCalls::StateMessages>(
+          std::make_unique<Request>(), std::make_unique<Response>());
+      const auto& request = static_cast<const Request&>(*messages->request);
+      auto* response = static_cast<Response*>(messages->response.get());
+      return calls_->ServeWaitingState(
+          context, *raw_request, raw_response, messages,
+          [&] { return waits(request); },
+          [handle, &request, response] { return handle(request, response); });
     });
   }
 

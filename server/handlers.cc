@@ -403,6 +403,11 @@ absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
   });
 }
 
+bool WaitsForSession(SessionStore* sessions, absl::string_view id) {
+  return sessions != nullptr && !sessions->FindHere(id).ok() &&
+         sessions->KnownInDirectory(id);
+}
+
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
                                  SessionStore* sessions) {
   if (sessions == nullptr) return NoSessions();

@@ -1,5 +1,6 @@
 #include "server/session_transfer.h"
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 #include "server/call_records.h"
 #include "server/grpc_calls.h"
 #include "server/grpc_status.h"
+#include "server/handlers.h"
 
 namespace attnserve {
 namespace {
@@ -52,12 +54,26 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
   ExportReactor(grpc::CallbackServerContext* context, const ByteBuffer* raw,
                 const CallPipeline* pipeline)
       : pipeline_(pipeline) {
-    const absl::Status started = Start(*context, *raw);
-    if (started.ok()) {
-      WriteNext();
-    } else {
-      End(started);
+    const absl::Status accepted = Accept(*context, *raw);
+    if (!accepted.ok()) {
+      End(accepted);
+      return;
     }
+    if (!WaitsForSession(pipeline_->config().sessions, request_.session_id())) {
+      Open();
+      return;
+    }
+    // Taking the session up may wait for a file or a peer's hand-over: on
+    // a worker, never on gRPC's thread (see GrpcCalls::ServeWaitingState).
+    RequestCost cost;
+    cost.may_wait = true;
+    pipeline_->engine().Dispatch(
+        cost, DeadlineOf(*context),
+        {.refuse = [this](const absl::Status& status) { End(status); },
+         .here = [this] { Open(); },
+         .queued = [this]() -> std::function<void()> {
+           return [this] { Open(); };
+         }});
   }
 
   void OnWriteDone(bool ok) override {
@@ -79,12 +95,26 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
     Finish(ToGrpcStatus(status));
   }
 
-  absl::Status Start(grpc::CallbackServerContext& context,
-                     const ByteBuffer& raw) {
+  absl::Status Accept(grpc::CallbackServerContext& context,
+                      const ByteBuffer& raw) {
     ATTN_RETURN_IF_ERROR(VerifyTransfer(context, *pipeline_));
-    v1::ExportSessionRequest& request = request_;
-    ATTN_RETURN_IF_ERROR(ParseMessage(raw, &request));
+    ATTN_RETURN_IF_ERROR(ParseMessage(raw, &request_));
     parsed_ = true;
+    return absl::OkStatus();
+  }
+
+  // The export of the session asked for, then its first chunk.
+  void Open() {
+    const absl::Status opened = OpenExport();
+    if (opened.ok()) {
+      WriteNext();
+    } else {
+      End(opened);
+    }
+  }
+
+  absl::Status OpenExport() {
+    const v1::ExportSessionRequest& request = request_;
     ATTN_ASSIGN_OR_RETURN(export_, pipeline_->config().sessions->ExportSession(
                                        request.session_id()));
     const SessionFileImage& image = export_->image;

@@ -1795,6 +1795,98 @@ TEST_F(DurableSessionTest, ConcurrentHandOversBetweenReplicasAllSucceed) {
   }
 }
 
+// Forks, deletes and exports of sessions the other replica holds take them
+// up on a worker (forks and deletes recorded as calls under their RPC's
+// name), not on gRPC's threads: replicas asking each other for sessions at
+// once all succeed, and the sessions answer as a server's whose sessions
+// never moved.
+TEST_F(DurableSessionTest, ForksDeletesAndExportsAcrossReplicasRunOnWorkers) {
+  constexpr int kSessions = 8;
+  TestServer reference(Options());
+  TestServer a(WithDirectory());
+  TestServer b(WithDirectory());
+  std::vector<std::thread> threads;
+  std::vector<std::string> failures(kSessions);
+  for (int i = 0; i < kSessions; ++i) {
+    threads.emplace_back([&, i] {
+      AttnClient clients[2] = {a.MakeClient(), b.MakeClient()};
+      AttnClient reference_client = reference.MakeClient();
+      // Half the sessions start on each replica, so that each asks the
+      // other for sessions at once.
+      AttnClient& home = clients[i % 2];
+      AttnClient& other = clients[1 - i % 2];
+      const std::string id = CreateBoth(home)[0];
+      const std::string reference_id = CreateBoth(reference_client)[0];
+      const auto fail = [&](absl::string_view what, const absl::Status& s) {
+        failures[i] = absl::StrCat(what, ": ", s.ToString());
+      };
+      const unsigned seed = 10 * i;
+      auto got = home.SessionStep(NextStep(id, false, 40, seed));
+      auto want =
+          reference_client.SessionStep(NextStep(reference_id, false, 40, seed));
+      if (!got.ok() || !want.ok()) return fail("prefill", got.status());
+      auto fork = other.ForkSession(id);
+      auto reference_fork = reference_client.ForkSession(reference_id);
+      if (!fork.ok() || !reference_fork.ok()) {
+        return fail("fork", fork.status());
+      }
+      got = home.SessionStep(NextStep(fork->session_id(), false, 1, seed + 1));
+      want = reference_client.SessionStep(
+          NextStep(reference_fork->session_id(), false, 1, seed + 1));
+      if (!got.ok() || !want.ok()) return fail("fork's step", got.status());
+      if (got->output().SerializeAsString() !=
+          want->output().SerializeAsString()) {
+        failures[i] = "the fork's step differs";
+        return;
+      }
+      const absl::Status deleted = other.DeleteSession(fork->session_id());
+      if (!deleted.ok()) return fail("delete", deleted);
+      const auto gone =
+          home.SessionStep(NextStep(fork->session_id(), false, 1, seed));
+      if (gone.status().code() != absl::StatusCode::kNotFound) {
+        return fail("step after delete", gone.status());
+      }
+      // An export takes the session up alike; its file loads into a
+      // server without the directory and steps as the reference.
+      std::string file;
+      const absl::Status exported =
+          other.ExportSession(id, [&](absl::string_view piece) {
+            file.append(piece.data(), piece.size());
+            return absl::OkStatus();
+          });
+      if (!exported.ok()) return fail("export", exported);
+      AttnClient lone = reference.MakeClient();
+      auto imported = lone.ImportSession(file);
+      if (!imported.ok()) return fail("import", imported.status());
+      got = lone.SessionStep(NextStep(id, false, 1, seed + 2));
+      want = reference_client.SessionStep(
+          NextStep(reference_id, false, 1, seed + 2));
+      if (!got.ok() || !want.ok()) return fail("import's step", got.status());
+      if (got->output().SerializeAsString() !=
+          want->output().SerializeAsString()) {
+        failures[i] = "the imported session's step differs";
+      }
+    });
+  }
+  for (std::thread& thread : threads) thread.join();
+  for (int i = 0; i < kSessions; ++i) {
+    EXPECT_EQ(failures[i], "") << "session " << i;
+  }
+  // Each replica took up half the parents to fork them, and half the forks
+  // to delete them: those calls were queued to a worker and recorded.
+  for (TestServer* server : {&a, &b}) {
+    const std::string page = server->server().RenderMetrics();
+    for (const char* rpc : {"ForkSession", "DeleteSession"}) {
+      EXPECT_EQ(
+          MetricValue(page, absl::StrCat("attnserve_requests_total{rpc=\"", rpc,
+                                         "\",code=\"OK\"}")),
+          kSessions / 2)
+          << rpc << "\n"
+          << page;
+    }
+  }
+}
+
 TEST_F(DurableSessionTest, ACorruptFileAnswersDataLossAndIsQuarantined) {
   std::string id;
   {
