@@ -6,12 +6,14 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "attnserve/v1/attention.grpc.pb.h"
@@ -174,25 +176,75 @@ void InstallProtobufLogHandler(const ServerOptions& options) {
   google::protobuf::SetLogHandler(&WriteProtobufLine);
 }
 
+// Channels to the replicas this one asks for hand-overs, one per address,
+// kept between hand-overs: a channel per hand-over paid a connection each
+// time (about half of a small session's move on one host). At most
+// kMaxPeers addresses are kept, the oldest dropped first; a channel whose
+// call fails is dropped, so that a replica restarted at its address is
+// reached through a fresh connection rather than a backed-off one.
+// Thread-safe.
+class PeerChannels {
+ public:
+  explicit PeerChannels(std::shared_ptr<grpc::ChannelCredentials> credentials)
+      : credentials_(std::move(credentials)) {}
+
+  // The channel to `address`; `*made` tells whether it was made now.
+  std::shared_ptr<grpc::Channel> Of(const std::string& address, bool* made) {
+    MutexLock lock(&mu_);
+    auto [it, added] = channels_.try_emplace(address);
+    *made = added;
+    if (added) {
+      it->second = grpc::CreateChannel(address, credentials_);
+      order_.push_back(address);
+      if (order_.size() > kMaxPeers) {
+        channels_.erase(order_.front());
+        order_.pop_front();
+      }
+    }
+    return it->second;
+  }
+  void Drop(const std::string& address,
+            const std::shared_ptr<grpc::Channel>& channel) {
+    MutexLock lock(&mu_);
+    const auto it = channels_.find(address);
+    if (it == channels_.end() || it->second != channel) return;
+    channels_.erase(it);
+    order_.erase(std::find(order_.begin(), order_.end(), address));
+  }
+
+ private:
+  static constexpr size_t kMaxPeers = 64;
+  const std::shared_ptr<grpc::ChannelCredentials> credentials_;
+  Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_
+      ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);
+};
+
 // Asks the replica at `address` to hand session `id` over (its
-// HandOverSession), within a few seconds.
-absl::Status AskToHandOver(
-    absl::string_view id, absl::string_view address,
-    const std::shared_ptr<grpc::ChannelCredentials>& credentials,
-    const std::string& token) {
-  const std::unique_ptr<v1::AttentionService::Stub> peer =
-      v1::AttentionService::NewStub(
-          grpc::CreateChannel(std::string(address), credentials));
-  grpc::ClientContext context;
-  context.set_deadline(std::chrono::system_clock::now() +
-                       std::chrono::seconds(5));
-  if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
-  v1::HandOverSessionRequest request;
-  request.set_session_id(std::string(id));
-  v1::HandOverSessionResponse response;
-  const grpc::Status status =
-      peer->HandOverSession(&context, request, &response);
-  if (status.ok()) return absl::OkStatus();
+// HandOverSession), within a few seconds; once more through a new channel
+// when a kept one is UNAVAILABLE (the replica may have restarted since).
+absl::Status AskToHandOver(absl::string_view id, absl::string_view address,
+                           PeerChannels& peers, const std::string& token) {
+  const std::string target(address);
+  grpc::Status status;
+  for (bool made = false; !made;) {
+    const std::shared_ptr<grpc::Channel> channel = peers.Of(target, &made);
+    const std::unique_ptr<v1::AttentionService::Stub> peer =
+        v1::AttentionService::NewStub(channel);
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() +
+                         std::chrono::seconds(5));
+    if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
+    v1::HandOverSessionRequest request;
+    request.set_session_id(std::string(id));
+    v1::HandOverSessionResponse response;
+    status = peer->HandOverSession(&context, request, &response);
+    if (status.ok()) return absl::OkStatus();
+    // The replica answered: its channel works.
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    peers.Drop(target, channel);
+  }
   return absl::UnavailableError(
       absl::StrCat("replica ", address, " did not hand session ", id,
                    " over: ", status.error_message()));
@@ -267,9 +319,10 @@ absl::Status AttnServer::StartSessions(const ServerOptions& options) {
             TokenAuthenticator::FromFile(options.auth_token_file));
         token = auth->peer_token();
       }
-      sessions.reclaim = [peers, token](absl::string_view id,
-                                        absl::string_view holder) {
-        return AskToHandOver(id, holder, peers, token);
+      auto channels = std::make_shared<PeerChannels>(std::move(peers));
+      sessions.reclaim = [channels, token](absl::string_view id,
+                                           absl::string_view holder) {
+        return AskToHandOver(id, holder, *channels, token);
       };
     }
     // A model session's layer, for sessions taken from files or imports.
