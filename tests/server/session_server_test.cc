@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -1452,6 +1453,37 @@ class DurableSessionTest : public SessionServerTest {
     return ids;
   }
 
+  // Runs session(i) for i in [0, count), each on a thread of its own and
+  // returning what went wrong ("" for nothing); expects nothing did.
+  static void ExpectEverySessionSucceeds(
+      int count, const std::function<std::string(int)>& session) {
+    std::vector<std::string> failures(count);
+    std::vector<std::thread> threads;
+    for (int i = 0; i < count; ++i) {
+      threads.emplace_back([&, i] { failures[i] = session(i); });
+    }
+    for (std::thread& thread : threads) thread.join();
+    for (int i = 0; i < count; ++i) {
+      EXPECT_EQ(failures[i], "") << "session " << i;
+    }
+  }
+  // "" when both steps succeeded with bitwise equal outputs; else what
+  // differs, after `what`.
+  static std::string SameStep(
+      absl::string_view what,
+      const absl::StatusOr<v1::SessionStepResponse>& got,
+      const absl::StatusOr<v1::SessionStepResponse>& want) {
+    if (!got.ok()) return absl::StrCat(what, ": ", got.status().ToString());
+    if (!want.ok()) {
+      return absl::StrCat(what, " (reference): ", want.status().ToString());
+    }
+    if (got->output().SerializeAsString() !=
+        want->output().SerializeAsString()) {
+      return absl::StrCat(what, ": output differs");
+    }
+    return "";
+  }
+
   fs::path dir_;
 };
 
@@ -1759,40 +1791,25 @@ TEST_F(DurableSessionTest, OpenInferenceSequencesLiveOnAcrossReplicas) {
 // hand-overs there: the replicas' threads all waited on each other until the
 // hand-over's deadline, and the steps failed UNAVAILABLE.)
 TEST_F(DurableSessionTest, ConcurrentHandOversBetweenReplicasAllSucceed) {
-  constexpr int kSessions = 12;
   TestServer reference(Options());
   TestServer a(WithDirectory());
   TestServer b(WithDirectory());
-  std::vector<std::thread> threads;
-  std::vector<std::string> failures(kSessions);
-  for (int i = 0; i < kSessions; ++i) {
-    threads.emplace_back([&, i] {
-      AttnClient clients[2] = {a.MakeClient(), b.MakeClient()};
-      AttnClient reference_client = reference.MakeClient();
-      const std::string id = CreateBoth(clients[0])[0];
-      const std::string reference_id = CreateBoth(reference_client)[0];
-      for (int t = 0; t < 8; ++t) {
-        const unsigned seed = 100 * i + t;
-        const int64_t n = t == 0 ? 40 : 1;
-        auto got = clients[t % 2].SessionStep(NextStep(id, false, n, seed));
-        auto want = reference_client.SessionStep(
-            NextStep(reference_id, false, n, seed));
-        if (!got.ok() || !want.ok()) {
-          failures[i] = absl::StrCat("step ", t, ": ", got.status().ToString());
-          return;
-        }
-        if (got->output().SerializeAsString() !=
-            want->output().SerializeAsString()) {
-          failures[i] = absl::StrCat("step ", t, ": output differs");
-          return;
-        }
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
-  for (int i = 0; i < kSessions; ++i) {
-    EXPECT_EQ(failures[i], "") << "session " << i;
-  }
+  ExpectEverySessionSucceeds(12, [&](int i) -> std::string {
+    AttnClient clients[2] = {a.MakeClient(), b.MakeClient()};
+    AttnClient reference_client = reference.MakeClient();
+    const std::string id = CreateBoth(clients[0])[0];
+    const std::string reference_id = CreateBoth(reference_client)[0];
+    for (int t = 0; t < 8; ++t) {
+      const unsigned seed = 100 * i + t;
+      const int64_t n = t == 0 ? 40 : 1;
+      const std::string failure = SameStep(
+          absl::StrCat("step ", t),
+          clients[t % 2].SessionStep(NextStep(id, false, n, seed)),
+          reference_client.SessionStep(NextStep(reference_id, false, n, seed)));
+      if (!failure.empty()) return failure;
+    }
+    return "";
+  });
 }
 
 // Forks, deletes and exports of sessions the other replica holds take them
@@ -1805,73 +1822,56 @@ TEST_F(DurableSessionTest, ForksDeletesAndExportsAcrossReplicasRunOnWorkers) {
   TestServer reference(Options());
   TestServer a(WithDirectory());
   TestServer b(WithDirectory());
-  std::vector<std::thread> threads;
-  std::vector<std::string> failures(kSessions);
-  for (int i = 0; i < kSessions; ++i) {
-    threads.emplace_back([&, i] {
-      AttnClient clients[2] = {a.MakeClient(), b.MakeClient()};
-      AttnClient reference_client = reference.MakeClient();
-      // Half the sessions start on each replica, so that each asks the
-      // other for sessions at once.
-      AttnClient& home = clients[i % 2];
-      AttnClient& other = clients[1 - i % 2];
-      const std::string id = CreateBoth(home)[0];
-      const std::string reference_id = CreateBoth(reference_client)[0];
-      const auto fail = [&](absl::string_view what, const absl::Status& s) {
-        failures[i] = absl::StrCat(what, ": ", s.ToString());
-      };
-      const unsigned seed = 10 * i;
-      auto got = home.SessionStep(NextStep(id, false, 40, seed));
-      auto want =
-          reference_client.SessionStep(NextStep(reference_id, false, 40, seed));
-      if (!got.ok() || !want.ok()) return fail("prefill", got.status());
-      auto fork = other.ForkSession(id);
-      auto reference_fork = reference_client.ForkSession(reference_id);
-      if (!fork.ok() || !reference_fork.ok()) {
-        return fail("fork", fork.status());
-      }
-      got = home.SessionStep(NextStep(fork->session_id(), false, 1, seed + 1));
-      want = reference_client.SessionStep(
-          NextStep(reference_fork->session_id(), false, 1, seed + 1));
-      if (!got.ok() || !want.ok()) return fail("fork's step", got.status());
-      if (got->output().SerializeAsString() !=
-          want->output().SerializeAsString()) {
-        failures[i] = "the fork's step differs";
-        return;
-      }
-      const absl::Status deleted = other.DeleteSession(fork->session_id());
-      if (!deleted.ok()) return fail("delete", deleted);
-      const auto gone =
-          home.SessionStep(NextStep(fork->session_id(), false, 1, seed));
-      if (gone.status().code() != absl::StatusCode::kNotFound) {
-        return fail("step after delete", gone.status());
-      }
-      // An export takes the session up alike; its file loads into a
-      // server without the directory and steps as the reference.
-      std::string file;
-      const absl::Status exported =
-          other.ExportSession(id, [&](absl::string_view piece) {
-            file.append(piece.data(), piece.size());
-            return absl::OkStatus();
-          });
-      if (!exported.ok()) return fail("export", exported);
-      AttnClient lone = reference.MakeClient();
-      auto imported = lone.ImportSession(file);
-      if (!imported.ok()) return fail("import", imported.status());
-      got = lone.SessionStep(NextStep(id, false, 1, seed + 2));
-      want = reference_client.SessionStep(
-          NextStep(reference_id, false, 1, seed + 2));
-      if (!got.ok() || !want.ok()) return fail("import's step", got.status());
-      if (got->output().SerializeAsString() !=
-          want->output().SerializeAsString()) {
-        failures[i] = "the imported session's step differs";
-      }
-    });
-  }
-  for (std::thread& thread : threads) thread.join();
-  for (int i = 0; i < kSessions; ++i) {
-    EXPECT_EQ(failures[i], "") << "session " << i;
-  }
+  ExpectEverySessionSucceeds(kSessions, [&](int i) -> std::string {
+    AttnClient clients[2] = {a.MakeClient(), b.MakeClient()};
+    AttnClient reference_client = reference.MakeClient();
+    // Half the sessions start on each replica, so that each asks the other
+    // for sessions at once.
+    AttnClient& home = clients[i % 2];
+    AttnClient& other = clients[1 - i % 2];
+    const std::string id = CreateBoth(home)[0];
+    const std::string reference_id = CreateBoth(reference_client)[0];
+    const unsigned seed = 10 * i;
+    std::string failure = SameStep(
+        "prefill", home.SessionStep(NextStep(id, false, 40, seed)),
+        reference_client.SessionStep(NextStep(reference_id, false, 40, seed)));
+    if (!failure.empty()) return failure;
+    auto fork = other.ForkSession(id);
+    auto reference_fork = reference_client.ForkSession(reference_id);
+    if (!fork.ok()) return absl::StrCat("fork: ", fork.status().ToString());
+    if (!reference_fork.ok()) return "the reference's fork failed";
+    failure = SameStep(
+        "fork's step",
+        home.SessionStep(NextStep(fork->session_id(), false, 1, seed + 1)),
+        reference_client.SessionStep(
+            NextStep(reference_fork->session_id(), false, 1, seed + 1)));
+    if (!failure.empty()) return failure;
+    const absl::Status deleted = other.DeleteSession(fork->session_id());
+    if (!deleted.ok()) return absl::StrCat("delete: ", deleted.ToString());
+    const auto gone =
+        home.SessionStep(NextStep(fork->session_id(), false, 1, seed));
+    if (gone.status().code() != absl::StatusCode::kNotFound) {
+      return absl::StrCat("step after delete: ", gone.status().ToString());
+    }
+    // An export takes the session up alike; its file loads into a server
+    // without the directory and steps as the reference.
+    std::string file;
+    const absl::Status exported =
+        other.ExportSession(id, [&](absl::string_view piece) {
+          file.append(piece.data(), piece.size());
+          return absl::OkStatus();
+        });
+    if (!exported.ok()) return absl::StrCat("export: ", exported.ToString());
+    AttnClient lone = reference.MakeClient();
+    auto imported = lone.ImportSession(file);
+    if (!imported.ok()) {
+      return absl::StrCat("import: ", imported.status().ToString());
+    }
+    return SameStep("import's step",
+                    lone.SessionStep(NextStep(id, false, 1, seed + 2)),
+                    reference_client.SessionStep(
+                        NextStep(reference_id, false, 1, seed + 2)));
+  });
   // Each replica took up half the parents to fork them, and half the forks
   // to delete them: those calls were queued to a worker and recorded.
   for (TestServer* server : {&a, &b}) {
