@@ -519,7 +519,7 @@ absl::Status SessionStore::NotFound(absl::string_view id) const {
         "session_id: no session ", EchoString(id, '"'),
         " (expired, evicted, deleted, or opened on another replica)", advice));
   }
-  switch (gone->second) {
+  switch (gone->second.reason) {
     case GoneReason::kExpired:
       return absl::NotFoundError(absl::StrCat(
           what, " expired after ", absl::FormatDuration(options_.idle_timeout),
@@ -605,13 +605,16 @@ void SessionStore::Remove(std::string id, GoneReason reason,
       break;
   }
   // By the queue's length: ids opened again (a sequence's) leave gone_ but
-  // stay queued. An old entry may drop a newer record of its id early.
+  // stay queued, and an entry drops only the record it was queued with.
   while (gone_order_.size() >= kRememberedGoneIds) {
-    gone_.erase(gone_order_.front());
+    const auto& [old_id, serial] = gone_order_.front();
+    const auto old = gone_.find(old_id);
+    if (old != gone_.end() && old->second.serial == serial) gone_.erase(old);
     gone_order_.pop_front();
   }
-  gone_[id] = reason;
-  gone_order_.push_back(std::move(id));
+  const uint64_t serial = ++gone_serial_;
+  gone_[id] = {reason, serial};
+  gone_order_.emplace_back(std::move(id), serial);
 }
 
 absl::Status SessionStore::VerifyNeed(const std::string& id, const Entry& entry,
@@ -881,12 +884,11 @@ absl::Status SessionStore::Delete(absl::string_view id) {
   // journal goes with its slot).
   bool removed_file = false;
   if (options_.directory != nullptr) {
+    // A session a live replica holds is saved there first, then its file
+    // removed here: never loaded only to be freed.
+    if (!FindHere(id).ok() && KnownInDirectory(id)) AskHolderToSave(id);
     removed_file = options_.directory->Remove(id);
     if (options_.directory->RemoveJournal(id)) removed_file = true;
-    // A session a live replica holds is handed over, then deleted here.
-    if (!removed_file && !FindHere(id).ok() && KnownInDirectory(id)) {
-      ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
-    }
   }
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock lock(&mu_);
@@ -898,7 +900,7 @@ absl::Status SessionStore::Delete(absl::string_view id) {
   if (!sessions_.contains(id)) {
     if (!removed_file) return NotFound(id);
     if (const auto gone = gone_.find(id); gone != gone_.end()) {
-      gone->second = GoneReason::kDeleted;
+      gone->second.reason = GoneReason::kDeleted;
     }
     return absl::OkStatus();
   }
@@ -961,6 +963,19 @@ absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> SessionStore::LayerOf(
   return options_.layer_of(model);
 }
 
+bool SessionStore::AskHolderToSave(absl::string_view id) {
+  const std::optional<std::string> holder =
+      options_.reclaim ? options_.directory->Holder(id) : std::nullopt;
+  std::string self;
+  {
+    MutexLock lock(&mu_);
+    self = holder_;
+  }
+  if (!holder.has_value() || *holder == self) return false;
+  options_.reclaim(id, *holder).IgnoreError();
+  return true;
+}
+
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
     absl::string_view id, SessionFileHeader& header, bool& recovered,
     LoadCount& count) {
@@ -985,16 +1000,10 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
       options_.directory->Take(id, loader, &header);
   if (!no_file(session.status())) return session;
-  // Held in another replica's memory: ask it to hand the session over.
-  const std::optional<std::string> holder =
-      options_.reclaim ? options_.directory->Holder(id) : std::nullopt;
-  std::string self;
-  {
-    MutexLock lock(&mu_);
-    self = holder_;
-  }
-  if (holder.has_value() && *holder != self &&
-      options_.reclaim(id, *holder).ok()) {
+  // Held in another replica's memory: ask it to hand the session over,
+  // then look for the file whatever it answered (a hand-over whose answer
+  // was lost on the way left the file).
+  if (AskHolderToSave(id)) {
     session = options_.directory->Take(id, loader, &header);
     if (!no_file(session.status())) return session;
   }
@@ -1015,8 +1024,8 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id, bool reused) {
     // Deleted and expired sessions are not brought back (their files went
     // with them), unless their id may have been opened again elsewhere.
     if (!reused && gone != gone_.end() &&
-        (gone->second == GoneReason::kDeleted ||
-         gone->second == GoneReason::kExpired)) {
+        (gone->second.reason == GoneReason::kDeleted ||
+         gone->second.reason == GoneReason::kExpired)) {
       return absl::OkStatus();
     }
   }

@@ -263,7 +263,7 @@ class SessionStore {
       absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees session `id` (its file or journal in the directory; one a live
-  // replica holds is handed over first); NOT_FOUND as Step.
+  // replica holds is saved there first); NOT_FOUND as Step.
   absl::Status Delete(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees every session (shutdown).
@@ -434,6 +434,9 @@ class SessionStore {
   absl::StatusOr<std::unique_ptr<DecodeSession>> TakeSaved(
       absl::string_view id, SessionFileHeader& header, bool& recovered,
       LoadCount& count) ABSL_LOCKS_EXCLUDED(mu_);
+  // Asks the live replica recorded as holding `id` (not this one) to save
+  // it to the directory, whatever it answers; false when none is recorded.
+  bool AskHolderToSave(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
 
   // Journaling. Whether the store journals; queues `slot` for the journal
   // thread; the journal thread's loop and its work on one slot (creating
@@ -594,8 +597,16 @@ class SessionStore {
   absl::flat_hash_map<const void*, Shared> shared_ ABSL_GUARDED_BY(mu_);
   Stats counts_ ABSL_GUARDED_BY(mu_);
   // Why recent sessions are gone, for the NOT_FOUND message (bounded).
-  absl::flat_hash_map<std::string, GoneReason> gone_ ABSL_GUARDED_BY(mu_);
-  std::deque<std::string> gone_order_ ABSL_GUARDED_BY(mu_);
+  // Each record has a serial number, and gone_order_ the ids with the
+  // serial they were queued with: an id gone again is queued again, and
+  // its older entry must not drop the newer record.
+  struct GoneRecord {
+    GoneReason reason;
+    uint64_t serial = 0;
+  };
+  absl::flat_hash_map<std::string, GoneRecord> gone_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::pair<std::string, uint64_t>> gone_order_ ABSL_GUARDED_BY(mu_);
+  uint64_t gone_serial_ ABSL_GUARDED_BY(mu_) = 0;
   std::mt19937_64 id_bits_ ABSL_GUARDED_BY(mu_);
   // Imports under way, by session id: the file taken so far, what it
   // counts in the budget (its whole cache, from its header on) and in the

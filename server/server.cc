@@ -180,8 +180,9 @@ void InstallProtobufLogHandler(const ServerOptions& options) {
 // kept between hand-overs: a channel per hand-over paid a connection each
 // time (about half of a small session's move on one host). At most
 // kMaxPeers addresses are kept, the oldest dropped first; a channel whose
-// call fails is dropped, so that a replica restarted at its address is
-// reached through a fresh connection rather than a backed-off one.
+// call is UNAVAILABLE is dropped, so that a replica restarted at its
+// address is reached through a fresh connection rather than a backed-off
+// one.
 // Thread-safe.
 class PeerChannels {
  public:
@@ -222,28 +223,31 @@ class PeerChannels {
 };
 
 // Asks the replica at `address` to hand session `id` over (its
-// HandOverSession), within a few seconds; once more through a new channel
-// when a kept one is UNAVAILABLE (the replica may have restarted since).
+// HandOverSession), within a few seconds in all; once more through a new
+// channel when a kept one is UNAVAILABLE (the replica may have restarted
+// since).
 absl::Status AskToHandOver(absl::string_view id, absl::string_view address,
                            PeerChannels& peers, const std::string& token) {
   const std::string target(address);
+  const auto deadline =
+      std::chrono::system_clock::now() + std::chrono::seconds(5);
   grpc::Status status;
-  for (bool made = false; !made;) {
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    bool made = false;
     const std::shared_ptr<grpc::Channel> channel = peers.Of(target, &made);
     const std::unique_ptr<v1::AttentionService::Stub> peer =
         v1::AttentionService::NewStub(channel);
     grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() +
-                         std::chrono::seconds(5));
+    context.set_deadline(deadline);
     if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
     v1::HandOverSessionRequest request;
     request.set_session_id(std::string(id));
     v1::HandOverSessionResponse response;
     status = peer->HandOverSession(&context, request, &response);
     if (status.ok()) return absl::OkStatus();
-    // The replica answered: its channel works.
     if (status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
     peers.Drop(target, channel);
+    if (made) break;  // a new channel's failure is the replica's
   }
   return absl::UnavailableError(
       absl::StrCat("replica ", address, " did not hand session ", id,

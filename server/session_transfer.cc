@@ -60,19 +60,26 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
       return;
     }
     if (!WaitsForSession(pipeline_->config().sessions, request_.session_id())) {
-      Open();
+      Begin(OpenExport());
       return;
     }
     // Taking the session up may wait for a file or a peer's hand-over: on
     // a worker, never on gRPC's thread (see GrpcCalls::ServeWaitingState).
     RequestCost cost;
     cost.may_wait = true;
+    const absl::Time deadline = DeadlineOf(*context);
     pipeline_->engine().Dispatch(
-        cost, DeadlineOf(*context),
+        cost, deadline,
         {.refuse = [this](const absl::Status& status) { End(status); },
-         .here = [this] { Open(); },
-         .queued = [this]() -> std::function<void()> {
-           return [this] { Open(); };
+         .here = [this] { Begin(OpenExport()); },
+         .queued = [this, cost, deadline]() -> std::function<void()> {
+           return [this, cost, deadline] {
+             // Refused once its deadline passed in the queue, as calls are.
+             absl::Duration took;
+             Begin(pipeline_->engine().Compute(
+                 cost, /*cancelled=*/nullptr, deadline,
+                 [this] { return OpenExport(); }, &took));
+           };
          }});
   }
 
@@ -103,9 +110,8 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
     return absl::OkStatus();
   }
 
-  // The export of the session asked for, then its first chunk.
-  void Open() {
-    const absl::Status opened = OpenExport();
+  // The first chunk once the export is open, or the end of the stream.
+  void Begin(const absl::Status& opened) {
     if (opened.ok()) {
       WriteNext();
     } else {

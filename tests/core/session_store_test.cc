@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/time/clock.h"
 #include "core/decode_session.h"
 #include "core/kv_cache.h"
@@ -94,6 +95,32 @@ TEST(SessionStoreTest, StepsDeleteAndSayWhySessionsAreGone) {
             "session_id: no session \"0123\" (expired, evicted, deleted, or "
             "opened on another replica); create a new one and prefill it");
   EXPECT_NE(*store.Add(NewSession()), *store.Add(NewSession()));
+}
+
+// An id opened again after it went (a sequence's) and gone again keeps its
+// newer record while 4096 other ids go after its first: the record of why
+// it went is dropped with the entry it was queued with, not an older one.
+TEST(SessionStoreTest, AnIdGoneTwiceKeepsItsNewerRecord) {
+  SessionStore store({});
+  std::mt19937 rng(1);
+  const std::string id = "5eed";
+  const auto open_and_delete = [&](const std::string& name) {
+    ASSERT_TRUE(store.AddNamed(NewSession(), name).ok());
+    ASSERT_TRUE(store.Delete(name).ok());
+  };
+  open_and_delete(id);
+  for (int i = 0; i < 100; ++i) open_and_delete(absl::StrFormat("a%04x", i));
+  open_and_delete(id);
+  // Past the first record's place in the queue, within the second's.
+  for (int i = 0; i < 4000; ++i) {
+    open_and_delete(absl::StrFormat("b%04x", i));
+  }
+  EXPECT_EQ(StepTokens(store, id, 1, rng).message(),
+            "session_id: session \"5eed\" was deleted");
+  // And it goes once the newer record is as old as the queue is long.
+  for (int i = 0; i < 200; ++i) open_and_delete(absl::StrFormat("c%04x", i));
+  EXPECT_NE(StepTokens(store, id, 1, rng).message().find("no session"),
+            std::string::npos);
 }
 
 TEST(SessionStoreTest, IdleSessionsExpire) {

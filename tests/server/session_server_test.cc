@@ -1853,11 +1853,12 @@ TEST_F(DurableSessionTest, ForksDeletesAndExportsAcrossReplicasRunOnWorkers) {
     if (gone.status().code() != absl::StatusCode::kNotFound) {
       return absl::StrCat("step after delete: ", gone.status().ToString());
     }
-    // An export takes the session up alike; its file loads into a server
-    // without the directory and steps as the reference.
+    // An export takes the session up alike (the fork moved the parent to
+    // the other replica); its file loads into a server without the
+    // directory and steps as the reference.
     std::string file;
     const absl::Status exported =
-        other.ExportSession(id, [&](absl::string_view piece) {
+        home.ExportSession(id, [&](absl::string_view piece) {
           file.append(piece.data(), piece.size());
           return absl::OkStatus();
         });
