@@ -392,7 +392,7 @@ absl::StatusOr<SessionFileImage> SessionFileImage::Of(
   ATTN_RETURN_IF_ERROR(VerifyWritable(session));
   SessionFileImage image(session);
   const DecodeSession::Contents contents = session.contents();
-  image.version_ = contents.version;
+  image.contents_version_ = contents.version;
   image.header_ = HeaderRecord(HeaderBody(session, id, session.config().model,
                                           contents.lengths, unconfirmed));
   image.records_.push_back(Record{0, -1, 0, 0});
@@ -410,6 +410,28 @@ absl::StatusOr<SessionFileImage> SessionFileImage::Of(
   image.records_.push_back(Record{at, -2, 0, 0});
   image.size_ = at + kEndBytes;
   return image;
+}
+
+absl::Status SessionFileImage::Fingerprint() {
+  uint32_t blocks = 0;
+  std::string rows;
+  for (const Record& record : records_) {
+    if (record.layer < 0) continue;
+    rows.clear();
+    const absl::StatusOr<uint64_t> read =
+        session_->CopyRows(record.layer, record.first, record.tokens, rows);
+    if (!read.ok() || *read != contents_version_) {
+      return absl::AbortedError(
+          "the session changed (a step or a rewind) while it was read");
+    }
+    const uint32_t crc = Crc(rows);
+    blocks = Crc(
+        absl::string_view(reinterpret_cast<const char*>(&crc), sizeof(crc)),
+        blocks);
+  }
+  version_ = uint64_t{Crc(header_)} << 32 | blocks;
+  if (version_ == 0) version_ = 1;  // 0 asks for any version
+  return absl::OkStatus();
 }
 
 absl::Status SessionFileImage::Build(size_t index) {
@@ -431,7 +453,7 @@ absl::Status SessionFileImage::Build(size_t index) {
     built_.resize(kBlockFieldBytes);
     const absl::StatusOr<uint64_t> read =
         session_->CopyRows(record.layer, record.first, record.tokens, built_);
-    if (read.ok() && *read == version_) {
+    if (read.ok() && *read == contents_version_) {
       const std::string fields = SessionBlockFields(
           record.layer, record.first, record.tokens,
           absl::string_view(built_).substr(kBlockFieldBytes));

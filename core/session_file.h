@@ -151,7 +151,13 @@ class SessionFileImage {
                                              bool unconfirmed = false);
 
   uint64_t size() const { return size_; }
-  // The session's version it describes (DecodeSession::Contents).
+  // Sets version(), a fingerprint of the file's bytes (the checksums of its
+  // header and of each block's rows; never 0), reading every block once:
+  // the same for the same session on any replica and in any process, so
+  // that a reader cut short resumes wherever the session went, and not
+  // once it changed. ABORTED when the session changes meanwhile.
+  absl::Status Fingerprint();
+  // 0 before Fingerprint().
   uint64_t version() const { return version_; }
   // Up to `n` bytes from `offset` (at most to the end of the record
   // holding it; empty at size()), valid until the next call. OUT_OF_RANGE
@@ -172,6 +178,8 @@ class SessionFileImage {
   absl::Status Build(size_t index);
 
   const DecodeSession* session_;
+  // The session's contents the records describe (DecodeSession::Contents).
+  uint64_t contents_version_ = 0;
   uint64_t version_ = 0;
   uint64_t size_ = 0;
   std::string header_;

@@ -296,9 +296,11 @@ class SessionStore {
   //
   // An export: the file of session `id` as it holds now, read piece by
   // piece while the session lives on (steps are not stopped; a piece read
-  // after a step fails ABORTED). It keeps the session's memory alive while
-  // held, as a running step does. NOT_FOUND as Step; UNAVAILABLE while
-  // the session is being imported.
+  // after a step fails ABORTED), whose image's version() is set (read
+  // once whole: the same for the same session wherever it is). It keeps
+  // the session's memory alive while held, as a running step does.
+  // NOT_FOUND as Step; UNAVAILABLE while the session is being imported;
+  // ABORTED when it steps while its version is read.
   struct Export {
     std::shared_ptr<const DecodeSession> session;
     SessionFileImage image;  // reads *session

@@ -30,6 +30,7 @@ absl::StatusOr<SessionStore::Export> SessionStore::ExportSession(
   std::shared_ptr<const DecodeSession> session(slot, slot->session.get());
   ATTN_ASSIGN_OR_RETURN(SessionFileImage image,
                         SessionFileImage::Of(*session, id, unconfirmed));
+  ATTN_RETURN_IF_ERROR(image.Fingerprint());
   return Export{std::move(session), std::move(image)};
 }
 

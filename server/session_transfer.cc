@@ -127,8 +127,7 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
     if (request.version() != 0 && request.version() != image.version()) {
       return absl::AbortedError(absl::StrCat(
           "version: session ", EchoString(request.session_id(), '"'),
-          " changed since the export began (a step, a rewind or a move: "
-          "version ",
+          " changed since the export began (a step or a rewind: version ",
           request.version(), ", now ", image.version(),
           "); export it again from offset 0"));
     }

@@ -1888,6 +1888,88 @@ TEST_F(DurableSessionTest, ForksDeletesAndExportsAcrossReplicasRunOnWorkers) {
   }
 }
 
+// An export cut short resumes on another replica the session has moved to
+// (a drained or killed replica's stream, a load balancer's new pick): the
+// version is the file's fingerprint, the same wherever the session is.
+// Once the session steps, the same resume is ABORTED.
+TEST_F(DurableSessionTest, AnExportCutShortResumesOnAnotherReplica) {
+  TestServer a(WithDirectory());
+  TestServer b(WithDirectory());
+  AttnClient client = a.MakeClient();
+  v1::CreateSessionRequest create;
+  create.set_num_heads(8);
+  create.set_head_dim(64);
+  create.set_max_length(4096);
+  auto created = client.CreateSession(create);
+  ASSERT_TRUE(created.ok()) << created.status();
+  const std::string id = created->session_id();
+  std::mt19937 rng(5);
+  v1::SessionStepRequest prefill;
+  prefill.set_session_id(id);
+  for (auto* field : {prefill.mutable_query(), prefill.mutable_key(),
+                      prefill.mutable_value()}) {
+    *field = ToWire(RandomTensor(DType::kFloat32, {8, 1500, 64}, rng).view());
+  }
+  ASSERT_TRUE(client.SessionStep(prefill).ok());
+  // The whole file, for comparison, and its first chunk alone from `a`.
+  std::string whole;
+  ASSERT_TRUE(client
+                  .ExportSession(id,
+                                 [&](absl::string_view piece) {
+                                   whole.append(piece.data(), piece.size());
+                                   return absl::OkStatus();
+                                 })
+                  .ok());
+  const auto first_chunk = [&](const TestServer& server,
+                               const v1::ExportSessionRequest& request,
+                               v1::ExportSessionChunk* chunk) {
+    grpc::ClientContext context;
+    auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
+        server.target(), grpc::InsecureChannelCredentials()));
+    auto reader = stub->ExportSession(&context, request);
+    if (!reader->Read(chunk)) return reader->Finish();
+    context.TryCancel();
+    static_cast<void>(reader->Finish());
+    return grpc::Status::OK;
+  };
+  v1::ExportSessionRequest request;
+  request.set_session_id(id);
+  v1::ExportSessionChunk chunk;
+  ASSERT_TRUE(first_chunk(a, request, &chunk).ok());
+  ASSERT_LT(chunk.data().size(), whole.size());
+  ASSERT_NE(chunk.version(), 0u);
+  std::string file = chunk.data();
+  // Resumed on `b`, which takes the session over from `a` first.
+  request.set_offset(file.size());
+  request.set_version(chunk.version());
+  grpc::ClientContext context;
+  auto stub = v1::AttentionService::NewStub(
+      grpc::CreateChannel(b.target(), grpc::InsecureChannelCredentials()));
+  auto reader = stub->ExportSession(&context, request);
+  while (reader->Read(&chunk)) {
+    ASSERT_EQ(chunk.offset(), file.size());
+    file += chunk.data();
+  }
+  const grpc::Status resumed = reader->Finish();
+  ASSERT_TRUE(resumed.ok()) << resumed.error_message();
+  EXPECT_TRUE(file == whole) << "the resumed file differs";
+  // After a step, the old version is refused wherever it is asked.
+  AttnClient on_b = b.MakeClient();
+  v1::SessionStepRequest next = prefill;
+  for (auto* field :
+       {next.mutable_query(), next.mutable_key(), next.mutable_value()}) {
+    *field = ToWire(RandomTensor(DType::kFloat32, {8, 1, 64}, rng).view());
+  }
+  ASSERT_TRUE(on_b.SessionStep(next).ok());
+  request.set_offset(0);
+  const grpc::Status stale = first_chunk(a, request, &chunk);
+  EXPECT_EQ(stale.error_code(), grpc::StatusCode::ABORTED)
+      << stale.error_message();
+  EXPECT_NE(stale.error_message().find("changed since the export began"),
+            std::string::npos)
+      << stale.error_message();
+}
+
 TEST_F(DurableSessionTest, ACorruptFileAnswersDataLossAndIsQuarantined) {
   std::string id;
   {
