@@ -2352,7 +2352,7 @@ void AddTransferCases(std::vector<HostileCase>& cases) {
   out.set_version(1);
   cases.push_back(Glob(Case(out, "version_stale", "version", Code::kAborted,
                             "version: session \"*\" changed since the export "
-                            "began (a step, a rewind or a move: version 1, "
+                            "began (a step or a rewind: version 1, "
                             "now *); export it again from offset 0")));
   out.set_version(0);
   cases.push_back(Ok(out, "valid", "session_id", [](const std::string& bytes) {
