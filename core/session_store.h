@@ -300,7 +300,7 @@ class SessionStore {
   // once whole: the same for the same session wherever it is). It keeps
   // the session's memory alive while held, as a running step does.
   // NOT_FOUND as Step; UNAVAILABLE while the session is being imported;
-  // ABORTED when it steps while its version is read.
+  // ABORTED when it steps while its version is read, three times running.
   struct Export {
     std::shared_ptr<const DecodeSession> session;
     SessionFileImage image;  // reads *session

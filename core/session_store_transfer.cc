@@ -28,10 +28,16 @@ absl::StatusOr<SessionStore::Export> SessionStore::ExportSession(
   }
   // Shares the slot's ownership, as Find does.
   std::shared_ptr<const DecodeSession> session(slot, slot->session.get());
-  ATTN_ASSIGN_OR_RETURN(SessionFileImage image,
-                        SessionFileImage::Of(*session, id, unconfirmed));
-  ATTN_RETURN_IF_ERROR(image.Fingerprint());
-  return Export{std::move(session), std::move(image)};
+  // A step while the fingerprint is read aborts it: read again, a few
+  // times, as a stream whose session steps would be asked again.
+  absl::Status fingerprinted;
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    ATTN_ASSIGN_OR_RETURN(SessionFileImage image,
+                          SessionFileImage::Of(*session, id, unconfirmed));
+    fingerprinted = image.Fingerprint();
+    if (fingerprinted.ok()) return Export{std::move(session), std::move(image)};
+  }
+  return fingerprinted;
 }
 
 absl::StatusOr<std::shared_ptr<SessionFileBuilder>> SessionStore::ClaimImport(

@@ -16,6 +16,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/mutex.h"
 #include "core/status_macros.h"
@@ -182,50 +183,73 @@ void InstallProtobufLogHandler(const ServerOptions& options) {
 // kMaxPeers addresses are kept, the oldest dropped first; a channel whose
 // call is UNAVAILABLE is dropped, so that a replica restarted at its
 // address is reached through a fresh connection rather than a backed-off
-// one.
+// one. A replica that does not answer through a new channel is taken for
+// down for kDownFor: the sessions a lost node held are then each asked of
+// it at once, not each after a hand-over's whole deadline on a worker.
 // Thread-safe.
 class PeerChannels {
  public:
+  static constexpr absl::Duration kDownFor = absl::Seconds(3);
+
   explicit PeerChannels(std::shared_ptr<grpc::ChannelCredentials> credentials)
       : credentials_(std::move(credentials)) {}
 
-  // The channel to `address`; `*made` tells whether it was made now.
+  // The channel to `address` (`*made`: made now), or null while the
+  // replica there is taken for down.
   std::shared_ptr<grpc::Channel> Of(const std::string& address, bool* made) {
     MutexLock lock(&mu_);
-    auto [it, added] = channels_.try_emplace(address);
-    *made = added;
-    if (added) {
-      it->second = grpc::CreateChannel(address, credentials_);
-      order_.push_back(address);
-      if (order_.size() > kMaxPeers) {
-        channels_.erase(order_.front());
-        order_.pop_front();
-      }
+    Peer& peer = Find(address);
+    *made = false;
+    if (absl::Now() < peer.down_until) return nullptr;
+    if (peer.channel == nullptr) {
+      peer.channel = grpc::CreateChannel(address, credentials_);
+      *made = true;
     }
-    return it->second;
+    return peer.channel;
   }
+  // Drops `channel`, the one to `address` (unless another replaced it).
   void Drop(const std::string& address,
             const std::shared_ptr<grpc::Channel>& channel) {
     MutexLock lock(&mu_);
-    const auto it = channels_.find(address);
-    if (it == channels_.end() || it->second != channel) return;
-    channels_.erase(it);
-    order_.erase(std::find(order_.begin(), order_.end(), address));
+    Peer& peer = Find(address);
+    if (peer.channel == channel) peer.channel = nullptr;
+  }
+  // Takes the replica at `address` for down for kDownFor.
+  void MarkDown(const std::string& address) {
+    MutexLock lock(&mu_);
+    Peer& peer = Find(address);
+    peer.channel = nullptr;
+    peer.down_until = absl::Now() + kDownFor;
   }
 
  private:
   static constexpr size_t kMaxPeers = 64;
+  struct Peer {
+    std::shared_ptr<grpc::Channel> channel;
+    absl::Time down_until = absl::InfinitePast();
+  };
+  // The entry of `address`, added (and the oldest dropped) if new.
+  Peer& Find(const std::string& address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    auto [it, added] = peers_.try_emplace(address);
+    if (!added) return it->second;
+    order_.push_back(address);
+    if (order_.size() > kMaxPeers) {
+      peers_.erase(order_.front());
+      order_.pop_front();
+    }
+    return peers_.at(address);
+  }
+
   const std::shared_ptr<grpc::ChannelCredentials> credentials_;
   Mutex mu_;
-  absl::flat_hash_map<std::string, std::shared_ptr<grpc::Channel>> channels_
-      ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, Peer> peers_ ABSL_GUARDED_BY(mu_);
   std::deque<std::string> order_ ABSL_GUARDED_BY(mu_);
 };
 
 // Asks the replica at `address` to hand session `id` over (its
 // HandOverSession), within a few seconds in all; once more through a new
 // channel when a kept one is UNAVAILABLE (the replica may have restarted
-// since).
+// since). UNAVAILABLE at once while the replica is taken for down.
 absl::Status AskToHandOver(absl::string_view id, absl::string_view address,
                            PeerChannels& peers, const std::string& token) {
   const std::string target(address);
@@ -235,6 +259,12 @@ absl::Status AskToHandOver(absl::string_view id, absl::string_view address,
   for (int attempt = 0; attempt < 2; ++attempt) {
     bool made = false;
     const std::shared_ptr<grpc::Channel> channel = peers.Of(target, &made);
+    if (channel == nullptr) {
+      return absl::UnavailableError(absl::StrCat(
+          "replica ", address, " did not answer a hand-over in the last ",
+          absl::FormatDuration(PeerChannels::kDownFor),
+          "; not asked for session ", id));
+    }
     const std::unique_ptr<v1::AttentionService::Stub> peer =
         v1::AttentionService::NewStub(channel);
     grpc::ClientContext context;
@@ -245,9 +275,16 @@ absl::Status AskToHandOver(absl::string_view id, absl::string_view address,
     v1::HandOverSessionResponse response;
     status = peer->HandOverSession(&context, request, &response);
     if (status.ok()) return absl::OkStatus();
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE) break;
+    const grpc::StatusCode code = status.error_code();
+    // Silent, or not there (no connection: not the replica's own answer).
+    if (code == grpc::StatusCode::DEADLINE_EXCEEDED ||
+        (made && code == grpc::StatusCode::UNAVAILABLE &&
+         channel->GetState(false) == GRPC_CHANNEL_TRANSIENT_FAILURE)) {
+      peers.MarkDown(target);
+      break;
+    }
+    if (code != grpc::StatusCode::UNAVAILABLE) break;  // it answered
     peers.Drop(target, channel);
-    if (made) break;  // a new channel's failure is the replica's
   }
   return absl::UnavailableError(
       absl::StrCat("replica ", address, " did not hand session ", id,

@@ -4,7 +4,11 @@
 // FAILED_PRECONDITION answers with their messages, eviction under
 // --max_session_memory_mb, idle expiry, concurrent sessions and the
 // metrics.
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -1968,6 +1972,44 @@ TEST_F(DurableSessionTest, AnExportCutShortResumesOnAnotherReplica) {
   EXPECT_NE(stale.error_message().find("changed since the export began"),
             std::string::npos)
       << stale.error_message();
+}
+
+// Sessions whose holder record names a replica that never answers (a lost
+// node: here a socket that takes connections and says nothing): the first
+// step waits for the hand-over's deadline, then the replica is taken for
+// down, and the next session it held is not asked of it again (each would
+// have held a worker for the whole deadline).
+TEST_F(DurableSessionTest, AReplicaThatNeverAnswersIsAskedOnceAWhile) {
+  const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t length = sizeof(address);
+  ASSERT_EQ(
+      ::bind(silent, reinterpret_cast<sockaddr*>(&address), sizeof(address)),
+      0);
+  ASSERT_EQ(::listen(silent, 16), 0);
+  ASSERT_EQ(
+      ::getsockname(silent, reinterpret_cast<sockaddr*>(&address), &length), 0);
+  const std::string holder =
+      absl::StrCat("127.0.0.1:", ntohs(address.sin_port));
+  TestServer server(WithDirectory());
+  AttnClient client = server.MakeClient();
+  const std::vector<std::string> ids = {"5110e47a", "5110e47b"};
+  for (const std::string& id : ids) {
+    std::ofstream(dir_ / (id + ".held")) << holder;
+  }
+  std::vector<absl::Duration> took;
+  for (const std::string& id : ids) {
+    const absl::Time start = absl::Now();
+    const auto step = client.SessionStep(NextStep(id, false, 1, 1));
+    took.push_back(absl::Now() - start);
+    EXPECT_EQ(step.status().code(), absl::StatusCode::kNotFound)
+        << step.status();
+  }
+  ::close(silent);
+  EXPECT_GE(took[0], absl::Seconds(4)) << "the hand-over's deadline is 5 s";
+  EXPECT_LT(took[1], absl::Seconds(2)) << "asked the silent replica again";
 }
 
 TEST_F(DurableSessionTest, ACorruptFileAnswersDataLossAndIsQuarantined) {

@@ -438,7 +438,13 @@ TEST(ConcurrencyTest, ExportsAndImportsRaceStepsSafely) {
   int aborted = 0;
   while (!done) {
     auto exported = source.ExportSession(id);
-    ASSERT_TRUE(exported.ok()) << exported.status();
+    if (!exported.ok()) {
+      // Steps kept changing it while its fingerprint was read.
+      EXPECT_EQ(exported.status().code(), absl::StatusCode::kAborted)
+          << exported.status();
+      ++aborted;
+      continue;
+    }
     std::string file;
     absl::Status status;
     while (status.ok() && file.size() < exported->image.size()) {
