@@ -412,22 +412,26 @@ absl::StatusOr<SessionFileImage> SessionFileImage::Of(
   return image;
 }
 
+absl::Status SessionFileImage::AppendRows(const Record& record,
+                                          std::string& rows) const {
+  const absl::StatusOr<uint64_t> read =
+      session_->CopyRows(record.layer, record.first, record.tokens, rows);
+  if (read.ok() && *read == contents_version_) return absl::OkStatus();
+  return absl::AbortedError(
+      "the session changed (a step or a rewind) while it was read");
+}
+
 absl::Status SessionFileImage::Fingerprint() {
   uint32_t blocks = 0;
   std::string rows;
   for (const Record& record : records_) {
     if (record.layer < 0) continue;
     rows.clear();
-    const absl::StatusOr<uint64_t> read =
-        session_->CopyRows(record.layer, record.first, record.tokens, rows);
-    if (!read.ok() || *read != contents_version_) {
-      return absl::AbortedError(
-          "the session changed (a step or a rewind) while it was read");
-    }
+    ATTN_RETURN_IF_ERROR(AppendRows(record, rows));
     const uint32_t crc = Crc(rows);
-    blocks = Crc(
-        absl::string_view(reinterpret_cast<const char*>(&crc), sizeof(crc)),
-        blocks);
+    blocks =
+        Crc(absl::string_view(reinterpret_cast<const char*>(&crc), sizeof(crc)),
+            blocks);
   }
   version_ = uint64_t{Crc(header_)} << 32 | blocks;
   if (version_ == 0) version_ = 1;  // 0 asks for any version
@@ -451,18 +455,14 @@ absl::Status SessionFileImage::Build(size_t index) {
   } else {
     // The rows go after room for the fields, which need their checksum.
     built_.resize(kBlockFieldBytes);
-    const absl::StatusOr<uint64_t> read =
-        session_->CopyRows(record.layer, record.first, record.tokens, built_);
-    if (read.ok() && *read == contents_version_) {
-      const std::string fields = SessionBlockFields(
-          record.layer, record.first, record.tokens,
-          absl::string_view(built_).substr(kBlockFieldBytes));
-      std::memcpy(built_.data(), fields.data(), fields.size());
-    } else {
+    if (const absl::Status read = AppendRows(record, built_); !read.ok()) {
       built_.clear();
-      return absl::AbortedError(
-          "the session changed (a step or a rewind) while it was read");
+      return read;
     }
+    const std::string fields =
+        SessionBlockFields(record.layer, record.first, record.tokens,
+                           absl::string_view(built_).substr(kBlockFieldBytes));
+    std::memcpy(built_.data(), fields.data(), fields.size());
   }
   built_index_ = index;
   return absl::OkStatus();

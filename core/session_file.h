@@ -176,6 +176,9 @@ class SessionFileImage {
   SessionFileImage(const DecodeSession& session) : session_(&session) {}
   // Builds record `index` into built_.
   absl::Status Build(size_t index);
+  // Appends block `record`'s rows to `rows`; ABORTED when the session is
+  // no longer the contents the records describe.
+  absl::Status AppendRows(const Record& record, std::string& rows) const;
 
   const DecodeSession* session_;
   // The session's contents the records describe (DecodeSession::Contents).

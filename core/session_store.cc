@@ -377,12 +377,7 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
                                                std::optional<std::string> as) {
   if (as.has_value()) ATTN_RETURN_IF_ERROR(VerifyChosenId(*as));
   ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
-  std::shared_ptr<Slot> slot;
-  {
-    MutexLock lock(&mu_);
-    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
-    slot = entry->slot;
-  }
+  ATTN_ASSIGN_OR_RETURN(const std::shared_ptr<Slot> slot, SlotOf(id));
   const std::string key(id);
   // Steps on the session wait: its cache may be frozen and counted anew.
   MutexLock step_lock(&slot->step_mu);
@@ -455,12 +450,7 @@ bool SessionStore::HoldsSlot(const std::string& id, const Slot& slot) const {
 absl::Status SessionStore::Rename(absl::string_view from,
                                   const std::string& to) {
   ATTN_RETURN_IF_ERROR(VerifyChosenId(to));
-  std::shared_ptr<Slot> slot;
-  {
-    MutexLock lock(&mu_);
-    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(from));
-    slot = entry->slot;
-  }
+  ATTN_ASSIGN_OR_RETURN(const std::shared_ptr<Slot> slot, SlotOf(from));
   const std::string key(from);
   {
     // The id is read under the step lock (journal, messages).
@@ -678,12 +668,7 @@ absl::Status SessionStore::Step(absl::string_view id,
                                 const DecodeStepOptions& options,
                                 ResultAllocator& results, int64_t* length) {
   ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
-  std::shared_ptr<Slot> slot;
-  {
-    MutexLock lock(&mu_);
-    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
-    slot = entry->slot;
-  }
+  ATTN_ASSIGN_OR_RETURN(const std::shared_ptr<Slot> slot, SlotOf(id));
   DecodeSession& session = *slot->session;
   ATTN_ASSIGN_OR_RETURN(const int64_t new_tokens, session.NewTokens(inputs));
   const std::string key(id);
@@ -870,12 +855,17 @@ absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::Find(
   return FindHere(id);
 }
 
-absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::FindHere(
+absl::StatusOr<std::shared_ptr<SessionStore::Slot>> SessionStore::SlotOf(
     absl::string_view id) {
   MutexLock lock(&mu_);
   ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
+  return entry->slot;
+}
+
+absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::FindHere(
+    absl::string_view id) {
+  ATTN_ASSIGN_OR_RETURN(std::shared_ptr<Slot> slot, SlotOf(id));
   // Shares the slot's ownership: the session lives while the caller holds it.
-  std::shared_ptr<Slot> slot = entry->slot;
   return std::shared_ptr<const DecodeSession>(slot, slot->session.get());
 }
 
@@ -886,7 +876,7 @@ absl::Status SessionStore::Delete(absl::string_view id) {
   if (options_.directory != nullptr) {
     // A session a live replica holds is saved there first, then its file
     // removed here: never loaded only to be freed.
-    if (!FindHere(id).ok() && KnownInDirectory(id)) AskHolderToSave(id);
+    if (HeldElsewhere(id)) AskHolderToSave(id);
     removed_file = options_.directory->Remove(id);
     if (options_.directory->RemoveJournal(id)) removed_file = true;
   }
@@ -1073,12 +1063,7 @@ absl::Status SessionStore::HandOver(absl::string_view id) {
     return absl::FailedPreconditionError(
         "sessions have no directory to go to (--session_dir)");
   }
-  std::shared_ptr<Slot> slot;
-  {
-    MutexLock lock(&mu_);
-    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
-    slot = entry->slot;
-  }
+  ATTN_ASSIGN_OR_RETURN(const std::shared_ptr<Slot> slot, SlotOf(id));
   std::vector<std::shared_ptr<Slot>> freed;
   MutexLock step_lock(&slot->step_mu);
   const std::string key(id);

@@ -256,6 +256,12 @@ class SessionStore {
   bool KnownInDirectory(absl::string_view id) const {
     return options_.directory != nullptr && options_.directory->Knows(id);
   }
+  // Whether a call on `id` would take its session up first, and so may
+  // wait for a file or another replica: it is not open here, and the
+  // directory knows it.
+  bool HeldElsewhere(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_) {
+    return !FindHere(id).ok() && KnownInDirectory(id);
+  }
   // Find for ids used again after their session ends (a sequence's): the
   // directory is asked also when this store deleted or expired `id`, as
   // another replica may have opened a session under it since.
@@ -412,6 +418,9 @@ class SessionStore {
 
   absl::StatusOr<Entry*> Lookup(absl::string_view id)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Lookup's slot, shared (it lives while the caller holds it).
+  absl::StatusOr<std::shared_ptr<Slot>> SlotOf(absl::string_view id)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Whether `id` is open here as `slot` (not gone, not another session
   // since taken up or renamed onto the id).
   bool HoldsSlot(const std::string& id, const Slot& slot) const

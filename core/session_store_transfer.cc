@@ -15,12 +15,7 @@ namespace attnserve {
 absl::StatusOr<SessionStore::Export> SessionStore::ExportSession(
     absl::string_view id) {
   ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
-  std::shared_ptr<Slot> slot;
-  {
-    MutexLock lock(&mu_);
-    ATTN_ASSIGN_OR_RETURN(Entry * entry, Lookup(id));
-    slot = entry->slot;
-  }
+  ATTN_ASSIGN_OR_RETURN(const std::shared_ptr<Slot> slot, SlotOf(id));
   bool unconfirmed = false;
   {
     MutexLock step_lock(&slot->step_mu);

@@ -404,8 +404,7 @@ absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
 }
 
 bool WaitsForSession(SessionStore* sessions, absl::string_view id) {
-  return sessions != nullptr && !sessions->FindHere(id).ok() &&
-         sessions->KnownInDirectory(id);
+  return sessions != nullptr && sessions->HeldElsewhere(id);
 }
 
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,

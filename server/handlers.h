@@ -98,9 +98,7 @@ absl::Status HandleCreateSession(const v1::CreateSessionRequest& request,
                                  std::optional<std::string> as = std::nullopt);
 absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
                                    SessionStore* sessions);
-// Whether a call on session `id` may wait for a file or another replica:
-// it is not open here, and the session directory knows it (its file, its
-// journal or its holder's record).
+// SessionStore::HeldElsewhere, false without sessions.
 bool WaitsForSession(SessionStore* sessions, absl::string_view id);
 
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
