@@ -189,8 +189,9 @@ absl::Status GrpcCalls::AcceptState(const grpc::CallbackServerContext& context,
                                     google::protobuf::Message* request,
                                     absl::Time arrived) const {
   const TokenAuthenticator* auth = pipeline_->config().auth;
-  if (authenticate && auth != nullptr)
+  if (authenticate && auth != nullptr) {
     ATTN_RETURN_IF_ERROR(auth->Check(context));
+  }
   absl::Status status = ParseMessage(raw_request, request);
   if (!status.ok()) {
     const MessageSubject subject(request, nullptr);

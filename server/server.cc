@@ -211,8 +211,10 @@ class PeerChannels {
   void Drop(const std::string& address,
             const std::shared_ptr<grpc::Channel>& channel) {
     MutexLock lock(&mu_);
-    Peer& peer = Find(address);
-    if (peer.channel == channel) peer.channel = nullptr;
+    const auto it = peers_.find(address);
+    if (it != peers_.end() && it->second.channel == channel) {
+      it->second.channel = nullptr;
+    }
   }
   // Takes the replica at `address` for down for kDownFor.
   void MarkDown(const std::string& address) {
