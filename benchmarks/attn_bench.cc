@@ -355,6 +355,54 @@ void BM_SessionTake(benchmark::State& state) {
                            static_cast<double>(state.iterations())));
 }
 
+// Taking up N forks a drain saved (each a full copy on disk): forks of an
+// 8 heads x 64 session of Lk float32 tokens, each one token further, taken
+// up by a new store, each sharing its prefix again with the one before.
+// Counters: the store's cache memory after all are taken up (cache_MB),
+// against N full copies (copies_MB), and the forks that share (reshared).
+void BM_ForksTakenUp(benchmark::State& state) {
+  const int64_t n = state.range(0), lk = state.range(1);
+  ScratchSessionDirectory directory;
+  SessionStore::Options options;
+  options.directory = directory.get();
+  auto held = std::make_unique<SessionStore>(options);
+  auto prefix = PrefilledSession(8, 8, 64, lk, DType::kFloat32, 1);
+  if (!prefix.ok() || directory.get() == nullptr) {
+    state.SkipWithError("no session or directory");
+    return;
+  }
+  const std::string parent = *held->Add(*std::move(prefix));
+  const auto token = TokenOperands(8, 8, 64, 4);
+  const DecodeStepInputs in{std::nullopt, token[0].view(), token[1].view(),
+                            token[2].view(), std::nullopt};
+  std::vector<std::string> ids;
+  for (int64_t i = 0; i < n; ++i) {
+    TensorResults out;
+    auto fork = held->Fork(parent, std::nullopt);
+    if (!fork.ok() || !held->Step(*fork, in, {}, out, nullptr).ok()) {
+      state.SkipWithError("fork or step failed");
+      return;
+    }
+    ids.push_back(*fork);
+  }
+  if (!held->Delete(parent).ok()) state.SkipWithError("delete failed");
+  SessionStore::Stats stats;
+  for (auto _ : state) {
+    state.PauseTiming();
+    held->SaveAll();
+    held = std::make_unique<SessionStore>(options);
+    state.ResumeTiming();
+    for (const std::string& id : ids) {
+      if (!held->Find(id).ok()) state.SkipWithError("take-up failed");
+    }
+    stats = held->stats();
+  }
+  state.counters["cache_MB"] = static_cast<double>(stats.cache_bytes) / 1e6;
+  state.counters["copies_MB"] =
+      static_cast<double>(n) * KvBytes(lk + 1, 8, 64, DType::kFloat32) / 1e6;
+  state.counters["reshared"] = static_cast<double>(stats.reshared);
+}
+
 // Moving a session between stores as ExportSession and ImportSession do,
 // without the network: its file read from the session in chunks of 1 MiB
 // (SessionFileImage) and taken in by a new store piece by piece
@@ -868,6 +916,9 @@ BENCHMARK(BM_SessionSave)->ArgNames({"N", "Lk"})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SessionTake)->ArgNames({"Lk"})
     ->Arg(4096)
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForksTakenUp)->ArgNames({"N", "Lk"})
+    ->Args({64, 4096})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SessionTransfer)->ArgNames({"Lk"})
     ->Arg(4096)

@@ -1149,9 +1149,11 @@ absl::Status DecodeSession::AppendRows(int64_t layer, int64_t first,
   }
   MutexLock lock(&mu_);
   SessionLayers::Layer& state = layers_.layer(layer);
-  if (!frozen_.empty() || state.blocks > 0) {
-    return absl::FailedPreconditionError(
-        "rows: the session shares a cache; append to a session of its own");
+  if (first < state.blocks * kCacheBlockKeys) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "rows: token ", first, " of layer ", layer,
+        " is in a block shared with other sessions; append past token ",
+        state.blocks * kCacheBlockKeys));
   }
   if (first != length(layer)) {
     return absl::InvalidArgumentError(absl::StrCat("rows: start at token ",
@@ -1187,6 +1189,48 @@ absl::Status DecodeSession::AppendRows(int64_t layer, int64_t first,
   state.length.store(first + tokens, std::memory_order_release);
   version_ = NewVersion();
   return absl::OkStatus();
+}
+
+bool DecodeSession::SameConfig(const DecodeSession& other) const {
+  const DecodeSessionConfig& a = config_;
+  const DecodeSessionConfig& b = other.config_;
+  return a.layer == b.layer && a.model == b.model && heads_ == other.heads_ &&
+         kv_heads_ == other.kv_heads_ && key_dim_ == other.key_dim_ &&
+         value_dim_ == other.value_dim_ && dtype_ == other.dtype_ &&
+         cache_dtype_ == other.cache_dtype_ &&
+         rotary_.dims == other.rotary_.dims &&
+         rotary_.base == other.rotary_.base && a.batch == b.batch &&
+         a.max_length == b.max_length && a.num_layers == b.num_layers &&
+         a.default_scale == b.default_scale;
+}
+
+int64_t DecodeSession::SharedPrefix(const DecodeSession& other) const {
+  if (&other == this || !SameConfig(other)) return 0;
+  MutexLock other_lock(&other.mu_);
+  MutexLock lock(&mu_);
+  int64_t blocks = config_.max_length;
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    blocks = std::min(blocks,
+                      std::min(length(l), other.length(l)) / kCacheBlockKeys);
+  }
+  const std::array<size_t, 4> row = RegionRowBytes(dims_);
+  const int64_t planes = dims_.batch * dims_.kv_heads;
+  for (int64_t block = 0; block < blocks; ++block) {
+    // A block lies in one cache: its rows of a plane are contiguous.
+    const int64_t first = block * kCacheBlockKeys;
+    for (int64_t l = 0; l < config_.num_layers; ++l) {
+      for (int region = 0; region < 4; ++region) {
+        const size_t bytes = row[region] * static_cast<size_t>(kCacheBlockKeys);
+        for (int64_t plane = 0; bytes > 0 && plane < planes; ++plane) {
+          if (std::memcmp(RowAt(region, l, plane, first),
+                          other.RowAt(region, l, plane, first), bytes) != 0) {
+            return first;
+          }
+        }
+      }
+    }
+  }
+  return blocks * kCacheBlockKeys;
 }
 
 }  // namespace attnserve

@@ -280,14 +280,28 @@ class DecodeSession {
   absl::StatusOr<uint64_t> CopyRows(int64_t layer, int64_t first,
                                     int64_t tokens, std::string& rows) const
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Appends `tokens` tokens to `layer` of a session that shares no cache
-  // (one created, not forked), from `rows` as RowBytes describes; `first`
-  // must be the layer's length. The rows are checked first (finite floats,
-  // INT8 scales finite and >= 0), so that a session restored from bytes
-  // never answers NaN from finite inputs; on an error nothing changes.
-  // INVALID_ARGUMENT naming what is wrong.
+  // Appends `tokens` tokens to `layer` from `rows` as RowBytes describes;
+  // `first` must be the layer's length, past the blocks the layer shares
+  // with other sessions (a fork's appends after its shared prefix). The rows
+  // are checked first (finite floats, INT8 scales finite and >= 0), so that a
+  // session restored from bytes never answers NaN from finite inputs; on an
+  // error nothing changes. INVALID_ARGUMENT naming what is wrong;
+  // FAILED_PRECONDITION when `first` is in a shared block.
   absl::Status AppendRows(int64_t layer, int64_t first, int64_t tokens,
                           absl::string_view rows) ABSL_LOCKS_EXCLUDED(mu_);
+
+  // Whether this session and `other` run alike: the same config (heads,
+  // dims, dtypes, rotary settings, batch, max_length, layers, default
+  // scale, model layer), so that a fork of one is what the other would be.
+  bool SameConfig(const DecodeSession& other) const;
+  // The tokens from 0 that this session and `other` hold bit for bit
+  // alike, in whole blocks of kCacheBlockKeys that every layer of both
+  // holds: a fork of `other` at that length holds those tokens as this
+  // session does (how sessions taken up from files share memory again).
+  // 0 unless SameConfig. Locks `other`, then this session: call it on a
+  // session that no other thread locks.
+  int64_t SharedPrefix(const DecodeSession& other) const
+      ABSL_LOCKS_EXCLUDED(mu_);
 
  private:
   friend std::vector<absl::Status> StepSessions(

@@ -195,7 +195,7 @@ absl::StatusOr<std::string> SessionStore::AddNamed(
 
 absl::StatusOr<std::string> SessionStore::AddAs(
     std::unique_ptr<DecodeSession> session, std::optional<std::string> id,
-    bool unconfirmed) {
+    bool unconfirmed, uint64_t prefix_key) {
   ATTN_RETURN_IF_ERROR(VerifyFits(session->cache_dims()));
   const size_t reserved = session->reserved_bytes();
   const size_t bookkeeping = session->bookkeeping_bytes();
@@ -219,7 +219,9 @@ absl::StatusOr<std::string> SessionStore::AddAs(
             reserved_space() + reserved + bookkeeping >
                 options_.max_reserved_bytes) ||
            (options_.max_bytes > 0 &&
-            budget_bytes() + bookkeeping + bytes > options_.max_bytes);
+            budget_bytes() + bookkeeping + bytes +
+                    UncountedSharedBytes(*slot->session) >
+                options_.max_bytes);
   };
   if (id.has_value() && sessions_.contains(*id)) {
     ReleaseModel(slot->session->config().layer.get());
@@ -229,6 +231,12 @@ absl::StatusOr<std::string> SessionStore::AddAs(
     Remove(lru_.back(), GoneReason::kEvicted, freed);
   }
   std::string opened = Open(std::move(slot), reserved, std::move(id));
+  Entry& entry = sessions_.at(opened);
+  AccountShared(entry, *entry.slot->session);
+  if (prefix_key != 0) {
+    entry.prefix_key = prefix_key;
+    prefix_holders_[prefix_key] = opened;
+  }
   Hold(opened);
   QueueJournal(journaled);
   return opened;
@@ -315,6 +323,24 @@ void SessionStore::RecountModels() {
          !lru_.empty()) {
     Remove(lru_.back(), GoneReason::kEvicted, freed);
   }
+}
+
+size_t SessionStore::UncountedSharedBytes(const DecodeSession& session) const {
+  size_t bytes = 0;
+  for (const DecodeSession::SharedCache& cache : session.shared_caches()) {
+    if (!shared_.contains(cache.id)) bytes += cache.bytes;
+  }
+  return bytes;
+}
+
+void SessionStore::RecountOwn(Entry& entry, const DecodeSession& session) {
+  AccountShared(entry, session);
+  const size_t own = session.cache_bytes();
+  bytes_ = bytes_ - entry.accounted_bytes + own;
+  entry.accounted_bytes = own;
+  const size_t own_reserved = session.reserved_bytes();
+  reserved_ = reserved_ - entry.reserved_bytes + own_reserved;
+  entry.reserved_bytes = own_reserved;
 }
 
 void SessionStore::AccountShared(Entry& entry, const DecodeSession& session) {
@@ -418,14 +444,7 @@ absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
     }
     // The session's cache may now be frozen: shared, counted once, and
     // the session's own cache a new one.
-    Entry& entry = it->second;
-    AccountShared(entry, *slot->session);
-    const size_t own = slot->session->cache_bytes();
-    bytes_ = bytes_ - entry.accounted_bytes + own;
-    entry.accounted_bytes = own;
-    const size_t own_reserved = slot->session->reserved_bytes();
-    reserved_ = reserved_ - entry.reserved_bytes + own_reserved;
-    entry.reserved_bytes = own_reserved;
+    RecountOwn(it->second, *slot->session);
     // Room was made above; a session opened since may have taken it.
     if (as.has_value() && sessions_.contains(*as)) return IsOpen(*as);
     ATTN_RETURN_IF_ERROR(
@@ -563,6 +582,10 @@ void SessionStore::Remove(std::string id, GoneReason reason,
     shared_.erase(shared);
   }
   lru_.erase(it->second.lru);
+  const auto prefix = prefix_holders_.find(it->second.prefix_key);
+  if (prefix != prefix_holders_.end() && prefix->second == id) {
+    prefix_holders_.erase(prefix);
+  }
   // A saved session's record went before its save: another replica may
   // have taken it up and written its own since.
   if (options_.directory != nullptr && !holder_.empty() &&
@@ -1024,6 +1047,9 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id, bool reused) {
   LoadCount count;
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
       TakeSaved(id, header, recovered, count);
+  uint64_t prefix_key = 0;
+  // While the loaded copy is still counted.
+  if (session.ok()) *session = ShareWithHeld(*std::move(session), prefix_key);
   {
     // Counted as a session from here (AddAs), or not at all.
     MutexLock lock(&mu_);
@@ -1035,8 +1061,8 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id, bool reused) {
     return absl::OkStatus();
   }
   ATTN_RETURN_IF_ERROR(session.status());
-  const absl::StatusOr<std::string> added =
-      AddAs(*std::move(session), std::string(id), header.unconfirmed);
+  const absl::StatusOr<std::string> added = AddAs(
+      *std::move(session), std::string(id), header.unconfirmed, prefix_key);
   // Another call took it in meanwhile: that copy is the one.
   if (absl::IsAlreadyExists(added.status())) return absl::OkStatus();
   ATTN_RETURN_IF_ERROR(added.status());

@@ -153,6 +153,9 @@ class SessionStore {
     // under way.
     int64_t imported = 0;
     int64_t importing = 0;
+    // Sessions taken up or imported that share their first blocks with a
+    // session held here (counted in restored or imported too).
+    int64_t reshared = 0;
   };
 
   explicit SessionStore(const Options& options);
@@ -399,6 +402,7 @@ class SessionStore {
     int active_steps = 0;                  // running steps never expire
     std::list<std::string>::iterator lru;  // in lru_
     std::vector<const void*> shared;       // keys of shared_ it holds
+    uint64_t prefix_key = 0;               // its key in prefix_holders_
   };
   // A frozen cache of forked sessions, counted once in bytes_ and
   // reserved_.
@@ -437,8 +441,28 @@ class SessionStore {
   // or not; ALREADY_EXISTS when open.
   absl::StatusOr<std::string> AddAs(std::unique_ptr<DecodeSession> session,
                                     std::optional<std::string> id,
-                                    bool unconfirmed = false)
+                                    bool unconfirmed = false,
+                                    uint64_t prefix_key = 0)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // A session taken up (from a file, a journal or an import) as `loaded`,
+  // sharing memory again with the session held here that it was forked
+  // alike with: the last one taken up whose first block was the same
+  // (`prefix_key`, set here: what AddAs records the session under). The
+  // result is a fork of that one at the tokens both hold alike
+  // (DecodeSession::SharedPrefix) holding `loaded`'s later tokens, or
+  // `loaded` itself when none is shared or no room can be made for the
+  // fork: sharing saves memory, it is never needed.
+  std::unique_ptr<DecodeSession> ShareWithHeld(
+      std::unique_ptr<DecodeSession> loaded, uint64_t& prefix_key)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // After `session`'s cache may have been frozen by a fork: its entry
+  // counts the frozen caches it holds as shared, and its own cache anew.
+  void RecountOwn(Entry& entry, const DecodeSession& session)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The memory of the frozen caches `session` holds that no session here
+  // holds yet.
+  size_t UncountedSharedBytes(const DecodeSession& session) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // TakeIfSaved's parts: the session file of `id`, or, when no process
   // holds it, its journal (`recovered` set); `count` what it counts in the
   // budget while it loads (CountLoad), for the caller to uncount.
@@ -606,6 +630,10 @@ class SessionStore {
       ABSL_GUARDED_BY(mu_);
   size_t superseded_ ABSL_GUARDED_BY(mu_) = 0;
   absl::flat_hash_map<const void*, Shared> shared_ ABSL_GUARDED_BY(mu_);
+  // Sessions taken up, by a key of their config and first block: the one
+  // a session taken up next with the same key shares blocks with.
+  absl::flat_hash_map<uint64_t, std::string> prefix_holders_
+      ABSL_GUARDED_BY(mu_);
   Stats counts_ ABSL_GUARDED_BY(mu_);
   // Why recent sessions are gone, for the NOT_FOUND message (bounded).
   // Each record has a serial number, and gone_order_ the ids with the

@@ -1,11 +1,13 @@
-// SessionStore's session transfer: exports and imports of session files
-// (see core/session_store.h).
+// SessionStore's session transfer: exports and imports of session files,
+// and the sharing of sessions taken up (see core/session_store.h).
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/checksum.h"
 #include "core/session_store.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
@@ -33,6 +35,85 @@ absl::StatusOr<SessionStore::Export> SessionStore::ExportSession(
     if (fingerprinted.ok()) return Export{std::move(session), std::move(image)};
   }
   return fingerprinted;
+}
+
+namespace {
+
+// A key of `session`'s config and first block of layer 0, the same for
+// sessions forked alike; 0 when a layer holds less than a block (nothing
+// to share).
+uint64_t PrefixKey(const DecodeSession& session) {
+  for (int64_t l = 0; l < session.num_layers(); ++l) {
+    if (session.length(l) < kCacheBlockKeys) return 0;
+  }
+  std::string rows;
+  if (!session.CopyRows(0, 0, kCacheBlockKeys, rows).ok()) return 0;
+  const KvCache::Dims& dims = session.cache_dims();
+  const std::string shape = absl::StrCat(
+      dims.batch, ",", dims.kv_heads, ",", dims.key_dim, ",", dims.value_dim,
+      ",", dims.max_length, ",", static_cast<int>(dims.dtype), ",", dims.layers,
+      ",", session.num_heads(), ",", session.config().model);
+  const uint64_t key = uint64_t{Crc32c(rows)} << 32 | Crc32c(shape);
+  return key != 0 ? key : 1;
+}
+
+}  // namespace
+
+std::unique_ptr<DecodeSession> SessionStore::ShareWithHeld(
+    std::unique_ptr<DecodeSession> loaded, uint64_t& prefix_key) {
+  prefix_key = PrefixKey(*loaded);
+  std::shared_ptr<Slot> holder;
+  std::string holder_id;
+  {
+    MutexLock lock(&mu_);
+    const auto it = prefix_holders_.find(prefix_key);
+    if (prefix_key == 0 || it == prefix_holders_.end()) return loaded;
+    holder_id = it->second;
+    holder = sessions_.at(holder_id).slot;
+  }
+  // Steps on the holder wait: its tokens compared must be those forked.
+  MutexLock step_lock(&holder->step_mu);
+  const int64_t shared = loaded->SharedPrefix(*holder->session);
+  if (shared == 0) return loaded;
+  {
+    // The fork's caches must fit beside the loaded copy, which is still
+    // counted: no session is evicted for sharing.
+    const absl::StatusOr<size_t> room =
+        holder->session->ForkReservedBytes(shared);
+    MutexLock lock(&mu_);
+    if (!room.ok() || !HoldsSlot(holder_id, *holder) ||
+        !VerifySharedCacheCount().ok() ||
+        (options_.max_reserved_bytes > 0 &&
+         reserved_space() + *room > options_.max_reserved_bytes)) {
+      return loaded;
+    }
+  }
+  absl::StatusOr<std::unique_ptr<DecodeSession>> fork =
+      holder->session->Fork(shared);
+  if (!fork.ok()) return loaded;
+  {
+    MutexLock lock(&mu_);
+    if (HoldsSlot(holder_id, *holder)) {
+      RecountOwn(sessions_.at(holder_id), *holder->session);
+    }
+  }
+  // The tokens past the shared ones, a block at a time.
+  std::string rows;
+  for (int64_t l = 0; l < loaded->num_layers(); ++l) {
+    for (int64_t first = shared; first < loaded->length(l);
+         first += kCacheBlockKeys) {
+      const int64_t tokens =
+          std::min(kCacheBlockKeys, loaded->length(l) - first);
+      rows.clear();
+      if (!loaded->CopyRows(l, first, tokens, rows).ok() ||
+          !(*fork)->AppendRows(l, first, tokens, rows).ok()) {
+        return loaded;
+      }
+    }
+  }
+  MutexLock lock(&mu_);
+  ++counts_.reshared;
+  return *std::move(fork);
 }
 
 absl::StatusOr<std::shared_ptr<SessionFileBuilder>> SessionStore::ClaimImport(
@@ -225,8 +306,10 @@ absl::Status SessionStore::FinishImport(Import& import) {
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
                         builder->Release());
   std::vector<int64_t> lengths = session->contents().lengths;
+  uint64_t prefix_key = 0;
+  session = ShareWithHeld(std::move(session), prefix_key);
   ATTN_RETURN_IF_ERROR(
-      AddAs(std::move(session), import.id, unconfirmed).status());
+      AddAs(std::move(session), import.id, unconfirmed, prefix_key).status());
   import.complete = true;
   import.lengths = std::move(lengths);
   MutexLock lock(&mu_);

@@ -112,8 +112,9 @@ void RenderSessionGauges(const SessionStore::Stats& sessions,
       "\n# HELP attnserve_session_files_total Decode sessions saved to "
       "--session_dir (evicted, or on a drain), taken up from it, saves that "
       "failed, sessions recovered from the journal a server that died left, "
-      "blocks journaled, journals given up (a write failed), and sessions "
-      "opened by ImportSession.\n"
+      "blocks journaled, journals given up (a write failed), sessions "
+      "opened by ImportSession, and sessions taken up or imported that "
+      "share their first blocks with one held again.\n"
       "# TYPE attnserve_session_files_total counter\n"
       "attnserve_session_files_total{event=\"saved\"} ",
       sessions.saved, "\nattnserve_session_files_total{event=\"restored\"} ",
@@ -127,6 +128,7 @@ void RenderSessionGauges(const SessionStore::Stats& sessions,
       "\nattnserve_session_files_total{event=\"journal_failed\"} ",
       sessions.journal_failures,
       "\nattnserve_session_files_total{event=\"imported\"} ", sessions.imported,
+      "\nattnserve_session_files_total{event=\"reshared\"} ", sessions.reshared,
       "\n# HELP attnserve_sessions_forked_total Decode sessions created by "
       "ForkSession or a sequence_fork (counted in "
       "attnserve_sessions_created_total too).\n"

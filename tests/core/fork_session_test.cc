@@ -343,6 +343,87 @@ TEST(ForkSessionTest, ForksOfForksAndDeletedParents) {
                       "short fork rewinds");
 }
 
+// A copy of `from`'s first `tokens` tokens (every layer) in a session of
+// its own, through CopyRows and AppendRows, with byte `flip` of the rows of
+// block `flip_block` (layer 0) changed when set.
+std::unique_ptr<DecodeSession> CopyOf(const DecodeSession& from, int64_t tokens,
+                                      std::optional<int64_t> flip_block = {}) {
+  auto copy = DecodeSession::Create(from.config());
+  EXPECT_TRUE(copy.ok()) << copy.status();
+  for (int64_t first = 0; first < tokens; first += kCacheBlockKeys) {
+    const int64_t n = std::min(kCacheBlockKeys, tokens - first);
+    std::string rows;
+    EXPECT_TRUE(from.CopyRows(0, first, n, rows).ok());
+    if (flip_block == first / kCacheBlockKeys) rows[rows.size() / 3] ^= 1;
+    EXPECT_TRUE((*copy)->AppendRows(0, first, n, rows).ok());
+  }
+  return std::move(*copy);
+}
+
+class SharedPrefixTest : public ::testing::TestWithParam<DType> {};
+
+// What a session taken up from a file is checked with before it shares the
+// blocks of one held: whole blocks, bit for bit, of the same config.
+TEST_P(SharedPrefixTest, CountsWholeBlocksHeldAlike) {
+  std::mt19937 rng(21);
+  auto held = NewSession(GetParam());
+  History history;
+  Fill(*held, history, 1300, rng);
+  EXPECT_EQ(CopyOf(*held, 1300)->SharedPrefix(*held), 1024);
+  EXPECT_EQ(CopyOf(*held, 1100)->SharedPrefix(*held), 1024);
+  EXPECT_EQ(CopyOf(*held, 1000)->SharedPrefix(*held), 512);
+  EXPECT_EQ(CopyOf(*held, 1300, 1)->SharedPrefix(*held), 512);
+  EXPECT_EQ(CopyOf(*held, 1300, 0)->SharedPrefix(*held), 0);
+  EXPECT_EQ(held->SharedPrefix(*held), 0);
+  DecodeSessionConfig other = Config(GetParam());
+  other.max_length = 4096;
+  auto unlike = DecodeSession::Create(other);
+  ASSERT_TRUE(unlike.ok());
+  std::string rows;
+  ASSERT_TRUE(held->CopyRows(0, 0, 1024, rows).ok());
+  ASSERT_TRUE((*unlike)->AppendRows(0, 0, 1024, rows).ok());
+  EXPECT_EQ((*unlike)->SharedPrefix(*held), 0);
+}
+
+// A fork at the shared prefix with the rest appended answers as the copy
+// it stands for; rows inside the shared blocks are refused.
+TEST_P(SharedPrefixTest, AForkWithTheRestAppendedStepsAsTheCopy) {
+  std::mt19937 rng(22);
+  auto held = NewSession(GetParam());
+  History history;
+  Fill(*held, history, 1300, rng);
+  auto copy = CopyOf(*held, 1300);
+  auto fork = ForkOf(*held, 1024);
+  ASSERT_NE(fork, nullptr);
+  std::string rows;
+  ASSERT_TRUE(copy->CopyRows(0, 512, 100, rows).ok());
+  EXPECT_EQ(fork->AppendRows(0, 512, 100, rows).message(),
+            "rows: token 512 of layer 0 is in a block shared with other "
+            "sessions; append past token 1024");
+  rows.clear();
+  ASSERT_TRUE(copy->CopyRows(0, 1024, 276, rows).ok());
+  ASSERT_TRUE(fork->AppendRows(0, 1024, 276, rows).ok());
+  EXPECT_EQ(fork->length(), 1300);
+  for (int64_t n : {1, 40, 600}) {
+    const StepData data = RandomStep(n, rng);
+    auto want = RunStep(*copy, data, std::nullopt);
+    auto got = RunStep(*fork, data, std::nullopt);
+    auto parent = RunStep(*held, data, std::nullopt);
+    ASSERT_TRUE(want.ok() && got.ok() && parent.ok());
+    EXPECT_EQ(std::memcmp(got->data(), want->data(), got->num_bytes()), 0)
+        << n << " tokens";
+    EXPECT_EQ(std::memcmp(parent->data(), want->data(), got->num_bytes()), 0)
+        << n << " tokens";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, SharedPrefixTest,
+                         ::testing::Values(DType::kFloat32, DType::kBFloat16,
+                                           DType::kInt8),
+                         [](const auto& info) {
+                           return std::string(DTypeName(info.param));
+                         });
+
 TEST(ForkSessionTest, LengthIsChecked) {
   std::mt19937 rng(14);
   auto s = NewSession(DType::kFloat32);

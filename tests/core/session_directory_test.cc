@@ -215,6 +215,71 @@ TEST_F(SessionDirectoryTest, SavedSessionsMoveToAnotherStoreAndStepAlike) {
   EXPECT_TRUE(second.Fork(ids[0], 100).ok());
 }
 
+// Forks come back from their files (a drain) or journals (a crash) as full
+// copies; each one taken up shares its leading blocks with the fork taken
+// up before it, so that together they hold one copy of their prefix again,
+// and every step answers as the forks did.
+class ForksTakenUpTest : public SessionDirectoryTest,
+                         public ::testing::WithParamInterface<bool> {};
+
+TEST_P(ForksTakenUpTest, ShareTheirPrefixAgain) {
+  const bool crashed = GetParam();
+  constexpr int kForks = 4;
+  auto directory = OpenDirectory();
+  SessionStore reference_store(StoreOptions(nullptr));
+  SessionStore::Options options = StoreOptions(directory.get());
+  options.journal = crashed;
+  std::vector<std::string> ids, references;
+  size_t held_bytes = 0;
+  {
+    SessionStore first(options);
+    const std::string parent = *first.Add(NewSession());
+    ASSERT_TRUE(Step(first, parent, 1100, 1).ok());
+    for (int i = 0; i < kForks; ++i) {
+      ids.push_back(*first.Fork(parent, std::nullopt));
+      references.push_back(Reference(reference_store));
+      ASSERT_TRUE(Step(reference_store, references[i], 1100, 1).ok());
+      ASSERT_TRUE(Step(first, ids[i], 1, 10 + i).ok());
+      ASSERT_TRUE(Step(reference_store, references[i], 1, 10 + i).ok());
+    }
+    ASSERT_TRUE(first.Delete(parent).ok());
+    held_bytes = first.stats().cache_bytes;
+    if (crashed) {
+      first.WaitForJournals();  // and no save: the store dies
+    } else {
+      ASSERT_EQ(first.SaveAll().sessions, kForks);
+    }
+  }
+  const size_t one_copy = (*reference_store.Find(references[0]))->cache_bytes();
+  SessionStore second(options);
+  for (int round = 0; round < 2; ++round) {
+    for (int i = 0; i < kForks; ++i) {
+      SCOPED_TRACE(::testing::Message() << "fork " << i << " round " << round);
+      // A fork recovered from its journal holds its full blocks: its client
+      // resends from there.
+      const std::optional<int64_t> position =
+          crashed && round == 0 ? std::optional<int64_t>(1024) : std::nullopt;
+      const int64_t n = position.has_value() ? 77 : 1;
+      auto got = Step(second, ids[i], n, 20 + round, position);
+      auto want = Step(reference_store, references[i], n, 20 + round, position);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_TRUE(SameBits(*got, *want));
+    }
+  }
+  const SessionStore::Stats stats = second.stats();
+  EXPECT_EQ(stats.restored, kForks);
+  EXPECT_EQ(stats.reshared, kForks - 1);
+  EXPECT_EQ(stats.shared_caches, 1);
+  // Four full copies would hold four times one session's cache.
+  EXPECT_LT(stats.cache_bytes, 2 * one_copy)
+      << "held before: " << held_bytes << ", one copy: " << one_copy;
+}
+
+INSTANTIATE_TEST_SUITE_P(DrainedOrCrashed, ForksTakenUpTest, ::testing::Bool(),
+                         [](const auto& info) {
+                           return info.param ? "Crashed" : "Drained";
+                         });
+
 // Two replicas' stores: a session's calls moving from one to the other (a
 // load balancer's hash moving the key, and back) find it each time, the
 // one asked reclaiming it from the one that holds it.

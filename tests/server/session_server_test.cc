@@ -1547,6 +1547,65 @@ TEST_F(DurableSessionTest, ADrainedServersSessionsStepOnAnotherAlike) {
   EXPECT_EQ(gone.status().code(), absl::StatusCode::kNotFound);
 }
 
+// Forks of both kinds of session, saved by a drain as full copies, share
+// their prefix again when another server takes them up, and step as forks
+// on a server that never stopped.
+TEST_F(DurableSessionTest, ForksOfADrainedServerShareTheirPrefixAgain) {
+  constexpr int kForks = 3;
+  TestServer reference(Options());
+  AttnClient reference_client = reference.MakeClient();
+  // Per kind of session: the forks' ids here and on the reference.
+  std::vector<std::vector<std::string>> forks(2), reference_forks(2);
+  const auto fork_each = [&](AttnClient& client, const std::string& parent,
+                             bool model, std::vector<std::string>& ids) {
+    ASSERT_TRUE(client.SessionStep(NextStep(parent, model, 600, 1)).ok());
+    for (int f = 0; f < kForks; ++f) {
+      auto fork = client.ForkSession(parent, std::nullopt);
+      ASSERT_TRUE(fork.ok()) << fork.status();
+      ids.push_back(fork->session_id());
+      ASSERT_TRUE(
+          client.SessionStep(NextStep(ids.back(), model, 1, 2 + f)).ok());
+    }
+    ASSERT_TRUE(client.DeleteSession(parent).ok());
+  };
+  const std::vector<std::string> reference_parents =
+      CreateBoth(reference_client);
+  {
+    TestServer first(WithDirectory());
+    AttnClient client = first.MakeClient();
+    const std::vector<std::string> parents = CreateBoth(client);
+    for (int s = 0; s < 2; ++s) {
+      fork_each(client, parents[s], s == 1, forks[s]);
+      fork_each(reference_client, reference_parents[s], s == 1,
+                reference_forks[s]);
+    }
+    first.server().Shutdown(absl::Seconds(5));
+  }
+  TestServer second(WithDirectory());
+  AttnClient client = second.MakeClient();
+  for (unsigned seed : {10u, 11u}) {
+    for (int s = 0; s < 2; ++s) {
+      for (int f = 0; f < kForks; ++f) {
+        EXPECT_EQ(
+            SameStep(absl::StrCat("kind ", s, " fork ", f, " seed ", seed),
+                     client.SessionStep(NextStep(forks[s][f], s == 1, 1, seed)),
+                     reference_client.SessionStep(
+                         NextStep(reference_forks[s][f], s == 1, 1, seed))),
+            "");
+      }
+    }
+  }
+  const std::string page = MetricsPage(second);
+  EXPECT_NE(page.find("attnserve_session_files_total{event=\"restored\"} 6\n"),
+            std::string::npos)
+      << page;
+  EXPECT_NE(page.find("attnserve_session_files_total{event=\"reshared\"} 4\n"),
+            std::string::npos)
+      << page;
+  EXPECT_NE(page.find("attnserve_session_shared_caches 2\n"), std::string::npos)
+      << page;
+}
+
 // A client moves both kinds of session between two servers that share
 // nothing: exported from one, imported into the other (one stream cut
 // short and resumed), they step there as they would have here.
