@@ -30,6 +30,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "benchmark/benchmark.h"
 #include "core/attention.h"
 #include "core/convert.h"
@@ -359,7 +361,9 @@ void BM_SessionTake(benchmark::State& state) {
 // 8 heads x 64 session of Lk float32 tokens, each one token further, taken
 // up by a new store, each sharing its prefix again with the one before.
 // Counters: the store's cache memory after all are taken up (cache_MB),
-// against N full copies (copies_MB), and the forks that share (reshared).
+// against N full copies (copies_MB), the forks that share (reshared), and
+// the drain's files: their bytes (disk_MB: the prefix once, in a base file
+// the forks' files link) and the time SaveAll took (save_ms).
 void BM_ForksTakenUp(benchmark::State& state) {
   const int64_t n = state.range(0), lk = state.range(1);
   ScratchSessionDirectory directory;
@@ -387,9 +391,13 @@ void BM_ForksTakenUp(benchmark::State& state) {
   }
   if (!held->Delete(parent).ok()) state.SkipWithError("delete failed");
   SessionStore::Stats stats;
+  double disk_bytes = 0, save_ms = 0;
   for (auto _ : state) {
     state.PauseTiming();
+    const absl::Time start = absl::Now();
     held->SaveAll();
+    save_ms = absl::ToDoubleMilliseconds(absl::Now() - start);
+    disk_bytes = static_cast<double>(directory.get()->stats().bytes);
     held = std::make_unique<SessionStore>(options);
     state.ResumeTiming();
     for (const std::string& id : ids) {
@@ -401,6 +409,8 @@ void BM_ForksTakenUp(benchmark::State& state) {
   state.counters["copies_MB"] =
       static_cast<double>(n) * KvBytes(lk + 1, 8, 64, DType::kFloat32) / 1e6;
   state.counters["reshared"] = static_cast<double>(stats.reshared);
+  state.counters["disk_MB"] = disk_bytes / 1e6;
+  state.counters["save_ms"] = save_ms;
 }
 
 // Moving a session between stores as ExportSession and ImportSession do,

@@ -418,7 +418,7 @@ void DecodeSession::FreezeFor(absl::Span<const int64_t> lengths,
     state.own_from = blocks * kCacheBlockKeys;
     state.written = 0;  // of `fresh`, which holds nothing yet
   }
-  frozen_.push_back({std::move(cache_), bytes});
+  frozen_.push_back({std::move(cache_), bytes, NewVersion()});
   cache_ = std::move(fresh);
 }
 
@@ -495,9 +495,14 @@ void DecodeSession::OwnBlocks(int64_t layer, int64_t first, int64_t end,
 }
 
 const KvCache* DecodeSession::SharedCacheAt(int64_t layer, size_t block) const {
+  return FrozenAt(layer, block)->cache.get();
+}
+
+const DecodeSession::FrozenCache* DecodeSession::FrozenAt(int64_t layer,
+                                                          size_t block) const {
   for (const FrozenCache& frozen : frozen_) {
     if (frozen.cache->keys(layer) == layers_.keys(layer)[block]) {
-      return frozen.cache.get();
+      return &frozen;
     }
   }
   return nullptr;  // unreachable: a block not owned is in a frozen cache
@@ -1189,6 +1194,27 @@ absl::Status DecodeSession::AppendRows(int64_t layer, int64_t first,
   state.length.store(first + tokens, std::memory_order_release);
   version_ = NewVersion();
   return absl::OkStatus();
+}
+
+DecodeSession::SharedBase DecodeSession::shared_base() const {
+  MutexLock lock(&mu_);
+  SharedBase base;
+  bool any = false;
+  for (int64_t l = 0; l < config_.num_layers; ++l) {
+    const int64_t whole =
+        std::min(layers_.layer(l).blocks, length(l) / kCacheBlockKeys);
+    int64_t block = 0;
+    for (; block < whole && !OwnsBlock(l, static_cast<size_t>(block));
+         ++block) {
+      const uint64_t uid = FrozenAt(l, static_cast<size_t>(block))->uid;
+      base.key.append(reinterpret_cast<const char*>(&uid), sizeof(uid));
+    }
+    base.lengths.push_back(block * kCacheBlockKeys);
+    any = any || block > 0;
+    base.key.push_back(';');  // the layers apart
+  }
+  if (!any) base.key.clear();
+  return base;
 }
 
 bool DecodeSession::SameConfig(const DecodeSession& other) const {

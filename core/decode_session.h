@@ -290,6 +290,19 @@ class DecodeSession {
   absl::Status AppendRows(int64_t layer, int64_t first, int64_t tokens,
                           absl::string_view rows) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The leading blocks of each layer that the session reads from frozen
+  // caches, each whole (a fork's shared prefix): `lengths` per layer
+  // (multiples of kCacheBlockKeys), and a key naming exactly those blocks
+  // of those caches, the same for every session that shares them and never
+  // for others in this process (empty when no block is shared). Session
+  // files store such a prefix once for the sessions that share it
+  // (core/session_file.h).
+  struct SharedBase {
+    std::vector<int64_t> lengths;
+    std::string key;
+  };
+  SharedBase shared_base() const ABSL_LOCKS_EXCLUDED(mu_);
+
   // Whether this session and `other` run alike: the same config (heads,
   // dims, dtypes, rotary settings, batch, max_length, layers, default
   // scale, model layer), so that a fork of one is what the other would be.
@@ -369,8 +382,12 @@ class DecodeSession {
   // read, through the block table.
   const char* RowAt(int region, int64_t layer, int64_t plane,
                     int64_t token) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // The frozen cache `layer`'s block `block` is read from.
+  // The frozen cache `layer`'s block `block` is read from (a block the
+  // session does not own).
   const KvCache* SharedCacheAt(int64_t layer, size_t block) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  struct FrozenCache;
+  const FrozenCache* FrozenAt(int64_t layer, size_t block) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // INVALID_ARGUMENT unless every layer holds `length` tokens or more.
   absl::Status VerifyForkLength(int64_t length) const;
@@ -409,6 +426,7 @@ class DecodeSession {
   struct FrozenCache {
     std::shared_ptr<const KvCache> cache;
     size_t bytes = 0;  // what it commits, fixed once frozen
+    uint64_t uid = 0;  // unique in the process (NewVersion), never reused
   };
   std::vector<FrozenCache> frozen_ ABSL_GUARDED_BY(mu_);
   // See contents(): replaced by NewVersion() at every change of the tokens.

@@ -15,6 +15,7 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/checksum.h"
 #include "core/files.h"
 #include "core/status_macros.h"
 #include "core/verify.h"
@@ -59,6 +60,31 @@ bool IsFileAt(int fd, const std::string& path) {
 bool FileIsBad(const absl::Status& status) {
   return absl::IsDataLoss(status) || absl::IsInvalidArgument(status);
 }
+
+SessionDirectory::Inode InodeOf(const struct stat& info) {
+  return {static_cast<uint64_t>(info.st_dev),
+          static_cast<uint64_t>(info.st_ino)};
+}
+
+int64_t ModifiedNanos(const struct stat& info) {
+  return absl::ToUnixNanos(absl::TimeFromTimespec(info.st_mtim));
+}
+
+// Base files remembered for linking, at most.
+constexpr size_t kMaxKnownBases = 4096;
+
+// A session file's base file, if it has one, read whole when asked.
+struct OpenedBase {
+  std::optional<absl::StatusOr<OpenedFile>> file;
+
+  absl::StatusOr<std::string> Read() const {
+    if (!file.has_value()) return absl::NotFoundError("no base file");
+    ATTN_RETURN_IF_ERROR(file->status());
+    std::string bytes((*file)->size(), '\0');
+    ATTN_RETURN_IF_ERROR((*file)->ReadAt(0, bytes.size(), bytes.data()));
+    return bytes;
+  }
+};
 
 }  // namespace
 
@@ -130,11 +156,21 @@ absl::Status SessionDirectory::Save(absl::string_view id,
     return absl::InvalidArgumentError(absl::StrCat(
         "session id ", EchoString(id), " cannot name a session file"));
   }
+  // A fork's shared prefix goes to its base file; a session saved whole
+  // leaves none (a stale one of an earlier save would count for nothing).
+  const DecodeSession::SharedBase shared = session.shared_base();
+  SessionFileShape shape;
+  if (!shared.key.empty()) {
+    absl::StatusOr<SessionFileBase> base = SaveBase(id, session, shared);
+    if (base.ok()) shape.base = *std::move(base);
+  }
+  if (!shape.base.has_value()) RemoveBase(id);
   const std::string temporary = TemporaryName(path_, id, ".tmp");
   const int fd =
       ::open(temporary.c_str(),
              O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) {
+    RemoveBase(id);
     return ErrnoError(absl::StrCat("cannot create ", temporary), errno);
   }
   uint64_t bytes = 0;
@@ -144,7 +180,7 @@ absl::Status SessionDirectory::Save(absl::string_view id,
         bytes += piece.size();
         return WriteAll(fd, piece, temporary);
       },
-      unconfirmed);
+      unconfirmed, shape);
   if (::close(fd) != 0 && written.ok()) {
     written = ErrnoError(absl::StrCat("cannot write ", temporary), errno);
   }
@@ -154,6 +190,7 @@ absl::Status SessionDirectory::Save(absl::string_view id,
   }
   if (!written.ok()) {
     ::unlink(temporary.c_str());
+    RemoveBase(id);
     return written;
   }
   {
@@ -169,6 +206,77 @@ absl::Status SessionDirectory::Save(absl::string_view id,
   }
   MakeRoom(absl::StrCat(id, kSessionSuffix));
   return absl::OkStatus();
+}
+
+absl::StatusOr<SessionFileBase> SessionDirectory::SaveBase(
+    absl::string_view id, const DecodeSession& session,
+    const DecodeSession::SharedBase& shared) {
+  RemoveBase(id);
+  const std::string name = absl::StrCat(id, kBaseSuffix);
+  const std::string path = FileOf(id, kBaseSuffix);
+  std::optional<BaseFile> known;
+  {
+    MutexLock lock(&mu_);
+    const auto it = bases_.find(shared.key);
+    if (it != bases_.end()) known = it->second;
+  }
+  struct stat info;
+  // Linked to the file an earlier save wrote, if some name still holds it
+  // unchanged (that session may have been taken up and saved anew since).
+  if (known.has_value() && ::link(absl::StrCat(path_, "/", known->name).c_str(),
+                                  path.c_str()) == 0) {
+    if (::lstat(path.c_str(), &info) == 0 && InodeOf(info) == known->inode &&
+        ModifiedNanos(info) == known->modified_ns &&
+        static_cast<uint64_t>(info.st_size) == known->base.size) {
+      MutexLock lock(&mu_);
+      Index(name, known->base.size, absl::Now(), known->inode);
+      bases_[shared.key].name = name;  // the newest link lives longest
+      ++counts_.linked_bases;
+      return known->base;
+    }
+    ::unlink(path.c_str());
+  }
+  const std::string temporary = TemporaryName(path_, id, ".base.tmp");
+  const int fd =
+      ::open(temporary.c_str(),
+             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    return ErrnoError(absl::StrCat("cannot create ", temporary), errno);
+  }
+  SessionFileBase base{.lengths = shared.lengths};
+  absl::Status written = WriteSessionFile(
+      session, id,
+      [&](absl::string_view piece) {
+        base.size += piece.size();
+        base.crc = Crc32c(piece, base.crc);
+        return WriteAll(fd, piece, temporary);
+      },
+      /*unconfirmed=*/false, {.prefix = shared.lengths, .base = std::nullopt});
+  if (::close(fd) != 0 && written.ok()) {
+    written = ErrnoError(absl::StrCat("cannot write ", temporary), errno);
+  }
+  if (written.ok() && ::rename(temporary.c_str(), path.c_str()) != 0) {
+    written = ErrnoError(absl::StrCat("cannot rename to ", path), errno);
+  }
+  if (written.ok() && ::lstat(path.c_str(), &info) != 0) {
+    written = ErrnoError(absl::StrCat("cannot read ", path), errno);
+  }
+  if (!written.ok()) {
+    ::unlink(temporary.c_str());
+    return written;
+  }
+  MutexLock lock(&mu_);
+  Index(name, base.size, absl::Now(), InodeOf(info));
+  if (bases_.size() >= kMaxKnownBases) bases_.clear();
+  bases_[shared.key] = {name, InodeOf(info), ModifiedNanos(info), base};
+  return base;
+}
+
+void SessionDirectory::RemoveBase(absl::string_view id) {
+  if (!IsStorableId(id)) return;
+  ::unlink(FileOf(id, kBaseSuffix).c_str());
+  MutexLock lock(&mu_);
+  Unindex(absl::StrCat(id, kBaseSuffix));
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::Take(
@@ -214,6 +322,15 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
         EchoString(id)));
   };
   if (!IsStorableId(id) || load == nullptr) return not_found();
+  // A session file's base, opened before the file is claimed: a process
+  // making room removes a base whose session file it does not find.
+  OpenedBase base;
+  if (suffix == kSessionSuffix) {
+    base.file.emplace(OpenRegularFile(FileOf(id, kBaseSuffix),
+                                      {.max_bytes = options_.max_file_bytes,
+                                       .limit_name = "the largest session",
+                                       .within = path_}));
+  }
   // Claimed by renaming it first: of two processes taking it at once, one
   // gets it.
   const std::string file = TemporaryName(path_, id, ".taking");
@@ -241,8 +358,13 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
   };
   SessionFileHeader header;
   const std::string shown = absl::StrCat(id, suffix);
+  const auto read_base = [&base] { return base.Read(); };
+  const SessionFileLoader with_base{.layer_of = loader.layer_of,
+                                    .verify = loader.verify,
+                                    .admit = loader.admit,
+                                    .base = read_base};
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
-      load(SessionFileSource{opened->size(), read}, shown, loader, &header);
+      load(SessionFileSource{opened->size(), read}, shown, with_base, &header);
   if (session.ok() && header.id != id) {
     session = absl::DataLossError(
         absl::StrCat("session file ", EchoString(shown), " holds session ",
@@ -251,10 +373,15 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
   // Back under its name: quarantined if bad, else left for later.
   if (!session.ok()) {
     ::rename(file.c_str(), name.c_str());
-    if (FileIsBad(session.status())) Quarantine(id, suffix);
+    if (FileIsBad(session.status())) {
+      Quarantine(id, suffix);
+      // Its base is of no use without it (other links keep their data).
+      if (suffix == kSessionSuffix) RemoveBase(id);
+    }
     return session.status();
   }
   ::unlink(file.c_str());
+  if (suffix == kSessionSuffix && header.base.has_value()) RemoveBase(id);
   if (header_out != nullptr) *header_out = std::move(header);
   MutexLock lock(&mu_);
   Unindex(absl::StrCat(id, suffix));
@@ -352,6 +479,7 @@ void SessionJournal::Remove() {
 bool SessionDirectory::Remove(absl::string_view id) {
   if (!IsStorableId(id)) return false;
   const bool removed = ::unlink(FileOf(id).c_str()) == 0;
+  RemoveBase(id);
   MutexLock lock(&mu_);
   Unindex(absl::StrCat(id, kSessionSuffix));
   return removed;
@@ -412,10 +540,13 @@ void SessionDirectory::Quarantine(absl::string_view id,
 }
 
 void SessionDirectory::Index(const std::string& name, uint64_t bytes,
-                             absl::Time written) {
+                             absl::Time written, std::optional<Inode> inode) {
   Unindex(name);
-  files_[name] = {bytes, written};
+  files_[name] = {bytes, written, false, inode};
   by_age_.emplace(written, name);
+  // A base file counts once, however many links name it.
+  if (inode.has_value() && inodes_[*inode].links++ > 0) return;
+  if (inode.has_value()) inodes_[*inode].bytes = bytes;
   bytes_ += bytes;
 }
 
@@ -423,8 +554,17 @@ void SessionDirectory::Unindex(const std::string& name) {
   auto it = files_.find(name);
   if (it == files_.end()) return;
   by_age_.erase({it->second.written, name});
-  bytes_ -= it->second.bytes;
+  const uint64_t bytes = it->second.bytes;
+  const std::optional<Inode> inode = it->second.inode;
   files_.erase(it);
+  if (!inode.has_value()) {
+    bytes_ -= bytes;
+    return;
+  }
+  const auto linked = inodes_.find(*inode);
+  if (--linked->second.links > 0) return;
+  bytes_ -= linked->second.bytes;
+  inodes_.erase(linked);
 }
 
 void SessionDirectory::MakeRoom(const std::string& keep) {
@@ -450,8 +590,23 @@ void SessionDirectory::MakeRoom(const std::string& keep) {
         ++counts_.removed_for_space;
       }
     }
+    const auto id_of = [&](absl::string_view suffix) {
+      return oldest.substr(0, oldest.size() - suffix.size());
+    };
+    struct stat info;
     if (absl::EndsWith(oldest, kSessionSuffix)) {
       ::unlink(absl::StrCat(path_, "/", oldest).c_str());
+      RemoveBase(id_of(kSessionSuffix));
+    } else if (absl::EndsWith(oldest, kBaseSuffix)) {
+      // A base goes with its session; one left alone (a save or a take cut
+      // short) goes here.
+      if (::lstat(FileOf(id_of(kBaseSuffix)).c_str(), &info) == 0) {
+        held.insert(oldest);
+      } else {
+        RemoveBase(id_of(kBaseSuffix));
+        MutexLock lock(&mu_);
+        ++counts_.removed_for_space;
+      }
     } else if (RemoveJournal(
                    oldest.substr(0, oldest.size() - kJournalSuffix.size()))) {
       MutexLock lock(&mu_);
@@ -485,6 +640,7 @@ void SessionDirectory::IndexExisting() {
     const absl::string_view suffix =
         absl::EndsWith(name, kSessionSuffix)   ? kSessionSuffix
         : absl::EndsWith(name, kJournalSuffix) ? kJournalSuffix
+        : absl::EndsWith(name, kBaseSuffix)    ? kBaseSuffix
                                                : "";
     struct stat info;
     if (suffix.empty() ||
@@ -498,7 +654,9 @@ void SessionDirectory::IndexExisting() {
     if (stopping_) break;
     if (files_.contains(name)) continue;  // written since
     Index(name, static_cast<uint64_t>(info.st_size),
-          absl::TimeFromTimespec(info.st_mtim));
+          absl::TimeFromTimespec(info.st_mtim),
+          suffix == kBaseSuffix ? std::optional<Inode>(InodeOf(info))
+                                : std::nullopt);
   }
   ::closedir(dir);
   MakeRoom("");

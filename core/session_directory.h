@@ -18,6 +18,15 @@
 // is taken (TakeJournal) like a session file, by whichever process is
 // asked for a session that no live process holds.
 //
+// Forks store their shared prefix once: a session that reads whole blocks
+// from frozen caches (DecodeSession::shared_base) is saved as a file of
+// version 3 naming a base file, "<id>.base", a session file of that prefix
+// (core/session_file.h). The first session saved with a given prefix writes
+// its base; the next ones hard-link theirs to it, so that the prefix is on
+// disk once, and it is freed with the last session naming it, by whichever
+// process takes or removes that session: the links count its users. A
+// session's base goes with its file (taken, removed, quarantined).
+//
 // Bounds: the session files and journals together stay within `max_bytes`:
 // after a save or a journal's growth, the least recently written files are
 // removed until they fit. Journals a live process holds (locked) are never
@@ -57,6 +66,7 @@ class SessionDirectory;
 // File names in a session directory: "<id>" and one of these.
 inline constexpr absl::string_view kSessionSuffix = ".session";
 inline constexpr absl::string_view kJournalSuffix = ".journal";
+inline constexpr absl::string_view kBaseSuffix = ".base";
 
 // One session's journal, open for appending. Ownership: owns its file
 // descriptor. Thread-safety: none; its owner serializes calls (the session
@@ -111,7 +121,9 @@ class SessionDirectory {
     int64_t quarantined = 0;
     int64_t removed_for_space = 0;
     int64_t files = 0;   // indexed
-    uint64_t bytes = 0;  // of the indexed files
+    uint64_t bytes = 0;  // of the indexed files (a base's links once)
+    // Sessions saved with a base that another session's save wrote.
+    int64_t linked_bases = 0;
   };
 
   // FAILED_PRECONDITION naming the path when it cannot be created, is not
@@ -121,6 +133,9 @@ class SessionDirectory {
   ~SessionDirectory();
   SessionDirectory(const SessionDirectory&) = delete;
   SessionDirectory& operator=(const SessionDirectory&) = delete;
+
+  // A file's identity: device and inode.
+  using Inode = std::pair<uint64_t, uint64_t>;
 
   // Whether `id` may name a file here: 1 to 64 of [0-9a-f] (the ids the
   // session store makes). Other ids are never looked up on disk.
@@ -192,9 +207,18 @@ class SessionDirectory {
   // Moves the file of `id` with `suffix` to quarantine/.
   void Quarantine(absl::string_view id, absl::string_view suffix)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // Index upkeep: file `name` ("<id>.session", "<id>.journal") with
-  // `bytes` written at `written`.
-  void Index(const std::string& name, uint64_t bytes, absl::Time written)
+  // The base of `session` saved as `id` (shared_base: `shared`), as a link
+  // to the one an earlier save wrote, or written anew; an error when it
+  // cannot be (the session is then saved whole).
+  absl::StatusOr<SessionFileBase> SaveBase(
+      absl::string_view id, const DecodeSession& session,
+      const DecodeSession::SharedBase& shared) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the base file of `id`, if any.
+  void RemoveBase(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  // Index upkeep: file `name` ("<id>.session", "<id>.journal", "<id>.base")
+  // with `bytes` written at `written`; a base's links (`inode`) count once.
+  void Index(const std::string& name, uint64_t bytes, absl::Time written,
+             std::optional<Inode> inode = std::nullopt)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void Unindex(const std::string& name) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Removes the least recently written files while the index passes
@@ -213,8 +237,26 @@ class SessionDirectory {
   struct Entry {
     uint64_t bytes = 0;
     absl::Time written;
-    bool own_journal = false;  // a journal this process holds open
+    bool own_journal = false;    // a journal this process holds open
+    std::optional<Inode> inode;  // a base file's
   };
+  // Indexed base files: their bytes, and the links naming them.
+  struct LinkedFile {
+    uint64_t bytes = 0;
+    int links = 0;
+  };
+  absl::flat_hash_map<Inode, LinkedFile> inodes_ ABSL_GUARDED_BY(mu_);
+  // The base files this process wrote or linked, by their prefix's key
+  // (DecodeSession::SharedBase): a name that held it, what its file was
+  // (identity and modification time, checked after a link) and what the
+  // sessions naming it record.
+  struct BaseFile {
+    std::string name;
+    Inode inode;
+    int64_t modified_ns = 0;
+    SessionFileBase base;
+  };
+  absl::flat_hash_map<std::string, BaseFile> bases_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Entry> files_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<absl::Time, std::string>> by_age_ ABSL_GUARDED_BY(mu_);
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;

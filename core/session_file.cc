@@ -85,10 +85,14 @@ absl::Status Corrupt(absl::string_view name, absl::string_view what) {
 
 // Header flags.
 constexpr uint32_t kUnconfirmedFlag = 1;
+constexpr uint32_t kBaseFlag = 2;  // version 3
+// The version written for files without a base.
+constexpr uint32_t kPlainVersion = 2;
 
 std::string HeaderBody(const DecodeSession& session, absl::string_view id,
                        absl::string_view model,
-                       const std::vector<int64_t>& lengths, bool unconfirmed) {
+                       const std::vector<int64_t>& lengths, bool unconfirmed,
+                       const SessionFileBase* base = nullptr) {
   const DecodeSessionConfig& config = session.config();
   Encoder body;
   body.Put<uint32_t>(session.is_model_session() ? 1 : 0);
@@ -108,7 +112,13 @@ std::string HeaderBody(const DecodeSession& session, absl::string_view id,
   body.PutString(id);
   body.PutString(model);
   for (int64_t length : lengths) body.Put<int64_t>(length);
-  body.Put<uint32_t>(unconfirmed ? kUnconfirmedFlag : 0);
+  body.Put<uint32_t>((unconfirmed ? kUnconfirmedFlag : 0) |
+                     (base != nullptr ? kBaseFlag : 0));
+  if (base != nullptr) {
+    body.Put<uint64_t>(base->size);
+    body.Put<uint32_t>(base->crc);
+    for (int64_t length : base->lengths) body.Put<int64_t>(length);
+  }
   return body.bytes();
 }
 
@@ -140,11 +150,12 @@ absl::StatusOr<size_t> HeaderRecordSize(absl::string_view prefix,
   return kMagic.size() + 3 * sizeof(uint32_t) + size;
 }
 
-// The header record of a session file whose body is `body`.
-std::string HeaderRecord(absl::string_view body) {
+// The header record of a session file of `version` whose body is `body`.
+std::string HeaderRecord(absl::string_view body,
+                         uint32_t version = kPlainVersion) {
   Encoder header;
   header.PutRaw(kMagic);
-  header.Put<uint32_t>(kSessionFileVersion);
+  header.Put<uint32_t>(version);
   header.Put<uint32_t>(static_cast<uint32_t>(body.size()));
   header.PutRaw(body);
   header.Put<uint32_t>(Crc(body));
@@ -193,10 +204,28 @@ bool ParseHeaderBody(absl::string_view bytes, uint32_t version,
     if (!in.Get(&length) || length < 0 || length > c.max_length) return false;
   }
   uint32_t flags = 0;  // version 1 has none
-  if (version >= 2 && (!in.Get(&flags) || (flags & ~kUnconfirmedFlag) != 0)) {
+  const uint32_t known =
+      version >= 3 ? kUnconfirmedFlag | kBaseFlag : kUnconfirmedFlag;
+  if (version >= 2 && (!in.Get(&flags) || (flags & ~known) != 0)) {
     return false;
   }
   header->unconfirmed = (flags & kUnconfirmedFlag) != 0;
+  if ((flags & kBaseFlag) != 0) {
+    // Whole blocks within each layer's length, at least one.
+    SessionFileBase& base = header->base.emplace();
+    if (!in.Get(&base.size) || !in.Get(&base.crc)) return false;
+    base.lengths.resize(header->lengths.size());
+    bool any = false;
+    for (size_t l = 0; l < base.lengths.size(); ++l) {
+      int64_t& length = base.lengths[l];
+      if (!in.Get(&length) || length < 0 || length % kCacheBlockKeys != 0 ||
+          length > header->lengths[l]) {
+        return false;
+      }
+      any = any || length > 0;
+    }
+    if (!any) return false;
+  }
   *model_session = kind == 1;
   return in.left() == 0;
 }
@@ -346,6 +375,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
   for (int64_t length : header.lengths) {
     if (length != 0) return Corrupt(name, "not a journal (it holds lengths)");
   }
+
   ATTN_ASSIGN_OR_RETURN(const size_t header_bytes,
                         HeaderRecordSize(bytes, name));
   Decoder in(bytes.substr(header_bytes));
@@ -374,10 +404,10 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
 
 absl::Status WriteSessionFile(
     const DecodeSession& session, absl::string_view id,
-    absl::FunctionRef<absl::Status(absl::string_view)> write,
-    bool unconfirmed) {
+    absl::FunctionRef<absl::Status(absl::string_view)> write, bool unconfirmed,
+    const SessionFileShape& shape) {
   ATTN_ASSIGN_OR_RETURN(SessionFileImage image,
-                        SessionFileImage::Of(session, id, unconfirmed));
+                        SessionFileImage::Of(session, id, unconfirmed, shape));
   for (uint64_t at = 0; at < image.size();) {
     ATTN_ASSIGN_OR_RETURN(const absl::string_view piece,
                           image.Read(at, image.size() - at));
@@ -388,17 +418,32 @@ absl::Status WriteSessionFile(
 }
 
 absl::StatusOr<SessionFileImage> SessionFileImage::Of(
-    const DecodeSession& session, absl::string_view id, bool unconfirmed) {
+    const DecodeSession& session, absl::string_view id, bool unconfirmed,
+    const SessionFileShape& shape) {
   ATTN_RETURN_IF_ERROR(VerifyWritable(session));
   SessionFileImage image(session);
-  const DecodeSession::Contents contents = session.contents();
+  DecodeSession::Contents contents = session.contents();
   image.contents_version_ = contents.version;
-  image.header_ = HeaderRecord(HeaderBody(session, id, session.config().model,
-                                          contents.lengths, unconfirmed));
+  const size_t layers = contents.lengths.size();
+  std::vector<int64_t> from(layers, 0);
+  if (shape.base.has_value()) from = shape.base->lengths;
+  if (shape.prefix.has_value()) contents.lengths = *shape.prefix;
+  for (size_t l = 0; l < layers; ++l) {
+    if (contents.lengths.size() != layers || from.size() != layers ||
+        from[l] % kCacheBlockKeys != 0 || from[l] > contents.lengths[l] ||
+        contents.lengths[l] > session.length(static_cast<int64_t>(l))) {
+      return absl::InvalidArgumentError(
+          "a session file's prefix or base is not within the session");
+    }
+  }
+  image.header_ = HeaderRecord(
+      HeaderBody(session, id, session.config().model, contents.lengths,
+                 unconfirmed, shape.base ? &*shape.base : nullptr),
+      shape.base ? kSessionFileVersion : kPlainVersion);
   image.records_.push_back(Record{0, -1, 0, 0});
   uint64_t at = image.header_.size();
-  for (size_t layer = 0; layer < contents.lengths.size(); ++layer) {
-    for (int64_t first = 0; first < contents.lengths[layer];
+  for (size_t layer = 0; layer < layers; ++layer) {
+    for (int64_t first = from[layer]; first < contents.lengths[layer];
          first += kCacheBlockKeys) {
       const int64_t tokens =
           std::min(kCacheBlockKeys, contents.lengths[layer] - first);
@@ -597,15 +642,53 @@ absl::Status SessionFileBuilder::TakeHeader(absl::string_view bytes,
   ATTN_ASSIGN_OR_RETURN(session_,
                         CreateFromHeader(bytes, name_, loader, header_));
   ATTN_RETURN_IF_ERROR(loader.admit(header_, *session_));
+  if (header_.base.has_value()) ATTN_RETURN_IF_ERROR(TakeBase(loader));
   expected_size_ = bytes.size() + kEndBytes;
-  for (int64_t length : header_.lengths) {
+  for (size_t l = 0; l < header_.lengths.size(); ++l) {
+    const int64_t length = header_.lengths[l] - BaseLength(l);
     const int64_t blocks = (length + kCacheBlockKeys - 1) / kCacheBlockKeys;
     expected_size_ += static_cast<uint64_t>(blocks) * kBlockFieldBytes +
                       session_->RowBytes(length);
   }
   layer_ = 0;
-  first_ = -kCacheBlockKeys;
+  first_ = BaseLength(0) - kCacheBlockKeys;
   NextBlock();
+  return absl::OkStatus();
+}
+
+int64_t SessionFileBuilder::BaseLength(size_t layer) const {
+  return header_.base.has_value() && layer < header_.base->lengths.size()
+             ? header_.base->lengths[layer]
+             : 0;
+}
+
+absl::Status SessionFileBuilder::TakeBase(const SessionFileLoader& loader) {
+  const SessionFileBase& base = *header_.base;
+  const std::string what = absl::StrCat("its base file (", base.size,
+                                        " bytes, checksum ", base.crc, ")");
+  absl::StatusOr<std::string> bytes = loader.base();
+  if (!bytes.ok()) {
+    return Corrupt(name_, absl::StrCat(what, ": ", bytes.status().message()));
+  }
+  if (bytes->size() != base.size || Crc(*bytes) != base.crc) {
+    return Corrupt(name_, absl::StrCat(what, " is another: ", bytes->size(),
+                                       " bytes, checksum ", Crc(*bytes)));
+  }
+  // Counted by the caller with this file (its admit); a base names no base.
+  const SessionFileLoader base_loader{.layer_of = loader.layer_of,
+                                      .verify = loader.verify};
+  SessionFileHeader base_header;
+  absl::StatusOr<std::unique_ptr<DecodeSession>> loaded = LoadSessionFile(
+      *bytes, absl::StrCat(name_, " base"), base_loader, &base_header);
+  if (!loaded.ok()) {
+    return Corrupt(name_, absl::StrCat(what, ": ", loaded.status().message()));
+  }
+  if (base_header.lengths != base.lengths ||
+      !(*loaded)->SameConfig(*session_)) {
+    return Corrupt(name_,
+                   absl::StrCat(what, " holds another session's tokens"));
+  }
+  session_ = *std::move(loaded);
   return absl::OkStatus();
 }
 
@@ -614,7 +697,7 @@ void SessionFileBuilder::NextBlock() {
   while (layer_ < static_cast<int64_t>(header_.lengths.size()) &&
          first_ >= header_.lengths[static_cast<size_t>(layer_)]) {
     ++layer_;
-    first_ = 0;
+    first_ = BaseLength(static_cast<size_t>(layer_));
   }
   if (layer_ == static_cast<int64_t>(header_.lengths.size())) {
     stage_ = Stage::kEnd;

@@ -2,7 +2,7 @@
 // session export carries, so that a session outlives its process and moves
 // between replicas.
 //
-// Format (version 2, little-endian):
+// Format (version 2, or 3 for a file with a base; little-endian):
 //   header   "ATTNSESS", u32 version, u32 body size, the body (the
 //            session's config, id, model, per-layer lengths and u32 flags:
 //            bit 0, its lengths are unconfirmed, see below), u32 CRC-32C
@@ -12,6 +12,13 @@
 //            layer, i64 first token, i64 tokens, u32 CRC-32C of those
 //            fields and the rows, then the rows (DecodeSession::RowBytes);
 //   end      "DONE", i64 blocks, u32 CRC-32C of that count.
+//
+// Version 3 stores a fork's shared prefix once for the sessions sharing it:
+// the header's flags have bit 1 set and name a base file, a version 2 file
+// of the first `base.lengths` tokens of each layer (whole blocks), by its
+// size and CRC-32C (u64 size, u32 CRC, i64 per layer after the flags); the
+// blocks of each layer then start at its base length. The base is loaded
+// first and must match both, and hold those lengths in the same config.
 //
 // A journal is the same header with every length 0, followed by block
 // records only, appended as the session runs: each full block once it
@@ -39,6 +46,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -52,9 +60,29 @@
 
 namespace attnserve {
 
-// The version written, and the oldest read (version 1: no header flags).
-inline constexpr uint32_t kSessionFileVersion = 2;
+// The newest version read (and written for a file with a base; others are
+// written as version 2, which every release since durable sessions reads),
+// and the oldest read (version 1: no header flags).
+inline constexpr uint32_t kSessionFileVersion = 3;
 inline constexpr uint32_t kOldestSessionFileVersion = 1;
+
+// A version 3 file's base: the tokens per layer it holds, and its file's
+// size and CRC-32C.
+struct SessionFileBase {
+  std::vector<int64_t> lengths;
+  uint64_t size = 0;
+  uint32_t crc = 0;
+  friend bool operator==(const SessionFileBase&,
+                         const SessionFileBase&) = default;
+};
+
+// Which file of a session to write: unset fields, the whole session.
+struct SessionFileShape {
+  // The session's first `prefix` tokens of each layer only (a base file).
+  std::optional<std::vector<int64_t>> prefix;
+  // A file of version 3 naming this base and holding the blocks after it.
+  std::optional<SessionFileBase> base;
+};
 
 // What a session file says of its session besides the rows.
 struct SessionFileHeader {
@@ -78,6 +106,8 @@ struct SessionFileHeader {
   // Whether the session may hold fewer tokens than its client sent: it was
   // recovered from a journal, and no step has given its position since.
   bool unconfirmed = false;
+  // Version 3: the base file holding the session's first tokens.
+  std::optional<SessionFileBase> base;
 };
 
 // Writes `session` (under id `id`; a model session names its config's
@@ -86,7 +116,7 @@ struct SessionFileHeader {
 absl::Status WriteSessionFile(
     const DecodeSession& session, absl::string_view id,
     absl::FunctionRef<absl::Status(absl::string_view)> write,
-    bool unconfirmed = false);
+    bool unconfirmed = false, const SessionFileShape& shape = {});
 
 // A journal's pieces: its header (FAILED_PRECONDITION for a model session
 // without its model's name), and a block record's fields before its rows
@@ -121,6 +151,12 @@ struct SessionFileLoader {
       admit = +[](const SessionFileHeader&, const DecodeSession&) {
         return absl::OkStatus();
       };
+  // A version 3 file's base file, whole (its size and checksum are checked
+  // here). Default: none, and such a file does not load (DATA_LOSS).
+  absl::FunctionRef<absl::StatusOr<std::string>()> base =
+      +[]() -> absl::StatusOr<std::string> {
+    return absl::NotFoundError("no base file can be read here");
+  };
 };
 
 // Where a session file is read from, piece by piece (a file need not be
@@ -146,9 +182,9 @@ class SessionFileImage {
  public:
   // The file of `session` (under id `id`; see WriteSessionFile) as it
   // holds now; FAILED_PRECONDITION as WriteSessionFile.
-  static absl::StatusOr<SessionFileImage> Of(const DecodeSession& session,
-                                             absl::string_view id,
-                                             bool unconfirmed = false);
+  static absl::StatusOr<SessionFileImage> Of(
+      const DecodeSession& session, absl::string_view id,
+      bool unconfirmed = false, const SessionFileShape& shape = {});
 
   uint64_t size() const { return size_; }
   // Sets version(), a fingerprint of the file's bytes (the checksums of its
@@ -231,6 +267,10 @@ class SessionFileBuilder {
                           const SessionFileLoader& loader);
   absl::Status TakeFields(absl::string_view bytes);
   absl::Status TakeRows(absl::string_view bytes);
+  // A version 3 file's base, loaded as the session (its blocks follow).
+  absl::Status TakeBase(const SessionFileLoader& loader);
+  // The tokens of `layer` in the base (0 without one).
+  int64_t BaseLength(size_t layer) const;
   // The next block's stage (fields, or the end after the last block).
   void NextBlock();
   std::string Block() const;

@@ -32,6 +32,7 @@
 #include "attnserve/v1/attention.pb.h"
 #include "client/requests.h"
 #include "client/shared_memory.h"
+#include "core/checksum.h"
 #include "core/convert.h"
 #include "core/results.h"
 #include "core/safetensors.h"
@@ -1182,6 +1183,43 @@ std::string Journal(std::mt19937& rng) {
   return bytes;
 }
 
+// A file of version 3 of a fork's 600 tokens whose first block is in its
+// base file, followed by that base file (the target's input format).
+std::string FileWithBase(std::mt19937& rng) {
+  DecodeSessionConfig config;
+  config.num_heads = 1;
+  config.key_dim = 2;
+  config.max_length = 1100;
+  std::unique_ptr<DecodeSession> session =
+      Must("session", DecodeSession::Create(config));
+  const Tensor q = Values(DType::kFloat32, {1, 600, 2}, rng);
+  DecodeStepInputs in;
+  in.query = q.view();
+  in.key = q.view();
+  in.value = q.view();
+  TensorResults results;
+  const absl::Status stepped = session->Step(in, {}, results);
+  if (!stepped.ok()) Die("session step", stepped);
+  const auto write = [&](const SessionFileShape& shape) {
+    std::string bytes;
+    const absl::Status written = WriteSessionFile(
+        *session, "0123456789abcdef",
+        [&](absl::string_view piece) {
+          bytes.append(piece.data(), piece.size());
+          return absl::OkStatus();
+        },
+        /*unconfirmed=*/false, shape);
+    if (!written.ok()) Die("session file", written);
+    return bytes;
+  };
+  SessionFileShape prefix;
+  prefix.prefix = std::vector<int64_t>{kCacheBlockKeys};
+  const std::string base = write(prefix);
+  SessionFileShape named;
+  named.base = SessionFileBase{{kCacheBlockKeys}, base.size(), Crc32c(base)};
+  return write(named) + base;
+}
+
 void AddSessionFileSeeds(Seeds* seeds) {
   std::mt19937 rng(20261127);
   const auto file = [&](DType cache, int64_t layers,
@@ -1229,6 +1267,7 @@ void AddSessionFileSeeds(Seeds* seeds) {
   (*seeds)["session_file/int8_three_layers"] = file(DType::kInt8, 3, {2, 0, 4});
   (*seeds)["session_file/empty"] = file(DType::kFloat32, 1, {0});
   (*seeds)["session_file/journal"] = Journal(rng);
+  (*seeds)["session_file/with_base"] = FileWithBase(rng);
 }
 
 void AddCallSequenceSeeds(Seeds* seeds) {

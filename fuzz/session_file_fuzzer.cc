@@ -4,7 +4,9 @@
 // bytes, holding the lengths its header named; what loads as a journal
 // holds whole blocks, the lengths it reports. The same bytes taken in
 // pieces (an import stream: SessionFileBuilder) load exactly when the file
-// does, into a session that writes the same bytes.
+// does, into a session that writes the same bytes. A second session file
+// in the input (from its second "ATTNSESS" on) is the first one's base
+// file, for a file of version 3 that names one.
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -37,7 +39,14 @@ const SessionStore& Store() {
   return *store;
 }
 
+// The input's base file, if any (see above); set per input.
+absl::string_view base_file;
+
 const SessionFileLoader& Loader() {
+  static const auto* base = new auto([]() -> absl::StatusOr<std::string> {
+    if (base_file.empty()) return absl::NotFoundError("no base file");
+    return std::string(base_file);
+  });
   static const auto* layer_of =
       new auto([](absl::string_view)
                    -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
@@ -46,8 +55,8 @@ const SessionFileLoader& Loader() {
   static const auto* verify = new auto([](const DecodeSessionConfig& config) {
     return Store().VerifyConfig(config);
   });
-  static const SessionFileLoader* loader =
-      new SessionFileLoader{.layer_of = *layer_of, .verify = *verify};
+  static const SessionFileLoader* loader = new SessionFileLoader{
+      .layer_of = *layer_of, .verify = *verify, .base = *base};
   return *loader;
 }
 
@@ -102,7 +111,11 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> Build(absl::string_view bytes) {
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace attnserve;        // NOLINT: one function
   using namespace attnserve::fuzz;  // NOLINT
-  const absl::string_view bytes(reinterpret_cast<const char*>(data), size);
+  absl::string_view bytes(reinterpret_cast<const char*>(data), size);
+  const size_t second = bytes.find("ATTNSESS", 1);
+  base_file = second == absl::string_view::npos ? absl::string_view()
+                                                : bytes.substr(second);
+  bytes = bytes.substr(0, second);
   SessionFileHeader journal_header;
   absl::StatusOr<std::unique_ptr<DecodeSession>> journal =
       Load(bytes, &journal_header, /*journal=*/true);

@@ -250,6 +250,22 @@ TEST_P(ForksTakenUpTest, ShareTheirPrefixAgain) {
       ASSERT_EQ(first.SaveAll().sessions, kForks);
     }
   }
+  if (!crashed) {
+    // The prefix is on disk once: one base file, a link per fork.
+    struct stat base;
+    ASSERT_EQ(::stat((path_ / (ids[0] + ".base")).c_str(), &base), 0);
+    EXPECT_EQ(base.st_nlink, static_cast<nlink_t>(kForks));
+    for (const std::string& id : ids) {
+      struct stat link;
+      ASSERT_EQ(::stat((path_ / (id + ".base")).c_str(), &link), 0);
+      EXPECT_EQ(link.st_ino, base.st_ino);
+      EXPECT_LT(fs::file_size(FileOf(id)), uint64_t{100} << 10);
+    }
+    const SessionDirectory::Stats saved = directory->stats();
+    EXPECT_EQ(saved.linked_bases, kForks - 1);
+    EXPECT_EQ(saved.bytes, static_cast<uint64_t>(base.st_size) +
+                               kForks * fs::file_size(FileOf(ids[0])));
+  }
   const size_t one_copy = (*reference_store.Find(references[0]))->cache_bytes();
   SessionStore second(options);
   for (int round = 0; round < 2; ++round) {
@@ -265,6 +281,14 @@ TEST_P(ForksTakenUpTest, ShareTheirPrefixAgain) {
       ASSERT_TRUE(got.ok()) << got.status();
       EXPECT_TRUE(SameBits(*got, *want));
     }
+  }
+  for (const auto& entry : fs::directory_iterator(path_)) {
+    EXPECT_NE(entry.path().extension(), ".base") << entry.path();
+    EXPECT_NE(entry.path().extension(), ".session") << entry.path();
+  }
+  // (The second store journals the sessions of the crashed case anew.)
+  if (!crashed) {
+    EXPECT_EQ(directory->stats().bytes, 0u);
   }
   const SessionStore::Stats stats = second.stats();
   EXPECT_EQ(stats.restored, kForks);
@@ -487,6 +511,73 @@ TEST_F(SessionDirectoryTest, BadFilesFailTheirSessionAndAreQuarantined) {
   EXPECT_EQ(Step(other, "../etc/passwd", 1, 2).status().code(),
             absl::StatusCode::kNotFound);
   EXPECT_EQ(other_directory->stats().quarantined, 3);
+}
+
+// A fork's base file goes with its session file (a delete, room made for
+// others), its data with the last link; a base that is not what its
+// session names is DATA_LOSS for that session, whose file is quarantined.
+TEST_F(SessionDirectoryTest, ABaseGoesWithItsSessionsAndIsChecked) {
+  auto directory = OpenDirectory();
+  std::vector<std::string> ids;
+  {
+    SessionStore first(StoreOptions(directory.get()));
+    const std::string parent = *first.Add(NewSession());
+    ASSERT_TRUE(Step(first, parent, 1100, 1).ok());
+    for (int i = 0; i < 5; ++i) {
+      ids.push_back(*first.Fork(parent, std::nullopt));
+      ASSERT_TRUE(Step(first, ids[i], 1, 10 + i).ok());
+    }
+    ASSERT_TRUE(first.Delete(parent).ok());
+    ASSERT_EQ(first.SaveAll().sessions, 5);
+  }
+  const auto base_of = [&](const std::string& id) {
+    return path_ / (id + ".base");
+  };
+  const auto links = [&](const std::string& id) {
+    struct stat info;
+    return ::stat(base_of(id).c_str(), &info) == 0 ? info.st_nlink : 0;
+  };
+  EXPECT_EQ(links(ids[4]), 5u);
+  EXPECT_TRUE(directory->Remove(ids[0]));
+  EXPECT_FALSE(fs::exists(base_of(ids[0])));
+  EXPECT_EQ(links(ids[4]), 4u);
+  // The base's bytes count once in the limit.
+  const uint64_t base_bytes = fs::file_size(base_of(ids[4]));
+  EXPECT_EQ(directory->stats().bytes,
+            base_bytes + 4 * fs::file_size(FileOf(ids[4])));
+
+  // A base changed under its sessions fails them.
+  {
+    std::fstream base(base_of(ids[1]),
+                      std::ios::in | std::ios::out | std::ios::binary);
+    base.seekp(static_cast<std::streamoff>(base_bytes / 2));
+    base.put('\x5a');
+  }
+  SessionStore second(StoreOptions(directory.get()));
+  auto failed = Step(second, ids[1], 1, 20);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(failed.status().message()),
+              HasSubstr("its base file"));
+  EXPECT_FALSE(fs::exists(FileOf(ids[1])));
+  EXPECT_FALSE(fs::exists(base_of(ids[1])));
+  EXPECT_EQ(links(ids[4]), 3u);
+
+  // An orphaned base (its session file gone) and the sessions with theirs
+  // go when room is made.
+  fs::remove(FileOf(ids[2]));
+  auto smaller = OpenDirectory(1);
+  // Two sessions with their bases, and the orphan.
+  for (int tries = 0; tries < 200 && smaller->stats().removed_for_space < 3;
+       ++tries) {
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  EXPECT_EQ(smaller->stats().removed_for_space, 3);
+  EXPECT_EQ(smaller->stats().files, 0);
+  EXPECT_EQ(smaller->stats().bytes, 0u);
+  for (const std::string& id : ids) {
+    EXPECT_FALSE(fs::exists(base_of(id))) << id;
+    EXPECT_FALSE(fs::exists(FileOf(id))) << id;
+  }
 }
 
 TEST_F(SessionDirectoryTest, TheDirectoryKeepsWithinItsLimitOldestFirst) {

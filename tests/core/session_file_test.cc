@@ -436,16 +436,112 @@ TEST(SessionFileTest, AVersionOneFileLoads) {
   EXPECT_FALSE(header.unconfirmed);
 }
 
+// A file of `session` in `shape`.
+std::string WriteShaped(const DecodeSession& session,
+                        const SessionFileShape& shape) {
+  std::string bytes;
+  const absl::Status written = WriteSessionFile(
+      session, "s",
+      [&](absl::string_view piece) {
+        bytes.append(piece.data(), piece.size());
+        return absl::OkStatus();
+      },
+      /*unconfirmed=*/false, shape);
+  EXPECT_TRUE(written.ok()) << written;
+  return bytes;
+}
+
+SessionFileShape Prefix(std::vector<int64_t> lengths) {
+  SessionFileShape shape;
+  shape.prefix = std::move(lengths);
+  return shape;
+}
+SessionFileShape Based(SessionFileBase base) {
+  SessionFileShape shape;
+  shape.base = std::move(base);
+  return shape;
+}
+
+// `bytes` loaded with `base` as its base file.
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadOverBase(
+    absl::string_view bytes, absl::StatusOr<std::string> base) {
+  SessionStore store({});
+  const auto base_file = [&]() { return base; };
+  return LoadSessionFile(
+      bytes, "s.session",
+      {.layer_of = [](absl::string_view)
+           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+         return absl::NotFoundError("no models");
+       },
+       .verify =
+           [&](const DecodeSessionConfig& c) { return store.VerifyConfig(c); },
+       .base = base_file});
+}
+
+// Version 3: a fork's prefix is in a base file, named by its size and
+// checksum, which must hold those tokens of the same config.
+TEST(SessionFileTest, AFileWithABaseLoadsOverItsBase) {
+  std::mt19937 rng(31);
+  auto session = *DecodeSession::Create(Config(DType::kInt8, 2));
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kInt8, 1100, rng), 0).ok());
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kInt8, 600, rng), 1).ok());
+  const std::vector<int64_t> prefix = {1024, 512};
+  const std::string base = WriteShaped(*session, Prefix(prefix));
+  const SessionFileBase named{prefix, base.size(), Crc(base)};
+  const std::string file = WriteShaped(*session, Based(named));
+  // The file holds the tokens after the base only.
+  EXPECT_LT(file.size(), Write(*session, "s").size() - base.size() / 2);
+  EXPECT_EQ(ReadSessionFileHeader(file, "s.session")->base, named);
+  auto loaded = LoadOverBase(file, base);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  for (int64_t layer : {0, 1}) {
+    std::string want, got;
+    ASSERT_TRUE(session->CopyRows(layer, 0, session->length(layer), want).ok());
+    ASSERT_TRUE(
+        (*loaded)->CopyRows(layer, 0, session->length(layer), got).ok());
+    EXPECT_TRUE(want == got) << "layer " << layer;
+  }
+  const auto refused = [&](absl::StatusOr<std::string> other,
+                           const std::string& message) {
+    auto result = LoadOverBase(file, std::move(other));
+    ASSERT_FALSE(result.ok()) << message;
+    EXPECT_EQ(result.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_THAT(std::string(result.status().message()), HasSubstr(message));
+  };
+  const std::string what = absl::StrCat(
+      "session file 's.session': its base "
+      "file (",
+      base.size(), " bytes, checksum ", Crc(base), ")");
+  refused(absl::NotFoundError("gone"), what + ": gone");
+  std::string flipped = base;
+  flipped[flipped.size() / 2] ^= 1;
+  refused(flipped, what + " is another");
+  // Named by its size and checksum, but of other lengths.
+  const std::string longer = WriteShaped(*session, Prefix({1024, 600}));
+  const std::string misnamed = WriteShaped(
+      *session, Based(SessionFileBase{prefix, longer.size(), Crc(longer)}));
+  auto result = LoadOverBase(misnamed, longer);
+  ASSERT_FALSE(result.ok());
+  EXPECT_THAT(std::string(result.status().message()),
+              HasSubstr("holds another session's tokens"));
+  // A base must be whole blocks within the session.
+  EXPECT_FALSE(WriteSessionFile(
+                   *session, "s",
+                   [](absl::string_view) { return absl::OkStatus(); }, false,
+                   Based(SessionFileBase{{1000, 0}, 1, 1}))
+                   .ok());
+}
+
 TEST(SessionFileTest, HostileHeadersAndRecordsAreRefusedWithWhatIsWrong) {
   const SampleFile sample = Sample();
   std::string version = sample.bytes;
-  Poke<uint32_t>(version, 8, 3);
+  Poke<uint32_t>(version, 8, 4);
   ExpectRefused(version, absl::StatusCode::kDataLoss,
-                "format version 3; this server reads versions 1 to 2",
+                "format version 4; this server reads versions 1 to 3",
                 "a later version");
   Poke<uint32_t>(version, 8, 0);
   ExpectRefused(version, absl::StatusCode::kDataLoss,
-                "format version 0; this server reads versions 1 to 2",
+                "format version 0; this server reads versions 1 to 3",
                 "version 0");
   ExpectRefused("not a session file at all", absl::StatusCode::kDataLoss,
                 "not a session file", "foreign bytes");

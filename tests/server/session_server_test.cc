@@ -8,6 +8,7 @@
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -19,6 +20,7 @@
 #include <functional>
 #include <optional>
 #include <random>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -1581,6 +1583,17 @@ TEST_F(DurableSessionTest, ForksOfADrainedServerShareTheirPrefixAgain) {
     }
     first.server().Shutdown(absl::Seconds(5));
   }
+  // Each kind's prefix is on disk once: a base file per kind, linked.
+  std::set<std::pair<dev_t, ino_t>> bases;
+  for (int s = 0; s < 2; ++s) {
+    for (const std::string& id : forks[s]) {
+      struct stat base;
+      ASSERT_EQ(::stat((dir_ / (id + ".base")).c_str(), &base), 0) << id;
+      EXPECT_EQ(base.st_nlink, static_cast<nlink_t>(kForks));
+      bases.emplace(base.st_dev, base.st_ino);
+    }
+  }
+  EXPECT_EQ(bases.size(), 2u);
   TestServer second(WithDirectory());
   AttnClient client = second.MakeClient();
   for (unsigned seed : {10u, 11u}) {
