@@ -151,7 +151,7 @@ std::string TemporaryName(absl::string_view path, absl::string_view id,
 
 absl::Status SessionDirectory::Save(absl::string_view id,
                                     const DecodeSession& session,
-                                    bool unconfirmed) {
+                                    bool unconfirmed, uint32_t version) {
   if (!IsStorableId(id)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "session id ", EchoString(id), " cannot name a session file"));
@@ -160,7 +160,7 @@ absl::Status SessionDirectory::Save(absl::string_view id,
   // leaves none (a stale one of an earlier save would count for nothing).
   const DecodeSession::SharedBase shared = session.shared_base();
   SessionFileShape shape;
-  if (!shared.key.empty()) {
+  if (!shared.key.empty() && std::min(version, options_.file_version) >= 3) {
     absl::StatusOr<SessionFileBase> base = SaveBase(id, session, shared);
     if (base.ok()) shape.base = *std::move(base);
   }

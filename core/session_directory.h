@@ -114,6 +114,10 @@ class SessionDirectory {
     // The largest file read back (the largest session a store may hold,
     // and its records); larger files are quarantined unread.
     uint64_t max_file_bytes = 0;
+    // The newest session file format written: kSessionFileVersion (forks
+    // saved over base files), or 2 (every session whole, as releases
+    // before format 3 read).
+    uint32_t file_version = kSessionFileVersion;
   };
   struct Stats {
     int64_t saved = 0;
@@ -145,9 +149,12 @@ class SessionDirectory {
   // directory within max_bytes. INVALID_ARGUMENT for an id that is not
   // storable; the write's error (a full disk: RESOURCE_EXHAUSTED) leaves no
   // file behind.
-  // `unconfirmed`: see SessionFileHeader.
+  // `unconfirmed`: see SessionFileHeader. `version`: the newest format the
+  // reader will read (a hand-over's asker), within Options::file_version.
   absl::Status Save(absl::string_view id, const DecodeSession& session,
-                    bool unconfirmed = false) ABSL_LOCKS_EXCLUDED(mu_);
+                    bool unconfirmed = false,
+                    uint32_t version = kSessionFileVersion)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Loads the session of `id` and removes its file; `header` (if not null)
   // gets its header. NOT_FOUND when there is none; a hostile or corrupt
   // file is quarantined (see above); other errors (its model no longer

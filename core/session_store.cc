@@ -1072,10 +1072,11 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id, bool reused) {
   return absl::OkStatus();
 }
 
-absl::Status SessionStore::SaveSlot(const std::string& id, Slot& slot) {
+absl::Status SessionStore::SaveSlot(const std::string& id, Slot& slot,
+                                    uint32_t file_version) {
   options_.directory->Release(id);
-  ATTN_RETURN_IF_ERROR(
-      options_.directory->Save(id, *slot.session, !slot.unconfirmed.empty()));
+  ATTN_RETURN_IF_ERROR(options_.directory->Save(
+      id, *slot.session, !slot.unconfirmed.empty(), file_version));
   // The file holds it all now; a journal would only be a stale copy.
   MutexLock journal_lock(&slot.journal_mu);
   if (slot.journal != nullptr) slot.journal->Remove();
@@ -1084,7 +1085,8 @@ absl::Status SessionStore::SaveSlot(const std::string& id, Slot& slot) {
   return absl::OkStatus();
 }
 
-absl::Status SessionStore::HandOver(absl::string_view id) {
+absl::Status SessionStore::HandOver(absl::string_view id,
+                                    uint32_t file_version) {
   if (options_.directory == nullptr) {
     return absl::FailedPreconditionError(
         "sessions have no directory to go to (--session_dir)");
@@ -1097,7 +1099,7 @@ absl::Status SessionStore::HandOver(absl::string_view id) {
     MutexLock lock(&mu_);
     if (!HoldsSlot(key, *slot)) return NotFound(key);  // gone or replaced
   }
-  ATTN_RETURN_IF_ERROR(SaveSlot(key, *slot));
+  ATTN_RETURN_IF_ERROR(SaveSlot(key, *slot, file_version));
   MutexLock lock(&mu_);
   if (!HoldsSlot(key, *slot)) return absl::OkStatus();  // freed meanwhile
   Remove(key, GoneReason::kSaved, freed);

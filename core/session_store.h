@@ -283,9 +283,12 @@ class SessionStore {
 
   // Saves session `id` to the directory and frees it, for another replica
   // to take up (it asked: its load balancer sends it the session's calls
-  // now). Waits for a step running on it. NOT_FOUND as Step;
+  // now), in a format of at most `file_version` (what the asker reads).
+  // Waits for a step running on it. NOT_FOUND as Step;
   // FAILED_PRECONDITION without a directory; the save's error.
-  absl::Status HandOver(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status HandOver(absl::string_view id,
+                        uint32_t file_version = kSessionFileVersion)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Saves every open session to the directory (a drain), each one
   // consistent (its steps wait), stopping at `deadline`, and frees each one
@@ -509,7 +512,8 @@ class SessionStore {
                                const DecodeStepInputs& inputs) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
   // Saves `slot` (its step lock held) as session `id`, ending its journal.
-  absl::Status SaveSlot(const std::string& id, Slot& slot)
+  absl::Status SaveSlot(const std::string& id, Slot& slot,
+                        uint32_t file_version = kSessionFileVersion)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu);
   absl::Status NotFound(absl::string_view id) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

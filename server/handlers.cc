@@ -416,7 +416,10 @@ absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
 absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
                                    SessionStore* sessions) {
   if (sessions == nullptr) return NoSessions();
-  return sessions->HandOver(request.session_id());
+  // An asker of a release before format 3 sends no version: it reads 2.
+  return sessions->HandOver(request.session_id(), request.file_version() == 0
+                                                      ? 2
+                                                      : request.file_version());
 }
 
 absl::Status HandleForkSession(const v1::ForkSessionRequest& request,

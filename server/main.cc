@@ -104,6 +104,12 @@ ABSL_FLAG(bool, journal_sessions, attnserve::ServerOptions().journal_sessions,
           "With --session_dir: journal each session's full blocks of 512 "
           "tokens as they fill, so that a server that dies leaves them "
           "behind (its clients then resend only the tokens since).");
+ABSL_FLAG(int, session_file_version,
+          attnserve::ServerOptions().session_file_version,
+          "With --session_dir: the newest session file format written: 3 "
+          "saves a fork over a base file holding its shared prefix once; 2 "
+          "saves every session whole, as releases before format 3 read "
+          "(set it before rolling back to one).");
 ABSL_FLAG(std::string, advertise_address,
           attnserve::ServerOptions().advertise_address,
           "With --session_dir: host:port other replicas reach this one's gRPC "
@@ -150,6 +156,7 @@ attnserve::ServerOptions OptionsFromFlags() {
   options.session_dir = absl::GetFlag(FLAGS_session_dir);
   options.max_session_disk_mb = absl::GetFlag(FLAGS_max_session_disk_mb);
   options.journal_sessions = absl::GetFlag(FLAGS_journal_sessions);
+  options.session_file_version = absl::GetFlag(FLAGS_session_file_version);
   options.advertise_address = absl::GetFlag(FLAGS_advertise_address);
   options.max_session_length = absl::GetFlag(FLAGS_max_session_length);
   options.max_steps_per_call = absl::GetFlag(FLAGS_max_steps_per_call);

@@ -4,6 +4,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/session_file.h"
 #include "core/status_macros.h"
 
 namespace attnserve {
@@ -144,6 +145,13 @@ absl::Status VerifyLimits(const ServerOptions& options) {
     return absl::InvalidArgumentError(
         absl::StrCat("--max_session_disk_mb: ", options.max_session_disk_mb,
                      " is out of range, expected 0 (no limit) to 2^40"));
+  }
+  if (options.session_file_version < 2 ||
+      options.session_file_version > static_cast<int>(kSessionFileVersion)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--session_file_version: ", options.session_file_version,
+                     " is out of range, expected 2 (every session whole) to ",
+                     kSessionFileVersion, " (forks over shared base files)"));
   }
   if (!options.session_dir.empty() && options.max_session_memory_mb == 0) {
     return absl::InvalidArgumentError(

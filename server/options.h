@@ -67,6 +67,11 @@ struct ServerOptions {
   // that a server that dies (SIGKILL, out of memory, a lost node) leaves its
   // sessions' full blocks behind for the next server asked for them.
   bool journal_sessions = true;
+  // With session_dir: the newest session file format written. 3: a fork
+  // is saved over a base file holding its shared prefix once; 2: every
+  // session whole, which releases before format 3 read (set it before
+  // rolling back to one).
+  int session_file_version = 3;
   // With session_dir: the address ("host:port") other replicas reach this
   // one's gRPC port at, recorded beside each session it holds, so that a
   // replica asked for a session held here asks this one to hand it over.

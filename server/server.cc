@@ -19,6 +19,7 @@
 #include "absl/time/time.h"
 #include "attnserve/v1/attention.grpc.pb.h"
 #include "core/mutex.h"
+#include "core/session_file.h"
 #include "core/status_macros.h"
 #include "core/thread_budget.h"
 #include "core/verify.h"
@@ -274,6 +275,7 @@ absl::Status AskToHandOver(absl::string_view id, absl::string_view address,
     if (!token.empty()) context.AddMetadata("authorization", "Bearer " + token);
     v1::HandOverSessionRequest request;
     request.set_session_id(std::string(id));
+    request.set_file_version(kSessionFileVersion);
     v1::HandOverSessionResponse response;
     status = peer->HandOverSession(&context, request, &response);
     if (status.ok()) return absl::OkStatus();
@@ -349,8 +351,9 @@ absl::Status AttnServer::StartSessions(const ServerOptions& options) {
                .max_bytes = static_cast<uint64_t>(options.max_session_disk_mb)
                             << 20,
                // The largest session the budget holds, and its records.
-               .max_file_bytes =
-                   (sessions.max_bytes + (size_t{1} << 20)) * 2}));
+               .max_file_bytes = (sessions.max_bytes + (size_t{1} << 20)) * 2,
+               .file_version =
+                   static_cast<uint32_t>(options.session_file_version)}));
       sessions.directory = session_directory_.get();
       sessions.journal = options.journal_sessions;
       ATTN_ASSIGN_OR_RETURN(std::shared_ptr<grpc::ChannelCredentials> peers,

@@ -538,6 +538,7 @@ TEST_F(SessionDirectoryTest, ABaseGoesWithItsSessionsAndIsChecked) {
     return ::stat(base_of(id).c_str(), &info) == 0 ? info.st_nlink : 0;
   };
   EXPECT_EQ(links(ids[4]), 5u);
+  EXPECT_EQ(links(ids[4]), 5u);
   EXPECT_TRUE(directory->Remove(ids[0]));
   EXPECT_FALSE(fs::exists(base_of(ids[0])));
   EXPECT_EQ(links(ids[4]), 4u);
@@ -578,6 +579,44 @@ TEST_F(SessionDirectoryTest, ABaseGoesWithItsSessionsAndIsChecked) {
     EXPECT_FALSE(fs::exists(base_of(id))) << id;
     EXPECT_FALSE(fs::exists(FileOf(id))) << id;
   }
+}
+
+// Releases before format 3 read no base files: a hand-over asked by one
+// (file_version 2), or a directory written for one, saves a fork whole.
+TEST_F(SessionDirectoryTest, AReaderOfFormatTwoGetsForksWhole) {
+  const auto has_base = [&](const std::string& id) {
+    std::ifstream in(FileOf(id), std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)),
+                            std::istreambuf_iterator<char>());
+    auto header = ReadSessionFileHeader(bytes, "f");
+    EXPECT_TRUE(header.ok()) << header.status();
+    const bool named = header.ok() && header->base.has_value();
+    EXPECT_EQ(named, fs::exists(path_ / (id + ".base")));
+    return named;
+  };
+  auto directory = OpenDirectory();
+  SessionStore store(StoreOptions(directory.get()));
+  const std::string parent = *store.Add(NewSession());
+  ASSERT_TRUE(Step(store, parent, 1100, 1).ok());
+  const std::string fork = *store.Fork(parent, std::nullopt);
+  const std::string second_fork = *store.Fork(parent, std::nullopt);
+  ASSERT_TRUE(store.HandOver(fork, /*file_version=*/2).ok());
+  EXPECT_FALSE(has_base(fork));
+  ASSERT_TRUE(store.HandOver(second_fork).ok());
+  EXPECT_TRUE(has_base(second_fork));
+  ASSERT_TRUE(store.Find(fork).ok());
+  ASSERT_TRUE(store.Find(second_fork).ok());
+
+  auto older = SessionDirectory::Open({.path = path_.string(),
+                                       .max_file_bytes = uint64_t{1} << 30,
+                                       .file_version = 2});
+  ASSERT_TRUE(older.ok());
+  SessionStore for_older(StoreOptions(older->get()));
+  const std::string other = *for_older.Add(NewSession());
+  ASSERT_TRUE(Step(for_older, other, 600, 2).ok());
+  const std::string other_fork = *for_older.Fork(other, std::nullopt);
+  EXPECT_EQ(for_older.SaveAll().sessions, 2);
+  EXPECT_FALSE(has_base(other_fork));
 }
 
 TEST_F(SessionDirectoryTest, TheDirectoryKeepsWithinItsLimitOldestFirst) {

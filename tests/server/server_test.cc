@@ -671,6 +671,11 @@ TEST(ServerOptionsTest, RejectsOutOfRangeFlags) {
   options.max_connection_age_seconds = -1;
   EXPECT_EQ(VerifyServerOptions(options).message(),
             "--max_connection_age_seconds: -1 is negative");
+  options = ServerOptions();
+  options.session_file_version = 1;
+  EXPECT_EQ(VerifyServerOptions(options).message(),
+            "--session_file_version: 1 is out of range, expected 2 (every "
+            "session whole) to 3 (forks over shared base files)");
   EXPECT_TRUE(VerifyServerOptions(ServerOptions()).ok());
 }
 
