@@ -1147,14 +1147,17 @@ void AddStepSequenceSeeds(Seeds* seeds, std::mt19937& rng) {
 // empty one.
 // A journal of two full blocks of a small session, a rewind record into
 // the second and the second again.
-std::string Journal(std::mt19937& rng) {
+// A session of one head of dim 2 (max_length 1100) holding `tokens`
+// random tokens.
+std::unique_ptr<DecodeSession> FilledSession(int64_t tokens,
+                                             std::mt19937& rng) {
   DecodeSessionConfig config;
   config.num_heads = 1;
   config.key_dim = 2;
   config.max_length = 1100;
   std::unique_ptr<DecodeSession> session =
       Must("session", DecodeSession::Create(config));
-  const Tensor q = Values(DType::kFloat32, {1, 1030, 2}, rng);
+  const Tensor q = Values(DType::kFloat32, {1, tokens, 2}, rng);
   DecodeStepInputs in;
   in.query = q.view();
   in.key = q.view();
@@ -1162,6 +1165,11 @@ std::string Journal(std::mt19937& rng) {
   TensorResults results;
   const absl::Status stepped = session->Step(in, {}, results);
   if (!stepped.ok()) Die("session step", stepped);
+  return session;
+}
+
+std::string Journal(std::mt19937& rng) {
+  const std::unique_ptr<DecodeSession> session = FilledSession(1030, rng);
   std::string bytes =
       Must("journal header",
            SessionJournalHeader(*session, "0123456789abcdef0123456789abcdef"));
@@ -1186,20 +1194,7 @@ std::string Journal(std::mt19937& rng) {
 // A file of version 3 of a fork's 600 tokens whose first block is in its
 // base file, followed by that base file (the target's input format).
 std::string FileWithBase(std::mt19937& rng) {
-  DecodeSessionConfig config;
-  config.num_heads = 1;
-  config.key_dim = 2;
-  config.max_length = 1100;
-  std::unique_ptr<DecodeSession> session =
-      Must("session", DecodeSession::Create(config));
-  const Tensor q = Values(DType::kFloat32, {1, 600, 2}, rng);
-  DecodeStepInputs in;
-  in.query = q.view();
-  in.key = q.view();
-  in.value = q.view();
-  TensorResults results;
-  const absl::Status stepped = session->Step(in, {}, results);
-  if (!stepped.ok()) Die("session step", stepped);
+  const std::unique_ptr<DecodeSession> session = FilledSession(600, rng);
   const auto write = [&](const SessionFileShape& shape) {
     std::string bytes;
     const absl::Status written = WriteSessionFile(
