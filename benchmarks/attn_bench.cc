@@ -278,10 +278,12 @@ void BM_DecodeStep(benchmark::State& state) {
 // A directory for session files under /tmp, removed with the object.
 class ScratchSessionDirectory {
  public:
-  ScratchSessionDirectory()
+  explicit ScratchSessionDirectory(uint32_t file_version = kSessionFileVersion)
       : path_(absl::StrCat("/tmp/attn_bench_sessions_", ::getpid())) {
-    auto directory = SessionDirectory::Open(
-        {.path = path_, .max_file_bytes = uint64_t{1} << 34});
+    auto directory =
+        SessionDirectory::Open({.path = path_,
+                                .max_file_bytes = uint64_t{1} << 34,
+                                .file_version = file_version});
     if (directory.ok()) directory_ = *std::move(directory);
   }
   ~ScratchSessionDirectory() {
@@ -411,6 +413,49 @@ void BM_ForksTakenUp(benchmark::State& state) {
   state.counters["reshared"] = static_cast<double>(stats.reshared);
   state.counters["disk_MB"] = disk_bytes / 1e6;
   state.counters["save_ms"] = save_ms;
+}
+
+// Journaling N forks: forks of an 8 heads x 64 session of Lk float32
+// tokens, each one token further, in a store that journals its sessions;
+// timed until every journal is written. Counter: the directory's bytes
+// then (journal_MB). Format 3: the prefix once, in a base file the forks'
+// journals link; format 2 (as before base files): every journal holds it.
+void BM_ForkJournals(benchmark::State& state) {
+  const int64_t n = state.range(0), lk = state.range(1);
+  ScratchSessionDirectory directory(static_cast<uint32_t>(state.range(2)));
+  SessionStore::Options options;
+  options.directory = directory.get();
+  options.journal = true;
+  SessionStore store(options);
+  auto prefix = PrefilledSession(8, 8, 64, lk, DType::kFloat32, 1);
+  if (!prefix.ok() || directory.get() == nullptr) {
+    state.SkipWithError("no session or directory");
+    return;
+  }
+  const std::string parent = *store.Add(*std::move(prefix));
+  store.WaitForJournals();
+  const auto token = TokenOperands(8, 8, 64, 4);
+  const DecodeStepInputs in{std::nullopt, token[0].view(), token[1].view(),
+                            token[2].view(), std::nullopt};
+  double journal_bytes = 0;
+  for (auto _ : state) {
+    std::vector<std::string> forks;
+    for (int64_t i = 0; i < n; ++i) {
+      TensorResults out;
+      auto fork = store.Fork(parent, std::nullopt);
+      if (!fork.ok() || !store.Step(*fork, in, {}, out, nullptr).ok()) {
+        state.SkipWithError("fork or step failed");
+        return;
+      }
+      forks.push_back(*fork);
+    }
+    store.WaitForJournals();
+    state.PauseTiming();
+    journal_bytes = static_cast<double>(directory.get()->stats().bytes);
+    for (const std::string& fork : forks) (void)store.Delete(fork);
+    state.ResumeTiming();
+  }
+  state.counters["journal_MB"] = journal_bytes / 1e6;
 }
 
 // Moving a session between stores as ExportSession and ImportSession do,
@@ -929,6 +974,10 @@ BENCHMARK(BM_SessionTake)->ArgNames({"Lk"})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_ForksTakenUp)->ArgNames({"N", "Lk"})
     ->Args({64, 4096})
+    ->UseRealTime()->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_ForkJournals)->ArgNames({"N", "Lk", "format"})
+    ->Args({64, 4096, 2})
+    ->Args({64, 4096, 3})
     ->UseRealTime()->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_SessionTransfer)->ArgNames({"Lk"})
     ->Arg(4096)

@@ -161,7 +161,8 @@ absl::Status SessionDirectory::Save(absl::string_view id,
   const DecodeSession::SharedBase shared = session.shared_base();
   SessionFileShape shape;
   if (!shared.key.empty() && std::min(version, options_.file_version) >= 3) {
-    absl::StatusOr<SessionFileBase> base = SaveBase(id, session, shared);
+    absl::StatusOr<SessionFileBase> base =
+        SaveBase(id, session, shared, kBaseSuffix);
     if (base.ok()) shape.base = *std::move(base);
   }
   if (!shape.base.has_value()) RemoveBase(id);
@@ -210,10 +211,10 @@ absl::Status SessionDirectory::Save(absl::string_view id,
 
 absl::StatusOr<SessionFileBase> SessionDirectory::SaveBase(
     absl::string_view id, const DecodeSession& session,
-    const DecodeSession::SharedBase& shared) {
-  RemoveBase(id);
-  const std::string name = absl::StrCat(id, kBaseSuffix);
-  const std::string path = FileOf(id, kBaseSuffix);
+    const DecodeSession::SharedBase& shared, absl::string_view suffix) {
+  const std::string name = absl::StrCat(id, suffix);
+  const std::string path = FileOf(id, suffix);
+  const bool own = suffix == kJournalBaseSuffix;  // counted as its journal
   std::optional<BaseFile> known;
   {
     MutexLock lock(&mu_);
@@ -221,15 +222,31 @@ absl::StatusOr<SessionFileBase> SessionDirectory::SaveBase(
     if (it != bases_.end()) known = it->second;
   }
   struct stat info;
+  const auto is_known = [&](const struct stat& file) {
+    return InodeOf(file) == known->inode &&
+           ModifiedNanos(file) == known->modified_ns &&
+           static_cast<uint64_t>(file.st_size) == known->base.size;
+  };
+  const auto keep = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    Index(name, known->base.size, absl::Now(), known->inode);
+    files_[name].own_journal = own;
+    if (own) journal_bases_[id] = known->inode;
+  };
+  // Already in place (a journal started again over the same prefix).
+  if (known.has_value() && ::lstat(path.c_str(), &info) == 0 &&
+      is_known(info)) {
+    MutexLock lock(&mu_);
+    keep();
+    return known->base;
+  }
+  RemoveBase(id, suffix);
   // Linked to the file an earlier save wrote, if some name still holds it
   // unchanged (that session may have been taken up and saved anew since).
   if (known.has_value() && ::link(absl::StrCat(path_, "/", known->name).c_str(),
                                   path.c_str()) == 0) {
-    if (::lstat(path.c_str(), &info) == 0 && InodeOf(info) == known->inode &&
-        ModifiedNanos(info) == known->modified_ns &&
-        static_cast<uint64_t>(info.st_size) == known->base.size) {
+    if (::lstat(path.c_str(), &info) == 0 && is_known(info)) {
       MutexLock lock(&mu_);
-      Index(name, known->base.size, absl::Now(), known->inode);
+      keep();
       bases_[shared.key].name = name;  // the newest link lives longest
       ++counts_.linked_bases;
       return known->base;
@@ -267,16 +284,48 @@ absl::StatusOr<SessionFileBase> SessionDirectory::SaveBase(
   }
   MutexLock lock(&mu_);
   Index(name, base.size, absl::Now(), InodeOf(info));
+  files_[name].own_journal = own;
+  if (own) journal_bases_[std::string(id)] = InodeOf(info);
   if (bases_.size() >= kMaxKnownBases) bases_.clear();
   bases_[shared.key] = {name, InodeOf(info), ModifiedNanos(info), base};
   return base;
 }
 
-void SessionDirectory::RemoveBase(absl::string_view id) {
+void SessionDirectory::RemoveBase(absl::string_view id,
+                                  absl::string_view suffix) {
   if (!IsStorableId(id)) return;
-  ::unlink(FileOf(id, kBaseSuffix).c_str());
+  ::unlink(FileOf(id, suffix).c_str());
   MutexLock lock(&mu_);
-  Unindex(absl::StrCat(id, kBaseSuffix));
+  Unindex(absl::StrCat(id, suffix));
+}
+
+void SessionDirectory::RemoveJournalBase(absl::string_view id) {
+  std::optional<Inode> ours;
+  {
+    MutexLock lock(&mu_);
+    const auto it = journal_bases_.find(id);
+    if (it == journal_bases_.end()) return;
+    ours = it->second;
+    journal_bases_.erase(it);
+  }
+  {
+    MutexLock lock(&mu_);
+    Unindex(absl::StrCat(id, kJournalBaseSuffix));
+  }
+  struct stat info;
+  const std::string path = FileOf(id, kJournalBaseSuffix);
+  if (::lstat(path.c_str(), &info) == 0 && InodeOf(info) == *ours) {
+    ::unlink(path.c_str());
+  }
+}
+
+absl::StatusOr<SessionFileBase> SessionDirectory::SaveJournalBase(
+    absl::string_view id, const DecodeSession& session,
+    const DecodeSession::SharedBase& shared) {
+  if (options_.file_version < 3 || shared.key.empty()) {
+    return absl::NotFoundError("no base file for this journal");
+  }
+  return SaveBase(id, session, shared, kJournalBaseSuffix);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::Take(
@@ -324,13 +373,13 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
   if (!IsStorableId(id) || load == nullptr) return not_found();
   // A session file's base, opened before the file is claimed: a process
   // making room removes a base whose session file it does not find.
+  const absl::string_view base_suffix =
+      suffix == kSessionSuffix ? kBaseSuffix : kJournalBaseSuffix;
   OpenedBase base;
-  if (suffix == kSessionSuffix) {
-    base.file.emplace(OpenRegularFile(FileOf(id, kBaseSuffix),
-                                      {.max_bytes = options_.max_file_bytes,
-                                       .limit_name = "the largest session",
-                                       .within = path_}));
-  }
+  base.file.emplace(OpenRegularFile(FileOf(id, base_suffix),
+                                    {.max_bytes = options_.max_file_bytes,
+                                     .limit_name = "the largest session",
+                                     .within = path_}));
   // Claimed by renaming it first: of two processes taking it at once, one
   // gets it.
   const std::string file = TemporaryName(path_, id, ".taking");
@@ -376,12 +425,12 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
     if (FileIsBad(session.status())) {
       Quarantine(id, suffix);
       // Its base is of no use without it (other links keep their data).
-      if (suffix == kSessionSuffix) RemoveBase(id);
+      RemoveBase(id, base_suffix);
     }
     return session.status();
   }
   ::unlink(file.c_str());
-  if (suffix == kSessionSuffix && header.base.has_value()) RemoveBase(id);
+  if (header.base.has_value()) RemoveBase(id, base_suffix);
   if (header_out != nullptr) *header_out = std::move(header);
   MutexLock lock(&mu_);
   Unindex(absl::StrCat(id, suffix));
@@ -436,6 +485,7 @@ bool SessionDirectory::RemoveJournal(absl::string_view id) {
     ::close(fd);
   }
   if (removed || gone) {
+    RemoveBase(id, kJournalBaseSuffix);
     MutexLock lock(&mu_);
     Unindex(absl::StrCat(id, kJournalSuffix));
   }
@@ -470,7 +520,11 @@ void SessionJournal::Remove() {
   // Another process may have taken the session up and published its own
   // journal under this name since: only this journal's file goes.
   if (fd_ >= 0 && IsFileAt(fd_, name)) ::unlink(name.c_str());
-  if (fd_ >= 0) directory_->JournalRemoved(name_);
+  if (fd_ >= 0) {
+    directory_->JournalRemoved(name_);
+    directory_->RemoveJournalBase(absl::string_view(name_).substr(
+        0, name_.size() - kJournalSuffix.size()));
+  }
   temporary_.clear();
   if (fd_ >= 0) ::close(fd_);
   fd_ = -1;
@@ -597,13 +651,19 @@ void SessionDirectory::MakeRoom(const std::string& keep) {
     if (absl::EndsWith(oldest, kSessionSuffix)) {
       ::unlink(absl::StrCat(path_, "/", oldest).c_str());
       RemoveBase(id_of(kSessionSuffix));
-    } else if (absl::EndsWith(oldest, kBaseSuffix)) {
-      // A base goes with its session; one left alone (a save or a take cut
-      // short) goes here.
-      if (::lstat(FileOf(id_of(kBaseSuffix)).c_str(), &info) == 0) {
+    } else if (absl::EndsWith(oldest, kBaseSuffix) ||
+               absl::EndsWith(oldest, kJournalBaseSuffix)) {
+      // A base goes with its session file or journal; one left alone (a
+      // save or a take cut short, a process that died) goes here.
+      const bool of_journal = absl::EndsWith(oldest, kJournalBaseSuffix);
+      const std::string id =
+          id_of(of_journal ? kJournalBaseSuffix : kBaseSuffix);
+      if (::lstat(
+              FileOf(id, of_journal ? kJournalSuffix : kSessionSuffix).c_str(),
+              &info) == 0) {
         held.insert(oldest);
       } else {
-        RemoveBase(id_of(kBaseSuffix));
+        RemoveBase(id, of_journal ? kJournalBaseSuffix : kBaseSuffix);
         MutexLock lock(&mu_);
         ++counts_.removed_for_space;
       }
@@ -638,10 +698,11 @@ void SessionDirectory::IndexExisting() {
   while (const dirent* entry = ::readdir(dir)) {
     const std::string name = entry->d_name;
     const absl::string_view suffix =
-        absl::EndsWith(name, kSessionSuffix)   ? kSessionSuffix
-        : absl::EndsWith(name, kJournalSuffix) ? kJournalSuffix
-        : absl::EndsWith(name, kBaseSuffix)    ? kBaseSuffix
-                                               : "";
+        absl::EndsWith(name, kSessionSuffix)       ? kSessionSuffix
+        : absl::EndsWith(name, kJournalSuffix)     ? kJournalSuffix
+        : absl::EndsWith(name, kBaseSuffix)        ? kBaseSuffix
+        : absl::EndsWith(name, kJournalBaseSuffix) ? kJournalBaseSuffix
+                                                   : "";
     struct stat info;
     if (suffix.empty() ||
         !IsStorableId(
@@ -655,8 +716,9 @@ void SessionDirectory::IndexExisting() {
     if (files_.contains(name)) continue;  // written since
     Index(name, static_cast<uint64_t>(info.st_size),
           absl::TimeFromTimespec(info.st_mtim),
-          suffix == kBaseSuffix ? std::optional<Inode>(InodeOf(info))
-                                : std::nullopt);
+          suffix == kBaseSuffix || suffix == kJournalBaseSuffix
+              ? std::optional<Inode>(InodeOf(info))
+              : std::nullopt);
   }
   ::closedir(dir);
   MakeRoom("");

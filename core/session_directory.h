@@ -25,7 +25,9 @@
 // its base; the next ones hard-link theirs to it, so that the prefix is on
 // disk once, and it is freed with the last session naming it, by whichever
 // process takes or removes that session: the links count its users. A
-// session's base goes with its file (taken, removed, quarantined).
+// session's base goes with its file (taken, removed, quarantined). A fork's
+// journal likewise names "<id>.jbase" (SaveJournalBase), which goes with
+// the journal.
 //
 // Bounds: the session files and journals together stay within `max_bytes`:
 // after a save or a journal's growth, the least recently written files are
@@ -67,6 +69,8 @@ class SessionDirectory;
 inline constexpr absl::string_view kSessionSuffix = ".session";
 inline constexpr absl::string_view kJournalSuffix = ".journal";
 inline constexpr absl::string_view kBaseSuffix = ".base";
+// A journal's base ("<id>.jbase"): the same, for the journal of a fork.
+inline constexpr absl::string_view kJournalBaseSuffix = ".jbase";
 
 // One session's journal, open for appending. Ownership: owns its file
 // descriptor. Thread-safety: none; its owner serializes calls (the session
@@ -165,6 +169,18 @@ class SessionDirectory {
   // Removes the file of `id`; whether there was one.
   bool Remove(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // The base file of the journal of session `id`, a fork whose shared
+  // prefix is `shared` (DecodeSession::shared_base), for its header
+  // (SessionJournalHeader): "<id>.jbase", kept if it already holds that
+  // prefix, else linked to a base file holding it or written anew. Counted
+  // as the journal is; removed with it. The write's error; NOT_FOUND when
+  // the directory writes format 2 only.
+  absl::StatusOr<SessionFileBase> SaveJournalBase(
+      absl::string_view id, const DecodeSession& session,
+      const DecodeSession::SharedBase& shared) ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the base of this process's journal of `id` (SaveJournalBase),
+  // unless another process has written its own under the name since.
+  void RemoveJournalBase(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
   // A new journal for session `id` starting with `header`, under a
   // temporary name until published, locked (flock) while it is open.
   // INVALID_ARGUMENT for an id that is not storable; the write's error.
@@ -214,14 +230,18 @@ class SessionDirectory {
   // Moves the file of `id` with `suffix` to quarantine/.
   void Quarantine(absl::string_view id, absl::string_view suffix)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The base of `session` saved as `id` (shared_base: `shared`), as a link
-  // to the one an earlier save wrote, or written anew; an error when it
-  // cannot be (the session is then saved whole).
+  // The base of `session` saved as `id` (shared_base: `shared`) as file
+  // "<id><suffix>" (kBaseSuffix, kJournalBaseSuffix): kept if it already
+  // holds that prefix, else a link to the one an earlier save wrote, or
+  // written anew; an error when it cannot be (the session is then saved
+  // whole).
   absl::StatusOr<SessionFileBase> SaveBase(
       absl::string_view id, const DecodeSession& session,
-      const DecodeSession::SharedBase& shared) ABSL_LOCKS_EXCLUDED(mu_);
-  // Removes the base file of `id`, if any.
-  void RemoveBase(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+      const DecodeSession::SharedBase& shared, absl::string_view suffix)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Removes the base file of `id` with `suffix`, if any.
+  void RemoveBase(absl::string_view id, absl::string_view suffix = kBaseSuffix)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Index upkeep: file `name` ("<id>.session", "<id>.journal", "<id>.base")
   // with `bytes` written at `written`; a base's links (`inode`) count once.
   void Index(const std::string& name, uint64_t bytes, absl::Time written,
@@ -264,6 +284,8 @@ class SessionDirectory {
     SessionFileBase base;
   };
   absl::flat_hash_map<std::string, BaseFile> bases_ ABSL_GUARDED_BY(mu_);
+  // The bases of this process's journals, by session id.
+  absl::flat_hash_map<std::string, Inode> journal_bases_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, Entry> files_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<absl::Time, std::string>> by_age_ ABSL_GUARDED_BY(mu_);
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;

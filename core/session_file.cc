@@ -298,13 +298,45 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> CreateFromHeader(
   return DecodeSession::Create(config);
 }
 
-// A journal's block records, replayed: per layer, the rows of the full
+// The session the base file a version 3 header names holds, read through
+// `loader` and checked: the file named (size, checksum), of the lengths
+// named, in the config of `like` (the session the header makes).
+absl::StatusOr<std::unique_ptr<DecodeSession>> LoadBase(
+    const SessionFileHeader& header, const SessionFileLoader& loader,
+    absl::string_view name, const DecodeSession& like) {
+  const SessionFileBase& base = *header.base;
+  const std::string what = absl::StrCat("its base file (", base.size,
+                                        " bytes, checksum ", base.crc, ")");
+  absl::StatusOr<std::string> bytes = loader.base();
+  if (!bytes.ok()) {
+    return Corrupt(name, absl::StrCat(what, ": ", bytes.status().message()));
+  }
+  if (bytes->size() != base.size || Crc(*bytes) != base.crc) {
+    return Corrupt(name, absl::StrCat(what, " is another: ", bytes->size(),
+                                      " bytes, checksum ", Crc(*bytes)));
+  }
+  // Counted by the caller with this file (its admit); a base names no base.
+  const SessionFileLoader base_loader{.layer_of = loader.layer_of,
+                                      .verify = loader.verify};
+  SessionFileHeader base_header;
+  absl::StatusOr<std::unique_ptr<DecodeSession>> loaded = LoadSessionFile(
+      *bytes, absl::StrCat(name, " base"), base_loader, &base_header);
+  if (!loaded.ok()) {
+    return Corrupt(name, absl::StrCat(what, ": ", loaded.status().message()));
+  }
+  if (base_header.lengths != base.lengths || !(*loaded)->SameConfig(like)) {
+    return Corrupt(name, absl::StrCat(what, " holds another session's tokens"));
+  }
+  return loaded;
+}
+
+// A journal's block records, replayed over `blocks` (per layer, the rows of
+// the full blocks of its base, if any): per layer, the rows of the full
 // blocks it holds in order. A record that ends the file torn (cut short,
 // or its checksum wrong) ends the replay; anywhere else it is corruption.
 absl::StatusOr<std::vector<std::vector<absl::string_view>>> ReplayJournal(
-    Decoder& in, const DecodeSession& session, absl::string_view name) {
-  std::vector<std::vector<absl::string_view>> blocks(
-      static_cast<size_t>(session.num_layers()));
+    Decoder& in, const DecodeSession& session, absl::string_view name,
+    std::vector<std::vector<absl::string_view>> blocks) {
   for (int64_t count = 0; in.left() >= kBlockFieldBytes; ++count) {
     absl::string_view fields, rows;
     uint32_t layer = 0, crc = 0;
@@ -358,12 +390,15 @@ std::string SessionBlockFields(int64_t layer, int64_t first, int64_t tokens,
 }
 
 absl::StatusOr<std::string> SessionJournalHeader(const DecodeSession& session,
-                                                 absl::string_view id) {
+                                                 absl::string_view id,
+                                                 const SessionFileBase* base) {
   ATTN_RETURN_IF_ERROR(VerifyWritable(session));
-  return HeaderRecord(HeaderBody(
-      session, id, session.config().model,
-      std::vector<int64_t>(static_cast<size_t>(session.num_layers()), 0),
-      /*unconfirmed=*/false));
+  // A base's lengths stand for the layers' (a file's may not be below it).
+  std::vector<int64_t> lengths(static_cast<size_t>(session.num_layers()), 0);
+  if (base != nullptr) lengths = base->lengths;
+  return HeaderRecord(HeaderBody(session, id, session.config().model, lengths,
+                                 /*unconfirmed=*/false, base),
+                      base != nullptr ? kSessionFileVersion : kPlainVersion);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
@@ -372,14 +407,34 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
   SessionFileHeader header;
   ATTN_ASSIGN_OR_RETURN(std::unique_ptr<DecodeSession> session,
                         CreateFromHeader(bytes, name, loader, header));
-  for (int64_t length : header.lengths) {
-    if (length != 0) return Corrupt(name, "not a journal (it holds lengths)");
+  // Lengths 0, or its base's.
+  for (size_t l = 0; l < header.lengths.size(); ++l) {
+    if (header.lengths[l] != (header.base ? header.base->lengths[l] : 0)) {
+      return Corrupt(name, "not a journal (it holds lengths)");
+    }
   }
-
+  // The base's blocks come first: rows held here, replayed over.
+  std::vector<std::vector<std::string>> base_rows(header.lengths.size());
+  std::vector<std::vector<absl::string_view>> replayed(header.lengths.size());
+  if (header.base.has_value()) {
+    ATTN_ASSIGN_OR_RETURN(const std::unique_ptr<DecodeSession> base,
+                          LoadBase(header, loader, name, *session));
+    for (size_t l = 0; l < base_rows.size(); ++l) {
+      for (int64_t first = 0; first < header.lengths[l];
+           first += kCacheBlockKeys) {
+        std::string& rows = base_rows[l].emplace_back();
+        ATTN_RETURN_IF_ERROR(base->CopyRows(static_cast<int64_t>(l), first,
+                                            kCacheBlockKeys, rows)
+                                 .status());
+      }
+      replayed[l].assign(base_rows[l].begin(), base_rows[l].end());
+    }
+  }
   ATTN_ASSIGN_OR_RETURN(const size_t header_bytes,
                         HeaderRecordSize(bytes, name));
   Decoder in(bytes.substr(header_bytes));
-  ATTN_ASSIGN_OR_RETURN(const auto blocks, ReplayJournal(in, *session, name));
+  ATTN_ASSIGN_OR_RETURN(const auto blocks,
+                        ReplayJournal(in, *session, name, std::move(replayed)));
   for (size_t layer = 0; layer < blocks.size(); ++layer) {
     header.lengths[layer] =
         static_cast<int64_t>(blocks[layer].size()) * kCacheBlockKeys;
@@ -663,32 +718,7 @@ int64_t SessionFileBuilder::BaseLength(size_t layer) const {
 }
 
 absl::Status SessionFileBuilder::TakeBase(const SessionFileLoader& loader) {
-  const SessionFileBase& base = *header_.base;
-  const std::string what = absl::StrCat("its base file (", base.size,
-                                        " bytes, checksum ", base.crc, ")");
-  absl::StatusOr<std::string> bytes = loader.base();
-  if (!bytes.ok()) {
-    return Corrupt(name_, absl::StrCat(what, ": ", bytes.status().message()));
-  }
-  if (bytes->size() != base.size || Crc(*bytes) != base.crc) {
-    return Corrupt(name_, absl::StrCat(what, " is another: ", bytes->size(),
-                                       " bytes, checksum ", Crc(*bytes)));
-  }
-  // Counted by the caller with this file (its admit); a base names no base.
-  const SessionFileLoader base_loader{.layer_of = loader.layer_of,
-                                      .verify = loader.verify};
-  SessionFileHeader base_header;
-  absl::StatusOr<std::unique_ptr<DecodeSession>> loaded = LoadSessionFile(
-      *bytes, absl::StrCat(name_, " base"), base_loader, &base_header);
-  if (!loaded.ok()) {
-    return Corrupt(name_, absl::StrCat(what, ": ", loaded.status().message()));
-  }
-  if (base_header.lengths != base.lengths ||
-      !(*loaded)->SameConfig(*session_)) {
-    return Corrupt(name_,
-                   absl::StrCat(what, " holds another session's tokens"));
-  }
-  session_ = *std::move(loaded);
+  ATTN_ASSIGN_OR_RETURN(session_, LoadBase(header_, loader, name_, *session_));
   return absl::OkStatus();
 }
 

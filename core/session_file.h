@@ -20,12 +20,13 @@
 // blocks of each layer then start at its base length. The base is loaded
 // first and must match both, and hold those lengths in the same config.
 //
-// A journal is the same header with every length 0, followed by block
-// records only, appended as the session runs: each full block once it
-// fills (tokens kCacheBlockKeys), and a record of 0 tokens where a step
-// rewound below blocks already written. Replayed in order, a record at
-// token `first` drops every block of its layer from `first` on, then adds
-// its own. A journal has no end record: the process writing it may die at
+// A journal is the same header with every length 0 (and, version 3, a base
+// file holding the fork's shared prefix: its blocks are the journal's
+// first), followed by block records only, appended as the session runs: each
+// full block once it fills (tokens kCacheBlockKeys), and a record of 0 tokens
+// where a step rewound below blocks already written. Replayed in order, a
+// record at token `first` drops every block of its layer from `first` on, then
+// adds its own. A journal has no end record: the process writing it may die at
 // any point, so a last record cut short or with a wrong checksum ends the
 // replay (it was being written), and the session holds the full blocks
 // before it, marked unconfirmed: its client resends from there.
@@ -119,10 +120,12 @@ absl::Status WriteSessionFile(
     bool unconfirmed = false, const SessionFileShape& shape = {});
 
 // A journal's pieces: its header (FAILED_PRECONDITION for a model session
-// without its model's name), and a block record's fields before its rows
-// (`rows` empty for a rewind's record of 0 tokens).
-absl::StatusOr<std::string> SessionJournalHeader(const DecodeSession& session,
-                                                 absl::string_view id);
+// without its model's name; naming `base` when given, whose blocks then
+// come first), and a block record's fields before its rows (`rows` empty
+// for a rewind's record of 0 tokens).
+absl::StatusOr<std::string> SessionJournalHeader(
+    const DecodeSession& session, absl::string_view id,
+    const SessionFileBase* base = nullptr);
 std::string SessionBlockFields(int64_t layer, int64_t first, int64_t tokens,
                                absl::string_view rows);
 

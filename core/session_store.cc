@@ -1319,11 +1319,32 @@ bool SessionStore::WriteNextBlock(Slot& slot, std::string& rows) {
 }
 
 absl::Status SessionStore::StartJournal(Slot& slot, bool with_blocks) {
-  ATTN_ASSIGN_OR_RETURN(const std::string header,
-                        SessionJournalHeader(*slot.session, slot.id));
-  ATTN_ASSIGN_OR_RETURN(std::unique_ptr<SessionJournal> journal,
-                        options_.directory->CreateJournal(slot.id, header));
+  // A fork's shared prefix is journaled once, in a base file its forks'
+  // journals link. A journal started again over another prefix holds every
+  // block: the old one's base stays until the new journal replaces it.
+  const DecodeSession::SharedBase shared = slot.session->shared_base();
+  std::optional<SessionFileBase> base;
+  if (slot.journal == nullptr || shared.key == slot.journal_base_key) {
+    absl::StatusOr<SessionFileBase> saved =
+        options_.directory->SaveJournalBase(slot.id, *slot.session, shared);
+    if (saved.ok()) base = *std::move(saved);
+  }
+  absl::StatusOr<std::string> header =
+      SessionJournalHeader(*slot.session, slot.id, base ? &*base : nullptr);
+  absl::StatusOr<std::unique_ptr<SessionJournal>> created =
+      header.ok() ? options_.directory->CreateJournal(slot.id, *header)
+                  : header.status();
+  if (!created.ok()) {
+    // A base written for it goes too (an old journal's, kept, goes with
+    // that journal when the caller drops it).
+    if (slot.journal == nullptr) options_.directory->RemoveJournalBase(slot.id);
+    return created.status();
+  }
+  std::unique_ptr<SessionJournal> journal = *std::move(created);
   slot.journaled.assign(static_cast<size_t>(slot.session->num_layers()), 0);
+  for (size_t l = 0; base.has_value() && l < slot.journaled.size(); ++l) {
+    slot.journaled[l] = base->lengths[l] / kCacheBlockKeys;
+  }
   absl::Status status =
       with_blocks ? AppendBlocks(slot, *journal) : absl::OkStatus();
   if (status.ok()) status = journal->Publish();
@@ -1331,6 +1352,8 @@ absl::Status SessionStore::StartJournal(Slot& slot, bool with_blocks) {
     journal->Remove();
     return status;
   }
+  if (!base.has_value()) options_.directory->RemoveJournalBase(slot.id);
+  slot.journal_base_key = base.has_value() ? shared.key : "";
   slot.journal = std::move(journal);
   return absl::OkStatus();
 }

@@ -386,6 +386,9 @@ class SessionStore {
     Mutex journal_mu ABSL_ACQUIRED_AFTER(step_mu);
     std::unique_ptr<SessionJournal> journal ABSL_GUARDED_BY(journal_mu);
     std::vector<int64_t> journaled ABSL_GUARDED_BY(journal_mu);
+    // The shared prefix (DecodeSession::SharedBase::key) whose base file
+    // the journal names; empty: none.
+    std::string journal_base_key ABSL_GUARDED_BY(journal_mu);
     int64_t rewinds ABSL_GUARDED_BY(journal_mu) = 0;
     std::atomic<bool> journal_queued{false};
     bool journal_off ABSL_GUARDED_BY(journal_mu) = false;

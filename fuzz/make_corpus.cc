@@ -1215,6 +1215,33 @@ std::string FileWithBase(std::mt19937& rng) {
   return write(named) + base;
 }
 
+// A journal of a fork of 1030 tokens naming a base file of its first block,
+// holding its second block, followed by that base file.
+std::string JournalWithBase(std::mt19937& rng) {
+  const std::unique_ptr<DecodeSession> session = FilledSession(1030, rng);
+  std::string base;
+  SessionFileShape prefix;
+  prefix.prefix = std::vector<int64_t>{kCacheBlockKeys};
+  const absl::Status written = WriteSessionFile(
+      *session, "0123456789abcdef",
+      [&](absl::string_view piece) {
+        base.append(piece.data(), piece.size());
+        return absl::OkStatus();
+      },
+      /*unconfirmed=*/false, prefix);
+  if (!written.ok()) Die("base file", written);
+  const SessionFileBase named{{kCacheBlockKeys}, base.size(), Crc32c(base)};
+  std::string bytes =
+      Must("journal header",
+           SessionJournalHeader(*session, "0123456789abcdef", &named));
+  std::string rows;
+  const absl::Status read =
+      session->CopyRows(0, kCacheBlockKeys, kCacheBlockKeys, rows).status();
+  if (!read.ok()) Die("journal block", read);
+  bytes += SessionBlockFields(0, kCacheBlockKeys, kCacheBlockKeys, rows);
+  return bytes + rows + base;
+}
+
 void AddSessionFileSeeds(Seeds* seeds) {
   std::mt19937 rng(20261127);
   const auto file = [&](DType cache, int64_t layers,
@@ -1263,6 +1290,7 @@ void AddSessionFileSeeds(Seeds* seeds) {
   (*seeds)["session_file/empty"] = file(DType::kFloat32, 1, {0});
   (*seeds)["session_file/journal"] = Journal(rng);
   (*seeds)["session_file/with_base"] = FileWithBase(rng);
+  (*seeds)["session_file/journal_with_base"] = JournalWithBase(rng);
 }
 
 void AddCallSequenceSeeds(Seeds* seeds) {

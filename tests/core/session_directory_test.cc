@@ -246,6 +246,16 @@ TEST_P(ForksTakenUpTest, ShareTheirPrefixAgain) {
     held_bytes = first.stats().cache_bytes;
     if (crashed) {
       first.WaitForJournals();  // and no save: the store dies
+      // The prefix was journaled once: by the parent (if its journal began
+      // before the forks froze its cache), or in the base file each fork's
+      // journal names, linked.
+      EXPECT_LE(first.stats().journaled_blocks, 2);
+      for (const std::string& id : ids) {
+        struct stat base;
+        ASSERT_EQ(::stat((path_ / (id + ".jbase")).c_str(), &base), 0) << id;
+        EXPECT_EQ(base.st_nlink, static_cast<nlink_t>(kForks));
+        EXPECT_LT(fs::file_size(path_ / (id + ".journal")), uint64_t{4} << 10);
+      }
     } else {
       ASSERT_EQ(first.SaveAll().sessions, kForks);
     }

@@ -464,18 +464,22 @@ SessionFileShape Based(SessionFileBase base) {
 
 // `bytes` loaded with `base` as its base file.
 absl::StatusOr<std::unique_ptr<DecodeSession>> LoadOverBase(
-    absl::string_view bytes, absl::StatusOr<std::string> base) {
+    absl::string_view bytes, absl::StatusOr<std::string> base,
+    bool journal = false, SessionFileHeader* header = nullptr) {
   SessionStore store({});
+  // Named: the loader refers to them.
   const auto base_file = [&]() { return base; };
-  return LoadSessionFile(
-      bytes, "s.session",
-      {.layer_of = [](absl::string_view)
-           -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
-         return absl::NotFoundError("no models");
-       },
-       .verify =
-           [&](const DecodeSessionConfig& c) { return store.VerifyConfig(c); },
-       .base = base_file});
+  const auto no_models = [](absl::string_view)
+      -> absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> {
+    return absl::NotFoundError("no models");
+  };
+  const auto verify = [&](const DecodeSessionConfig& c) {
+    return store.VerifyConfig(c);
+  };
+  const SessionFileLoader loader{
+      .layer_of = no_models, .verify = verify, .base = base_file};
+  return journal ? LoadSessionJournal(bytes, "s.journal", loader, header)
+                 : LoadSessionFile(bytes, "s.session", loader, header);
 }
 
 // Version 3: a fork's prefix is in a base file, named by its size and
@@ -685,6 +689,38 @@ TEST(SessionJournalTest, AJournalReplaysToTheFullBlocksUnconfirmed) {
     auto reference = PrefixOf(*session, {1024, 0});
     ExpectSameNextSteps(*reference, **loaded, dtype, rng);
   }
+}
+
+// A fork's journal names a base file holding its shared prefix: the replay
+// starts from the base's blocks, and a rewind record drops them as it
+// drops journaled ones.
+TEST(SessionJournalTest, AJournalOverABaseReplaysFromItsBlocks) {
+  std::mt19937 rng(23);
+  auto session = *DecodeSession::Create(Config(DType::kFloat32, 1));
+  ASSERT_TRUE(RunStep(*session, RandomStep(DType::kFloat32, 1600, rng)).ok());
+  const std::string base = WriteShaped(*session, Prefix({1024}));
+  const SessionFileBase named{{1024}, base.size(), Crc(base)};
+  std::string journal = *SessionJournalHeader(*session, "j", &named);
+  std::string rows;
+  ASSERT_TRUE(session->CopyRows(0, 1024, kCacheBlockKeys, rows).ok());
+  journal += SessionBlockFields(0, 1024, kCacheBlockKeys, rows) + rows;
+  SessionFileHeader header;
+  auto loaded = LoadOverBase(journal, base, /*journal=*/true, &header);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(header.lengths, (std::vector<int64_t>{1536}));
+  EXPECT_TRUE(header.unconfirmed);
+  ExpectSameNextSteps(*PrefixOf(*session, {1536}), **loaded, DType::kFloat32,
+                      rng);
+  journal += SessionBlockFields(0, 512, 0, "");
+  loaded = LoadOverBase(journal, base, /*journal=*/true, &header);
+  ASSERT_TRUE(loaded.ok()) << loaded.status();
+  EXPECT_EQ(header.lengths, (std::vector<int64_t>{512}));
+  ExpectSameNextSteps(*PrefixOf(*session, {512}), **loaded, DType::kFloat32,
+                      rng);
+  auto without = LoadOverBase(journal, absl::NotFoundError("gone"), true);
+  EXPECT_EQ(without.status().code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(without.status().message()),
+              HasSubstr("its base file"));
 }
 
 TEST(SessionJournalTest, ARewindRecordDropsTheBlocksItReplaced) {
