@@ -487,15 +487,11 @@ void DecodeSession::OwnBlocks(int64_t layer, int64_t first, int64_t end,
     if (OwnsBlock(layer, i)) continue;
     const int64_t from = i * kCacheBlockKeys;
     const int64_t copied = std::min(held, from + kCacheBlockKeys);
-    cache_->CopyTokens(*SharedCacheAt(layer, i), layer, from, copied);
+    cache_->CopyTokens(*FrozenAt(layer, i)->cache, layer, from, copied);
     state.written = std::max(state.written, copied);
     PointBlock(layer, i, *cache_);
     state.own_from = std::min(state.own_from, from);
   }
-}
-
-const KvCache* DecodeSession::SharedCacheAt(int64_t layer, size_t block) const {
-  return FrozenAt(layer, block)->cache.get();
 }
 
 const DecodeSession::FrozenCache* DecodeSession::FrozenAt(int64_t layer,

@@ -384,8 +384,6 @@ class DecodeSession {
                     int64_t token) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // The frozen cache `layer`'s block `block` is read from (a block the
   // session does not own).
-  const KvCache* SharedCacheAt(int64_t layer, size_t block) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   struct FrozenCache;
   const FrozenCache* FrozenAt(int64_t layer, size_t block) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -73,18 +73,13 @@ int64_t ModifiedNanos(const struct stat& info) {
 // Base files remembered for linking, at most.
 constexpr size_t kMaxKnownBases = 4096;
 
-// A session file's base file, if it has one, read whole when asked.
-struct OpenedBase {
-  std::optional<absl::StatusOr<OpenedFile>> file;
-
-  absl::StatusOr<std::string> Read() const {
-    if (!file.has_value()) return absl::NotFoundError("no base file");
-    ATTN_RETURN_IF_ERROR(file->status());
-    std::string bytes((*file)->size(), '\0');
-    ATTN_RETURN_IF_ERROR((*file)->ReadAt(0, bytes.size(), bytes.data()));
-    return bytes;
-  }
-};
+// The whole of `file`, or the error it was opened with.
+absl::StatusOr<std::string> ReadWhole(const absl::StatusOr<OpenedFile>& file) {
+  ATTN_RETURN_IF_ERROR(file.status());
+  std::string bytes(file->size(), '\0');
+  ATTN_RETURN_IF_ERROR(file->ReadAt(0, bytes.size(), bytes.data()));
+  return bytes;
+}
 
 }  // namespace
 
@@ -147,6 +142,32 @@ std::string TemporaryName(absl::string_view path, absl::string_view id,
   return absl::StrCat(path, "/.", id, ".", ::getpid(), ".", counter++, suffix);
 }
 
+// What a file's contents are written through, a piece at a time.
+using FileSink = absl::FunctionRef<absl::Status(absl::string_view)>;
+
+// Writes a file whole or not at all: the pieces `write` passes to its sink
+// go to a new file `temporary`, renamed to `path` once all are written;
+// on an error nothing is left behind.
+absl::Status WriteWhole(const std::string& temporary, const std::string& path,
+                        absl::FunctionRef<absl::Status(FileSink)> write) {
+  const int fd =
+      ::open(temporary.c_str(),
+             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) {
+    return ErrnoError(absl::StrCat("cannot create ", temporary), errno);
+  }
+  absl::Status written = write(
+      [&](absl::string_view piece) { return WriteAll(fd, piece, temporary); });
+  if (::close(fd) != 0 && written.ok()) {
+    written = ErrnoError(absl::StrCat("cannot write ", temporary), errno);
+  }
+  if (written.ok() && ::rename(temporary.c_str(), path.c_str()) != 0) {
+    written = ErrnoError(absl::StrCat("cannot rename to ", path), errno);
+  }
+  if (!written.ok()) ::unlink(temporary.c_str());
+  return written;
+}
+
 }  // namespace
 
 absl::Status SessionDirectory::Save(absl::string_view id,
@@ -166,31 +187,18 @@ absl::Status SessionDirectory::Save(absl::string_view id,
     if (base.ok()) shape.base = *std::move(base);
   }
   if (!shape.base.has_value()) RemoveBase(id);
-  const std::string temporary = TemporaryName(path_, id, ".tmp");
-  const int fd =
-      ::open(temporary.c_str(),
-             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    RemoveBase(id);
-    return ErrnoError(absl::StrCat("cannot create ", temporary), errno);
-  }
   uint64_t bytes = 0;
-  absl::Status written = WriteSessionFile(
-      session, id,
-      [&](absl::string_view piece) {
-        bytes += piece.size();
-        return WriteAll(fd, piece, temporary);
-      },
-      unconfirmed, shape);
-  if (::close(fd) != 0 && written.ok()) {
-    written = ErrnoError(absl::StrCat("cannot write ", temporary), errno);
-  }
-  const std::string file = FileOf(id);
-  if (written.ok() && ::rename(temporary.c_str(), file.c_str()) != 0) {
-    written = ErrnoError(absl::StrCat("cannot rename to ", file), errno);
-  }
+  const absl::Status written = WriteWhole(TemporaryName(path_, id, ".tmp"),
+                                          FileOf(id), [&](FileSink sink) {
+                                            return WriteSessionFile(
+                                                session, id,
+                                                [&](absl::string_view piece) {
+                                                  bytes += piece.size();
+                                                  return sink(piece);
+                                                },
+                                                unconfirmed, shape);
+                                          });
   if (!written.ok()) {
-    ::unlink(temporary.c_str());
     RemoveBase(id);
     return written;
   }
@@ -253,34 +261,21 @@ absl::StatusOr<SessionFileBase> SessionDirectory::SaveBase(
     }
     ::unlink(path.c_str());
   }
-  const std::string temporary = TemporaryName(path_, id, ".base.tmp");
-  const int fd =
-      ::open(temporary.c_str(),
-             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) {
-    return ErrnoError(absl::StrCat("cannot create ", temporary), errno);
-  }
   SessionFileBase base{.lengths = shared.lengths};
-  absl::Status written = WriteSessionFile(
-      session, id,
-      [&](absl::string_view piece) {
-        base.size += piece.size();
-        base.crc = Crc32c(piece, base.crc);
-        return WriteAll(fd, piece, temporary);
-      },
-      /*unconfirmed=*/false, {.prefix = shared.lengths, .base = std::nullopt});
-  if (::close(fd) != 0 && written.ok()) {
-    written = ErrnoError(absl::StrCat("cannot write ", temporary), errno);
-  }
-  if (written.ok() && ::rename(temporary.c_str(), path.c_str()) != 0) {
-    written = ErrnoError(absl::StrCat("cannot rename to ", path), errno);
-  }
-  if (written.ok() && ::lstat(path.c_str(), &info) != 0) {
-    written = ErrnoError(absl::StrCat("cannot read ", path), errno);
-  }
-  if (!written.ok()) {
-    ::unlink(temporary.c_str());
-    return written;
+  ATTN_RETURN_IF_ERROR(WriteWhole(
+      TemporaryName(path_, id, ".base.tmp"), path, [&](FileSink sink) {
+        return WriteSessionFile(
+            session, id,
+            [&](absl::string_view piece) {
+              base.size += piece.size();
+              base.crc = Crc32c(piece, base.crc);
+              return sink(piece);
+            },
+            /*unconfirmed=*/false,
+            {.prefix = shared.lengths, .base = std::nullopt});
+      }));
+  if (::lstat(path.c_str(), &info) != 0) {
+    return ErrnoError(absl::StrCat("cannot read ", path), errno);
   }
   MutexLock lock(&mu_);
   Index(name, base.size, absl::Now(), InodeOf(info));
@@ -300,21 +295,18 @@ void SessionDirectory::RemoveBase(absl::string_view id,
 }
 
 void SessionDirectory::RemoveJournalBase(absl::string_view id) {
-  std::optional<Inode> ours;
+  Inode ours;
   {
     MutexLock lock(&mu_);
     const auto it = journal_bases_.find(id);
     if (it == journal_bases_.end()) return;
     ours = it->second;
     journal_bases_.erase(it);
-  }
-  {
-    MutexLock lock(&mu_);
     Unindex(absl::StrCat(id, kJournalBaseSuffix));
   }
   struct stat info;
   const std::string path = FileOf(id, kJournalBaseSuffix);
-  if (::lstat(path.c_str(), &info) == 0 && InodeOf(info) == *ours) {
+  if (::lstat(path.c_str(), &info) == 0 && InodeOf(info) == ours) {
     ::unlink(path.c_str());
   }
 }
@@ -375,11 +367,10 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
   // making room removes a base whose session file it does not find.
   const absl::string_view base_suffix =
       suffix == kSessionSuffix ? kBaseSuffix : kJournalBaseSuffix;
-  OpenedBase base;
-  base.file.emplace(OpenRegularFile(FileOf(id, base_suffix),
-                                    {.max_bytes = options_.max_file_bytes,
-                                     .limit_name = "the largest session",
-                                     .within = path_}));
+  const absl::StatusOr<OpenedFile> base = OpenRegularFile(
+      FileOf(id, base_suffix), {.max_bytes = options_.max_file_bytes,
+                                .limit_name = "the largest session",
+                                .within = path_});
   // Claimed by renaming it first: of two processes taking it at once, one
   // gets it.
   const std::string file = TemporaryName(path_, id, ".taking");
@@ -407,7 +398,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionDirectory::TakeFile(
   };
   SessionFileHeader header;
   const std::string shown = absl::StrCat(id, suffix);
-  const auto read_base = [&base] { return base.Read(); };
+  const auto read_base = [&base] { return ReadWhole(base); };
   const SessionFileLoader with_base{.layer_of = loader.layer_of,
                                     .verify = loader.verify,
                                     .admit = loader.admit,
@@ -541,18 +532,10 @@ bool SessionDirectory::Remove(absl::string_view id) {
 
 void SessionDirectory::Hold(absl::string_view id, absl::string_view holder) {
   if (!IsStorableId(id) || holder.empty()) return;
-  const std::string temporary = TemporaryName(path_, id, ".held.tmp");
-  const int fd =
-      ::open(temporary.c_str(),
-             O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) return;
-  const bool written = WriteAll(fd, holder, temporary).ok();
-  const bool closed = ::close(fd) == 0;
-  if (!written || !closed ||
-      ::rename(temporary.c_str(),
-               absl::StrCat(path_, "/", id, kHeldSuffix).c_str()) != 0) {
-    ::unlink(temporary.c_str());
-  }
+  // A record that cannot be written leaves none: peers find no holder.
+  WriteWhole(TemporaryName(path_, id, ".held.tmp"), FileOf(id, kHeldSuffix),
+             [&](FileSink sink) { return sink(holder); })
+      .IgnoreError();
 }
 
 std::optional<std::string> SessionDirectory::Holder(
@@ -599,8 +582,11 @@ void SessionDirectory::Index(const std::string& name, uint64_t bytes,
   files_[name] = {bytes, written, false, inode};
   by_age_.emplace(written, name);
   // A base file counts once, however many links name it.
-  if (inode.has_value() && inodes_[*inode].links++ > 0) return;
-  if (inode.has_value()) inodes_[*inode].bytes = bytes;
+  if (inode.has_value()) {
+    LinkedFile& linked = inodes_[*inode];
+    if (linked.links++ > 0) return;
+    linked.bytes = bytes;
+  }
   bytes_ += bytes;
 }
 
@@ -656,14 +642,15 @@ void SessionDirectory::MakeRoom(const std::string& keep) {
       // A base goes with its session file or journal; one left alone (a
       // save or a take cut short, a process that died) goes here.
       const bool of_journal = absl::EndsWith(oldest, kJournalBaseSuffix);
-      const std::string id =
-          id_of(of_journal ? kJournalBaseSuffix : kBaseSuffix);
+      const absl::string_view suffix =
+          of_journal ? kJournalBaseSuffix : kBaseSuffix;
+      const std::string id = id_of(suffix);
       if (::lstat(
               FileOf(id, of_journal ? kJournalSuffix : kSessionSuffix).c_str(),
               &info) == 0) {
         held.insert(oldest);
       } else {
-        RemoveBase(id, of_journal ? kJournalBaseSuffix : kBaseSuffix);
+        RemoveBase(id, suffix);
         MutexLock lock(&mu_);
         ++counts_.removed_for_space;
       }

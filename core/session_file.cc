@@ -298,12 +298,18 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> CreateFromHeader(
   return DecodeSession::Create(config);
 }
 
-// The session the base file a version 3 header names holds, read through
-// `loader` and checked: the file named (size, checksum), of the lengths
-// named, in the config of `like` (the session the header makes).
-absl::StatusOr<std::unique_ptr<DecodeSession>> LoadBase(
-    const SessionFileHeader& header, const SessionFileLoader& loader,
-    absl::string_view name, const DecodeSession& like) {
+// The base file a version 3 header names, read through `loader` and
+// checked (the file named by size and checksum, of the lengths named, in
+// the config of `like`, the session the header makes): its bytes, and the
+// session they hold.
+struct LoadedBase {
+  std::string bytes;
+  std::unique_ptr<DecodeSession> session;
+};
+absl::StatusOr<LoadedBase> LoadBase(const SessionFileHeader& header,
+                                    const SessionFileLoader& loader,
+                                    absl::string_view name,
+                                    const DecodeSession& like) {
   const SessionFileBase& base = *header.base;
   const std::string what = absl::StrCat("its base file (", base.size,
                                         " bytes, checksum ", base.crc, ")");
@@ -311,9 +317,10 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadBase(
   if (!bytes.ok()) {
     return Corrupt(name, absl::StrCat(what, ": ", bytes.status().message()));
   }
-  if (bytes->size() != base.size || Crc(*bytes) != base.crc) {
+  if (const uint32_t crc = Crc(*bytes);
+      bytes->size() != base.size || crc != base.crc) {
     return Corrupt(name, absl::StrCat(what, " is another: ", bytes->size(),
-                                      " bytes, checksum ", Crc(*bytes)));
+                                      " bytes, checksum ", crc));
   }
   // Counted by the caller with this file (its admit); a base names no base.
   const SessionFileLoader base_loader{.layer_of = loader.layer_of,
@@ -327,7 +334,7 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadBase(
   if (base_header.lengths != base.lengths || !(*loaded)->SameConfig(like)) {
     return Corrupt(name, absl::StrCat(what, " holds another session's tokens"));
   }
-  return loaded;
+  return LoadedBase{*std::move(bytes), *std::move(loaded)};
 }
 
 // A journal's block records, replayed over `blocks` (per layer, the rows of
@@ -413,21 +420,21 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> LoadSessionJournal(
       return Corrupt(name, "not a journal (it holds lengths)");
     }
   }
-  // The base's blocks come first: rows held here, replayed over.
-  std::vector<std::vector<std::string>> base_rows(header.lengths.size());
+  // The base's blocks come first, replayed over: the rows of its block
+  // records, in place in its bytes (checked whole, every block full).
   std::vector<std::vector<absl::string_view>> replayed(header.lengths.size());
+  LoadedBase base;
   if (header.base.has_value()) {
-    ATTN_ASSIGN_OR_RETURN(const std::unique_ptr<DecodeSession> base,
-                          LoadBase(header, loader, name, *session));
-    for (size_t l = 0; l < base_rows.size(); ++l) {
+    ATTN_ASSIGN_OR_RETURN(base, LoadBase(header, loader, name, *session));
+    ATTN_ASSIGN_OR_RETURN(size_t at, HeaderRecordSize(base.bytes, name));
+    const size_t rows = session->RowBytes(kCacheBlockKeys);
+    for (size_t l = 0; l < replayed.size(); ++l) {
       for (int64_t first = 0; first < header.lengths[l];
            first += kCacheBlockKeys) {
-        std::string& rows = base_rows[l].emplace_back();
-        ATTN_RETURN_IF_ERROR(base->CopyRows(static_cast<int64_t>(l), first,
-                                            kCacheBlockKeys, rows)
-                                 .status());
+        replayed[l].push_back(
+            absl::string_view(base.bytes).substr(at + kBlockFieldBytes, rows));
+        at += kBlockFieldBytes + rows;
       }
-      replayed[l].assign(base_rows[l].begin(), base_rows[l].end());
     }
   }
   ATTN_ASSIGN_OR_RETURN(const size_t header_bytes,
@@ -718,7 +725,9 @@ int64_t SessionFileBuilder::BaseLength(size_t layer) const {
 }
 
 absl::Status SessionFileBuilder::TakeBase(const SessionFileLoader& loader) {
-  ATTN_ASSIGN_OR_RETURN(session_, LoadBase(header_, loader, name_, *session_));
+  ATTN_ASSIGN_OR_RETURN(LoadedBase base,
+                        LoadBase(header_, loader, name_, *session_));
+  session_ = std::move(base.session);
   return absl::OkStatus();
 }
 
