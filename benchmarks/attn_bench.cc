@@ -98,16 +98,35 @@ void SetRate(benchmark::State& state, double flops, double bytes) {
 // The decode kernels alone on one block of cached rows that stays in the
 // L1/L2 caches (512 keys, one query row): the compute rate each kernel
 // reaches when memory is not the bound. Args: d, cache (0 float32, 1
-// bfloat16, 2 int8), kernel (0 dot_rows, 1 add_weighted_rows), ops (as
-// BM_DecodeStep). bytes_per_second: the cached rows read.
+// bfloat16, 2 int8), kernel (0 dot_rows, 1 add_weighted_rows, 2
+// quantize_int8: the 512 float32 rows a step appends to an int8 cache, cache
+// 2 only), ops (as BM_DecodeStep). bytes_per_second: the cached rows read
+// (quantize_int8: the float32 rows).
+void QuantizeRows(benchmark::State& state, const RowOps& ops, int64_t cols,
+                  int64_t dim) {
+  Tensor rows = Random(DType::kFloat32, {cols, dim}, 3);
+  std::vector<int8_t> codes(static_cast<size_t>(cols * dim));
+  std::vector<float> scales(static_cast<size_t>(cols));
+  for (auto _ : state) {
+    for (int64_t j = 0; j < cols; ++j) {
+      scales[j] = ops.quantize_int8(rows.data_as<float>() + j * dim, dim,
+                                    codes.data() + j * dim);
+    }
+    benchmark::DoNotOptimize(codes.data());
+    benchmark::DoNotOptimize(scales.data());
+  }
+  SetRate(state, 0, 4.0 * cols * dim);
+}
+
 void BM_RowKernel(benchmark::State& state) {
   const int64_t dim = state.range(0), cols = 512;
   constexpr RowType kTypes[] = {RowType::kFloat32, RowType::kBFloat16,
                                 RowType::kInt8};
   const RowType type = kTypes[state.range(1)];
-  const bool dot = state.range(2) == 0;
+  const int64_t kernel = state.range(2);
   ScopedRowOps scoped(state, 3);
   const RowOps& ops = GetRowOps();
+  if (kernel == 2) return QuantizeRows(state, ops, cols, dim);
   // Float rows from Random; int8 rows as codes with one scale a row.
   Tensor rows =
       Random(type == RowType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32,
@@ -125,7 +144,7 @@ void BM_RowKernel(benchmark::State& state) {
   Tensor p = Random(DType::kFloat32, {cols}, 6);
   std::vector<float> out(static_cast<size_t>(std::max(cols, dim)));
   for (auto _ : state) {
-    if (dot) {
+    if (kernel == 0) {
       ops.dot_rows(q.data_as<float>(), 1, dim, cached, cols, out.data(), cols);
     } else {
       ops.add_weighted_rows(p.data_as<float>(), cols, 1, cached, cols, dim,
@@ -956,7 +975,8 @@ BENCHMARK(BM_DecodeStep)->ArgNames({"H", "Hkv", "d", "Lk", "cache", "ops"})
 BENCHMARK(BM_RowKernel)->ArgNames({"d", "cache", "kernel", "ops"})
     ->Apply([](auto* b) {
       PerRowOps(b, {{64, 0, 0}, {64, 1, 0}, {64, 2, 0}, {64, 0, 1},
-                    {64, 1, 1}, {64, 2, 1}, {128, 2, 0}, {128, 2, 1}});
+                    {64, 1, 1}, {64, 2, 1}, {128, 2, 0}, {128, 2, 1},
+                    {64, 2, 2}});
     })
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ForkSession)->ArgNames({"Lk", "mode"})

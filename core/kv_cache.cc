@@ -4,15 +4,14 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cmath>
 #include <cstring>
-#include <limits>
 #include <new>
 #include <type_traits>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "core/row_ops.h"
 #include "core/status_macros.h"
 
 namespace attnserve {
@@ -320,24 +319,7 @@ const void** SessionLayers::Table(int table, int64_t l) const {
 }
 
 float QuantizeInt8(const float* x, int64_t n, int8_t* codes) {
-  float max_abs = 0.0f;
-  bool finite = true;
-  for (int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(x[i])) finite = false;
-    max_abs = std::max(max_abs, std::fabs(x[i]));
-  }
-  if (!finite || max_abs == 0.0f) {
-    for (int64_t i = 0; i < n; ++i) codes[i] = 0;
-    return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
-  }
-  // In double: 127 / max_abs overflows float for subnormal rows. (Their
-  // scale may round to 0: they read back as zeros, within max|x|.)
-  const double inverse = 127.0 / max_abs;
-  for (int64_t i = 0; i < n; ++i) {
-    const double code = std::round(x[i] * inverse);
-    codes[i] = static_cast<int8_t>(std::clamp(code, -127.0, 127.0));
-  }
-  return max_abs / 127.0f;
+  return GetRowOps().quantize_int8(x, n, codes);
 }
 
 }  // namespace attnserve

@@ -142,6 +142,25 @@ void ScalarRmsNorm(const float* x, int64_t n, float eps, const float* gamma,
   }
 }
 
+float ScalarQuantizeInt8(const float* x, int64_t n, int8_t* codes) {
+  float max_abs = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(x[i])) finite = false;
+    max_abs = std::max(max_abs, std::fabs(x[i]));
+  }
+  if (!finite || max_abs == 0.0f) {
+    return row_ops_internal::QuantizeRowWithoutScale(finite, n, codes);
+  }
+  // In double: 127 / max_abs overflows float for subnormal rows. (Their
+  // scale may round to 0: they read back as zeros, within max|x|.)
+  const double inverse = 127.0 / max_abs;
+  for (int64_t i = 0; i < n; ++i) {
+    codes[i] = row_ops_internal::Int8Code(x[i], inverse);
+  }
+  return max_abs / 127.0f;
+}
+
 }  // namespace
 
 const RowOps& ScalarRowOps() {
@@ -155,6 +174,7 @@ const RowOps& ScalarRowOps() {
                           ScalarAllFinite,
                           ScalarLayerNorm,
                           ScalarRmsNorm,
+                          ScalarQuantizeInt8,
                           ScalarDotRows,
                           ScalarAddWeightedRows,
                           /*int8_integer_path=*/false,

@@ -91,6 +91,10 @@ struct RowOps {
   // gamma (gamma may be null), the mean square summed in double.
   void (*rms_norm)(const float* x, int64_t n, float eps, const float* gamma,
                    float* y);
+  // Quantizes a row of n values to int8 codes and returns its scale, as
+  // QuantizeInt8 (core/kv_cache.h) states: the same codes and scale on every
+  // implementation.
+  float (*quantize_int8)(const float* x, int64_t n, int8_t* codes);
   // The decode kernel's products with cached rows. dot_rows:
   // out[r * ld + j] = sum_c q[r * dim + c] * keys_j[c] for r < rows,
   // j < cols. add_weighted_rows: acc[r * dim + c] += sum_j p[r * ld + j] *

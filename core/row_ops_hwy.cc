@@ -502,6 +502,48 @@ void RmsNorm(const float* x, int64_t n, float eps, const float* gamma,
   RmsNormOutputOf<false>(x, n, inverse, nullptr, y);
 }
 
+// QuantizeInt8 of one cache row: the maximum and finiteness a vector at a
+// time, then the codes in double (as the scalar code computes them), half
+// a vector of floats a step; ties round away from zero as std::round does:
+// the truncated value, moved one away from zero where the part cut off
+// (exact in double) is at least 1/2.
+float QuantizeInt8(const float* x, int64_t n, int8_t* codes) {
+  const D d;
+  V max_abs_lanes = hn::Zero(d);
+  bool finite = true;
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t, int64_t) {
+    finite = finite && hn::AllTrue(d, hn::IsFinite(v));
+    max_abs_lanes = hn::Max(max_abs_lanes, hn::Abs(v));
+  });
+  const float max_abs = MaxOfLanes(max_abs_lanes);
+  if (!finite || max_abs == 0.0f) {
+    return row_ops_internal::QuantizeRowWithoutScale(finite, n, codes);
+  }
+  // In double: 127 / max_abs overflows float for subnormal rows.
+  const double inverse = 127.0 / max_abs;
+  int64_t i = 0;
+#if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
+  const DD dd;
+  const hn::Rebind<float, DD> df;
+  const hn::Rebind<int32_t, DD> di;
+  const hn::Rebind<int8_t, DD> d8;
+  const auto scale = hn::Set(dd, inverse), half = hn::Set(dd, 0.5),
+             one = hn::Set(dd, 1.0), limit = hn::Set(dd, 127.0);
+  const int64_t lanes = static_cast<int64_t>(hn::Lanes(dd));
+  for (; i + lanes <= n; i += lanes) {
+    const auto y = hn::Mul(hn::PromoteTo(dd, hn::LoadU(df, x + i)), scale);
+    const auto cut = hn::Trunc(y);
+    const auto away = hn::Ge(hn::Abs(hn::Sub(y, cut)), half);
+    const auto code =
+        hn::IfThenElse(away, hn::Add(cut, hn::CopySignToAbs(one, y)), cut);
+    const auto clamped = hn::Min(hn::Max(code, hn::Neg(limit)), limit);
+    hn::StoreU(hn::DemoteTo(d8, hn::DemoteTo(di, clamped)), d8, codes + i);
+  }
+#endif
+  for (; i < n; ++i) codes[i] = row_ops_internal::Int8Code(x[i], inverse);
+  return max_abs / 127.0f;
+}
+
 // The element type of a cached row.
 template <RowType kType>
 using CachedElement = std::conditional_t<
@@ -1698,6 +1740,7 @@ RowOps MakeRowOps(const char* name, const char* isa) {
                 AllFinite,
                 LayerNorm,
                 RmsNorm,
+                QuantizeInt8,
                 DotRows,
                 AddWeightedRows,
                 /*int8_integer_path=*/HWY_TARGET != HWY_SCALAR,

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #include "core/row_ops.h"
@@ -79,6 +80,21 @@ inline bool QuantizeQueryInt16(const float* q, int64_t dim, int64_t padded,
                    : 0;
   }
   return true;
+}
+
+// The int8 code of x in a row quantized at `inverse` = 127 / max |x|
+// (QuantizeInt8): x * inverse in double, rounded to nearest with ties away
+// from zero.
+inline int8_t Int8Code(float x, double inverse) {
+  return static_cast<int8_t>(
+      std::clamp(std::round(x * inverse), -127.0, 127.0));
+}
+
+// A row QuantizeInt8 takes no scale from: codes 0, and scale 0 for a row of
+// zeros (never NaN), NaN for a row holding a NaN or +-Inf.
+inline float QuantizeRowWithoutScale(bool finite, int64_t n, int8_t* codes) {
+  std::fill(codes, codes + n, int8_t{0});
+  return finite ? 0.0f : std::numeric_limits<float>::quiet_NaN();
 }
 
 // The portable implementations (core/row_ops_hwy.cc) this CPU runs, widest

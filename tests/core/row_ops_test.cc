@@ -417,6 +417,65 @@ TEST_P(RowOpsTest, NormsMatchFloat64) {
   }
 }
 
+// Cache rows quantized to int8: the codes and scale of the scalar
+// quantizer, bit for bit, on every implementation and row length; ties
+// round away from zero; x is within scale / 2 of code * scale; a row of
+// zeros has scale 0 and a row holding NaN or Inf scale NaN, codes 0.
+TEST_P(RowOpsTest, QuantizeInt8MatchesScalarAndRoundsTiesAway) {
+  std::mt19937 rng(12);
+  std::uniform_real_distribution<float> uniform(-3.0f, 3.0f);
+  for (int64_t n : {1, 2, 3, 4, 7, 8, 9, 16, 17, 31, 64, 65, 128, 131}) {
+    std::vector<float> x(n);
+    for (float& v : x) v = uniform(rng);
+    for (float magnitude : {1.0f, 1e-30f, 1e-40f, 1e38f}) {
+      std::vector<float> row(x);
+      for (float& v : row) v *= magnitude;
+      std::vector<int8_t> fast(n, 99), scalar(n, 98);
+      const float scale = ops().quantize_int8(row.data(), n, fast.data());
+      EXPECT_EQ(scale,
+                ScalarRowOps().quantize_int8(row.data(), n, scalar.data()));
+      EXPECT_EQ(fast, scalar) << ops().name << " n " << n << " x" << magnitude;
+      float max_abs = 0.0f;
+      for (float v : row) max_abs = std::max(max_abs, std::abs(v));
+      const double inverse = 127.0 / max_abs;
+      for (int64_t i = 0; i < n; ++i) {
+        EXPECT_EQ(fast[i], static_cast<int8_t>(std::round(row[i] * inverse)))
+            << ops().name << " n " << n << " i " << i;
+        // (A subnormal scale keeps fewer bits: within max |x| only.)
+        if (scale >= std::numeric_limits<float>::min()) {
+          EXPECT_LE(std::abs(static_cast<double>(fast[i]) * scale - row[i]),
+                    0.5000001 * scale);
+        }
+      }
+    }
+  }
+  // max |x| = 127: the codes are x rounded, ties away from zero.
+  std::vector<float> ties = {
+      0.5f,   -0.5f, 1.5f, -1.5f, 2.5f,  -2.5f, 126.5f,  -126.5f, 0.49999997f,
+      127.0f, -3.5f, 4.5f, 0.0f,  -0.0f, 5.5f,  -127.0f, 6.5f};
+  std::vector<int8_t> codes(ties.size());
+  EXPECT_EQ(ops().quantize_int8(ties.data(), ties.size(), codes.data()), 1.0f);
+  EXPECT_EQ(codes, (std::vector<int8_t>{1, -1, 2, -2, 3, -3, 127, -127, 0, 127,
+                                        -4, 5, 0, 0, 6, -127, 7}))
+      << ops().name;
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(),
+                    std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity()}) {
+    for (int64_t n : {1, 9, 40}) {
+      std::vector<float> row(n, 1.0f);
+      row[n - 1] = bad;
+      std::vector<int8_t> out(n, 5);
+      EXPECT_TRUE(std::isnan(ops().quantize_int8(row.data(), n, out.data())))
+          << ops().name << " n " << n;
+      EXPECT_EQ(out, std::vector<int8_t>(n, 0)) << ops().name;
+    }
+  }
+  std::vector<float> zeros(33, 0.0f);
+  std::vector<int8_t> out(33, 5);
+  EXPECT_EQ(ops().quantize_int8(zeros.data(), 33, out.data()), 0.0f);
+  EXPECT_EQ(out, std::vector<int8_t>(33, 0)) << ops().name;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Implementations, RowOpsTest,
     ::testing::Range(0, static_cast<int>(SupportedRowOps().size())),
