@@ -184,20 +184,27 @@ RequestCost CostOf(const v1::MultiHeadAttendRequest& r,
 RequestCost CostOf(const v1::SessionStepRequest& r,
                    const DecodeSession* session) {
   RequestCost cost;
-  cost.largest_tensor = std::max({Elements(r.input()), Elements(r.query()),
-                                  Elements(r.key()), Elements(r.value())});
+  // Each tensor's elements once (a SessionSteps call costs every step); an
+  // absent tensor has none.
+  const auto present = [](bool has, const v1::Tensor& t) {
+    return has ? Elements(t) : int64_t{0};
+  };
+  const int64_t input = present(r.has_input(), r.input()),
+                query = present(r.has_query(), r.query()),
+                key = present(r.has_key(), r.key()),
+                value = present(r.has_value(), r.value());
+  cost.largest_tensor = std::max({input, query, key, value});
   if (session == nullptr) {
     // Not open here: the step takes it up (a file, a hand-over) first. Its
     // output is at least as large as its query (or hidden states), in
     // float32: what the limits can hold it to before the session is known.
     cost.may_wait = true;
-    const int64_t leading =
-        std::max<int64_t>({0, Elements(r.input()), Elements(r.query())});
+    const int64_t leading = std::max<int64_t>({0, input, query});
     cost.bytes = static_cast<int64_t>(
         std::min(4.0 * static_cast<double>(leading), 9e18));
     return cost;
   }
-  if (!AllValid({&r.input(), &r.query(), &r.key(), &r.value()})) return cost;
+  if (std::min({input, query, key, value}) < 0) return cost;
   const bool model = session->is_model_session();
   const v1::Tensor& leading = model ? r.input() : r.query();
   if (leading.shape_size() < 2) return cost;
@@ -213,10 +220,8 @@ RequestCost CostOf(const v1::SessionStepRequest& r,
   const double keys = static_cast<double>(session->length(r.layer())) + n;
   const double cache = batch * session->num_kv_heads() *
                        (session->key_dim() + session->value_dim());
-  const double read = PresentElements({{r.has_input(), &r.input()},
-                                       {r.has_query(), &r.query()},
-                                       {r.has_key(), &r.key()},
-                                       {r.has_value(), &r.value()}});
+  const double read = static_cast<double>(input) + static_cast<double>(query) +
+                      static_cast<double>(key) + static_cast<double>(value);
   cost.work = Work(read + batch * n * width + cache * (n + keys), 0,
                    batch * session->num_heads() * n * keys);
   return cost;
