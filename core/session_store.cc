@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -54,11 +55,29 @@ absl::Status IsOpen(absl::string_view id) {
       absl::StrCat("session_id: ", EchoString(id, '"'), " is open"));
 }
 
+// The payload that marks a status as WouldWait's.
+constexpr absl::string_view kWouldWaitPayload = "attnserve.would_wait";
+
+// A kRefused call's where it would wait for `holder` to hand `id` over:
+// UNAVAILABLE, which a client may retry, should it ever reach one.
+absl::Status WouldWait(absl::string_view id, absl::string_view holder) {
+  absl::Status status = absl::UnavailableError(absl::StrCat(
+      "session ", EchoString(id, '"'), " moved to replica ",
+      EchoString(holder, '"'), " while this call was answered; try again"));
+  status.SetPayload(kWouldWaitPayload, absl::Cord());
+  return status;
+}
+
 absl::Duration ReaperPeriod(absl::Duration idle_timeout) {
   return std::clamp(idle_timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
 }
 
 }  // namespace
+
+bool IsWouldWait(const absl::Status& status) {
+  return absl::IsUnavailable(status) &&
+         status.GetPayload(kWouldWaitPayload).has_value();
+}
 
 SessionStore::SessionStore(const Options& options)
     : options_(options),
@@ -400,9 +419,10 @@ absl::Status SessionStore::MakeRoomBeside(
 absl::StatusOr<std::string> SessionStore::Fork(absl::string_view id,
                                                std::optional<int64_t> length,
                                                int64_t* forked_length,
-                                               std::optional<std::string> as) {
+                                               std::optional<std::string> as,
+                                               PeerWait wait) {
   if (as.has_value()) ATTN_RETURN_IF_ERROR(VerifyChosenId(*as));
-  ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
+  ATTN_RETURN_IF_ERROR(TakeIfSaved(id, /*reused=*/false, wait));
   ATTN_ASSIGN_OR_RETURN(const std::shared_ptr<Slot> slot, SlotOf(id));
   const std::string key(id);
   // Steps on the session wait: its cache may be frozen and counted anew.
@@ -892,14 +912,15 @@ absl::StatusOr<std::shared_ptr<const DecodeSession>> SessionStore::FindHere(
   return std::shared_ptr<const DecodeSession>(slot, slot->session.get());
 }
 
-absl::Status SessionStore::Delete(absl::string_view id) {
+absl::Status SessionStore::Delete(absl::string_view id, PeerWait wait) {
   // A journal left by a process that died goes too (a held session's
   // journal goes with its slot).
   bool removed_file = false;
   if (options_.directory != nullptr) {
     // A session a live replica holds is saved there first, then its file
     // removed here: never loaded only to be freed.
-    if (HeldElsewhere(id)) AskHolderToSave(id);
+    if (HeldElsewhere(id))
+      ATTN_RETURN_IF_ERROR(AskHolderToSave(id, wait).status());
     removed_file = options_.directory->Remove(id);
     if (options_.directory->RemoveJournal(id)) removed_file = true;
   }
@@ -976,7 +997,8 @@ absl::StatusOr<std::shared_ptr<const MultiHeadLayer>> SessionStore::LayerOf(
   return options_.layer_of(model);
 }
 
-bool SessionStore::AskHolderToSave(absl::string_view id) {
+absl::StatusOr<bool> SessionStore::AskHolderToSave(absl::string_view id,
+                                                   PeerWait wait) {
   const std::optional<std::string> holder =
       options_.reclaim ? options_.directory->Holder(id) : std::nullopt;
   std::string self;
@@ -985,13 +1007,14 @@ bool SessionStore::AskHolderToSave(absl::string_view id) {
     self = holder_;
   }
   if (!holder.has_value() || *holder == self) return false;
+  if (wait == PeerWait::kRefused) return WouldWait(id, *holder);
   options_.reclaim(id, *holder).IgnoreError();
   return true;
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
     absl::string_view id, SessionFileHeader& header, bool& recovered,
-    LoadCount& count) {
+    LoadCount& count, PeerWait wait) {
   const FileChecks checks{this};
   // Room is made for the whole session before its blocks are loaded.
   const auto admit = [&](const SessionFileHeader& loading,
@@ -1016,7 +1039,8 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
   // Held in another replica's memory: ask it to hand the session over,
   // then look for the file whatever it answered (a hand-over whose answer
   // was lost on the way left the file).
-  if (AskHolderToSave(id)) {
+  ATTN_ASSIGN_OR_RETURN(const bool asked, AskHolderToSave(id, wait));
+  if (asked) {
     session = options_.directory->Take(id, loader, &header);
     if (!no_file(session.status())) return session;
   }
@@ -1026,7 +1050,8 @@ absl::StatusOr<std::unique_ptr<DecodeSession>> SessionStore::TakeSaved(
   return options_.directory->TakeJournal(id, loader, &header);
 }
 
-absl::Status SessionStore::TakeIfSaved(absl::string_view id, bool reused) {
+absl::Status SessionStore::TakeIfSaved(absl::string_view id, bool reused,
+                                       PeerWait wait) {
   if (options_.directory == nullptr || !SessionDirectory::IsStorableId(id)) {
     return absl::OkStatus();
   }
@@ -1046,7 +1071,7 @@ absl::Status SessionStore::TakeIfSaved(absl::string_view id, bool reused) {
   bool recovered = false;
   LoadCount count;
   absl::StatusOr<std::unique_ptr<DecodeSession>> session =
-      TakeSaved(id, header, recovered, count);
+      TakeSaved(id, header, recovered, count, wait);
   uint64_t prefix_key = 0;
   // While the loaded copy is still counted.
   if (session.ok()) *session = ShareWithHeld(*std::move(session), prefix_key);

@@ -64,6 +64,15 @@
 
 namespace attnserve {
 
+// Whether a call may wait for another replica to hand a session over (an
+// RPC to it, up to its deadline). A call answered on gRPC's thread may not:
+// where it would, it fails with a status IsWouldWait tells, and is then
+// run again where it may wait (a worker).
+enum class PeerWait { kAllowed, kRefused };
+
+// Whether `status` is a kRefused call's where it would have waited.
+bool IsWouldWait(const absl::Status& status);
+
 class SessionStore {
  public:
   struct Options {
@@ -235,7 +244,8 @@ class SessionStore {
   absl::StatusOr<std::string> Fork(absl::string_view id,
                                    std::optional<int64_t> length,
                                    int64_t* forked_length = nullptr,
-                                   std::optional<std::string> as = std::nullopt)
+                                   std::optional<std::string> as = std::nullopt,
+                                   PeerWait wait = PeerWait::kAllowed)
       ABSL_LOCKS_EXCLUDED(mu_);
 
   // Moves session `from` to id `to` (AddNamed's rules): its journal is
@@ -273,7 +283,8 @@ class SessionStore {
 
   // Frees session `id` (its file or journal in the directory; one a live
   // replica holds is saved there first); NOT_FOUND as Step.
-  absl::Status Delete(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Delete(absl::string_view id, PeerWait wait = PeerWait::kAllowed)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Frees every session (shutdown).
   void Clear() ABSL_LOCKS_EXCLUDED(mu_);
@@ -317,7 +328,8 @@ class SessionStore {
     std::shared_ptr<const DecodeSession> session;
     SessionFileImage image;  // reads *session
   };
-  absl::StatusOr<Export> ExportSession(absl::string_view id)
+  absl::StatusOr<Export> ExportSession(absl::string_view id,
+                                       PeerWait wait = PeerWait::kAllowed)
       ABSL_LOCKS_EXCLUDED(mu_);
   // An import, as one stream sees it; its caller holds it between pieces
   // and ends it with EndImport. Set `id` before the first piece to resume
@@ -439,7 +451,8 @@ class SessionStore {
   // hold it and it was not deleted or expired here (unless `reused`). OK
   // also when there is no file (the caller's lookup then says NOT_FOUND);
   // the load's error otherwise (a corrupt file: DATA_LOSS).
-  absl::Status TakeIfSaved(absl::string_view id, bool reused = false)
+  absl::Status TakeIfSaved(absl::string_view id, bool reused = false,
+                           PeerWait wait = PeerWait::kAllowed)
       ABSL_LOCKS_EXCLUDED(mu_);
   // Records session `id` as held here (the holder).
   void Hold(const std::string& id) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
@@ -474,10 +487,12 @@ class SessionStore {
   // budget while it loads (CountLoad), for the caller to uncount.
   absl::StatusOr<std::unique_ptr<DecodeSession>> TakeSaved(
       absl::string_view id, SessionFileHeader& header, bool& recovered,
-      LoadCount& count) ABSL_LOCKS_EXCLUDED(mu_);
+      LoadCount& count, PeerWait wait) ABSL_LOCKS_EXCLUDED(mu_);
   // Asks the live replica recorded as holding `id` (not this one) to save
   // it to the directory, whatever it answers; false when none is recorded.
-  bool AskHolderToSave(absl::string_view id) ABSL_LOCKS_EXCLUDED(mu_);
+  // With kRefused, asks nothing: the IsWouldWait status when one is.
+  absl::StatusOr<bool> AskHolderToSave(absl::string_view id, PeerWait wait)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   // Journaling. Whether the store journals; queues `slot` for the journal
   // thread; the journal thread's loop and its work on one slot (creating

@@ -15,8 +15,8 @@
 namespace attnserve {
 
 absl::StatusOr<SessionStore::Export> SessionStore::ExportSession(
-    absl::string_view id) {
-  ATTN_RETURN_IF_ERROR(TakeIfSaved(id));
+    absl::string_view id, PeerWait wait) {
+  ATTN_RETURN_IF_ERROR(TakeIfSaved(id, /*reused=*/false, wait));
   ATTN_ASSIGN_OR_RETURN(const std::shared_ptr<Slot> slot, SlotOf(id));
   bool unconfirmed = false;
   {

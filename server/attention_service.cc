@@ -106,16 +106,16 @@ void AttentionServiceImpl::AddSessionRpcs(const CallPipeline* pipeline) {
   };
   AddSessionState<v1::DeleteSessionRequest, v1::DeleteSessionResponse>(
       [sessions = config.sessions](const v1::DeleteSessionRequest& request,
-                                   v1::DeleteSessionResponse*) {
-        return HandleDeleteSession(request, sessions);
+                                   v1::DeleteSessionResponse*, PeerWait wait) {
+        return HandleDeleteSession(request, sessions, wait);
       },
       waits);
   AddSessionState<v1::ForkSessionRequest, v1::ForkSessionResponse>(
       [pipeline](const v1::ForkSessionRequest& request,
-                 v1::ForkSessionResponse* response) {
+                 v1::ForkSessionResponse* response, PeerWait wait) {
         ATTN_RETURN_IF_ERROR(RefuseNewSessionsWhileDraining(*pipeline));
-        return HandleForkSession(request, pipeline->config().sessions,
-                                 response);
+        return HandleForkSession(request, pipeline->config().sessions, response,
+                                 std::nullopt, wait);
       },
       waits);
   // Not refused while draining: the drain saves every session anyway.

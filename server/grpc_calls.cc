@@ -220,7 +220,7 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeWaitingState(
     grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
     grpc::ByteBuffer* raw_response, std::shared_ptr<StateMessages> messages,
     absl::FunctionRef<bool()> waits,
-    std::function<absl::Status()> handle) const {
+    std::function<absl::Status(PeerWait)> handle) const {
   const absl::Time arrived = absl::Now();
   const absl::Status accepted =
       AcceptState(*context, raw_request, /*authenticate=*/true,
@@ -232,19 +232,27 @@ grpc::ServerUnaryReactor* GrpcCalls::ServeWaitingState(
     }
     reactor->Finish(ToGrpcStatus(status));
   };
-  if (!accepted.ok() || !waits()) {
-    answer(accepted.ok() ? handle() : accepted);
+  if (!accepted.ok()) {
+    answer(accepted);
     return reactor;
+  }
+  if (!waits()) {
+    absl::Status status = handle(PeerWait::kRefused);
+    if (!IsWouldWait(status)) {
+      answer(std::move(status));
+      return reactor;
+    }
   }
   RequestCost cost;
   cost.may_wait = true;
-  pipeline_->engine().Submit({.label = RpcName(*messages->request),
-                              .subject = &messages->subject,
-                              .cost = cost,
-                              .arrived = arrived,
-                              .deadline = DeadlineOf(*context)},
-                             std::move(handle), /*cancelled=*/nullptr,
-                             std::move(answer));
+  pipeline_->engine().Submit(
+      {.label = RpcName(*messages->request),
+       .subject = &messages->subject,
+       .cost = cost,
+       .arrived = arrived,
+       .deadline = DeadlineOf(*context)},
+      [handle = std::move(handle)] { return handle(PeerWait::kAllowed); },
+      /*cancelled=*/nullptr, std::move(answer));
   return reactor;
 }
 

@@ -34,6 +34,7 @@
 #include "absl/functional/function_ref.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "core/session_store.h"
 #include "google/protobuf/descriptor.h"
 #include "grpcpp/impl/codegen/server_callback_handlers.h"
 #include "grpcpp/server_context.h"
@@ -114,16 +115,19 @@ class GrpcCalls {
   };
   // ServeState for a call that may wait for a file or another replica (a
   // decode session not open here, taken up first): once parsed, when
-  // `waits()`, `handle()` runs on an engine worker as a call that may wait
-  // (recorded under the RPC's name; refused as compute calls are when the
-  // queue is full) and the call is answered from there; otherwise here, as
-  // ServeState. gRPC's threads never wait for a peer: the peer's answer
-  // may need this server's (a hand-over asked both ways at once).
+  // `waits()`, `handle(PeerWait::kAllowed)` runs on an engine worker as a
+  // call that may wait (recorded under the RPC's name; refused as compute
+  // calls are when the queue is full) and the call is answered from there;
+  // otherwise `handle(PeerWait::kRefused)` here, as ServeState, and on a
+  // worker after all when it would have waited (the session moved away
+  // after `waits()`: IsWouldWait). gRPC's threads never wait for a peer:
+  // the peer's answer may need this server's (a hand-over asked both ways
+  // at once).
   grpc::ServerUnaryReactor* ServeWaitingState(
       grpc::CallbackServerContext* context, const grpc::ByteBuffer& raw_request,
       grpc::ByteBuffer* raw_response, std::shared_ptr<StateMessages> messages,
       absl::FunctionRef<bool()> waits,
-      std::function<absl::Status()> handle) const;
+      std::function<absl::Status(PeerWait)> handle) const;
 
  private:
   // Authenticates (when `authenticate`) and parses a state call's request,
@@ -244,8 +248,8 @@ class RawService : public GrpcService::Service {
   }
 
   // A state RPC on a decode session, named after Request:
-  // handle(request, &response) on gRPC's thread, or on a worker when
-  // waits(request) (see GrpcCalls::ServeWaitingState).
+  // handle(request, &response, PeerWait) on gRPC's thread, or on a worker
+  // when waits(request) (see GrpcCalls::ServeWaitingState).
   template <typename Request, typename Response, typename Handler,
             typename Waits>
   void AddSessionState(Handler handle, Waits waits) {
@@ -261,7 +265,9 @@ class RawService : public GrpcService::Service {
       return calls_->ServeWaitingState(
           context, *raw_request, raw_response, messages,
           [&] { return waits(request); },
-          [handle, &request, response] { return handle(request, response); });
+          [handle, &request, response](PeerWait wait) {
+            return handle(request, response, wait);
+          });
     });
   }
 

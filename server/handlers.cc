@@ -408,9 +408,9 @@ bool WaitsForSession(SessionStore* sessions, absl::string_view id) {
 }
 
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
-                                 SessionStore* sessions) {
+                                 SessionStore* sessions, PeerWait wait) {
   if (sessions == nullptr) return NoSessions();
-  return sessions->Delete(request.session_id());
+  return sessions->Delete(request.session_id(), wait);
 }
 
 absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
@@ -425,7 +425,7 @@ absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
 absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
                                SessionStore* sessions,
                                v1::ForkSessionResponse* response,
-                               std::optional<std::string> as) {
+                               std::optional<std::string> as, PeerWait wait) {
   if (sessions == nullptr) return NoSessions();
   return OutOfMemoryFailsTheCall([&]() -> absl::Status {
     int64_t length = 0;
@@ -435,7 +435,7 @@ absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
                        request.has_length()
                            ? std::optional<int64_t>(request.length())
                            : std::nullopt,
-                       &length, std::move(as)));
+                       &length, std::move(as), wait));
     response->set_session_id(std::move(id));
     response->set_length(length);
     return absl::OkStatus();

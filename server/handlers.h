@@ -101,12 +101,15 @@ absl::Status HandleHandOverSession(const v1::HandOverSessionRequest& request,
 // SessionStore::HeldElsewhere, false without sessions.
 bool WaitsForSession(SessionStore* sessions, absl::string_view id);
 
+// `wait`: whether the call may wait for another replica (PeerWait).
 absl::Status HandleDeleteSession(const v1::DeleteSessionRequest& request,
-                                 SessionStore* sessions);
+                                 SessionStore* sessions,
+                                 PeerWait wait = PeerWait::kAllowed);
 absl::Status HandleForkSession(const v1::ForkSessionRequest& request,
                                SessionStore* sessions,
                                v1::ForkSessionResponse* response,
-                               std::optional<std::string> as = std::nullopt);
+                               std::optional<std::string> as = std::nullopt,
+                               PeerWait wait = PeerWait::kAllowed);
 
 // A SessionStep request decoded into the entry SessionStore::StepMany
 // takes (SessionSteps, and SessionStep calls run together in one pass):

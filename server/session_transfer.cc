@@ -60,8 +60,12 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
       return;
     }
     if (!WaitsForSession(pipeline_->config().sessions, request_.session_id())) {
-      Begin(OpenExport());
-      return;
+      // On a worker after all when the session moved away meanwhile.
+      const absl::Status opened = OpenExport(PeerWait::kRefused);
+      if (!IsWouldWait(opened)) {
+        Begin(opened);
+        return;
+      }
     }
     // Taking the session up may wait for a file or a peer's hand-over: on
     // a worker, never on gRPC's thread (see GrpcCalls::ServeWaitingState).
@@ -71,14 +75,14 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
     pipeline_->engine().Dispatch(
         cost, deadline,
         {.refuse = [this](const absl::Status& status) { End(status); },
-         .here = [this] { Begin(OpenExport()); },
+         .here = [this] { Begin(OpenExport(PeerWait::kAllowed)); },
          .queued = [this, cost, deadline]() -> std::function<void()> {
            return [this, cost, deadline] {
              // Refused once its deadline passed in the queue, as calls are.
              absl::Duration took;
              Begin(pipeline_->engine().Compute(
                  cost, /*cancelled=*/nullptr, deadline,
-                 [this] { return OpenExport(); }, &took));
+                 [this] { return OpenExport(PeerWait::kAllowed); }, &took));
            };
          }});
   }
@@ -119,10 +123,10 @@ class ExportReactor final : public grpc::ServerWriteReactor<ByteBuffer> {
     }
   }
 
-  absl::Status OpenExport() {
+  absl::Status OpenExport(PeerWait wait) {
     const v1::ExportSessionRequest& request = request_;
     ATTN_ASSIGN_OR_RETURN(export_, pipeline_->config().sessions->ExportSession(
-                                       request.session_id()));
+                                       request.session_id(), wait));
     const SessionFileImage& image = export_->image;
     if (request.version() != 0 && request.version() != image.version()) {
       return absl::AbortedError(absl::StrCat(

@@ -361,6 +361,55 @@ TEST_F(SessionDirectoryTest, ASessionHeldElsewhereIsHandedOverOnDemand) {
   EXPECT_FALSE(directory_a->Holder(id).has_value());
 }
 
+// A call that may not wait for another replica (one answered on gRPC's
+// thread) asks no peer: a session a live replica holds gives the status
+// IsWouldWait tells, and stays where it is; the same call allowed to wait
+// takes it over.
+TEST_F(SessionDirectoryTest, ACallThatMayNotWaitAsksNoPeer) {
+  auto directory_a = OpenDirectory();
+  auto directory_b = OpenDirectory();
+  SessionStore* holder = nullptr;
+  int asked = 0;
+  SessionStore::Options a_options = StoreOptions(directory_a.get());
+  a_options.holder = "a";
+  SessionStore a(a_options);
+  SessionStore::Options b_options = StoreOptions(directory_b.get());
+  b_options.holder = "b";
+  b_options.reclaim = [&](absl::string_view id, absl::string_view) {
+    ++asked;
+    return holder->HandOver(id);
+  };
+  SessionStore b(b_options);
+  holder = &a;
+  const std::string id = *a.Add(NewSession());
+  ASSERT_TRUE(Step(a, id, 40, 1).ok());
+  ASSERT_TRUE(b.HeldElsewhere(id));
+
+  const absl::Status deleted = b.Delete(id, PeerWait::kRefused);
+  EXPECT_TRUE(IsWouldWait(deleted)) << deleted;
+  EXPECT_EQ(deleted.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(deleted.message()),
+              HasSubstr("moved to replica \"a\""));
+  const absl::Status forked =
+      b.Fork(id, std::nullopt, nullptr, std::nullopt, PeerWait::kRefused)
+          .status();
+  EXPECT_TRUE(IsWouldWait(forked)) << forked;
+  const absl::Status exported = b.ExportSession(id, PeerWait::kRefused).status();
+  EXPECT_TRUE(IsWouldWait(exported)) << exported;
+  EXPECT_EQ(asked, 0);
+  EXPECT_TRUE(a.FindHere(id).ok()) << "the session must stay with its holder";
+  EXPECT_FALSE(IsWouldWait(absl::UnavailableError("moved")));
+
+  auto fork = b.Fork(id, std::nullopt, nullptr, std::nullopt);
+  ASSERT_TRUE(fork.ok()) << fork.status();
+  EXPECT_EQ(asked, 1);
+  EXPECT_TRUE(b.FindHere(id).ok());
+  EXPECT_FALSE(a.FindHere(id).ok());
+  // Held here now: nothing to wait for.
+  EXPECT_TRUE(b.Delete(id, PeerWait::kRefused).ok());
+  EXPECT_TRUE(b.Delete(*fork, PeerWait::kRefused).ok());
+}
+
 TEST_F(SessionDirectoryTest, DeletedSessionsLeaveNoFileAndStayGone) {
   auto directory = OpenDirectory();
   SessionStore store(StoreOptions(directory.get()));
