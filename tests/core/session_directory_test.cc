@@ -394,7 +394,8 @@ TEST_F(SessionDirectoryTest, ACallThatMayNotWaitAsksNoPeer) {
       b.Fork(id, std::nullopt, nullptr, std::nullopt, PeerWait::kRefused)
           .status();
   EXPECT_TRUE(IsWouldWait(forked)) << forked;
-  const absl::Status exported = b.ExportSession(id, PeerWait::kRefused).status();
+  const absl::Status exported =
+      b.ExportSession(id, PeerWait::kRefused).status();
   EXPECT_TRUE(IsWouldWait(exported)) << exported;
   EXPECT_EQ(asked, 0);
   EXPECT_TRUE(a.FindHere(id).ok()) << "the session must stay with its holder";

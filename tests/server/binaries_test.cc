@@ -864,8 +864,10 @@ TEST(BinariesTest, ASessionOutlivesSigkillThroughItsJournal) {
     const std::string journal = absl::StrCat(dir, "/", id, ".journal");
     const uintmax_t two_blocks = 2 * (28 + 512 * 2 * 32 * 4);
     for (int i = 0; i < 500; ++i) {
+      // (A missing file's size is -1 as uintmax_t: not yet written.)
       std::error_code error;
-      if (std::filesystem::file_size(journal, error) >= two_blocks) break;
+      const uintmax_t size = std::filesystem::file_size(journal, error);
+      if (!error && size >= two_blocks) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(20));
     }
     ASSERT_GE(std::filesystem::file_size(journal), two_blocks);
