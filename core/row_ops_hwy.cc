@@ -392,16 +392,6 @@ double SumInDouble(const float* x, int64_t n, F&& accumulate) {
 }
 #endif
 
-double SumOf(const float* x, int64_t n) {
-#if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
-  return SumInDouble(x, n, [](auto s, auto v) { return hn::Add(s, v); });
-#else
-  double sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += x[i];
-  return sum;
-#endif
-}
-
 // The sum of (x - mean)^2; with kCentered false, of x^2 (RMSNorm), which
 // saves the subtraction.
 template <bool kCentered>
@@ -465,12 +455,64 @@ void LayerNormOutput(const float* x, int64_t n, const LayerNormRow& row,
              : LayerNormOutputOf<false, false>(x, n, row, gamma, beta, y);
 }
 
+// A LayerNorm row's mean and sum of squared deviations from it, in one
+// pass in double: the sums of d = x - x[0] and of d^2, then mean = x[0] +
+// sum(d) / n and squares = sum(d^2) - sum(d)^2 / n. x[0] lies within the
+// row, so (mean - x[0])^2 is at most n times the variance: the subtraction
+// cancels at most log2(n + 1) of double's 53 bits (a float needs 24). A
+// constant row has every d = 0: its mean is exact and its squares 0.
+std::pair<double, double> MeanAndSquares(const float* x, int64_t n) {
+  const double shift = x[0];
+  double sum = 0, squares = 0;
+  int64_t i = 0;
+#if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
+  const D d;
+  const DD dd;
+  const hn::Half<D> dh;
+  const auto k = hn::Set(dd, shift);
+  // Two sets of accumulators, two vectors a step: the adds' latency, not
+  // their throughput, bounds fewer.
+  auto s0 = hn::Zero(dd), s1 = hn::Zero(dd), s2 = hn::Zero(dd),
+       s3 = hn::Zero(dd), q0 = hn::Zero(dd), q1 = hn::Zero(dd),
+       q2 = hn::Zero(dd), q3 = hn::Zero(dd);
+  const auto add = [&](V v, auto& sum_lo, auto& sum_hi, auto& squares_lo,
+                       auto& squares_hi) {
+    const auto lo = hn::Sub(hn::PromoteTo(dd, hn::LowerHalf(dh, v)), k);
+    const auto hi = hn::Sub(hn::PromoteTo(dd, hn::UpperHalf(dh, v)), k);
+    sum_lo = hn::Add(sum_lo, lo);
+    sum_hi = hn::Add(sum_hi, hi);
+    squares_lo = hn::MulAdd(lo, lo, squares_lo);
+    squares_hi = hn::MulAdd(hi, hi, squares_hi);
+  };
+  const int64_t lanes = Lanes();
+  for (; i + 2 * lanes <= n; i += 2 * lanes) {
+    add(hn::LoadU(d, x + i), s0, s1, q0, q1);
+    add(hn::LoadU(d, x + i + lanes), s2, s3, q2, q3);
+  }
+  for (; i + lanes <= n; i += lanes) add(hn::LoadU(d, x + i), s0, s1, q0, q1);
+  // The tail's other lanes hold x[0]: deviations of 0.
+  if (i < n) add(LoadTail(x + i, n - i, x[0]), s2, s3, q2, q3);
+  i = n;
+  sum = hn::GetLane(
+      hn::SumOfLanes(dd, hn::Add(hn::Add(s0, s1), hn::Add(s2, s3))));
+  squares = hn::GetLane(
+      hn::SumOfLanes(dd, hn::Add(hn::Add(q0, q1), hn::Add(q2, q3))));
+#endif
+  for (; i < n; ++i) {
+    const double deviation = x[i] - shift;
+    sum += deviation;
+    squares += deviation * deviation;
+  }
+  const double n_double = static_cast<double>(n);
+  return {shift + sum / n_double,
+          std::max(0.0, squares - sum * (sum / n_double))};
+}
+
 void LayerNorm(const float* x, int64_t n, float eps, const float* gamma,
                const float* beta, float* y) {
-  const double mean = SumOf(x, n) / static_cast<double>(n);
-  const LayerNormRow row =
-      FinishLayerNormRow(mean, SquaredDeviations<true>(x, n, mean), n, eps);
-  LayerNormOutput(x, n, row, gamma, beta, y);
+  const auto [mean, squares] = MeanAndSquares(x, n);
+  LayerNormOutput(x, n, FinishLayerNormRow(mean, squares, n, eps), gamma, beta,
+                  y);
 }
 
 // y = x * inverse, times gamma where given.

@@ -376,13 +376,22 @@ TEST_P(RowOpsTest, NormsMatchFloat64) {
   std::mt19937 rng(21);
   std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
   for (int64_t n : {1, 3, 8, 17, 64, 100, 768}) {
-    for (const float offset : {0.0f, 1000.0f}) {
+    // Rows about 0, a mean far above the spread (1000 and 10000 with a
+    // spread of 0.01), and a first element far from the others.
+    struct Row {
+      float offset, spread, first;
+    };
+    for (const Row& row :
+         {Row{0.0f, 1.0f, 0.0f}, Row{1000.0f, 1.0f, 0.0f},
+          Row{10000.0f, 0.005f, 0.0f}, Row{0.0f, 1.0f, 3000.0f}}) {
+      const float offset = row.offset;
       std::vector<float> x(n), gamma(n), beta(n), y(n);
       for (int64_t i = 0; i < n; ++i) {
-        x[i] = offset + uniform(rng);
+        x[i] = offset + row.spread * uniform(rng);
         gamma[i] = uniform(rng);
         beta[i] = uniform(rng);
       }
+      x[0] += row.first;
       double mean = 0, squares = 0, rms = 0;
       for (float v : x) mean += v;
       mean /= static_cast<double>(n);
