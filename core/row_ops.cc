@@ -107,18 +107,18 @@ void ScalarAddWeightedRows(const float* p, int64_t ld, int64_t rows,
 
 void ScalarLayerNorm(const float* x, int64_t n, float eps, const float* gamma,
                      const float* beta, float* y) {
-  // Summed in double: n < 2^29 equal floats sum exactly, in any order.
-  double sum = 0;
-#pragma omp simd reduction(+ : sum)
-  for (int64_t i = 0; i < n; ++i) sum += x[i];
-  const double mean = sum / static_cast<double>(n);
-  double squares = 0;
-#pragma omp simd reduction(+ : squares)
+  // One pass in double over the deviations from the first value.
+  const double shift = x[0];
+  double sum = 0, squares = 0;
+#pragma omp simd reduction(+ : sum, squares)
   for (int64_t i = 0; i < n; ++i) {
-    const double d = double{x[i]} - mean;
+    const double d = double{x[i]} - shift;
+    sum += d;
     squares += d * d;
   }
-  const LayerNormRow row = FinishLayerNormRow(mean, squares, n, eps);
+  const auto [mean, centered] =
+      row_ops_internal::MeanAndSquares(shift, sum, squares, n);
+  const LayerNormRow row = FinishLayerNormRow(mean, centered, n, eps);
   for (int64_t i = 0; i < n; ++i) {
     float v = (x[i] - row.high) * row.rstd + row.offset;
     if (gamma != nullptr) v *= gamma[i];

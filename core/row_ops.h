@@ -78,9 +78,10 @@ struct RowOps {
   bool (*all_finite)(const float* x, int64_t n);
   // LayerNorm of one row of n > 0 values: y = (x - mean) / sqrt(var + eps)
   // * gamma + beta, biased variance; gamma and beta may be null (1 and 0).
-  // The mean is summed in double, exact for n < 2^29 equal values, and the
-  // variance is summed in double from the deviations x - mean: a constant
-  // row has variance exactly 0 and gives beta. The deviations the output
+  // The mean and the variance are summed in double in one pass over the
+  // deviations from the row's first value (row_ops_internal::
+  // MeanAndSquares): a constant row has variance exactly 0 and gives beta.
+  // The deviations the output
   // scales are taken from the mean split into two floats (high and low
   // part), so they are as accurate as the float32 values allow, also for
   // rows whose mean is large against their spread. A NaN or +-Inf makes

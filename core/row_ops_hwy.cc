@@ -456,11 +456,8 @@ void LayerNormOutput(const float* x, int64_t n, const LayerNormRow& row,
 }
 
 // A LayerNorm row's mean and sum of squared deviations from it, in one
-// pass in double: the sums of d = x - x[0] and of d^2, then mean = x[0] +
-// sum(d) / n and squares = sum(d^2) - sum(d)^2 / n. x[0] lies within the
-// row, so (mean - x[0])^2 is at most n times the variance: the subtraction
-// cancels at most log2(n + 1) of double's 53 bits (a float needs 24). A
-// constant row has every d = 0: its mean is exact and its squares 0.
+// pass in double over the deviations from its first value
+// (row_ops_internal::MeanAndSquares).
 std::pair<double, double> MeanAndSquares(const float* x, int64_t n) {
   const double shift = x[0];
   double sum = 0, squares = 0;
@@ -503,9 +500,7 @@ std::pair<double, double> MeanAndSquares(const float* x, int64_t n) {
     sum += deviation;
     squares += deviation * deviation;
   }
-  const double n_double = static_cast<double>(n);
-  return {shift + sum / n_double,
-          std::max(0.0, squares - sum * (sum / n_double))};
+  return row_ops_internal::MeanAndSquares(shift, sum, squares, n);
 }
 
 void LayerNorm(const float* x, int64_t n, float eps, const float* gamma,

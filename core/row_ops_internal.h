@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "core/row_ops.h"
@@ -37,6 +38,18 @@ struct LayerNormRow {
   float rstd;
   float offset;
 };
+
+// A row's mean and sum of squared deviations from it, from the sums over
+// its values of d = x - shift and of d^2, shift one of its values: as
+// (mean - shift)^2 is then at most n times the variance, the subtraction
+// cancels at most log2(n + 1) of double's 53 bits. A constant row has
+// every d = 0: its mean is exact and its squares 0.
+inline std::pair<double, double> MeanAndSquares(double shift, double sum,
+                                                double squares, int64_t n) {
+  const double n_double = static_cast<double>(n);
+  return {shift + sum / n_double,
+          std::max(0.0, squares - sum * (sum / n_double))};
+}
 
 inline LayerNormRow FinishLayerNormRow(double mean, double squares, int64_t n,
                                        float eps) {
