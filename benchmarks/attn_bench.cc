@@ -9,6 +9,8 @@
 //     and of a DRAM-sized buffer (BM_ReadBandwidth). Their bytes_per_second
 //     is the key/value cache read per second, to be divided by the read
 //     bandwidth of the same run.
+// ATTNSERVE_CPU_ISA caps the row kernels and oneDNN, as in the server (the
+// ops:N argument of the row-kernel cases picks an implementation itself).
 // Counters: GFLOP/s (FLOPs of the non-causal computation, so that causal and
 // non-causal rates compare as speedups) and GB/s (bytes that must move).
 #include <immintrin.h>
@@ -19,6 +21,7 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -26,6 +29,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -1049,4 +1053,17 @@ BENCHMARK(BM_RmsNorm)->ArgNames({"rows", "cols", "ops"})
 }  // namespace
 }  // namespace attnserve
 
-BENCHMARK_MAIN();
+// ATTNSERVE_CPU_ISA caps oneDNN as well as the row kernels, as in the
+// server: the stateless rows then run at the instruction set asked for.
+int main(int argc, char** argv) {
+  if (const absl::Status isa = attnserve::ApplyCpuIsaSetting(); !isa.ok()) {
+    std::fprintf(stderr, "attn_bench: %s\n",
+                 std::string(isa.message()).c_str());
+    return 2;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}
