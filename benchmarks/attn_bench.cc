@@ -104,8 +104,11 @@ void SetRate(benchmark::State& state, double flops, double bytes) {
 // reaches when memory is not the bound. Args: d, cache (0 float32, 1
 // bfloat16, 2 int8), kernel (0 dot_rows, 1 add_weighted_rows, 2
 // quantize_int8: the 512 float32 rows a step appends to an int8 cache, cache
-// 2 only), ops (as BM_DecodeStep). bytes_per_second: the cached rows read
-// (quantize_int8: the float32 rows).
+// 2 only; 3 exp_sum and 4 exp_sum_bf16: the softmax's exponentials of 512
+// rows of 512 logits, exp_sum on a copy of each row as it works in place,
+// cache 0 only), ops (as BM_DecodeStep).
+// bytes_per_second: the cached rows read (quantize_int8: the float32 rows;
+// the exponentials: the logits).
 void QuantizeRows(benchmark::State& state, const RowOps& ops, int64_t cols,
                   int64_t dim) {
   Tensor rows = Random(DType::kFloat32, {cols, dim}, 3);
@@ -122,6 +125,30 @@ void QuantizeRows(benchmark::State& state, const RowOps& ops, int64_t cols,
   SetRate(state, 0, 4.0 * cols * dim);
 }
 
+void Exponentials(benchmark::State& state, const RowOps& ops, int64_t cols,
+                  bool bf16) {
+  const int64_t rows = 512;
+  Tensor logits = Random(DType::kFloat32, {rows, cols}, 7);
+  std::vector<float> work(static_cast<size_t>(rows * cols));
+  std::vector<uint16_t> out(static_cast<size_t>(cols));
+  float sum = 0;
+  for (auto _ : state) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* row = logits.data_as<float>() + r * cols;
+      if (bf16) {
+        sum += ops.exp_sum_bf16(row, cols, 0.125f, 1.0f, out.data());
+      } else {
+        float* x = work.data() + r * cols;
+        std::memcpy(x, row, static_cast<size_t>(cols) * sizeof(float));
+        sum += ops.exp_sum(x, cols, 0.125f, 1.0f);
+      }
+    }
+    benchmark::DoNotOptimize(sum);
+    benchmark::DoNotOptimize(out.data());
+  }
+  SetRate(state, 0, 4.0 * rows * cols);
+}
+
 void BM_RowKernel(benchmark::State& state) {
   const int64_t dim = state.range(0), cols = 512;
   constexpr RowType kTypes[] = {RowType::kFloat32, RowType::kBFloat16,
@@ -131,6 +158,7 @@ void BM_RowKernel(benchmark::State& state) {
   ScopedRowOps scoped(state, 3);
   const RowOps& ops = GetRowOps();
   if (kernel == 2) return QuantizeRows(state, ops, cols, dim);
+  if (kernel >= 3) return Exponentials(state, ops, cols, kernel == 4);
   // Float rows from Random; int8 rows as codes with one scale a row.
   Tensor rows =
       Random(type == RowType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32,
@@ -980,7 +1008,7 @@ BENCHMARK(BM_RowKernel)->ArgNames({"d", "cache", "kernel", "ops"})
     ->Apply([](auto* b) {
       PerRowOps(b, {{64, 0, 0}, {64, 1, 0}, {64, 2, 0}, {64, 0, 1},
                     {64, 1, 1}, {64, 2, 1}, {128, 2, 0}, {128, 2, 1},
-                    {64, 2, 2}});
+                    {64, 2, 2}, {64, 0, 3}, {64, 0, 4}});
     })
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ForkSession)->ArgNames({"Lk", "mode"})
