@@ -919,8 +919,9 @@ absl::Status SessionStore::Delete(absl::string_view id, PeerWait wait) {
   if (options_.directory != nullptr) {
     // A session a live replica holds is saved there first, then its file
     // removed here: never loaded only to be freed.
-    if (HeldElsewhere(id))
+    if (HeldElsewhere(id)) {
       ATTN_RETURN_IF_ERROR(AskHolderToSave(id, wait).status());
+    }
     removed_file = options_.directory->Remove(id);
     if (options_.directory->RemoveJournal(id)) removed_file = true;
   }
