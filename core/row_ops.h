@@ -81,11 +81,10 @@ struct RowOps {
   // The mean and the variance are summed in double in one pass over the
   // deviations from the row's first value (row_ops_internal::
   // MeanAndSquares): a constant row has variance exactly 0 and gives beta.
-  // The deviations the output
-  // scales are taken from the mean split into two floats (high and low
-  // part), so they are as accurate as the float32 values allow, also for
-  // rows whose mean is large against their spread. A NaN or +-Inf makes
-  // the whole row NaN.
+  // The deviations the output scales are taken from the mean split into
+  // two floats (high and low part), so they are as accurate as the float32
+  // values allow, also for rows whose mean is large against their spread.
+  // A NaN or +-Inf makes the whole row NaN.
   void (*layer_norm)(const float* x, int64_t n, float eps, const float* gamma,
                      const float* beta, float* y);
   // RMSNorm of one row of n > 0 values: y = x / sqrt(mean(x^2) + eps) *

@@ -392,19 +392,13 @@ double SumInDouble(const float* x, int64_t n, F&& accumulate) {
 }
 #endif
 
-// The sum of (x - mean)^2; with kCentered false, of x^2 (RMSNorm), which
-// saves the subtraction.
-template <bool kCentered>
-double SquaredDeviations(const float* x, int64_t n, double mean) {
+// The sum of x^2 in double (RMSNorm's mean square).
+double SumOfSquares(const float* x, int64_t n) {
 #if HWY_HAVE_FLOAT64 && HWY_TARGET != HWY_SCALAR
-  const auto m = hn::Set(DD(), mean);
-  return SumInDouble(x, n, [&](auto s, auto v) {
-    const auto dev = kCentered ? hn::Sub(v, m) : v;
-    return hn::MulAdd(dev, dev, s);
-  });
+  return SumInDouble(x, n, [](auto s, auto v) { return hn::MulAdd(v, v, s); });
 #else
   double sum = 0;
-  for (int64_t i = 0; i < n; ++i) sum += (x[i] - mean) * (x[i] - mean);
+  for (int64_t i = 0; i < n; ++i) sum += double{x[i]} * x[i];
   return sum;
 #endif
 }
@@ -533,8 +527,7 @@ void RmsNormOutputOf(const float* x, int64_t n, float inverse,
 
 void RmsNorm(const float* x, int64_t n, float eps, const float* gamma,
              float* y) {
-  const float inverse =
-      RmsNormInverse(SquaredDeviations<false>(x, n, 0.0), n, eps);
+  const float inverse = RmsNormInverse(SumOfSquares(x, n), n, eps);
   if (gamma != nullptr) return RmsNormOutputOf<true>(x, n, inverse, gamma, y);
   RmsNormOutputOf<false>(x, n, inverse, nullptr, y);
 }
