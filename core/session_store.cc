@@ -926,21 +926,37 @@ absl::Status SessionStore::Delete(absl::string_view id, PeerWait wait) {
     if (options_.directory->RemoveJournal(id)) removed_file = true;
   }
   std::vector<std::shared_ptr<Slot>> freed;
-  MutexLock lock(&mu_);
-  ATTN_RETURN_IF_ERROR(VerifySessionId(id));
-  if (imports_.contains(id)) {
-    DropImport(std::string(id));  // the import's stream fails ABORTED
-    return absl::OkStatus();
-  }
-  if (!sessions_.contains(id)) {
-    if (!removed_file) return NotFound(id);
-    if (const auto gone = gone_.find(id); gone != gone_.end()) {
-      gone->second.reason = GoneReason::kDeleted;
+  {
+    MutexLock lock(&mu_);
+    ATTN_RETURN_IF_ERROR(VerifySessionId(id));
+    if (imports_.contains(id)) {
+      DropImport(std::string(id));  // the import's stream fails ABORTED
+      return absl::OkStatus();
     }
-    return absl::OkStatus();
+    if (!sessions_.contains(id)) {
+      if (!removed_file) return NotFound(id);
+      if (const auto gone = gone_.find(id); gone != gone_.end()) {
+        gone->second.reason = GoneReason::kDeleted;
+      }
+      return absl::OkStatus();
+    }
+    Remove(std::string(id), GoneReason::kDeleted, freed);
   }
-  Remove(std::string(id), GoneReason::kDeleted, freed);
+  RemoveJournals(freed);
   return absl::OkStatus();
+}
+
+void SessionStore::RemoveJournals(
+    const std::vector<std::shared_ptr<Slot>>& freed) {
+  // Now, not when the last call or journal write holding the slot lets go:
+  // a request right after the delete must not find the session held here.
+  for (const std::shared_ptr<Slot>& slot : freed) {
+    if (!slot->drop_journal) continue;
+    MutexLock journal_lock(&slot->journal_mu);
+    if (slot->journal != nullptr) slot->journal->Remove();
+    slot->journal.reset();
+    slot->journal_off = true;
+  }
 }
 
 void SessionStore::Clear() {
@@ -953,27 +969,30 @@ void SessionStore::Clear() {
 void SessionStore::ExpireIdle(absl::Time now) {
   if (options_.idle_timeout == absl::InfiniteDuration()) return;
   std::vector<std::shared_ptr<Slot>> freed;
-  MutexLock lock(&mu_);
-  // Least recently used last: stop at the first one still fresh.
-  std::vector<std::string> expired;
-  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
-    const Entry& entry = sessions_.at(*it);
-    if (entry.active_steps > 0) continue;
-    if (now - entry.last_used < options_.idle_timeout) break;
-    expired.push_back(*it);
-  }
-  for (std::string& id : expired) {
-    Remove(std::move(id), GoneReason::kExpired, freed);
-  }
-  // Imports no stream has resumed within the timeout.
-  std::vector<std::string> abandoned;
-  for (const auto& [id, pending] : imports_) {
-    if (pending.stream == nullptr &&
-        now - pending.last_used >= options_.idle_timeout) {
-      abandoned.push_back(id);
+  {
+    MutexLock lock(&mu_);
+    // Least recently used last: stop at the first one still fresh.
+    std::vector<std::string> expired;
+    for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+      const Entry& entry = sessions_.at(*it);
+      if (entry.active_steps > 0) continue;
+      if (now - entry.last_used < options_.idle_timeout) break;
+      expired.push_back(*it);
     }
+    for (std::string& id : expired) {
+      Remove(std::move(id), GoneReason::kExpired, freed);
+    }
+    // Imports no stream has resumed within the timeout.
+    std::vector<std::string> abandoned;
+    for (const auto& [id, pending] : imports_) {
+      if (pending.stream == nullptr &&
+          now - pending.last_used >= options_.idle_timeout) {
+        abandoned.push_back(id);
+      }
+    }
+    for (const std::string& id : abandoned) DropImport(id);
   }
-  for (const std::string& id : abandoned) DropImport(id);
+  RemoveJournals(freed);
 }
 
 // Runs when the last reference goes, so no lock is needed for the fields

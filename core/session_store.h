@@ -394,7 +394,8 @@ class SessionStore {
     // waits for the journal thread, and whether journaling stopped (a
     // failed write; the session saved). Appends to the file are serialized
     // by journal_mu, taken after step_mu when both are held. Set when
-    // deleted or expired: the journal goes with the session.
+    // deleted or expired: the journal goes with the session (at once, by
+    // RemoveJournals).
     Mutex journal_mu ABSL_ACQUIRED_AFTER(step_mu);
     std::unique_ptr<SessionJournal> journal ABSL_GUARDED_BY(journal_mu);
     std::vector<int64_t> journaled ABSL_GUARDED_BY(journal_mu);
@@ -518,6 +519,9 @@ class SessionStore {
   absl::Status StartJournal(Slot& slot, bool with_blocks)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu, slot.journal_mu);
   void DropJournal(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.journal_mu);
+  // The journals of `freed` slots of deleted or expired sessions go.
+  void RemoveJournals(const std::vector<std::shared_ptr<Slot>>& freed)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // After a successful step of `inputs` on `slot`: a rewind below blocks
   // journaled is recorded before the step answers; blocks that filled are
   // queued; a step that gave its position confirms its layer's length.

@@ -774,10 +774,15 @@ TEST_F(SessionDirectoryTest, ALiveHoldersJournalIsNotTaken) {
       << step.status();
   EXPECT_THAT(std::string(step.status().message()),
               HasSubstr("is held by a running server"));
-  // Its holder still steps it; a delete there removes the journal.
+  // Its holder still steps it; a delete there removes the journal at once,
+  // though a call still holds the session: a request right after the
+  // delete finds no holder.
   ASSERT_TRUE(Step(holder, id, 1, 3).ok());
+  const std::shared_ptr<const DecodeSession> held = *holder.Find(id);
   ASSERT_TRUE(holder.Delete(id).ok());
   EXPECT_FALSE(fs::exists(path_ / (id + ".journal")));
+  EXPECT_EQ(Step(other, id, 1, 2).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(held->length(0), 601);
   EXPECT_EQ(Step(other, id, 1, 2).status().code(), absl::StatusCode::kNotFound);
 }
 
