@@ -104,9 +104,9 @@ void SetRate(benchmark::State& state, double flops, double bytes) {
 // reaches when memory is not the bound. Args: d, cache (0 float32, 1
 // bfloat16, 2 int8), kernel (0 dot_rows, 1 add_weighted_rows, 2
 // quantize_int8: the 512 float32 rows a step appends to an int8 cache, cache
-// 2 only; 3 exp_sum and 4 exp_sum_bf16: the softmax's exponentials of 512
-// rows of 512 logits, exp_sum on a copy of each row as it works in place,
-// cache 0 only), ops (as BM_DecodeStep).
+// 2 only; 3 exp_sum, 4 exp_sum_bf16 and 5 exp_sum_bf16_in_place: the
+// softmax's exponentials of 512 rows of 512 logits, the in-place ones on a
+// copy of each row, cache 0 only), ops (as BM_DecodeStep).
 // bytes_per_second: the cached rows read (quantize_int8: the float32 rows;
 // the exponentials: the logits).
 void QuantizeRows(benchmark::State& state, const RowOps& ops, int64_t cols,
@@ -126,7 +126,7 @@ void QuantizeRows(benchmark::State& state, const RowOps& ops, int64_t cols,
 }
 
 void Exponentials(benchmark::State& state, const RowOps& ops, int64_t cols,
-                  bool bf16) {
+                  int64_t kernel) {
   const int64_t rows = 512;
   Tensor logits = Random(DType::kFloat32, {rows, cols}, 7);
   std::vector<float> work(static_cast<size_t>(rows * cols));
@@ -135,13 +135,14 @@ void Exponentials(benchmark::State& state, const RowOps& ops, int64_t cols,
   for (auto _ : state) {
     for (int64_t r = 0; r < rows; ++r) {
       const float* row = logits.data_as<float>() + r * cols;
-      if (bf16) {
+      if (kernel == 4) {
         sum += ops.exp_sum_bf16(row, cols, 0.125f, 1.0f, out.data());
-      } else {
-        float* x = work.data() + r * cols;
-        std::memcpy(x, row, static_cast<size_t>(cols) * sizeof(float));
-        sum += ops.exp_sum(x, cols, 0.125f, 1.0f);
+        continue;
       }
+      float* x = work.data() + r * cols;
+      std::memcpy(x, row, static_cast<size_t>(cols) * sizeof(float));
+      sum += kernel == 3 ? ops.exp_sum(x, cols, 0.125f, 1.0f)
+                         : ops.exp_sum_bf16_in_place(x, cols, 0.125f, 1.0f);
     }
     benchmark::DoNotOptimize(sum);
     benchmark::DoNotOptimize(out.data());
@@ -158,7 +159,7 @@ void BM_RowKernel(benchmark::State& state) {
   ScopedRowOps scoped(state, 3);
   const RowOps& ops = GetRowOps();
   if (kernel == 2) return QuantizeRows(state, ops, cols, dim);
-  if (kernel >= 3) return Exponentials(state, ops, cols, kernel == 4);
+  if (kernel >= 3) return Exponentials(state, ops, cols, kernel);
   // Float rows from Random; int8 rows as codes with one scale a row.
   Tensor rows =
       Random(type == RowType::kBFloat16 ? DType::kBFloat16 : DType::kFloat32,
@@ -1008,7 +1009,7 @@ BENCHMARK(BM_RowKernel)->ArgNames({"d", "cache", "kernel", "ops"})
     ->Apply([](auto* b) {
       PerRowOps(b, {{64, 0, 0}, {64, 1, 0}, {64, 2, 0}, {64, 0, 1},
                     {64, 1, 1}, {64, 2, 1}, {128, 2, 0}, {128, 2, 1},
-                    {64, 2, 2}, {64, 0, 3}, {64, 0, 4}});
+                    {64, 2, 2}, {64, 0, 3}, {64, 0, 4}, {64, 0, 5}});
     })
     ->UseRealTime()->Unit(benchmark::kMicrosecond);
 BENCHMARK(BM_ForkSession)->ArgNames({"Lk", "mode"})

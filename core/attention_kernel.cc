@@ -270,16 +270,24 @@ absl::Status BlockLogits(const AttentionProblem& p, const Block& blk,
   return gemms.Run(qk, in.q, KeyRows(p, blk.b, blk.h / p.kv_group, j0), logits);
 }
 
-// acc += probabilities (rows `ld` apart, operand dtype) * the `cols` value
-// rows at `v` (`v_stride` apart).
+// A block's probabilities: rows `ld` elements apart, in the operand dtype,
+// or in float32 holding bfloat16 values where the CPU's bf16 products run
+// in float32 anyway (!NativeBf16Matmul()).
+struct Probabilities {
+  const void* data;
+  int64_t ld;
+  DType dtype;
+};
+
+// acc += probabilities * the `cols` value rows at `v` (`v_stride` apart).
 absl::Status MultiplyValues(const AttentionProblem& p, const Block& blk,
                             const void* v, int64_t v_stride, int64_t cols,
-                            const void* probs, int64_t ld, float* acc,
+                            const Probabilities& probs, float* acc,
                             TileGemms& gemms) {
-  const TileGemmShape pv{blk.rows, p.value_dim, cols,
-                         ld,       v_stride,    p.value_dim,
-                         false,    true,        p.operand_dtype};
-  return gemms.Run(pv, probs, v, acc);
+  TileGemmShape pv{blk.rows,    p.value_dim, cols, probs.ld,       v_stride,
+                   p.value_dim, false,       true, p.operand_dtype};
+  pv.a_float32 = probs.dtype != p.operand_dtype;
+  return gemms.Run(pv, probs.data, v, acc);
 }
 
 float OperandValue(const void* base, DType dtype, int64_t offset) {
@@ -301,7 +309,7 @@ enum class ValueMode { kGemm, kExcludeValues };
 // rows that keep its key.
 absl::Status AccumulateKeptValues(const AttentionProblem& p, const Block& blk,
                                   const void* v, int64_t stride, int64_t j0,
-                                  int64_t cols, const void* probs, int64_t ld,
+                                  int64_t cols, const Probabilities& probs,
                                   float* acc, TileGemms& gemms,
                                   ThreadBuffers& buf) {
   const DType t = p.operand_dtype;
@@ -316,7 +324,7 @@ absl::Status AccumulateKeptValues(const AttentionProblem& p, const Block& blk,
     }
   }
   if (bad.empty()) {
-    return MultiplyValues(p, blk, v, stride, cols, probs, ld, acc, gemms);
+    return MultiplyValues(p, blk, v, stride, cols, probs, acc, gemms);
   }
   const size_t elem = DTypeSize(t);
   if (!buf.finite_values) {
@@ -342,11 +350,12 @@ absl::Status AccumulateKeptValues(const AttentionProblem& p, const Block& blk,
     }
   }
   ATTN_RETURN_IF_ERROR(
-      MultiplyValues(p, blk, copy, dv, cols, probs, ld, acc, gemms));
+      MultiplyValues(p, blk, copy, dv, cols, probs, acc, gemms));
   for (int64_t r = 0; r < blk.rows; ++r) {
     for (int64_t j : bad) {
       if (Excluded(p, blk.n, blk.i0 + r, j0 + j)) continue;
-      const float prob = OperandValue(probs, t, r * ld + j);
+      const float prob =
+          OperandValue(probs.data, probs.dtype, r * probs.ld + j);
       for (int64_t c = 0; c < dv; ++c) {
         const float x = OperandValue(v, t, j * stride + c);
         if (!std::isfinite(x)) acc[r * dv + c] += prob * x;
@@ -356,19 +365,19 @@ absl::Status AccumulateKeptValues(const AttentionProblem& p, const Block& blk,
   return absl::OkStatus();
 }
 
-// acc += probabilities (rows `ld` apart, operand dtype) * V for keys
-// j0 .. j0 + cols.
+// acc += probabilities * V for keys j0 .. j0 + cols.
 absl::Status AccumulateValues(const AttentionProblem& p, const Block& blk,
-                              int64_t j0, int64_t cols, const void* probs,
-                              int64_t ld, float* acc, TileGemms& gemms,
-                              ThreadBuffers& buf, ValueMode mode) {
+                              int64_t j0, int64_t cols,
+                              const Probabilities& probs, float* acc,
+                              TileGemms& gemms, ThreadBuffers& buf,
+                              ValueMode mode) {
   const int64_t stride = p.value_layout.row_stride;
   const void* v = ValueRows(p, blk.b, blk.h / p.kv_group, j0);
   if (mode == ValueMode::kExcludeValues) {
-    return AccumulateKeptValues(p, blk, v, stride, j0, cols, probs, ld, acc,
-                                gemms, buf);
+    return AccumulateKeptValues(p, blk, v, stride, j0, cols, probs, acc, gemms,
+                                buf);
   }
-  return MultiplyValues(p, blk, v, stride, cols, probs, ld, acc, gemms);
+  return MultiplyValues(p, blk, v, stride, cols, probs, acc, gemms);
 }
 
 // Whether the kGemm pass may have let an excluded key's non-finite value
@@ -426,8 +435,12 @@ absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
                              const Block& blk, TileGemms& gemms,
                              ThreadBuffers& buf, ValueMode mode) {
   const BlockOperands in = OperandsOf(p, blk);
-  const DType t = p.operand_dtype;
-  const bool bf16 = t == DType::kBFloat16;
+  const bool bf16 = p.operand_dtype == DType::kBFloat16;
+  // Bfloat16 probabilities are narrowed for bf16 products; where those run
+  // in float32 (!NativeBf16Matmul()), they stay in the logits, rounded to
+  // bfloat16 values: the same products, without narrowing and widening
+  // each tile.
+  const bool narrow = bf16 && NativeBf16Matmul();
   const int64_t dv = p.value_dim;
   float* logits = buf.logits.get();
   float* acc = buf.acc.get();
@@ -450,7 +463,7 @@ absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
     for (int64_t r = 0; r < blk.rows; ++r) {
       float* row = logits + r * kKeyBlock;
       uint16_t* row_bf16 =
-          bf16 ? buf.probs_bf16.get() + r * kKeyBlock : nullptr;
+          narrow ? buf.probs_bf16.get() + r * kKeyBlock : nullptr;
       const float multiplier = plain ? p.logit_multiplier : 1.0f;
       const float block_max =
           plain ? ops.max_scaled(row, cols, multiplier)
@@ -462,7 +475,7 @@ absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
       if (new_max == kNegInf && AnyNaN(row, cols, multiplier)) new_max = kNaN;
       if (new_max == kNegInf) {
         // Nothing visible yet in this row: it adds zeros.
-        if (bf16) {
+        if (narrow) {
           std::fill(row_bf16, row_bf16 + cols, 0);
         } else {
           std::fill(row, row + cols, 0.0f);
@@ -472,16 +485,17 @@ absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
       const float correction =
           row_max[r] == kNegInf ? 0.0f : std::exp(row_max[r] - new_max);
       const float block_sum =
-          bf16 ? ops.exp_sum_bf16(row, cols, multiplier, new_max, row_bf16)
-               : ops.exp_sum(row, cols, multiplier, new_max);
+          narrow ? ops.exp_sum_bf16(row, cols, multiplier, new_max, row_bf16)
+          : bf16 ? ops.exp_sum_bf16_in_place(row, cols, multiplier, new_max)
+                 : ops.exp_sum(row, cols, multiplier, new_max);
       if (correction != 1.0f) ops.scale(acc + r * dv, dv, correction);
       row_sum[r] = row_sum[r] * correction + block_sum;
       row_max[r] = new_max;
     }
-    const void* probs = bf16 ? static_cast<const void*>(buf.probs_bf16.get())
-                             : static_cast<const void*>(logits);
-    s = AccumulateValues(p, blk, j0, cols, probs, kKeyBlock, acc, gemms, buf,
-                         mode);
+    const Probabilities probs =
+        narrow ? Probabilities{buf.probs_bf16.get(), kKeyBlock, p.operand_dtype}
+               : Probabilities{logits, kKeyBlock, DType::kFloat32};
+    s = AccumulateValues(p, blk, j0, cols, probs, acc, gemms, buf, mode);
     if (!s.ok()) return s;
   }
   // A row with no key left (sum 0) gets zeros; a NaN sum stays NaN.
@@ -558,7 +572,8 @@ absl::Status WeightsBlock(const AttentionProblem& p, const RowOps& ops,
     for (int64_t j0 = 0; j0 < visible; j0 += kKeyBlock) {
       if (Cancelled(p)) return CancelledStatus();
       const int64_t cols = std::min(kKeyBlock, visible - j0);
-      absl::Status s = AccumulateValues(p, blk, j0, cols, At(probs, t, j0), lk,
+      absl::Status s = AccumulateValues(p, blk, j0, cols,
+                                        Probabilities{At(probs, t, j0), lk, t},
                                         acc, gemms, buf, mode);
       if (!s.ok()) return s;
     }

@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/convert.h"
+#include "core/row_ops.h"
 #include "core/status_macros.h"
 
 namespace attnserve {
@@ -52,10 +53,12 @@ memory::data_type ToDnnl(DType dtype) {
                                    : memory::data_type::f32;
 }
 
-// Whether this CPU's oneDNN runs bf16 matmuls: it needs AVX-512 (with
-// AVX2 alone their creation fails). Where it cannot, bf16 operands are
-// widened to float32, exactly, and the product computed in float32: the
-// same products, accumulated in float32 as oneDNN's bf16 kernels do.
+}  // namespace
+
+// Needs AVX-512 (with AVX2 alone their creation fails). Where it cannot,
+// bf16 operands are widened to float32, exactly, and the product computed
+// in float32: the same products, accumulated in float32 as oneDNN's bf16
+// kernels do.
 bool NativeBf16Matmul() {
   static const bool native = [] {
     try {
@@ -72,6 +75,8 @@ bool NativeBf16Matmul() {
   return native;
 }
 
+namespace {
+
 // The dtype a matmul of `dtype` operands runs in: float32 for bf16 where
 // the CPU has no bf16 matmul (NativeBf16Matmul), `dtype` itself otherwise.
 DType MatmulDType(DType dtype) {
@@ -84,10 +89,9 @@ DType MatmulDType(DType dtype) {
 void WidenBf16(const void* src, int64_t rows, int64_t cols, int64_t stride,
                float* out) {
   const auto* bits = static_cast<const uint16_t*>(src);
+  const RowOps& ops = GetRowOps();
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t c = 0; c < cols; ++c) {
-      out[r * cols + c] = BFloat16ToFloat(bits[r * stride + c]);
-    }
+    ops.widen_bf16(bits + r * stride, cols, out + r * cols);
   }
 }
 
@@ -352,10 +356,15 @@ absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& shape) {
   // Without bf16 matmuls (NativeBf16Matmul), each tile's operands are
   // widened into packed float32 buffers: the primitive reads those.
   const bool widen = MatmulDType(shape.ab_dtype) != shape.ab_dtype;
+  if (shape.a_float32 && !widen) {
+    return absl::InternalError(
+        "tile matmul: a float32 A with bfloat16 B where the CPU multiplies "
+        "bfloat16");
+  }
   TileGemmShape s = shape;
   if (widen) {
     s.ab_dtype = DType::kFloat32;
-    s.lda = s.k;
+    if (!shape.a_float32) s.lda = s.k;
     s.ldb = s.b_transposed ? s.k : s.n;
   }
   const std::string key =
@@ -384,7 +393,7 @@ absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& shape) {
   TileGemm gemm;
   gemm.shape_ = shape;
   if (widen) {
-    gemm.a_widened_.resize(s.m * s.k);
+    if (!shape.a_float32) gemm.a_widened_.resize(s.m * s.k);
     gemm.b_widened_.resize(s.k * s.n);
   }
   gemm.cached_ = *std::move(cached);
@@ -407,15 +416,17 @@ absl::StatusOr<TileGemm> TileGemm::Create(const TileGemmShape& shape) {
 }
 
 void TileGemm::Run(const void* a, const void* b, float* c) {
-  if (!a_widened_.empty() || !b_widened_.empty()) {
-    const TileGemmShape& s = shape_;
+  const TileGemmShape& s = shape_;
+  if (!a_widened_.empty()) {
     WidenBf16(a, s.m, s.k, s.lda, a_widened_.data());
+    a = a_widened_.data();
+  }
+  if (!b_widened_.empty()) {
     if (s.b_transposed) {
       WidenBf16(b, s.n, s.k, s.ldb, b_widened_.data());
     } else {
       WidenBf16(b, s.k, s.n, s.ldb, b_widened_.data());
     }
-    a = a_widened_.data();
     b = b_widened_.data();
   }
   a_.set_data_handle(const_cast<void*>(a));

@@ -71,6 +71,9 @@ class PrimitiveCache {
   int64_t creations_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
+// Whether this CPU's oneDNN runs bf16 matmuls (computed once).
+bool NativeBf16Matmul();
+
 // Shape of C[b] = A[b] * op(B[b]) + bias, row-major; A, B and C are FLOAT32
 // or BFLOAT16 (products accumulate in float32), bias is FLOAT32. On CPUs
 // whose oneDNN has no bf16 matmul (no AVX-512), BFLOAT16 operands are
@@ -143,6 +146,10 @@ struct TileGemmShape {
   bool b_transposed = false;
   bool accumulate = false;
   DType ab_dtype = DType::kFloat32;
+  // A is FLOAT32 though ab_dtype is BFLOAT16 (values bfloat16 holds, such
+  // as probabilities rounded to it): only where !NativeBf16Matmul(), whose
+  // products run in float32 anyway; A is then read as it is, not widened.
+  bool a_float32 = false;
 
   friend bool operator==(const TileGemmShape&, const TileGemmShape&) = default;
 };

@@ -63,6 +63,17 @@ float ScalarExpSumBFloat16(const float* x, int64_t n, float multiplier,
   return sum;
 }
 
+float ScalarExpSumBFloat16InPlace(float* x, int64_t n, float multiplier,
+                                  float shift) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float e = std::exp(x[i] * multiplier - shift);
+    x[i] = BFloat16ToFloat(FloatToBFloat16(e));
+    sum += e;
+  }
+  return sum;
+}
+
 void ScalarScale(float* x, int64_t n, float a) {
   for (int64_t i = 0; i < n; ++i) x[i] *= a;
 }
@@ -161,6 +172,10 @@ float ScalarQuantizeInt8(const float* x, int64_t n, int8_t* codes) {
   return max_abs / 127.0f;
 }
 
+void ScalarWidenBFloat16(const uint16_t* x, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = BFloat16ToFloat(x[i]);
+}
+
 }  // namespace
 
 const RowOps& ScalarRowOps() {
@@ -169,8 +184,10 @@ const RowOps& ScalarRowOps() {
                           ScalarMax,
                           ScalarExpSum,
                           ScalarExpSumBFloat16,
+                          ScalarExpSumBFloat16InPlace,
                           ScalarScale,
                           ScalarScaleToBFloat16,
+                          ScalarWidenBFloat16,
                           ScalarAllFinite,
                           ScalarLayerNorm,
                           ScalarRmsNorm,

@@ -70,10 +70,17 @@ struct RowOps {
   // leaves x alone.
   float (*exp_sum_bf16)(const float* x, int64_t n, float multiplier,
                         float shift, uint16_t* out);
+  // As exp_sum_bf16, but in place: x[i] holds the value exp_sum_bf16 writes
+  // to out[i], widened back to float32 (for products that run in float32,
+  // where the CPU has no bfloat16 matmul). The same sum.
+  float (*exp_sum_bf16_in_place)(float* x, int64_t n, float multiplier,
+                                 float shift);
   // x[i] *= a.
   void (*scale)(float* x, int64_t n, float a);
   // out[i] = bfloat16(x[i] * a), rounded to nearest even.
   void (*scale_to_bf16)(const float* x, int64_t n, float a, uint16_t* out);
+  // out[i] = x[i], bfloat16 bits widened to float32 (exact).
+  void (*widen_bf16)(const uint16_t* x, int64_t n, float* out);
   // Whether no x[0..n) is NaN or +-Inf.
   bool (*all_finite)(const float* x, int64_t n);
   // LayerNorm of one row of n > 0 values: y = (x - mean) / sqrt(var + eps)

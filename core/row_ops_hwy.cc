@@ -259,6 +259,28 @@ float ExpSumBFloat16(const float* x, int64_t n, float multiplier, float shift,
   return SumOfLanes(sum);
 }
 
+float ExpSumBFloat16InPlace(float* x, int64_t n, float multiplier,
+                            float shift) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  const V mul = hn::Set(d, multiplier);
+  const V neg_shift = hn::Set(d, -shift);
+  V sum = hn::Zero(d);
+  ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
+    v = ShiftedExp<false>(v, mul, neg_shift);
+    const V rounded =
+        hn::BitCast(d, hn::ShiftLeft<16>(hn::BitCast(du, ToBFloat16Bits(v))));
+    if (count == Lanes()) {
+      hn::StoreU(rounded, d, x + i);
+      sum = hn::Add(sum, v);
+    } else {
+      StoreTail(rounded, x + i, count);
+      sum = hn::Add(sum, KeepFirst(v, count));
+    }
+  });
+  return SumOfLanes(sum);
+}
+
 void Scale(float* x, int64_t n, float a) {
   const D d;
   const V va = hn::Set(d, a);
@@ -326,6 +348,29 @@ ATTN_AVX512_BF16 float ExpSumBFloat16Native(const float* x, int64_t n,
   return SumOfLanes(sum);
 }
 
+ATTN_AVX512_BF16 float ExpSumBFloat16InPlaceNative(float* x, int64_t n,
+                                                   float multiplier,
+                                                   float shift) {
+  const D d;
+  const V mul = hn::Set(d, multiplier);
+  const V neg_shift = hn::Set(d, -shift);
+  V sum = hn::Zero(d);
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t count = std::min<int64_t>(16, n - i);
+    const V v = ShiftedExp<false>(
+        count == 16 ? hn::LoadU(d, x + i) : LoadTail(x + i, count, 0.0f), mul,
+        neg_shift);
+    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v.raw));
+    const __m512 rounded =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+    const __mmask16 mask =
+        count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+    _mm512_mask_storeu_ps(x + i, mask, rounded);
+    sum = hn::Add(sum, count == 16 ? v : KeepFirst(v, count));
+  }
+  return SumOfLanes(sum);
+}
+
 ATTN_AVX512_BF16 void ScaleToBFloat16Native(const float* x, int64_t n, float a,
                                             uint16_t* out) {
   const D d;
@@ -338,6 +383,20 @@ ATTN_AVX512_BF16 void ScaleToBFloat16Native(const float* x, int64_t n, float a,
   }
 }
 #endif
+
+void WidenBFloat16(const uint16_t* x, int64_t n, float* out) {
+  const D d;
+  const hn::RebindToUnsigned<D> du;
+  const hn::Rebind<uint16_t, D> d16;
+  const int64_t lanes = Lanes();
+  int64_t i = 0;
+  for (; i + lanes <= n; i += lanes) {
+    const auto bits =
+        hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, x + i)));
+    hn::StoreU(hn::BitCast(d, bits), d, out + i);
+  }
+  for (; i < n; ++i) out[i] = BFloat16ToFloat(x[i]);
+}
 
 bool AllFinite(const float* x, int64_t n) {
   const D d;
@@ -1765,8 +1824,10 @@ RowOps MakeRowOps(const char* name, const char* isa) {
                 Max,
                 ExpSum,
                 ExpSumBFloat16,
+                ExpSumBFloat16InPlace,
                 Scale,
                 ScaleToBFloat16,
+                WidenBFloat16,
                 AllFinite,
                 LayerNorm,
                 RmsNorm,
@@ -1792,6 +1853,7 @@ const RowOps* TargetRowOpsBFloat16(const char* name) {
   static const RowOps ops = [name] {
     RowOps with = MakeRowOps(name, "avx512");
     with.exp_sum_bf16 = ExpSumBFloat16Native;
+    with.exp_sum_bf16_in_place = ExpSumBFloat16InPlaceNative;
     with.scale_to_bf16 = ScaleToBFloat16Native;
     return with;
   }();

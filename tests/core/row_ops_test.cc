@@ -485,6 +485,69 @@ TEST_P(RowOpsTest, QuantizeInt8MatchesScalarAndRoundsTiesAway) {
   EXPECT_EQ(out, std::vector<int8_t>(33, 0)) << ops().name;
 }
 
+// exp_sum_bf16_in_place leaves in x exactly what exp_sum_bf16 writes,
+// widened, and returns the same sum: finite, masked (-inf), NaN and
+// denormal-range logits, every tail length.
+TEST_P(RowOpsTest, ExpSumInPlaceIsExpSumBFloat16Widened) {
+  std::mt19937 rng(21);
+  std::uniform_real_distribution<float> uniform(-95.0f, 0.0f);
+  for (int64_t n : {1, 7, 16, 17, 31, 100, 513}) {
+    for (bool with_nan : {false, true}) {
+      std::vector<float> x(n);
+      for (int64_t i = 0; i < n; ++i) {
+        x[i] = i % 5 == 3 ? -INFINITY : uniform(rng);
+      }
+      if (with_nan) x[n / 2] = NAN;
+      for (float multiplier : {1.0f, 0.5f}) {
+        std::vector<uint16_t> narrow(n);
+        std::vector<float> in_place = x;
+        const float sum =
+            ops().exp_sum_bf16(x.data(), n, multiplier, 0.0f, narrow.data());
+        const float in_place_sum =
+            ops().exp_sum_bf16_in_place(in_place.data(), n, multiplier, 0.0f);
+        if (with_nan) {
+          EXPECT_TRUE(std::isnan(in_place_sum)) << n;
+        } else {
+          EXPECT_EQ(in_place_sum, sum) << n;
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          uint32_t bits;
+          std::memcpy(&bits, &in_place[i], sizeof(bits));
+          ASSERT_EQ(bits, uint32_t{narrow[i]} << 16)
+              << ops().name << " n " << n << " i " << i << " x " << x[i];
+        }
+      }
+    }
+  }
+}
+
+// Widening bfloat16 is exact for every one of its 65536 values (NaN
+// payloads and signed zeros included), at every length and offset.
+TEST_P(RowOpsTest, WidenBFloat16KeepsEveryBit) {
+  std::vector<uint16_t> all(65536 + 3);
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<uint16_t>(i);
+  std::vector<float> out(all.size() + 1, 7.0f);
+  for (int64_t offset : {0, 1, 3}) {
+    const int64_t n = 65536 - offset;
+    std::fill(out.begin(), out.end(), 7.0f);
+    ops().widen_bf16(all.data() + offset, n, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits;
+      std::memcpy(&bits, &out[i], sizeof(bits));
+      ASSERT_EQ(bits, uint32_t{all[offset + i]} << 16) << offset << " " << i;
+    }
+    EXPECT_EQ(out[n], 7.0f) << "wrote past " << n;
+  }
+  for (int64_t n : {0, 1, 5, 17}) {
+    std::fill(out.begin(), out.end(), 7.0f);
+    ops().widen_bf16(all.data() + 0x3f80, n, out.data());
+    for (int64_t i = 0; i < n; ++i) {
+      EXPECT_EQ(out[i], BFloat16ToFloat(all[0x3f80 + i]));
+    }
+    EXPECT_EQ(out[n], 7.0f) << "wrote past " << n;
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Implementations, RowOpsTest,
     ::testing::Range(0, static_cast<int>(SupportedRowOps().size())),
