@@ -227,22 +227,36 @@ V KeepFirst(V v, int64_t count) {
   return hn::IfThenElseZero(hn::FirstN(D(), static_cast<size_t>(count)), v);
 }
 
-float ExpSum(float* x, int64_t n, float multiplier, float shift) {
+// exp_sum, or with kBFloat16 exp_sum_bf16_in_place: the values rounded to
+// bfloat16 (and the shorter polynomial, enough for that), the sum of the
+// values before rounding.
+template <bool kBFloat16>
+float ExpSumInPlace(float* x, int64_t n, float multiplier, float shift) {
   const D d;
+  const hn::RebindToUnsigned<D> du;
   const V mul = hn::Set(d, multiplier);
   const V neg_shift = hn::Set(d, -shift);
   V sum = hn::Zero(d);
   ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
-    v = ShiftedExp<true>(v, mul, neg_shift);
+    v = ShiftedExp<!kBFloat16>(v, mul, neg_shift);
+    V stored = v;
+    if constexpr (kBFloat16) {
+      stored =
+          hn::BitCast(d, hn::ShiftLeft<16>(hn::BitCast(du, ToBFloat16Bits(v))));
+    }
     if (count == Lanes()) {
-      hn::StoreU(v, d, x + i);
+      hn::StoreU(stored, d, x + i);
       sum = hn::Add(sum, v);
     } else {
-      StoreTail(v, x + i, count);
+      StoreTail(stored, x + i, count);
       sum = hn::Add(sum, KeepFirst(v, count));
     }
   });
   return SumOfLanes(sum);
+}
+
+float ExpSum(float* x, int64_t n, float multiplier, float shift) {
+  return ExpSumInPlace<false>(x, n, multiplier, shift);
 }
 
 float ExpSumBFloat16(const float* x, int64_t n, float multiplier, float shift,
@@ -261,24 +275,7 @@ float ExpSumBFloat16(const float* x, int64_t n, float multiplier, float shift,
 
 float ExpSumBFloat16InPlace(float* x, int64_t n, float multiplier,
                             float shift) {
-  const D d;
-  const hn::RebindToUnsigned<D> du;
-  const V mul = hn::Set(d, multiplier);
-  const V neg_shift = hn::Set(d, -shift);
-  V sum = hn::Zero(d);
-  ForEachVector(x, n, 0.0f, [&](V v, int64_t i, int64_t count) {
-    v = ShiftedExp<false>(v, mul, neg_shift);
-    const V rounded =
-        hn::BitCast(d, hn::ShiftLeft<16>(hn::BitCast(du, ToBFloat16Bits(v))));
-    if (count == Lanes()) {
-      hn::StoreU(rounded, d, x + i);
-      sum = hn::Add(sum, v);
-    } else {
-      StoreTail(rounded, x + i, count);
-      sum = hn::Add(sum, KeepFirst(v, count));
-    }
-  });
-  return SumOfLanes(sum);
+  return ExpSumInPlace<true>(x, n, multiplier, shift);
 }
 
 void Scale(float* x, int64_t n, float a) {
@@ -330,9 +327,12 @@ ATTN_AVX512_BF16 void StoreBFloat16Native(V v, uint16_t* out, int64_t count) {
       out, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v.raw)));
 }
 
-ATTN_AVX512_BF16 float ExpSumBFloat16Native(const float* x, int64_t n,
+// exp_sum_bf16 into `out` (uint16_t), or with kInPlace
+// exp_sum_bf16_in_place into `out` (float, x itself).
+template <bool kInPlace>
+ATTN_AVX512_BF16 float NativeExpSumBFloat16(const float* x, int64_t n,
                                             float multiplier, float shift,
-                                            uint16_t* out) {
+                                            void* out) {
   const D d;
   const V mul = hn::Set(d, multiplier);
   const V neg_shift = hn::Set(d, -shift);
@@ -342,33 +342,32 @@ ATTN_AVX512_BF16 float ExpSumBFloat16Native(const float* x, int64_t n,
     const V v = ShiftedExp<false>(
         count == 16 ? hn::LoadU(d, x + i) : LoadTail(x + i, count, 0.0f), mul,
         neg_shift);
-    StoreBFloat16Native</*kDenormals=*/false>(v, out + i, count);
+    if constexpr (kInPlace) {
+      const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v.raw));
+      const __mmask16 mask =
+          count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
+      _mm512_mask_storeu_ps(static_cast<float*>(out) + i, mask,
+                            _mm512_castsi512_ps(_mm512_slli_epi32(
+                                _mm512_cvtepu16_epi32(bits), 16)));
+    } else {
+      StoreBFloat16Native</*kDenormals=*/false>(
+          v, static_cast<uint16_t*>(out) + i, count);
+    }
     sum = hn::Add(sum, count == 16 ? v : KeepFirst(v, count));
   }
   return SumOfLanes(sum);
 }
 
+ATTN_AVX512_BF16 float ExpSumBFloat16Native(const float* x, int64_t n,
+                                            float multiplier, float shift,
+                                            uint16_t* out) {
+  return NativeExpSumBFloat16<false>(x, n, multiplier, shift, out);
+}
+
 ATTN_AVX512_BF16 float ExpSumBFloat16InPlaceNative(float* x, int64_t n,
                                                    float multiplier,
                                                    float shift) {
-  const D d;
-  const V mul = hn::Set(d, multiplier);
-  const V neg_shift = hn::Set(d, -shift);
-  V sum = hn::Zero(d);
-  for (int64_t i = 0; i < n; i += 16) {
-    const int64_t count = std::min<int64_t>(16, n - i);
-    const V v = ShiftedExp<false>(
-        count == 16 ? hn::LoadU(d, x + i) : LoadTail(x + i, count, 0.0f), mul,
-        neg_shift);
-    const __m256i bits = reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v.raw));
-    const __m512 rounded =
-        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
-    const __mmask16 mask =
-        count >= 16 ? 0xffff : static_cast<__mmask16>((1u << count) - 1);
-    _mm512_mask_storeu_ps(x + i, mask, rounded);
-    sum = hn::Add(sum, count == 16 ? v : KeepFirst(v, count));
-  }
-  return SumOfLanes(sum);
+  return NativeExpSumBFloat16<true>(x, n, multiplier, shift, x);
 }
 
 ATTN_AVX512_BF16 void ScaleToBFloat16Native(const float* x, int64_t n, float a,
