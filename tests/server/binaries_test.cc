@@ -17,9 +17,11 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "core/row_ops.h"
@@ -836,6 +838,12 @@ v1::SessionStepRequest JournalStep(const std::string& id, int64_t n,
 TEST(BinariesTest, ASessionOutlivesSigkillThroughItsJournal) {
   const std::string dir = TempPath("journal_dir");
   std::filesystem::remove_all(dir);
+  // Removed once the servers have stopped: while one runs, its journal
+  // thread may be writing a file there.
+  absl::Cleanup remove_dir = [&dir] {
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
+  };
   ServerProcess reference;
   ClientOptions options;
   options.target = reference.target();
@@ -893,7 +901,6 @@ TEST(BinariesTest, ASessionOutlivesSigkillThroughItsJournal) {
   EXPECT_EQ(resent->output().raw_data(), want->output().raw_data());
   EXPECT_FALSE(resent->output().raw_data().empty());
   EXPECT_EQ(resent->length(), 1100);
-  std::filesystem::remove_all(dir);
 }
 
 TEST(BinariesTest, BrokenModelStopsStartUp) {

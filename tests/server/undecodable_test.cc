@@ -5,14 +5,17 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <future>
 #include <memory>
 #include <random>
 #include <string>
+#include <system_error>
 #include <vector>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "client/shared_memory.h"
 #include "core/safetensors.h"
@@ -240,6 +243,12 @@ TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
       std::filesystem::temp_directory_path() /
       absl::StrCat("attnserve_undecodable_sessions_", ::getpid());
   options.session_dir = session_dir.string();
+  // Removed once the server has stopped: while it runs, its journal thread
+  // may be writing a file there.
+  absl::Cleanup remove_session_dir = [&session_dir] {
+    std::error_code ignored;
+    std::filesystem::remove_all(session_dir, ignored);
+  };
   TestServer server(options);
   ASSERT_GT(server.metrics_port(), 0);
   auto shm =
@@ -290,7 +299,6 @@ TEST(UndecodableTest, EveryRpcAnswersInvalidArgumentAndServesTheNextCall) {
     EXPECT_NE(page->body.find(line), std::string::npos)
         << "missing: " << line << page->body;
   }
-  std::filesystem::remove_all(session_dir);
   // The compute RPCs count their valid calls too.
   for (const char* rpc : {"Attend", "MultiHeadAttend", "LayerNorm",
                           "SessionStep", "SessionSteps"}) {
@@ -320,8 +328,10 @@ TEST(UndecodableTest, ValidBytesGetTheTypedClientsAnswer) {
 }
 
 TEST(UndecodableTest, AuthenticationComesFirst) {
-  const std::string tokens = ::testing::TempDir() + "/undecodable_tokens";
+  const std::string tokens =
+      absl::StrCat(::testing::TempDir(), "/undecodable_tokens_", ::getpid());
   std::ofstream(tokens) << "secret\n";
+  absl::Cleanup remove_tokens = [&tokens] { std::remove(tokens.c_str()); };
   ServerOptions options;
   options.auth_token_file = tokens;
   TestServer server(options);
