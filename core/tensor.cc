@@ -38,11 +38,13 @@ absl::StatusOr<int64_t> CheckedNumElements(absl::Span<const int64_t> shape,
       empty = true;
       continue;
     }
-    if (count > limit / d) {
+    // count * d <= limit, without a division per dim.
+    int64_t product = 0;
+    if (__builtin_mul_overflow(count, d, &product) || product > limit) {
       return absl::InvalidArgumentError(absl::StrCat(
           field, ": shape ", ShapeString(shape), " overflows 64-bit size"));
     }
-    count *= d;
+    count = product;
   }
   return empty ? 0 : count;
 }

@@ -5,11 +5,13 @@
 
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "core/tensor.h"
 #include "gtest/gtest.h"
 #include "tests/wire_test_util.h"
 
@@ -240,6 +242,36 @@ TEST(TensorCodecTest, ExactlyOneSourceOfValues) {
   ExpectError(DecodeTensor(floats_and_shared, "x"), kInvalid,
               "x: both shared_memory and float_data are set, expected exactly "
               "one");
+}
+
+// The largest shapes whose bytes fit in int64 pass (their size is the
+// byte limit's to refuse); one element more overflows, with or without an
+// overflowing product.
+TEST(TensorCodecTest, ShapesUpToTheInt64ByteLimitAreCounted) {
+  const int64_t limit = std::numeric_limits<int64_t>::max() / 4;  // float32
+  const std::vector<std::pair<std::vector<int64_t>, int64_t>> fits = {
+      {{limit}, limit},
+      {{3, limit / 3}, 3 * (limit / 3)},
+      {{limit, 1, 0}, 0},
+  };
+  for (const auto& [shape, count] : fits) {
+    const absl::StatusOr<int64_t> n =
+        CheckedNumElements(shape, DType::kFloat32, "shape");
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(*n, count);
+  }
+  for (const std::vector<int64_t>& shape :
+       std::vector<std::vector<int64_t>>{{limit + 1},
+                                         {3, limit / 3 + 1},
+                                         {2, int64_t{1} << 62},
+                                         {0, limit, 2}}) {
+    const absl::StatusOr<int64_t> n =
+        CheckedNumElements(shape, DType::kFloat32, "shape");
+    ASSERT_FALSE(n.ok()) << ShapeString(shape);
+    EXPECT_NE(n.status().message().find("overflows 64-bit size"),
+              std::string::npos)
+        << n.status();
+  }
 }
 
 TEST(TensorCodecTest, ShapeErrors) {
