@@ -12,11 +12,7 @@ namespace attnserve {
 Engine::Engine(const EngineOptions& options)
     : options_(options),
       cost_model_(options.initial_flops_per_second),
-      scheduler_(options.max_inflight, options.max_queue),
-      waiting_scheduler_(options.max_waiting > 0
-                             ? options.max_waiting
-                             : std::max(options.max_inflight, 4),
-                         options.max_queue) {
+      scheduler_(options.max_inflight, options.max_queue) {
   if (options.sessions == nullptr ||
       options.coalesce_wait <= absl::ZeroDuration()) {
     return;
@@ -71,25 +67,11 @@ absl::Status Engine::BusyError() const {
                    " waiting (--max_inflight, --max_queue); retry later"));
 }
 
-absl::Status Engine::WaitingBusyError() const {
-  return absl::ResourceExhaustedError(absl::StrCat(
-      "server busy: ", waiting_scheduler_.max_inflight(),
-      " calls taking up sessions held elsewhere and ",
-      waiting_scheduler_.max_queue(), " waiting (--max_queue); retry later"));
-}
-
 void Engine::Dispatch(const RequestCost& cost, absl::Time deadline,
                       const Route& route) const {
   const absl::Status admitted = Admit(cost, deadline);
   if (!admitted.ok()) {
     route.refuse(admitted);
-    return;
-  }
-  if (cost.may_wait) {
-    // Off the compute workers: a peer's hand-over may take seconds.
-    if (!waiting_scheduler_.Submit(route.queued())) {
-      route.refuse(WaitingBusyError());
-    }
     return;
   }
   // A tiny call computes in less time than a hand-over to a worker takes.

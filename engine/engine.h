@@ -38,12 +38,6 @@ struct EngineOptions {
   // worker beyond them; more are refused as busy.
   int max_inflight = 1;
   int max_queue = 0;
-  // Calls that may wait for a session held elsewhere (RequestCost::
-  // may_wait: a file, a peer's hand-over of up to seconds) run on workers
-  // of their own, at most this many at once (0: max_inflight, at least 4),
-  // with max_queue more waiting: a slow or silent peer never holds the
-  // compute workers. They compute there too, with their share of the cores.
-  int max_waiting = 0;
   // The compute rate assumed until calls have been measured.
   double initial_flops_per_second = 20e9;
   // Required: the cores calls share. Each call leases its share (no more
@@ -72,8 +66,6 @@ class Engine {
 
   const EngineOptions& options() const { return options_; }
   const Scheduler& scheduler() const { return scheduler_; }
-  // The workers of calls that may wait for a session held elsewhere.
-  const Scheduler& waiting_scheduler() const { return waiting_scheduler_; }
   const CostModel& cost_model() const { return cost_model_; }
   // Null when steps are not coalesced.
   const StepCoalescer* step_coalescer() const { return step_coalescer_.get(); }
@@ -86,8 +78,6 @@ class Engine {
   static bool IsTiny(const RequestCost& cost) { return RunsInline(cost); }
   // RESOURCE_EXHAUSTED naming --max_inflight and --max_queue.
   absl::Status BusyError() const;
-  // RESOURCE_EXHAUSTED: every worker of calls that may wait is taken.
-  absl::Status WaitingBusyError() const;
 
   // A front end's side of one dispatched call: exactly one function is
   // called, once.
@@ -153,12 +143,10 @@ class Engine {
   // shutting down; retry on another replica"; accepted calls finish.
   void StopAcceptingCalls() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
-  // Whether no admitted call is computing or waiting (for a worker, for a
-  // session held elsewhere, or in the step coalescer).
+  // Whether no admitted call is computing or waiting (for a worker or in
+  // the step coalescer).
   bool idle() const {
     return scheduler_.inflight() == 0 && scheduler_.queued() == 0 &&
-           waiting_scheduler_.inflight() == 0 &&
-           waiting_scheduler_.queued() == 0 &&
            (step_coalescer_ == nullptr || !step_coalescer_->active());
   }
   // When a call was last refused for that (absl::UnixEpoch(): never).
@@ -173,7 +161,6 @@ class Engine {
   // before it goes.
   std::unique_ptr<StepCoalescer> step_coalescer_;
   mutable Scheduler scheduler_;
-  mutable Scheduler waiting_scheduler_;
   std::atomic<bool> draining_{false};
   std::atomic<bool> not_ready_{false};
   mutable std::atomic<int64_t> last_refused_ns_{0};

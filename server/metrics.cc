@@ -201,12 +201,6 @@ std::string Metrics::Render(const ServingGauges& gauges) const {
       "\n# HELP attnserve_queued_requests Calls waiting for a worker.\n"
       "# TYPE attnserve_queued_requests gauge\nattnserve_queued_requests ",
       gauges.queued,
-      "\n# HELP attnserve_session_takeup_requests Calls that may wait for a "
-      "session held elsewhere (a file, another replica's hand-over), on "
-      "workers of their own or queued for one.\n"
-      "# TYPE attnserve_session_takeup_requests gauge\n"
-      "attnserve_session_takeup_requests ",
-      gauges.taking_up,
       "\n# HELP attnserve_models_loaded Models in the repository.\n"
       "# TYPE attnserve_models_loaded gauge\nattnserve_models_loaded ",
       gauges.models_loaded, "\n");

@@ -26,9 +26,6 @@ namespace attnserve {
 struct ServingGauges {
   int inflight = 0;
   int queued = 0;
-  // Calls taking up a session held elsewhere, on their own workers or
-  // queued for one.
-  int taking_up = 0;
   int models_loaded = 0;
   SessionStore::Stats sessions;
   // The step coalescer's passes, and the steps they ran.

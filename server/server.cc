@@ -510,8 +510,6 @@ std::string AttnServer::RenderMetrics() const {
   ServingGauges gauges;
   gauges.inflight = engine_->scheduler().inflight();
   gauges.queued = engine_->scheduler().queued();
-  gauges.taking_up = engine_->waiting_scheduler().inflight() +
-                     engine_->waiting_scheduler().queued();
   gauges.models_loaded =
       models_ != nullptr ? static_cast<int>(models_->List().size()) : 0;
   if (sessions_ != nullptr) gauges.sessions = sessions_->stats();

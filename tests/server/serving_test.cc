@@ -292,7 +292,6 @@ TEST(ServingTest, MetricsPageCountsCallsByRpcAndCode) {
            "Inf\"} 3\n",
            "attnserve_inflight_requests 0\n",
            "attnserve_queued_requests 0\n",
-           "attnserve_session_takeup_requests 0\n",
            "attnserve_models_loaded 0\n",
            "attnserve_build_info{version=\"",
            build_info.c_str(),

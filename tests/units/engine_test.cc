@@ -130,64 +130,6 @@ TEST_F(EngineTest, AFullQueueRefusesAsBusyAndDropsTheWork) {
   release.Notify();
 }
 
-// Calls that may wait for a session held elsewhere (a peer's hand-over
-// takes up to seconds) run on workers of their own: while every one of
-// those waits, the compute worker still takes calls, and one more waiting
-// call is refused as busy, naming what holds the workers.
-TEST_F(EngineTest, CallsThatMayWaitForAPeerLeaveTheComputeWorkersFree) {
-  EngineOptions options = Options(/*max_inflight=*/1, /*max_queue=*/0);
-  options.max_waiting = 2;
-  Engine engine(options);
-  RequestCost waits = CostOfFlops(kTinyFlops);
-  waits.may_wait = true;
-  absl::Notification release;
-  std::atomic<int> waiting{0};
-  for (int i = 0; i < 2; ++i) {
-    Dispatched held = Dispatch(engine, waits, absl::InfiniteFuture(), [&] {
-      ++waiting;
-      release.WaitForNotification();
-      --waiting;
-    });
-    EXPECT_FALSE(held.here) << "never on the receiving thread";
-    EXPECT_TRUE(held.asked_to_queue);
-    EXPECT_FALSE(held.was_refused) << held.refused;
-  }
-  const absl::Time until = absl::Now() + absl::Seconds(10);
-  while (waiting.load() < 2 && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  ASSERT_EQ(waiting.load(), 2);
-  EXPECT_FALSE(engine.idle());
-  EXPECT_EQ(engine.waiting_scheduler().inflight(), 2);
-  EXPECT_EQ(engine.scheduler().inflight(), 0);
-  // The compute worker is free: a large call runs, a tiny one here.
-  absl::Notification computed;
-  Dispatched large =
-      Dispatch(engine, CostOfFlops(kLargeFlops), absl::InfiniteFuture(),
-               [&] { computed.Notify(); });
-  EXPECT_FALSE(large.was_refused) << large.refused;
-  EXPECT_TRUE(computed.WaitForNotificationWithTimeout(absl::Seconds(10)));
-  while (engine.scheduler().inflight() > 0 && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(1));  // its worker lets go of its slot
-  }
-  const auto nothing = [] {};
-  EXPECT_TRUE(
-      Dispatch(engine, CostOfFlops(kTinyFlops), absl::InfiniteFuture(), nothing)
-          .here);
-  Dispatched third = Dispatch(engine, waits, absl::InfiniteFuture(),
-                              [] { ADD_FAILURE() << "ran"; });
-  ASSERT_TRUE(third.was_refused);
-  EXPECT_EQ(third.refused.code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_EQ(third.refused.message(),
-            "server busy: 2 calls taking up sessions held elsewhere and 0 "
-            "waiting (--max_queue); retry later");
-  release.Notify();
-  while (!engine.idle() && absl::Now() < until) {
-    absl::SleepFor(absl::Milliseconds(1));
-  }
-  EXPECT_TRUE(engine.idle());
-}
-
 TEST_F(EngineTest, AdmissionRefusesOverTheLimitsAndTheDeadline) {
   Engine engine(Options());
   RequestCost wide = CostOfFlops(kTinyFlops);
