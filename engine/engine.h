@@ -143,10 +143,11 @@ class Engine {
   // shutting down; retry on another replica"; accepted calls finish.
   void StopAcceptingCalls() { draining_.store(true); }
   bool draining() const { return draining_.load(); }
-  // Whether no admitted call is computing or waiting (for a worker or in
-  // the step coalescer).
+  // Whether no admitted call is computing or waiting (for a worker, for
+  // another replica outside its slot, or in the step coalescer).
   bool idle() const {
     return scheduler_.inflight() == 0 && scheduler_.queued() == 0 &&
+           scheduler_.waiting() == 0 &&
            (step_coalescer_ == nullptr || !step_coalescer_->active());
   }
   // When a call was last refused for that (absl::UnixEpoch(): never).

@@ -1,7 +1,15 @@
-// Admission control: at most `max_inflight` calls compute at once, on that
-// many worker threads; at most `max_queue` more wait for a worker; beyond
+// Admission control: at most `max_inflight` calls compute at once, on
+// worker threads (that many, and spares); at most `max_queue` more wait for
+// a worker; beyond
 // that Submit refuses at once, so the server never builds an unbounded
 // queue or stalls.
+//
+// A call that must wait for something other than compute (another
+// replica's hand-over of a session, up to seconds) steps out of its slot
+// for the wait (WaitOutsideSlot): a spare worker runs the next queued call
+// meanwhile, and the call takes a slot again, before any queued call,
+// when its wait ends. So at most max_inflight calls compute at once, and
+// a slow replica holds no compute slot.
 //
 // A call goes to the worker that went idle last: a stream of calls stays on
 // one worker, whose OpenMP team (each thread that starts parallel regions
@@ -48,8 +56,15 @@ class Scheduler {
   // small that handing them to a worker would cost more than they do.
   bool RunHereIfIdle(absl::FunctionRef<void()> work) ABSL_LOCKS_EXCLUDED(mu_);
 
+  // Runs `wait` outside the calling worker's slot (see above); on any
+  // other thread (not a worker of a scheduler, or a call run here), just
+  // runs it.
+  static void WaitOutsideSlot(absl::FunctionRef<void()> wait);
+
   int inflight() const ABSL_LOCKS_EXCLUDED(mu_);
   int queued() const ABSL_LOCKS_EXCLUDED(mu_);
+  // Calls waiting outside their slots, or for a slot again.
+  int waiting() const ABSL_LOCKS_EXCLUDED(mu_);
   int max_inflight() const { return max_inflight_; }
   int max_queue() const { return max_queue_; }
 
@@ -66,6 +81,9 @@ class Scheduler {
   void ReleaseSlot() ABSL_LOCKS_EXCLUDED(mu_);
   // Wakes the worker that went idle last, if any is idle.
   void WakeIdleWorker() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // A slot freed: to a call waiting to take one again first, else to a
+  // queued call.
+  void HandOverSlot() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const int max_inflight_;
   const int max_queue_;
@@ -74,6 +92,11 @@ class Scheduler {
   std::vector<IdleWorker*> idle_ ABSL_GUARDED_BY(mu_);
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   int inflight_ ABSL_GUARDED_BY(mu_) = 0;
+  // Calls out of their slots (WaitOutsideSlot), and those of them waiting
+  // for a slot again, whom slot_free_ wakes.
+  int outside_ ABSL_GUARDED_BY(mu_) = 0;
+  int returning_ ABSL_GUARDED_BY(mu_) = 0;
+  CondVar slot_free_;
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::vector<std::thread> workers_;
 };

@@ -23,6 +23,7 @@
 #include "core/status_macros.h"
 #include "core/thread_budget.h"
 #include "core/verify.h"
+#include "engine/scheduler.h"
 #include "google/protobuf/stubs/logging.h"
 #include "grpc/grpc.h"
 #include "grpcpp/create_channel.h"
@@ -368,7 +369,11 @@ absl::Status AttnServer::StartSessions(const ServerOptions& options) {
       auto channels = std::make_shared<PeerChannels>(std::move(peers));
       sessions.reclaim = [channels, token](absl::string_view id,
                                            absl::string_view holder) {
-        return AskToHandOver(id, holder, *channels, token);
+        // Up to the hand-over's deadline: outside the compute slot.
+        absl::Status asked;
+        Scheduler::WaitOutsideSlot(
+            [&] { asked = AskToHandOver(id, holder, *channels, token); });
+        return asked;
       };
     }
     // A model session's layer, for sessions taken from files or imports.

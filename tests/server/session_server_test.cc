@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -2048,9 +2049,10 @@ TEST_F(DurableSessionTest, AnExportCutShortResumesOnAnotherReplica) {
 
 // Sessions whose holder record names a replica that never answers (a lost
 // node: here a socket that takes connections and says nothing): the first
-// step waits for the hand-over's deadline, then the replica is taken for
-// down, and the next session it held is not asked of it again (each would
-// have held a worker for the whole deadline).
+// step waits for the hand-over's deadline outside its compute slot (the one
+// slot serves other calls meanwhile), then the replica is taken for down,
+// and the next session it held is not asked of it again (each would have
+// waited for the whole deadline).
 TEST_F(DurableSessionTest, AReplicaThatNeverAnswersIsAskedOnceAWhile) {
   const int silent = ::socket(AF_INET, SOCK_STREAM, 0);
   sockaddr_in address{};
@@ -2065,20 +2067,36 @@ TEST_F(DurableSessionTest, AReplicaThatNeverAnswersIsAskedOnceAWhile) {
       ::getsockname(silent, reinterpret_cast<sockaddr*>(&address), &length), 0);
   const std::string holder =
       absl::StrCat("127.0.0.1:", ntohs(address.sin_port));
-  TestServer server(WithDirectory());
+  // One compute slot: the wait for the silent replica does not hold it.
+  ServerOptions options = WithDirectory();
+  options.max_inflight = 1;
+  TestServer server(options);
   AttnClient client = server.MakeClient();
   const std::vector<std::string> ids = {"5110e47a", "5110e47b"};
   for (const std::string& id : ids) {
     std::ofstream(dir_ / (id + ".held")) << holder;
   }
   std::vector<absl::Duration> took;
+  std::atomic<bool> first_answered{false};
+  std::thread computes([&] {
+    absl::SleepFor(absl::Milliseconds(300));
+    std::mt19937 rng(5);
+    Tensor x = RandomTensor(DType::kFloat32, {512, 1024}, rng);
+    v1::LayerNormRequest request;
+    *request.mutable_input() = ToWire(x.view());
+    auto answer = server.MakeClient().LayerNorm(request);
+    EXPECT_TRUE(answer.ok()) << answer.status();
+    EXPECT_FALSE(first_answered.load()) << "computed only after the wait";
+  });
   for (const std::string& id : ids) {
     const absl::Time start = absl::Now();
     const auto step = client.SessionStep(NextStep(id, false, 1, 1));
     took.push_back(absl::Now() - start);
+    first_answered = true;
     EXPECT_EQ(step.status().code(), absl::StatusCode::kNotFound)
         << step.status();
   }
+  computes.join();
   ::close(silent);
   EXPECT_GE(took[0], absl::Seconds(4)) << "the hand-over's deadline is 5 s";
   EXPECT_LT(took[1], absl::Seconds(2)) << "asked the silent replica again";

@@ -110,6 +110,64 @@ TEST(ConcurrencyTest, SchedulerRunsEverythingItAccepts) {
   EXPECT_GT(ran.load(), 0);
 }
 
+// A call waiting outside its slot (for another replica) lets the next
+// queued call compute; it takes a slot again when its wait ends, before
+// calls queued meanwhile, and no more than max_inflight ever compute.
+TEST(ConcurrencyTest, CallsWaitingOutsideTheirSlotsLetOthersCompute) {
+  std::atomic<int> computing{0}, most{0};
+  const auto compute = [&] {
+    const int now = ++computing;
+    int seen = most.load();
+    while (now > seen && !most.compare_exchange_weak(seen, now)) {
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+    --computing;
+  };
+  std::atomic<bool> release{false}, waited{false}, second_ran{false};
+  std::atomic<int> finished{0};
+  {
+    Scheduler scheduler(/*max_inflight=*/1, /*max_queue=*/32);
+    ASSERT_TRUE(scheduler.Submit([&] {
+      compute();
+      Scheduler::WaitOutsideSlot([&] {
+        while (!release.load()) std::this_thread::yield();
+      });
+      waited = true;
+      EXPECT_TRUE(second_ran.load()) << "the next call ran during the wait";
+      compute();
+      ++finished;
+    }));
+    ASSERT_TRUE(scheduler.Submit([&] {
+      EXPECT_FALSE(waited.load());
+      compute();
+      second_ran = true;
+      ++finished;
+    }));
+    const auto until =
+        std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while ((!second_ran.load() || scheduler.inflight() > 0) &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::yield();
+    }
+    EXPECT_TRUE(second_ran.load());
+    EXPECT_EQ(scheduler.waiting(), 1);
+    EXPECT_EQ(scheduler.inflight(), 0);
+    // Off a worker, the wait is just run.
+    bool ran_here = false;
+    Scheduler::WaitOutsideSlot([&] { ran_here = true; });
+    EXPECT_TRUE(ran_here);
+    for (int i = 0; i < 20; ++i) {
+      ASSERT_TRUE(scheduler.Submit([&] {
+        compute();
+        ++finished;
+      }));
+    }
+    release = true;
+  }
+  EXPECT_EQ(finished.load(), 22);
+  EXPECT_EQ(most.load(), 1);
+}
+
 TEST(ConcurrencyTest, CallsRunInPlaceNeverExceedMaxInflight) {
   std::atomic<int> computing{0}, most{0}, ran{0}, in_place{0};
   const auto work = [&] {
