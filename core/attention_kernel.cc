@@ -172,16 +172,27 @@ struct Block {
 
 // Per-thread buffers, sized once per call.
 struct ThreadBuffers {
-  std::unique_ptr<float[]> logits;         // kQueryBlock x kKeyBlock
-  std::unique_ptr<uint16_t[]> probs_bf16;  // bf16 P: logits' size, or a
-                                           // kQueryBlock x key_len slab
-  std::unique_ptr<float[]> acc;            // kQueryBlock x value_dim
+  std::unique_ptr<float[]> logits;  // kQueryBlock x kKeyBlock
+  // Narrowed bf16 P (NarrowsProbabilities): logits' size, or a
+  // kQueryBlock x key_len slab.
+  std::unique_ptr<uint16_t[]> probs_bf16;
+  std::unique_ptr<float[]> acc;  // kQueryBlock x value_dim
   std::unique_ptr<float[]> row_max;
   std::unique_ptr<float[]> row_sum;
   // A value tile with its non-finite elements zeroed, made when first
   // needed (ValueMode::kExcludeValues).
   std::unique_ptr<char[]> finite_values;
 };
+
+// Whether bfloat16 probabilities are narrowed into ThreadBuffers::
+// probs_bf16: always with weights (WeightsBlock); without, only for bf16
+// products. Where those run in float32 (!NativeBf16Matmul()), the
+// probabilities stay in the logits, rounded to bfloat16 values: the same
+// products, without narrowing and widening each tile.
+bool NarrowsProbabilities(const AttentionProblem& p) {
+  return p.operand_dtype == DType::kBFloat16 &&
+         (p.weights != nullptr || NativeBf16Matmul());
+}
 
 // Keys a query block can see: all of them, or up to its last query when
 // causal.
@@ -436,11 +447,7 @@ absl::Status FlashAccumulate(const AttentionProblem& p, const RowOps& ops,
                              ThreadBuffers& buf, ValueMode mode) {
   const BlockOperands in = OperandsOf(p, blk);
   const bool bf16 = p.operand_dtype == DType::kBFloat16;
-  // Bfloat16 probabilities are narrowed for bf16 products; where those run
-  // in float32 (!NativeBf16Matmul()), they stay in the logits, rounded to
-  // bfloat16 values: the same products, without narrowing and widening
-  // each tile.
-  const bool narrow = bf16 && NativeBf16Matmul();
+  const bool narrow = NarrowsProbabilities(p);
   const int64_t dv = p.value_dim;
   float* logits = buf.logits.get();
   float* acc = buf.acc.get();
@@ -679,7 +686,7 @@ absl::Status RunTiled(const AttentionProblem& p) {
     TileGemms gemms;
     ThreadBuffers buf;
     const int64_t dv = std::max<int64_t>(p.value_dim, 1);
-    const bool bf16 = p.operand_dtype == DType::kBFloat16;
+    const bool narrow = NarrowsProbabilities(p);
     const int64_t probs_cols =
         p.weights != nullptr ? std::max<int64_t>(p.key_len, 1) : kKeyBlock;
     buf.acc.reset(new (std::nothrow) float[kQueryBlock * dv]);
@@ -688,12 +695,12 @@ absl::Status RunTiled(const AttentionProblem& p) {
     if (p.weights == nullptr) {
       buf.logits.reset(new (std::nothrow) float[kQueryBlock * kKeyBlock]);
     }
-    if (bf16) {
+    if (narrow) {
       buf.probs_bf16.reset(new (std::nothrow)
                                uint16_t[kQueryBlock * probs_cols]);
     }
     if (!buf.acc || !buf.row_max || !buf.row_sum ||
-        (p.weights == nullptr && !buf.logits) || (bf16 && !buf.probs_bf16)) {
+        (p.weights == nullptr && !buf.logits) || (narrow && !buf.probs_bf16)) {
       shared.Update(absl::ResourceExhaustedError(
           "attention: out of memory for per-thread buffers"));
     }
