@@ -92,6 +92,26 @@ TEST(ConcurrencyTest, BufferPoolHandsOutDistinctBuffers) {
   EXPECT_LE(pool.cached_bytes(), size_t{64} << 20);
 }
 
+// Calls that compute for `time` each, counted: how many compute at once
+// at most.
+class ComputeMeter {
+ public:
+  explicit ComputeMeter(std::chrono::microseconds time) : time_(time) {}
+  void Compute() {
+    const int now = ++computing_;
+    int seen = most_.load();
+    while (now > seen && !most_.compare_exchange_weak(seen, now)) {
+    }
+    std::this_thread::sleep_for(time_);
+    --computing_;
+  }
+  int most() const { return most_.load(); }
+
+ private:
+  const std::chrono::microseconds time_;
+  std::atomic<int> computing_{0}, most_{0};
+};
+
 TEST(ConcurrencyTest, SchedulerRunsEverythingItAccepts) {
   std::atomic<int> ran{0}, refused{0};
   {
@@ -114,15 +134,8 @@ TEST(ConcurrencyTest, SchedulerRunsEverythingItAccepts) {
 // queued call compute; it takes a slot again when its wait ends, before
 // calls queued meanwhile, and no more than max_inflight ever compute.
 TEST(ConcurrencyTest, CallsWaitingOutsideTheirSlotsLetOthersCompute) {
-  std::atomic<int> computing{0}, most{0};
-  const auto compute = [&] {
-    const int now = ++computing;
-    int seen = most.load();
-    while (now > seen && !most.compare_exchange_weak(seen, now)) {
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(500));
-    --computing;
-  };
+  ComputeMeter meter(std::chrono::microseconds(500));
+  const auto compute = [&meter] { meter.Compute(); };
   std::atomic<bool> release{false}, waited{false}, second_ran{false};
   std::atomic<int> finished{0};
   {
@@ -165,18 +178,14 @@ TEST(ConcurrencyTest, CallsWaitingOutsideTheirSlotsLetOthersCompute) {
     release = true;
   }
   EXPECT_EQ(finished.load(), 22);
-  EXPECT_EQ(most.load(), 1);
+  EXPECT_EQ(meter.most(), 1);
 }
 
 TEST(ConcurrencyTest, CallsRunInPlaceNeverExceedMaxInflight) {
-  std::atomic<int> computing{0}, most{0}, ran{0}, in_place{0};
+  ComputeMeter meter(std::chrono::microseconds(200));
+  std::atomic<int> ran{0}, in_place{0};
   const auto work = [&] {
-    const int now = ++computing;
-    int seen = most.load();
-    while (now > seen && !most.compare_exchange_weak(seen, now)) {
-    }
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
-    --computing;
+    meter.Compute();
     ++ran;
   };
   {
@@ -197,7 +206,7 @@ TEST(ConcurrencyTest, CallsRunInPlaceNeverExceedMaxInflight) {
   }
   EXPECT_EQ(ran.load(), 200);
   EXPECT_GT(in_place.load(), 0);
-  EXPECT_LE(most.load(), 2);
+  EXPECT_LE(meter.most(), 2);
 }
 
 TEST(ConcurrencyTest, MessagePoolReusesClearedMessagesWithinItsBounds) {
