@@ -953,9 +953,7 @@ void SessionStore::RemoveJournals(
   for (const std::shared_ptr<Slot>& slot : freed) {
     if (!slot->drop_journal) continue;
     MutexLock journal_lock(&slot->journal_mu);
-    if (slot->journal != nullptr) slot->journal->Remove();
-    slot->journal.reset();
-    slot->journal_off = true;
+    EndJournal(*slot);
   }
 }
 
@@ -1124,9 +1122,7 @@ absl::Status SessionStore::SaveSlot(const std::string& id, Slot& slot,
       id, *slot.session, !slot.unconfirmed.empty(), file_version));
   // The file holds it all now; a journal would only be a stale copy.
   MutexLock journal_lock(&slot.journal_mu);
-  if (slot.journal != nullptr) slot.journal->Remove();
-  slot.journal.reset();
-  slot.journal_off = true;
+  EndJournal(slot);
   return absl::OkStatus();
 }
 
@@ -1425,10 +1421,14 @@ absl::Status SessionStore::AppendBlocks(Slot& slot, SessionJournal& journal) {
   return absl::OkStatus();
 }
 
-void SessionStore::DropJournal(Slot& slot) {
+void SessionStore::EndJournal(Slot& slot) {
   if (slot.journal != nullptr) slot.journal->Remove();
   slot.journal.reset();
   slot.journal_off = true;
+}
+
+void SessionStore::DropJournal(Slot& slot) {
+  EndJournal(slot);
   MutexLock lock(&mu_);
   ++counts_.journal_failures;
 }

@@ -518,6 +518,9 @@ class SessionStore {
   // otherwise its header only, the blocks to follow), published.
   absl::Status StartJournal(Slot& slot, bool with_blocks)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.step_mu, slot.journal_mu);
+  // The slot's journal file goes and it journals no more.
+  void EndJournal(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.journal_mu);
+  // EndJournal after a failed write, counted.
   void DropJournal(Slot& slot) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.journal_mu);
   // The journals of `freed` slots of deleted or expired sessions go.
   void RemoveJournals(const std::vector<std::shared_ptr<Slot>>& freed)
